@@ -1,0 +1,239 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+
+class InitializerSpec(_message.Message):
+    __slots__ = ("kind", "low", "high", "mean", "std", "value")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[InitializerSpec.Kind]
+        UNIFORM: _ClassVar[InitializerSpec.Kind]
+        NORMAL: _ClassVar[InitializerSpec.Kind]
+        ZEROS: _ClassVar[InitializerSpec.Kind]
+        CONSTANT: _ClassVar[InitializerSpec.Kind]
+    KIND_UNSPECIFIED: InitializerSpec.Kind
+    UNIFORM: InitializerSpec.Kind
+    NORMAL: InitializerSpec.Kind
+    ZEROS: InitializerSpec.Kind
+    CONSTANT: InitializerSpec.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LOW_FIELD_NUMBER: _ClassVar[int]
+    HIGH_FIELD_NUMBER: _ClassVar[int]
+    MEAN_FIELD_NUMBER: _ClassVar[int]
+    STD_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    kind: InitializerSpec.Kind
+    low: float
+    high: float
+    mean: float
+    std: float
+    value: float
+    def __init__(self, kind: _Optional[_Union[InitializerSpec.Kind, str]] = ..., low: _Optional[float] = ..., high: _Optional[float] = ..., mean: _Optional[float] = ..., std: _Optional[float] = ..., value: _Optional[float] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("kind", "lr", "weight_decay", "eps", "initial_accumulator_value", "beta1", "beta2", "l1", "l2", "lr_power", "beta")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[OptimizerSpec.Kind]
+        SGD: _ClassVar[OptimizerSpec.Kind]
+        ADAGRAD: _ClassVar[OptimizerSpec.Kind]
+        ADAM: _ClassVar[OptimizerSpec.Kind]
+        FTRL: _ClassVar[OptimizerSpec.Kind]
+    KIND_UNSPECIFIED: OptimizerSpec.Kind
+    SGD: OptimizerSpec.Kind
+    ADAGRAD: OptimizerSpec.Kind
+    ADAM: OptimizerSpec.Kind
+    FTRL: OptimizerSpec.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    INITIAL_ACCUMULATOR_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    L1_FIELD_NUMBER: _ClassVar[int]
+    L2_FIELD_NUMBER: _ClassVar[int]
+    LR_POWER_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    kind: OptimizerSpec.Kind
+    lr: float
+    weight_decay: float
+    eps: float
+    initial_accumulator_value: float
+    beta1: float
+    beta2: float
+    l1: float
+    l2: float
+    lr_power: float
+    beta: float
+    def __init__(self, kind: _Optional[_Union[OptimizerSpec.Kind, str]] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., eps: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., l1: _Optional[float] = ..., l2: _Optional[float] = ..., lr_power: _Optional[float] = ..., beta: _Optional[float] = ...) -> None: ...
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "dim", "dtype", "initializer", "optimizer", "seed")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    dtype: DType
+    initializer: InitializerSpec
+    optimizer: OptimizerSpec
+    seed: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class CreateTableRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ...) -> None: ...
+
+class CreateTableResponse(_message.Message):
+    __slots__ = ("created", "spec")
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    spec: TableSpec
+    def __init__(self, created: _Optional[bool] = ..., spec: _Optional[_Union[TableSpec, _Mapping]] = ...) -> None: ...
+
+class ListTablesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTablesResponse(_message.Message):
+    __slots__ = ("tables", "shard", "num_shards")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    shard: int
+    num_shards: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class LookupEntry(_message.Message):
+    __slots__ = ("table", "keys", "dtype")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: bytes
+    dtype: DType
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("entries", "num_shards", "shard")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[LookupEntry]
+    num_shards: int
+    shard: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[LookupEntry, _Mapping]]] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class LookupResult(_message.Message):
+    __slots__ = ("table", "rows", "dtype", "dim")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    rows: bytes
+    dtype: DType
+    dim: int
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[LookupResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[LookupResult, _Mapping]]] = ...) -> None: ...
+
+class PushEntry(_message.Message):
+    __slots__ = ("table", "keys", "grads", "dtype")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: bytes
+    grads: bytes
+    dtype: DType
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("entries", "num_shards", "client_id", "seq", "shard")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[PushEntry]
+    num_shards: int
+    client_id: str
+    seq: int
+    shard: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[PushEntry, _Mapping]]] = ..., num_shards: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("applied", "rows_updated")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_UPDATED_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    rows_updated: int
+    def __init__(self, applied: _Optional[bool] = ..., rows_updated: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TableStats(_message.Message):
+    __slots__ = ("name", "dim", "rows", "memory_bytes", "lookups", "pushes", "rows_created")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_CREATED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    rows: int
+    memory_bytes: int
+    lookups: int
+    pushes: int
+    rows_created: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_created: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("shard", "num_shards", "mode", "uptime_s", "tables", "duplicate_pushes")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    num_shards: int
+    mode: str
+    uptime_s: float
+    tables: _containers.RepeatedCompositeFieldContainer[TableStats]
+    duplicate_pushes: int
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,424 @@
+"""Keys and rows <-> raw little-endian ``bytes`` fields, without copies where possible.
+
+Keys are int64, rows are ``[n, dim]`` arrays travelling as float32 (default), float16
+or bfloat16. Decoding float32 and keys is zero-copy: the returned arrays are read-only
+views of the message's ``bytes`` and keep it alive. Every decode validates lengths and
+raises ``WireFormatError`` naming the field, e.g.
+``entries[0].keys: 12 bytes is not a multiple of 8``.
+
+Example:
+    >>> keys = decode_keys(encode_keys(np.array([7, -1])), "keys")
+    >>> keys.tolist()
+    [7, -1]
+    >>> decode_rows(encode_rows(np.ones((2, 3), np.float32), FLOAT16), 2, 3, FLOAT16, "rows").sum()
+    np.float32(6.0)
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from protos import ps_pb2 as pb
+
+__all__ = [
+    "BFLOAT16",
+    "FLOAT16",
+    "FLOAT32",
+    "LookupResponseWriter",
+    "LookupResultView",
+    "PushEntryView",
+    "PushRequestView",
+    "WireFormatError",
+    "alloc_bytes",
+    "decode_lookup_response",
+    "decode_push_request",
+    "encode_push_request",
+    "decode_keys",
+    "decode_rows",
+    "dtype_itemsize",
+    "dtype_name",
+    "encode_keys",
+    "encode_rows",
+    "rows_to_dtype",
+]
+
+FLOAT32: int = pb.FLOAT32
+FLOAT16: int = pb.FLOAT16
+BFLOAT16: int = pb.BFLOAT16
+
+_ITEMSIZE: dict[int, int] = {pb.DTYPE_UNSPECIFIED: 4, pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
+_F32 = np.dtype("<f4")
+_F16 = np.dtype("<f2")
+_U16 = np.dtype("<u2")
+_I64 = np.dtype("<i8")
+
+
+class WireFormatError(ValueError):
+    """A field's bytes cannot be decoded; the message names the field."""
+
+
+def dtype_itemsize(dtype: int, field: str = "dtype") -> int:
+    """Bytes per value of a wire ``DType``; raises ``WireFormatError`` for unknown values."""
+    try:
+        return _ITEMSIZE[dtype]
+    except KeyError:
+        raise WireFormatError(f"{field}: unknown dtype {dtype}, expected one of FLOAT32, FLOAT16, BFLOAT16") from None
+
+
+def dtype_name(dtype: int) -> str:
+    """``"FLOAT32"`` etc. for a wire ``DType`` (unspecified reads as FLOAT32)."""
+    return pb.DType.Name(dtype or pb.FLOAT32)
+
+
+def encode_keys(keys: npt.ArrayLike) -> bytes:
+    """Little-endian int64 bytes of a 1-D integer array (one copy)."""
+    arr = np.asarray(keys)
+    if arr.ndim != 1:
+        raise ValueError(f"keys: shape {arr.shape}, expected 1-D")
+    if arr.dtype.kind not in "iu" and arr.size:
+        raise TypeError(f"keys: dtype {arr.dtype}, expected an integer dtype")
+    return np.ascontiguousarray(arr, dtype=_I64).tobytes()
+
+
+def decode_keys(buf: bytes | memoryview, field: str) -> npt.NDArray[np.int64]:
+    """Read-only int64 view of ``buf``; raises ``WireFormatError`` naming ``field``."""
+    if len(buf) % 8:
+        raise WireFormatError(f"{field}: {len(buf)} bytes is not a multiple of 8 (int64 keys)")
+    return np.frombuffer(buf, dtype=_I64)
+
+
+def _float32_to_bfloat16(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
+    # Round to nearest even on the upper 16 bits; NaN stays NaN (quiet bit forced).
+    bits = np.ascontiguousarray(rows, dtype=_F32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    out = (rounded >> np.uint32(16)).astype(_U16)
+    nan = np.isnan(rows)
+    if nan.any():
+        out[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(_U16)
+    return out
+
+
+def rows_to_dtype(rows: npt.NDArray[np.float32], dtype: int) -> npt.NDArray[np.generic]:
+    """``rows`` converted to the numpy array type that carries wire ``dtype`` (uint16 for bfloat16)."""
+    dtype_itemsize(dtype)
+    if dtype in (pb.FLOAT32, pb.DTYPE_UNSPECIFIED):
+        return np.asarray(rows, dtype=_F32)
+    if dtype == pb.FLOAT16:
+        return np.asarray(rows, dtype=_F16)
+    return _float32_to_bfloat16(np.asarray(rows, dtype=_F32))
+
+
+def encode_rows(rows: npt.ArrayLike, dtype: int = FLOAT32) -> bytes:
+    """Bytes of a ``[n, dim]`` float array in wire ``dtype`` (one copy, plus a conversion for 16-bit types)."""
+    arr = np.asarray(rows)
+    if arr.ndim != 2:
+        raise ValueError(f"rows: shape {arr.shape}, expected [n, dim]")
+    dtype_itemsize(dtype)
+    if dtype in (pb.FLOAT32, pb.DTYPE_UNSPECIFIED):
+        return np.ascontiguousarray(arr, dtype=_F32).tobytes()
+    if dtype == pb.FLOAT16:
+        return np.ascontiguousarray(arr, dtype=_F16).tobytes()
+    return _float32_to_bfloat16(arr.astype(_F32, copy=False)).tobytes()
+
+
+def decode_rows(buf: bytes | memoryview, n: int, dim: int, dtype: int, field: str) -> npt.NDArray[np.float32]:
+    """``[n, dim]`` float32 rows from ``buf`` in wire ``dtype``.
+
+    float32 is a read-only zero-copy view; 16-bit types are converted into a new array.
+    Raises ``WireFormatError`` naming ``field`` when the length does not match.
+    """
+    size = dtype_itemsize(dtype, f"{field} dtype")
+    expected = n * dim * size
+    if len(buf) != expected:
+        raise WireFormatError(
+            f"{field}: {len(buf)} bytes, expected {expected} ({n} keys x dim {dim} x {size} bytes {dtype_name(dtype)})"
+        )
+    if dtype in (pb.FLOAT32, pb.DTYPE_UNSPECIFIED):
+        return np.frombuffer(buf, dtype=_F32).reshape(n, dim)
+    if dtype == pb.FLOAT16:
+        return np.frombuffer(buf, dtype=_F16).astype(np.float32).reshape(n, dim)
+    bits = np.frombuffer(buf, dtype=_U16).astype(np.uint32) << np.uint32(16)
+    return bits.view(np.float32).reshape(n, dim)
+
+
+# --- Hand-rolled codecs for the two messages that carry rows -------------------------
+#
+# LookupResponse and PushRequest carry megabytes of rows. Going through protobuf
+# objects costs two to three extra copies of that payload (build the message, read
+# the field back, serialize), which is as much time as the transport itself. These
+# functions read and write exactly the protobuf encoding of those messages (fields
+# in number order, zero values omitted, as protobuf serializes them) so that rows go
+# straight between numpy arrays and the gRPC buffer. Any protobuf implementation
+# reads what they write, and they read any valid encoding (any field order, unknown
+# fields skipped). tests/unit/test_wire.py checks both directions against protobuf.
+
+_PyBytes_FromStringAndSize = ctypes.pythonapi.PyBytes_FromStringAndSize
+_PyBytes_FromStringAndSize.restype = ctypes.py_object
+_PyBytes_FromStringAndSize.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+_PyBytes_AsString = ctypes.pythonapi.PyBytes_AsString
+_PyBytes_AsString.restype = ctypes.c_void_p
+_PyBytes_AsString.argtypes = [ctypes.py_object]
+
+
+def alloc_bytes(size: int) -> tuple[bytes, npt.NDArray[np.uint8]]:
+    """A new ``bytes`` of ``size`` uninitialised bytes and a writable uint8 view of it.
+
+    gRPC sends only ``bytes``; filling a fresh ``bytes`` in place (what C code does
+    with ``PyBytes_FromStringAndSize(NULL, n)``) saves copying a finished buffer into
+    one. Contract: write every byte through the view before the ``bytes`` object is
+    shared, hashed or returned, and never write afterwards. The view does not keep the
+    ``bytes`` alive: hold on to both.
+    """
+    if size <= 1:
+        # CPython shares the 0-byte object; 1-byte messages are not worth the trick.
+        buf = bytearray(size)
+        return bytes(buf), np.frombuffer(buf, dtype=np.uint8)
+    data = _PyBytes_FromStringAndSize(None, size)
+    view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(_PyBytes_AsString(data)))
+    return data, view
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _len_field(field_no: int, payload_len: int) -> bytes:
+    return _varint(field_no << 3 | 2) + _varint(payload_len)
+
+
+def _str_field(field_no: int, value: str | bytes) -> bytes:
+    raw = value.encode("utf-8") if isinstance(value, str) else value
+    return _len_field(field_no, len(raw)) + raw if raw else b""
+
+
+def _int_field(field_no: int, value: int) -> bytes:
+    return _varint(field_no << 3) + _varint(value) if value else b""
+
+
+def _read_varint(buf: bytes, pos: int, end: int, field: str) -> tuple[int, int]:
+    result, shift = 0, 0
+    while True:
+        if pos >= end or shift > 63:
+            raise WireFormatError(f"{field}: truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result & ((1 << 64) - 1), pos
+        shift += 7
+
+
+def _fields(buf: bytes, start: int, end: int, field: str) -> Iterator[tuple[int, int, int, int]]:
+    """Yield ``(field_no, wire_type, a, b)``: varints as ``(value, 0)``, LEN as ``(start, end)``."""
+    pos = start
+    while pos < end:
+        tag, pos = _read_varint(buf, pos, end, field)
+        field_no, wire_type = tag >> 3, tag & 7
+        if field_no == 0:
+            raise WireFormatError(f"{field}: field number 0")
+        if wire_type == 0:
+            value, pos = _read_varint(buf, pos, end, field)
+            yield field_no, 0, value, 0
+        elif wire_type == 2:
+            length, pos = _read_varint(buf, pos, end, field)
+            if pos + length > end:
+                raise WireFormatError(f"{field}: field {field_no} runs past the end of the message")
+            yield field_no, 2, pos, pos + length
+            pos += length
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+            if pos > end:
+                raise WireFormatError(f"{field}: truncated fixed-width field {field_no}")
+        else:
+            raise WireFormatError(f"{field}: unsupported wire type {wire_type} for field {field_no}")
+
+
+def _text(buf: bytes, start: int, end: int, field: str) -> str:
+    try:
+        return buf[start:end].decode("utf-8")
+    except UnicodeDecodeError:
+        raise WireFormatError(f"{field}: not valid UTF-8") from None
+
+
+@dataclass(frozen=True)
+class LookupResultView:
+    """One decoded ``LookupResult``; ``rows`` is a read-only view into the message bytes."""
+
+    table: str
+    rows: memoryview
+    dtype: int
+    dim: int
+
+
+class LookupResponseWriter:
+    """Builds a ``LookupResponse`` in one buffer that the rows are gathered into.
+
+    Give it, per result, ``(table, num_keys, dim, dtype)``; fill ``rows(i)`` (a writable
+    ``[num_keys, dim]`` array of the wire dtype) for every result, then send
+    ``finish()``. Not thread-safe; one writer per response.
+
+    Example:
+        >>> w = LookupResponseWriter([("t", 2, 3, FLOAT32)])
+        >>> w.rows(0)[:] = 1.0
+        >>> pb.LookupResponse.FromString(w.finish()).results[0].dim
+        3
+    """
+
+    def __init__(self, results: Sequence[tuple[str, int, int, int]]) -> None:
+        parts: list[tuple[bytes, int, int, bytes]] = []
+        total = 0
+        for table, n, dim, dtype in results:
+            size = n * dim * dtype_itemsize(dtype)
+            head = _str_field(1, table) + (_len_field(2, size) if size else b"")
+            tail = _int_field(3, dtype) + _int_field(4, dim)
+            body = len(head) + size + len(tail)
+            head = _len_field(1, body) + head
+            parts.append((head, size, dim, tail))
+            total += len(head) + size + len(tail)
+        self._data, buf = alloc_bytes(total)
+        self._rows: list[npt.NDArray[np.uint8]] = []
+        self._shapes: list[tuple[int, int, int]] = []
+        pos = 0
+        for (head, size, dim, tail), (_, n, _, dtype) in zip(parts, results):
+            buf[pos : pos + len(head)] = np.frombuffer(head, dtype=np.uint8)
+            pos += len(head)
+            self._rows.append(buf[pos : pos + size])
+            self._shapes.append((n, dim, dtype))
+            pos += size
+            buf[pos : pos + len(tail)] = np.frombuffer(tail, dtype=np.uint8)
+            pos += len(tail)
+
+    def rows(self, i: int) -> npt.NDArray[np.generic]:
+        """Writable ``[num_keys, dim]`` array for result ``i`` in its wire dtype (uint16 for bfloat16)."""
+        n, dim, dtype = self._shapes[i]
+        np_dtype: np.dtype[np.generic] = _F16 if dtype == pb.FLOAT16 else _U16 if dtype == pb.BFLOAT16 else _F32
+        out: npt.NDArray[np.generic] = self._rows[i].view(np_dtype).reshape(n, dim)
+        return out
+
+    def finish(self) -> bytes:
+        """The encoded message; the writer must not be used afterwards."""
+        self._rows.clear()
+        return self._data
+
+
+def decode_lookup_response(data: bytes) -> list[LookupResultView]:
+    """Parse ``LookupResponse`` bytes without copying the rows."""
+    view = memoryview(data)
+    results = []
+    for i, (field_no, wire_type, a, b) in enumerate(_fields(data, 0, len(data), "LookupResponse")):
+        if field_no != 1 or wire_type != 2:
+            continue
+        name = f"results[{i}]"
+        table, rows, dtype, dim = "", view[0:0], 0, 0
+        for f, wt, x, y in _fields(data, a, b, name):
+            if f == 1 and wt == 2:
+                table = _text(data, x, y, f"{name}.table")
+            elif f == 2 and wt == 2:
+                rows = view[x:y]
+            elif f == 3 and wt == 0:
+                dtype = x
+            elif f == 4 and wt == 0:
+                dim = x
+        results.append(LookupResultView(table, rows, dtype, dim))
+    return results
+
+
+@dataclass(frozen=True)
+class PushEntryView:
+    """One decoded ``PushEntry``; ``keys`` and ``grads`` are views into the message bytes."""
+
+    table: str
+    keys: memoryview
+    grads: memoryview
+    dtype: int
+
+
+@dataclass(frozen=True)
+class PushRequestView:
+    """A decoded ``PushRequest``."""
+
+    entries: list[PushEntryView]
+    num_shards: int
+    client_id: str
+    seq: int
+    shard: int | None
+
+
+def decode_push_request(data: bytes) -> PushRequestView:
+    """Parse ``PushRequest`` bytes without copying keys or gradients."""
+    view = memoryview(data)
+    entries: list[PushEntryView] = []
+    num_shards, client_id, seq = 0, "", 0
+    shard: int | None = None
+    for field_no, wire_type, a, b in _fields(data, 0, len(data), "PushRequest"):
+        if field_no == 1 and wire_type == 2:
+            name = f"entries[{len(entries)}]"
+            table, keys, grads, dtype = "", view[0:0], view[0:0], 0
+            for f, wt, x, y in _fields(data, a, b, name):
+                if f == 1 and wt == 2:
+                    table = _text(data, x, y, f"{name}.table")
+                elif f == 2 and wt == 2:
+                    keys = view[x:y]
+                elif f == 3 and wt == 2:
+                    grads = view[x:y]
+                elif f == 4 and wt == 0:
+                    dtype = x
+            entries.append(PushEntryView(table, keys, grads, dtype))
+        elif field_no == 2 and wire_type == 0:
+            num_shards = a
+        elif field_no == 3 and wire_type == 2:
+            client_id = _text(data, a, b, "client_id")
+        elif field_no == 4 and wire_type == 0:
+            seq = a
+        elif field_no == 5 and wire_type == 0:
+            shard = a
+    return PushRequestView(entries, num_shards, client_id, seq, shard)
+
+
+def encode_push_request(
+    entries: Sequence[tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float32], int]],
+    num_shards: int,
+    client_id: str,
+    seq: int,
+    shard: int | None = None,
+) -> bytes:
+    """``PushRequest`` bytes from ``(table, keys, grads, dtype)`` entries, one copy of the payload.
+
+    ``grads`` are float32 ``[n, dim]`` and are converted to ``dtype`` on the way.
+    """
+    pieces: list[bytes | npt.NDArray[np.generic]] = []
+    for table, keys, grads, dtype in entries:
+        k = np.ascontiguousarray(keys, dtype=_I64)
+        if dtype in (pb.FLOAT32, pb.DTYPE_UNSPECIFIED):
+            g: npt.NDArray[np.generic] = np.ascontiguousarray(grads, dtype=_F32)
+        elif dtype == pb.FLOAT16:
+            g = np.ascontiguousarray(grads, dtype=_F16)
+        else:
+            g = _float32_to_bfloat16(np.asarray(grads, dtype=_F32))
+        head = _str_field(1, table) + (_len_field(2, k.nbytes) if k.nbytes else b"")
+        mid = _len_field(3, g.nbytes) if g.nbytes else b""
+        tail = _int_field(4, dtype)
+        body = len(head) + k.nbytes + len(mid) + g.nbytes + len(tail)
+        pieces += [_len_field(1, body) + head, k, mid, g, tail]
+    trailer = _int_field(2, num_shards) + _str_field(3, client_id) + _int_field(4, seq)
+    if shard is not None:  # explicit presence: written even when 0
+        trailer += _varint(5 << 3) + _varint(shard)
+    pieces.append(trailer)
+    total = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in pieces)
+    data, buf = alloc_bytes(total)
+    pos = 0
+    for p in pieces:
+        raw = p.reshape(-1).view(np.uint8) if isinstance(p, np.ndarray) else np.frombuffer(p, dtype=np.uint8)
+        buf[pos : pos + raw.shape[0]] = raw
+        pos += raw.shape[0]
+    return data
