@@ -1,0 +1,230 @@
+"""``ServerConfig`` and ``TableSpec``, and the loader that fills a ``ServerConfig``.
+
+Each ``ServerConfig`` field has three spellings derived from its name:
+``max_message_bytes`` <-> ``--max-message-bytes`` <-> ``PS_MAX_MESSAGE_BYTES``, and the
+same name as a key in a ``--config`` file (TOML or JSON). Precedence: defaults <
+config file < environment < flags. Unknown file keys and unknown ``PS_*`` variables
+are errors that list the valid names.
+
+Example:
+    >>> cfg = load_config(["--shard=1", "--num-shards=2"], {"PS_THREADS": "4"})
+    >>> (cfg.shard, cfg.num_shards, cfg.threads)
+    (1, 2, 4)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import tomllib
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ps.initializers import InitializerParams
+from ps.optimizers import OptimizerParams
+
+__all__ = ["ConfigError", "ServerConfig", "TableSpec", "load_config"]
+
+ENV_PREFIX = "PS_"
+_TABLE_NAME = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
+MAX_DIM = 65536
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or has a bad value; the message names it."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything one ``ps-server`` process is started with (immutable)."""
+
+    shard: int = field(default=0, metadata={"help": "index of this shard, in [0, num_shards)"})
+    num_shards: int = field(default=1, metadata={"help": "number of shards in the cluster"})
+    listen: str = field(
+        default="127.0.0.1:0", metadata={"help": "HOST:PORT to listen on; port 0 picks a free port"}
+    )
+    port_file: Path | None = field(
+        default=None,
+        metadata={"help": "once serving, write the real port to this file (atomically: temp file + rename)"},
+    )
+    threads: int = field(default=8, metadata={"help": "gRPC handler threads"})
+    max_message_bytes: int = field(
+        default=64 << 20,
+        metadata={"help": "largest request or response in bytes; larger ones get RESOURCE_EXHAUSTED"},
+    )
+    grace_s: float = field(
+        default=10.0, metadata={"help": "on SIGTERM, seconds to let in-flight calls finish"}
+    )
+    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ConfigError(f"num_shards={self.num_shards}: must be >= 1")
+        if not 0 <= self.shard < self.num_shards:
+            raise ConfigError(f"shard={self.shard}: not in [0, num_shards={self.num_shards})")
+        if self.threads < 1:
+            raise ConfigError(f"threads={self.threads}: must be >= 1")
+        if not 1 << 16 <= self.max_message_bytes <= (2 << 30) - 1:
+            raise ConfigError(f"max_message_bytes={self.max_message_bytes}: must be in [65536, 2 GiB)")
+        if self.grace_s < 0:
+            raise ConfigError(f"grace_s={self.grace_s}: must be >= 0")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"log_level={self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"listen={self.listen!r}: expected HOST:PORT, e.g. 127.0.0.1:0")
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table: name, row dim, initial rows, optimizer and seed.
+
+    Two specs are the same table only if every field is equal; ``differences`` names
+    the ones that are not. Raises ``ConfigError`` for a bad name, dim or seed.
+
+    Example:
+        >>> TableSpec("user", 16).differences(TableSpec("user", 32))
+        ['dim: 16 != 32']
+    """
+
+    name: str
+    dim: int
+    initializer: InitializerParams = InitializerParams()
+    optimizer: OptimizerParams = OptimizerParams()
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not _TABLE_NAME.match(self.name):
+            raise ConfigError(
+                f"table name {self.name!r}: use 1-128 characters from A-Z a-z 0-9 _ . : / -"
+            )
+        if not 1 <= self.dim <= MAX_DIM:
+            raise ConfigError(f"table {self.name!r}: dim={self.dim}, must be in [1, {MAX_DIM}]")
+        if not 0 <= self.seed < 1 << 64:
+            raise ConfigError(f"table {self.name!r}: seed={self.seed}, must be in [0, 2**64)")
+        if self.dtype != "float32":
+            raise ConfigError(f"table {self.name!r}: dtype={self.dtype!r}, only 'float32' storage exists")
+
+    def differences(self, other: TableSpec) -> list[str]:
+        """``"field: mine != theirs"`` for every field that differs, nested fields dotted."""
+
+        def flat(obj: Any, prefix: str = "") -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name)
+                if dataclasses.is_dataclass(value):
+                    out.update(flat(value, f"{prefix}{f.name}."))
+                else:
+                    out[prefix + f.name] = value
+            return out
+
+        mine, theirs = flat(self), flat(other)
+        return [f"{k}: {_show(mine[k])} != {_show(theirs[k])}" for k in mine if mine[k] != theirs[k]]
+
+
+def _show(value: Any) -> str:
+    return getattr(value, "name", None) or repr(value)
+
+
+def _fields() -> dict[str, tuple[dataclasses.Field[Any], Any]]:
+    hints = typing.get_type_hints(ServerConfig)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(ServerConfig)}
+
+
+def _convert(name: str, hint: Any, raw: Any, source: str) -> Any:
+    base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    target = base[0]
+    try:
+        if raw is None or (isinstance(raw, str) and raw == "" and type(None) in typing.get_args(hint)):
+            return None
+        if target is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(raw, 0) if isinstance(raw, str) else int(raw)
+        if target is float:
+            return float(raw)
+        if target is Path:
+            return Path(str(raw))
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {raw!r} is not a valid {target.__name__} for {name}") from None
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a table of settings at the top level")
+    return data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ps-server`` argument parser; one flag per ``ServerConfig`` field plus ``--config``."""
+    parser = argparse.ArgumentParser(
+        prog="ps-server",
+        description=(
+            "One shard of the embedding parameter server. Every flag can also be set by the "
+            f"environment variable {ENV_PREFIX}<FLAG_NAME> (e.g. --num-shards -> {ENV_PREFIX}NUM_SHARDS) "
+            "or by a key in the --config file (num_shards = 2). Precedence: defaults < config file "
+            "< environment < flags."
+        ),
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", type=Path, help="TOML (or .json) file of settings")
+    for name, (f, hint) in _fields().items():
+        default = f.default
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            metavar=name.upper(),
+            help=f"{f.metadata.get('help', '')} (default: {default}; env {ENV_PREFIX}{name.upper()})",
+        )
+    return parser
+
+
+def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> ServerConfig:
+    """Build a ``ServerConfig`` from flags, ``PS_*`` variables and an optional config file.
+
+    Raises ``ConfigError`` naming the setting for unknown names and bad values;
+    ``SystemExit`` for ``--help`` and unparsable flags (argparse's behaviour).
+    """
+    fields = _fields()
+    args = vars(build_parser().parse_args(list(argv)))
+    values: dict[str, Any] = {}
+
+    config_path = args.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
+    if config_path:
+        path = Path(config_path)
+        for key, raw in _read_file(path).items():
+            if key not in fields:
+                raise ConfigError(f"--config {path}: unknown setting {key!r}; valid: {', '.join(fields)}")
+            values[key] = _convert(key, fields[key][1], raw, f"--config {path}")
+
+    for var, raw in environ.items():
+        if not var.startswith(ENV_PREFIX) or var == ENV_PREFIX + "CONFIG":
+            continue
+        key = var[len(ENV_PREFIX) :].lower()
+        if key not in fields:
+            valid = ", ".join(ENV_PREFIX + n.upper() for n in [*fields, "config"])
+            raise ConfigError(f"environment: unknown variable {var}; valid: {valid}")
+        values[key] = _convert(key, fields[key][1], raw, f"environment {var}")
+
+    for key, raw in args.items():
+        values[key] = _convert(key, fields[key][1], raw, "--" + key.replace("_", "-"))
+
+    try:
+        return ServerConfig(**values)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None

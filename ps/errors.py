@@ -1,0 +1,76 @@
+"""Failures a shard reports, each with exactly one gRPC status code.
+
+Request handlers raise these; ``servicer.status_boundary`` turns them into the status
+and message the client sees. Anything else that escapes a handler is a bug and becomes
+INTERNAL (logged with its traceback), never UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = [
+    "InvalidRequest",
+    "OutOfCapacity",
+    "RequestTooLarge",
+    "ShardError",
+    "ShardMismatch",
+    "ShuttingDown",
+    "TableExists",
+    "UnknownTable",
+    "WrongMode",
+]
+
+
+class ShardError(Exception):
+    """Base of every error a shard reports on purpose; ``code`` is its gRPC status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(ShardError):
+    """Bad shape, dtype, byte length, NaN/Inf gradient or table spec (the message names the field)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class UnknownTable(ShardError):
+    """The request names a table this shard does not hold."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class TableExists(ShardError):
+    """CreateTable for a name that exists with a different spec."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class WrongMode(ShardError):
+    """The shard's mode forbids the call (e.g. Push to a read-only shard)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ShardMismatch(ShardError):
+    """The client routed keys for a different number of shards."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class OutOfCapacity(ShardError):
+    """A table cannot hold more rows."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class RequestTooLarge(ShardError):
+    """The request or its response exceeds the shard's message limit."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class ShuttingDown(ShardError):
+    """The shard is draining and takes no new work."""
+
+    code = grpc.StatusCode.UNAVAILABLE
