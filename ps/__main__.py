@@ -1,0 +1,69 @@
+"""``ps-server``: run one shard until SIGTERM or SIGINT, then drain and exit 0.
+
+Exit codes: 0 after a clean stop, 2 for a bad setting (the message names it),
+1 when the server cannot start (e.g. the address is taken).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from ps.config import ConfigError, ServerConfig, load_config
+from ps.server import build_server, tune_malloc
+
+log = logging.getLogger("ps")
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    # Write then rename, so a reader never sees a half-written port.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+def _describe(config: ServerConfig) -> str:
+    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(config).items())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ps-server`` console script."""
+    try:
+        config = load_config(sys.argv[1:] if argv is None else argv, os.environ)
+    except ConfigError as exc:
+        print(f"ps-server: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
+    )
+    tune_malloc()
+    log.info("starting %s", _describe(config))
+    try:
+        server = build_server(config)
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    if config.port_file is not None:
+        _write_port_file(config.port_file, server.port)
+    log.info("listening shard=%d num_shards=%d port=%d", config.shard, config.num_shards, server.port)
+    while not stop.wait(1.0):
+        pass
+    log.info("shutting down grace_s=%s", config.grace_s)
+    server.stop(config.grace_s)
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
