@@ -1,0 +1,36 @@
+"""Talking to a parameter-server cluster: ``PSClient`` and its errors. Never imports torch."""
+
+from __future__ import annotations
+
+from client.client import PSClient, PushResult
+from client.config import ClientConfig, TableConfig
+from client.errors import (
+    DeadlineExceededError,
+    InternalServerError,
+    InvalidRequestError,
+    PreconditionError,
+    PSError,
+    ResourceExhaustedError,
+    ShardUnavailableError,
+    TableExistsError,
+    TableNotFoundError,
+)
+from client.transport import GrpcTransport, Transport
+
+__all__ = [
+    "ClientConfig",
+    "DeadlineExceededError",
+    "GrpcTransport",
+    "InternalServerError",
+    "InvalidRequestError",
+    "PSClient",
+    "PSError",
+    "PreconditionError",
+    "PushResult",
+    "ResourceExhaustedError",
+    "ShardUnavailableError",
+    "TableConfig",
+    "TableExistsError",
+    "TableNotFoundError",
+    "Transport",
+]

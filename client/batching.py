@@ -1,0 +1,126 @@
+"""Batch preparation without a Python object per key: dedup, group by shard, merge back.
+
+The kernels are numba-compiled (released GIL). The plan for one table's keys:
+
+1. ``dedup``: unique keys in first-seen order and, per input position, the index of
+   its unique key (``inverse``), so only one row per distinct key crosses the wire;
+2. ``group``: the unique keys ordered shard by shard (``order``) with the slice
+   bounds of each shard (``bounds``), so one request per shard carries its keys;
+3. ``scatter_rows``: each shard's answer rows copied to every input position that
+   asked for them, in the caller's order.
+
+Example:
+    >>> unique, inverse = dedup(np.array([5, 7, 5]))
+    >>> unique.tolist(), inverse.tolist()
+    ([5, 7], [0, 1, 0])
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["dedup", "group", "scatter_rows", "sum_duplicates"]
+
+
+@numba.njit(nogil=True, cache=True)
+def _dedup(keys: npt.NDArray[np.int64], table_keys: npt.NDArray[np.int64], table_ids: npt.NDArray[np.int64],
+           unique: npt.NDArray[np.int64], inverse: npt.NDArray[np.int64]) -> int:  # fmt: skip
+    mask = table_ids.shape[0] - 1
+    m = 0
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        z = np.uint64(key) ^ np.uint64(0x632BE59BD9B4E019)
+        z = (z ^ (z >> np.uint64(33))) * np.uint64(0xFF51AFD7ED558CCD)
+        z = z ^ (z >> np.uint64(29))
+        pos = np.int64(z & np.uint64(mask))
+        while True:
+            uid = table_ids[pos]
+            if uid < 0:
+                table_ids[pos] = m
+                table_keys[pos] = key
+                unique[m] = key
+                inverse[i] = m
+                m += 1
+                break
+            if table_keys[pos] == key:
+                inverse[i] = uid
+                break
+            pos = (pos + 1) & mask
+    return m
+
+
+def dedup(keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``(unique, inverse)`` with ``unique[inverse] == keys``; unique keys keep first-seen order."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    n = keys.shape[0]
+    size = 1 << max(4, int(2 * n - 1).bit_length())  # load factor <= 0.5
+    table_ids = np.full(size, -1, dtype=np.int64)
+    table_keys = np.empty(size, dtype=np.int64)
+    unique = np.empty(n, dtype=np.int64)
+    inverse = np.empty(n, dtype=np.int64)
+    m = _dedup(keys, table_keys, table_ids, unique, inverse)
+    return unique[:m], inverse
+
+
+@numba.njit(nogil=True, cache=True)
+def _counting_sort(shards: npt.NDArray[np.int32], num_shards: int, order: npt.NDArray[np.int64],
+                   bounds: npt.NDArray[np.int64]) -> None:  # fmt: skip
+    for i in range(shards.shape[0]):
+        bounds[shards[i] + 1] += 1
+    for s in range(num_shards):
+        bounds[s + 1] += bounds[s]
+    fill = bounds[:-1].copy()
+    for i in range(shards.shape[0]):
+        s = shards[i]
+        order[fill[s]] = i
+        fill[s] += 1
+
+
+def group(shards: npt.NDArray[np.int32], num_shards: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``(order, bounds)``: ``order[bounds[s]:bounds[s+1]]`` are the positions routed to shard ``s``
+    (stable, so each shard sees keys in first-seen order)."""
+    order = np.empty(shards.shape[0], dtype=np.int64)
+    bounds = np.zeros(num_shards + 1, dtype=np.int64)
+    _counting_sort(np.ascontiguousarray(shards, dtype=np.int32), num_shards, order, bounds)
+    return order, bounds
+
+
+@numba.njit(nogil=True, cache=True)
+def _scatter(out: npt.NDArray[np.float32], rows: npt.NDArray[np.float32], positions: npt.NDArray[np.int64],
+             src: npt.NDArray[np.int64]) -> None:  # fmt: skip
+    dim = out.shape[1]
+    for i in range(positions.shape[0]):
+        p = positions[i]
+        r = src[i]
+        for j in range(dim):
+            out[p, j] = rows[r, j]
+
+
+def scatter_rows(
+    out: npt.NDArray[np.float32],
+    rows: npt.NDArray[np.float32],
+    positions: npt.NDArray[np.int64],
+    src: npt.NDArray[np.int64],
+) -> None:
+    """``out[positions[i]] = rows[src[i]]`` for every i (rows may be a read-only view)."""
+    _scatter(out, rows, positions, src)
+
+
+@numba.njit(nogil=True, cache=True)
+def _segment_sum(grads: npt.NDArray[np.float32], inverse: npt.NDArray[np.int64], out: npt.NDArray[np.float32]) -> None:
+    dim = grads.shape[1]
+    for i in range(inverse.shape[0]):
+        u = inverse[i]
+        for j in range(dim):
+            out[u, j] += grads[i, j]
+
+
+def sum_duplicates(
+    grads: npt.NDArray[np.float32], inverse: npt.NDArray[np.int64], num_unique: int
+) -> npt.NDArray[np.float32]:
+    """Per unique key, the sum of its rows of ``grads`` (in input order, float32)."""
+    out = np.zeros((num_unique, grads.shape[1]), dtype=np.float32)
+    _segment_sum(np.ascontiguousarray(grads, dtype=np.float32), inverse, out)
+    return out

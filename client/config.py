@@ -1,0 +1,74 @@
+"""``ClientConfig`` (how the client talks to a cluster) and ``TableConfig`` (a table as created).
+
+Example:
+    >>> ClientConfig(deadline_s=5).attempt_timeout_s
+    5.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["ClientConfig", "TableConfig"]
+
+TransportDType = Literal["float32", "float16", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Settings of a ``PSClient``; immutable. Raises ``ValueError`` naming a bad field.
+
+    * ``deadline_s``: total time one client call may take, retries included.
+    * ``attempt_timeout_s``: limit of one RPC attempt (None: the whole deadline).
+    * ``max_attempts``: tries per shard request for retryable failures
+      (UNAVAILABLE, DEADLINE_EXCEEDED), with exponential backoff from
+      ``backoff_initial_s`` to ``backoff_max_s`` and full jitter.
+    * ``max_message_bytes``: requests and responses are split to stay under this; it
+      must not exceed the shards' own ``max_message_bytes``.
+    * ``transport_dtype``: wire type of looked-up rows and pushed gradients; 16-bit
+      types halve the bytes and round each value.
+    * ``push_threads``: threads that run ``push_async`` calls.
+    """
+
+    deadline_s: float = 60.0
+    attempt_timeout_s: float | None = None
+    max_attempts: int = 6
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 2.0
+    max_message_bytes: int = 64 << 20
+    transport_dtype: TransportDType = "float32"
+    push_threads: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("deadline_s", "backoff_initial_s", "backoff_max_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value}: must be a positive number of seconds")
+        if self.attempt_timeout_s is None:
+            object.__setattr__(self, "attempt_timeout_s", float(self.deadline_s))
+        elif not self.attempt_timeout_s > 0:
+            raise ValueError(f"attempt_timeout_s={self.attempt_timeout_s}: must be > 0")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts={self.max_attempts}: must be >= 1")
+        if not 1 << 16 <= self.max_message_bytes < 2 << 30:
+            raise ValueError(f"max_message_bytes={self.max_message_bytes}: must be in [65536, 2 GiB)")
+        if self.transport_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"transport_dtype={self.transport_dtype!r}: expected float32, float16 or bfloat16")
+        if self.push_threads < 1:
+            raise ValueError(f"push_threads={self.push_threads}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """A table as the cluster created it, every default filled in by the shards."""
+
+    name: str
+    dim: int
+    seed: int
+    initializer: str
+    optimizer: str
+    initializer_params: Mapping[str, float] = field(default_factory=dict)
+    optimizer_params: Mapping[str, float] = field(default_factory=dict)

@@ -1,0 +1,114 @@
+"""One exception tree for everything that can go wrong talking to a cluster.
+
+Every error is a ``PSError`` carrying ``.code`` (the ``grpc.StatusCode``) and
+``.shard`` (the shard index, or None when no single shard is to blame). A
+``grpc.RpcError`` never leaves ``client/``.
+
+| status              | exception                 | retried by the client |
+|---------------------|---------------------------|-----------------------|
+| INVALID_ARGUMENT    | InvalidRequestError       | no                    |
+| NOT_FOUND           | TableNotFoundError        | no                    |
+| ALREADY_EXISTS      | TableExistsError          | no                    |
+| FAILED_PRECONDITION | PreconditionError         | no                    |
+| RESOURCE_EXHAUSTED  | ResourceExhaustedError    | no                    |
+| UNAVAILABLE         | ShardUnavailableError     | yes                   |
+| DEADLINE_EXCEEDED   | DeadlineExceededError     | yes, within deadline_s|
+| anything else       | InternalServerError       | no                    |
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import grpc
+
+__all__ = [
+    "DeadlineExceededError",
+    "InternalServerError",
+    "InvalidRequestError",
+    "PSError",
+    "PreconditionError",
+    "ResourceExhaustedError",
+    "ShardUnavailableError",
+    "TableExistsError",
+    "TableNotFoundError",
+    "error_for",
+    "rpc_errors",
+]
+
+
+class PSError(Exception):
+    """Base of all client errors: ``code`` is the gRPC status, ``shard`` the shard index or None."""
+
+    def __init__(self, message: str, *, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN, shard: int | None = None):
+        super().__init__(message)
+        self.code = code
+        self.shard = shard
+
+
+class InvalidRequestError(PSError):
+    """The request was malformed (shape, dtype, NaN gradient, bad table spec)."""
+
+
+class TableNotFoundError(PSError):
+    """A shard does not hold the named table."""
+
+
+class TableExistsError(PSError):
+    """``create_table`` named an existing table with a different spec."""
+
+
+class PreconditionError(PSError):
+    """The cluster refused the call in its state (address list mismatch, read-only shard)."""
+
+
+class ResourceExhaustedError(PSError):
+    """A request or response was over a size limit, or the shard is out of capacity."""
+
+
+class ShardUnavailableError(PSError):
+    """A shard could not be reached or is shutting down (retried until the deadline)."""
+
+
+class DeadlineExceededError(PSError):
+    """The call's deadline passed before every shard answered."""
+
+
+class InternalServerError(PSError):
+    """A shard failed in a way that is a bug; its log has the traceback."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: TableNotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: TableExistsError,
+    grpc.StatusCode.FAILED_PRECONDITION: PreconditionError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: ShardUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def error_for(code: grpc.StatusCode) -> type[PSError]:
+    """The exception class for a status code."""
+    return _BY_CODE.get(code, InternalServerError)
+
+
+def convert(exc: grpc.RpcError, shard: int | None, address: str = "") -> PSError:
+    """A ``PSError`` for a failed RPC, its message prefixed with the shard and address."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    where = f"shard {shard}" + (f" ({address})" if address else "") if shard is not None else "cluster"
+    return error_for(code)(f"{where}: {details}", code=code, shard=shard)
+
+
+@contextlib.contextmanager
+def rpc_errors(shard: int | None, address: str = "") -> Iterator[None]:
+    """Convert a ``grpc.RpcError`` raised in the block into the matching ``PSError``."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        raise convert(exc, shard, address) from exc

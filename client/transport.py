@@ -1,0 +1,79 @@
+"""How requests reach shards: the ``Transport`` protocol and its gRPC implementation.
+
+The client speaks in encoded request and response bytes; a transport only moves
+them. ``GrpcTransport`` keeps one channel per shard address.
+
+Example:
+    >>> t = GrpcTransport(["127.0.0.1:1"])   # no I/O until start()
+    >>> t.address(0)
+    '127.0.0.1:1'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import grpc
+
+__all__ = ["Call", "GrpcTransport", "Transport", "SERVICE_PATH"]
+
+SERVICE_PATH = "/ps.v1.ParameterServer/"
+
+
+class Call(Protocol):
+    """An RPC in flight: ``result()`` blocks and returns the response bytes or raises ``grpc.RpcError``."""
+
+    def result(self) -> bytes: ...
+    def cancel(self) -> bool: ...
+
+
+class Transport(Protocol):
+    """Moves encoded requests to shards. Implementations are thread-safe."""
+
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+    def address(self, shard: int) -> str: ...
+    def call(self, shard: int, method: str, request: bytes, timeout_s: float) -> Call: ...
+
+
+class GrpcTransport:
+    """One insecure gRPC channel per shard address, opened by ``start()``.
+
+    ``max_message_bytes`` is the largest message sent or accepted. Thread-safe.
+    """
+
+    def __init__(self, addresses: Sequence[str], max_message_bytes: int = 64 << 20) -> None:
+        self._addresses = list(addresses)
+        self._max_bytes = max_message_bytes
+        self._channels: list[grpc.Channel] = []
+        self._methods: dict[tuple[int, str], Any] = {}
+
+    def start(self) -> None:
+        if self._channels:
+            return
+        options = [
+            ("grpc.max_receive_message_length", self._max_bytes),
+            ("grpc.max_send_message_length", self._max_bytes),
+        ]
+        self._channels = [grpc.insecure_channel(a, options=options) for a in self._addresses]
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._channels = []
+        self._methods.clear()
+
+    def address(self, shard: int) -> str:
+        return self._addresses[shard]
+
+    def call(self, shard: int, method: str, request: bytes, timeout_s: float) -> Call:
+        stub = self._methods.get((shard, method))
+        if stub is None:
+            if not self._channels:
+                raise RuntimeError("GrpcTransport.call before start()")
+            # Identity (de)serializers: the client encodes and decodes messages itself.
+            stub = self._channels[shard].unary_unary(SERVICE_PATH + method, None, None)
+            self._methods[(shard, method)] = stub
+        future: Call = stub.future(request, timeout=timeout_s)
+        return future
