@@ -39,55 +39,73 @@ __all__ = [
 
 
 class PSError(Exception):
-    """Base of all client errors: ``code`` is the gRPC status, ``shard`` the shard index or None."""
+    """Base of all client errors: ``code`` is the gRPC status, ``shard`` the shard index or None.
 
-    def __init__(self, message: str, *, code: grpc.StatusCode = grpc.StatusCode.UNKNOWN, shard: int | None = None):
+    ``code`` defaults to the class's own status, so errors found by the client itself
+    (before any RPC) carry the same code a shard would have sent.
+    """
+
+    default_code = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, shard: int | None = None):
         super().__init__(message)
-        self.code = code
+        self.code = code or self.default_code
         self.shard = shard
 
 
 class InvalidRequestError(PSError):
     """The request was malformed (shape, dtype, NaN gradient, bad table spec)."""
 
+    default_code = grpc.StatusCode.INVALID_ARGUMENT
+
 
 class TableNotFoundError(PSError):
     """A shard does not hold the named table."""
+
+    default_code = grpc.StatusCode.NOT_FOUND
 
 
 class TableExistsError(PSError):
     """``create_table`` named an existing table with a different spec."""
 
+    default_code = grpc.StatusCode.ALREADY_EXISTS
+
 
 class PreconditionError(PSError):
     """The cluster refused the call in its state (address list mismatch, read-only shard)."""
+
+    default_code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class ResourceExhaustedError(PSError):
     """A request or response was over a size limit, or the shard is out of capacity."""
 
+    default_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
 
 class ShardUnavailableError(PSError):
     """A shard could not be reached or is shutting down (retried until the deadline)."""
+
+    default_code = grpc.StatusCode.UNAVAILABLE
 
 
 class DeadlineExceededError(PSError):
     """The call's deadline passed before every shard answered."""
 
+    default_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
 
 class InternalServerError(PSError):
     """A shard failed in a way that is a bug; its log has the traceback."""
 
+    default_code = grpc.StatusCode.INTERNAL
+
 
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
-    grpc.StatusCode.NOT_FOUND: TableNotFoundError,
-    grpc.StatusCode.ALREADY_EXISTS: TableExistsError,
-    grpc.StatusCode.FAILED_PRECONDITION: PreconditionError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
-    grpc.StatusCode.UNAVAILABLE: ShardUnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-}
+    cls.default_code: cls
+    for cls in (InvalidRequestError, TableNotFoundError, TableExistsError, PreconditionError,
+                ResourceExhaustedError, ShardUnavailableError, DeadlineExceededError)
+}  # fmt: skip
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
