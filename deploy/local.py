@@ -1,0 +1,152 @@
+"""Start shard processes on this machine and stop them cleanly.
+
+Each shard is a real ``python -m ps`` process listening on 127.0.0.1 port 0; the
+launcher waits for the port file the shard writes once it is serving, so there is no
+race on picking a free port. Stopping sends SIGTERM (the shard drains in-flight
+calls) and checks the exit code.
+
+Example:
+    with LocalCluster(num_shards=2, root=Path("/tmp/ps")) as cluster:
+        client = PSClient(cluster.addresses)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["LocalCluster", "ShardProcess", "ShardStartError"]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ShardStartError(RuntimeError):
+    """A shard process did not come up or did not stop cleanly; the message has its log tail."""
+
+
+@dataclass
+class ShardProcess:
+    """A running shard: its index, ``127.0.0.1:PORT`` address, process and log file."""
+
+    index: int
+    address: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+
+def start_shard(index: int, num_shards: int, root: Path, *extra_args: str, timeout_s: float = 60.0) -> ShardProcess:
+    """Start shard ``index`` of ``num_shards`` with files under ``root``; blocks until it serves.
+
+    Raises ``ShardStartError`` (with the log tail) if it exits or is not ready in ``timeout_s``.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    port_file, log = root / f"port.{index}", root / f"shard.{index}.log"
+    port_file.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ps", f"--shard={index}", f"--num-shards={num_shards}",
+             "--listen=127.0.0.1:0", f"--port-file={port_file}", *extra_args],  # fmt: skip
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=root,
+            env=env,
+        )
+    shard = ShardProcess(index, "", proc, log)
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise ShardStartError(f"shard {index} did not start (exit {proc.returncode}):\n{shard.log_tail()}")
+        time.sleep(0.05)
+    shard.address = f"127.0.0.1:{port_file.read_text().strip()}"
+    return shard
+
+
+def stop_shard(shard: ShardProcess, timeout_s: float = 30.0) -> None:
+    """SIGTERM and wait. Raises ``ShardStartError`` unless the shard exits 0 in time."""
+    if shard.proc.poll() is None:
+        shard.proc.send_signal(signal.SIGTERM)
+    try:
+        code = shard.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        shard.proc.kill()
+        shard.proc.wait()
+        raise ShardStartError(f"shard {shard.index} ignored SIGTERM for {timeout_s}s:\n{shard.log_tail()}") from None
+    if code != 0:
+        raise ShardStartError(f"shard {shard.index} exited {code}:\n{shard.log_tail()}")
+
+
+@dataclass
+class LocalCluster:
+    """``num_shards`` shard processes on 127.0.0.1; files under ``root`` (a temp dir if None).
+
+    ``start()`` (or ``with``) starts them all; ``stop()`` stops them all and raises
+    ``ShardStartError`` if any did not exit 0. Not thread-safe.
+    """
+
+    num_shards: int
+    root: Path | None = None
+    extra_args: tuple[str, ...] = ()
+    shards: list[ShardProcess] = field(default_factory=list)
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.shards]
+
+    def start(self) -> LocalCluster:
+        if self.root is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="ps-cluster-")
+            self.root = Path(self._tmp.name)
+        try:
+            for i in range(self.num_shards):
+                self.shards.append(start_shard(i, self.num_shards, self.root, *self.extra_args))
+        except BaseException:
+            self._stop_quietly()
+            raise
+        return self
+
+    def stop(self) -> None:
+        failures = []
+        for shard in self.shards:
+            try:
+                stop_shard(shard)
+            except ShardStartError as exc:
+                failures.append(str(exc))
+        self.shards.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        if failures:
+            raise ShardStartError("\n".join(failures))
+
+    def _stop_quietly(self) -> None:
+        for shard in self.shards:
+            if shard.proc.poll() is None:
+                shard.proc.kill()
+                shard.proc.wait()
+        self.shards.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc_type is not None:
+            self._stop_quietly()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+        else:
+            self.stop()
