@@ -79,15 +79,30 @@ def jump_hash(key: int, num_buckets: int) -> int:
     return b
 
 
+def _int64_bits(values: npt.ArrayLike, field: str) -> npt.NDArray[np.int64]:
+    """Integers as int64 bit patterns (uint64 wraps); floats and other types raise ``TypeError``."""
+    arr = np.asarray(values)
+    if arr.dtype == object:
+        # Python ints above 2**63 - 1 are unsigned 64-bit ids: keep their bits.
+        try:
+            arr = np.array([int(v) & _MASK64 for v in arr.reshape(-1)], dtype=np.uint64)
+        except (TypeError, ValueError):
+            raise TypeError(f"{field}: expected integers") from None
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"{field}: dtype {arr.dtype}, expected integers (floats would be truncated)")
+    return np.ascontiguousarray(arr.reshape(-1)).astype(np.uint64, copy=False).view(np.int64)
+
+
 def shard_of(keys: npt.ArrayLike, num_shards: int) -> npt.NDArray[np.int32]:
     """Shard index of every key: ``jump_hash(mix64(key), num_shards)``, vectorised.
 
     ``keys`` is any integer array (converted to int64 bit patterns); returns a new
-    int32 array of the same length. Raises ``ValueError`` if ``num_shards < 1``.
+    int32 array of the same length. Raises ``ValueError`` if ``num_shards < 1`` and
+    ``TypeError`` for non-integer keys.
     """
     if num_shards < 1:
         raise ValueError(f"num_shards={num_shards}: must be >= 1")
-    k = mix64(np.ascontiguousarray(keys, dtype=np.int64).reshape(-1))
+    k = mix64(_int64_bits(keys, "keys"))
     out = np.zeros(k.shape[0], dtype=np.int32)
     if num_shards == 1:
         return out
@@ -128,6 +143,6 @@ def hash_feature(value: str | bytes | int, seed: int) -> int:
 
 def hash_features(values: npt.ArrayLike, seed: int) -> npt.NDArray[np.int64]:
     """Vectorised ``hash_feature`` for an array of integer feature values."""
-    v = np.ascontiguousarray(values, dtype=np.int64).view(np.uint64)
+    v = _int64_bits(values, "values").view(np.uint64)
     mixed: npt.NDArray[np.uint64] = mix64((v ^ np.uint64(mix64(seed & _MASK64))).view(np.int64))
     return mixed.view(np.int64)

@@ -35,14 +35,14 @@ __all__ = [
     "PushRequestView",
     "WireFormatError",
     "alloc_bytes",
+    "decode_keys",
     "decode_lookup_response",
     "decode_push_request",
-    "encode_push_request",
-    "decode_keys",
     "decode_rows",
     "dtype_itemsize",
     "dtype_name",
     "encode_keys",
+    "encode_push_request",
     "encode_rows",
     "rows_to_dtype",
 ]
@@ -174,10 +174,9 @@ def alloc_bytes(size: int) -> tuple[bytes, npt.NDArray[np.uint8]]:
     shared, hashed or returned, and never write afterwards. The view does not keep the
     ``bytes`` alive: hold on to both.
     """
-    if size <= 1:
-        # CPython shares the 0-byte object; 1-byte messages are not worth the trick.
-        buf = bytearray(size)
-        return bytes(buf), np.frombuffer(buf, dtype=np.uint8)
+    if size == 0:
+        # CPython shares one empty bytes object; there is nothing to write anyway.
+        return b"", np.empty(0, dtype=np.uint8)
     data = _PyBytes_FromStringAndSize(None, size)
     view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(_PyBytes_AsString(data)))
     return data, view
@@ -315,10 +314,10 @@ def decode_lookup_response(data: bytes) -> list[LookupResultView]:
     """Parse ``LookupResponse`` bytes without copying the rows."""
     view = memoryview(data)
     results = []
-    for i, (field_no, wire_type, a, b) in enumerate(_fields(data, 0, len(data), "LookupResponse")):
+    for field_no, wire_type, a, b in _fields(data, 0, len(data), "LookupResponse"):
         if field_no != 1 or wire_type != 2:
             continue
-        name = f"results[{i}]"
+        name = f"results[{len(results)}]"
         table, rows, dtype, dim = "", view[0:0], 0, 0
         for f, wt, x, y in _fields(data, a, b, name):
             if f == 1 and wt == 2:
@@ -397,7 +396,8 @@ def encode_push_request(
     ``grads`` are float32 ``[n, dim]`` and are converted to ``dtype`` on the way.
     """
     pieces: list[bytes | npt.NDArray[np.generic]] = []
-    for table, keys, grads, dtype in entries:
+    for i, (table, keys, grads, dtype) in enumerate(entries):
+        dtype_itemsize(dtype, f"entries[{i}].dtype")
         k = np.ascontiguousarray(keys, dtype=_I64)
         if dtype in (pb.FLOAT32, pb.DTYPE_UNSPECIFIED):
             g: npt.NDArray[np.generic] = np.ascontiguousarray(grads, dtype=_F32)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import tomllib
 import typing
@@ -31,7 +32,7 @@ from ps.optimizers import OptimizerParams
 __all__ = ["ConfigError", "ServerConfig", "TableSpec", "load_config"]
 
 ENV_PREFIX = "PS_"
-_TABLE_NAME = re.compile(r"^[A-Za-z0-9_.:/-]{1,128}$")
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 MAX_DIM = 65536
 
 
@@ -71,8 +72,8 @@ class ServerConfig:
             raise ConfigError(f"threads={self.threads}: must be >= 1")
         if not 1 << 16 <= self.max_message_bytes <= (2 << 30) - 1:
             raise ConfigError(f"max_message_bytes={self.max_message_bytes}: must be in [65536, 2 GiB)")
-        if self.grace_s < 0:
-            raise ConfigError(f"grace_s={self.grace_s}: must be >= 0")
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ConfigError(f"grace_s={self.grace_s}: must be a finite number >= 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level={self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
         host, sep, port = self.listen.rpartition(":")
@@ -100,7 +101,7 @@ class TableSpec:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if not _TABLE_NAME.match(self.name):
+        if not isinstance(self.name, str) or not _TABLE_NAME.fullmatch(self.name):
             raise ConfigError(
                 f"table name {self.name!r}: use 1-128 characters from A-Z a-z 0-9 _ . : / -"
             )
@@ -138,11 +139,13 @@ def _fields() -> dict[str, tuple[dataclasses.Field[Any], Any]]:
 
 
 def _convert(name: str, hint: Any, raw: Any, source: str) -> Any:
-    base = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    target = base[0]
-    try:
-        if raw is None or (isinstance(raw, str) and raw == "" and type(None) in typing.get_args(hint)):
+    optional = type(None) in typing.get_args(hint)
+    target = ([a for a in typing.get_args(hint) if a is not type(None)] or [hint])[0]
+    if raw is None or (optional and raw == ""):
+        if optional:
             return None
+        raise ConfigError(f"{source}: {name} needs a {target.__name__} value, got {raw!r}")
+    try:
         if target is int:
             if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
                 raise ValueError
