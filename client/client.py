@@ -100,6 +100,8 @@ class PSClient:
         """Open the channels (idempotent)."""
         with self._lock:
             if not self._started:
+                if self.config.tune_malloc:
+                    wire.tune_malloc()
                 self._transport.start()
                 self._pool = ThreadPoolExecutor(self.config.push_threads, thread_name_prefix="ps-push")
                 self._started = True
@@ -229,7 +231,11 @@ class PSClient:
                 field = f"shard {s} Lookup results[{part.plan.table!r}]"
                 rows = wire.decode_rows(res.rows, len(part), part.plan.dim, res.dtype, field)
                 target = unique_rows.get(part.plan.table, results[part.plan.table])
-                scatter_rows(target, rows, part.positions, np.arange(len(part), dtype=np.int64))
+                if self.num_shards == 1:
+                    # One shard: the routing order is the identity, so a block copy will do.
+                    np.copyto(target[part.start : part.stop], rows)
+                else:
+                    scatter_rows(target, rows, part.positions, np.arange(len(part), dtype=np.int64))
         for p in plans:
             if p.has_duplicates:
                 np.take(unique_rows[p.table], p.inverse, axis=0, out=results[p.table])

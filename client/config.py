@@ -31,6 +31,9 @@ class ClientConfig:
     * ``transport_dtype``: wire type of looked-up rows and pushed gradients; 16-bit
       types halve the bytes and round each value.
     * ``push_threads``: threads that run ``push_async`` calls.
+    * ``tune_malloc``: on ``start()``, raise glibc's mmap threshold for this process
+      (``protos.wire.tune_malloc``) so multi-MiB messages reuse heap memory instead
+      of page-faulting fresh mappings; False leaves the allocator alone.
     """
 
     deadline_s: float = 60.0
@@ -41,6 +44,7 @@ class ClientConfig:
     max_message_bytes: int = 64 << 20
     transport_dtype: TransportDType = "float32"
     push_threads: int = 2
+    tune_malloc: bool = True
 
     def __post_init__(self) -> None:
         for name in ("deadline_s", "backoff_initial_s", "backoff_max_s"):

@@ -45,6 +45,7 @@ __all__ = [
     "encode_push_request",
     "encode_rows",
     "rows_to_dtype",
+    "tune_malloc",
 ]
 
 FLOAT32: int = pb.FLOAT32
@@ -182,6 +183,27 @@ def alloc_bytes(size: int) -> tuple[bytes, npt.NDArray[np.uint8]]:
     return data, view
 
 
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def tune_malloc() -> bool:
+    """Keep buffers of up to 32 MiB on glibc's heap instead of a fresh mmap each.
+
+    Lookup responses and push requests are megabytes each. Above glibc's default mmap
+    threshold every one is a new mapping whose pages fault in on first touch, which
+    costs as much as copying the data (a 16 MiB push: ~36% slower). This raises the
+    threshold to glibc's maximum (32 MiB) and the trim threshold to 256 MiB for the
+    whole process. Returns False where glibc is not available (nothing changed).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
+    return bool(ok and libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20) == 1)
+
+
 def _varint(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
@@ -313,7 +335,7 @@ class LookupResponseWriter:
 def decode_lookup_response(data: bytes) -> list[LookupResultView]:
     """Parse ``LookupResponse`` bytes without copying the rows."""
     view = memoryview(data)
-    results = []
+    results: list[LookupResultView] = []
     for field_no, wire_type, a, b in _fields(data, 0, len(data), "LookupResponse"):
         if field_no != 1 or wire_type != 2:
             continue

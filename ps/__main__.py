@@ -15,8 +15,9 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from protos.wire import tune_malloc
 from ps.config import ConfigError, ServerConfig, load_config
-from ps.server import build_server, tune_malloc
+from ps.server import build_server
 
 log = logging.getLogger("ps")
 

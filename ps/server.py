@@ -10,7 +10,6 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from concurrent import futures
 
@@ -22,27 +21,9 @@ from ps.config import ServerConfig
 from ps.servicer import SERVICE_NAME, Servicer
 from ps.shard import Shard
 
-__all__ = ["PSServer", "build_server", "tune_malloc"]
+__all__ = ["PSServer", "build_server"]
 
 log = logging.getLogger(__name__)
-
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-
-def tune_malloc() -> bool:
-    """Keep buffers of up to 32 MiB on glibc's heap instead of fresh mmaps.
-
-    Lookup responses and push requests are megabytes each; above glibc's default
-    threshold every one is a new mmap whose pages fault in on first touch, which costs
-    as much as copying the data. Returns False where glibc is not available.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
-    return bool(ok and libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20) == 1)
 
 
 class PSServer:

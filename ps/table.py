@@ -150,16 +150,19 @@ class Table:
             self.counters.lookups += keys.shape[0]
         return out
 
-    def push(self, keys: npt.NDArray[np.int64], grads: npt.NDArray[np.float32]) -> int:
+    def push(self, keys: npt.NDArray[np.int64], grads: npt.NDArray[np.float32], *, check: bool = True) -> int:
         """Apply ``grads[i]`` to the row of ``keys[i]`` with the table's optimizer.
 
         Gradients of duplicate keys are summed first; missing keys get their initial
         row before the update. Raises ``InvalidRequest`` (nothing applied) for a wrong
-        shape or a NaN/Inf value. Returns the number of distinct rows updated.
+        shape or a NaN/Inf value; ``check=False`` skips that scan for a caller that
+        already ran ``validate_grads`` on these arrays. Returns the number of distinct
+        rows updated.
         """
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         grads = np.ascontiguousarray(grads, dtype=np.float32)
-        self.validate_grads(keys, grads)
+        if check:
+            self.validate_grads(keys, grads)
         now = np.uint32(int(time.time()))
         with self._lock:
             slots = self._slots_for(keys, now)
