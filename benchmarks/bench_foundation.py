@@ -392,7 +392,10 @@ def main(quick: bool) -> None:
     res["loadavg_end"], res["wall_s"] = os.getloadavg(), time.perf_counter() - t_start
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "foundation.json").write_text(json.dumps(res, indent=1, default=str))
-    chart(res, RESULTS / "foundation.png")
+    try:
+        chart(res, RESULTS / "foundation.png")
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no PNG chart written")
     print(report(res))
     print(f"\n{res['machine']}\nloadavg {res['loadavg_start'][0]:.2f} -> {res['loadavg_end'][0]:.2f}; "
           f"wall {res['wall_s']:.0f} s; wrote {RESULTS}/foundation.{{json,png}}")  # fmt: skip
