@@ -1,0 +1,93 @@
+"""DistributedEmbedding modes against real shards: staleness bounds and failure surfacing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from client import InvalidRequestError, PSClient
+from worker import DistributedEmbedding, EmbeddingTableConfig, FeatureConfig, JaggedIds
+
+KEYS = [5, 17, 2**40 + 3]
+TABLES = [EmbeddingTableConfig("t", 4, optimizer="sgd", initializer="zeros", params={"lr": 1.0})]
+FEATURES = [FeatureConfig("f", "t")]
+
+
+def batch() -> dict[str, JaggedIds]:
+    return {"f": JaggedIds.from_lists([KEYS])}
+
+
+def seen_per_step(addresses: list[str], mode: str, steps: int, staleness: int = 1) -> tuple[list[float], np.ndarray]:
+    """Train with loss = sum(pooled): each step pushes gradient 1 to every key (SGD lr 1, rows start at 0).
+
+    Returns the value every step saw (minus the number of pushes already applied) and the final rows.
+    """
+    seen = []
+    with PSClient(addresses) as client:
+        emb = DistributedEmbedding(TABLES, FEATURES, client, mode=mode, staleness=staleness)  # type: ignore[arg-type]
+        batches = [batch() for _ in range(steps)]
+        emb.prefetch(batches[0])
+        for t, b in enumerate(batches):
+            if t + 1 < steps:
+                emb.prefetch(batches[t + 1])
+            out = emb(b)["f"]
+            seen.append(-float(out.detach()[0, 0]) / len(KEYS))  # each key's row is -(pushes applied)
+            out.sum().backward()
+        emb.close()
+        final = client.lookup("t", np.array(KEYS))
+    return seen, final
+
+
+def test_sync_mode_sees_every_previous_push(addresses: list[str]) -> None:
+    seen, final = seen_per_step(addresses, "sync", 6)
+    assert seen == [0, 1, 2, 3, 4, 5]
+    np.testing.assert_array_equal(final, np.full((3, 4), -6.0, np.float32))
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_pipelined_rows_are_at_most_staleness_steps_behind(addresses: list[str], staleness: int) -> None:
+    steps = 10
+    seen, final = seen_per_step(addresses, "pipelined", steps, staleness)
+    for t, applied in enumerate(seen):
+        # Step t's lookup waited for the pushes of steps <= t - 1 - staleness; later ones may or may not be in.
+        assert max(0, t - staleness) <= applied <= t, (t, applied, seen)
+    # Nothing is lost: after close() (a flush) every push is applied exactly once.
+    np.testing.assert_array_equal(final, np.full((3, 4), -float(steps), np.float32))
+
+
+def test_a_failed_background_push_surfaces_in_the_loop(addresses: list[str]) -> None:
+    with PSClient(addresses) as client:
+        emb = DistributedEmbedding(TABLES, FEATURES, client, mode="pipelined")
+        b = batch()
+        out = emb(b)["f"]
+        (out.sum() * float("nan")).backward()  # the shard rejects NaN gradients
+        with pytest.raises(InvalidRequestError, match="NaN/Inf") as err:
+            for _ in range(50):  # the push runs in the background: the next calls must raise it
+                emb(batch())["f"].sum().backward()
+        assert any("background push of step 0" in n for n in getattr(err.value, "__notes__", []))
+        with pytest.raises(InvalidRequestError):
+            emb.flush()  # and it stays raised
+
+
+def test_eval_forward_pushes_nothing(addresses: list[str]) -> None:
+    with PSClient(addresses) as client:
+        emb = DistributedEmbedding(TABLES, FEATURES, client, mode="pipelined").eval()
+        for _ in range(3):
+            with torch.no_grad():
+                out = emb(batch())["f"]
+            assert not out.requires_grad
+        emb.close()
+        assert sum(s["tables"][0]["pushes"] for s in client.stats()) == 0
+
+
+def test_batch_must_match_the_features(addresses: list[str]) -> None:
+    with PSClient(addresses) as client:
+        emb = DistributedEmbedding(TABLES, FEATURES, client)
+        with pytest.raises(ValueError, match=r"missing \['f'\], unexpected \['g'\]"):
+            emb({"g": JaggedIds.from_lists([[1]])})
+        with pytest.raises(ValueError, match="pooling='sum'"):
+            DistributedEmbedding(TABLES, [FeatureConfig("f", "t", "mean")], client)(
+                {"f": JaggedIds.from_lists([[1, 2]], weights=[[0.5, 0.5]])}
+            )
+        emb.close()

@@ -1,0 +1,200 @@
+"""``DistributedEmbedding``: a drop-in for a dict of ``nn.EmbeddingBag`` whose rows live on the shards.
+
+Forward looks up the batch's unique keys of every table (one RPC per shard for all
+features), then pools each feature with ``torch.nn.functional.embedding_bag`` over
+those rows: the same operation ``nn.EmbeddingBag`` runs, so outputs and gradients match
+a local model exactly. Backward sums the gradient of each unique key (autograd does)
+and pushes it; the table's optimizer runs on the shards.
+
+Modes:
+* ``sync``: each step's push is applied before the next lookup starts, and each
+  table's keys are visited in ascending order, so training is bit-for-bit what a
+  local ``nn.EmbeddingBag`` with the same optimizer does (parity tests, debugging);
+* ``pipelined`` (default): ``prefetch(next_batch)`` looks up the next batch while this
+  one computes, pushes run in the background, and rows are at most ``staleness``
+  steps behind (default 1).
+
+Example (needs running shards; see examples/ and the README):
+    emb = DistributedEmbedding(
+        tables=[EmbeddingTableConfig("user", 16, optimizer="adagrad")],
+        features=[FeatureConfig("user_id", "user")],
+        client=PSClient(addresses),
+    )
+    pooled = emb({"user_id": JaggedIds.from_lists([[1, 2], [3]])})["user_id"]   # [2, 16]
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.nn.functional as F
+
+from client import PSClient
+from client.batching import dedup
+from worker.autograd import rows_with_push
+from worker.config import EmbeddingTableConfig, FeatureConfig, check_features
+from worker.jagged import JaggedIds
+from worker.prefetch import Rows, SparsePipeline
+
+__all__ = ["DistributedEmbedding"]
+
+Mode = Literal["sync", "pipelined"]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One batch's lookup: unique keys per table and, per feature, indices into them."""
+
+    unique: dict[str, npt.NDArray[np.int64]]
+    index: dict[str, torch.Tensor]  # feature -> positions into its table's unique keys
+
+
+class DistributedEmbedding(torch.nn.Module):
+    """Embedding bags for many features and tables, stored on parameter-server shards.
+
+    ``forward(batch)`` takes ``{feature: JaggedIds}`` and returns ``{feature: tensor}``:
+    ``[batch, dim]`` for sum/mean pooling, ``[num_ids, dim]`` for ``pooling="none"``.
+    Tables are created on first use (idempotent). Outputs live on ``device``.
+
+    Not thread-safe: one training loop per module. Raises the client's ``PSError``
+    subclasses for shard failures (a background push failure at the next call) and
+    ``ValueError`` for batches that do not match the features.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingTableConfig],
+        features: Sequence[FeatureConfig],
+        client: PSClient,
+        *,
+        mode: Mode = "pipelined",
+        staleness: int = 1,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        check_features(tables, features)
+        if mode not in ("sync", "pipelined"):
+            raise ValueError(f"mode={mode!r}: expected 'sync' or 'pipelined'")
+        if mode == "pipelined" and staleness < 1:
+            raise ValueError(f"staleness={staleness}: pipelined mode needs >= 1 (use mode='sync' for 0)")
+        self.tables = {t.name: t for t in tables}
+        self.features = {f.name: f for f in features}
+        self.client = client
+        self.mode = mode
+        self.device = torch.device(device)
+        self._pipeline = SparsePipeline(client, 0 if mode == "sync" else staleness)
+        self._prefetched: deque[tuple[Mapping[str, JaggedIds], _Plan, Future[Rows]]] = deque()
+        self._created = False
+        self._step = 0
+
+    # -- public ---------------------------------------------------------------------
+    def create_tables(self) -> None:
+        """Create every table on the shards (idempotent; forward does it on first use)."""
+        for t in self.tables.values():
+            self.client.create_table(t.name, t.dim, optimizer=t.optimizer, initializer=t.initializer, seed=t.seed,
+                                     **dict(t.params))  # fmt: skip
+        self._created = True
+
+    def prefetch(self, batch: Mapping[str, JaggedIds]) -> None:
+        """Start looking up ``batch`` for a later ``forward(batch)`` (same object), in pipelined mode.
+
+        In sync mode this does nothing: the lookup must wait for the current step's push.
+        """
+        self._pipeline.check()
+        if self.mode == "sync":
+            return
+        self._ensure_tables()
+        plan = self._plan(batch)
+        step = self._step + len(self._prefetched)
+        self._prefetched.append((batch, plan, self._pipeline.lookup(step, plan.unique)))
+
+    def forward(self, batch: Mapping[str, JaggedIds]) -> dict[str, torch.Tensor]:
+        self._pipeline.check()
+        self._ensure_tables()
+        step = self._step
+        if step > 0:
+            # A new forward means the previous step's backward (if any) has run.
+            self._pipeline.settle(step - 1)
+        if self._prefetched and self._prefetched[0][0] is batch:
+            _, plan, future = self._prefetched.popleft()
+        else:
+            self._prefetched.clear()  # prefetched for other batches: the loop changed course
+            plan = self._plan(batch)
+            future = self._pipeline.lookup(step, plan.unique)
+        rows = future.result()
+        self._step += 1
+        names = list(plan.unique)
+        tensors = [torch.from_numpy(rows[t]).to(self.device, non_blocking=True) for t in names]
+        if self.training and torch.is_grad_enabled():
+            unique = [plan.unique[t] for t in names]
+            tensors = list(rows_with_push(tensors, lambda grads: self._push(step, names, unique, grads)))
+        else:
+            self._pipeline.settle(step)
+        by_table = dict(zip(names, tensors))
+        return {name: self._pool(name, batch[name], by_table[f.table], plan.index[name])
+                for name, f in self.features.items()}  # fmt: skip
+
+    def flush(self) -> None:
+        """Block until every push so far is applied; raise a background failure if there was one."""
+        self._pipeline.flush()
+
+    def close(self) -> None:
+        """Flush and stop the background threads (the client stays open)."""
+        self._pipeline.close()
+
+    # -- internals ------------------------------------------------------------------
+    def _ensure_tables(self) -> None:
+        if not self._created:
+            self.create_tables()
+
+    def _plan(self, batch: Mapping[str, JaggedIds]) -> _Plan:
+        missing = [f for f in self.features if f not in batch]
+        extra = [f for f in batch if f not in self.features]
+        if missing or extra:
+            raise ValueError(f"batch features: missing {missing}, unexpected {extra}; expected {list(self.features)}")
+        unique: dict[str, npt.NDArray[np.int64]] = {}
+        index: dict[str, torch.Tensor] = {}
+        for table in self.tables:
+            feats = [n for n, f in self.features.items() if f.table == table]
+            if not feats:
+                continue
+            parts = [batch[n].values.detach().cpu().numpy() for n in feats]
+            keys, inverse = dedup(np.concatenate(parts) if len(parts) > 1 else parts[0])
+            if self.mode == "sync":
+                # Ascending keys make embedding_bag's backward add up duplicate ids in the
+                # same order as over a local [vocab, dim] weight: bit-exact parity.
+                order = np.argsort(keys, kind="stable")
+                rank = np.empty_like(order)
+                rank[order] = np.arange(order.shape[0])
+                keys, inverse = keys[order], rank[inverse]
+            unique[table] = keys
+            bounds = np.cumsum([0] + [len(p) for p in parts])
+            for n, lo, hi in zip(feats, bounds[:-1], bounds[1:]):
+                index[n] = torch.from_numpy(inverse[lo:hi]).to(self.device, non_blocking=True)
+        return _Plan(unique, index)
+
+    def _pool(self, name: str, ids: JaggedIds, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        pooling = self.features[name].pooling
+        if pooling == "none":
+            return rows.index_select(0, index)
+        weights = None if ids.weights is None else ids.weights.to(self.device, rows.dtype)
+        if weights is not None and pooling != "sum":
+            raise ValueError(f"feature {name!r}: per-id weights need pooling='sum' (as nn.EmbeddingBag), got {pooling!r}")
+        offsets = ids.offsets.to(self.device)
+        return F.embedding_bag(index, rows, offsets[:-1], mode=pooling, per_sample_weights=weights)
+
+    def _push(self, step: int, names: list[str], unique: list[npt.NDArray[np.int64]],
+              grads: Sequence[torch.Tensor | None]) -> None:  # fmt: skip
+        updates = {
+            t: (keys, g.detach().to("cpu", torch.float32).contiguous().numpy())
+            for t, keys, g in zip(names, unique, grads)
+            if g is not None
+        }
+        self._pipeline.push(step, updates, wait=self.mode == "sync")
