@@ -109,6 +109,10 @@ class PushLedger:
         return c
 
     def _record(self, c: _ClientSeqs, seq: int) -> None:
+        if seq <= c.low:
+            # The window gave this seq up while it was in flight: it already reads as
+            # applied, and keeping it in `done` would later drag `low` backwards.
+            return
         c.done.add(seq)
         if len(c.done) > self._window:
             c.low = min(c.done)  # give up the oldest gap (see the class docstring)

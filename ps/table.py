@@ -139,6 +139,9 @@ class Table:
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         if out is None:
             out = np.empty((keys.shape[0], self.dim), dtype=np.float32)
+        elif out.shape != (keys.shape[0], self.dim) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            # The gather kernel does not bounds-check: a wrong buffer would corrupt memory.
+            raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected C-contiguous float32[{keys.shape[0]}, {self.dim}]")
         now = np.uint32(int(time.time()))
         with self._lock:
             if create:

@@ -1,0 +1,183 @@
+"""``InProcessTransport``: a client ``Transport`` that runs real ``Servicer`` handlers in-process.
+
+Each request goes, as bytes, straight into ``ps.servicer.Servicer(shard, ...).<Method>``
+with a fake ``ServicerContext``; the response is serialized as the real server's
+serializer would (``SerializeToString`` for protobuf messages, Lookup's bytes as they
+are). No sockets, no threads of its own: ``call()`` runs the handler synchronously and
+returns an already-finished call. Status errors surface as ``FakeRpcError`` (a
+``grpc.RpcError`` with ``code()`` and ``details()``), from ``result()``, exactly where a
+gRPC future raises them.
+
+Faults are injected with ``fail_next``: fail the next calls of a method with a status,
+either before the shard sees them or after it applied them (a timeout that lost the
+reply).
+
+Example:
+    >>> from ps.shard import Shard
+    >>> from client import PSClient
+    >>> t = InProcessTransport([Shard(0, 1)])
+    >>> with PSClient(["inproc:0"], transport=t) as ps:
+    ...     _ = ps.create_table("t", dim=2)
+    ...     t.fail_next("Lookup", grpc.StatusCode.UNAVAILABLE)
+    ...     ps.lookup("t", [1]).shape
+    (1, 2)
+    >>> [m for _, m, _ in t.calls]
+    ['CreateTable', 'Lookup', 'Lookup']
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import Message
+
+from ps.servicer import Servicer
+from ps.shard import Shard
+
+__all__ = ["FakeRpcError", "InProcessTransport"]
+
+
+class FakeRpcError(grpc.RpcError):
+    """A failed RPC as a gRPC future reports it: ``code()`` and ``details()``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Context:
+    """The one part of ``grpc.ServicerContext`` the servicer uses: ``abort`` raises."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise FakeRpcError(code, details)
+
+
+class _DoneCall:
+    """A finished call: ``result()`` returns the response bytes or raises the RPC's error."""
+
+    def __init__(self, response: bytes | None, error: FakeRpcError | None) -> None:
+        self._response = response
+        self._error = error
+
+    def result(self) -> bytes:
+        if self._error is not None:
+            raise self._error
+        assert self._response is not None
+        return self._response
+
+    def cancel(self) -> bool:
+        return False  # already finished, like a completed grpc future
+
+
+@dataclass
+class _Fault:
+    method: str
+    code: grpc.StatusCode
+    times: int
+    after_apply: bool
+    shard: int | None
+
+
+class InProcessTransport:
+    """Client ``Transport`` over real ``Shard`` objects; ``shards[i]`` is shard ``i``.
+
+    ``max_message_bytes`` is the shards' limit, as on a real server: a request or
+    response larger than it fails with RESOURCE_EXHAUSTED. Every call is recorded in
+    ``calls`` as ``(shard, method, request_bytes)`` (injected failures included).
+    Thread-safe; ``call`` before ``start`` raises ``RuntimeError`` like ``GrpcTransport``.
+    """
+
+    def __init__(self, shards: Sequence[Shard], max_message_bytes: int = 64 << 20) -> None:
+        self.shards = list(shards)
+        self.max_message_bytes = max_message_bytes
+        self.servicers = [Servicer(s, max_message_bytes) for s in self.shards]
+        self.calls: list[tuple[int, str, bytes]] = []
+        self.starts = 0
+        self.closes = 0
+        self._faults: list[_Fault] = []
+        self._lock = threading.Lock()
+        self._open = False
+
+    def start(self) -> None:
+        with self._lock:
+            self.starts += 1
+            self._open = True
+
+    def close(self) -> None:
+        with self._lock:
+            self.closes += 1
+            self._open = False
+
+    def address(self, shard: int) -> str:
+        return f"inproc:{shard}"
+
+    def fail_next(
+        self,
+        method: str,
+        code: grpc.StatusCode,
+        times: int = 1,
+        after_apply: bool = False,
+        shard: int | None = None,
+    ) -> None:
+        """Fail the next ``times`` calls of ``method`` (to ``shard``, or any) with ``code``.
+
+        ``after_apply=False``: the shard never sees the call (e.g. UNAVAILABLE).
+        ``after_apply=True``: the shard handles it, then the reply is lost (e.g.
+        DEADLINE_EXCEEDED after a push was applied).
+        """
+        with self._lock:
+            self._faults.append(_Fault(method, code, times, after_apply, shard))
+
+    def count(self, method: str, shard: int | None = None) -> int:
+        """How many calls of ``method`` (to ``shard``, or to any) were made."""
+        with self._lock:
+            return sum(m == method and (shard is None or s == shard) for s, m, _ in self.calls)
+
+    def call(self, shard: int, method: str, request: bytes, timeout_s: float) -> _DoneCall:
+        with self._lock:
+            if not self._open:
+                raise RuntimeError("InProcessTransport.call before start()")
+            self.calls.append((shard, method, request))
+            fault = self._take_fault(shard, method)
+        if fault is not None and not fault.after_apply:
+            return _DoneCall(None, FakeRpcError(fault.code, f"injected {fault.code.name} before apply"))
+        try:
+            response = self._handle(shard, method, request)
+        except FakeRpcError as exc:
+            return _DoneCall(None, exc)
+        if fault is not None:
+            return _DoneCall(None, FakeRpcError(fault.code, f"injected {fault.code.name} after apply"))
+        return _DoneCall(response, None)
+
+    def _take_fault(self, shard: int, method: str) -> _Fault | None:
+        for fault in self._faults:
+            if fault.method == method and fault.shard in (None, shard):
+                fault.times -= 1
+                if fault.times <= 0:
+                    self._faults.remove(fault)
+                return fault
+        return None
+
+    def _handle(self, shard: int, method: str, request: bytes) -> bytes:
+        limit = self.max_message_bytes
+        if len(request) > limit:
+            raise FakeRpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"Received message larger than max ({len(request)} vs. {limit})"
+            )
+        reply = getattr(self.servicers[shard], method)(request, _Context())
+        data = reply.SerializeToString() if isinstance(reply, Message) else bytes(reply)
+        if len(data) > limit:
+            raise FakeRpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"Sent message larger than max ({len(data)} vs. {limit})"
+            )
+        return data

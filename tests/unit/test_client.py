@@ -1,0 +1,540 @@
+"""PSClient against three real ``Shard``s through ``tests.fakes.InProcessTransport`` (no network).
+
+Expected rows come from ``initial_rows`` and the SGD formula; expected routing from
+``protos.keys.shard_of``. Faults are injected in the transport, before or after the
+shard handled a call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from client import (
+    ClientConfig,
+    DeadlineExceededError,
+    InternalServerError,
+    InvalidRequestError,
+    PreconditionError,
+    PSClient,
+    PSError,
+    PushResult,
+    ResourceExhaustedError,
+    ShardUnavailableError,
+    TableExistsError,
+    TableNotFoundError,
+)
+from client.errors import error_for
+from ps.config import TableSpec
+from ps.initializers import InitializerKind, InitializerParams, initial_rows
+from ps.optimizers import OptimizerKind, OptimizerParams
+from ps.shard import Shard
+from protos.keys import shard_of
+from tests.fakes import InProcessTransport
+
+F32 = npt.NDArray[np.float32]
+N = 3
+DIM = 4
+# Fast retries: the backoff sleeps stay in the milliseconds.
+FAST = ClientConfig(backoff_initial_s=0.001, backoff_max_s=0.002, tune_malloc=False)
+KEYS = np.concatenate([np.arange(-50, 250), [2**63 - 1, -(2**63)]]).astype(np.int64)
+
+
+def addresses(n: int = N) -> list[str]:
+    return [f"inproc:{i}" for i in range(n)]
+
+
+@pytest.fixture
+def shards() -> list[Shard]:
+    return [Shard(i, N) for i in range(N)]
+
+
+@pytest.fixture
+def transport(shards: list[Shard]) -> InProcessTransport:
+    return InProcessTransport(shards)
+
+
+@pytest.fixture
+def ps(transport: InProcessTransport) -> Iterator[PSClient]:
+    with PSClient(addresses(), FAST, transport=transport) as client:
+        client.create_table("t", DIM, lr=0.5, seed=3)
+        yield client
+
+
+def spec_of(shards: list[Shard], table: str = "t") -> TableSpec:
+    return shards[0].table(table).spec
+
+
+def initial(spec: TableSpec, keys: npt.ArrayLike) -> F32:
+    return initial_rows(spec.initializer, spec.seed, keys, spec.dim)
+
+
+def stored_keys(shard: Shard, table: str = "t") -> list[int]:
+    return sorted(shard.table(table).export()[0].tolist())
+
+
+def requests_per_shard(transport: InProcessTransport, method: str) -> list[int]:
+    return [transport.count(method, s) for s in range(N)]
+
+
+# -- lookup and push ------------------------------------------------------------------
+
+
+def test_lookup_and_push_round_trip_routes_every_key_to_its_shard(
+    ps: PSClient, shards: list[Shard]
+) -> None:
+    spec = spec_of(shards)
+    rows = ps.lookup("t", KEYS)
+
+    assert rows.dtype == np.float32 and rows.shape == (KEYS.size, DIM)
+    np.testing.assert_array_equal(rows, initial(spec, KEYS))
+    owner = shard_of(KEYS, N)
+    for i, shard in enumerate(shards):
+        assert stored_keys(shard) == sorted(KEYS[owner == i].tolist())
+        assert len(shard.table("t")) > 0
+
+    grads = np.linspace(-2, 2, KEYS.size * DIM, dtype=np.float32).reshape(-1, DIM)
+    result = ps.push("t", KEYS, grads)
+
+    assert result == PushResult(rows_updated=KEYS.size, duplicates=0)
+    # lr=0.5: 0.5*g is exact, so ``row - 0.5*g`` rounds once, as the fused kernel does.
+    np.testing.assert_array_equal(ps.lookup("t", KEYS), rows - np.float32(0.5) * grads)
+    assert sum(len(s.table("t")) for s in shards) == KEYS.size
+
+
+def test_duplicates_and_caller_order_are_preserved(ps: PSClient, shards: list[Shard]) -> None:
+    spec = spec_of(shards)
+    keys = np.array([9, 3, 9, 1000, 3, -5, 9], dtype=np.int64)
+    np.testing.assert_array_equal(ps.lookup("t", keys), initial(spec, keys))
+    assert sum(len(s.table("t")) for s in shards) == 4
+
+    grads = np.arange(7 * DIM, dtype=np.float32).reshape(7, DIM)
+    assert ps.push("t", keys, grads).rows_updated == 4  # distinct rows
+
+    summed = {9: grads[0] + grads[2] + grads[6], 3: grads[1] + grads[4], 1000: grads[3], -5: grads[5]}
+    expected = np.stack([initial(spec, [k])[0] - np.float32(0.5) * summed[k] for k in keys.tolist()])
+    np.testing.assert_array_equal(ps.lookup("t", keys), expected)
+
+
+def test_lookup_accepts_python_lists_and_unsigned_keys(ps: PSClient, shards: list[Shard]) -> None:
+    spec = spec_of(shards)
+    as_uint = np.array([2**64 - 1, 5], dtype=np.uint64)
+    np.testing.assert_array_equal(ps.lookup("t", as_uint), initial(spec, [-1, 5]))
+    np.testing.assert_array_equal(ps.lookup("t", [7, 8]), initial(spec, [7, 8]))
+
+
+def test_lookup_fills_out_buffer(ps: PSClient, shards: list[Shard]) -> None:
+    keys = np.array([1, 2, 1, 77], dtype=np.int64)
+    out = np.full((4, DIM), np.nan, dtype=np.float32)
+    returned = ps.lookup("t", keys, out=out)
+    assert returned is out
+    np.testing.assert_array_equal(out, initial(spec_of(shards), keys))
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        np.zeros((3, DIM), np.float32),  # wrong length
+        np.zeros((4, DIM + 1), np.float32),  # wrong dim
+        np.zeros((4, DIM), np.float64),  # wrong dtype
+        np.zeros((DIM, 4), np.float32).T,  # not C-contiguous
+    ],
+    ids=["rows", "dim", "dtype", "layout"],
+)
+def test_lookup_rejects_bad_out_buffer_before_any_rpc(
+    ps: PSClient, transport: InProcessTransport, out: F32
+) -> None:
+    with pytest.raises(InvalidRequestError, match=r"expected C-contiguous float32\[4, 4\]") as info:
+        ps.lookup("t", [1, 2, 3, 4], out=out)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.shard is None
+    assert transport.count("Lookup") == 0
+
+
+def test_bad_keys_and_grads_are_rejected_client_side(ps: PSClient, transport: InProcessTransport) -> None:
+    with pytest.raises(InvalidRequestError, match="expected 1-D"):
+        ps.lookup("t", np.zeros((2, 2), np.int64))
+    with pytest.raises(InvalidRequestError, match="expected integers"):
+        ps.lookup("t", np.array([1.5]))
+    with pytest.raises(InvalidRequestError, match=r"grads shape \(3, 4\), expected \(2, dim\)"):
+        ps.push("t", [1, 2], np.zeros((3, DIM), np.float32))
+    with pytest.raises(InvalidRequestError, match="expected a float dtype"):
+        ps.push("t", [1, 2], np.zeros((2, DIM), np.int32))
+    assert transport.count("Lookup") == transport.count("Push") == 0
+
+
+def test_empty_keys(ps: PSClient, transport: InProcessTransport) -> None:
+    rows = ps.lookup("t", np.array([], dtype=np.int64))
+    assert rows.shape == (0, DIM) and rows.dtype == np.float32
+    assert ps.lookup("t", []).shape == (0, DIM)
+    assert ps.push("t", [], np.zeros((0, DIM), np.float32)) == PushResult(0, 0)
+    assert transport.count("Lookup") == transport.count("Push") == 0  # nothing to send
+
+    ps.create_table("u", 2)
+    mixed = ps.lookup_many({"t": [], "u": [1]})
+    assert mixed["t"].shape == (0, DIM) and mixed["u"].shape == (1, 2)
+    assert transport.count("Lookup") == 1  # only the shard of key 1
+
+
+def test_multi_table_calls_send_one_request_per_shard(
+    ps: PSClient, transport: InProcessTransport, shards: list[Shard]
+) -> None:
+    ps.create_table("u", 7, seed=1)
+    keys_t, keys_u = KEYS[:100], KEYS[50:]
+
+    rows = ps.lookup_many({"t": keys_t, "u": keys_u})
+
+    assert requests_per_shard(transport, "Lookup") == [1, 1, 1]
+    np.testing.assert_array_equal(rows["t"], initial(spec_of(shards, "t"), keys_t))
+    np.testing.assert_array_equal(rows["u"], initial(spec_of(shards, "u"), keys_u))
+
+    result = ps.push_many(
+        {"t": (keys_t, np.ones((keys_t.size, DIM), np.float32)), "u": (keys_u, np.ones((keys_u.size, 7), np.float32))}
+    )
+
+    assert requests_per_shard(transport, "Push") == [1, 1, 1]
+    assert result == PushResult(rows_updated=keys_t.size + keys_u.size)
+    np.testing.assert_array_equal(ps.lookup("t", keys_t), rows["t"] - np.float32(0.5))
+    u_expected = (rows["u"].astype(np.float64) - np.float64(np.float32(0.01))).astype(np.float32)
+    np.testing.assert_array_equal(ps.lookup("u", keys_u), u_expected)
+
+
+def test_small_max_message_bytes_splits_requests_with_same_results(shards: list[Shard]) -> None:
+    limit = 1 << 16
+    dim = 64  # 264 bytes per key on the wire: about 230 keys per request
+    keys = np.arange(2000, dtype=np.int64)
+    transport = InProcessTransport(shards, max_message_bytes=limit)
+    config = ClientConfig(max_message_bytes=limit, backoff_initial_s=0.001, tune_malloc=False)
+    grads = np.full((keys.size, dim), 0.5, np.float32)
+
+    with PSClient(addresses(), config, transport=transport) as ps:
+        ps.create_table("big", dim, lr=0.5)
+        spec = spec_of(shards, "big")
+        np.testing.assert_array_equal(ps.lookup("big", keys), initial(spec, keys))
+        assert ps.push("big", keys, grads) == PushResult(rows_updated=keys.size)
+        np.testing.assert_array_equal(ps.lookup("big", keys), initial(spec, keys) - np.float32(0.25))
+
+    per_shard = np.bincount(shard_of(keys, N), minlength=N)
+    for method in ("Lookup", "Push"):
+        counts = requests_per_shard(transport, method)
+        assert all(c >= 2 for c in counts), (method, counts)
+        assert sum(counts) >= 2000 * 264 // limit
+    assert all(len(req) <= limit for _, _, req in transport.calls)
+    assert [len(s.table("big")) for s in shards] == per_shard.tolist()
+
+
+def test_unsplit_request_over_the_shard_limit_is_resource_exhausted(shards: list[Shard]) -> None:
+    transport = InProcessTransport(shards, max_message_bytes=1 << 16)
+    with PSClient(addresses(), FAST, transport=transport) as ps:  # client limit 64 MiB
+        ps.create_table("big", 64)
+        with pytest.raises(ResourceExhaustedError) as info:
+            ps.lookup("big", np.arange(2000))
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert transport.count("Lookup") == N  # not retried
+
+
+def test_transport_dtype_float16_rounds_rows_and_grads(shards: list[Shard], transport: InProcessTransport) -> None:
+    config = ClientConfig(transport_dtype="float16", backoff_initial_s=0.001, tune_malloc=False)
+    with PSClient(addresses(), config, transport=transport) as ps:
+        ps.create_table("h", DIM, lr=1.0, initializer="constant", value=0.5)
+        keys = np.arange(20, dtype=np.int64)
+        np.testing.assert_array_equal(ps.lookup("h", keys), np.full((20, DIM), 0.5, np.float32))
+        g = np.full((20, DIM), 0.1, np.float32)  # 0.1 is not a float16: it travels rounded
+        ps.push("h", keys, g)
+        stored = np.concatenate([s.table("h").export()[1] for s in shards])
+        expected = np.float32(0.5) - np.float32(np.float16(0.1))
+        np.testing.assert_array_equal(stored, np.full((20, DIM), expected, np.float32))
+
+
+def test_serving_shards_read_zeros_and_refuse_pushes(ps: PSClient, shards: list[Shard]) -> None:
+    ps.lookup("t", [1, 2, 3])
+    for s in shards:
+        s.mode = "serve"
+    rows = ps.lookup("t", [1, 10_000])
+    np.testing.assert_array_equal(rows[0], initial(spec_of(shards), [1])[0])
+    np.testing.assert_array_equal(rows[1], np.zeros(DIM, np.float32))
+    assert sum(len(s.table("t")) for s in shards) == 3
+    with pytest.raises(PreconditionError, match="read-only") as info:
+        ps.push("t", [1], np.ones((1, DIM), np.float32))
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_client_with_fewer_addresses_than_shards_is_refused(shards: list[Shard], transport: InProcessTransport) -> None:
+    with PSClient(addresses(2), FAST, transport=transport) as ps:
+        ps.create_table("t", DIM)  # CreateTable carries no routing
+        with pytest.raises(PreconditionError, match=r"routed for num_shards=2.*cluster of 3") as info:
+            ps.lookup("t", np.arange(100))
+    assert info.value.shard in (0, 1) and info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert sum(len(s.table("t")) for s in shards[:2]) == 0
+
+
+def test_single_shard_push_with_duplicates() -> None:
+    shard = Shard(0, 1)
+    with PSClient(["inproc:0"], FAST, transport=InProcessTransport([shard])) as ps:
+        ps.create_table("t", DIM, lr=0.5)
+        keys = np.array([3, 1, 3, 2], dtype=np.int64)
+        start = ps.lookup("t", [3, 1, 2])
+        grads = np.array([[1.0] * DIM, [2.0] * DIM, [4.0] * DIM, [8.0] * DIM], np.float32)
+        assert ps.push("t", keys, grads) == PushResult(rows_updated=3)
+        summed = np.stack([grads[0] + grads[2], grads[1], grads[3]])
+        np.testing.assert_array_equal(ps.lookup("t", [3, 1, 2]), start - np.float32(0.5) * summed)
+
+
+def test_table_created_elsewhere_is_found_and_unknown_table_is_not(ps: PSClient, shards: list[Shard]) -> None:
+    with PSClient(addresses(), FAST, transport=InProcessTransport(shards)) as other:
+        np.testing.assert_array_equal(other.lookup("t", [4]), initial(spec_of(shards), [4]))
+        assert set(other.tables()) == {"t"}
+        with pytest.raises(TableNotFoundError, match=r"'nope' does not exist \(tables: t\)") as info:
+            other.lookup("nope", [1])
+    assert info.value.code == grpc.StatusCode.NOT_FOUND and info.value.shard is None
+
+
+def test_pushes_of_two_clients_are_not_duplicates_of_each_other(ps: PSClient, shards: list[Shard]) -> None:
+    start = ps.lookup("t", [1])
+    with PSClient(addresses(), FAST, transport=InProcessTransport(shards)) as other:  # seqs start at 1 too
+        assert other.push("t", [1], np.ones((1, DIM), np.float32)) == PushResult(1, 0)
+    assert ps.push("t", [1], np.ones((1, DIM), np.float32)) == PushResult(1, 0)
+    np.testing.assert_array_equal(ps.lookup("t", [1]), start - np.float32(0.5) - np.float32(0.5))
+
+
+def test_stats_report_rows_per_shard(ps: PSClient, shards: list[Shard]) -> None:
+    ps.lookup("t", KEYS)
+    stats = ps.stats()
+    assert [s["shard"] for s in stats] == [0, 1, 2]
+    assert all(s["num_shards"] == N and s["mode"] == "train" for s in stats)
+    rows = [s["tables"][0]["rows"] for s in stats]
+    assert rows == np.bincount(shard_of(KEYS, N), minlength=N).tolist()
+
+
+# -- retries --------------------------------------------------------------------------
+
+
+def test_unavailable_once_is_retried(ps: PSClient, transport: InProcessTransport, shards: list[Shard]) -> None:
+    transport.fail_next("Lookup", grpc.StatusCode.UNAVAILABLE, shard=1)
+    rows = ps.lookup("t", KEYS)
+    np.testing.assert_array_equal(rows, initial(spec_of(shards), KEYS))
+    assert requests_per_shard(transport, "Lookup") == [1, 2, 1]
+
+
+def test_push_retried_after_deadline_exceeded_is_applied_once(
+    ps: PSClient, transport: InProcessTransport, shards: list[Shard]
+) -> None:
+    start = ps.lookup("t", KEYS)
+    transport.fail_next("Push", grpc.StatusCode.DEADLINE_EXCEEDED, after_apply=True, shard=0)
+
+    result = ps.push("t", KEYS, np.ones((KEYS.size, DIM), np.float32))
+
+    assert result.duplicates == 1
+    assert requests_per_shard(transport, "Push") == [2, 1, 1]
+    assert shards[0].ledger.duplicates == 1
+    np.testing.assert_array_equal(ps.lookup("t", KEYS), start - np.float32(0.5))  # moved once
+    assert [s["duplicate_pushes"] for s in ps.stats()] == [1, 0, 0]
+
+
+def test_unavailable_before_push_applies_it_on_retry(
+    ps: PSClient, transport: InProcessTransport, shards: list[Shard]
+) -> None:
+    start = ps.lookup("t", KEYS)
+    transport.fail_next("Push", grpc.StatusCode.UNAVAILABLE, times=2, shard=2)
+    result = ps.push("t", KEYS, np.ones((KEYS.size, DIM), np.float32))
+    assert result == PushResult(rows_updated=KEYS.size, duplicates=0)
+    assert requests_per_shard(transport, "Push") == [1, 1, 3]
+    np.testing.assert_array_equal(ps.lookup("t", KEYS), start - np.float32(0.5))
+
+
+def test_invalid_argument_is_not_retried(ps: PSClient, transport: InProcessTransport, shards: list[Shard]) -> None:
+    key = int(KEYS[shard_of(KEYS, N) == 1][0])
+    before = ps.lookup("t", [key])
+    grads = np.ones((1, DIM), np.float32)
+    grads[0, 2] = np.nan
+
+    with pytest.raises(InvalidRequestError, match=r"NaN/Inf") as info:
+        ps.push("t", [key], grads)
+
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.shard == 1
+    assert "shard 1 (inproc:1)" in str(info.value)
+    assert requests_per_shard(transport, "Push") == [0, 1, 0]
+    np.testing.assert_array_equal(ps.lookup("t", [key]), before)
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [(grpc.StatusCode.UNAVAILABLE, ShardUnavailableError), (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceededError)],
+)
+def test_exhausted_attempts_raise_with_shard_and_code(
+    shards: list[Shard], transport: InProcessTransport, code: grpc.StatusCode, cls: type[PSError]
+) -> None:
+    config = ClientConfig(max_attempts=3, backoff_initial_s=0.001, backoff_max_s=0.002, tune_malloc=False)
+    with PSClient(addresses(), config, transport=transport) as ps:
+        ps.create_table("t", DIM)
+        transport.fail_next("Lookup", code, times=100, shard=2)
+        with pytest.raises(cls, match=r"gave up after 3 attempts") as info:
+            ps.lookup("t", KEYS)
+    assert info.value.shard == 2 and info.value.code == code
+    assert "shard 2 (inproc:2)" in str(info.value)
+    assert transport.count("Lookup", 2) == 3
+
+
+def test_shutting_down_shard_is_unavailable_after_retries(shards: list[Shard], transport: InProcessTransport) -> None:
+    config = ClientConfig(max_attempts=2, backoff_initial_s=0.001, tune_malloc=False)
+    with PSClient(addresses(), config, transport=transport) as ps:
+        ps.create_table("t", DIM)
+        shards[1].close()
+        with pytest.raises(ShardUnavailableError, match="shutting down") as info:
+            ps.lookup("t", KEYS)
+    assert info.value.shard == 1 and info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert transport.count("Lookup", 1) == 2
+
+
+# -- errors ---------------------------------------------------------------------------
+
+ERRORS: list[tuple[type[PSError], grpc.StatusCode]] = [
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (TableNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (TableExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ShardUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (InternalServerError, grpc.StatusCode.INTERNAL),
+]
+
+
+@pytest.mark.parametrize(("cls", "code"), ERRORS, ids=[c.__name__ for c, _ in ERRORS])
+def test_every_error_carries_its_code_when_raised_client_side(cls: type[PSError], code: grpc.StatusCode) -> None:
+    err = cls("something")
+    assert isinstance(err, PSError)
+    assert err.code == code and err.shard is None
+    assert error_for(code) is cls
+
+
+@pytest.mark.parametrize(
+    ("cls", "code"),
+    [*[e for e in ERRORS if e[1] not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)],
+     (InternalServerError, grpc.StatusCode.UNKNOWN), (InternalServerError, grpc.StatusCode.DATA_LOSS)],
+)  # fmt: skip
+def test_status_from_a_shard_maps_to_its_error(
+    ps: PSClient, transport: InProcessTransport, cls: type[PSError], code: grpc.StatusCode
+) -> None:
+    transport.fail_next("Lookup", code, shard=0)
+    with pytest.raises(cls) as info:
+        ps.lookup("t", KEYS)
+    assert type(info.value) is cls
+    assert info.value.code == code and info.value.shard == 0  # the original code is kept
+    assert isinstance(info.value.__cause__, grpc.RpcError)
+    assert transport.count("Lookup", 0) == 1
+
+
+# -- create_table ---------------------------------------------------------------------
+
+
+def test_create_table_options_reach_every_shard(ps: PSClient, shards: list[Shard]) -> None:
+    config = ps.create_table(
+        "emb", 6, optimizer="AdaGrad", initializer="normal", seed=2**64 - 1,
+        lr=0.05, eps=1e-6, initial_accumulator_value=0.1, mean=0.5, std=0.2,
+    )  # fmt: skip
+
+    expected = TableSpec(
+        "emb", 6,
+        initializer=InitializerParams(InitializerKind.NORMAL, mean=0.5, std=0.2),
+        optimizer=OptimizerParams(OptimizerKind.ADAGRAD, lr=0.05, eps=1e-6, initial_accumulator_value=0.1),
+        seed=2**64 - 1,
+    )  # fmt: skip
+    assert [s.table("emb").spec for s in shards] == [expected] * N
+    assert (config.name, config.dim, config.seed) == ("emb", 6, 2**64 - 1)
+    assert (config.optimizer, config.initializer) == ("adagrad", "normal")
+    assert config.optimizer_params["lr"] == 0.05 and config.optimizer_params["beta1"] == 0.9  # default filled
+    assert config.initializer_params["std"] == 0.2 and config.initializer_params["low"] == -0.05
+    assert ps.create_table("emb", 6, optimizer="adagrad", initializer="normal", seed=2**64 - 1,
+                           lr=0.05, eps=1e-6, initial_accumulator_value=0.1, mean=0.5, std=0.2) == config  # fmt: skip
+
+
+def test_create_table_defaults(ps: PSClient, shards: list[Shard]) -> None:
+    config = ps.create_table("plain", 3)
+    assert [s.table("plain").spec for s in shards] == [TableSpec("plain", 3)] * N
+    assert (config.optimizer, config.initializer, config.seed) == ("sgd", "uniform", 0)
+
+
+def test_create_table_unknown_option_is_a_type_error(ps: PSClient, transport: InProcessTransport) -> None:
+    before = transport.count("CreateTable")
+    with pytest.raises(TypeError, match=r"unknown option 'learning_rate'; valid: lr, weight_decay, .*beta, low, .*value"):
+        ps.create_table("x", 4, learning_rate=0.1)
+    with pytest.raises(InvalidRequestError, match=r"optimizer='adamw': expected one of sgd, adagrad, adam, ftrl"):
+        ps.create_table("x", 4, optimizer="adamw")
+    with pytest.raises(InvalidRequestError, match=r"initializer='xavier'"):
+        ps.create_table("x", 4, initializer="xavier")
+    assert transport.count("CreateTable") == before
+
+
+def test_create_table_bad_value_is_rejected_by_the_shards(ps: PSClient, shards: list[Shard]) -> None:
+    with pytest.raises(InvalidRequestError, match=r"lr=-1\.0: must be > 0") as info:
+        ps.create_table("x", 4, lr=-1.0)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert all(not any(t.spec.name == "x" for t in s.tables()) for s in shards)
+
+
+def test_create_table_with_another_spec_names_the_difference(ps: PSClient, shards: list[Shard]) -> None:
+    with pytest.raises(TableExistsError, match=r"dim: 4 != 8") as info:
+        ps.create_table("t", 8, lr=0.5, seed=3)
+    assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert all(s.table("t").dim == DIM for s in shards)
+
+
+# -- push_async, lifecycle ------------------------------------------------------------
+
+
+def test_push_async_returns_a_future(ps: PSClient, shards: list[Shard]) -> None:
+    start = ps.lookup("t", KEYS)
+    grads = np.ones((KEYS.size, DIM), np.float32)
+    future = ps.push_async("t", KEYS, grads)
+    grads[:] = np.nan  # the inputs were copied: reusing them does not change the push
+    assert isinstance(future, Future)
+    assert future.result(timeout=10) == PushResult(rows_updated=KEYS.size)
+    np.testing.assert_array_equal(ps.lookup("t", KEYS), start - np.float32(0.5))
+
+
+def test_push_async_surfaces_errors(ps: PSClient) -> None:
+    grads = np.full((2, DIM), np.inf, np.float32)
+    future = ps.push_async("t", [1, 2], grads)
+    err = future.exception(timeout=10)
+    assert isinstance(err, InvalidRequestError) and err.code == grpc.StatusCode.INVALID_ARGUMENT
+    missing = ps.push_many_async({"nope": ([1], np.ones((1, DIM), np.float32))})
+    with pytest.raises(TableNotFoundError):
+        missing.result(timeout=10)
+
+
+def test_constructor_does_no_io_and_with_opens_and_closes(shards: list[Shard]) -> None:
+    transport = InProcessTransport(shards)
+    client = PSClient(addresses(), FAST, transport=transport)
+    assert (transport.starts, transport.closes, transport.calls) == (0, 0, [])
+
+    with client as ps:
+        assert ps is client
+        assert (transport.starts, transport.calls) == (1, [])
+        ps.create_table("t", DIM)
+    assert (transport.starts, transport.closes) == (1, 1)
+
+
+def test_first_use_starts_the_client(shards: list[Shard]) -> None:
+    transport = InProcessTransport(shards)
+    client = PSClient(addresses(), FAST, transport=transport)
+    try:
+        client.create_table("t", DIM)
+        assert transport.starts == 1
+        client.lookup("t", [1])
+        client.start()  # idempotent
+        assert transport.starts == 1
+    finally:
+        client.close()
+    assert transport.closes == 1
+
+
+def test_constructor_rejects_bad_addresses() -> None:
+    with pytest.raises(ValueError, match="non-empty list"):
+        PSClient([])
+    with pytest.raises(ValueError, match="non-empty list"):
+        PSClient("127.0.0.1:1")  # a str is a Sequence[str], but not a list of addresses
