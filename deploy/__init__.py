@@ -1,4 +1,4 @@
-"""Running the parameter server: a local multi-shard launcher (Kubernetes manifests come later)."""
+"""Running the parameter server: local shard processes and ``ps-launch`` (Kubernetes manifests come later)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,431 @@
+"""Training data: the ``Batch`` type, delimited click-log readers, and the eval metrics
+``auc`` and ``logloss`` (the synthetic stream is in ``worker.synthetic``).
+
+A sample is one row of ``Batch.dense``, one label and, per categorical feature,
+exactly one key ``protos.keys.hash_feature(raw_value, feature_seed)``. The raw value
+is the field's bytes as they appear in the file; an empty field hashes as ``""``, so
+"missing" learns its own row. The default seed of a feature is
+``feature_seed(name) = hash_feature(name, 0) mod 2**64``, so every process agrees.
+
+Hot paths make no Python object per value: a file is read in byte chunks that numba
+kernels split, parse and hash in place (FNV-1a-64 over each field's byte range, the
+exact definition in ``protos/keys.py``).
+
+Example:
+    >>> auc([0, 1, 0, 1], [0.1, 0.9, 0.3, 0.2])
+    0.75
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from protos.keys import hash_feature, mix64
+from worker.jagged import JaggedIds
+
+__all__ = ["Batch", "ColumnSchema", "auc", "feature_seed", "hash_strings", "logloss", "read_click_log"]
+
+_MASK64 = (1 << 64) - 1
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = np.uint64(0x100000001B3)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+U8 = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One mini-batch: ``dense`` float32 ``[B, num_dense]``, one ``JaggedIds`` of int64
+    keys per sparse feature, ``labels`` float32 ``[B]`` of 0/1. CPU tensors that no one
+    else writes; consumers must not modify them in place (batches may view one chunk)."""
+
+    dense: torch.Tensor
+    sparse: dict[str, JaggedIds]
+    labels: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def feature_seed(feature: str) -> int:
+    """Default hash seed of a feature: ``hash_feature(feature, 0)`` as an unsigned int.
+
+    >>> feature_seed("C1") == hash_feature("C1", 0) % 2**64
+    True
+    """
+    return hash_feature(feature, 0) & _MASK64
+
+
+# --- numba kernels: the whole chunk is one uint8 buffer, fields are [start, end) ranges.
+
+
+@numba.njit(nogil=True, cache=True)
+def _hash_fields(buf: U8, starts: I64, ends: I64, cols: I64, bases: U64, out: U64) -> None:
+    for c in range(cols.shape[0]):
+        col, basis = cols[c], bases[c]
+        for i in range(starts.shape[0]):
+            h = basis
+            for p in range(starts[i, col], ends[i, col]):
+                h = (h ^ np.uint64(buf[p])) * _FNV_PRIME
+            h = (h ^ (h >> np.uint64(30))) * _MIX1  # mix64, as in protos/keys.py
+            h = (h ^ (h >> np.uint64(27))) * _MIX2
+            out[c, i] = h ^ (h >> np.uint64(31))
+
+
+@numba.njit(nogil=True, cache=True)
+def _split_fields(buf: U8, line_starts: I64, line_ends: I64, sep: int, starts: I64, ends: I64) -> int:
+    """Fills field ranges of every line; returns the first line with a wrong field count, or -1."""
+    nfields = starts.shape[1]
+    for i in range(line_starts.shape[0]):
+        s, e = line_starts[i], line_ends[i]
+        if e > s and buf[e - 1] == 13:  # CRLF files (the Avazu sample is one)
+            e -= 1
+        f = 0
+        starts[i, 0] = s
+        for p in range(s, e):
+            if buf[p] == sep:
+                if f + 1 >= nfields:
+                    return i
+                ends[i, f] = p
+                f += 1
+                starts[i, f] = p + 1
+        if f + 1 != nfields:
+            return i
+        ends[i, f] = e
+    return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _parse_numbers(buf: U8, starts: I64, ends: I64, cols: I64, out: F64, status: U8) -> None:
+    """``[+-]digits[.digits]`` -> out; status 0 ok, 1 empty, 2 anything else (left to Python)."""
+    for i in range(starts.shape[0]):
+        for c in range(cols.shape[0]):
+            s, e = starts[i, cols[c]], ends[i, cols[c]]
+            out[i, c], status[i, c] = 0.0, 1 if s == e else 2
+            if s == e:
+                continue
+            p, neg = s, buf[s] == 45
+            if buf[p] == 45 or buf[p] == 43:
+                p += 1
+            v, digits, scale = 0.0, 0, 0
+            while p < e and 48 <= buf[p] <= 57:
+                v, digits, p = v * 10.0 + (buf[p] - 48), digits + 1, p + 1
+            if p < e and buf[p] == 46:
+                p += 1
+                while p < e and 48 <= buf[p] <= 57:
+                    v, digits, scale, p = v * 10.0 + (buf[p] - 48), digits + 1, scale - 1, p + 1
+            if digits == 0 or p != e or digits > 15:  # > 15 digits may not be exact in float64
+                continue
+            v /= 10.0 ** (-scale)  # an exact power of ten: correctly rounded for short decimals
+            if math.isfinite(v):
+                out[i, c] = -v if neg else v
+                status[i, c] = 0
+
+
+def hash_strings(values: Sequence[str | bytes], seed: int) -> I64:
+    """``[hash_feature(v, seed) for v in values]`` computed by the reader's numba kernel.
+
+    For tests and small inputs (it encodes each value in Python); returns a new int64 array.
+
+    >>> hash_strings(["a", b"", "\\u00e9"], 7).tolist() == [hash_feature(v, 7) for v in ["a", b"", "\\u00e9"]]
+    True
+    """
+    raw = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
+    lengths = np.fromiter(map(len, raw), dtype=np.int64, count=len(raw))
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    out = np.empty((1, len(raw)), dtype=np.uint64)
+    basis = np.array([_FNV_OFFSET ^ mix64(seed & _MASK64)], dtype=np.uint64)
+    buf = np.frombuffer(b"".join(raw) or b"\0", dtype=np.uint8)
+    _hash_fields(buf, starts[:, None], ends[:, None], np.zeros(1, np.int64), basis, out)
+    keys: I64 = out[0].view(np.int64)
+    return keys
+
+
+# --- delimited click logs
+
+
+@dataclass(frozen=True)
+class ColumnSchema:
+    """Layout of a delimited click log: which columns are the label, dense and categorical.
+
+    Columns are named (resolved against the header, or ``names`` for a file without
+    one) or 0-based indices. A categorical feature is named after its column; an
+    index-addressed column in a file with neither header nor ``names`` is ``C{j+1}``
+    for the j-th categorical. ``sep`` is one ASCII character; fields are not quoted.
+    ``seeds`` overrides ``feature_seed(name)`` per feature (unknown names raise at read
+    time). Dense values: empty -> 0, then ``log1p(max(x, 0))`` when ``log_transform``.
+    Raises ``ValueError`` for a bad ``sep``; ``read_click_log`` raises it for an unknown
+    column or one used twice.
+
+    >>> s = ColumnSchema.criteo()
+    >>> s.label, s.dense[0], s.categorical[-1], len(s.names or ())
+    ('label', 'I1', 'C26', 40)
+    """
+
+    label: str | int
+    dense: Sequence[str | int]
+    categorical: Sequence[str | int]
+    sep: str = "\t"
+    header: bool = False
+    log_transform: bool = True
+    seeds: Mapping[str, int] | None = None
+    names: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.sep) != 1 or not self.sep.isascii():
+            raise ValueError(f"sep={self.sep!r}: must be one ASCII character")
+        for name, value in (("dense", self.dense), ("categorical", self.categorical), ("names", self.names)):
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+
+    @classmethod
+    def criteo(cls) -> ColumnSchema:
+        """Criteo Kaggle/1TB: ``label, I1..I13, C1..C26``, tab-separated, no header."""
+        dense, cat = [f"I{i}" for i in range(1, 14)], [f"C{i}" for i in range(1, 27)]
+        return cls("label", dense, cat, sep="\t", names=["label", *dense, *cat])
+
+    @classmethod
+    def avazu(cls) -> ColumnSchema:
+        """Avazu CTR: csv with header, label ``click``, every other column categorical
+        except ``id`` (unique per row) and ``hour`` (``YYMMDDHH``: as a raw id every hour
+        is new, so a held-out hour never hits a trained row; a derived hour-of-day would
+        need a column transform, which the schema deliberately does not have)."""
+        cat = ["C1", "banner_pos", "site_id", "site_domain", "site_category", "app_id", "app_domain",
+               "app_category", "device_id", "device_ip", "device_model", "device_type", "device_conn_type",
+               *(f"C{i}" for i in range(14, 22))]  # fmt: skip
+        return cls("click", (), cat, sep=",", header=True, log_transform=False)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    nfields: int
+    names: tuple[str, ...]  # every column, for messages
+    label: I64
+    dense: I64
+    cat: I64
+    features: tuple[str, ...]
+    bases: U64
+
+
+def _layout(schema: ColumnSchema, header: list[str] | None, first_line: bytes) -> _Layout:
+    names = header if header is not None else list(schema.names) if schema.names is not None else None
+    nfields = len(names) if names is not None else first_line.rstrip(b"\r\n").count(schema.sep.encode()) + 1
+
+    def index(col: str | int) -> int:
+        if isinstance(col, str):
+            if names is None or col not in names:
+                raise ValueError(f"column {col!r} not in {names or 'a file without header or names'}")
+            return names.index(col)
+        if not 0 <= col < nfields:
+            raise ValueError(f"column index {col} out of range: rows have {nfields} fields")
+        return col
+
+    cat = [index(c) for c in schema.categorical]
+    cols = [index(schema.label), *(index(c) for c in schema.dense), *cat]
+    if len(set(cols)) != len(cols):
+        raise ValueError(f"a column is used twice: label, dense, categorical = {cols}")
+    features = tuple(names[i] if names is not None else f"C{j + 1}" for j, i in enumerate(cat))
+    if len(set(features)) != len(features):
+        raise ValueError(f"two categorical columns share a feature name: {features}")
+    seeds = dict(schema.seeds or {})
+    if unknown := set(seeds) - set(features):
+        raise ValueError(f"seeds for unknown features {sorted(unknown)}; features are {list(features)}")
+    bases = [_FNV_OFFSET ^ mix64(seeds.get(f, feature_seed(f)) & _MASK64) for f in features]
+    return _Layout(
+        nfields, tuple(names if names is not None else (f"column {i}" for i in range(nfields))),
+        np.array(cols[:1], np.int64), np.array(cols[1 : len(cols) - len(cat)], np.int64),
+        np.array(cat, np.int64), features, np.array(bases, np.uint64),
+    )  # fmt: skip
+
+
+def _parse_lines(
+    buf: U8, line_starts: I64, line_ends: I64, first_line_no: int, lay: _Layout, sep: int, where: str
+) -> tuple[F64, F64, U64]:
+    """(labels [n], dense [n, D] raw values, keys [C, n]) of complete lines; raises ``ValueError``."""
+    n = line_starts.shape[0]
+    starts, ends = np.empty((n, lay.nfields), np.int64), np.empty((n, lay.nfields), np.int64)
+    bad = _split_fields(buf, line_starts, line_ends, sep, starts, ends)
+    if bad >= 0:
+        line = bytes(buf[line_starts[bad] : line_ends[bad]]).rstrip(b"\r")
+        got = line.count(bytes([sep])) + 1
+        raise ValueError(f"{where}:{first_line_no + bad}: {got} fields, expected {lay.nfields}: {line[:200]!r}")
+
+    def numbers(cols: I64) -> tuple[F64, npt.NDArray[np.bool_]]:
+        out, status = np.empty((n, cols.shape[0]), np.float64), np.empty((n, cols.shape[0]), np.uint8)
+        _parse_numbers(buf, starts, ends, cols, out, status)
+        for i, c in np.argwhere(status == 2):  # rare: forms the kernel leaves to Python, or garbage
+            raw = bytes(buf[starts[i, cols[c]] : ends[i, cols[c]]])
+            try:
+                out[i, c] = float(raw)
+            except ValueError:
+                out[i, c] = math.nan
+            if not math.isfinite(out[i, c]):
+                raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[cols[c]]!r} "
+                                 f"(field {cols[c] + 1}): {raw[:100]!r} is not a finite number")  # fmt: skip
+        return out, status == 1
+
+    labels, missing = numbers(lay.label)
+    wrong = np.flatnonzero(missing[:, 0] | ((labels[:, 0] != 0.0) & (labels[:, 0] != 1.0)))
+    if wrong.size:
+        i = int(wrong[0])
+        raw = bytes(buf[starts[i, lay.label[0]] : ends[i, lay.label[0]]])
+        raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[lay.label[0]]!r} "
+                         f"(field {lay.label[0] + 1}): label {raw[:100]!r}, expected 0 or 1")  # fmt: skip
+    dense, _ = numbers(lay.dense)  # missing -> 0 already
+    keys = np.empty((lay.cat.shape[0], n), np.uint64)
+    _hash_fields(buf, starts, ends, lay.cat, lay.bases, keys)
+    return labels[:, 0], dense, keys
+
+
+def _make_batch(labels: F64, dense: F64, keys: U64, features: tuple[str, ...], log_transform: bool) -> Batch:
+    n = labels.shape[0]
+    d = np.log1p(np.maximum(dense, 0.0)) if log_transform else dense
+    k = keys.view(np.int64)
+    sparse = {f: JaggedIds(torch.from_numpy(k[c]), torch.arange(n + 1)) for c, f in enumerate(features)}
+    return Batch(torch.from_numpy(d.astype(np.float32)), sparse, torch.from_numpy(labels.astype(np.float32)))
+
+
+def read_click_log(
+    path: str | os.PathLike[str],
+    schema: ColumnSchema,
+    batch_size: int,
+    *,
+    limit: int | None = None,
+    skip: int = 0,
+    chunk_bytes: int = 1 << 20,
+) -> Iterator[Batch]:
+    """Stream ``Batch``es of ``batch_size`` rows (the last one may be smaller) from a file.
+
+    Skips the first ``skip`` data rows (after any header) and stops after ``limit``
+    rows. Reads ``chunk_bytes`` at a time and holds at most about one chunk plus one
+    batch of parsed rows. Lines end in ``\\n`` or ``\\r\\n``. The file is opened on the
+    first ``next`` and closed when the iterator ends or is closed. Blocks while reading;
+    one iterator per thread (the numba kernels release the GIL). A malformed row (wrong field
+    count, unparsable number, label other than 0/1, blank line) raises ``ValueError``
+    naming the file, the 1-based line number and the column; rows are never dropped.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "log.csv"
+    >>> _ = p.write_text("y,n,c\\n1,3,a\\n0,,\\n")
+    >>> b = next(read_click_log(p, ColumnSchema("y", ["n"], ["c"], sep=",", header=True), 8))
+    >>> b.labels.tolist(), b.dense[:, 0].tolist(), b.sparse["c"].values[1].item() == hash_feature("", feature_seed("c"))
+    ([1.0, 0.0], [1.3862943649291992, 0.0], True)
+    """
+    if batch_size < 1 or skip < 0 or (limit is not None and limit < 0) or chunk_bytes < 1:
+        raise ValueError(f"batch_size={batch_size}, skip={skip}, limit={limit}, chunk_bytes={chunk_bytes}: bad value")
+    where, sep = os.fspath(path), ord(schema.sep)
+    with open(path, "rb") as f:
+        header, line_no = None, 0  # line_no: lines consumed so far
+        if schema.header:
+            first = f.readline()
+            if not first:
+                raise ValueError(f"{where}: empty file, expected a header line")
+            header, line_no = first.decode("utf-8-sig").rstrip("\r\n").split(schema.sep), 1
+        lay: _Layout | None = None
+        to_skip, left = skip, limit
+        pending: list[tuple[F64, F64, U64]] = []
+        pending_n, carry = 0, b""
+        while left is None or left > 0:
+            block = f.read(chunk_bytes)
+            data = carry + block
+            if block:
+                cut = data.rfind(b"\n") + 1
+                if cut == 0:  # a line longer than the chunk: keep reading
+                    carry = data
+                    continue
+                data, carry = data[:cut], data[cut:]
+            elif not data:
+                break
+            elif not data.endswith(b"\n"):
+                data += b"\n"  # last line without a newline
+            buf = np.frombuffer(data, dtype=np.uint8)
+            line_ends = np.flatnonzero(buf == 10)
+            line_starts = np.concatenate(([0], line_ends[:-1] + 1))
+            lo = min(to_skip, line_ends.shape[0])
+            hi = line_ends.shape[0] if left is None else min(line_ends.shape[0], lo + left)
+            to_skip -= lo
+            if hi > lo:
+                if lay is None:
+                    lay = _layout(schema, header, bytes(buf[line_starts[lo] : line_ends[lo]]))
+                rows = _parse_lines(buf, line_starts[lo:hi], line_ends[lo:hi], line_no + lo + 1, lay, sep, where)
+                pending.append(rows)
+                pending_n += hi - lo
+                left = None if left is None else left - (hi - lo)
+            line_no += line_ends.shape[0]
+            if pending_n >= batch_size and lay is not None:
+                labels, dense, keys = (np.concatenate(x, axis=a) for x, a in zip(zip(*pending), (0, 0, 1)))
+                full = pending_n - pending_n % batch_size
+                for s in range(0, full, batch_size):
+                    yield _make_batch(labels[s : s + batch_size], dense[s : s + batch_size],
+                                      keys[:, s : s + batch_size], lay.features, schema.log_transform)  # fmt: skip
+                pending, pending_n = [(labels[full:], dense[full:], keys[:, full:])], pending_n - full
+            if not block:
+                break
+        if pending_n and lay is not None:
+            labels, dense, keys = (np.concatenate(x, axis=a) for x, a in zip(zip(*pending), (0, 0, 1)))
+            yield _make_batch(labels, dense, keys, lay.features, schema.log_transform)
+
+
+# --- eval metrics
+
+
+def _flat(x: npt.ArrayLike | torch.Tensor, name: str) -> F64:
+    a = np.asarray(x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x, dtype=np.float64).reshape(-1)
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name}: contains NaN or Inf")
+    return a
+
+
+def auc(labels: npt.ArrayLike | torch.Tensor, scores: npt.ArrayLike | torch.Tensor) -> float:
+    """ROC AUC by ranks (Mann-Whitney U), tied scores sharing their average rank.
+
+    ``labels`` are 0/1; ``scores`` any finite reals of the same length. O(n log n),
+    numpy only. Raises ``ValueError`` for mismatched lengths, non-0/1 labels, NaN, or
+    when only one class is present (AUC is undefined).
+
+    >>> auc([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8]), auc([0, 1], [0.5, 0.5])
+    (0.75, 0.5)
+    """
+    y, s = _flat(labels, "labels"), _flat(scores, "scores")
+    if y.shape != s.shape or not np.isin(y, (0.0, 1.0)).all():
+        raise ValueError(f"labels: {y.shape[0]} values, scores: {s.shape[0]}; labels must be 0/1")
+    pos = y == 1.0
+    npos, nneg = int(pos.sum()), int(y.shape[0] - pos.sum())
+    if npos == 0 or nneg == 0:
+        raise ValueError(f"AUC undefined with {npos} positives and {nneg} negatives")
+    order = np.argsort(s, kind="stable")
+    ss = s[order]
+    first = np.concatenate(([True], ss[1:] != ss[:-1]))
+    starts = np.flatnonzero(first)
+    ends = np.append(starts[1:], ss.shape[0])
+    ranks = np.empty_like(s)
+    ranks[order] = ((starts + ends + 1) / 2.0)[np.cumsum(first) - 1]  # 1-based average rank of each tie group
+    return float((ranks[pos].sum() - npos * (npos + 1) / 2.0) / (npos * nneg))
+
+
+def logloss(labels: npt.ArrayLike | torch.Tensor, probs: npt.ArrayLike | torch.Tensor, eps: float = 1e-7) -> float:
+    """Mean binary cross-entropy, probabilities clipped to ``[eps, 1 - eps]``.
+
+    Raises ``ValueError`` for mismatched lengths, an empty input, or NaN.
+
+    >>> round(logloss([1, 0], [0.9, 0.2]), 4)
+    0.1643
+    """
+    y, p = _flat(labels, "labels"), np.clip(_flat(probs, "probs"), eps, 1.0 - eps)
+    if y.shape != p.shape or y.shape[0] == 0:
+        raise ValueError(f"labels: {y.shape[0]} values, probs: {p.shape[0]}; need equal, non-empty")
+    return float(-np.mean(y * np.log(p) + (1.0 - y) * np.log1p(-p)))
