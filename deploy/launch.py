@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from deploy.local import LocalCluster, ShardStartError
+from deploy.local import LocalCluster, ShardStartError, die_with_parent
 
 __all__ = ["main"]
 
@@ -74,7 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     log.info("shards up: %s", ",".join(cluster.addresses))
     env = dict(os.environ, TRAINER_ADDRESSES=",".join(cluster.addresses))
-    workers = subprocess.Popen(_torchrun(args.workers, command), env=env, start_new_session=True)
+    workers = subprocess.Popen(_torchrun(args.workers, command), env=env, start_new_session=True,
+                               preexec_fn=die_with_parent)  # fmt: skip
+    # SIGTERM (a scheduler or `kill`) tears down like Ctrl-C, instead of orphaning everything.
+    signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
     status = 1
     try:
         while True:
@@ -93,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:
-        log.warning("interrupted: stopping workers and shards")
+        log.warning("interrupted (SIGINT or SIGTERM): stopping workers and shards")
         _stop(workers)
         status = 130
     finally:

@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -22,9 +23,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["LocalCluster", "ShardProcess", "ShardStartError"]
+__all__ = ["LocalCluster", "ShardProcess", "ShardStartError", "die_with_parent"]
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the parent dies, so shards never outlive
+    their launcher (Linux; elsewhere a no-op). Note the "parent" is the thread that
+    started the shard: start clusters from a thread that lives as long as they should."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:
+        pass
 
 
 class ShardStartError(RuntimeError):
@@ -62,6 +76,7 @@ def start_shard(index: int, num_shards: int, root: Path, *extra_args: str, timeo
             stderr=subprocess.STDOUT,
             cwd=root,
             env=env,
+            preexec_fn=die_with_parent,
         )
     shard = ShardProcess(index, "", proc, log)
     deadline = time.monotonic() + timeout_s

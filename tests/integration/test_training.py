@@ -80,3 +80,38 @@ def test_ps_launch_reports_a_failed_worker(tmp_path: Path) -> None:
 def test_ps_launch_needs_a_command(tmp_path: Path) -> None:
     result = launch(tmp_path, "--shards", "1", timeout_s=60)
     assert result.returncode == 2 and "missing '-- COMMAND'" in result.stderr
+
+
+def test_sigterm_to_ps_launch_stops_shards_and_workers(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.launch", "--data-dir", str(tmp_path / "shards"), "--shards", "2",
+                             "--", "python", "-c", "import time; time.sleep(300)"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "shards" / "port.1").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # let torchrun start its worker
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "interrupted" in err
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
+    assert left == "", left
+
+
+def test_killed_ps_launch_leaves_nothing_behind(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.launch", "--data-dir", str(tmp_path / "shards"), "--shards", "2",
+                             "--", "python", "-c", "import time; time.sleep(300)"],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "shards" / "port.1").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.kill()  # SIGKILL: no handler runs; the children's parent-death signal must do it
+    proc.wait()
+    deadline = time.monotonic() + 30
+    left = "?"
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
+    assert left == "", left
