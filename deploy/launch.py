@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         while True:
             code = workers.poll()
             if code is not None:
-                status = code
+                status = code if code >= 0 else 128 - code  # killed by a signal: shell convention
                 log.info("workers exited with status %d", code)
                 break
             dead = [s for s in cluster.shards if s.proc.poll() is not None]
@@ -112,7 +112,7 @@ def _stop(workers: subprocess.Popen[bytes]) -> None:
     if workers.poll() is None:
         os.killpg(workers.pid, signal.SIGTERM)
         try:
-            workers.wait(20)
+            workers.wait(40)  # longer than torchrun's own grace period for its workers
         except subprocess.TimeoutExpired:
             os.killpg(workers.pid, signal.SIGKILL)
             workers.wait()

@@ -131,6 +131,9 @@ class LocalCluster:
                 self.shards.append(start_shard(i, self.num_shards, self.root, *self.extra_args))
         except BaseException:
             self._stop_quietly()
+            if self._tmp is not None:
+                self._tmp.cleanup()
+                self._tmp, self.root = None, None
             raise
         return self
 

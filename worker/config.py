@@ -94,7 +94,10 @@ def parse_config(cls: type[_C], argv: Sequence[str], environ: Mapping[str, str],
     values: dict[str, Any] = {}
     path = args.pop("config", None)
     if path is not None:
-        text = Path(path).read_text()
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"--config {path}: {exc.strerror}") from None
         data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
         for key, raw in data.items():
             if key not in fields:

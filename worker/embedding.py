@@ -25,6 +25,7 @@ Example (needs running shards; see examples/ and the README):
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -118,26 +119,35 @@ class DistributedEmbedding(torch.nn.Module):
     def forward(self, batch: Mapping[str, JaggedIds]) -> dict[str, torch.Tensor]:
         self._pipeline.check()
         self._ensure_tables()
+        training = self.training and torch.is_grad_enabled()
+        if not training:
+            # Evaluation: read what the shards hold after every push so far, and leave the
+            # training steps and their prefetched lookups alone.
+            plan = self._plan(batch)
+            rows = self._pipeline.lookup(None, plan.unique).result()
+            tensors = [torch.from_numpy(rows[t]).to(self.device, non_blocking=True) for t in plan.unique]
+            return self._pool_all(batch, plan, dict(zip(plan.unique, tensors)))
         step = self._step
-        if step > 0:
-            # A new forward means the previous step's backward (if any) has run.
-            self._pipeline.settle(step - 1)
         if self._prefetched and self._prefetched[0][0] is batch:
             _, plan, future = self._prefetched.popleft()
         else:
-            self._prefetched.clear()  # prefetched for other batches: the loop changed course
+            # Prefetched for other batches: the loop changed course. Those steps never run.
+            while self._prefetched:
+                self._pipeline.discard(self._prefetched.popleft()[2])
             plan = self._plan(batch)
             future = self._pipeline.lookup(step, plan.unique)
         rows = future.result()
         self._step += 1
         names = list(plan.unique)
         tensors = [torch.from_numpy(rows[t]).to(self.device, non_blocking=True) for t in names]
-        if self.training and torch.is_grad_enabled():
-            unique = [plan.unique[t] for t in names]
-            tensors = list(rows_with_push(tensors, lambda grads: self._push(step, names, unique, grads)))
-        else:
-            self._pipeline.settle(step)
-        by_table = dict(zip(names, tensors))
+        sink = _PushSink(self, step, names, [plan.unique[t] for t in names])
+        # When autograd frees this step's graph without a backward (skipped or failed
+        # step), the step can push nothing more: later lookups must not wait for it.
+        weakref.finalize(sink, self._pipeline.settle, step)
+        tensors = list(rows_with_push(tensors, sink))
+        return self._pool_all(batch, plan, dict(zip(names, tensors)))
+
+    def _pool_all(self, batch: Mapping[str, JaggedIds], plan: _Plan, by_table: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: self._pool(name, batch[name], by_table[f.table], plan.index[name])
                 for name, f in self.features.items()}  # fmt: skip
 
@@ -198,3 +208,16 @@ class DistributedEmbedding(torch.nn.Module):
             if g is not None
         }
         self._pipeline.push(step, updates, wait=self.mode == "sync")
+
+
+class _PushSink:
+    """Called by autograd with one step's row gradients; its lifetime is the step's graph."""
+
+    __slots__ = ("module", "step", "names", "unique", "__weakref__")
+
+    def __init__(self, module: DistributedEmbedding, step: int, names: list[str],
+                 unique: list[npt.NDArray[np.int64]]) -> None:  # fmt: skip
+        self.module, self.step, self.names, self.unique = module, step, names, unique
+
+    def __call__(self, grads: Sequence[torch.Tensor | None]) -> None:
+        self.module._push(self.step, self.names, self.unique, grads)

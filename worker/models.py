@@ -43,7 +43,7 @@ class DLRM(nn.Module):
         # A log without dense columns (Avazu) has no bottom MLP: only embeddings interact.
         self.bottom = mlp([num_dense, *bottom, dim], last_relu=True) if num_dense else None
         n = len(self.features) + (1 if num_dense else 0)
-        self._pairs = torch.triu_indices(n, n, offset=1)
+        self.register_buffer("pairs", torch.triu_indices(n, n, offset=1), persistent=False)
         self.top = mlp([(dim if num_dense else 0) + n * (n - 1) // 2, *top, 1])
 
     def forward(self, dense: torch.Tensor, emb: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -51,7 +51,7 @@ class DLRM(nn.Module):
         x = self.bottom(dense) if self.bottom is not None else None
         stacked = torch.stack(([x] if x is not None else []) + vectors, dim=1)  # [B, n, dim]
         dots = torch.bmm(stacked, stacked.transpose(1, 2))  # [B, n, n]
-        i, j = self._pairs.to(dots.device)
+        i, j = self.get_buffer("pairs")
         pairs = dots[:, i, j]
         out: torch.Tensor = self.top(torch.cat([x, pairs], dim=1) if x is not None else pairs).squeeze(1)
         return out

@@ -1,10 +1,11 @@
 """Train a recommendation model whose embeddings live on parameter-server shards.
 
 The dense tower runs under ``DistributedDataParallel`` (gloo on CPU, nccl with CUDA);
-each worker pushes its own sparse gradients to the shards. Launch one process with
-``python -m worker.trainer`` (or ``examples/train_dlrm.py``), several with ``torchrun``
-or ``ps-launch``. With no ``--addresses``, the run starts its own shards on 127.0.0.1
-and stops them at the end (rank 0 starts them and tells the other ranks).
+each worker pushes its own sparse gradients to the shards. ``train(config, addresses)``
+trains against running shards; ``python -m worker.trainer --addresses ...`` is its
+command line (``ps-launch`` passes the addresses in ``TRAINER_ADDRESSES``). Starting
+shards for a run is ``deploy``'s job: ``python -m deploy.train`` (what the examples
+use) starts them on 127.0.0.1 when no addresses are given.
 
 Note on scale: DDP averages dense gradients over workers, while each worker pushes the
 sparse gradients of its own batch, so with W workers the shards take W updates per
@@ -13,8 +14,8 @@ step (as in PERSIA and HugeCTR); the sparse learning rate is per worker batch.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import gc
 import hashlib
 import itertools
 import json
@@ -40,7 +41,7 @@ from worker.synthetic import synthetic_criteo
 from worker.embedding import DistributedEmbedding
 from worker.models import DLRM, DeepFM
 
-__all__ = ["TrainerConfig", "main", "train"]
+__all__ = ["Dist", "TrainerConfig", "evaluate", "init_distributed", "main", "parse", "report", "train"]
 
 log = logging.getLogger(__name__)
 ENV_PREFIX = "TRAINER_"
@@ -92,49 +93,29 @@ class TrainerConfig:
 
 
 @dataclass
-class _Dist:
+class Dist:
+    """This process's place in the job: rank, world size, and the device it trains on."""
+
     rank: int = 0
     world: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
-def _init_distributed() -> _Dist:
+def init_distributed() -> Dist:
+    """Join the torchrun job (gloo on CPU, nccl with CUDA) if there is one; idempotent."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return _Dist(device=torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
     cuda = torch.cuda.is_available()
+    if world == 1:
+        return Dist(device=torch.device("cuda") if cuda else torch.device("cpu"))
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return _Dist(dist.get_rank(), world, device)
+    return Dist(dist.get_rank(), world, device)
 
 
-@contextlib.contextmanager
-def _cluster(config: TrainerConfig, d: _Dist) -> Iterator[list[str]]:
-    """The shard addresses: given ones, or shards this run starts (on rank 0) and stops."""
-    if config.addresses:
-        yield list(config.addresses)
-        return
-    from deploy.local import LocalCluster  # only the zero-config mode needs the launcher
-
-    cluster = LocalCluster(config.num_shards) if d.rank == 0 else None
-    try:
-        addresses = cluster.start().addresses if cluster is not None else []
-        if d.world > 1:
-            box: list[Any] = [addresses]
-            dist.broadcast_object_list(box, src=0)
-            addresses = box[0]
-        log.info("started %d local shards: %s", config.num_shards, ",".join(addresses))
-        yield addresses
-    finally:
-        if d.world > 1:
-            dist.barrier()  # every worker is done with the shards
-        if cluster is not None:
-            cluster.stop()
-
-
-def _data(config: TrainerConfig, d: _Dist) -> tuple[Iterator[Batch], list[Batch], int]:
+def _data(config: TrainerConfig, d: Dist) -> tuple[Iterator[Batch], list[Batch], int]:
     """(training batches of this worker, evaluation batches, training samples of all workers)."""
     if config.data == "synthetic":
         # Every worker takes the same number of steps, or DDP's allreduce would wait forever.
@@ -191,93 +172,104 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def train(config: TrainerConfig) -> dict[str, Any]:
-    """Run ``config`` to the end; returns the metrics (also written to ``output_dir``).
+def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None) -> dict[str, Any]:
+    """Train ``config`` on the cluster at ``addresses``; returns the metrics (also written to ``output_dir``).
 
     Raises the client's ``PSError`` subclasses if the shards fail, ``ValueError`` for
-    bad data. Blocks until done; collective across all workers under ``torchrun``.
+    bad data. Blocks until done; collective across all workers under ``torchrun``
+    (``d`` from ``init_distributed()``; the caller owns the process group).
     """
-    d = _init_distributed()
+    d = d or init_distributed()
     torch.manual_seed(config.seed)
     train_batches, held_out, total = _data(config, d)
-    first = next(train_batches)
+    first = next(train_batches, None)
+    if first is None:
+        raise ValueError(f"no training steps: {total} samples in batches of {config.batch_size} over {d.world} workers")
     features = list(first.sparse)
     num_dense = first.dense.shape[1]
     tables = [EmbeddingTableConfig(f, config.dim, config.sparse_optimizer, seed=i, params={"lr": config.sparse_lr})
               for i, f in enumerate(features)]  # fmt: skip
     feature_cfgs = [FeatureConfig(f, f) for f in features]
     model: torch.nn.Module = (DLRM if config.model == "dlrm" else DeepFM)(num_dense, features, config.dim).to(d.device)
-    dense = DistributedDataParallel(model) if d.world > 1 else model
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.dense_lr)
     metrics: dict[str, Any] = {"config": {k: str(v) for k, v in dataclasses.asdict(config).items()}, "evals": []}
 
-    with _cluster(config, d) as addresses, PSClient(addresses) as client:
+    with PSClient(addresses) as client:
         emb = DistributedEmbedding(tables, feature_cfgs, client, mode=config.mode,  # type: ignore[arg-type]
                                    staleness=config.staleness, device=d.device)  # fmt: skip
-        if d.rank == 0:
-            emb.create_tables()
-        if d.world > 1:
-            dist.barrier()
-        phases = dict.fromkeys(("data", "lookup", "forward", "backward", "step", "eval"), 0.0)
-        steps_total = math.ceil(total / (config.batch_size * d.world))
-        bar = _progress(config, d, steps_total)
-        started = time.perf_counter()
-        cur: Batch | None = first
-        emb.prefetch(first.sparse)
-        step, samples, losses = 0, 0, []
-        while cur is not None:
-            t0 = time.perf_counter()
-            nxt = next(train_batches, None)
-            t1 = time.perf_counter()
-            if nxt is not None:
-                emb.prefetch(nxt.sparse)
-            out = emb(cur.sparse)
-            t2 = time.perf_counter()
-            loss = F.binary_cross_entropy_with_logits(dense(cur.dense.to(d.device), out), cur.labels.to(d.device))
-            t3 = time.perf_counter()
-            optimizer.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]
-            t4 = time.perf_counter()
-            optimizer.step()
-            t5 = time.perf_counter()
-            for k, a, b in zip(("data", "lookup", "forward", "backward", "step"), (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
-                phases[k] += b - a
-            step += 1
-            samples += cur.batch_size
-            losses.append(float(loss.detach()))
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}",
-                                samples_s=f"{samples * d.world / (time.perf_counter() - started):,.0f}")  # fmt: skip
-            if config.eval_every and step % config.eval_every == 0 and d.rank == 0:
-                t6 = time.perf_counter()
-                metrics["evals"].append({"step": step, **evaluate(emb, model, held_out, d.device)})
-                phases["eval"] += time.perf_counter() - t6
-            cur = nxt
-        emb.flush()
-        train_s = time.perf_counter() - started - phases["eval"]
-        if bar is not None:
-            bar.close()
-        final = evaluate(emb, model, held_out, d.device) if d.rank == 0 else {}
+        try:
+            if d.rank == 0:
+                emb.create_tables()
+            if d.world > 1:
+                dist.barrier()
+            metrics.update(_loop(config, d, emb, model, first, train_batches, held_out, total, metrics["evals"]))
+            final = evaluate(emb, model, held_out, d.device) if d.rank == 0 else {}
+        finally:
+            emb.close()
         digests: list[Any] = [_digest(model)] * d.world
         if d.world > 1:
             dist.all_gather_object(digests, _digest(model))
-        emb.close()
         shard_stats = client.stats() if d.rank == 0 else []
-
-    metrics.update(final=final, steps=step, worker_samples=samples, train_s=train_s,
-                   samples_per_s=samples * d.world / train_s, phases_s=phases, dense_digests=digests,
-                   mean_loss_last_20=sum(losses[-20:]) / max(1, len(losses[-20:])))  # fmt: skip
+    metrics.update(final=final, dense_digests=digests)
     if d.rank == 0:
-        _save(config, model, tables, feature_cfgs, num_dense, addresses, shard_stats, metrics)
+        _save(config, model, tables, feature_cfgs, num_dense, list(addresses), shard_stats, metrics)
         log.info("final AUC %.4f logloss %.4f (%d eval samples), %.0f samples/s",
                  final["auc"], final["logloss"], final["samples"], metrics["samples_per_s"])  # fmt: skip
-    if d.world > 1:
-        dist.destroy_process_group()
     return metrics
 
 
-def _progress(config: TrainerConfig, d: _Dist, total: int) -> Any:
+def _loop(config: TrainerConfig, d: Dist, emb: DistributedEmbedding, model: torch.nn.Module, first: Batch,
+          rest: Iterator[Batch], held_out: list[Batch], total: int, evals: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
+    """The training steps: prefetch the next batch, forward, backward (pushes), dense step."""
+    dense = DistributedDataParallel(model) if d.world > 1 else model
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.dense_lr)
+    phases = dict.fromkeys(("data", "lookup", "forward", "backward", "step", "eval"), 0.0)
+    bar = _progress(config, d, math.ceil(total / (config.batch_size * d.world)))
+    started = time.perf_counter()
+    cur: Batch | None = first
+    emb.prefetch(first.sparse)
+    step, samples, losses = 0, 0, []
+    while cur is not None:
+        t0 = time.perf_counter()
+        nxt = next(rest, None)
+        t1 = time.perf_counter()
+        if nxt is not None:
+            emb.prefetch(nxt.sparse)
+        out = emb(cur.sparse)
+        t2 = time.perf_counter()
+        loss = F.binary_cross_entropy_with_logits(dense(cur.dense.to(d.device), out), cur.labels.to(d.device))
+        t3 = time.perf_counter()
+        optimizer.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        t4 = time.perf_counter()
+        optimizer.step()
+        t5 = time.perf_counter()
+        for k, a, b in zip(("data", "lookup", "forward", "backward", "step"), (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
+            phases[k] += b - a
+        step += 1
+        samples += cur.batch_size
+        losses.append(float(loss.detach()))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}",
+                            samples_s=f"{samples * d.world / (time.perf_counter() - started):,.0f}")  # fmt: skip
+        if config.eval_every and step % config.eval_every == 0 and d.rank == 0:
+            t6 = time.perf_counter()
+            evals.append({"step": step, **evaluate(emb, model, held_out, d.device)})
+            phases["eval"] += time.perf_counter() - t6
+        cur = nxt
+    emb.flush()
+    train_s = time.perf_counter() - started - phases["eval"]
+    if bar is not None:
+        bar.close()
+    # DDP's reducer keeps gloo/nccl work objects alive in reference cycles; if they are
+    # only collected at interpreter exit, gloo's threads can abort the process.
+    del dense, optimizer
+    gc.collect()
+    return {"steps": step, "worker_samples": samples, "train_s": train_s, "samples_per_s": samples * d.world / train_s,
+            "phases_s": phases, "mean_loss_last_20": sum(losses[-20:]) / max(1, len(losses[-20:]))}  # fmt: skip
+
+
+def _progress(config: TrainerConfig, d: Dist, total: int) -> Any:
     if d.rank != 0 or not config.progress:
         return None
     from tqdm import tqdm
@@ -290,7 +282,7 @@ def _save(config: TrainerConfig, model: torch.nn.Module, tables: list[EmbeddingT
           metrics: dict[str, Any]) -> None:  # fmt: skip
     out = config.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), out / "dense.pt")
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out / "dense.pt")
     manifest = {
         "model": config.model, "dim": config.dim, "num_dense": num_dense, "num_shards": len(addresses),
         "tables": [dataclasses.asdict(t) | {"params": dict(t.params)} for t in tables],
@@ -301,12 +293,8 @@ def _save(config: TrainerConfig, model: torch.nn.Module, tables: list[EmbeddingT
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Parse flags (plus ``TRAINER_*`` variables and ``--config``), train, print the final AUC.
-
-    A flag given twice takes its last value, so wrappers can prepend their defaults.
-    Exits with status 2 for a bad setting.
-    """
+def parse(argv: Sequence[str] | None = None) -> TrainerConfig:
+    """The ``TrainerConfig`` from flags, ``TRAINER_*`` variables and ``--config``; exits 2 on a bad setting."""
     try:
         config = parse_config(TrainerConfig, sys.argv[1:] if argv is None else argv, os.environ, ENV_PREFIX, "trainer")
     except ValueError as exc:
@@ -314,11 +302,36 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit(2) from None
     logging.basicConfig(level=config.log_level.upper(), format="ts=%(asctime)s level=%(levelname)s rank=" +
                         os.environ.get("RANK", "0") + " logger=%(name)s msg=%(message)s")  # fmt: skip
-    metrics = train(config)
+    if int(os.environ.get("RANK", "0")) == 0:
+        log.info("config %s", " ".join(f"{k}={v}" for k, v in dataclasses.asdict(config).items()))
+    return config
+
+
+def report(metrics: dict[str, Any]) -> None:
+    """Print the final line: AUC, logloss, throughput (rank 0 only has the final metrics)."""
     if metrics.get("final"):
         f = metrics["final"]
         print(f"AUC {f['auc']:.4f}  logloss {f['logloss']:.4f}  ({int(f['samples'])} held-out samples, "
               f"{metrics['samples_per_s']:,.0f} samples/s)")  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """``python -m worker.trainer``: train against running shards (``--addresses`` or ``TRAINER_ADDRESSES``).
+
+    To have the shards started for you, use ``python -m deploy.train`` (or the examples).
+    """
+    config = parse(argv)
+    if not config.addresses:
+        print("trainer: no shard addresses: pass --addresses (ps-launch sets TRAINER_ADDRESSES), "
+              "or run `python -m deploy.train`, which starts local shards", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    d = init_distributed()
+    try:
+        metrics = train(config, config.addresses, d)
+    finally:
+        if d.world > 1:
+            dist.destroy_process_group()
+    report(metrics)
     return metrics
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -90,4 +92,75 @@ def test_batch_must_match_the_features(addresses: list[str]) -> None:
             DistributedEmbedding(TABLES, [FeatureConfig("f", "t", "mean")], client)(
                 {"f": JaggedIds.from_lists([[1, 2]], weights=[[0.5, 0.5]])}
             )
+        emb.close()
+
+
+def shard_lookups(client: PSClient) -> int:
+    return sum(s["tables"][0]["lookups"] for s in client.stats())
+
+
+def test_a_skipped_backward_does_not_stall_the_pipeline(addresses: list[str]) -> None:
+    from client import ClientConfig
+
+    with PSClient(addresses, ClientConfig(deadline_s=5)) as client:
+        emb = DistributedEmbedding(TABLES, FEATURES, client, mode="pipelined")
+        batches = [batch() for _ in range(6)]
+        emb.prefetch(batches[0])
+        started = time.monotonic()
+        for t, b in enumerate(batches):
+            if t + 1 < len(batches):
+                emb.prefetch(batches[t + 1])
+            out = emb(b)["f"]
+            if t != 2:  # step 2 is dropped (e.g. a bad batch): its graph is freed, nothing pushed
+                out.sum().backward()
+            del out
+        emb.close()
+        assert time.monotonic() - started < 4  # no wait for the dropped step's push
+        np.testing.assert_array_equal(client.lookup("t", np.array(KEYS)), np.full((3, 4), -5.0, np.float32))
+
+
+def test_gradient_accumulation_keeps_the_staleness_bound(addresses: list[str]) -> None:
+    with PSClient(addresses) as client:
+        emb = DistributedEmbedding(TABLES, FEATURES, client, mode="pipelined", staleness=1)
+        seen = []
+        for pair in range(3):  # two forwards, then one backward through both
+            outs = [emb(batch())["f"] for _ in range(2)]
+            seen += [-float(o.detach()[0, 0]) / len(KEYS) for o in outs]
+            (outs[0].sum() + outs[1].sum()).backward()
+        emb.close()
+        for step, applied in enumerate(seen):
+            assert max(0, step - 1) <= applied <= step, seen  # each step's own push counts 1
+        np.testing.assert_array_equal(client.lookup("t", np.array(KEYS)), np.full((3, 4), -6.0, np.float32))
+
+
+def test_evaluation_between_steps_keeps_prefetching(addresses: list[str]) -> None:
+    with PSClient(addresses) as client:
+        emb = DistributedEmbedding(TABLES, FEATURES, client, mode="pipelined")
+        batches = [batch() for _ in range(8)]
+        emb.prefetch(batches[0])
+        evals = 0
+        for t, b in enumerate(batches):
+            if t + 1 < len(batches):
+                emb.prefetch(batches[t + 1])
+            emb(b)["f"].sum().backward()
+            if t % 3 == 0:
+                emb.eval()
+                with torch.no_grad():
+                    emb(batch())
+                emb.train()
+                evals += 1
+        emb.close()
+        # One lookup per training step (every prefetch was used) plus one per evaluation.
+        assert shard_lookups(client) == (len(batches) + evals) * len(KEYS)
+        np.testing.assert_array_equal(client.lookup("t", np.array(KEYS)), np.full((3, 4), -8.0, np.float32))
+
+
+def test_flush_waits_for_every_push_of_a_step(addresses: list[str]) -> None:
+    with PSClient(addresses) as client:
+        emb = DistributedEmbedding(TABLES, FEATURES, client, mode="pipelined")
+        out = emb(batch())["f"]
+        out.sum().backward(retain_graph=True)
+        out.sum().backward()  # a second backward through the same step pushes again
+        emb.flush()
+        np.testing.assert_array_equal(client.lookup("t", np.array(KEYS)), np.full((3, 4), -2.0, np.float32))
         emb.close()

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.trainer import TrainerConfig, train
+from deploy.train import run
+from worker.trainer import TrainerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CRITEO = REPO.parent / "shared" / "data" / "criteo_kaggle_train_head10k.txt"
@@ -39,8 +40,8 @@ def test_two_worker_ddp_through_ps_launch(tmp_path: Path) -> None:
 
 def test_parity_pipelined_auc_matches_sync(tmp_path: Path) -> None:
     common = dict(train_samples=240_000, eval_samples=20_000, batch_size=1024, progress=False, num_shards=2)
-    sync = train(TrainerConfig(mode="sync", output_dir=tmp_path / "sync", **common))  # type: ignore[arg-type]
-    pipelined = train(TrainerConfig(mode="pipelined", output_dir=tmp_path / "pipe", **common))  # type: ignore[arg-type]
+    sync = run(TrainerConfig(mode="sync", output_dir=tmp_path / "sync", **common))  # type: ignore[arg-type]
+    pipelined = run(TrainerConfig(mode="pipelined", output_dir=tmp_path / "pipe", **common))  # type: ignore[arg-type]
     a, b = sync["final"]["auc"], pipelined["final"]["auc"]
     print(f"sync AUC {a:.4f}, pipelined AUC {b:.4f}")
     assert a > 0.7, a  # learned something real (the planted model allows ~0.8)
@@ -49,7 +50,7 @@ def test_parity_pipelined_auc_matches_sync(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not CRITEO.exists(), reason=f"{CRITEO} is absent (shared test data)")
 def test_criteo_sample_trains_to_a_useful_auc(tmp_path: Path) -> None:
-    metrics = train(TrainerConfig(data=str(CRITEO), batch_size=256, progress=False, output_dir=tmp_path))
+    metrics = run(TrainerConfig(data=str(CRITEO), batch_size=256, progress=False, output_dir=tmp_path))
     auc = metrics["final"]["auc"]
     print(f"Criteo head10k, DLRM, first 80% -> last 20%: AUC {auc:.4f}, logloss {metrics['final']['logloss']:.4f}")
     # A hashed logistic regression reaches 0.724 on this split (±0.01-0.02 between seeds).

@@ -1,0 +1,83 @@
+"""``python -m deploy.train``: train, starting local shards first when no addresses are given.
+
+This is the zero-config mode of the examples: the same ``worker.trainer`` run, with
+``--num-shards`` shard processes started on 127.0.0.1 and stopped at the end. Under
+torchrun, rank 0 starts them and broadcasts their addresses; every rank must finish
+before rank 0 stops them. Local shards serve one machine only, so a multi-node job must
+pass ``--addresses`` (or run under ``ps-launch``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from deploy.local import LocalCluster
+from worker.trainer import Dist, TrainerConfig, init_distributed, parse, report, train
+
+__all__ = ["main", "run"]
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _shards(config: TrainerConfig, d: Dist) -> Iterator[list[str]]:
+    if config.addresses:
+        yield list(config.addresses)
+        return
+    if d.world > 1 and int(os.environ.get("LOCAL_WORLD_SIZE", d.world)) != d.world:
+        raise ValueError("local shards serve one machine: a multi-node job needs --addresses")
+    cluster = LocalCluster(config.num_shards) if d.rank == 0 else None
+    error = ""
+    addresses: list[str] = []
+    if cluster is not None:
+        try:
+            addresses = cluster.start().addresses
+        except Exception as exc:  # every rank must hear of it, or the others wait forever
+            error = f"rank 0 could not start {config.num_shards} local shards: {exc}"
+    if d.world > 1:
+        box: list[Any] = [(addresses, error)]
+        dist.broadcast_object_list(box, src=0)
+        addresses, error = box[0]
+    if error:
+        raise RuntimeError(error)
+    log.info("started %d local shards: %s", config.num_shards, ",".join(addresses))
+    ok = False
+    try:
+        yield addresses
+        ok = True
+    finally:
+        # Wait for every rank only when all got here normally: a rank that failed is
+        # not coming, and the others learn of it from their own collectives.
+        if ok and d.world > 1:
+            dist.barrier()
+        if cluster is not None:
+            cluster.stop()
+
+
+def run(config: TrainerConfig) -> dict[str, Any]:
+    """Train ``config``, with local shards if it names no addresses; returns the metrics."""
+    d = init_distributed()
+    try:
+        with _shards(config, d) as addresses:
+            return train(config, addresses, d)
+    finally:
+        if d.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Entry point: the trainer's flags (``python -m worker.trainer --help``)."""
+    metrics = run(parse(sys.argv[1:] if argv is None else argv))
+    report(metrics)
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
