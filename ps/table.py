@@ -97,7 +97,7 @@ def _has_duplicates(slots: npt.NDArray[np.int32], seen: npt.NDArray[np.uint8]) -
 
 @numba.njit(nogil=True, cache=True)
 def _mark_pushed(
-    slots: npt.NDArray[np.int64], last_access: npt.NDArray[np.uint32], dirty: npt.NDArray[np.uint8], now: np.uint32
+    slots: npt.NDArray[np.int32], last_access: npt.NDArray[np.uint32], dirty: npt.NDArray[np.uint8], now: np.uint32
 ) -> None:
     for i in range(slots.shape[0]):
         last_access[slots[i]] = now
@@ -175,9 +175,8 @@ class Table:
                 np.add.at(summed, inverse, grads)
                 slots, grads = unique.astype(np.int32), summed
             a = self._arena
-            slots64 = slots.astype(np.int64)
-            optimizers.apply(self.spec.optimizer, a.values, a.state, slots64, grads)
-            _mark_pushed(slots64, a.last_access, a.dirty, now)
+            optimizers.apply(self.spec.optimizer, a.values, a.state, slots, grads)
+            _mark_pushed(slots, a.last_access, a.dirty, now)
             self.counters.pushes += slots.shape[0]
         return int(slots.shape[0])
 

@@ -87,6 +87,10 @@ class DistributedEmbedding(torch.nn.Module):
             raise ValueError(f"staleness={staleness}: pipelined mode needs >= 1 (use mode='sync' for 0)")
         self.tables = {t.name: t for t in tables}
         self.features = {f.name: f for f in features}
+        # Per table, the features that read it (tables nobody reads are left out).
+        self._readers: dict[str, list[str]] = {}
+        for f in features:
+            self._readers.setdefault(f.table, []).append(f.name)
         self.client = client
         self.mode = mode
         self.device = torch.device(device)
@@ -171,10 +175,7 @@ class DistributedEmbedding(torch.nn.Module):
             raise ValueError(f"batch features: missing {missing}, unexpected {extra}; expected {list(self.features)}")
         unique: dict[str, npt.NDArray[np.int64]] = {}
         index: dict[str, torch.Tensor] = {}
-        for table in self.tables:
-            feats = [n for n, f in self.features.items() if f.table == table]
-            if not feats:
-                continue
+        for table, feats in self._readers.items():
             parts = [batch[n].values.detach().cpu().numpy() for n in feats]
             keys, inverse = dedup(np.concatenate(parts) if len(parts) > 1 else parts[0])
             if self.mode == "sync":
