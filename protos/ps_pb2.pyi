@@ -84,21 +84,35 @@ class OptimizerSpec(_message.Message):
     beta: float
     def __init__(self, kind: _Optional[_Union[OptimizerSpec.Kind, str]] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., eps: _Optional[float] = ..., initial_accumulator_value: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., l1: _Optional[float] = ..., l2: _Optional[float] = ..., lr_power: _Optional[float] = ..., beta: _Optional[float] = ...) -> None: ...
 
+class Lifecycle(_message.Message):
+    __slots__ = ("admit_after", "admit_probability", "ttl_seconds", "evict_below_frequency")
+    ADMIT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EVICT_BELOW_FREQUENCY_FIELD_NUMBER: _ClassVar[int]
+    admit_after: int
+    admit_probability: float
+    ttl_seconds: float
+    evict_below_frequency: int
+    def __init__(self, admit_after: _Optional[int] = ..., admit_probability: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., evict_below_frequency: _Optional[int] = ...) -> None: ...
+
 class TableSpec(_message.Message):
-    __slots__ = ("name", "dim", "dtype", "initializer", "optimizer", "seed")
+    __slots__ = ("name", "dim", "dtype", "initializer", "optimizer", "seed", "lifecycle")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     INITIALIZER_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     dtype: DType
     initializer: InitializerSpec
     optimizer: OptimizerSpec
     seed: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    lifecycle: Lifecycle
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., seed: _Optional[int] = ..., lifecycle: _Optional[_Union[Lifecycle, _Mapping]] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec",)
@@ -205,7 +219,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "dim", "rows", "memory_bytes", "lookups", "pushes", "rows_created")
+    __slots__ = ("name", "dim", "rows", "memory_bytes", "lookups", "pushes", "rows_created", "resident_rows", "spilled_rows", "bytes_per_resident_row", "ram_hits", "ram_misses", "ram_hit_rate", "rows_spilled", "rows_faulted_in", "spill_rows_per_s", "fault_in_rows_per_s", "lookups_not_admitted", "pushes_dropped", "rows_expired", "rows_evicted_rare", "admission_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +227,21 @@ class TableStats(_message.Message):
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     PUSHES_FIELD_NUMBER: _ClassVar[int]
     ROWS_CREATED_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_RESIDENT_ROW_FIELD_NUMBER: _ClassVar[int]
+    RAM_HITS_FIELD_NUMBER: _ClassVar[int]
+    RAM_MISSES_FIELD_NUMBER: _ClassVar[int]
+    RAM_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_SPILLED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FAULTED_IN_FIELD_NUMBER: _ClassVar[int]
+    SPILL_ROWS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    FAULT_IN_ROWS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_EVICTED_RARE_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     rows: int
@@ -220,20 +249,61 @@ class TableStats(_message.Message):
     lookups: int
     pushes: int
     rows_created: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_created: _Optional[int] = ...) -> None: ...
+    resident_rows: int
+    spilled_rows: int
+    bytes_per_resident_row: float
+    ram_hits: int
+    ram_misses: int
+    ram_hit_rate: float
+    rows_spilled: int
+    rows_faulted_in: int
+    spill_rows_per_s: float
+    fault_in_rows_per_s: float
+    lookups_not_admitted: int
+    pushes_dropped: int
+    rows_expired: int
+    rows_evicted_rare: int
+    admission_bytes: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_created: _Optional[int] = ..., resident_rows: _Optional[int] = ..., spilled_rows: _Optional[int] = ..., bytes_per_resident_row: _Optional[float] = ..., ram_hits: _Optional[int] = ..., ram_misses: _Optional[int] = ..., ram_hit_rate: _Optional[float] = ..., rows_spilled: _Optional[int] = ..., rows_faulted_in: _Optional[int] = ..., spill_rows_per_s: _Optional[float] = ..., fault_in_rows_per_s: _Optional[float] = ..., lookups_not_admitted: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rows_expired: _Optional[int] = ..., rows_evicted_rare: _Optional[int] = ..., admission_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard", "num_shards", "mode", "uptime_s", "tables", "duplicate_pushes")
+    __slots__ = ("shard", "num_shards", "mode", "uptime_s", "tables", "duplicate_pushes", "memory_budget_bytes", "resident_bytes", "durability", "writable", "storage_error", "last_durable_unix_s")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURABILITY_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_DURABLE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     mode: str
     uptime_s: float
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
     duplicate_pushes: int
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ...) -> None: ...
+    memory_budget_bytes: int
+    resident_bytes: int
+    durability: str
+    writable: bool
+    storage_error: str
+    last_durable_unix_s: float
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., durability: _Optional[str] = ..., writable: _Optional[bool] = ..., storage_error: _Optional[str] = ..., last_durable_unix_s: _Optional[float] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("path", "manifest_json")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    manifest_json: str
+    def __init__(self, path: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...

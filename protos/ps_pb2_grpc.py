@@ -59,6 +59,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_ps__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/ps.v1.ParameterServer/Checkpoint',
+                request_serializer=protos_dot_ps__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -94,6 +99,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_ps__pb2.StatsResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=protos_dot_ps__pb2.CheckpointRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class ParameterServer:
             '/ps.v1.ParameterServer/Stats',
             protos_dot_ps__pb2.StatsRequest.SerializeToString,
             protos_dot_ps__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/Checkpoint',
+            protos_dot_ps__pb2.CheckpointRequest.SerializeToString,
+            protos_dot_ps__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
     )
     tune_malloc()
+    # Past a file-size limit (RLIMIT_FSIZE) a write should fail with EFBIG, which the
+    # storage layer reports, rather than kill the process with SIGXFSZ.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     log.info("starting %s", _describe(config))
     try:
         server = build_server(config)

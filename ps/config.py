@@ -26,10 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ps.initializers import InitializerParams
-from ps.optimizers import OptimizerParams
+from protos import ps_pb2 as pb
+from protos import wire
+from ps.errors import InvalidRequest
+from ps.initializers import InitializerKind, InitializerParams
+from ps.lifecycle import Lifecycle
+from ps.optimizers import OptimizerKind, OptimizerParams
 
-__all__ = ["ConfigError", "ServerConfig", "TableSpec", "load_config"]
+__all__ = ["ConfigError", "Durability", "ServerConfig", "TableSpec", "load_config", "spec_from_proto", "spec_to_proto"]
 
 ENV_PREFIX = "PS_"
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
@@ -38,6 +42,46 @@ MAX_DIM = 65536
 
 class ConfigError(ValueError):
     """A setting is unknown or has a bad value; the message names it."""
+
+
+@dataclass(frozen=True)
+class Durability:
+    """When acknowledged pushes reach disk (with ``--data-dir``; the WAL is always on).
+
+    * ``every-push``: a push is acknowledged only after its rows, their optimizer state
+      and its exactly-once record are in one RocksDB write. A killed process loses no
+      acknowledged push (the WAL is in the OS page cache; power loss is not covered).
+    * ``interval:S``: dirty rows are written every S seconds (and when spilled, and at
+      checkpoints and shutdown). A crash loses, per row, at most the updates of the
+      last S seconds plus one write's duration; no push is ever applied twice.
+    * ``checkpoint-only``: rows are written only when spilled, at checkpoints and at
+      a clean shutdown; a crash goes back to the last of those, per row.
+
+    >>> Durability.parse("interval:2.5")
+    Durability(kind='interval', interval_s=2.5)
+    """
+
+    kind: str
+    interval_s: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Durability:
+        if text in ("every-push", "checkpoint-only"):
+            return cls(text)
+        kind, sep, seconds = text.partition(":")
+        if kind == "interval" and sep:
+            try:
+                value = float(seconds)
+            except ValueError:
+                value = -1.0
+            if math.isfinite(value) and value > 0:
+                return cls("interval", value)
+        raise ConfigError(
+            f"durability={text!r}: expected every-push, interval:SECONDS (SECONDS > 0) or checkpoint-only"
+        )
+
+    def __str__(self) -> str:
+        return f"interval:{self.interval_s:g}" if self.kind == "interval" else self.kind
 
 
 @dataclass(frozen=True)
@@ -62,6 +106,28 @@ class ServerConfig:
         default=10.0, metadata={"help": "on SIGTERM, seconds to let in-flight calls finish"}
     )
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+    data_dir: Path | None = field(
+        default=None,
+        metadata={
+            "help": "directory for RocksDB (cold rows, table specs, push ledgers) and checkpoints; "
+            "without it everything lives in RAM and is lost at exit"
+        },
+    )
+    memory_budget_bytes: int = field(
+        default=0,
+        metadata={
+            "help": "RAM for rows (values, optimizer state, index, admission counters); above it the "
+            "least recently used rows move to RocksDB. 0: no limit. Needs --data-dir"
+        },
+    )
+    durability: str = field(
+        default="interval:5",
+        metadata={"help": "every-push, interval:SECONDS or checkpoint-only (see README: Durability)"},
+    )
+    restore_from: Path | None = field(
+        default=None,
+        metadata={"help": "start from this checkpoint directory: copied into an empty --data-dir first"},
+    )
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -76,6 +142,13 @@ class ServerConfig:
             raise ConfigError(f"grace_s={self.grace_s}: must be a finite number >= 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level={self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
+        Durability.parse(self.durability)
+        if self.memory_budget_bytes < 0:
+            raise ConfigError(f"memory_budget_bytes={self.memory_budget_bytes}: must be >= 0 (0: no limit)")
+        if self.memory_budget_bytes and self.data_dir is None:
+            raise ConfigError("memory_budget_bytes needs data_dir: rows over the budget are moved to RocksDB there")
+        if self.restore_from is not None and self.data_dir is None:
+            raise ConfigError("restore_from needs data_dir: the checkpoint is copied into it")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"listen={self.listen!r}: expected HOST:PORT, e.g. 127.0.0.1:0")
@@ -99,6 +172,7 @@ class TableSpec:
     optimizer: OptimizerParams = OptimizerParams()
     seed: int = 0
     dtype: str = "float32"
+    lifecycle: Lifecycle = Lifecycle()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _TABLE_NAME.fullmatch(self.name):
@@ -127,6 +201,63 @@ class TableSpec:
 
         mine, theirs = flat(self), flat(other)
         return [f"{k}: {_show(mine[k])} != {_show(theirs[k])}" for k in mine if mine[k] != theirs[k]]
+
+
+_INIT_FIELDS = ("low", "high", "mean", "std", "value")
+_OPT_FIELDS = (
+    "lr", "weight_decay", "eps", "initial_accumulator_value", "beta1", "beta2", "l1", "l2", "lr_power", "beta",
+)  # fmt: skip
+
+
+def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
+    """A validated ``TableSpec``; absent optional fields take their defaults.
+
+    Raises ``InvalidRequest`` naming the bad field.
+    """
+    try:
+        init_kw: dict[str, Any] = {f: getattr(msg.initializer, f) for f in _INIT_FIELDS if msg.initializer.HasField(f)}
+        init_kind = msg.initializer.kind or InitializerKind.UNIFORM
+        opt_kw: dict[str, Any] = {f: getattr(msg.optimizer, f) for f in _OPT_FIELDS if msg.optimizer.HasField(f)}
+        opt_kind = msg.optimizer.kind or OptimizerKind.SGD
+        lc = msg.lifecycle
+        lifecycle = Lifecycle(
+            admit_after=lc.admit_after,
+            admit_probability=lc.admit_probability if lc.HasField("admit_probability") else 1.0,
+            ttl_seconds=lc.ttl_seconds,
+            evict_below_frequency=lc.evict_below_frequency,
+        )
+        if msg.dtype not in (pb.DTYPE_UNSPECIFIED, pb.FLOAT32):
+            raise InvalidRequest(f"table {msg.name!r}: dtype {wire.dtype_name(msg.dtype)}: only FLOAT32 storage exists")
+        return TableSpec(
+            name=msg.name,
+            dim=msg.dim,
+            initializer=InitializerParams(InitializerKind(init_kind), **init_kw),
+            optimizer=OptimizerParams(OptimizerKind(opt_kind), **opt_kw),
+            seed=msg.seed,
+            lifecycle=lifecycle,
+        )
+    except (ConfigError, ValueError) as exc:
+        raise InvalidRequest(f"spec of table {msg.name!r}: {exc}") from None
+
+
+def spec_to_proto(spec: TableSpec) -> pb.TableSpec:
+    """The wire form of ``spec`` with every field set explicitly."""
+    init = spec.initializer
+    opt = spec.optimizer
+    return pb.TableSpec(
+        name=spec.name,
+        dim=spec.dim,
+        dtype=pb.FLOAT32,
+        seed=spec.seed,
+        initializer=pb.InitializerSpec(kind=init.kind.name, **{f: getattr(init, f) for f in _INIT_FIELDS}),
+        optimizer=pb.OptimizerSpec(kind=opt.kind.name, **{f: getattr(opt, f) for f in _OPT_FIELDS}),
+        lifecycle=pb.Lifecycle(
+            admit_after=spec.lifecycle.admit_after,
+            admit_probability=spec.lifecycle.admit_probability,
+            ttl_seconds=spec.lifecycle.ttl_seconds,
+            evict_below_frequency=spec.lifecycle.evict_below_frequency,
+        ),
+    )
 
 
 def _show(value: Any) -> str:

@@ -312,6 +312,11 @@ class KeyIndex:
             _collect(self._keys, self._slots, keys, slots)
         return keys, slots
 
+    def buckets(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        """The bucket arrays themselves (keys, slots; slot -1 = empty), not copies: for
+        kernels that scan every live row. Valid until the next insert."""
+        return self._keys, self._slots
+
     def memory_bytes(self) -> int:
         """Bytes of every array the index holds (buckets and free list)."""
         return int(self._keys.nbytes + self._slots.nbytes + self._free.nbytes)

@@ -17,11 +17,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ps.config import ServerConfig
+from ps.config import Durability, ServerConfig
 from ps.servicer import SERVICE_NAME, Servicer
 from ps.shard import Shard
+from ps.storage import DataDirError, Storage, copy_checkpoint
 
-__all__ = ["PSServer", "build_server"]
+__all__ = ["WRITE_HEALTH_SERVICE", "PSServer", "build_server", "open_shard"]
+
+WRITE_HEALTH_SERVICE = SERVICE_NAME + ".Writes"
+"""Health service name that is NOT_SERVING while the shard refuses writes (storage failed)."""
 
 log = logging.getLogger(__name__)
 
@@ -36,22 +40,47 @@ class PSServer:
         self._health = health
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Refuse new calls, let in-flight ones finish for up to ``grace_s``, then stop (blocks)."""
+        """Refuse new calls, let in-flight ones finish for up to ``grace_s``, then write what
+        is dirty and close the data directory (blocks)."""
         self._health.enter_graceful_shutdown()
         self.shard.close()
         self.server.stop(grace_s).wait()
+        self.shard.shutdown()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the server stops; False on timeout."""
         return bool(self.server.wait_for_termination(timeout_s))
 
 
+def open_shard(config: ServerConfig) -> Shard:
+    """The shard ``config`` describes, with its data directory opened (and restored from
+    ``config.restore_from`` first). Raises ``RuntimeError`` with an actionable message."""
+    if config.data_dir is None:
+        return Shard(config.shard, config.num_shards)
+    try:
+        if config.restore_from is not None:
+            copy_checkpoint(config.restore_from, config.data_dir)
+        storage = Storage(config.data_dir, shard=config.shard, num_shards=config.num_shards)
+    except DataDirError as exc:
+        raise RuntimeError(str(exc)) from None
+    except OSError as exc:
+        raise RuntimeError(f"data dir {config.data_dir}: {exc}") from None
+    return Shard(
+        config.shard,
+        config.num_shards,
+        storage,
+        Durability.parse(config.durability),
+        config.memory_budget_bytes,
+    )
+
+
 def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     """Bind ``config.listen``, register the services and start serving.
 
-    Raises ``RuntimeError`` naming the address when it cannot be bound.
+    Raises ``RuntimeError`` naming the address when it cannot be bound, or the data
+    directory when it cannot be used.
     """
-    shard = shard or Shard(config.shard, config.num_shards)
+    shard = shard or open_shard(config)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="ps-rpc"),
         options=[
@@ -68,10 +97,19 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     try:
         port = server.add_insecure_port(config.listen)
     except RuntimeError as exc:
+        shard.shutdown()
         raise RuntimeError(f"cannot listen on {config.listen}: {exc}") from None
     if port == 0:
+        shard.shutdown()
         raise RuntimeError(f"cannot listen on {config.listen}: address in use or not available")
     server.start()
-    for service in ("", SERVICE_NAME):
+    for service in ("", SERVICE_NAME, WRITE_HEALTH_SERVICE):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    def writes(ok: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        health_servicer.set(WRITE_HEALTH_SERVICE, status)
+
+    shard.on_writable_change(writes)
+    shard.start()
     return PSServer(server, port, shard, health_servicer)

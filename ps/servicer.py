@@ -13,9 +13,11 @@ gradients straight out of the request bytes (see ``protos.wire``).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,10 +26,8 @@ from google.protobuf.message import DecodeError
 
 from protos import ps_pb2 as pb
 from protos import wire
-from ps.config import ConfigError, TableSpec
-from ps.errors import InvalidRequest, RequestTooLarge, ShardError
-from ps.initializers import InitializerKind, InitializerParams
-from ps.optimizers import OptimizerKind, OptimizerParams
+from ps.config import spec_from_proto, spec_to_proto
+from ps.errors import RequestTooLarge, ShardError, ShuttingDown
 from ps.shard import Shard
 from ps.table import Table
 
@@ -36,10 +36,6 @@ __all__ = ["SERVICE_NAME", "Servicer", "spec_from_proto", "spec_to_proto", "stat
 log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
-_INIT_FIELDS = ("low", "high", "mean", "std", "value")
-_OPT_FIELDS = (
-    "lr", "weight_decay", "eps", "initial_accumulator_value", "beta1", "beta2", "l1", "l2", "lr_power", "beta",
-)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -56,43 +52,6 @@ def status_boundary(context: grpc.ServicerContext, method: str) -> Iterator[None
         context.abort(
             grpc.StatusCode.INTERNAL, f"{method}: internal error {type(exc).__name__}: {exc} (see the shard log)"
         )
-
-
-def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
-    """A validated ``TableSpec``; absent optional fields take their defaults.
-
-    Raises ``InvalidRequest`` naming the bad field.
-    """
-    try:
-        init_kw: dict[str, Any] = {f: getattr(msg.initializer, f) for f in _INIT_FIELDS if msg.initializer.HasField(f)}
-        init_kind = msg.initializer.kind or InitializerKind.UNIFORM
-        opt_kw: dict[str, Any] = {f: getattr(msg.optimizer, f) for f in _OPT_FIELDS if msg.optimizer.HasField(f)}
-        opt_kind = msg.optimizer.kind or OptimizerKind.SGD
-        if msg.dtype not in (pb.DTYPE_UNSPECIFIED, pb.FLOAT32):
-            raise InvalidRequest(f"table {msg.name!r}: dtype {wire.dtype_name(msg.dtype)}: only FLOAT32 storage exists")
-        return TableSpec(
-            name=msg.name,
-            dim=msg.dim,
-            initializer=InitializerParams(InitializerKind(init_kind), **init_kw),
-            optimizer=OptimizerParams(OptimizerKind(opt_kind), **opt_kw),
-            seed=msg.seed,
-        )
-    except (ConfigError, ValueError) as exc:
-        raise InvalidRequest(f"spec of table {msg.name!r}: {exc}") from None
-
-
-def spec_to_proto(spec: TableSpec) -> pb.TableSpec:
-    """The wire form of ``spec`` with every field set explicitly."""
-    init = spec.initializer
-    opt = spec.optimizer
-    return pb.TableSpec(
-        name=spec.name,
-        dim=spec.dim,
-        dtype=pb.FLOAT32,
-        seed=spec.seed,
-        initializer=pb.InitializerSpec(kind=init.kind.name, **{f: getattr(init, f) for f in _INIT_FIELDS}),
-        optimizer=pb.OptimizerSpec(kind=opt.kind.name, **{f: getattr(opt, f) for f in _OPT_FIELDS}),
-    )
 
 
 class Servicer:
@@ -124,6 +83,7 @@ class Servicer:
                 "Lookup": unary(self.Lookup, False),
                 "Push": unary(self.Push, True),
                 "Stats": unary(self.Stats, True),
+                "Checkpoint": unary(self.Checkpoint, True),
             },
         )
 
@@ -170,6 +130,7 @@ class Servicer:
                     table.lookup(keys, out, create=create)  # type: ignore[arg-type]
                 else:
                     out[:] = wire.rows_to_dtype(table.lookup(keys, create=create), dtype)
+            self._shard.after_request()
             return writer.finish()
         raise AssertionError("unreachable: status_boundary aborts")
 
@@ -187,35 +148,67 @@ class Servicer:
                 grads = wire.decode_rows(entry.grads, keys.shape[0], table.dim, entry.dtype, f"{field}.grads")
                 table.validate_grads(keys, grads)
                 batch.append((table, keys, grads))
-            with self._shard.ledger.claim(msg.client_id, msg.seq) as fresh:
-                if not fresh:
-                    return pb.PushResponse(applied=False)
-                # Every entry was validated above, before anything was applied.
-                rows = sum(table.push(keys, grads, check=False) for table, keys, grads in batch)
-            return pb.PushResponse(applied=True, rows_updated=rows)
+            # Every entry was validated above, before anything is applied.
+            applied, rows = self._shard.push(batch, msg.client_id, msg.seq)
+            return pb.PushResponse(applied=applied, rows_updated=rows)
         raise AssertionError("unreachable: status_boundary aborts")
 
     def Stats(self, request: bytes, context: grpc.ServicerContext) -> pb.StatsResponse:
         with status_boundary(context, "Stats"):
             shard = self._shard
-            tables = [
-                pb.TableStats(
-                    name=t.spec.name,
-                    dim=t.dim,
-                    rows=len(t),
-                    memory_bytes=t.memory_bytes(),
-                    lookups=t.counters.lookups,
-                    pushes=t.counters.pushes,
-                    rows_created=t.counters.rows_created,
+            tables = []
+            for t in shard.tables():
+                c = t.counters
+                resident = len(t)
+                seen = c.ram_hits + c.ram_misses
+                spill_rate, fault_rate = shard.rates(t.spec.name)
+                tables.append(
+                    pb.TableStats(
+                        name=t.spec.name,
+                        dim=t.dim,
+                        rows=resident + t.spilled,
+                        memory_bytes=t.memory_bytes(),
+                        lookups=c.lookups,
+                        pushes=c.pushes,
+                        rows_created=c.rows_created,
+                        resident_rows=resident,
+                        spilled_rows=t.spilled,
+                        bytes_per_resident_row=t.bytes_per_row,
+                        ram_hits=c.ram_hits,
+                        ram_misses=c.ram_misses,
+                        ram_hit_rate=c.ram_hits / seen if seen else 1.0,
+                        rows_spilled=c.rows_spilled,
+                        rows_faulted_in=c.rows_faulted_in,
+                        spill_rows_per_s=spill_rate,
+                        fault_in_rows_per_s=fault_rate,
+                        lookups_not_admitted=c.lookups_not_admitted,
+                        pushes_dropped=c.pushes_dropped,
+                        rows_expired=c.rows_expired,
+                        rows_evicted_rare=c.rows_evicted_rare,
+                        admission_bytes=t.admission_bytes(),
+                    )
                 )
-                for t in shard.tables()
-            ]
             return pb.StatsResponse(
                 shard=shard.index,
                 num_shards=shard.num_shards,
                 mode=shard.mode,
                 uptime_s=time.monotonic() - shard.started,
                 tables=tables,
-                duplicate_pushes=shard.ledger.duplicates,
+                duplicate_pushes=shard.duplicate_pushes(),
+                memory_budget_bytes=shard.memory_budget_bytes,
+                resident_bytes=shard.resident_bytes(),
+                durability=str(shard.durability) if shard.storage is not None else "",
+                writable=shard.writable,
+                storage_error=shard.storage_error,
+                last_durable_unix_s=shard.last_durable if shard.storage is not None else 0.0,
             )
+        raise AssertionError("unreachable: status_boundary aborts")
+
+    def Checkpoint(self, request: bytes, context: grpc.ServicerContext) -> pb.CheckpointResponse:
+        with status_boundary(context, "Checkpoint"):
+            msg = pb.CheckpointRequest.FromString(request)
+            if self._shard._closing:
+                raise ShuttingDown(f"shard {self._shard.index} is shutting down")
+            path, manifest = self._shard.checkpoint(Path(msg.path) if msg.path else None)
+            return pb.CheckpointResponse(path=str(path), manifest_json=json.dumps(manifest, sort_keys=True))
         raise AssertionError("unreachable: status_boundary aborts")

@@ -1,9 +1,15 @@
-"""One shard: its tables by name, its place in the cluster, and exactly-once pushes.
+"""One shard: its tables by name, its place in the cluster, its data directory.
 
 ``Shard`` is what the gRPC servicer talks to, and what tests can drive without a
 network. It checks that a request was routed for this cluster's size, resolves table
-names, and records which ``(client_id, seq)`` pushes it has applied so that a push
-retried after a timeout is not applied twice.
+names, runs pushes through each table's exactly-once ledger, and (with a
+``Storage``) keeps the tables within the memory budget, writes them out as the
+durability mode says, expires rows, and takes checkpoints.
+
+A storage failure (disk full, I/O error) makes the shard read-only: pushes get
+UNAVAILABLE, lookups keep working, nothing is evicted any more (RAM may grow past the
+budget rather than drop a row it cannot write), and ``writable`` listeners hear it
+(the server flips a health status). Restart the shard once the disk is fixed.
 
 Example:
     >>> from ps.config import TableSpec
@@ -18,130 +24,93 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-from ps.config import TableSpec
+import numpy as np
+import numpy.typing as npt
+from google.protobuf import json_format
+
+from protos import ps_pb2 as pb
+from ps import optimizers
+from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import InvalidRequest, ShardMismatch, ShuttingDown, TableExists, UnknownTable, WrongMode
+from ps.ledger import PushLedger
+from ps.lifecycle import now_tick
+from ps.storage import FORMAT_VERSION, Storage, StorageFailed
 from ps.table import Table
 
 __all__ = ["PushLedger", "Shard"]
 
 log = logging.getLogger(__name__)
 
-
-class _ClientSeqs:
-    """Applied push sequence numbers of one client: all ``<= low``, plus ``done``."""
-
-    __slots__ = ("low", "done", "pending")
-
-    def __init__(self) -> None:
-        self.low = 0
-        self.done: set[int] = set()
-        self.pending: set[int] = set()
-
-
-class PushLedger:
-    """Remembers which ``(client_id, seq)`` pushes were applied, so each applies once.
-
-    A client numbers its pushes 1, 2, 3, ... (pushes may arrive out of order). The
-    ledger keeps, per client, the highest seq below which everything was applied plus
-    the applied seqs above it. If a client leaves more than ``window`` later pushes
-    applied above a gap, the gap is given up: that seq can no longer be applied (it
-    reads as a duplicate), which only happens when the client abandoned it. At most
-    ``max_clients`` clients are remembered (least recently seen forgotten first).
-
-    Thread-safe. A second arrival of a seq that is still being applied waits for the
-    first: if the first succeeds it is a duplicate, if it fails the second applies it.
-    """
-
-    def __init__(self, window: int = 1 << 16, max_clients: int = 1 << 16) -> None:
-        self._window = window
-        self._max_clients = max_clients
-        self._clients: OrderedDict[str, _ClientSeqs] = OrderedDict()
-        self._cond = threading.Condition()
-        self.duplicates = 0
-
-    @contextlib.contextmanager
-    def claim(self, client_id: str, seq: int) -> Iterator[bool]:
-        """Yield True if the caller must apply this push, False if it was applied before.
-
-        The push counts as applied only if the ``with`` body finishes without raising.
-        ``seq == 0`` opts out: always True, nothing recorded.
-        """
-        if seq == 0:
-            yield True
-            return
-        with self._cond:
-            c = self._client(client_id)
-            while seq in c.pending:
-                self._cond.wait()
-            if seq <= c.low or seq in c.done:
-                self.duplicates += 1
-                duplicate = True
-            else:
-                c.pending.add(seq)
-                duplicate = False
-        if duplicate:
-            yield False
-            return
-        ok = False
-        try:
-            yield True
-            ok = True
-        finally:
-            with self._cond:
-                c.pending.discard(seq)
-                if ok:
-                    self._record(c, seq)
-                self._cond.notify_all()
-
-    def _client(self, client_id: str) -> _ClientSeqs:
-        c = self._clients.get(client_id)
-        if c is None:
-            c = self._clients[client_id] = _ClientSeqs()
-            while len(self._clients) > self._max_clients:
-                self._clients.popitem(last=False)
-        else:
-            self._clients.move_to_end(client_id)
-        return c
-
-    def _record(self, c: _ClientSeqs, seq: int) -> None:
-        if seq <= c.low:
-            # The window gave this seq up while it was in flight: it already reads as
-            # applied, and keeping it in `done` would later drag `low` backwards.
-            return
-        c.done.add(seq)
-        if len(c.done) > self._window:
-            c.low = min(c.done)  # give up the oldest gap (see the class docstring)
-            c.done.discard(c.low)
-        while c.low + 1 in c.done:
-            c.low += 1
-            c.done.discard(c.low)
+_LOW_WATER = 0.9  # evict down to this fraction of the budget, so eviction runs in batches
+_RATE_WINDOW_S = 10.0
 
 
 class Shard:
-    """Tables and cluster identity of one shard. Thread-safe."""
+    """Tables, cluster identity and storage of one shard. Thread-safe.
 
-    def __init__(self, index: int, num_shards: int) -> None:
+    ``storage``: the opened data directory (tables stored there are recreated at
+    once; their rows come back from disk when first used). ``memory_budget_bytes``
+    (needs storage): resident bytes above which rows are spilled; 0 = no limit.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        num_shards: int,
+        storage: Storage | None = None,
+        durability: Durability = Durability("interval", 5.0),
+        memory_budget_bytes: int = 0,
+    ) -> None:
         if not 0 <= index < num_shards:
             raise ValueError(f"shard={index}: not in [0, num_shards={num_shards})")
+        if memory_budget_bytes and storage is None:
+            raise ValueError("memory_budget_bytes needs storage to spill rows to")
         self.index = index
         self.num_shards = num_shards
         self.mode = "train"
-        self.ledger = PushLedger()
+        self.storage = storage
+        self.durability = durability
+        self.memory_budget_bytes = memory_budget_bytes
         self.started = time.monotonic()
+        self.writable = True
+        self.storage_error = ""
+        self.last_durable = time.time()
         self._tables: dict[str, Table] = {}
         self._lock = threading.Lock()
+        self._evict_lock = threading.Lock()
+        self._checkpoint_lock = threading.Lock()
         self._closing = False
+        self._listeners: list[Callable[[bool], None]] = []
+        self._rates: deque[tuple[float, dict[str, tuple[int, int]]]] = deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if storage is not None:
+            for name, blob in sorted(storage.specs().items()):
+                self._tables[name] = self._new_table(spec_from_proto(pb.TableSpec.FromString(blob)))
+            if self._tables:
+                log.info("reopened %d tables from %s: %s", len(self._tables), storage.path, ", ".join(self._tables))
+
+    def _new_table(self, spec: TableSpec) -> Table:
+        if self.storage is None:
+            return Table(spec)
+        rows = self.storage.table(spec.name, spec.dim, optimizers.state_width(spec.optimizer, spec.dim))
+        return Table(spec, rows=rows, storage=self.storage, every_push=self.durability.kind == "every-push")
+
+    # -- tables --------------------------------------------------------------------------
 
     def create_table(self, spec: TableSpec) -> bool:
         """Create ``spec``'s table; False if an identical one exists.
 
         Raises ``TableExists`` naming every differing field if the name is taken by
-        another spec.
+        another spec; ``StorageFailed`` if the spec cannot be stored.
         """
         with self._lock:
             existing = self._tables.get(spec.name)
@@ -153,7 +122,10 @@ class Shard:
                         "(existing != requested)"
                     )
                 return False
-            self._tables[spec.name] = Table(spec)
+            if self.storage is not None:
+                self.check_writable()
+                self._guard(self.storage.save_spec, spec.name, spec_to_proto(spec).SerializeToString())
+            self._tables[spec.name] = self._new_table(spec)
         log.info("table created name=%s dim=%d optimizer=%s", spec.name, spec.dim, spec.optimizer.kind.name)
         return True
 
@@ -186,16 +158,234 @@ class Shard:
             )
 
     def check_writable(self) -> None:
-        """Raise ``WrongMode`` if this shard refuses pushes (serving mode)."""
+        """Raise ``WrongMode`` if this shard refuses pushes (serving mode), ``StorageFailed``
+        if its storage failed."""
         if self.mode != "train":
             raise WrongMode(f"shard {self.index} is read-only (mode={self.mode}): pushes are refused")
-
-    def close(self) -> None:
-        """Refuse new requests from now on (in-flight ones finish)."""
-        self._closing = True
+        if not self.writable:
+            raise StorageFailed(
+                f"shard {self.index} refuses writes since its storage failed ({self.storage_error}); "
+                "lookups still work. Fix the disk (free space, check the data dir), then restart the shard"
+            )
 
     @staticmethod
     def check_table_field(name: str, field: str) -> None:
         """Raise ``InvalidRequest`` if a request entry has no table name."""
         if not name:
             raise InvalidRequest(f"{field}: table name is empty")
+
+    # -- requests ------------------------------------------------------------------------
+
+    def push(
+        self, entries: list[tuple[Table, npt.NDArray[np.int64], npt.NDArray[np.float32]]], client_id: str, seq: int
+    ) -> tuple[bool, int]:
+        """Apply validated ``(table, keys, grads)`` entries once per ``(client_id, seq)``
+        and table; returns (applied anywhere, rows updated)."""
+        self.check_writable()
+        applied, rows = False, 0
+        for table, keys, grads in entries:
+            n = self._guard(table.push, keys, grads, client_id=client_id, seq=seq, check=False)
+            if n is not None:
+                applied, rows = True, rows + n
+        if self.durability.kind == "every-push" and self.storage is not None:
+            self.last_durable = time.time()
+        self.after_request()
+        return applied, rows
+
+    def after_request(self) -> None:
+        """Spill rows if the tables are over the memory budget (called after each request)."""
+        if self.memory_budget_bytes and self.writable and self.resident_bytes() > self.memory_budget_bytes:
+            self.enforce_budget()
+
+    def duplicate_pushes(self) -> int:
+        return sum(t.ledger.duplicates for t in self.tables())
+
+    def resident_bytes(self) -> int:
+        """What the memory budget is compared with: every table's ``resident_bytes``."""
+        return sum(t.resident_bytes() for t in self.tables())
+
+    # -- storage -------------------------------------------------------------------------
+
+    def enforce_budget(self) -> int:
+        """Spill least recently used rows, across all tables, until resident bytes are at
+        ``_LOW_WATER`` of the budget; returns rows moved. One thread at a time (others
+        skip: the one running covers them)."""
+        if not self._evict_lock.acquire(blocking=False):
+            return 0
+        try:
+            tables = self.tables()
+            need = self.resident_bytes() - int(_LOW_WATER * self.memory_budget_bytes)
+            if need <= 0 or not self.writable:
+                return 0
+            now = now_tick()
+            hists = [t.age_histogram(now) for t in tables]
+            weights = [t.bytes_per_row for t in tables]
+            by_age = sum((h * w for h, w in zip(hists, weights, strict=True)), np.zeros_like(hists[0]))
+            from_oldest = np.cumsum(by_age[::-1])
+            j = min(int(np.searchsorted(from_oldest, need)), by_age.shape[0] - 1)
+            cutoff = by_age.shape[0] - 1 - j  # evict every row older than this age ...
+            older = int(from_oldest[j - 1]) if j > 0 else 0
+            share = (need - older) / by_age[cutoff] if by_age[cutoff] else 0.0  # ... and this share of it
+            moved = 0
+            for t, h in zip(tables, hists, strict=True):
+                count = int(h[cutoff + 1 :].sum()) + math.ceil(h[cutoff] * min(1.0, share))
+                if count:
+                    moved += self._guard(t.evict, count, now)
+            return moved
+        finally:
+            self._evict_lock.release()
+
+    def flush(self) -> int:
+        """Write every table's dirty rows and ledger; returns rows written."""
+        started = time.time()
+        written = sum(self._guard(t.flush) for t in self.tables())
+        self.last_durable = started
+        return written
+
+    def checkpoint(self, path: Path | None = None) -> tuple[Path, dict[str, Any]]:
+        """A consistent checkpoint of every table at ``path`` (default: the data dir's
+        ``checkpoints/<version>``); returns the path and the manifest written there.
+
+        Pushes wait (they are not refused) while the tables are flushed and the RocksDB
+        checkpoint is taken. A shard without a data dir writes its rows into a new one
+        at ``path``.
+        """
+        with self._checkpoint_lock:
+            tables = self.tables()
+            if path is None:
+                if self.storage is None:
+                    raise InvalidRequest("Checkpoint: path is empty and this shard has no --data-dir to put it in")
+                root = self.storage.path / "checkpoints"
+                versions = [int(p.name) for p in root.glob("[0-9]*") if p.name.isdigit()] if root.is_dir() else []
+                path = root / f"{max(versions, default=0) + 1:06d}"
+            path = Path(path)
+            manifest: dict[str, Any] = {
+                "format": FORMAT_VERSION,
+                "shard": self.index,
+                "num_shards": self.num_shards,
+                "version": path.name,
+                "created_unix_s": time.time(),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "tables": [json_format.MessageToDict(spec_to_proto(t.spec)) for t in tables],
+            }
+            if self.storage is None:
+                self._checkpoint_from_ram(path, tables, manifest)
+                return path, manifest
+            with contextlib.ExitStack() as held:
+                for t in tables:  # sorted by name: every thread takes them in one order
+                    held.enter_context(t._lock)
+                for t in tables:
+                    self._guard(t._flush_locked)
+                manifest["rows"] = {t.spec.name: len(t) + t.spilled for t in tables}
+                self._guard(self.storage.checkpoint, path, manifest)
+            self.last_durable = manifest["created_unix_s"]
+            log.info("checkpoint written path=%s tables=%d", path, len(tables))
+            return path, manifest
+
+    def _checkpoint_from_ram(self, path: Path, tables: list[Table], manifest: dict[str, Any]) -> None:
+        from ps.storage import write_manifest
+
+        if path.exists():
+            raise StorageFailed(f"checkpoint path {path} exists: choose a new directory")
+        rows: dict[str, int] = {}
+        with Storage(path, shard=self.index, num_shards=self.num_shards) as out:
+            for t in tables:
+                out.save_spec(t.spec.name, spec_to_proto(t.spec).SerializeToString())
+                target = out.table(t.spec.name, t.dim, optimizers.state_width(t.spec.optimizer, t.dim))
+                rows[t.spec.name] = t.write_to(target, out)
+        (path / "ps.lock").unlink(missing_ok=True)
+        manifest["rows"] = rows
+        write_manifest(path, manifest)
+
+    def expire(self) -> int:
+        """Apply every table's TTL now; returns rows deleted."""
+        return sum(self._guard(t.expire) for t in self.tables() if t.spec.lifecycle.ttl_seconds)
+
+    def _guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, noting a storage failure on the way out."""
+        try:
+            return fn(*args, **kwargs)
+        except StorageFailed as exc:
+            self._storage_failed(str(exc))
+            raise
+
+    def _storage_failed(self, error: str) -> None:
+        if not self.writable:
+            return
+        self.writable = False
+        self.storage_error = error
+        log.error("storage failed, refusing writes from now on (reads continue): %s", error)
+        for listener in list(self._listeners):
+            listener(False)
+
+    def on_writable_change(self, listener: Callable[[bool], None]) -> None:
+        """Call ``listener(writable)`` when the shard starts or stops accepting writes."""
+        self._listeners.append(listener)
+
+    # -- background work -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the maintenance thread: interval flushes, TTL sweeps, rate samples."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._maintain, name=f"ps-shard{self.index}-maint", daemon=True)
+            self._thread.start()
+
+    def _maintain(self) -> None:
+        last_flush = last_ttl = time.monotonic()
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            self._sample_rates(now)
+            try:
+                if (
+                    self.storage is not None
+                    and self.durability.kind == "interval"
+                    and self.writable
+                    and now - last_flush >= self.durability.interval_s
+                ):
+                    last_flush = now
+                    self.flush()
+                ttls = [t.spec.lifecycle.ttl_seconds for t in self.tables() if t.spec.lifecycle.ttl_seconds]
+                if ttls and now - last_ttl >= max(0.5, min(60.0, min(ttls) / 4)) and self.writable:
+                    last_ttl = now
+                    self.expire()
+            except StorageFailed:
+                pass  # already reported by _guard
+            except Exception:
+                log.exception("maintenance step failed")
+
+    def _sample_rates(self, now: float) -> None:
+        counts = {t.spec.name: (t.counters.rows_spilled, t.counters.rows_faulted_in) for t in self.tables()}
+        self._rates.append((now, counts))
+        while len(self._rates) > 2 and now - self._rates[0][0] > _RATE_WINDOW_S:
+            self._rates.popleft()
+
+    def rates(self, table: str) -> tuple[float, float]:
+        """(rows spilled per second, rows faulted in per second) of ``table`` over the last ~10 s."""
+        if len(self._rates) < 2:
+            return 0.0, 0.0
+        (t0, c0), (t1, c1) = self._rates[0], self._rates[-1]
+        s0, f0 = c0.get(table, (0, 0))
+        s1, f1 = c1.get(table, (0, 0))
+        dt = max(t1 - t0, 1e-9)
+        return (s1 - s0) / dt, (f1 - f0) / dt
+
+    def close(self) -> None:
+        """Refuse new requests from now on (in-flight ones finish)."""
+        self._closing = True
+
+    def shutdown(self) -> None:
+        """After the last request: stop background work, write what is dirty, close storage."""
+        self._closing = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self.storage is not None:
+            if self.writable:
+                try:
+                    written = self.flush()
+                    log.info("final flush wrote %d rows", written)
+                except StorageFailed as exc:
+                    log.error("final flush failed; rows changed since the last durable point are lost: %s", exc)
+            else:
+                log.error("storage failed earlier (%s): rows changed since the last durable point are lost", self.storage_error)
+            self.storage.close()

@@ -1,9 +1,23 @@
-"""One embedding table on one shard: key index + arena + optimizer, behind one lock.
+"""One embedding table on one shard: key index + arena + optimizer + ledger, behind one lock.
 
 ``Table.lookup`` returns the rows of a batch of keys, creating missing rows (in
 training mode) with their deterministic initial values; ``Table.push`` applies a
-batch of gradients with the table's optimizer. Both are batch operations compiled
-with numba: no Python loop or object per key.
+batch of gradients with the table's optimizer, at most once per ``(client_id, seq)``.
+Both are batch operations compiled with numba: no Python loop or object per key.
+
+With a ``TableRows`` (a RocksDB column family, see ``ps.storage``) the table is the
+RAM tier of a larger one: ``evict`` moves the least recently used rows, values and
+optimizer state, to disk; a lookup or push that misses RAM reads them back with one
+multi-get before anything else happens, so a key once created is never
+re-initialised. What reaches disk, and when, follows the shard's durability mode:
+with ``every_push`` a push is written (rows + its ledger entry, one batch) before it
+is applied in RAM; otherwise changed rows stay ``dirty`` until ``flush`` or
+``evict`` writes them. Every write of the table carries its ledger entries, taken
+under the same lock hold, so no row on disk reflects a push the ledger on disk
+does not know about.
+
+The table's ``Lifecycle`` adds admission (rows only for keys seen often enough),
+TTL expiry (``expire``) and deletion of rare rows instead of spilling them.
 
 Thread-safety: every public method takes the table's lock, so a table is safe to
 share between gRPC handler threads; the kernels release the GIL, so different
@@ -20,7 +34,6 @@ Example:
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 import numba
@@ -33,8 +46,14 @@ from ps.config import TableSpec
 from ps.errors import InvalidRequest
 from ps.initializers import fill_initial_rows
 from ps.keyindex import KeyIndex
+from ps.ledger import PushLedger
+from ps.lifecycle import Admission, age_histogram, expired_keys, now_tick, select_victims
+from ps.storage import Storage, TableRows
 
 __all__ = ["Table", "TableCounters"]
+
+_WRITE_CHUNK = 1 << 16  # rows per RocksDB write batch when flushing
+_INDEX_BYTES_PER_ROW = 16  # 12-byte buckets at the index's ~0.75 load factor
 
 _FREQ_MAX = np.uint32(0xFFFFFFFF)
 
@@ -104,6 +123,24 @@ def _mark_pushed(
         dirty[slots[i]] = 1
 
 
+@numba.njit(nogil=True, cache=True)
+def _collect_dirty(
+    tkeys: npt.NDArray[np.int64],
+    tslots: npt.NDArray[np.int32],
+    dirty: npt.NDArray[np.uint8],
+    out_keys: npt.NDArray[np.int64],
+    out_slots: npt.NDArray[np.int32],
+) -> int:
+    n = 0
+    for i in range(tslots.shape[0]):
+        s = tslots[i]
+        if s >= 0 and dirty[s]:
+            out_keys[n] = tkeys[i]
+            out_slots[n] = s
+            n += 1
+    return n
+
+
 @dataclass
 class TableCounters:
     """Running totals for ``Stats`` (keys, not requests)."""
@@ -111,30 +148,79 @@ class TableCounters:
     lookups: int = 0
     pushes: int = 0
     rows_created: int = 0
+    ram_hits: int = 0
+    ram_misses: int = 0
+    rows_spilled: int = 0
+    rows_faulted_in: int = 0
+    lookups_not_admitted: int = 0
+    pushes_dropped: int = 0
+    rows_expired: int = 0
+    rows_evicted_rare: int = 0
 
 
 class Table:
-    """Rows of one table on this shard (see the module docstring for the contract)."""
+    """Rows of one table on this shard (see the module docstring for the contract).
 
-    def __init__(self, spec: TableSpec, initial_capacity: int = 1024) -> None:
+    ``rows``/``storage``: the table's column family and the data directory it lives in
+    (both or neither). ``every_push``: write each push before applying it.
+    """
+
+    def __init__(
+        self,
+        spec: TableSpec,
+        initial_capacity: int = 1024,
+        *,
+        rows: TableRows | None = None,
+        storage: Storage | None = None,
+        every_push: bool = False,
+    ) -> None:
+        if (rows is None) != (storage is None):
+            raise ValueError("rows and storage go together: pass both or neither")
         self.spec = spec
         self.dim = spec.dim
         self.counters = TableCounters()
+        self.ledger = PushLedger()
         self._lock = threading.Lock()
         self._index = KeyIndex(initial_capacity)
         self._arena = Arena(spec.dim, optimizers.state_width(spec.optimizer, spec.dim), initial_capacity)
         self._seen = np.zeros(self._arena.capacity // 8 + 1, dtype=np.uint8)
+        self._rows = rows
+        self._storage = storage
+        self._every_push = every_push and rows is not None
+        lc = spec.lifecycle
+        self._admission = None if lc.admits_all else Admission(lc, spec.seed)
+        self.spilled = 0
+        if rows is not None:
+            self.spilled = rows.estimate_rows()
+            for client_id, data in rows.ledgers().items():
+                self.ledger.load(client_id, data)
 
     def __len__(self) -> int:
+        """Rows resident in RAM."""
         return len(self._index)
+
+    @property
+    def bytes_per_row(self) -> int:
+        """What one resident row costs the memory budget: arena columns plus index share."""
+        return self._arena.row_bytes + _INDEX_BYTES_PER_ROW
+
+    def resident_bytes(self) -> int:
+        """Resident rows times ``bytes_per_row``, plus the admission counters."""
+        return len(self._index) * self.bytes_per_row + self.admission_bytes()
+
+    def admission_bytes(self) -> int:
+        return self._admission.memory_bytes() if self._admission is not None else 0
+
+    # -- lookup and push -------------------------------------------------------------
 
     def lookup(
         self, keys: npt.NDArray[np.int64], out: npt.NDArray[np.float32] | None = None, create: bool = True
     ) -> npt.NDArray[np.float32]:
         """Rows of ``keys`` in order, written into ``out`` (``[len(keys), dim]`` float32) or a new array.
 
-        With ``create`` (training), missing keys get their initial rows stored; without
-        it (serving), missing keys read as zeros and nothing is stored.
+        With ``create`` (training), missing keys get their initial rows stored (once
+        admitted; until then they read as their initial rows and nothing is stored);
+        without it (serving), missing keys read as zeros and nothing is stored.
         """
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         if out is None:
@@ -142,43 +228,90 @@ class Table:
         elif out.shape != (keys.shape[0], self.dim) or out.dtype != np.float32 or not out.flags.c_contiguous:
             # The gather kernel does not bounds-check: a wrong buffer would corrupt memory.
             raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected C-contiguous float32[{keys.shape[0]}, {self.dim}]")
-        now = np.uint32(int(time.time()))
+        now = now_tick()
         with self._lock:
-            if create:
-                slots = self._slots_for(keys, now)
-            else:
-                slots = self._index.lookup(keys)
+            slots = self._resolve(keys, now, create=create, sighting=True)
             a = self._arena
             _gather(a.values, slots, out, a.last_access, a.frequency, now)
+            if create and self._admission is not None:
+                absent = np.flatnonzero(slots < 0)
+                if absent.size:
+                    fill_initial_rows(self.spec.initializer, self.spec.seed, keys[absent], out, absent)
+                    self.counters.lookups_not_admitted += int(absent.size)
             self.counters.lookups += keys.shape[0]
         return out
 
-    def push(self, keys: npt.NDArray[np.int64], grads: npt.NDArray[np.float32], *, check: bool = True) -> int:
+    def push(
+        self,
+        keys: npt.NDArray[np.int64],
+        grads: npt.NDArray[np.float32],
+        *,
+        client_id: str = "",
+        seq: int = 0,
+        check: bool = True,
+    ) -> int | None:
         """Apply ``grads[i]`` to the row of ``keys[i]`` with the table's optimizer.
 
         Gradients of duplicate keys are summed first; missing keys get their initial
-        row before the update. Raises ``InvalidRequest`` (nothing applied) for a wrong
-        shape or a NaN/Inf value; ``check=False`` skips that scan for a caller that
-        already ran ``validate_grads`` on these arrays. Returns the number of distinct
-        rows updated.
+        row before the update (keys not admitted yet are dropped and counted). Raises
+        ``InvalidRequest`` (nothing applied) for a wrong shape or a NaN/Inf value;
+        ``check=False`` skips that scan for a caller that already ran
+        ``validate_grads`` on these arrays. ``StorageFailed`` (every-push mode): nothing
+        applied. Returns the number of distinct rows updated, or None when this
+        ``(client_id, seq)`` was applied before (``seq == 0``: never deduplicated).
         """
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         grads = np.ascontiguousarray(grads, dtype=np.float32)
         if check:
             self.validate_grads(keys, grads)
-        now = np.uint32(int(time.time()))
-        with self._lock:
-            slots = self._slots_for(keys, now)
+        now = now_tick()
+        with self._lock, self.ledger.claim(client_id, seq) as fresh:
+            # The claim is recorded when this block ends, still under the table lock: a
+            # write of this table never sees rows with a push its ledger lacks.
+            if not fresh:
+                return None
+            slots = self._resolve(keys, now, create=True, sighting=False)
+            kept = slots >= 0
+            if not kept.all():
+                self.counters.pushes_dropped += int(keys.shape[0] - kept.sum())
+                keys, grads, slots = keys[kept], grads[kept], slots[kept]
             if _has_duplicates(slots, self._seen):
-                unique, inverse = np.unique(slots, return_inverse=True)
+                unique, first, inverse = np.unique(slots, return_index=True, return_inverse=True)
                 summed = np.zeros((unique.shape[0], self.dim), dtype=np.float32)
                 np.add.at(summed, inverse, grads)
-                slots, grads = unique.astype(np.int32), summed
+                slots, keys, grads = unique.astype(np.int32), keys[first], summed
             a = self._arena
-            optimizers.apply(self.spec.optimizer, a.values, a.state, slots, grads)
-            _mark_pushed(slots, a.last_access, a.dirty, now)
+            if self._every_push:
+                self._push_durably(keys, grads, slots, now, client_id, seq)
+            else:
+                optimizers.apply(self.spec.optimizer, a.values, a.state, slots, grads)
+                _mark_pushed(slots, a.last_access, a.dirty, now)
             self.counters.pushes += slots.shape[0]
-        return int(slots.shape[0])
+            return int(slots.shape[0])
+
+    def _push_durably(
+        self,
+        keys: npt.NDArray[np.int64],
+        grads: npt.NDArray[np.float32],
+        slots: npt.NDArray[np.int32],
+        now: np.uint32,
+        client_id: str,
+        seq: int,
+    ) -> None:
+        # Update copies, write them with the ledger entry, and only then install them:
+        # a failed write leaves RAM exactly as it was.
+        a = self._arena
+        values, state = a.values[slots], a.state[slots]
+        optimizers.apply(self.spec.optimizer, values, state, np.arange(slots.shape[0], dtype=np.int32), grads)
+        assert self._rows is not None and self._storage is not None
+        batch = self._storage.batch()
+        if seq:
+            self._rows.put_ledger(batch, client_id, self.ledger.encode_after(client_id, seq))
+        stamp = np.full(slots.shape[0], now, dtype=np.uint32)
+        self._rows.put(batch, keys, values, state, stamp, a.frequency[slots])
+        self._storage.commit(batch)
+        a.values[slots], a.state[slots], a.last_access[slots] = values, state, stamp
+        a.dirty[slots] = 0
 
     def validate_grads(self, keys: npt.NDArray[np.int64], grads: npt.NDArray[np.float32]) -> None:
         """Raise ``InvalidRequest`` unless ``grads`` is ``[len(keys), dim]`` and all finite."""
@@ -193,35 +326,254 @@ class Table:
                 f"{grads.reshape(-1)[bad]} (NaN/Inf gradients are rejected; nothing was applied)"
             )
 
-    def remove(self, keys: npt.NDArray[np.int64]) -> int:
-        """Drop the rows of ``keys`` (absent keys are ignored); returns how many were dropped."""
+    # -- the RAM tier ------------------------------------------------------------------
+
+    def _resolve(
+        self, keys: npt.NDArray[np.int64], now: np.uint32, *, create: bool, sighting: bool
+    ) -> npt.NDArray[np.int32]:
+        """Slots of ``keys``: RAM first, then disk (faulted in), then new rows if ``create``
+        and admitted. -1 where a key has no row. Caller holds the lock."""
+        slots = self._index.lookup(keys)
+        miss = slots < 0
+        n_miss = int(np.count_nonzero(miss))
+        self.counters.ram_hits += keys.shape[0] - n_miss
+        self.counters.ram_misses += n_miss
+        if n_miss == 0:
+            return slots
+        missing = np.unique(keys[miss])
+        if self._rows is not None:
+            found, rec = self._rows.get(missing)
+            if rec.values.shape[0]:
+                stamp = np.full(rec.values.shape[0], now, dtype=np.uint32)
+                self._install(missing[found], rec.values, rec.state, stamp, rec.frequency, dirty=0)
+                self.counters.rows_faulted_in += rec.values.shape[0]
+                self.spilled = max(0, self.spilled - rec.values.shape[0])
+            missing = missing[~found]
+        if create and missing.size:
+            if self._admission is not None:
+                ok = self._admission.admit(missing) if sighting else self._admission.admitted(missing)
+                missing = missing[ok]
+            self._create(missing, now)
+        slots[miss] = self._index.lookup(keys[miss])
+        return slots
+
+    def _install(
+        self,
+        keys: npt.NDArray[np.int64],
+        values: npt.NDArray[np.float32],
+        state: npt.NDArray[np.float32],
+        last_access: npt.NDArray[np.uint32],
+        frequency: npt.NDArray[np.uint32],
+        dirty: int,
+    ) -> npt.NDArray[np.int32]:
+        """Put rows of absent ``keys`` into RAM; returns their slots. Caller holds the lock."""
+        slots, _ = self._index.lookup_or_insert(keys)
+        a = self._arena
+        if self._index.slot_capacity > a.capacity:
+            a.ensure_capacity(self._index.slot_capacity)
+            self._seen = np.zeros(a.capacity // 8 + 1, dtype=np.uint8)
+        a.values[slots], a.state[slots] = values, state
+        a.last_access[slots], a.frequency[slots] = last_access, frequency
+        a.dirty[slots] = dirty
+        return slots
+
+    def _create(self, keys: npt.NDArray[np.int64], now: np.uint32) -> None:
+        """Store initial rows for absent ``keys``. Caller holds the lock."""
+        if not keys.size:
+            return
+        slots, _ = self._index.lookup_or_insert(keys)
+        a = self._arena
+        if self._index.slot_capacity > a.capacity:
+            a.ensure_capacity(self._index.slot_capacity)
+            self._seen = np.zeros(a.capacity // 8 + 1, dtype=np.uint8)
+        new = slots.astype(np.int64)
+        fill_initial_rows(self.spec.initializer, self.spec.seed, keys, a.values, new)
+        optimizers.init_state(self.spec.optimizer, a.state, new)
+        a.frequency[new] = 0
+        a.last_access[new] = now
+        a.dirty[new] = 1
+        self.counters.rows_created += new.shape[0]
+
+    def age_histogram(self, now: np.uint32) -> npt.NDArray[np.int64]:
+        """Resident rows by age in ticks (see ``ps.lifecycle.age_histogram``)."""
         with self._lock:
-            return int((self._index.remove(np.ascontiguousarray(keys, dtype=np.int64)) >= 0).sum())
+            return age_histogram(self._index.buckets()[1], self._arena.last_access, now)
+
+    def evict(self, count: int, now: np.uint32 | None = None) -> int:
+        """Move the ``count`` least recently used rows out of RAM; returns how many left.
+
+        Rows looked up fewer than ``lifecycle.evict_below_frequency`` times are deleted
+        (from RAM and disk); the rest are written to disk if dirty, then dropped from
+        RAM. Needs storage. ``StorageFailed``: nothing left RAM.
+        """
+        if self._rows is None or self._storage is None:
+            raise RuntimeError(f"table {self.spec.name!r} has no storage to evict to (start with --data-dir)")
+        now = now_tick() if now is None else now
+        with self._lock:
+            a = self._arena
+            keys, slots = select_victims(*self._index.buckets(), a.last_access, now, count)
+            if not keys.size:
+                return 0
+            floor = self.spec.lifecycle.evict_below_frequency
+            rare = a.frequency[slots] < floor if floor else np.zeros(keys.shape[0], np.bool_)
+            write = ~rare & (a.dirty[slots] != 0)
+            batch = self._storage.batch()
+            changed = self._put_ledger_changes(batch)
+            s = slots[write]
+            self._rows.put(batch, keys[write], a.values[s], a.state[s], a.last_access[s], a.frequency[s])
+            self._rows.delete(batch, keys[rare])
+            try:
+                self._storage.commit(batch)
+            except Exception:
+                self.ledger.mark_changed(changed)
+                raise
+            self._index.remove(keys)
+            a.dirty[slots] = 0
+            n_rare = int(rare.sum())
+            self.spilled += keys.shape[0] - n_rare
+            self.counters.rows_spilled += keys.shape[0] - n_rare
+            self.counters.rows_evicted_rare += n_rare
+            return int(keys.shape[0])
+
+    def flush(self) -> int:
+        """Write every dirty row, with the ledger, to disk; returns rows written.
+
+        Chunked into batches of ``_WRITE_CHUNK`` rows, the ledger in the first, all
+        under one lock hold (a consistent cut of this table). ``StorageFailed``: the
+        rows not yet written stay dirty.
+        """
+        with self._lock:
+            return self._flush_locked()
+
+    def _flush_locked(self) -> int:
+        if self._rows is None or self._storage is None:
+            return 0
+        a = self._arena
+        keys = np.empty(len(self._index), np.int64)
+        slots = np.empty(len(self._index), np.int32)
+        n = _collect_dirty(*self._index.buckets(), a.dirty, keys, slots)
+        changed = self.ledger.take_changed()
+        if n == 0 and not changed:
+            return 0
+        try:
+            for start in range(0, max(n, 1), _WRITE_CHUNK):
+                batch = self._storage.batch()
+                if start == 0:
+                    for client_id in changed:
+                        self._rows.put_ledger(batch, client_id, self.ledger.encode(client_id))
+                k, s = keys[start : min(n, start + _WRITE_CHUNK)], slots[start : min(n, start + _WRITE_CHUNK)]
+                self._rows.put(batch, k, a.values[s], a.state[s], a.last_access[s], a.frequency[s])
+                self._storage.commit(batch)
+                a.dirty[s] = 0
+                changed = []
+        finally:
+            self.ledger.mark_changed(changed)
+        return n
+
+    def _put_ledger_changes(self, batch: object) -> list[str]:
+        assert self._rows is not None
+        changed = self.ledger.take_changed()
+        for client_id in changed:
+            self._rows.put_ledger(batch, client_id, self.ledger.encode(client_id))  # type: ignore[arg-type]
+        return changed
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def expire(self, now: np.uint32 | None = None) -> int:
+        """Delete rows idle for longer than ``lifecycle.ttl_seconds`` (RAM and disk);
+        returns how many. A no-op when the table has no TTL."""
+        ttl = self.spec.lifecycle.ttl_seconds
+        if not ttl:
+            return 0
+        now = now_tick() if now is None else now
+        removed = 0
+        with self._lock:
+            keys = expired_keys(*self._index.buckets(), self._arena.last_access, now, ttl)
+            if keys.size:
+                if self._rows is not None and self._storage is not None:
+                    batch = self._storage.batch()
+                    self._rows.delete(batch, keys)
+                    self._storage.commit(batch)
+                self._arena.dirty[self._index.remove(keys)] = 0
+                removed += int(keys.size)
+                self.counters.rows_expired += int(keys.size)
+        if self._rows is not None:
+            removed += self._expire_spilled(now, ttl)
+        return removed
+
+    def _expire_spilled(self, now: np.uint32, ttl: float) -> int:
+        assert self._rows is not None and self._storage is not None
+        removed = 0
+        for keys, rec in self._rows.scan():
+            old = expired_keys(keys, np.arange(keys.shape[0], dtype=np.int32), rec.last_access, now, ttl)
+            if not old.size:
+                continue
+            with self._lock:
+                # Recheck under the lock: the row may have come back to RAM, or been
+                # rewritten with a newer access time, since the scan read it.
+                candidates = old[self._index.lookup(old) < 0]
+                found, fresh = self._rows.get(candidates)
+                present = candidates[found]
+                gone = expired_keys(present, np.arange(present.shape[0], dtype=np.int32), fresh.last_access, now, ttl)
+                if gone.size:
+                    batch = self._storage.batch()
+                    self._rows.delete(batch, gone)
+                    self._storage.commit(batch)
+                    self.spilled = max(0, self.spilled - int(gone.size))
+                    self.counters.rows_expired += int(gone.size)
+                    removed += int(gone.size)
+        return removed
+
+    # -- whole-table operations ----------------------------------------------------------
+
+    def remove(self, keys: npt.NDArray[np.int64]) -> int:
+        """Drop the rows of ``keys`` from RAM and disk (absent keys are ignored); returns
+        how many were resident."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        with self._lock:
+            if self._rows is not None and self._storage is not None:
+                batch = self._storage.batch()
+                self._rows.delete(batch, keys)
+                self._storage.commit(batch)
+            freed = self._index.remove(keys)
+            self._arena.dirty[freed[freed >= 0]] = 0
+            return int((freed >= 0).sum())
 
     def export(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """Copies of every stored ``(keys, values, optimizer state)``, in no particular order."""
+        """Copies of every stored ``(keys, values, optimizer state)``, in RAM or on disk,
+        in no particular order."""
         with self._lock:
             keys, slots = self._index.items()
-            return keys, self._arena.values[slots], self._arena.state[slots]
+            parts = [(keys, self._arena.values[slots], self._arena.state[slots])]
+            if self._rows is not None:
+                for k, rec in self._rows.scan():
+                    cold = self._index.lookup(k) < 0
+                    parts.append((k[cold], rec.values[cold], rec.state[cold]))
+        return (
+            np.concatenate([p[0] for p in parts]),
+            np.concatenate([p[1] for p in parts]),
+            np.concatenate([p[2] for p in parts]),
+        )
+
+    def write_to(self, rows: TableRows, storage: Storage) -> int:
+        """Write every resident row and the ledger into another data directory (a
+        checkpoint of a shard without one); returns rows written."""
+        with self._lock:
+            a = self._arena
+            keys, slots = self._index.items()
+            for start in range(0, max(keys.shape[0], 1), _WRITE_CHUNK):
+                batch = storage.batch()
+                if start == 0:
+                    for client_id in self.ledger.clients():
+                        rows.put_ledger(batch, client_id, self.ledger.encode(client_id))
+                k, s = keys[start : start + _WRITE_CHUNK], slots[start : start + _WRITE_CHUNK]
+                rows.put(batch, k, a.values[s], a.state[s], a.last_access[s], a.frequency[s])
+                storage.commit(batch)
+            return int(keys.shape[0])
 
     def memory_bytes(self) -> int:
-        """Bytes held by the index, the arena and scratch space."""
+        """Bytes held by the index, the arena, admission counters and scratch space."""
         with self._lock:
-            return self._index.memory_bytes() + self._arena.memory_bytes() + self._seen.nbytes
-
-    def _slots_for(self, keys: npt.NDArray[np.int64], now: np.uint32) -> npt.NDArray[np.int32]:
-        """Slots of ``keys``, creating and initialising missing rows. Caller holds the lock."""
-        slots, created = self._index.lookup_or_insert(keys)
-        if created.any():
-            a = self._arena
-            if self._index.slot_capacity > a.capacity:
-                a.ensure_capacity(self._index.slot_capacity)
-                self._seen = np.zeros(a.capacity // 8 + 1, dtype=np.uint8)
-            new = slots[created].astype(np.int64)
-            fill_initial_rows(self.spec.initializer, self.spec.seed, keys[created], a.values, new)
-            optimizers.init_state(self.spec.optimizer, a.state, new)
-            a.frequency[new] = 0
-            a.last_access[new] = now
-            a.dirty[new] = 1
-            self.counters.rows_created += new.shape[0]
-        return slots
+            return (
+                self._index.memory_bytes() + self._arena.memory_bytes() + self._seen.nbytes + self.admission_bytes()
+            )

@@ -330,7 +330,7 @@ def test_push_retried_after_deadline_exceeded_is_applied_once(
 
     assert result.duplicates == 1
     assert requests_per_shard(transport, "Push") == [2, 1, 1]
-    assert shards[0].ledger.duplicates == 1
+    assert shards[0].duplicate_pushes() == 1
     np.testing.assert_array_equal(ps.lookup("t", KEYS), start - np.float32(0.5))  # moved once
     assert [s["duplicate_pushes"] for s in ps.stats()] == [1, 0, 0]
 
