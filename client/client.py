@@ -38,6 +38,9 @@ _OPTIMIZERS = {k.lower(): v for k, v in pb.OptimizerSpec.Kind.items() if v}
 _INITIALIZERS = {k.lower(): v for k, v in pb.InitializerSpec.Kind.items() if v}
 _OPT_FIELDS = [f for f in pb.OptimizerSpec.DESCRIPTOR.fields_by_name if f != "kind"]
 _INIT_FIELDS = [f for f in pb.InitializerSpec.DESCRIPTOR.fields_by_name if f != "kind"]
+_LIFECYCLE_FIELDS: dict[str, Any] = {
+    "admit_after": int, "admit_probability": float, "ttl_seconds": float, "evict_below_frequency": int,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -139,8 +142,9 @@ class PSClient:
         ``optimizer``: sgd (default), adagrad, adam or ftrl; ``initializer``: uniform
         (default), normal, zeros or constant; ``params``: hyper-parameters by name
         (lr, weight_decay, eps, initial_accumulator_value, beta1, beta2, l1, l2,
-        lr_power, beta; low, high, mean, std, value). Anything not given takes the
-        shard's default. Raises ``TypeError`` for an unknown option,
+        lr_power, beta; low, high, mean, std, value) and feature-lifecycle rules
+        (admit_after, admit_probability, ttl_seconds, evict_below_frequency: see
+        ``Lifecycle`` in protos/ps.proto). Anything not given takes the shard's default. Raises ``TypeError`` for an unknown option,
         ``InvalidRequestError`` for a bad value, ``TableExistsError`` if the name
         exists with another spec (the message names each difference).
         """
@@ -154,8 +158,11 @@ class PSClient:
                 setattr(spec.optimizer, key, float(value))
             elif key in _INIT_FIELDS:
                 setattr(spec.initializer, key, float(value))
+            elif key in _LIFECYCLE_FIELDS:
+                setattr(spec.lifecycle, key, _LIFECYCLE_FIELDS[key](value))
             else:
-                raise TypeError(f"create_table: unknown option {key!r}; valid: {', '.join(_OPT_FIELDS + _INIT_FIELDS)}")
+                valid = ", ".join((*_OPT_FIELDS, *_INIT_FIELDS, *_LIFECYCLE_FIELDS))
+                raise TypeError(f"create_table: unknown option {key!r}; valid: {valid}")
         request = pb.CreateTableRequest(spec=spec).SerializeToString()
         replies = self._call("CreateTable", [(s, request) for s in range(self.num_shards)])
         table = self._table_config(pb.CreateTableResponse.FromString(replies[0]).spec)

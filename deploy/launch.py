@@ -35,7 +35,8 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--shards", type=int, default=2, help="shard processes to start (default 2)")
     parser.add_argument("--workers", type=int, default=1, help="worker processes per torchrun (default 1)")
-    parser.add_argument("--shard-arg", action="append", default=[], help="extra ps-server flag, repeatable")
+    parser.add_argument("--shard-arg", action="append", default=[], help="extra ps-server flag, repeatable; {shard} becomes the shard index, e.g. "
+                        "--shard-arg=--data-dir=/var/ps/shard-{shard} --shard-arg=--memory-budget-bytes=4000000000")
     parser.add_argument("--data-dir", type=Path, default=None, help="shard logs and port files (default: a temp dir)")
     if "--" not in argv:
         parser.error("missing '-- COMMAND': e.g. ps-launch --shards 2 -- python examples/train_dlrm.py")

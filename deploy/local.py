@@ -61,6 +61,9 @@ class ShardProcess:
 def start_shard(index: int, num_shards: int, root: Path, *extra_args: str, timeout_s: float = 60.0) -> ShardProcess:
     """Start shard ``index`` of ``num_shards`` with files under ``root``; blocks until it serves.
 
+    ``{shard}`` in an extra argument becomes the shard index, so that every shard gets its
+    own directory: ``--data-dir=/var/ps/shard-{shard}``.
+
     Raises ``ShardStartError`` (with the log tail) if it exits or is not ready in ``timeout_s``.
     """
     root.mkdir(parents=True, exist_ok=True)
@@ -71,7 +74,8 @@ def start_shard(index: int, num_shards: int, root: Path, *extra_args: str, timeo
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ps", f"--shard={index}", f"--num-shards={num_shards}",
-             "--listen=127.0.0.1:0", f"--port-file={port_file}", *extra_args],  # fmt: skip
+             "--listen=127.0.0.1:0", f"--port-file={port_file}",
+             *(a.replace("{shard}", str(index)) for a in extra_args)],  # fmt: skip
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=root,

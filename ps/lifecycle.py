@@ -126,7 +126,9 @@ def _sketch_admit(
 class Admission:
     """Which keys without a row may get one (see ``Lifecycle``). Not thread-safe.
 
-    ``admit(keys)`` counts a sighting of each key and says which are admitted;
+    ``admit(keys)`` counts a sighting of each key and says which are admitted (the
+    table passes each request's distinct keys: a key repeated in one lookup is one
+    sighting);
     ``admitted(keys)`` only asks (used by pushes: a push is not a sighting). A
     count-min sketch may over-count (a rare key sharing counters with frequent ones
     is admitted early), never under-count. Counters are in RAM only: they start from
@@ -138,13 +140,15 @@ class Admission:
         self._counters = np.zeros((_SKETCH_ROWS, width), dtype=np.uint8)
         salt_rng = np.random.default_rng(seed)
         self._salts = salt_rng.integers(0, 2**63, size=_SKETCH_ROWS, dtype=np.int64).astype(np.uint64)
-        self._rng = np.uint64(seed * 2 + 1)
+        self._rng = np.uint64((seed * 2 + 1) & 0xFFFFFFFFFFFFFFFF)
 
     def admit(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
         out = np.empty(keys.shape[0], dtype=np.bool_)
         lc = self.lifecycle
-        self._rng = _sketch_admit(
-            self._counters, self._salts, keys, max(1, lc.admit_after), lc.admit_probability, self._rng, True, out
+        # numba hands the state back as a Python int: keep it uint64, or the next call
+        # would type it int64 and mix signed with unsigned.
+        self._rng = np.uint64(
+            _sketch_admit(self._counters, self._salts, keys, max(1, lc.admit_after), lc.admit_probability, self._rng, True, out)
         )
         return out
 

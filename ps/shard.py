@@ -259,6 +259,8 @@ class Shard:
                 versions = [int(p.name) for p in root.glob("[0-9]*") if p.name.isdigit()] if root.is_dir() else []
                 path = root / f"{max(versions, default=0) + 1:06d}"
             path = Path(path)
+            if path.exists():
+                raise InvalidRequest(f"Checkpoint: path {path} exists: choose a new directory")
             manifest: dict[str, Any] = {
                 "format": FORMAT_VERSION,
                 "shard": self.index,
@@ -285,14 +287,13 @@ class Shard:
     def _checkpoint_from_ram(self, path: Path, tables: list[Table], manifest: dict[str, Any]) -> None:
         from ps.storage import write_manifest
 
-        if path.exists():
-            raise StorageFailed(f"checkpoint path {path} exists: choose a new directory")
         rows: dict[str, int] = {}
         with Storage(path, shard=self.index, num_shards=self.num_shards) as out:
             for t in tables:
                 out.save_spec(t.spec.name, spec_to_proto(t.spec).SerializeToString())
                 target = out.table(t.spec.name, t.dim, optimizers.state_width(t.spec.optimizer, t.dim))
                 rows[t.spec.name] = t.write_to(target, out)
+            out.flush_memtables()
         (path / "ps.lock").unlink(missing_ok=True)
         manifest["rows"] = rows
         write_manifest(path, manifest)

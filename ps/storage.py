@@ -46,7 +46,9 @@ import operator
 import os
 import shutil
 import time
+from collections import deque
 from collections.abc import Iterator
+from itertools import repeat
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -150,22 +152,20 @@ class TableRows:
         n = keys.shape[0]
         if n == 0:
             return
+        # In RocksDB's key order (the big-endian bytes = the uint64 order), with the
+        # write's memtable insert hint, inserts cost a third of random-order ones.
+        order = np.argsort(np.ascontiguousarray(keys, dtype=np.int64).view(np.uint64), kind="stable")
         rec = np.empty((n, self.width), dtype=np.float32)
         d, w = self.dim, self.width
-        rec[:, :d] = values
-        rec[:, d : w - 2] = state
+        rec[:, :d] = values[order]
+        rec[:, d : w - 2] = state[order]
         words = rec.view(np.uint32)
-        words[:, w - 2] = last_access
-        words[:, w - 1] = frequency
-        put = batch.put
-        handle = self._handle
-        for k, v in zip(_key_bytes(keys), rec.view(f"V{4 * w}").ravel().tolist(), strict=True):
-            put(k, v, handle)
+        words[:, w - 2] = last_access[order]
+        words[:, w - 1] = frequency[order]
+        deque(map(batch.put, _key_bytes(keys[order]), rec.view(f"V{4 * w}").ravel().tolist(), repeat(self._handle)), maxlen=0)
 
     def delete(self, batch: rocksdict.WriteBatch, keys: npt.NDArray[np.int64]) -> None:
-        delete = batch.delete
-        for k in _key_bytes(keys):
-            delete(k, self._handle)
+        deque(map(batch.delete, _key_bytes(np.sort(keys.view(np.uint64)).view(np.int64)), repeat(self._handle)), maxlen=0)
 
     def scan(self, chunk: int = _SCAN_CHUNK) -> Iterator[tuple[npt.NDArray[np.int64], RowRecords]]:
         """Every stored row, ``chunk`` rows at a time, in key-byte order."""
@@ -216,6 +216,7 @@ class Storage:
             raise DataDirError(f"{self.path}: no db/ directory here: not a data or checkpoint directory")
         self._write_opts = rocksdict.WriteOptions()
         self._write_opts.sync = sync
+        self._write_opts.memtable_insert_hint_per_batch = True
         try:
             self._db = self._open(read_only)
         except Exception as exc:
@@ -223,9 +224,13 @@ class Storage:
             raise DataDirError(f"{self.path}: cannot open RocksDB: {exc}") from None
         self._columns: dict[str, rocksdict.Rdict] = {}
         self._rows: list[TableRows] = []
-        self._meta = self._column(_META)
-        self._meta_handle = self._db.get_column_family_handle(_META)
-        self._check_identity(shard, num_shards)
+        try:
+            self._meta = self._column(_META)
+            self._meta_handle = self._db.get_column_family_handle(_META)
+            self._check_identity(shard, num_shards)
+        except BaseException:
+            self.close()  # release RocksDB and the lock: the caller may retry another way
+            raise
 
     # -- opening -------------------------------------------------------------------------
 
@@ -309,12 +314,16 @@ class Storage:
         self._write(lambda: self._db.write(batch, self._write_opts))
 
     def _write(self, fn: object) -> None:
+        if self._db is None:
+            raise StorageFailed(f"storage in {self.path} is closed (the shard is shutting down)")
         try:
             fn()  # type: ignore[operator]
         except Exception as exc:
             raise StorageFailed(f"storage write failed in {self.path}: {exc}") from None
 
     def _read(self, fn: object) -> list[bytes | None]:
+        if self._db is None:
+            raise StorageFailed(f"storage in {self.path} is closed (the shard is shutting down)")
         try:
             return fn()  # type: ignore[operator,no-any-return]
         except Exception as exc:
@@ -336,8 +345,11 @@ class Storage:
         self._write(lambda: rocksdict.Checkpoint(self._db).create_checkpoint(str(path / "db")))
         write_manifest(path, manifest)
 
-    def flush_wal(self) -> None:
-        self._write(lambda: self._db.flush_wal(True))
+    def flush_memtables(self) -> None:
+        """Write every column family's memtable to SST files (so a copy of the directory
+        can hard-link them instead of copying a long WAL)."""
+        for cf in self._columns.values():
+            self._write(lambda cf=cf: cf.flush(True))
 
     # -- closing -------------------------------------------------------------------------
 

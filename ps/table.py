@@ -336,11 +336,13 @@ class Table:
         slots = self._index.lookup(keys)
         miss = slots < 0
         n_miss = int(np.count_nonzero(miss))
-        self.counters.ram_hits += keys.shape[0] - n_miss
-        self.counters.ram_misses += n_miss
+        if sighting:  # the hit rate counts lookups: a push's rows were just looked up
+            self.counters.ram_hits += keys.shape[0] - n_miss
+            self.counters.ram_misses += n_miss
         if n_miss == 0:
             return slots
-        missing = np.unique(keys[miss])
+        # Unique, in RocksDB's key order (uint64): sorted multi-gets are cheaper.
+        missing = np.unique(keys[miss].view(np.uint64)).view(np.int64)
         if self._rows is not None:
             found, rec = self._rows.get(missing)
             if rec.values.shape[0]:
@@ -416,7 +418,11 @@ class Table:
                 return 0
             floor = self.spec.lifecycle.evict_below_frequency
             rare = a.frequency[slots] < floor if floor else np.zeros(keys.shape[0], np.bool_)
-            write = ~rare & (a.dirty[slots] != 0)
+            write = ~rare
+            if not (floor or self.spec.lifecycle.ttl_seconds):
+                # Lookups change only access time and count, which nothing reads back from
+                # disk unless a lifecycle rule does: a clean row need not be rewritten.
+                write &= a.dirty[slots] != 0
             batch = self._storage.batch()
             changed = self._put_ledger_changes(batch)
             s = slots[write]

@@ -1,0 +1,567 @@
+"""``ps-admin``: operations on a whole cluster, or on its checkpoints.
+
+* ``ps-admin checkpoint --addresses A0,A1,... --out DIR``: every shard writes a
+  consistent checkpoint of itself to ``DIR/shard-{i:05d}-of-{n:05d}`` (the Checkpoint
+  RPC, all shards in parallel); then ``DIR/manifest.json`` (the cluster manifest) is
+  written, last and atomically. A ``DIR`` without ``manifest.json`` is incomplete.
+  Shards write ``DIR`` on their own filesystem, so it must be a path every shard and
+  ``ps-admin`` see alike (one machine, or a shared filesystem). Each shard
+  checkpoints at its own instant: for one cut across the cluster, pause training first.
+* ``ps-admin reshard --from CKPT --to-shards M --out DIR``: offline, reads the cluster
+  checkpoint ``CKPT`` (n shards) and writes a cluster checkpoint of ``M`` shards where
+  every row, its optimizer state, ``last_access`` and ``frequency`` sit bit for bit on
+  the shard ``protos.keys.shard_of(key, M)`` assigns. Push ledgers (exactly-once
+  records) are not carried over: a resharded cluster is a new cluster and its clients
+  start fresh.
+* ``ps-admin stats --addresses ...``: one line per shard and table from the Stats RPC.
+
+Start shard ``j`` of a checkpoint with
+``ps-server --shard j --num-shards M --data-dir NEW --restore-from DIR/shard-...``.
+
+Exit codes: 0 done, 1 failed (the message on stderr says what to do), 2 bad arguments.
+
+Cluster manifest (``DIR/manifest.json``)::
+
+    {"format": 1, "kind": "cluster", "num_shards": n, "shards": ["shard-00000-of-0000n", ...],
+     "created_unix_s": ..., "created": "...Z", "tables": [TableSpec as JSON, ...],
+     "rows": {"table": rows}, "push_ledgers": "kept" | "dropped", ...}
+
+Example:
+    >>> parse_addresses("127.0.0.1:5000, 127.0.0.1:5001")
+    ['127.0.0.1:5000', '127.0.0.1:5001']
+    >>> shard_dir_name(2, 3)
+    'shard-00002-of-00003'
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from protos import ps_pb2 as pb
+from protos import ps_pb2_grpc
+from protos.keys import shard_of
+from ps import optimizers
+from ps.config import TableSpec, spec_from_proto, spec_to_proto
+from ps.errors import ShardError
+from ps.storage import FORMAT_VERSION, DataDirError, Storage, StorageFailed, read_manifest, write_manifest
+
+__all__ = [
+    "AdminError",
+    "checkpoint_cluster",
+    "cluster_stats",
+    "main",
+    "parse_addresses",
+    "read_cluster_manifest",
+    "reshard",
+    "shard_dir_name",
+]
+
+log = logging.getLogger(__name__)
+
+_SCAN_CHUNK_ROWS = 1 << 16
+_MAX_MESSAGE_BYTES = 64 << 20
+_LEDGERS_DROPPED = (
+    "dropped: a resharded cluster is a new cluster; its clients start fresh (exactly-once "
+    "records of pushes made before the reshard are not kept)"
+)
+
+
+class AdminError(RuntimeError):
+    """A ``ps-admin`` operation failed; the message says what to do (exit code 1)."""
+
+
+def shard_dir_name(shard: int, num_shards: int) -> str:
+    """The directory of shard ``shard`` inside a cluster checkpoint."""
+    return f"shard-{shard:05d}-of-{num_shards:05d}"
+
+
+def parse_addresses(text: str) -> list[str]:
+    """``HOST:PORT,HOST:PORT,...`` as a list, shard 0 first. ``ValueError`` names a bad entry."""
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    if not addresses:
+        raise ValueError("expected HOST:PORT,HOST:PORT,... with one address per shard, in shard order")
+    for a in addresses:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"{a!r}: expected HOST:PORT, e.g. 127.0.0.1:50051")
+    return addresses
+
+
+def _now() -> tuple[float, str]:
+    t = time.time()
+    return t, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+# -- talking to shards -------------------------------------------------------------------
+
+
+class _Cluster:
+    """One channel per shard; ``call`` runs one RPC on every shard in parallel."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self.addresses = list(addresses)
+        options = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+        ]
+        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]  # type: ignore[no-untyped-call]
+
+    def call(self, method: str, request: Callable[[int], Any], timeout_s: float) -> list[Any]:
+        """``method(request(i))`` on every shard ``i``; ``AdminError`` naming each failed address."""
+
+        def one(i: int) -> Any:
+            return getattr(self._stubs[i], method)(request(i), timeout=timeout_s)
+
+        with ThreadPoolExecutor(max_workers=min(32, len(self.addresses))) as pool:
+            futures = [pool.submit(one, i) for i in range(len(self.addresses))]
+            results: list[Any] = []
+            errors: list[str] = []
+            for i, f in enumerate(futures):
+                try:
+                    results.append(f.result())
+                except grpc.RpcError as exc:
+                    errors.append(self._describe(i, method, exc))
+                    results.append(None)
+        if errors:
+            raise AdminError("\n".join(errors))
+        return results
+
+    def _describe(self, i: int, method: str, exc: grpc.RpcError) -> str:
+        code, details = exc.code(), exc.details()
+        where = f"{self.addresses[i]} (address #{i})"
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return f"{where}: cannot reach the shard ({details}): is it running, and is the address right?"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return f"{where}: {method} did not finish in time: raise --timeout-s, or check the shard's log"
+        return f"{where}: {method} failed: {code.name}: {details}"
+
+    def check_order(self, timeout_s: float) -> list[pb.ListTablesResponse]:
+        """ListTables on every shard; ``AdminError`` unless address ``i`` is shard ``i`` of ``n``."""
+        n = len(self.addresses)
+        replies: list[pb.ListTablesResponse] = self.call("ListTables", lambda i: pb.ListTablesRequest(), timeout_s)
+        problems = []
+        for i, r in enumerate(replies):
+            if r.num_shards != n:
+                problems.append(
+                    f"{self.addresses[i]} is shard {r.shard} of a {r.num_shards}-shard cluster, but --addresses "
+                    f"lists {n}: list every shard's address, in shard order"
+                )
+            elif r.shard != i:
+                problems.append(
+                    f"{self.addresses[i]} is shard {r.shard}, but it is address #{i} in --addresses: list the "
+                    "addresses in shard order (shard 0 first)"
+                )
+        if problems:
+            raise AdminError("\n".join(problems))
+        return replies
+
+    def close(self) -> None:
+        for c in self._channels:
+            c.close()
+
+    def __enter__(self) -> _Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- checkpoint --------------------------------------------------------------------------
+
+
+def _merge_tables(per_shard: Sequence[Sequence[dict[str, Any]]], where: Sequence[str]) -> list[dict[str, Any]]:
+    """The union of the shards' table lists (manifest JSON), sorted by name; ``AdminError``
+    if two shards hold a table of one name with different specs."""
+    merged: dict[str, dict[str, Any]] = {}
+    owner: dict[str, str] = {}
+    for tables, source in zip(per_shard, where, strict=True):
+        for t in tables:
+            name = str(t.get("name", ""))
+            if name in merged and merged[name] != t:
+                raise AdminError(
+                    f"table {name!r} has different specs on {owner[name]} and {source}: "
+                    f"{json.dumps(merged[name], sort_keys=True)} != {json.dumps(t, sort_keys=True)}"
+                )
+            merged.setdefault(name, t)
+            owner.setdefault(name, source)
+    return [merged[n] for n in sorted(merged)]
+
+
+def checkpoint_cluster(addresses: Sequence[str], out: Path, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Checkpoint every shard of the cluster at ``addresses`` (shard order) into ``out``.
+
+    Blocks until every shard is done, then writes ``out/manifest.json`` and returns it.
+    ``out`` must not exist. Row counts are as the shards report them (exact in a shard
+    that has not restarted; RocksDB's estimate for rows spilled before a restart).
+    Raises ``AdminError`` (naming the address) when a shard is unreachable, out of
+    order or fails; ``out`` is then left without a manifest.
+    """
+    out = Path(out).absolute()
+    if out.exists():
+        raise AdminError(f"--out {out} exists: choose a new directory (a checkpoint never overwrites one)")
+    n = len(addresses)
+    names = [shard_dir_name(i, n) for i in range(n)]
+    with _Cluster(addresses) as cluster:
+        cluster.check_order(min(timeout_s, 30.0))
+        try:
+            out.mkdir(parents=True)
+        except OSError as exc:
+            raise AdminError(f"cannot create --out {out}: {exc.strerror}") from None
+        try:
+            replies: list[pb.CheckpointResponse] = cluster.call(
+                "Checkpoint", lambda i: pb.CheckpointRequest(path=str(out / names[i])), timeout_s
+            )
+        except AdminError as exc:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if no shard wrote anything
+            left = f"{out} is incomplete (no manifest.json): remove it, then retry" if out.exists() else ""
+            raise AdminError(f"{exc}\n{left}".rstrip()) from None
+    manifests = [json.loads(r.manifest_json) for r in replies]
+    try:
+        tables = _merge_tables([m.get("tables", []) for m in manifests], addresses)
+    except AdminError as exc:
+        raise AdminError(f"{exc}\n{out} was left without manifest.json: fix the table, then checkpoint again") from None
+    rows: dict[str, int] = {}
+    for m in manifests:
+        for table, count in (m.get("rows") or {}).items():
+            rows[table] = rows.get(table, 0) + int(count)
+    created_unix_s, created = _now()
+    manifest: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "kind": "cluster",
+        "num_shards": n,
+        "shards": names,
+        "addresses": list(addresses),
+        "created_unix_s": created_unix_s,
+        "created": created,
+        "tables": tables,
+        "rows": rows,
+        "shard_rows": [m.get("rows") or {} for m in manifests],
+        "push_ledgers": "kept",
+    }
+    write_manifest(out, manifest)
+    log.info("cluster checkpoint written path=%s shards=%d", out, n)
+    return manifest
+
+
+# -- reshard -----------------------------------------------------------------------------
+
+
+def read_cluster_manifest(path: Path) -> dict[str, Any]:
+    """The cluster manifest of ``path``; ``AdminError`` saying why it is not a cluster checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        raise AdminError(f"{path}: no such directory")
+    try:
+        manifest = read_manifest(path)
+    except DataDirError as exc:
+        raise AdminError(
+            f"{exc} (a cluster checkpoint written by `ps-admin checkpoint` ends with its manifest.json; "
+            "without one it is incomplete)"
+        ) from None
+    if "shards" not in manifest:
+        if "shard" in manifest:
+            raise AdminError(
+                f"{path} is the checkpoint of one shard, not of a cluster: pass the directory that "
+                "`ps-admin checkpoint --out` wrote (it holds shard-*-of-* directories)"
+            )
+        raise AdminError(f"{path}/manifest.json: no 'shards' list: not a cluster checkpoint")
+    shards, n = manifest["shards"], manifest.get("num_shards")
+    if not isinstance(shards, list) or not isinstance(n, int) or len(shards) != n or n < 1:
+        raise AdminError(f"{path}/manifest.json: num_shards={n!r} does not match its shards list {shards!r}")
+    if manifest.get("format") != FORMAT_VERSION:
+        raise AdminError(f"{path}: checkpoint format {manifest.get('format')!r}, this ps-admin reads {FORMAT_VERSION}")
+    return manifest
+
+
+def _open_sources(src: Path, manifest: dict[str, Any], stack: contextlib.ExitStack) -> list[Storage]:
+    n = int(manifest["num_shards"])
+    sources = []
+    for i, name in enumerate(manifest["shards"]):
+        path = src / str(name)
+        try:
+            st = stack.enter_context(Storage(path, shard=-1, num_shards=0, read_only=True))
+        except DataDirError as exc:
+            raise AdminError(f"cannot read shard {i} of {src}: {exc}") from None
+        if (st.shard, st.num_shards) != (i, n):
+            raise AdminError(
+                f"{path} holds shard {st.shard} of {st.num_shards}, but {src}/manifest.json lists it as "
+                f"shard {i} of {n}: the checkpoint is damaged"
+            )
+        sources.append(st)
+    return sources
+
+
+def _source_specs(sources: Sequence[Storage]) -> dict[str, tuple[TableSpec, bytes, list[int]]]:
+    """Every table of the source shards: its spec, the stored spec bytes and which shards hold it."""
+    found: dict[str, tuple[TableSpec, bytes, list[int]]] = {}
+    for i, st in enumerate(sources):
+        for name, blob in st.specs().items():
+            try:
+                spec = spec_from_proto(pb.TableSpec.FromString(blob))
+            except (ShardError, ValueError) as exc:
+                raise AdminError(f"{st.path}: stored spec of table {name!r} is unreadable: {exc}") from None
+            if name in found:
+                known = found[name][0]
+                diff = known.differences(spec)
+                if diff:
+                    raise AdminError(
+                        f"table {name!r} differs between shards {found[name][2][0]} and {i}: {'; '.join(diff)}"
+                    )
+                found[name][2].append(i)
+            else:
+                found[name] = (spec, blob, [i])
+    return found
+
+
+def reshard(src: Path, num_shards: int, out: Path, chunk_rows: int = _SCAN_CHUNK_ROWS) -> dict[str, Any]:
+    """Write the cluster checkpoint ``src`` again as ``num_shards`` shards into ``out``.
+
+    Offline: reads ``src`` (read-only) and writes ``out``, which must not exist. Every
+    row with its optimizer state, ``last_access`` and ``frequency`` goes to the shard
+    ``shard_of(key, num_shards)`` names. Push ledgers are not carried over. Returns the
+    new cluster manifest. Raises ``AdminError``; on failure ``out`` is removed.
+    """
+    if num_shards < 1:
+        raise AdminError(f"--to-shards {num_shards}: must be >= 1")
+    if chunk_rows < 1:
+        raise AdminError(f"chunk_rows={chunk_rows}: must be >= 1")
+    src, out = Path(src).absolute(), Path(out).absolute()
+    manifest = read_cluster_manifest(src)
+    if out.exists():
+        raise AdminError(f"--out {out} exists: choose a new directory (reshard never overwrites one)")
+    try:
+        out.mkdir(parents=True)
+    except OSError as exc:
+        raise AdminError(f"cannot create --out {out}: {exc.strerror}") from None
+    try:
+        return _reshard_into(src, manifest, num_shards, out, chunk_rows)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _reshard_into(src: Path, manifest: dict[str, Any], m: int, out: Path, chunk_rows: int) -> dict[str, Any]:
+    names = [shard_dir_name(j, m) for j in range(m)]
+    rows: list[dict[str, int]] = [{} for _ in range(m)]
+    with contextlib.ExitStack() as stack:
+        sources = _open_sources(src, manifest, stack)
+        tables = _source_specs(sources)
+        targets = [stack.enter_context(Storage(out / name, shard=j, num_shards=m)) for j, name in enumerate(names)]
+        for name, (spec, blob, holders) in sorted(tables.items()):
+            width = optimizers.state_width(spec.optimizer, spec.dim)
+            outs = []
+            for j, t in enumerate(targets):
+                t.save_spec(name, blob)
+                outs.append(t.table(name, spec.dim, width))
+                rows[j][name] = 0
+            for i in holders:
+                for keys, rec in sources[i].table(name, spec.dim, width).scan(chunk_rows):
+                    dest = shard_of(keys, m)
+                    # One stable sort groups the chunk by destination; each gets one batch.
+                    order = np.argsort(dest, kind="stable")
+                    bounds = np.searchsorted(dest[order], np.arange(m + 1))
+                    for j in np.flatnonzero(np.diff(bounds)).tolist():
+                        sel = order[bounds[j] : bounds[j + 1]]
+                        batch = targets[j].batch()
+                        outs[j].put(batch, keys[sel], rec.values[sel], rec.state[sel], rec.last_access[sel],
+                                    rec.frequency[sel])  # fmt: skip
+                        targets[j].commit(batch)
+                        rows[j][name] += int(sel.shape[0])
+            log.info("resharded table=%s rows=%d", name, sum(r[name] for r in rows))
+        for t in targets:
+            t.flush_memtables()
+    # Every Storage is closed here: its lock files can go, and the manifests come last.
+    created_unix_s, created = _now()
+    specs_json = [json_format.MessageToDict(spec_to_proto(tables[n][0])) for n in sorted(tables)]
+    origin = {"path": str(src), "num_shards": int(manifest["num_shards"])}
+    for j, name in enumerate(names):
+        (out / name / "ps.lock").unlink(missing_ok=True)
+        write_manifest(
+            out / name,
+            {
+                "format": FORMAT_VERSION,
+                "shard": j,
+                "num_shards": m,
+                "version": name,
+                "created_unix_s": created_unix_s,
+                "created": created,
+                "tables": specs_json,
+                "rows": rows[j],
+                "resharded_from": origin,
+                "push_ledgers": _LEDGERS_DROPPED,
+            },
+        )
+    cluster: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "kind": "cluster",
+        "num_shards": m,
+        "shards": names,
+        "created_unix_s": created_unix_s,
+        "created": created,
+        "tables": specs_json,
+        "rows": {n: sum(r[n] for r in rows) for n in sorted(tables)},
+        "shard_rows": rows,
+        "resharded_from": origin,
+        "push_ledgers": _LEDGERS_DROPPED,
+    }
+    write_manifest(out, cluster)
+    log.info("reshard written path=%s from=%s shards=%d->%d", out, src, origin["num_shards"], m)
+    return cluster
+
+
+# -- stats -------------------------------------------------------------------------------
+
+
+def cluster_stats(addresses: Sequence[str], timeout_s: float = 10.0) -> list[pb.StatsResponse]:
+    """The Stats of every shard, in address order; ``AdminError`` naming unreachable ones."""
+    with _Cluster(addresses) as cluster:
+        return cluster.call("Stats", lambda i: pb.StatsRequest(), timeout_s)
+
+
+def _format_stats(stats: Sequence[pb.StatsResponse]) -> str:
+    header = ("shard", "table", "rows", "resident", "spilled", "hit_rate", "bytes/row", "durability", "writable")
+    lines: list[tuple[str, ...]] = [header]
+    for s in stats:
+        shard = f"{s.shard}/{s.num_shards}"
+        durability = s.durability or "ram-only"
+        writable = "yes" if s.writable else f"NO: {s.storage_error}"
+        if not s.tables:
+            lines.append((shard, "-", "0", "0", "0", "-", "-", durability, writable))
+        for t in s.tables:
+            lines.append(
+                (shard, t.name, str(t.rows), str(t.resident_rows), str(t.spilled_rows), f"{t.ram_hit_rate:.3f}",
+                 f"{t.bytes_per_resident_row:.0f}", durability, writable)  # fmt: skip
+            )
+    widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+
+
+# -- command line ------------------------------------------------------------------------
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be >= 1")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value}: must be a finite number > 0")
+    return value
+
+
+def _addresses(text: str) -> list[str]:
+    try:
+        return parse_addresses(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``ps-admin`` argument parser (subcommands checkpoint, reshard, stats)."""
+    parser = argparse.ArgumentParser(
+        prog="ps-admin",
+        description="Operate on a parameter-server cluster: checkpoint it, reshard a checkpoint, show stats. "
+        "Exit codes: 0 done, 1 failed (stderr says what to do), 2 bad arguments.",
+    )
+    parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    addresses_help = "HOST:PORT of every shard, comma-separated, shard 0 first"
+    ck = sub.add_parser(
+        "checkpoint",
+        help="checkpoint every shard of a running cluster into one directory",
+        description="Every shard checkpoints itself into OUT/shard-IIIII-of-NNNNN (in parallel; pushes wait "
+        "while a shard's checkpoint is taken); then OUT/manifest.json is written. OUT must be a new "
+        "path that the shards and ps-admin see alike (same machine or a shared filesystem). A directory "
+        "without manifest.json is an incomplete checkpoint.",
+    )
+    ck.add_argument("--addresses", required=True, type=_addresses, help=addresses_help)
+    ck.add_argument("--out", required=True, type=Path, help="directory to create for the checkpoint")
+    ck.add_argument("--timeout-s", type=_positive_seconds, default=600.0, help="per-shard limit (default 600)")
+
+    rs = sub.add_parser(
+        "reshard",
+        help="rewrite a cluster checkpoint for another number of shards (offline)",
+        description="Read the cluster checkpoint FROM and write one of TO_SHARDS shards into OUT: every row, "
+        "with its optimizer state, last access and frequency, goes bit for bit to the shard that jump "
+        "hash assigns. Push ledgers (exactly-once records) are NOT carried over: the resharded cluster "
+        "is a new cluster and its clients start fresh. Start shard J with: ps-server --shard J "
+        "--num-shards TO_SHARDS --data-dir NEW --restore-from OUT/shard-JJJJJ-of-MMMMM",
+    )
+    rs.add_argument("--from", dest="src", required=True, type=Path, help="cluster checkpoint to read")
+    rs.add_argument("--to-shards", required=True, type=_at_least_one, help="number of shards to write (>= 1)")
+    rs.add_argument("--out", required=True, type=Path, help="directory to create for the new checkpoint")
+    rs.add_argument("--chunk-rows", type=_at_least_one, default=_SCAN_CHUNK_ROWS, help="rows read per step")
+
+    st = sub.add_parser("stats", help="print rows, RAM tier and durability of every shard and table")
+    st.add_argument("--addresses", required=True, type=_addresses, help=addresses_help)
+    st.add_argument("--timeout-s", type=_positive_seconds, default=10.0, help="per-shard limit (default 10)")
+    return parser
+
+
+def _print_rows(manifest: dict[str, Any]) -> None:
+    per_shard = manifest.get("shard_rows") or []
+    for table, total in sorted((manifest.get("rows") or {}).items()):
+        parts = ", ".join(str(r.get(table, 0)) for r in per_shard)
+        print(f"  table {table}: {total} rows (by shard: {parts})")
+    if not manifest.get("rows"):
+        print("  no tables")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ps-admin`` console script; returns the exit code."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=args.log_level, format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s"
+    )
+    try:
+        if args.command == "checkpoint":
+            manifest = checkpoint_cluster(args.addresses, args.out, args.timeout_s)
+            print(f"checkpoint of {manifest['num_shards']} shards written to {args.out.absolute()}")
+            _print_rows(manifest)
+        elif args.command == "reshard":
+            manifest = reshard(args.src, args.to_shards, args.out, args.chunk_rows)
+            print(
+                f"resharded {args.src.absolute()} ({manifest['resharded_from']['num_shards']} shards) into "
+                f"{args.out.absolute()} ({manifest['num_shards']} shards); push ledgers were not carried over"
+            )
+            _print_rows(manifest)
+        else:
+            print(_format_stats(cluster_stats(args.addresses, args.timeout_s)))
+    except AdminError as exc:
+        print(f"ps-admin {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except (StorageFailed, DataDirError, OSError) as exc:
+        print(f"ps-admin {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""``ps-admin`` against real shard processes: checkpoint a cluster, reshard it, restore it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from client import PSClient
+from protos import ps_pb2 as pb
+from protos.keys import shard_of
+from ps import optimizers
+from ps.config import spec_from_proto
+from ps.storage import Storage
+from tests.integration.shards import RunningShard, start_shard, stop_shard
+
+REPO = Path(__file__).resolve().parents[2]
+TABLES = {"user": 3000, "item": 1000}  # keys per table
+BUDGET_BYTES = 80_000  # per shard: well under the ~170 KB the rows take, so many spill
+
+
+@dataclass
+class Rows:
+    """Every stored row of one table, sorted by key."""
+
+    keys: npt.NDArray[np.int64]
+    values: npt.NDArray[np.float32]
+    state: npt.NDArray[np.float32]
+    last_access: npt.NDArray[np.uint32]
+    frequency: npt.NDArray[np.uint32]
+
+    def assert_bit_equal(self, other: Rows, what: str) -> None:
+        np.testing.assert_array_equal(self.keys, other.keys, err_msg=f"{what}: keys")
+        for field in ("values", "state", "last_access", "frequency"):
+            mine, theirs = getattr(self, field), getattr(other, field)
+            assert mine.shape == theirs.shape, f"{what}: {field} shape {mine.shape} != {theirs.shape}"
+            assert np.array_equal(mine.view(np.uint32), theirs.view(np.uint32)), f"{what}: {field} differs"
+
+
+def ps_admin(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run the installed ``ps-admin`` script (``python -m ps.admin`` if it is not installed)."""
+    script = Path(sys.executable).parent / "ps-admin"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "ps.admin"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return subprocess.run(
+        [*cmd, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+def read_checkpoint(ckpt: Path) -> tuple[dict[str, Rows], int]:
+    """Every table of a cluster checkpoint, merged over its shards; checks each row is on
+    the shard ``shard_of`` assigns and each shard's identity. Returns (tables, ledgers)."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    n = manifest["num_shards"]
+    assert manifest["kind"] == "cluster" and len(manifest["shards"]) == n
+    parts: dict[str, list[Rows]] = {}
+    ledgers = 0
+    for i, name in enumerate(manifest["shards"]):
+        shard_manifest = json.loads((ckpt / name / "manifest.json").read_text())
+        assert (shard_manifest["shard"], shard_manifest["num_shards"]) == (i, n)
+        assert not (ckpt / name / "ps.lock").exists()
+        with Storage(ckpt / name, shard=-1, num_shards=0, read_only=True) as st:
+            assert st.identity() == (i, n)
+            for table, blob in st.specs().items():
+                spec = spec_from_proto(pb.TableSpec.FromString(blob))
+                rows = st.table(table, spec.dim, optimizers.state_width(spec.optimizer, spec.dim))
+                ledgers += len(rows.ledgers())
+                for keys, rec in rows.scan(chunk=700):
+                    assert (shard_of(keys, n) == i).all(), f"{ckpt}/{name}: {table} holds another shard's keys"
+                    parts.setdefault(table, []).append(
+                        Rows(keys, rec.values.copy(), rec.state.copy(), rec.last_access.copy(), rec.frequency.copy())
+                    )
+    tables = {}
+    for table, ps in parts.items():
+        keys = np.concatenate([p.keys for p in ps])
+        order = np.argsort(keys, kind="stable")
+        assert np.unique(keys).shape == keys.shape, f"{ckpt}: table {table} has a key on two shards"
+        tables[table] = Rows(*(np.concatenate([getattr(p, f) for p in ps])[order]
+                               for f in ("keys", "values", "state", "last_access", "frequency")))  # fmt: skip
+        assert manifest["rows"][table] == keys.shape[0], f"{ckpt}: manifest row count of {table}"
+    return tables, ledgers
+
+
+def train(addresses: list[str], rng: np.random.Generator) -> dict[str, npt.NDArray[np.int64]]:
+    """Create the tables, look up every key and push to subsets in a few rounds."""
+    keys = {t: np.unique(rng.integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64)) for t, n in TABLES.items()}
+    with PSClient(addresses) as ps:
+        ps.create_table("user", 8, optimizer="adagrad", lr=0.1, seed=7)
+        ps.create_table("item", 4, optimizer="adam", lr=0.01, seed=8)
+        for table, k in keys.items():
+            ps.lookup(table, k)
+        for _ in range(3):
+            for table, k in keys.items():
+                some = rng.choice(k, size=k.shape[0] // 2, replace=False)
+                dim = 8 if table == "user" else 4
+                ps.push(table, some, rng.standard_normal((some.shape[0], dim)).astype(np.float32))
+        spilled = sum(t["spilled_rows"] for s in ps.stats() for t in s["tables"])
+        assert spilled > 0, "the memory budget should have moved rows to RocksDB"
+    return keys
+
+
+def lookup_all(addresses: list[str], keys: dict[str, npt.NDArray[np.int64]]) -> dict[str, npt.NDArray[np.float32]]:
+    with PSClient(addresses) as ps:
+        return {t: ps.lookup(t, k) for t, k in keys.items()}
+
+
+def test_checkpoint_reshard_and_restore(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2024)
+    shards: list[RunningShard] = []
+    try:
+        for i in range(2):
+            shards.append(start_shard(i, 2, tmp_path, f"--data-dir={tmp_path / f'data{i}'}",
+                                      f"--memory-budget-bytes={BUDGET_BYTES}"))  # fmt: skip
+        addresses = [s.address for s in shards]
+        keys = train(addresses, rng)
+        before = lookup_all(addresses, keys)
+
+        ckpt2 = tmp_path / "ckpt2"
+        out = ok(ps_admin("checkpoint", "--addresses", ",".join(addresses), "--out", ckpt2, cwd=tmp_path))
+        assert str(ckpt2) in out and "table user: 3000 rows" in out
+        manifest = json.loads((ckpt2 / "manifest.json").read_text())
+        assert manifest["shards"] == ["shard-00000-of-00002", "shard-00001-of-00002"]
+        assert [t["name"] for t in manifest["tables"]] == ["item", "user"]
+
+        stats = ok(ps_admin("stats", "--addresses", ",".join(addresses), cwd=tmp_path))
+        assert "user" in stats and "hit_rate" in stats and "0/2" in stats and "1/2" in stats
+
+        # Errors a person can act on.
+        again = ps_admin("checkpoint", "--addresses", ",".join(addresses), "--out", ckpt2, cwd=tmp_path)
+        assert again.returncode == 1 and "exists" in again.stderr and "new directory" in again.stderr
+        swapped = ps_admin("checkpoint", "--addresses", ",".join(addresses[::-1]), "--out", tmp_path / "x",
+                           cwd=tmp_path)  # fmt: skip
+        assert swapped.returncode == 1 and addresses[1] in swapped.stderr and "shard order" in swapped.stderr
+        assert not (tmp_path / "x").exists()
+        partial = ps_admin("checkpoint", "--addresses", addresses[0], "--out", tmp_path / "x", cwd=tmp_path)
+        assert partial.returncode == 1 and "2-shard cluster" in partial.stderr
+    finally:
+        for s in shards:
+            stop_shard(s)
+    gone = ps_admin("checkpoint", "--addresses", ",".join(addresses), "--out", tmp_path / "x", cwd=tmp_path)
+    assert gone.returncode == 1 and "cannot reach" in gone.stderr and addresses[0] in gone.stderr
+    assert not (tmp_path / "x").exists()
+
+    original, ledgers = read_checkpoint(ckpt2)
+    assert ledgers > 0, "a cluster checkpoint keeps the push ledgers"
+    assert {t: r.keys.shape[0] for t, r in original.items()} == {t: k.shape[0] for t, k in keys.items()}
+    for table, rows in original.items():
+        np.testing.assert_array_equal(rows.keys, keys[table])
+        # Lookups answered what the checkpoint holds (sorted keys both ways).
+        assert np.array_equal(rows.values.view(np.uint32), before[table].view(np.uint32))
+    assert (original["item"].state[:, -1] >= 1).any(), "Adam step counts should have been pushed"
+
+    ckpt3, back2 = tmp_path / "ckpt3", tmp_path / "back2"
+    out = ok(ps_admin("reshard", "--from", ckpt2, "--to-shards", "3", "--out", ckpt3, "--chunk-rows", "500",
+                      cwd=tmp_path))  # fmt: skip
+    assert "push ledgers were not carried over" in out
+    ok(ps_admin("reshard", "--from", ckpt3, "--to-shards", "2", "--out", back2, cwd=tmp_path))
+    manifest3 = json.loads((ckpt3 / "manifest.json").read_text())
+    assert manifest3["num_shards"] == 3 and manifest3["push_ledgers"].startswith("dropped")
+    assert manifest3["rows"] == {t: k.shape[0] for t, k in keys.items()}
+    assert manifest3["tables"] == manifest["tables"]
+
+    for ckpt in (ckpt3, back2):
+        tables, ledgers = read_checkpoint(ckpt)
+        assert ledgers == 0, f"{ckpt}: push ledgers must not be carried over"
+        assert sorted(tables) == sorted(original)
+        for table, rows in original.items():
+            rows.assert_bit_equal(tables[table], f"{ckpt.name} table {table}")
+
+    # The per-shard row counts of the 3 -> 2 output are exact.
+    shard_rows = json.loads((back2 / "manifest.json").read_text())["shard_rows"]
+    for i, counts in enumerate(shard_rows):
+        for table, rows in original.items():
+            assert counts[table] == int((shard_of(rows.keys, 2) == i).sum())
+
+    # A 3-shard cluster starts from the resharded checkpoint and serves the same rows.
+    restored: list[RunningShard] = []
+    try:
+        for j in range(3):
+            restored.append(start_shard(j, 3, tmp_path / "r3", f"--data-dir={tmp_path / f'new{j}'}",
+                                        f"--restore-from={ckpt3 / f'shard-{j:05d}-of-00003'}"))  # fmt: skip
+        after = lookup_all([s.address for s in restored], keys)
+        for table in keys:
+            assert np.array_equal(after[table].view(np.uint32), before[table].view(np.uint32)), table
+    finally:
+        for s in restored:
+            stop_shard(s)
+
+
+def test_bad_arguments_and_checkpoints(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    missing = ps_admin("reshard", "--from", tmp_path / "empty", "--to-shards", "2", "--out", tmp_path / "o",
+                       cwd=tmp_path)  # fmt: skip
+    assert missing.returncode == 1 and "no manifest.json" in missing.stderr and "incomplete" in missing.stderr
+    assert not (tmp_path / "o").exists()
+
+    zero = ps_admin("reshard", "--from", tmp_path / "empty", "--to-shards", "0", "--out", tmp_path / "o",
+                    cwd=tmp_path)  # fmt: skip
+    assert zero.returncode == 2 and "--to-shards" in zero.stderr and ">= 1" in zero.stderr
+
+    bad_address = ps_admin("checkpoint", "--addresses", "localhost", "--out", tmp_path / "o", cwd=tmp_path)
+    assert bad_address.returncode == 2 and "HOST:PORT" in bad_address.stderr
+
+    one_shard = tmp_path / "one"
+    one_shard.mkdir()
+    (one_shard / "manifest.json").write_text(json.dumps({"format": 1, "shard": 0, "num_shards": 1}))
+    wrong = ps_admin("reshard", "--from", one_shard, "--to-shards", "2", "--out", tmp_path / "o", cwd=tmp_path)
+    assert wrong.returncode == 1 and "one shard" in wrong.stderr
+
+    exists = ps_admin("checkpoint", "--addresses", "127.0.0.1:1", "--out", tmp_path / "empty", cwd=tmp_path)
+    assert exists.returncode == 1 and "exists" in exists.stderr

@@ -1,0 +1,320 @@
+"""ps.lifecycle (rules, admission sketch, recency clock, victim and expiry choice) and the
+config around it: ``Durability``, ``ServerConfig``'s storage settings, ``TableSpec.lifecycle``
+on the wire.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from protos import ps_pb2 as pb
+from ps.config import (
+    ConfigError,
+    Durability,
+    ServerConfig,
+    TableSpec,
+    spec_from_proto,
+    spec_to_proto,
+)
+from ps.errors import InvalidRequest
+from ps.lifecycle import (
+    TICKS_PER_S,
+    Admission,
+    Lifecycle,
+    age_histogram,
+    expired_keys,
+    now_tick,
+    select_victims,
+    tick_to_unix,
+)
+from ps.optimizers import OptimizerKind, OptimizerParams
+
+# -- Lifecycle ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"admit_after": -1}, "lifecycle.admit_after"),
+        ({"admit_after": 256}, "lifecycle.admit_after"),
+        ({"admit_probability": 0.0}, "lifecycle.admit_probability"),
+        ({"admit_probability": 1.5}, "lifecycle.admit_probability"),
+        ({"admit_probability": math.nan}, "lifecycle.admit_probability"),
+        ({"ttl_seconds": -1.0}, "lifecycle.ttl_seconds"),
+        ({"ttl_seconds": math.inf}, "lifecycle.ttl_seconds"),
+        ({"ttl_seconds": math.nan}, "lifecycle.ttl_seconds"),
+        ({"evict_below_frequency": -1}, "lifecycle.evict_below_frequency"),
+        ({"evict_below_frequency": 2**32}, "lifecycle.evict_below_frequency"),
+    ],
+)
+def test_lifecycle_validation_names_the_field(kwargs: dict[str, float], field: str) -> None:
+    with pytest.raises(ValueError, match=field.replace(".", r"\.") + "="):
+        Lifecycle(**kwargs)  # type: ignore[arg-type]
+
+
+def test_lifecycle_limits_and_admits_all() -> None:
+    Lifecycle(admit_after=255, admit_probability=1e-9, ttl_seconds=0.0, evict_below_frequency=2**32 - 1)
+    assert Lifecycle().admits_all and Lifecycle(admit_after=1).admits_all
+    assert not Lifecycle(admit_after=2).admits_all
+    assert not Lifecycle(admit_probability=0.5).admits_all
+    assert Lifecycle(ttl_seconds=5, evict_below_frequency=3).admits_all
+
+
+# -- Admission ------------------------------------------------------------------------
+
+
+def distinct_keys(n: int, seed: int = 0) -> npt.NDArray[np.int64]:
+    rng = np.random.default_rng(seed)
+    return np.unique(rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=n, dtype=np.int64))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7, 255])
+def test_admit_after_admits_exactly_on_the_kth_sighting(k: int) -> None:
+    adm = Admission(Lifecycle(admit_after=k), seed=11)
+    keys = distinct_keys(500)
+    for sighting in range(1, k + 2):
+        assert not adm.admitted(keys).any() if sighting <= k else adm.admitted(keys).all()
+        got = adm.admit(keys)
+        assert got.all() if sighting >= k else not got.any(), f"sighting {sighting}"
+    assert adm.admitted(keys).all()
+
+
+def test_admitted_does_not_count_a_sighting() -> None:
+    adm = Admission(Lifecycle(admit_after=3), seed=0)
+    keys = np.array([5, -5, 2**62], dtype=np.int64)
+    for _ in range(50):
+        assert not adm.admitted(keys).any()
+    adm.admit(keys)
+    for _ in range(50):
+        assert not adm.admitted(keys).any()
+    assert not adm.admit(keys).any()
+    assert adm.admit(keys).all()
+
+
+def test_sightings_within_one_batch_count() -> None:
+    adm = Admission(Lifecycle(admit_after=3), seed=7)
+    keys = np.array([1, 2, 1, 1, 2, 3], dtype=np.int64)
+    assert adm.admit(keys).tolist() == [False, False, False, True, False, False]
+
+
+def test_admit_probability_is_about_p_and_deterministic_given_the_seed() -> None:
+    keys = distinct_keys(20000, seed=3)
+    p = 0.25
+    first = Admission(Lifecycle(admit_probability=p), seed=42).admit(keys)
+    again = Admission(Lifecycle(admit_probability=p), seed=42).admit(keys)
+    other = Admission(Lifecycle(admit_probability=p), seed=43).admit(keys)
+    # sd of the fraction is ~0.003; 0.02 is a loose bound
+    assert abs(first.mean() - p) < 0.02, first.mean()
+    np.testing.assert_array_equal(first, again)
+    assert (first != other).any()
+
+
+def test_each_sighting_is_another_chance() -> None:
+    keys = distinct_keys(20000, seed=4)
+    adm = Admission(Lifecycle(admit_probability=0.5), seed=1)
+    one = adm.admit(keys)
+    two = adm.admit(keys)
+    assert abs(one.mean() - 0.5) < 0.02 and abs(two.mean() - 0.5) < 0.02
+    # independent draws: about a quarter of the keys fail both
+    assert abs((~one & ~two).mean() - 0.25) < 0.02
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_admission_coin_keeps_advancing_across_calls(seed: int) -> None:
+    # Each admit() call must continue the random sequence, whatever the state's value:
+    # two later batches of equal size must not reuse one pattern of coins.
+    adm = Admission(Lifecycle(admit_probability=0.5), seed=seed)
+    patterns = [adm.admit(distinct_keys(1000, seed=100 + i)) for i in range(4)]
+    for a, b in itertools.pairwise(patterns):
+        assert (a != b).any()
+        assert abs(a.mean() - 0.5) < 0.1
+
+
+@pytest.mark.parametrize("seed", [0, 2**62, 2**63 - 1, 2**63, 2**64 - 1])
+def test_admission_accepts_every_table_seed(seed: int) -> None:
+    # TableSpec allows seeds in [0, 2**64); no coin here (admit_probability 1)
+    adm = Admission(Lifecycle(admit_after=2), seed=seed)
+    keys = distinct_keys(10)
+    assert [adm.admit(keys).all() for _ in range(3)] == [False, True, True]
+
+
+def test_admit_after_and_probability_both_apply() -> None:
+    keys = distinct_keys(20000, seed=5)
+    adm = Admission(Lifecycle(admit_after=2, admit_probability=0.5), seed=9)
+    assert not adm.admit(keys).any()  # first sighting never admits
+    second = adm.admit(keys)
+    assert abs(second.mean() - 0.5) < 0.02
+    # ``admitted`` (used by pushes) asks only the count, not the coin
+    assert adm.admitted(keys).all()
+
+
+def test_admission_memory_is_fixed() -> None:
+    adm = Admission(Lifecycle(admit_after=2), seed=0, width=1 << 10)
+    assert adm.memory_bytes() == 4 * (1 << 10)
+    adm.admit(distinct_keys(100000))
+    assert adm.memory_bytes() == 4 * (1 << 10)
+
+
+# -- clock, age histogram, victims, expiry ----------------------------------------------
+
+
+def test_now_tick_counts_eighths_of_a_second() -> None:
+    assert TICKS_PER_S == 8
+    t = now_tick()
+    assert isinstance(t, np.uint32)
+    assert abs(tick_to_unix(int(t)) - time.time()) < 1.0
+    assert tick_to_unix(16) - tick_to_unix(0) == 2.0
+
+
+def index_arrays(
+    last_access: npt.NDArray[np.uint32], holes: int = 3, seed: int = 0
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+    """A key index's buckets: keys ``1000 + slot`` for slots 0..n-1, shuffled, with empty
+    buckets (slot -1, key garbage) between them."""
+    n = last_access.shape[0]
+    rng = np.random.default_rng(seed)
+    slots = np.concatenate([np.arange(n, dtype=np.int32), np.full(holes * n, -1, dtype=np.int32)])
+    rng.shuffle(slots)
+    keys = np.where(slots >= 0, 1000 + slots, rng.integers(0, 10, size=slots.shape[0])).astype(np.int64)
+    return keys, slots
+
+
+def test_age_histogram_counts_live_rows_by_modular_age() -> None:
+    now = np.uint32(5)
+    la = np.array([5, 4, 4, 2**32 - 3, 5 - 70000 + 2**32, 7], dtype=np.uint32)
+    _, slots = index_arrays(la)
+    hist = age_histogram(slots, la, now)
+    assert hist.sum() == la.shape[0]
+    assert hist[0] == 1 and hist[1] == 2 and hist[8] == 1  # 2**32-3 is 8 ticks before 5
+    # 70000 ticks old and "2 ticks in the future" (a wrapped age) both go to the last bin
+    assert hist[-1] == 2
+
+
+@pytest.mark.parametrize("count", [0, 1, 17, 50, 99, 100, 1000])
+def test_select_victims_takes_exactly_count_oldest_rows(count: int) -> None:
+    rng = np.random.default_rng(count)
+    n = 100
+    now = np.uint32(3)  # rows older than now wrap around 2**32
+    ages = rng.integers(0, 30, size=n)  # many ties
+    la = (np.int64(now) - ages).astype(np.uint32)
+    keys, slots = index_arrays(la, seed=count)
+    vk, vs = select_victims(keys, slots, la, now, count)
+    assert vk.dtype == np.int64 and vs.dtype == np.int32
+    assert vk.shape[0] == min(count, n) == vs.shape[0]
+    assert len(set(vs.tolist())) == vs.shape[0] and (vk == 1000 + vs).all()
+    rest = np.setdiff1d(np.arange(n), vs)
+    if vs.size and rest.size:
+        assert ages[vs].min() >= ages[rest].max()
+
+
+def test_select_victims_accepts_a_precomputed_histogram() -> None:
+    la = np.arange(50, dtype=np.uint32)
+    keys, slots = index_arrays(la)
+    now = np.uint32(100)
+    hist = age_histogram(slots, la, now)
+    _, vs = select_victims(keys, slots, la, now, 10, hist=hist)
+    assert sorted(vs.tolist()) == list(range(10))
+
+
+def test_expired_keys_are_older_than_ttl() -> None:
+    now = np.uint32(1000)
+    ttl = 2.0  # 16 ticks: an age of 16 is not expired, 17 is
+    ages = np.array([0, 15, 16, 17, 500], dtype=np.int64)
+    la = (np.int64(now) - ages).astype(np.uint32)
+    keys, slots = index_arrays(la)
+    got = expired_keys(keys, slots, la, now, ttl)
+    assert sorted(got.tolist()) == [1003, 1004]
+    assert sorted(expired_keys(keys, slots, la, now, 15.0 / TICKS_PER_S).tolist()) == [1002, 1003, 1004]
+    # a ttl of 0.3 s is 2 whole ticks: an age of 3 ticks is expired, 2 is not
+    la = np.array([998, 997], dtype=np.uint32)
+    keys, slots = index_arrays(la)
+    assert expired_keys(keys, slots, la, now, 0.3).tolist() == [1001]
+    assert expired_keys(keys[:0], slots[:0], la, now, ttl).shape == (0,)
+
+
+# -- Durability and ServerConfig ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "interval_s"),
+    [("every-push", "every-push", 0.0), ("checkpoint-only", "checkpoint-only", 0.0), ("interval:2.5", "interval", 2.5), ("interval:5", "interval", 5.0)],
+)
+def test_durability_parse(text: str, kind: str, interval_s: float) -> None:
+    d = Durability.parse(text)
+    assert (d.kind, d.interval_s) == (kind, interval_s)
+    assert Durability.parse(str(d)) == d
+
+
+@pytest.mark.parametrize("text", ["interval:0", "interval:-1", "interval:x", "interval:", "interval:nan", "interval:inf", "interval", "foo", "", "every_push"])
+def test_durability_parse_rejects_listing_the_options(text: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Durability.parse(text)
+    message = str(info.value)
+    assert repr(text) in message
+    for option in ("every-push", "interval:SECONDS", "checkpoint-only"):
+        assert option in message
+
+
+def test_server_config_storage_settings(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="memory_budget_bytes needs data_dir"):
+        ServerConfig(memory_budget_bytes=1 << 20)
+    with pytest.raises(ConfigError, match="restore_from needs data_dir"):
+        ServerConfig(restore_from=tmp_path)
+    with pytest.raises(ConfigError, match="memory_budget_bytes=-1"):
+        ServerConfig(data_dir=tmp_path, memory_budget_bytes=-1)
+    with pytest.raises(ConfigError, match="durability='sometimes'"):
+        ServerConfig(durability="sometimes")
+    cfg = ServerConfig(data_dir=tmp_path, memory_budget_bytes=1 << 20, durability="every-push", restore_from=tmp_path / "ck")
+    assert cfg.memory_budget_bytes == 1 << 20
+
+
+# -- TableSpec.lifecycle on the wire ------------------------------------------------------
+
+
+LC = Lifecycle(admit_after=3, admit_probability=0.25, ttl_seconds=7.5, evict_below_frequency=2)
+
+
+def test_table_spec_lifecycle_round_trips_through_proto() -> None:
+    spec = TableSpec("t", 8, optimizer=OptimizerParams(OptimizerKind.ADAM), seed=2**64 - 1, lifecycle=LC)
+    msg = spec_to_proto(spec)
+    assert msg.lifecycle.admit_after == 3 and msg.lifecycle.admit_probability == 0.25
+    assert spec_from_proto(pb.TableSpec.FromString(msg.SerializeToString())) == spec
+    assert spec_from_proto(spec_to_proto(TableSpec("t", 8))).lifecycle == Lifecycle()
+
+
+def test_absent_lifecycle_fields_take_the_defaults() -> None:
+    assert spec_from_proto(pb.TableSpec(name="t", dim=4)).lifecycle == Lifecycle()
+    got = spec_from_proto(pb.TableSpec(name="t", dim=4, lifecycle=pb.Lifecycle(ttl_seconds=3)))
+    assert got.lifecycle == Lifecycle(ttl_seconds=3.0)
+
+
+@pytest.mark.parametrize(
+    ("lc", "field"),
+    [
+        (pb.Lifecycle(admit_probability=0.0), "lifecycle.admit_probability"),
+        (pb.Lifecycle(admit_probability=2.0), "lifecycle.admit_probability"),
+        (pb.Lifecycle(admit_after=256), "lifecycle.admit_after"),
+        (pb.Lifecycle(ttl_seconds=-1), "lifecycle.ttl_seconds"),
+    ],
+)
+def test_bad_lifecycle_on_the_wire_is_an_invalid_request(lc: pb.Lifecycle, field: str) -> None:
+    with pytest.raises(InvalidRequest, match=field.replace(".", r"\.")) as info:
+        spec_from_proto(pb.TableSpec(name="t", dim=4, lifecycle=lc))
+    assert "'t'" in str(info.value)
+
+
+def test_differences_name_lifecycle_fields() -> None:
+    assert TableSpec("t", 4).differences(TableSpec("t", 4, lifecycle=LC)) == [
+        "lifecycle.admit_after: 0 != 3",
+        "lifecycle.admit_probability: 1.0 != 0.25",
+        "lifecycle.ttl_seconds: 0.0 != 7.5",
+        "lifecycle.evict_below_frequency: 0 != 2",
+    ]
+    assert TableSpec("t", 4, lifecycle=LC).differences(TableSpec("t", 4, lifecycle=LC)) == []
