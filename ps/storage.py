@@ -240,6 +240,8 @@ class Storage:
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
         opts.set_max_background_jobs(2)
+        # Point reads of SST blocks through mmap skip a pread and a copy each.
+        opts.set_allow_mmap_reads(True)
         existing = rocksdict.Rdict.list_cf(db_path) if (self.path / "db" / "CURRENT").exists() else []
         families = {name: _table_options() for name in existing if name.startswith(_TABLE_PREFIX)}
         families[_META] = rocksdict.Options(raw_mode=True)

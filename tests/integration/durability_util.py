@@ -1,0 +1,160 @@
+"""Helpers for the durability tests: raw pushes with chosen ``(client_id, seq)``,
+bit-exact push accounting, and shard processes started with a file-size limit.
+
+Every push in these tests adds exactly +1 to each row it touches: the table uses
+SGD with lr=1 on zero-initialised rows and every gradient is -1, so a row holds the
+number of applied pushes that touched it (exact in float32 far beyond the counts
+used here). ``keys_of(client, seq)`` is a pure function, so a push can be resent
+after a restart and the expected rows recomputed from a list of ``(client, seq)``.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Self
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deploy.local import REPO, ShardProcess, die_with_parent
+from protos import ps_pb2 as pb
+from protos import wire
+
+__all__ = [
+    "DIM",
+    "NUM_KEYS",
+    "TABLE",
+    "Pusher",
+    "counts_of",
+    "health_status",
+    "keys_of",
+    "run_to_exit",
+    "spawn_shard",
+]
+
+TABLE = "t"
+DIM = 4
+NUM_KEYS = 64
+KEYS_PER_PUSH = 4
+_PUSH = "/ps.v1.ParameterServer/Push"
+
+
+def keys_of(client: str, seq: int) -> npt.NDArray[np.int64]:
+    """The distinct keys push ``(client, seq)`` touches (a pure function of both)."""
+    rng = np.random.default_rng([*client.encode(), seq])
+    return np.sort(rng.choice(NUM_KEYS, size=KEYS_PER_PUSH, replace=False)).astype(np.int64)
+
+
+def counts_of(pushes: Iterable[tuple[str, int]]) -> npt.NDArray[np.float32]:
+    """Expected ``[NUM_KEYS]`` row value (every column) after exactly ``pushes`` applied once."""
+    counts = np.zeros(NUM_KEYS, dtype=np.float32)
+    for client, seq in pushes:
+        counts[keys_of(client, seq)] += 1
+    return counts
+
+
+class Pusher:
+    """Sends raw ``Push`` RPCs for ``keys_of(client, seq)`` with gradient -1 to one shard of 1."""
+
+    def __init__(self, address: str, table: str = TABLE, dim: int = DIM) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._push = self._channel.unary_unary(_PUSH, None, pb.PushResponse.FromString)
+        self._table = table
+        self._dim = dim
+
+    def push(
+        self, client: str, seq: int, keys: npt.NDArray[np.int64] | None = None, timeout_s: float = 20.0
+    ) -> bool:
+        """``applied`` of the reply; raises ``grpc.RpcError`` when the shard refuses or dies."""
+        k = keys_of(client, seq) if keys is None else keys
+        grads = np.full((k.shape[0], self._dim), -1.0, dtype=np.float32)
+        request = wire.encode_push_request([(self._table, k, grads, wire.FLOAT32)], 1, client, seq, 0)
+        reply: pb.PushResponse = self._push(request, timeout=timeout_s)
+        return bool(reply.applied)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def health_status(address: str, service: str) -> int:
+    """``grpc.health.v1`` status of ``service`` on ``address`` (a ``HealthCheckResponse`` enum)."""
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+    return int(reply.status)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def spawn_shard(
+    root: Path, name: str, *args: str, fsize_limit_bytes: int | None = None, timeout_s: float = 60.0
+) -> ShardProcess:
+    """``python -m ps`` (shard 0 of 1) like ``deploy.local.start_shard``, optionally under
+    ``RLIMIT_FSIZE``; blocks until its port file appears, raises ``RuntimeError`` with
+    the log tail if it exits first."""
+    port_file, log = root / f"port.{name}", root / f"shard.{name}.log"
+    port_file.unlink(missing_ok=True)
+
+    def prepare_child() -> None:
+        die_with_parent()
+        if fsize_limit_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit_bytes, fsize_limit_bytes))
+
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ps", "--shard=0", "--num-shards=1", "--listen=127.0.0.1:0",
+             f"--port-file={port_file}", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=root,
+            env=_env(),
+            preexec_fn=prepare_child,  # noqa: PLW1509 (only setrlimit and prctl run there)
+        )
+    shard = ShardProcess(0, "", proc, log)
+    deadline = time.monotonic() + timeout_s
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"shard {name} did not start (exit {proc.returncode}):\n{shard.log_tail()}")
+        time.sleep(0.05)
+    shard.address = f"127.0.0.1:{port_file.read_text().strip()}"
+    return shard
+
+
+def run_to_exit(root: Path, *args: str, timeout_s: float = 60.0) -> tuple[int, str]:
+    """Run ``python -m ps --listen=127.0.0.1:0 ARGS`` expecting it to exit by itself;
+    returns (exit code, stdout+stderr); (-9, output so far) if it had to be killed
+    after ``timeout_s``."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "ps", "--listen=127.0.0.1:0", f"--port-file={root / 'port.refused'}", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=root,
+            env=_env(),
+            timeout=timeout_s,
+            check=False,
+            preexec_fn=die_with_parent,
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode(errors="replace") if exc.stdout else ""
+        return -9, f"(still running after {timeout_s}s, killed)\n{out}"
+    return done.returncode, done.stdout.decode(errors="replace")

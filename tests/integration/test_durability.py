@@ -1,0 +1,343 @@
+"""Durability guarantees on real shard processes: killed mid-stream, restarted on the
+same data dir, disk full, data dir shared by mistake.
+
+The push accounting is bit-exact: each push adds exactly +1 to the rows it touches
+(see ``durability_util``), so after a restart a row tells how many pushes it holds.
+A push the client saw acknowledged must be there (none lost), and resending any
+``(client_id, seq)`` after the restart must never apply it a second time.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import pytest
+from grpc_health.v1 import health_pb2
+
+from client import PSClient
+from tests.integration.durability_util import (
+    DIM,
+    NUM_KEYS,
+    TABLE,
+    Pusher,
+    counts_of,
+    health_status,
+    run_to_exit,
+    spawn_shard,
+)
+from tests.integration.shards import RunningShard, start_shard, stop_shard
+
+WRITES = "ps.v1.ParameterServer.Writes"
+Push = tuple[str, int]
+
+
+@pytest.fixture
+def procs() -> Iterator[list[RunningShard]]:
+    """Shards a test started; any still running at teardown (a failed test) are killed."""
+    started: list[RunningShard] = []
+    yield started
+    for s in started:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
+
+
+def start(procs: list[RunningShard], root: Path, *args: str) -> RunningShard:
+    shard = start_shard(0, 1, root, *args)
+    procs.append(shard)
+    return shard
+
+
+def kill(shard: RunningShard) -> None:
+    shard.proc.kill()
+    shard.proc.wait()
+
+
+def create_counting_table(address: str) -> None:
+    with PSClient([address]) as ps:
+        ps.create_table(TABLE, DIM, optimizer="sgd", initializer="zeros", lr=1.0)
+
+
+def row_counts(address: str) -> npt.NDArray[np.float32]:
+    """Value of each of the ``NUM_KEYS`` rows (all columns of a row are equal by construction)."""
+    with PSClient([address]) as ps:
+        rows = ps.lookup(TABLE, np.arange(NUM_KEYS))
+    assert (rows == rows[:, :1]).all(), f"a row's columns differ, so some push was half applied:\n{rows}"
+    return rows[:, 0].copy()
+
+
+def assert_exact(actual: npt.NDArray[np.float32], expected: npt.NDArray[np.float32], what: str) -> None:
+    lost = int(np.clip(expected - actual, 0, None).sum())
+    extra = int(np.clip(actual - expected, 0, None).sum())
+    bad = np.flatnonzero(actual != expected)
+    assert lost == 0 and extra == 0, (
+        f"{what}: {lost} row updates lost, {extra} applied twice (or never sent); "
+        f"keys {bad[:10].tolist()}: got {actual[bad[:10]].tolist()}, expected {expected[bad[:10]].tolist()}"
+    )
+
+
+def resend_acknowledged(pusher: Pusher, pushes: list[Push], what: str) -> None:
+    """Every push in ``pushes`` was applied before: a resend must say so."""
+    again = [p for p in pushes if pusher.push(*p)]
+    assert not again, (
+        f"{what}: {len(again)} of {len(pushes)} applied pushes were applied again on resend "
+        f"(the shard forgot it had applied them): {again}"
+    )
+
+
+# -- 1. every-push: SIGKILL mid-stream ----------------------------------------------------
+
+
+@dataclass
+class Stream:
+    """One client pushing seq 1, 2, 3, ... one at a time until the shard dies."""
+
+    client: str
+    next_seq: int = 1
+    acked: list[int] = field(default_factory=list)
+    in_flight: int | None = None
+    failure: str = ""
+    anomalies: list[str] = field(default_factory=list)
+
+    def run(self, pusher: Pusher, stop: threading.Event) -> None:
+        while not stop.is_set():
+            seq = self.next_seq
+            self.next_seq += 1
+            try:
+                applied = pusher.push(self.client, seq)
+            except grpc.RpcError as exc:
+                # Sent (maybe applied, maybe not) or never sent: either way unacknowledged.
+                self.in_flight, self.failure = seq, f"{exc.code()}: {exc.details()}"
+                return
+            if applied:
+                self.acked.append(seq)
+            else:
+                self.anomalies.append(f"{self.client} seq {seq}: applied=False on its first send")
+
+
+def test_sigkill_during_every_push_stream_loses_and_repeats_nothing(tmp_path: Path, procs: list[RunningShard]) -> None:
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    data = tmp_path / "data"
+    args = (f"--data-dir={data}", "--durability=every-push")
+    shard = start(procs, tmp_path, *args)
+    create_counting_table(shard.address)
+    streams = [Stream(f"w{i}") for i in range(3)]
+    applied: list[Push] = []  # every push known to be applied exactly once so far
+
+    for round_no in range(3):
+        where = f"seed {seed}, round {round_no}"
+        stop = threading.Event()
+        pushers = [Pusher(shard.address) for _ in streams]
+        threads = [threading.Thread(target=s.run, args=(p, stop), daemon=True) for s, p in zip(streams, pushers)]
+        start_acked = sum(len(s.acked) for s in streams)
+        try:
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while sum(len(s.acked) for s in streams) < start_acked + 30 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0.0, 0.3))
+            kill(shard)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+            for p in pushers:
+                p.close()
+        assert not any(t.is_alive() for t in threads), f"{where}: a pushing thread hung after the kill"
+        for s in streams:
+            assert not s.anomalies, f"{where}: {s.anomalies}"
+            assert s.in_flight is not None, f"{where}: {s.client} was never interrupted by the kill"
+        acked_now = sum(len(s.acked) for s in streams) - start_acked
+        assert acked_now >= 30, f"{where}: only {acked_now} pushes acknowledged before the kill"
+
+        shard = start(procs, tmp_path, *args)
+        resolved = {(s.client, q) for s in streams for q in s.acked} | set(applied)
+        before = row_counts(shard.address)
+        in_flight: list[Push] = [(s.client, s.in_flight) for s in streams if s.in_flight is not None]
+        # (a) nothing acknowledged is lost ...
+        missing = int(np.clip(counts_of(sorted(resolved)) - before, 0, None).sum())
+        assert missing == 0, f"{where}: acknowledged pushes lost by SIGKILL in every-push mode: {missing} row updates"
+        with Pusher(shard.address) as pusher:
+            # (b) acknowledged pushes are remembered by the restarted shard ...
+            resend_acknowledged(pusher, [(s.client, q) for s in streams for q in s.acked[-3:]], where)
+            # ... and the in-flight ones apply now exactly when they had not reached disk.
+            persisted = [p for p in in_flight if not pusher.push(*p)]
+            # (a) ... and the restarted rows hold every acknowledged push plus exactly
+            # the in-flight pushes the shard's ledger says it had applied: nothing
+            # doubled, and rows and ledger agree.
+            expected = counts_of(sorted(resolved) + persisted)
+            assert_exact(before, expected, f"{where}: rows after restart vs acknowledged + persisted in-flight {persisted}")
+            applied = sorted(resolved | set(in_flight))
+            assert_exact(row_counts(shard.address), counts_of(applied), f"{where}: rows after resending in-flight")
+            resend_acknowledged(pusher, in_flight, f"{where}: in-flight pushes resent twice")
+        for s in streams:
+            s.acked, s.in_flight, s.failure = [*s.acked, *([s.in_flight] if s.in_flight else [])], None, ""
+    stop_shard(shard)
+
+
+# -- 2. interval:S: loss bounded by the interval ------------------------------------------
+
+
+def test_interval_mode_keeps_everything_before_the_last_flush(tmp_path: Path, procs: list[RunningShard]) -> None:
+    args = (f"--data-dir={tmp_path / 'data'}", "--durability=interval:1")
+    shard = start(procs, tmp_path, *args)
+    create_counting_table(shard.address)
+    clients = [f"c{i}" for i in range(3)]
+    phase_a: list[Push] = [(c, q) for q in range(1, 9) for c in clients]
+    phase_b: list[Push] = [(c, q) for q in range(9, 17) for c in clients]
+    with Pusher(shard.address) as pusher:
+        refused = [p for p in phase_a if not pusher.push(*p)]
+        assert not refused, f"fresh pushes reported as duplicates: {refused}"
+    pushed_a = time.time()
+    time.sleep(1.5)
+    with PSClient([shard.address]) as ps:
+        deadline = time.monotonic() + 20
+        while ps.stats()[0]["last_durable_unix_s"] < pushed_a:
+            assert time.monotonic() < deadline, "interval:1: no flush started within 21 s of the last push"
+            time.sleep(0.05)
+    with Pusher(shard.address) as pusher:
+        refused = [p for p in phase_b if not pusher.push(*p)]
+        assert not refused, f"fresh pushes reported as duplicates: {refused}"
+    kill(shard)
+
+    shard = start(procs, tmp_path, *args)
+    before = row_counts(shard.address)
+    floor, ceiling = counts_of(phase_a), counts_of(phase_a + phase_b)
+    assert (before >= floor).all(), (
+        f"interval:1 lost pushes acknowledged before the last flush: "
+        f"{int(np.clip(floor - before, 0, None).sum())} row updates missing"
+    )
+    assert (before <= ceiling).all(), f"rows above every push ever sent: {before} > {ceiling}"
+    with Pusher(shard.address) as pusher:
+        resend_acknowledged(pusher, phase_a[-6:], "interval:1, pushes flushed before the kill")
+        persisted = [p for p in phase_b if not pusher.push(*p)]
+        # The rows on disk are a consistent cut, exactly the pushes their ledger lists:
+        # this table is small (one write batch per flush) and nothing is spilled.
+        assert_exact(before, counts_of(phase_a + persisted), f"interval:1 restart vs flushed + ledgered {persisted}")
+        assert_exact(row_counts(shard.address), ceiling, "interval:1 after resending every later push")
+        resend_acknowledged(pusher, phase_b, "interval:1, later pushes resent twice")
+    stop_shard(shard)
+
+
+# -- 3. one process per data dir, and only its own shard's ----------------------------------
+
+
+def test_data_dir_is_locked_and_keeps_its_shard_identity(tmp_path: Path, procs: list[RunningShard]) -> None:
+    data = tmp_path / "data"
+    shard = start(procs, tmp_path, f"--data-dir={data}")
+    create_counting_table(shard.address)
+
+    began = time.monotonic()
+    code, out = run_to_exit(tmp_path, "--shard=0", "--num-shards=1", f"--data-dir={data}")
+    took = time.monotonic() - began
+    assert code not in (0, -9), f"second process on a data dir in use exited {code}:\n{out[-2000:]}"
+    assert "in use" in out and str(shard.proc.pid) in out, f"no 'in use by pid {shard.proc.pid}' message:\n{out[-2000:]}"
+    assert took < 30, f"second process took {took:.1f}s to give up"
+    assert row_counts(shard.address).sum() == 0, "the first shard stopped serving"
+    stop_shard(shard)
+
+    code, out = run_to_exit(tmp_path, "--shard=1", "--num-shards=2", f"--data-dir={data}")
+    assert code not in (0, -9), f"shard 1 of 2 on shard 0 of 1's data dir exited {code}:\n{out[-2000:]}"
+    assert "holds shard 0 of 1" in out, f"message does not name the stored identity:\n{out[-2000:]}"
+
+    shard = start(procs, tmp_path, f"--data-dir={data}")  # the rightful owner still starts
+    stop_shard(shard)
+
+
+# -- 4. disk full: refuse writes, keep reading, lose nothing acknowledged ---------------------
+
+
+def test_disk_full_refuses_writes_but_keeps_serving(tmp_path: Path, procs: list[RunningShard]) -> None:
+    data = tmp_path / "data"
+    args = (f"--data-dir={data}", "--durability=every-push")
+    # No file of the process may grow past 4 MB: the WAL hits it after ~30 pushes.
+    shard = spawn_shard(tmp_path, "limited", *args, fsize_limit_bytes=4 << 20)
+    procs.append(shard)
+    keys, dim = np.arange(1000, dtype=np.int64), 16
+    with PSClient([shard.address]) as ps:
+        ps.create_table("wide", dim, optimizer="sgd", initializer="zeros", lr=1.0)
+    assert health_status(shard.address, WRITES) == health_pb2.HealthCheckResponse.SERVING
+
+    acked, failed_seq, error = 0, 0, None
+    with Pusher(shard.address, table="wide", dim=dim) as pusher:
+        for seq in range(1, 301):
+            try:
+                assert pusher.push("disk", seq, keys), f"seq {seq} was fresh but reported as a duplicate"
+            except grpc.RpcError as exc:
+                failed_seq, error = seq, exc
+                break
+            acked += 1
+        if error is None:
+            pytest.skip("RLIMIT_FSIZE=4 MiB did not make a RocksDB write fail after 300 pushes (~40 MB) on this machine")
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, f"disk-full push got {error.code()}: {error.details()}"
+        assert "storage" in (error.details() or ""), f"disk-full message does not mention storage: {error.details()}"
+        refused = []
+        for seq in (failed_seq, failed_seq + 1):  # the failed one again, and a new one
+            with pytest.raises(grpc.RpcError) as caught:
+                pusher.push("disk", seq, keys)
+            refused.append(caught.value)
+        for later in refused:
+            assert later.code() == grpc.StatusCode.UNAVAILABLE, f"push after disk full: {later.code()}"
+            assert "storage" in (later.details() or ""), f"push after disk full: {later.details()}"
+
+    with PSClient([shard.address]) as ps:
+        rows = ps.lookup("wide", keys)
+        assert (rows == acked).all(), f"after the failed write RAM holds {np.unique(rows)}, acknowledged {acked}"
+        assert ps.lookup("wide", np.arange(1000, 1010)).shape == (10, dim), "lookups of new keys fail"
+        stats = ps.stats()[0]
+    assert stats["writable"] is False and stats["storage_error"], f"Stats after disk full: {stats}"
+    assert health_status(shard.address, WRITES) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert health_status(shard.address, "") == health_pb2.HealthCheckResponse.SERVING
+    stop_shard(shard)
+
+    shard = start(procs, tmp_path, *args)  # no limit now: the disk was "fixed"
+    with PSClient([shard.address]) as ps:
+        rows = ps.lookup("wide", keys)
+        assert (rows == acked).all(), (
+            f"after restart rows hold {np.unique(rows).tolist()} pushes, acknowledged {acked}: "
+            "a refused push became visible, or an acknowledged one was lost"
+        )
+        with Pusher(shard.address, table="wide", dim=dim) as pusher:
+            assert not pusher.push("disk", acked, keys), "an acknowledged push was applied again"
+            assert pusher.push("disk", failed_seq, keys), "the refused push was recorded as applied"
+        assert (ps.lookup("wide", keys) == acked + 1).all()
+        assert ps.stats()[0]["writable"] is True
+    stop_shard(shard)
+
+
+# -- 5. a restarted shard serves its spilled rows bit-exactly ---------------------------------
+
+
+def test_restart_serves_spilled_rows_bit_exactly(tmp_path: Path, procs: list[RunningShard]) -> None:
+    args = (f"--data-dir={tmp_path / 'data'}", "--memory-budget-bytes=65536")
+    shard = start(procs, tmp_path, *args)
+    rng = np.random.default_rng(5)
+    keys = np.unique(rng.integers(-(2**63), 2**63 - 1, size=4000, dtype=np.int64))
+    with PSClient([shard.address]) as ps:
+        ps.create_table("big", 8, optimizer="adagrad", lr=0.1, seed=3)
+        for chunk in np.array_split(keys, 8):
+            ps.lookup("big", chunk)
+            ps.push("big", chunk, rng.standard_normal((chunk.shape[0], 8)).astype(np.float32))
+        before = ps.lookup("big", keys)
+        table = ps.stats()[0]["tables"][0]
+    assert table["spilled_rows"] > 0 and table["resident_rows"] < keys.shape[0], f"nothing spilled: {table}"
+    stop_shard(shard)
+
+    shard = start(procs, tmp_path, *args)
+    with PSClient([shard.address]) as ps:
+        after = ps.lookup("big", keys)
+        table = ps.stats()[0]["tables"][0]
+    mismatched = int((before.view(np.uint32) != after.view(np.uint32)).any(axis=1).sum())
+    assert mismatched == 0, f"{mismatched} of {keys.shape[0]} rows differ after restart"
+    assert table["rows_created"] == 0, f"{table['rows_created']} rows were re-initialised after restart: {table}"
+    stop_shard(shard)
