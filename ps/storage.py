@@ -347,6 +347,11 @@ class Storage:
         self._write(lambda: rocksdict.Checkpoint(self._db).create_checkpoint(str(path / "db")))
         write_manifest(path, manifest)
 
+    def compact(self) -> None:
+        """Compact every column family fully (blocks until done): after a bulk load."""
+        for cf in self._columns.values():
+            self._write(lambda cf=cf: cf.compact_range(None, None))
+
     def flush_memtables(self) -> None:
         """Write every column family's memtable to SST files (so a copy of the directory
         can hard-link them instead of copying a long WAL)."""
