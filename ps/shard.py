@@ -235,10 +235,11 @@ class Shard:
         finally:
             self._evict_lock.release()
 
-    def flush(self) -> int:
-        """Write every table's dirty rows and ledger; returns rows written."""
+    def flush(self, metadata: bool = True) -> int:
+        """Write every table's dirty rows and ledger; returns rows written.
+        ``metadata``: see ``Table.flush`` (the interval flush passes False)."""
         started = time.time()
-        written = sum(self._guard(t.flush) for t in self.tables())
+        written = sum(self._guard(t.flush, metadata) for t in self.tables())
         self.last_durable = started
         return written
 
@@ -277,7 +278,7 @@ class Shard:
                 for t in tables:  # sorted by name: every thread takes them in one order
                     held.enter_context(t._lock)
                 for t in tables:
-                    self._guard(t._flush_locked)
+                    self._guard(t._flush_locked, True)
                 manifest["rows"] = {t.spec.name: len(t) + t.spilled for t in tables}
                 self._guard(self.storage.checkpoint, path, manifest)
             self.last_durable = manifest["created_unix_s"]
@@ -344,7 +345,7 @@ class Shard:
                     and now - last_flush >= self.durability.interval_s
                 ):
                     last_flush = now
-                    self.flush()
+                    self.flush(metadata=False)
                 ttls = [t.spec.lifecycle.ttl_seconds for t in self.tables() if t.spec.lifecycle.ttl_seconds]
                 if ttls and now - last_ttl >= max(0.5, min(60.0, min(ttls) / 4)) and self.writable:
                     last_ttl = now

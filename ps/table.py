@@ -441,23 +441,31 @@ class Table:
             self.counters.rows_evicted_rare += n_rare
             return int(keys.shape[0])
 
-    def flush(self) -> int:
+    def flush(self, metadata: bool = False) -> int:
         """Write every dirty row, with the ledger, to disk; returns rows written.
 
-        Chunked into batches of ``_WRITE_CHUNK`` rows, the ledger in the first, all
-        under one lock hold (a consistent cut of this table). ``StorageFailed``: the
-        rows not yet written stay dirty.
+        ``metadata``: in a table with a TTL or a frequency floor, also write rows that
+        were only looked up, so that their access time and count on disk are current
+        (checkpoints and clean shutdowns do; the interval flush does not, to bound its
+        cost). Chunked into batches of ``_WRITE_CHUNK`` rows, the ledger in the first,
+        all under one lock hold (a consistent cut of this table). ``StorageFailed``:
+        the rows not yet written stay dirty.
         """
         with self._lock:
-            return self._flush_locked()
+            return self._flush_locked(metadata)
 
-    def _flush_locked(self) -> int:
+    def _flush_locked(self, metadata: bool = False) -> int:
         if self._rows is None or self._storage is None:
             return 0
         a = self._arena
-        keys = np.empty(len(self._index), np.int64)
-        slots = np.empty(len(self._index), np.int32)
-        n = _collect_dirty(*self._index.buckets(), a.dirty, keys, slots)
+        lc = self.spec.lifecycle
+        if metadata and (lc.ttl_seconds or lc.evict_below_frequency):
+            keys, slots = self._index.items()
+            n = int(keys.shape[0])
+        else:
+            keys = np.empty(len(self._index), np.int64)
+            slots = np.empty(len(self._index), np.int32)
+            n = _collect_dirty(*self._index.buckets(), a.dirty, keys, slots)
         changed = self.ledger.take_changed()
         if n == 0 and not changed:
             return 0
