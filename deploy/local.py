@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -58,11 +59,19 @@ class ShardProcess:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
 
-def start_shard(index: int, num_shards: int, root: Path, *extra_args: str, timeout_s: float = 60.0) -> ShardProcess:
+def start_shard(
+    index: int,
+    num_shards: int,
+    root: Path,
+    *extra_args: str,
+    timeout_s: float = 60.0,
+    in_child: Callable[[], None] | None = None,
+) -> ShardProcess:
     """Start shard ``index`` of ``num_shards`` with files under ``root``; blocks until it serves.
 
     ``{shard}`` in an extra argument becomes the shard index, so that every shard gets its
-    own directory: ``--data-dir=/var/ps/shard-{shard}``.
+    own directory: ``--data-dir=/var/ps/shard-{shard}``. ``in_child`` runs in the child
+    before exec (after ``die_with_parent``), e.g. to set a resource limit.
 
     Raises ``ShardStartError`` (with the log tail) if it exits or is not ready in ``timeout_s``.
     """
@@ -80,7 +89,7 @@ def start_shard(index: int, num_shards: int, root: Path, *extra_args: str, timeo
             stderr=subprocess.STDOUT,
             cwd=root,
             env=env,
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent if in_child is None else lambda: (die_with_parent(), in_child()),
         )
     shard = ShardProcess(index, "", proc, log)
     deadline = time.monotonic() + timeout_s

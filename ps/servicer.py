@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 from protos import ps_pb2 as pb
 from protos import wire
 from ps.config import spec_from_proto, spec_to_proto
-from ps.errors import RequestTooLarge, ShardError, ShuttingDown
+from ps.errors import RequestTooLarge, ShardError
 from ps.shard import Shard
 from ps.table import Table
 
@@ -207,8 +207,7 @@ class Servicer:
     def Checkpoint(self, request: bytes, context: grpc.ServicerContext) -> pb.CheckpointResponse:
         with status_boundary(context, "Checkpoint"):
             msg = pb.CheckpointRequest.FromString(request)
-            if self._shard._closing:
-                raise ShuttingDown(f"shard {self._shard.index} is shutting down")
+            self._shard.check_request(0)  # refuses while shutting down
             path, manifest = self._shard.checkpoint(Path(msg.path) if msg.path else None)
             return pb.CheckpointResponse(path=str(path), manifest_json=json.dumps(manifest, sort_keys=True))
         raise AssertionError("unreachable: status_boundary aborts")

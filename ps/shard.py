@@ -42,7 +42,7 @@ from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import InvalidRequest, ShardMismatch, ShuttingDown, TableExists, UnknownTable, WrongMode
 from ps.ledger import PushLedger
 from ps.lifecycle import now_tick
-from ps.storage import FORMAT_VERSION, Storage, StorageFailed
+from ps.storage import FORMAT_VERSION, Storage, StorageFailed, write_manifest
 from ps.table import Table
 
 __all__ = ["PushLedger", "Shard"]
@@ -286,8 +286,6 @@ class Shard:
             return path, manifest
 
     def _checkpoint_from_ram(self, path: Path, tables: list[Table], manifest: dict[str, Any]) -> None:
-        from ps.storage import write_manifest
-
         rows: dict[str, int] = {}
         with Storage(path, shard=self.index, num_shards=self.num_shards) as out:
             for t in tables:

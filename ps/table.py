@@ -370,24 +370,26 @@ class Table:
     ) -> npt.NDArray[np.int32]:
         """Put rows of absent ``keys`` into RAM; returns their slots. Caller holds the lock."""
         slots, _ = self._index.lookup_or_insert(keys)
-        a = self._arena
-        if self._index.slot_capacity > a.capacity:
-            a.ensure_capacity(self._index.slot_capacity)
-            self._seen = np.zeros(a.capacity // 8 + 1, dtype=np.uint8)
+        a = self._grown_arena()
         a.values[slots], a.state[slots] = values, state
         a.last_access[slots], a.frequency[slots] = last_access, frequency
         a.dirty[slots] = dirty
         return slots
+
+    def _grown_arena(self) -> Arena:
+        """The arena, grown to cover every slot the index handed out. Caller holds the lock."""
+        a = self._arena
+        if self._index.slot_capacity > a.capacity:
+            a.ensure_capacity(self._index.slot_capacity)
+            self._seen = np.zeros(a.capacity // 8 + 1, dtype=np.uint8)
+        return a
 
     def _create(self, keys: npt.NDArray[np.int64], now: np.uint32) -> None:
         """Store initial rows for absent ``keys``. Caller holds the lock."""
         if not keys.size:
             return
         slots, _ = self._index.lookup_or_insert(keys)
-        a = self._arena
-        if self._index.slot_capacity > a.capacity:
-            a.ensure_capacity(self._index.slot_capacity)
-            self._seen = np.zeros(a.capacity // 8 + 1, dtype=np.uint8)
+        a = self._grown_arena()
         new = slots.astype(np.int64)
         fill_initial_rows(self.spec.initializer, self.spec.seed, keys, a.values, new)
         optimizers.init_state(self.spec.optimizer, a.state, new)

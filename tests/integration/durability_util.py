@@ -14,7 +14,6 @@ import os
 import resource
 import subprocess
 import sys
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Self
@@ -24,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from deploy import local
 from deploy.local import REPO, ShardProcess, die_with_parent
 from protos import ps_pb2 as pb
 from protos import wire
@@ -106,37 +106,14 @@ def _env() -> dict[str, str]:
 def spawn_shard(
     root: Path, name: str, *args: str, fsize_limit_bytes: int | None = None, timeout_s: float = 60.0
 ) -> ShardProcess:
-    """``python -m ps`` (shard 0 of 1) like ``deploy.local.start_shard``, optionally under
-    ``RLIMIT_FSIZE``; blocks until its port file appears, raises ``RuntimeError`` with
-    the log tail if it exits first."""
-    port_file, log = root / f"port.{name}", root / f"shard.{name}.log"
-    port_file.unlink(missing_ok=True)
+    """``deploy.local.start_shard`` (shard 0 of 1, files under ``root/name``), optionally
+    under ``RLIMIT_FSIZE``; raises ``ShardStartError`` with the log tail if it exits first."""
 
-    def prepare_child() -> None:
-        die_with_parent()
+    def limit() -> None:
         if fsize_limit_bytes is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit_bytes, fsize_limit_bytes))
 
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ps", "--shard=0", "--num-shards=1", "--listen=127.0.0.1:0",
-             f"--port-file={port_file}", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=root,
-            env=_env(),
-            preexec_fn=prepare_child,  # noqa: PLW1509 (only setrlimit and prctl run there)
-        )
-    shard = ShardProcess(0, "", proc, log)
-    deadline = time.monotonic() + timeout_s
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"shard {name} did not start (exit {proc.returncode}):\n{shard.log_tail()}")
-        time.sleep(0.05)
-    shard.address = f"127.0.0.1:{port_file.read_text().strip()}"
-    return shard
+    return local.start_shard(0, 1, root / name, *args, timeout_s=timeout_s, in_child=limit)
 
 
 def run_to_exit(root: Path, *args: str, timeout_s: float = 60.0) -> tuple[int, str]:
