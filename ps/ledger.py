@@ -135,6 +135,10 @@ class PushLedger:
             changed, self._changed = sorted(self._changed), set()
             return changed
 
+    def has_changes(self) -> bool:
+        with self._cond:
+            return bool(self._changed)
+
     def mark_changed(self, clients: list[str]) -> None:
         """Put back clients taken by ``take_changed`` whose write failed."""
         with self._cond:

@@ -162,6 +162,16 @@ class Admission:
         return int(self._counters.nbytes)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _age(now: np.uint32, last_access: np.uint32, top: int) -> np.int64:
+    """Ticks since ``last_access``, in [0, top]. Signed, so that a row touched after the
+    caller read ``now`` (a request on another thread) is the youngest, not the oldest."""
+    age = np.int64(np.int32(np.uint32(now - last_access)))  # modular: survives the uint32 wrap
+    if age < 0:
+        return np.int64(0)
+    return min(age, np.int64(top))
+
+
 @numba.njit(nogil=True, cache=True)
 def _age_histogram(
     tslots: npt.NDArray[np.int32], last_access: npt.NDArray[np.uint32], now: np.uint32, hist: npt.NDArray[np.int64]
@@ -171,10 +181,7 @@ def _age_histogram(
         s = tslots[i]
         if s < 0:
             continue
-        age = np.int64(np.uint32(now - last_access[s]))  # modular: survives the uint32 wrap
-        if age > top or age < 0:
-            age = top
-        hist[age] += 1
+        hist[_age(now, last_access[s], top)] += 1
 
 
 def age_histogram(index_slots: npt.NDArray[np.int32], last_access: npt.NDArray[np.uint32], now: np.uint32) -> npt.NDArray[np.int64]:
@@ -202,9 +209,7 @@ def _select(
         s = tslots[i]
         if s < 0:
             continue
-        age = np.int64(np.uint32(now - last_access[s]))
-        if age > top or age < 0:
-            age = top
+        age = _age(now, last_access[s], top)
         if age > min_age or (age == min_age and quota_at_min > 0):
             if age == min_age:
                 quota_at_min -= 1
@@ -252,7 +257,7 @@ def _expired(
     n = 0
     for i in range(tslots.shape[0]):
         s = tslots[i]
-        if s >= 0 and np.int64(np.uint32(now - last_access[s])) > max_age:
+        if s >= 0 and np.int64(np.int32(np.uint32(now - last_access[s]))) > max_age:
             out[n] = tkeys[i]
             n += 1
     return n

@@ -49,7 +49,10 @@ __all__ = ["PushLedger", "Shard"]
 
 log = logging.getLogger(__name__)
 
-_LOW_WATER = 0.9  # evict down to this fraction of the budget, so eviction runs in batches
+# Above _HIGH_WATER of the budget the evictor thread spills rows down to _LOW_WATER, in
+# the background; a request that finds the budget itself exceeded waits for it.
+_HIGH_WATER = 0.97
+_LOW_WATER = 0.92
 _RATE_WINDOW_S = 10.0
 
 
@@ -92,6 +95,8 @@ class Shard:
         self._rates: deque[tuple[float, dict[str, tuple[int, int]]]] = deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._evictor: threading.Thread | None = None
+        self._wake_evictor = threading.Event()
         if storage is not None:
             for name, blob in sorted(storage.specs().items()):
                 self._tables[name] = self._new_table(spec_from_proto(pb.TableSpec.FromString(blob)))
@@ -193,9 +198,15 @@ class Shard:
         return applied, rows
 
     def after_request(self) -> None:
-        """Spill rows if the tables are over the memory budget (called after each request)."""
-        if self.memory_budget_bytes and self.writable and self.resident_bytes() > self.memory_budget_bytes:
+        """Keep the tables within the memory budget (called after each request): wake the
+        evictor thread as they near it; spill here, or wait for the evictor, beyond it."""
+        if not (self.memory_budget_bytes and self.writable):
+            return
+        used = self.resident_bytes()
+        if used > self.memory_budget_bytes:
             self.enforce_budget()
+        elif used > _HIGH_WATER * self.memory_budget_bytes and self._evictor is not None:
+            self._wake_evictor.set()
 
     def duplicate_pushes(self) -> int:
         return sum(t.ledger.duplicates for t in self.tables())
@@ -209,10 +220,8 @@ class Shard:
     def enforce_budget(self) -> int:
         """Spill least recently used rows, across all tables, until resident bytes are at
         ``_LOW_WATER`` of the budget; returns rows moved. One thread at a time (others
-        skip: the one running covers them)."""
-        if not self._evict_lock.acquire(blocking=False):
-            return 0
-        try:
+        wait for it, then see what is left to do)."""
+        with self._evict_lock:
             tables = self.tables()
             need = self.resident_bytes() - int(_LOW_WATER * self.memory_budget_bytes)
             if need <= 0 or not self.writable:
@@ -230,10 +239,9 @@ class Shard:
             for t, h in zip(tables, hists, strict=True):
                 count = int(h[cutoff + 1 :].sum()) + math.ceil(h[cutoff] * min(1.0, share))
                 if count:
-                    moved += self._guard(t.evict, count, now)
+                    # Rows only get younger meanwhile, so h still bounds the victims.
+                    moved += self._guard(t.evict, count, now, h)
             return moved
-        finally:
-            self._evict_lock.release()
 
     def flush(self, metadata: bool = True) -> int:
         """Write every table's dirty rows and ledger; returns rows written.
@@ -325,10 +333,28 @@ class Shard:
     # -- background work -----------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the maintenance thread: interval flushes, TTL sweeps, rate samples."""
+        """Start the maintenance thread (interval flushes, TTL sweeps, rate samples) and,
+        with a memory budget, the evictor thread."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._maintain, name=f"ps-shard{self.index}-maint", daemon=True)
             self._thread.start()
+        if self._evictor is None and self.memory_budget_bytes:
+            self._evictor = threading.Thread(target=self._evict_loop, name=f"ps-shard{self.index}-evict", daemon=True)
+            self._evictor.start()
+
+    def _evict_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake_evictor.wait(0.5)
+            self._wake_evictor.clear()
+            if self._stop.is_set() or not self.writable:
+                continue
+            try:
+                if self.resident_bytes() > _HIGH_WATER * self.memory_budget_bytes:
+                    self.enforce_budget()
+            except StorageFailed:
+                pass  # already reported by _guard
+            except Exception:
+                log.exception("eviction failed")
 
     def _maintain(self) -> None:
         last_flush = last_ttl = time.monotonic()
@@ -377,8 +403,10 @@ class Shard:
         """After the last request: stop background work, write what is dirty, close storage."""
         self._closing = True
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._wake_evictor.set()
+        for thread in (self._thread, self._evictor):
+            if thread is not None:
+                thread.join(timeout=30)
         if self.storage is not None:
             if self.writable:
                 try:

@@ -12,9 +12,10 @@ multi-get before anything else happens, so a key once created is never
 re-initialised. What reaches disk, and when, follows the shard's durability mode:
 with ``every_push`` a push is written (rows + its ledger entry, one batch) before it
 is applied in RAM; otherwise changed rows stay ``dirty`` until ``flush`` or
-``evict`` writes them. Every write of the table carries its ledger entries, taken
-under the same lock hold, so no row on disk reflects a push the ledger on disk
-does not know about.
+``evict`` writes them. Every write of the table carries its ledger entries, copied
+under the same lock hold as its rows, so no row on disk reflects a push the ledger on
+disk does not know about. Eviction and the interval flush write their copies with
+the table lock released (``ps.tier``, which holds those methods).
 
 The table's ``Lifecycle`` adds admission (rows only for keys seen often enough),
 TTL expiry (``expire``) and deletion of rare rows instead of spilling them.
@@ -47,12 +48,13 @@ from ps.errors import InvalidRequest
 from ps.initializers import fill_initial_rows
 from ps.keyindex import KeyIndex
 from ps.ledger import PushLedger
-from ps.lifecycle import Admission, age_histogram, expired_keys, now_tick, select_victims
+from ps.lifecycle import Admission, now_tick
 from ps.storage import Storage, TableRows
+from ps.tier import CLEAN, DIRTY, DiskTier
 
 __all__ = ["Table", "TableCounters"]
 
-_WRITE_CHUNK = 1 << 16  # rows per RocksDB write batch when flushing
+_WRITE_CHUNK = 1 << 16  # rows per RocksDB write batch when copying a table out
 _INDEX_BYTES_PER_ROW = 16  # 12-byte buckets at the index's ~0.75 load factor
 
 _FREQ_MAX = np.uint32(0xFFFFFFFF)
@@ -123,24 +125,6 @@ def _mark_pushed(
         dirty[slots[i]] = 1
 
 
-@numba.njit(nogil=True, cache=True)
-def _collect_dirty(
-    tkeys: npt.NDArray[np.int64],
-    tslots: npt.NDArray[np.int32],
-    dirty: npt.NDArray[np.uint8],
-    out_keys: npt.NDArray[np.int64],
-    out_slots: npt.NDArray[np.int32],
-) -> int:
-    n = 0
-    for i in range(tslots.shape[0]):
-        s = tslots[i]
-        if s >= 0 and dirty[s]:
-            out_keys[n] = tkeys[i]
-            out_slots[n] = s
-            n += 1
-    return n
-
-
 @dataclass
 class TableCounters:
     """Running totals for ``Stats`` (keys, not requests)."""
@@ -158,7 +142,7 @@ class TableCounters:
     rows_evicted_rare: int = 0
 
 
-class Table:
+class Table(DiskTier):
     """Rows of one table on this shard (see the module docstring for the contract).
 
     ``rows``/``storage``: the table's column family and the data directory it lives in
@@ -181,6 +165,8 @@ class Table:
         self.counters = TableCounters()
         self.ledger = PushLedger()
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # see ps.tier: RocksDB writes in copy order
+        self._spill_lock = threading.Lock()
         self._index = KeyIndex(initial_capacity)
         self._arena = Arena(spec.dim, optimizers.state_width(spec.optimizer, spec.dim), initial_capacity)
         self._seen = np.zeros(self._arena.capacity // 8 + 1, dtype=np.uint8)
@@ -309,9 +295,10 @@ class Table:
             self._rows.put_ledger(batch, client_id, self.ledger.encode_after(client_id, seq))
         stamp = np.full(slots.shape[0], now, dtype=np.uint32)
         self._rows.put(batch, keys, values, state, stamp, a.frequency[slots])
-        self._storage.commit(batch)
+        with self._write_lock:
+            self._storage.commit(batch)
         a.values[slots], a.state[slots], a.last_access[slots] = values, state, stamp
-        a.dirty[slots] = 0
+        a.dirty[slots] = CLEAN
 
     def validate_grads(self, keys: npt.NDArray[np.int64], grads: npt.NDArray[np.float32]) -> None:
         """Raise ``InvalidRequest`` unless ``grads`` is ``[len(keys), dim]`` and all finite."""
@@ -347,7 +334,7 @@ class Table:
             found, rec = self._rows.get(missing)
             if rec.values.shape[0]:
                 stamp = np.full(rec.values.shape[0], now, dtype=np.uint32)
-                self._install(missing[found], rec.values, rec.state, stamp, rec.frequency, dirty=0)
+                self._install(missing[found], rec.values, rec.state, stamp, rec.frequency, dirty=CLEAN)
                 self.counters.rows_faulted_in += rec.values.shape[0]
                 self.spilled = max(0, self.spilled - rec.values.shape[0])
             missing = missing[~found]
@@ -395,150 +382,8 @@ class Table:
         optimizers.init_state(self.spec.optimizer, a.state, new)
         a.frequency[new] = 0
         a.last_access[new] = now
-        a.dirty[new] = 1
+        a.dirty[new] = DIRTY
         self.counters.rows_created += new.shape[0]
-
-    def age_histogram(self, now: np.uint32) -> npt.NDArray[np.int64]:
-        """Resident rows by age in ticks (see ``ps.lifecycle.age_histogram``)."""
-        with self._lock:
-            return age_histogram(self._index.buckets()[1], self._arena.last_access, now)
-
-    def evict(self, count: int, now: np.uint32 | None = None) -> int:
-        """Move the ``count`` least recently used rows out of RAM; returns how many left.
-
-        Rows looked up fewer than ``lifecycle.evict_below_frequency`` times are deleted
-        (from RAM and disk); the rest are written to disk if dirty, then dropped from
-        RAM. Needs storage. ``StorageFailed``: nothing left RAM.
-        """
-        if self._rows is None or self._storage is None:
-            raise RuntimeError(f"table {self.spec.name!r} has no storage to evict to (start with --data-dir)")
-        now = now_tick() if now is None else now
-        with self._lock:
-            a = self._arena
-            keys, slots = select_victims(*self._index.buckets(), a.last_access, now, count)
-            if not keys.size:
-                return 0
-            floor = self.spec.lifecycle.evict_below_frequency
-            rare = a.frequency[slots] < floor if floor else np.zeros(keys.shape[0], np.bool_)
-            write = ~rare
-            if not (floor or self.spec.lifecycle.ttl_seconds):
-                # Lookups change only access time and count, which nothing reads back from
-                # disk unless a lifecycle rule does: a clean row need not be rewritten.
-                write &= a.dirty[slots] != 0
-            batch = self._storage.batch()
-            changed = self._put_ledger_changes(batch)
-            s = slots[write]
-            self._rows.put(batch, keys[write], a.values[s], a.state[s], a.last_access[s], a.frequency[s])
-            self._rows.delete(batch, keys[rare])
-            try:
-                self._storage.commit(batch)
-            except Exception:
-                self.ledger.mark_changed(changed)
-                raise
-            self._index.remove(keys)
-            a.dirty[slots] = 0
-            n_rare = int(rare.sum())
-            self.spilled += keys.shape[0] - n_rare
-            self.counters.rows_spilled += keys.shape[0] - n_rare
-            self.counters.rows_evicted_rare += n_rare
-            return int(keys.shape[0])
-
-    def flush(self, metadata: bool = False) -> int:
-        """Write every dirty row, with the ledger, to disk; returns rows written.
-
-        ``metadata``: in a table with a TTL or a frequency floor, also write rows that
-        were only looked up, so that their access time and count on disk are current
-        (checkpoints and clean shutdowns do; the interval flush does not, to bound its
-        cost). Chunked into batches of ``_WRITE_CHUNK`` rows, the ledger in the first,
-        all under one lock hold (a consistent cut of this table). ``StorageFailed``:
-        the rows not yet written stay dirty.
-        """
-        with self._lock:
-            return self._flush_locked(metadata)
-
-    def _flush_locked(self, metadata: bool = False) -> int:
-        if self._rows is None or self._storage is None:
-            return 0
-        a = self._arena
-        lc = self.spec.lifecycle
-        if metadata and (lc.ttl_seconds or lc.evict_below_frequency):
-            keys, slots = self._index.items()
-            n = int(keys.shape[0])
-        else:
-            keys = np.empty(len(self._index), np.int64)
-            slots = np.empty(len(self._index), np.int32)
-            n = _collect_dirty(*self._index.buckets(), a.dirty, keys, slots)
-        changed = self.ledger.take_changed()
-        if n == 0 and not changed:
-            return 0
-        try:
-            for start in range(0, max(n, 1), _WRITE_CHUNK):
-                batch = self._storage.batch()
-                if start == 0:
-                    for client_id in changed:
-                        self._rows.put_ledger(batch, client_id, self.ledger.encode(client_id))
-                k, s = keys[start : min(n, start + _WRITE_CHUNK)], slots[start : min(n, start + _WRITE_CHUNK)]
-                self._rows.put(batch, k, a.values[s], a.state[s], a.last_access[s], a.frequency[s])
-                self._storage.commit(batch)
-                a.dirty[s] = 0
-                changed = []
-        finally:
-            self.ledger.mark_changed(changed)
-        return n
-
-    def _put_ledger_changes(self, batch: object) -> list[str]:
-        assert self._rows is not None
-        changed = self.ledger.take_changed()
-        for client_id in changed:
-            self._rows.put_ledger(batch, client_id, self.ledger.encode(client_id))  # type: ignore[arg-type]
-        return changed
-
-    # -- lifecycle ---------------------------------------------------------------------
-
-    def expire(self, now: np.uint32 | None = None) -> int:
-        """Delete rows idle for longer than ``lifecycle.ttl_seconds`` (RAM and disk);
-        returns how many. A no-op when the table has no TTL."""
-        ttl = self.spec.lifecycle.ttl_seconds
-        if not ttl:
-            return 0
-        now = now_tick() if now is None else now
-        removed = 0
-        with self._lock:
-            keys = expired_keys(*self._index.buckets(), self._arena.last_access, now, ttl)
-            if keys.size:
-                if self._rows is not None and self._storage is not None:
-                    batch = self._storage.batch()
-                    self._rows.delete(batch, keys)
-                    self._storage.commit(batch)
-                self._arena.dirty[self._index.remove(keys)] = 0
-                removed += int(keys.size)
-                self.counters.rows_expired += int(keys.size)
-        if self._rows is not None:
-            removed += self._expire_spilled(now, ttl)
-        return removed
-
-    def _expire_spilled(self, now: np.uint32, ttl: float) -> int:
-        assert self._rows is not None and self._storage is not None
-        removed = 0
-        for keys, rec in self._rows.scan():
-            old = expired_keys(keys, np.arange(keys.shape[0], dtype=np.int32), rec.last_access, now, ttl)
-            if not old.size:
-                continue
-            with self._lock:
-                # Recheck under the lock: the row may have come back to RAM, or been
-                # rewritten with a newer access time, since the scan read it.
-                candidates = old[self._index.lookup(old) < 0]
-                found, fresh = self._rows.get(candidates)
-                present = candidates[found]
-                gone = expired_keys(present, np.arange(present.shape[0], dtype=np.int32), fresh.last_access, now, ttl)
-                if gone.size:
-                    batch = self._storage.batch()
-                    self._rows.delete(batch, gone)
-                    self._storage.commit(batch)
-                    self.spilled = max(0, self.spilled - int(gone.size))
-                    self.counters.rows_expired += int(gone.size)
-                    removed += int(gone.size)
-        return removed
 
     # -- whole-table operations ----------------------------------------------------------
 
@@ -547,12 +392,9 @@ class Table:
         how many were resident."""
         keys = np.ascontiguousarray(keys, dtype=np.int64)
         with self._lock:
-            if self._rows is not None and self._storage is not None:
-                batch = self._storage.batch()
-                self._rows.delete(batch, keys)
-                self._storage.commit(batch)
+            self._delete_stored(keys)
             freed = self._index.remove(keys)
-            self._arena.dirty[freed[freed >= 0]] = 0
+            self._arena.dirty[freed[freed >= 0]] = CLEAN
             return int((freed >= 0).sum())
 
     def export(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], npt.NDArray[np.float32]]:

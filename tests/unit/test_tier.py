@@ -2,8 +2,8 @@
 admission, TTL, rare-row deletion) and ``Shard`` (memory budget, storage failure,
 checkpoints).
 
-Time is controlled by a fake recency clock (``ps.table.now_tick`` and
-``ps.shard.now_tick`` patched), plus explicit ``now`` ticks where the API takes them.
+Time is controlled by a fake recency clock (``now_tick`` patched in ``ps.table``,
+``ps.tier`` and ``ps.shard``), plus explicit ``now`` ticks where the API takes them.
 Storage failures are real: a ``Storage`` opened read-only makes RocksDB refuse writes.
 Expected rows come from a RAM-only twin ``Table`` fed the same operations, or from
 ``initial_rows``, and are compared bit for bit.
@@ -21,6 +21,7 @@ import pytest
 
 import ps.shard
 import ps.table
+import ps.tier
 from protos import ps_pb2 as pb
 from ps.config import Durability, TableSpec, spec_from_proto
 from ps.errors import TableExists
@@ -52,8 +53,8 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(ps.table, "now_tick", c)
-    monkeypatch.setattr(ps.shard, "now_tick", c)
+    for module in (ps.table, ps.tier, ps.shard):
+        monkeypatch.setattr(module, "now_tick", c)
     return c
 
 
@@ -406,8 +407,8 @@ def test_enforce_budget_spills_the_oldest_rows_across_tables(storage: Storage, c
     total = shard.resident_bytes()
     assert total == 100 * a.bytes_per_row + 100 * b.bytes_per_row
     low = 70 * b.bytes_per_row + b.bytes_per_row // 2
-    shard.memory_budget_bytes = int(low / 0.9) + 1
-    low = int(0.9 * shard.memory_budget_bytes)
+    shard.memory_budget_bytes = int(low / ps.shard._LOW_WATER) + 1
+    low = int(ps.shard._LOW_WATER * shard.memory_budget_bytes)
     need = total - low
     b_out = -(-(need - 100 * a.bytes_per_row) // b.bytes_per_row)
     assert 0 < b_out < 100
