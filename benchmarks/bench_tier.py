@@ -1,15 +1,15 @@
 """RocksDB tier benchmark: what does holding most rows on disk cost a shard?
 
-All in one process, on the shard's own code (``Shard``/``Table``/``Storage``, no gRPC:
-the transport is measured by bench_foundation.py, and leaving it out makes the tier's
-share of the time larger, not smaller). Three parts, each with its ceiling measured in
-the same run (the machine is shared, absolute times drift):
+Three parts, each with its ceiling measured in the same run (the machine is shared,
+absolute times drift):
 
-1. Zipf(1.05) training traffic: per step a batch of Zipf-drawn keys, deduplicated, is
-   looked up and pushed (dim 16, Adagrad). The table holds N rows; run once with every
-   row in RAM (the ceiling) and once with ``--memory-budget-bytes`` at 10% of the rows
-   (``interval:5`` durability, the default; ``every-push`` too, for information).
-   Goal: tier rows/s >= 0.5x RAM rows/s. RAM hit rate, rows spilled and faulted in.
+1. Zipf(1.05) training traffic (``tier_zipf.py``): batches of Zipf-drawn keys looked up
+   and pushed (dim 16, Adagrad), all drawn before timing. With every row in RAM (the
+   ceiling) and with ``--memory-budget-bytes`` at 10% of the rows (``interval:5``
+   durability, the default; ``every-push`` too, for information); through gRPC (a
+   ``ps-server`` process and ``PSClient``) and in process. Runs alternate and repeat;
+   medians are reported. Goal: tier rows/s >= 0.5x RAM rows/s. RAM hit rate, rows
+   faulted in and written per step, and the raw RocksDB I/O floor of those rows.
 2. Per-row lookup cost as the key count grows from 1M to 50M (resident + spilled; dim
    8, SGD): N rows are written to RocksDB, a shard opens them with a budget of 10% of
    N, Zipf lookups warm it up, then are timed. Goal: cost per row flat within +-25%.
@@ -18,7 +18,8 @@ the same run (the machine is shared, absolute times drift):
    records, and the tier faulting rows in (a RAM miss served from disk, through
    ``Table.lookup``) vs a raw multi-get of the same keys.
 
-Usage: ``python benchmarks/bench_tier.py [--quick]`` -> ``benchmarks/results/tier.{json,png}``.
+Usage: ``python benchmarks/bench_tier.py [--quick] [--only zipf|scale|io]``
+-> ``benchmarks/results/tier.{json,png}``.
 """
 
 from __future__ import annotations
@@ -35,47 +36,31 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import rocksdict
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_zipf, beside this file
+
+from tier_zipf import (  # noqa: E402
+    BATCH,
+    BUDGET_FRACTION,
+    REPO,
+    ZIPF_S,
+    Workload,
+    Zipf,
+    adagrad_spec,
+    in_process,
+    io_floor,
+    key_space,
+    served,
+)
 
 from ps.config import Durability, TableSpec  # noqa: E402
-from ps.optimizers import OptimizerKind, OptimizerParams  # noqa: E402
 from ps.shard import Shard  # noqa: E402
 from ps.storage import Storage  # noqa: E402
 from ps.table import Table  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-BATCH = 16_384  # Zipf draws per step (before dedup)
-ZIPF_S = 1.05
-BUDGET_FRACTION = 0.10
-
-
-class Zipf:
-    """Keys drawn with P(rank r) ~ r^-s over ``n`` keys; ranks map to scattered int64 keys."""
-
-    def __init__(self, n: int, s: float, seed: int) -> None:
-        self.rng = np.random.default_rng(seed)
-        weights = np.arange(1, n + 1, dtype=np.float64) ** -s
-        self.cdf = np.cumsum(weights)
-        self.cdf /= self.cdf[-1]
-        self.keys = key_space(n)
-        self.rng.shuffle(self.keys)
-
-    def batch(self, size: int) -> npt.NDArray[np.int64]:
-        ranks = np.searchsorted(self.cdf, self.rng.random(size))
-        return np.unique(self.keys[np.minimum(ranks, self.keys.shape[0] - 1)])
-
-
-def key_space(n: int) -> npt.NDArray[np.int64]:
-    """``n`` distinct, well-spread int64 keys (a fixed odd multiplier: a bijection)."""
-    return (np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)).view(np.int64)
-
-
-def adagrad_spec(dim: int) -> TableSpec:
-    return TableSpec("t", dim, optimizer=OptimizerParams(kind=OptimizerKind.ADAGRAD, lr=0.05), seed=3)
+MODES = (None, "interval:5", "every-push")
 
 
 def open_shard(tmp: Path | None, durability: str, budget: int) -> Shard:
@@ -85,121 +70,28 @@ def open_shard(tmp: Path | None, durability: str, budget: int) -> Shard:
     return Shard(0, 1, storage, Durability.parse(durability), budget)
 
 
-def populate(shard: Shard, table: Table, keys: npt.NDArray[np.int64], chunk: int = 1 << 16) -> None:
-    for start in range(0, keys.shape[0], chunk):
-        table.lookup(keys[start : start + chunk])
-        shard.after_request()
-
-
 # -- part 1 ------------------------------------------------------------------------------
 
 
-def zipf_training(n: int, steps: int, warmup: int, durability: str | None, tmp: Path) -> dict[str, Any]:
-    """Lookup + push of Zipf batches on a table of ``n`` rows; ``durability`` None = all RAM."""
-    spec = adagrad_spec(16)
-    probe = Table(spec)
-    budget = int(BUDGET_FRACTION * n * probe.bytes_per_row) if durability else 0
-    data_dir = tmp / f"zipf-{durability}" if durability else None
-    shard = open_shard(data_dir, durability or "", budget)
-    shard.create_table(spec)
-    table = shard.table("t")
-    shard.start()
-    zipf = Zipf(n, ZIPF_S, seed=11)
-    populate(shard, table, zipf.keys)
-    grads_rng = np.random.default_rng(5)
-    seq = 0
-
-    def step() -> int:
-        nonlocal seq
-        keys = zipf.batch(BATCH)
-        table.lookup(keys)
-        shard.after_request()
-        seq += 1
-        grads = grads_rng.standard_normal((keys.shape[0], spec.dim), dtype=np.float32) * np.float32(0.01)
-        shard.push([(table, keys, grads)], "bench", seq)
-        return int(keys.shape[0])
-
-    for _ in range(warmup):
-        step()
-    c0 = dict(vars(table.counters))
-    t0 = time.perf_counter()
-    rows = sum(step() for _ in range(steps))
-    elapsed = time.perf_counter() - t0
-    c1 = dict(vars(table.counters))
-    hits, misses = c1["ram_hits"] - c0["ram_hits"], c1["ram_misses"] - c0["ram_misses"]
-    out = {
-        "mode": "all in RAM" if durability is None else f"budget 10%, {durability}",
-        "rows": n,
-        "steps": steps,
-        "unique_keys_per_step": rows / steps,
-        "rows_per_s": 2 * rows / elapsed,  # each key is looked up and pushed
-        "step_ms": 1e3 * elapsed / steps,
-        "ram_hit_rate": hits / max(hits + misses, 1),
-        "faulted_in_per_step": (c1["rows_faulted_in"] - c0["rows_faulted_in"]) / steps,
-        "spilled_per_step": (c1["rows_spilled"] - c0["rows_spilled"]) / steps,
-        "resident_rows": len(table),
-        "budget_bytes": budget,
-        "resident_bytes": shard.resident_bytes(),
-    }
-    shard.close()
-    shard.shutdown()
-    if data_dir is not None:
-        shutil.rmtree(data_dir, ignore_errors=True)
-    return out
-
-
-def zipf_served(n: int, steps: int, warmup: int, durability: str | None, tmp: Path) -> dict[str, Any]:
-    """Part 1 end to end: a real ``ps-server`` process and a ``PSClient`` over loopback gRPC."""
-    from client import PSClient
-    from deploy.local import start_shard, stop_shard
-
-    spec = adagrad_spec(16)
-    budget = int(BUDGET_FRACTION * n * Table(spec).bytes_per_row) if durability else 0
-    root = tmp / f"served-{durability}"
-    args = [f"--data-dir={root / 'data'}", f"--memory-budget-bytes={budget}", f"--durability={durability}"] if durability else []
-    shard = start_shard(0, 1, root, *args)
-    try:
-        with PSClient([shard.address]) as client:
-            client.create_table("t", 16, optimizer="adagrad", lr=0.05, seed=3)
-            zipf = Zipf(n, ZIPF_S, seed=11)
-            for start in range(0, n, 1 << 16):
-                client.lookup("t", zipf.keys[start : start + (1 << 16)])
-            grads_rng = np.random.default_rng(5)
-
-            def step() -> int:
-                keys = zipf.batch(BATCH)
-                client.lookup("t", keys)
-                grads = grads_rng.standard_normal((keys.shape[0], spec.dim), dtype=np.float32) * np.float32(0.01)
-                client.push("t", keys, grads)
-                return int(keys.shape[0])
-
-            for _ in range(warmup):
-                step()
-            s0 = client.stats()[0]["tables"][0]
-            t0 = time.perf_counter()
-            rows = sum(step() for _ in range(steps))
-            elapsed = time.perf_counter() - t0
-            s1 = client.stats()[0]
-            t1 = s1["tables"][0]
-    finally:
-        stop_shard(shard)
-    hits = t1.get("ram_hits", 0) - s0.get("ram_hits", 0)
-    misses = t1.get("ram_misses", 0) - s0.get("ram_misses", 0)
-    out = {
-        "mode": ("all in RAM" if durability is None else f"budget 10%, {durability}") + " (gRPC)",
-        "rows": n,
-        "steps": steps,
-        "unique_keys_per_step": rows / steps,
-        "rows_per_s": 2 * rows / elapsed,
-        "step_ms": 1e3 * elapsed / steps,
-        "ram_hit_rate": hits / max(hits + misses, 1) if durability else 1.0,
-        "faulted_in_per_step": (t1.get("rows_faulted_in", 0) - s0.get("rows_faulted_in", 0)) / steps,
-        "spilled_per_step": (t1.get("rows_spilled", 0) - s0.get("rows_spilled", 0)) / steps,
-        "resident_rows": t1.get("resident_rows", 0),
-        "budget_bytes": budget,
-        "resident_bytes": s1.get("resident_bytes", 0),
-    }
-    shutil.rmtree(root, ignore_errors=True)
+def zipf_runs(n: int, steps: int, warmup: int, repeats: int, tmp: Path) -> dict[str, Any]:
+    """Part 1: every mode, through gRPC and in process, alternating, ``repeats`` times;
+    the run with the median rows/s of each stands for it. Then the I/O floor."""
+    work = Workload(n, steps, warmup)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {"served": {}, "zipf": {}}
+    for _ in range(repeats):
+        for durability in MODES:
+            for part, run in (("served", served), ("zipf", in_process)):
+                r = run(work, durability, tmp)
+                runs[part].setdefault(r["mode"], []).append(r)
+                print(r, flush=True)
+                gc.collect()
+    out: dict[str, Any] = {"runs": runs}
+    for part, by_mode in runs.items():
+        out[part] = [sorted(rs, key=lambda r: r["rows_per_s"])[len(rs) // 2] for rs in by_mode.values()]
+    tier = out["served"][1]
+    # The writes no design avoids: every row that left RAM (the interval flush comes on
+    # top, at a rate a short timed window samples unevenly).
+    out["floor"] = io_floor(n, round(tier["faulted_in_per_step"]), round(tier["spilled_per_step"]), steps, tmp)
     return out
 
 
@@ -347,19 +239,31 @@ def io_vs_raw(n: int, tmp: Path) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     lines = [""]
+    z = res["zipf_part"]
     for part, title in (("served", "1a. Zipf(1.05) lookup+push through gRPC: ps-server process + PSClient"),
                         ("zipf", "1b. The same on the shard's own code, in process (no transport)")):  # fmt: skip
-        lines.append(f"{title}; dim 16 Adagrad, batch of {BATCH} draws deduplicated")
-        lines.append(f"{'mode':<36}{'rows':>11}{'rows/s':>12}{'ratio':>8}{'hit rate':>10}{'faults/step':>13}{'step ms':>9}")
-        ram = res[part][0]["rows_per_s"]
-        for r in res[part]:
+        lines.append(f"{title}; dim 16 Adagrad, batch of {BATCH} draws deduplicated, median of {res['repeats']} runs")
+        lines.append(f"{'mode':<36}{'rows':>11}{'rows/s':>12}{'ratio':>8}{'hit rate':>10}{'faults/step':>13}"
+                     f"{'writes/step':>13}{'step ms':>9}")  # fmt: skip
+        ram = z[part][0]["rows_per_s"]
+        for r in z[part]:
             lines.append(
                 f"{r['mode']:<36}{r['rows']:>11,}{r['rows_per_s']:>12,.0f}{r['rows_per_s'] / ram:>7.2f}x"
-                f"{r['ram_hit_rate']:>10.3f}{r['faulted_in_per_step']:>13,.0f}{r['step_ms']:>9.1f}"
+                f"{r['ram_hit_rate']:>10.3f}{r['faulted_in_per_step']:>13,.0f}{r['written_per_step']:>13,.0f}{r['step_ms']:>9.2f}"
             )
-        tier = res[part][1]["rows_per_s"] / ram
+        tier = z[part][1]["rows_per_s"] / ram
         lines.append(f"   budget-10% (interval:5) / all-RAM = {tier:.2f}x (goal >= 0.5x: {'PASS' if tier >= 0.5 else 'FAIL'})")
         lines.append("")
+    f, ram, tier = z["floor"], z["served"][0], z["served"][1]
+    io = f["read_ms"] + f["write_ms"]
+    lines.append(f"1c. Raw rocksdict I/O of one gRPC tier step ({tier['faulted_in_per_step']:,.0f} rows read by one multi-get, "
+                 f"{tier['spilled_per_step']:,.0f} spilled rows written by one batch), single thread")  # fmt: skip
+    r_ms = ram["step_ms"]
+    lines.append(f"   read {f['read_ms']:.2f} ms + write {f['write_ms']:.2f} ms = {io:.2f} ms a step; all-RAM step {r_ms:.2f} ms")
+    lines.append(f"   best ratio any design doing this I/O could reach here: {r_ms / (r_ms + io):.2f}x if the I/O overlaps "
+                 f"nothing, {r_ms / (r_ms + io / f['cores']):.2f}x if spread perfectly over {f['cores']:.0f} cores; "
+                 f"the tier: {r_ms / tier['step_ms']:.2f}x")  # fmt: skip
+    lines.append("")
     lines.append("2. Per-row lookup cost vs rows stored (10% resident, dim 8 SGD, Zipf lookups)")
     lines.append(f"{'rows':>12}{'resident':>11}{'us/row':>9}{'hit rate':>10}{'vs first':>10}{'restart ready s':>17}")
     first = res["scale"][0]["us_per_row"]
@@ -393,9 +297,13 @@ def chart(res: dict[str, Any], path: Path) -> None:
     modes = ["all RAM", "10%, interval:5", "10%, every-push"]
     x = np.arange(len(modes))
     for off, part, label in ((-0.2, "served", "gRPC ps-server"), (0.2, "zipf", "in process")):
-        ram = res[part][0]["rows_per_s"]
-        axes[0].bar(x + off, [r["rows_per_s"] / ram for r in res[part]], 0.4, label=label)
+        ram = res["zipf_part"][part][0]["rows_per_s"]
+        axes[0].bar(x + off, [r["rows_per_s"] / ram for r in res["zipf_part"][part]], 0.4, label=label)
     axes[0].axhline(0.5, ls="--", color="k", lw=0.8, label="goal 0.5x")
+    f, r_ms = res["zipf_part"]["floor"], res["zipf_part"]["served"][0]["step_ms"]
+    io = f["read_ms"] + f["write_ms"]
+    for bound, style, what in ((r_ms / (r_ms + io), ":", "serial"), (r_ms / (r_ms + io / f["cores"]), "-.", "on all cores")):
+        axes[0].hlines(bound, 0.55, 1.45, colors="C2", linestyles=style, label=f"raw I/O bound, {what}")
     axes[0].set_xticks(x, modes)
     axes[0].set_ylabel("rows/s relative to all-RAM")
     axes[0].set_title("Zipf(1.05) lookup+push")
@@ -423,17 +331,12 @@ def main(quick: bool, only: str | None = None) -> None:
     started = time.perf_counter()
     n_zipf = 400_000 if quick else 2_000_000
     sizes = [1_000_000, 4_000_000] if quick else [1_000_000, 5_000_000, 10_000_000, 25_000_000, 50_000_000]
-    steps, warmup = (30, 10) if quick else (120, 40)
-    res: dict[str, Any] = {"machine": platform.platform(), "quick": quick, "batch": BATCH, "zipf_s": ZIPF_S}
+    steps, warmup, repeats = (30, 10, 1) if quick else (300, 40, 3)
+    res: dict[str, Any] = {"machine": platform.platform(), "quick": quick, "batch": BATCH, "zipf_s": ZIPF_S, "repeats": repeats}
     with tempfile.TemporaryDirectory(prefix="bench-tier-") as d:
         tmp = Path(d)
-        res["zipf"], res["served"] = [], []
-        for durability in (None, "interval:5", "every-push") if only in (None, "zipf") else ():
-            res["served"].append(zipf_served(n_zipf, steps, warmup, durability, tmp))
-            print(res["served"][-1], flush=True)
-            res["zipf"].append(zipf_training(n_zipf, steps, warmup, durability, tmp))
-            print(res["zipf"][-1], flush=True)
-            gc.collect()
+        if only in (None, "zipf"):
+            res["zipf_part"] = zipf_runs(n_zipf, steps, warmup, repeats, tmp)
         res["scale"] = []
         for n in sizes if only in (None, "scale") else ():
             res["scale"].append(lookup_cost(n, warmup=60, steps=60, tmp=tmp))

@@ -186,6 +186,7 @@ class Servicer:
                         rows_expired=c.rows_expired,
                         rows_evicted_rare=c.rows_evicted_rare,
                         admission_bytes=t.admission_bytes(),
+                        rows_written=c.rows_written,
                     )
                 )
             return pb.StatsResponse(

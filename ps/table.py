@@ -136,6 +136,7 @@ class TableCounters:
     ram_misses: int = 0
     rows_spilled: int = 0
     rows_faulted_in: int = 0
+    rows_written: int = 0
     lookups_not_admitted: int = 0
     pushes_dropped: int = 0
     rows_expired: int = 0
@@ -297,6 +298,7 @@ class Table(DiskTier):
         self._rows.put(batch, keys, values, state, stamp, a.frequency[slots])
         with self._write_lock:
             self._storage.commit(batch)
+        self.counters.rows_written += slots.shape[0]
         a.values[slots], a.state[slots], a.last_access[slots] = values, state, stamp
         a.dirty[slots] = CLEAN
 

@@ -44,7 +44,9 @@ if TYPE_CHECKING:
 __all__ = ["CLEAN", "DIRTY", "WRITING", "DiskTier"]
 
 CLEAN, DIRTY, WRITING = 0, 1, 2  # arena.dirty: on disk as in RAM / changed since / being written
-_SPILL_CHUNK = 1 << 11  # rows per RocksDB write: rocksdict holds the GIL for ~1 ms of it
+# Rows per RocksDB write of a spill: rocksdict holds the GIL while it writes (a few ms for
+# this many), and longer sorted runs make memtable inserts cheaper.
+_SPILL_CHUNK = 1 << 13
 _LOCKED_CHUNK = 1 << 16  # rows per batch when the table lock is held anyway (checkpoints)
 
 
@@ -205,6 +207,7 @@ class DiskTier:
                     k, s = keys[start : min(n, start + _LOCKED_CHUNK)], slots[start : min(n, start + _LOCKED_CHUNK)]
                     rows.put(batch, k, a.values[s], a.state[s], a.last_access[s], a.frequency[s])
                     storage.commit(batch)
+                    self.counters.rows_written += s.shape[0]
                     a.dirty[s] = CLEAN
                     changed = []
             finally:
@@ -276,6 +279,7 @@ class DiskTier:
             self.ledger.mark_changed(spill.changed)
             return 0
         a.dirty[slots[writing]] = CLEAN
+        self.counters.rows_written += int(spill.write.sum())
         if not evict:
             return int(spill.write.sum())
         untouched = (

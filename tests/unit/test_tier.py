@@ -158,6 +158,7 @@ def test_evict_writes_dirty_rows_and_does_not_rewrite_clean_ones(storage: Storag
 
     assert t.evict(10, clock.advance(1)) == 6 and len(t) == 0
     assert t.counters.rows_spilled == 6
+    assert t.counters.rows_written == 6 + 3  # the flush, then only the dirty rows
     disk = stored(t)
     for k in clean.tolist():
         assert disk[k] == (bits(sentinel[0]).tolist(), [], 1, 99)
