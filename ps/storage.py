@@ -225,7 +225,10 @@ class Storage:
         self._write_opts = rocksdict.WriteOptions()
         self._write_opts.sync = sync
         self._write_opts.memtable_insert_hint_per_batch = True
-        self._readers: ThreadPoolExecutor | None = None
+        # Threads start at the first large read; none when there is one core.
+        self._readers: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(_READ_THREADS - 1, thread_name_prefix="ps-read") if _READ_THREADS > 1 else None
+        )
         try:
             self._db = self._open(read_only)
         except Exception as exc:
@@ -338,10 +341,8 @@ class Storage:
             raise StorageFailed(f"storage in {self.path} is closed (the shard is shutting down)")
         parts = min(_READ_THREADS, len(keys) // _READ_PART_MIN)
         try:
-            if parts <= 1:
+            if parts <= 1 or self._readers is None:
                 return get(keys)
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(_READ_THREADS - 1, thread_name_prefix="ps-read")
             step = -(-len(keys) // parts)
             others = [self._readers.submit(get, keys[i : i + step]) for i in range(step, len(keys), step)]
             blobs = get(keys[:step])  # this thread reads the first part meanwhile

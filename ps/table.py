@@ -54,7 +54,6 @@ from ps.tier import CLEAN, DIRTY, DiskTier
 
 __all__ = ["Table", "TableCounters"]
 
-_WRITE_CHUNK = 1 << 16  # rows per RocksDB write batch when copying a table out
 _INDEX_BYTES_PER_ROW = 16  # 12-byte buckets at the index's ~0.75 load factor
 
 _FREQ_MAX = np.uint32(0xFFFFFFFF)
@@ -419,17 +418,8 @@ class Table(DiskTier):
         """Write every resident row and the ledger into another data directory (a
         checkpoint of a shard without one); returns rows written."""
         with self._lock:
-            a = self._arena
             keys, slots = self._index.items()
-            for start in range(0, max(keys.shape[0], 1), _WRITE_CHUNK):
-                batch = storage.batch()
-                if start == 0:
-                    for client_id in self.ledger.clients():
-                        rows.put_ledger(batch, client_id, self.ledger.encode(client_id))
-                k, s = keys[start : start + _WRITE_CHUNK], slots[start : start + _WRITE_CHUNK]
-                rows.put(batch, k, a.values[s], a.state[s], a.last_access[s], a.frequency[s])
-                storage.commit(batch)
-            return int(keys.shape[0])
+            return sum(s.shape[0] for s in self._write_rows_locked(rows, storage, slots, keys, self.ledger.clients()))
 
     def memory_bytes(self) -> int:
         """Bytes held by the index, the arena, admission counters and scratch space."""

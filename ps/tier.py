@@ -24,6 +24,7 @@ lock, so it waits for a spill's write but never for its last step.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -47,7 +48,7 @@ CLEAN, DIRTY, WRITING = 0, 1, 2  # arena.dirty: on disk as in RAM / changed sinc
 # Rows per RocksDB write of a spill: rocksdict holds the GIL while it writes (a few ms for
 # this many), and longer sorted runs make memtable inserts cheaper.
 _SPILL_CHUNK = 1 << 13
-_LOCKED_CHUNK = 1 << 16  # rows per batch when the table lock is held anyway (checkpoints)
+_LOCKED_CHUNK = 1 << 16  # rows per batch when the table lock is held anyway (checkpoints, copies)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -200,19 +201,34 @@ class DiskTier:
             if n == 0 and not changed:
                 return 0
             try:
-                for start in range(0, max(n, 1), _LOCKED_CHUNK):
-                    batch = storage.batch()
-                    for client_id in changed:
-                        rows.put_ledger(batch, client_id, self.ledger.encode(client_id))
-                    k, s = keys[start : min(n, start + _LOCKED_CHUNK)], slots[start : min(n, start + _LOCKED_CHUNK)]
-                    rows.put(batch, k, a.values[s], a.state[s], a.last_access[s], a.frequency[s])
-                    storage.commit(batch)
+                for s in self._write_rows_locked(rows, storage, slots[:n], keys[:n], changed):
                     self.counters.rows_written += s.shape[0]
                     a.dirty[s] = CLEAN
                     changed = []
             finally:
                 self.ledger.mark_changed(changed)
             return n
+
+    def _write_rows_locked(
+        self,
+        rows: TableRows,
+        storage: Storage,
+        slots: npt.NDArray[np.int32],
+        keys: npt.NDArray[np.int64],
+        clients: list[str],
+    ) -> Iterator[npt.NDArray[np.int32]]:
+        """Write the RAM rows at ``slots`` and the ledger entries of ``clients`` (in the
+        first batch) to ``rows``, in batches; yields each batch's slots once committed.
+        Caller holds the table lock."""
+        a = self._arena
+        for start in range(0, max(keys.shape[0], 1), _LOCKED_CHUNK):
+            batch = storage.batch()
+            for client_id in clients if start == 0 else ():
+                rows.put_ledger(batch, client_id, self.ledger.encode(client_id))
+            k, s = keys[start : start + _LOCKED_CHUNK], slots[start : start + _LOCKED_CHUNK]
+            rows.put(batch, k, a.values[s], a.state[s], a.last_access[s], a.frequency[s])
+            storage.commit(batch)
+            yield s
 
     # -- spills --------------------------------------------------------------------------
 
