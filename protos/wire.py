@@ -57,6 +57,11 @@ _F32 = np.dtype("<f4")
 _F16 = np.dtype("<f2")
 _U16 = np.dtype("<u2")
 _I64 = np.dtype("<i8")
+_U64_MASK = (1 << 64) - 1
+_MAX_FIELD_NO = (1 << 29) - 1
+# protobuf's default recursion limit: a message may nest this many sub-messages and
+# groups (unknown ones included) below it; deeper input is rejected.
+_MAX_DEPTH = 100
 
 
 class WireFormatError(ValueError):
@@ -155,8 +160,12 @@ def decode_rows(buf: bytes | memoryview, n: int, dim: int, dtype: int, field: st
 # functions read and write exactly the protobuf encoding of those messages (fields
 # in number order, zero values omitted, as protobuf serializes them) so that rows go
 # straight between numpy arrays and the gRPC buffer. Any protobuf implementation
-# reads what they write, and they read any valid encoding (any field order, unknown
-# fields skipped). tests/unit/test_wire.py checks both directions against protobuf.
+# reads what they write, and they accept exactly the inputs protobuf (upb) accepts:
+# any field order, unknown fields of every wire type and groups skipped, field
+# numbers in [1, 2**29 - 1], tags of at most 5 bytes, varints of at most 10, 100
+# levels of nesting, integers truncated to their field's width.
+# tests/unit/test_wire.py checks both directions against protobuf, and
+# tests/unit/test_wire_differential.py fuzzes the decoders against it.
 
 _PyBytes_FromStringAndSize = ctypes.pythonapi.PyBytes_FromStringAndSize
 _PyBytes_FromStringAndSize.restype = ctypes.py_object
@@ -213,6 +222,11 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+def _check_range(name: str, value: int, bits: int) -> None:
+    if not 0 <= value < 1 << bits:
+        raise ValueError(f"{name}={value}: out of range for a uint{bits} field")
+
+
 def _len_field(field_no: int, payload_len: int) -> bytes:
     return _varint(field_no << 3 | 2) + _varint(payload_len)
 
@@ -227,6 +241,7 @@ def _int_field(field_no: int, value: int) -> bytes:
 
 
 def _read_varint(buf: bytes, pos: int, end: int, field: str) -> tuple[int, int]:
+    """A varint of at most 10 bytes; bits above 64 are dropped, as protobuf does."""
     result, shift = 0, 0
     while True:
         if pos >= end or shift > 63:
@@ -235,33 +250,109 @@ def _read_varint(buf: bytes, pos: int, end: int, field: str) -> tuple[int, int]:
         pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
-            return result & ((1 << 64) - 1), pos
+            return result & _U64_MASK, pos
         shift += 7
 
 
-def _fields(buf: bytes, start: int, end: int, field: str) -> Iterator[tuple[int, int, int, int]]:
-    """Yield ``(field_no, wire_type, a, b)``: varints as ``(value, 0)``, LEN as ``(start, end)``."""
+def _read_tag(buf: bytes, pos: int, end: int, field: str) -> tuple[int, int, int]:
+    """``(field_no, wire_type, pos after the tag)``. A tag is a varint of at most 5 bytes
+    whose field number is in [1, 2**29 - 1]; protobuf rejects anything else."""
+    value, shift = 0, 0
+    while True:
+        if pos >= end or shift > 28:
+            raise WireFormatError(f"{field}: truncated or overlong tag")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            break
+        shift += 7
+    field_no = value >> 3
+    if not 1 <= field_no <= _MAX_FIELD_NO:
+        raise WireFormatError(f"{field}: field number {field_no} not in [1, 2**29 - 1]")
+    return field_no, value & 7, pos
+
+
+def _skip_scalar(buf: bytes, pos: int, end: int, field_no: int, wire_type: int, field: str) -> int:
+    """Position after the value of a varint, fixed64, LEN or fixed32 field at ``pos``."""
+    if wire_type == 0:
+        return _read_varint(buf, pos, end, field)[1]
+    if wire_type == 2:
+        length, pos = _read_varint(buf, pos, end, field)
+        if length > end - pos:
+            raise WireFormatError(f"{field}: field {field_no} runs past the end of the message")
+        return pos + length
+    if wire_type in (1, 5):
+        pos += 8 if wire_type == 1 else 4
+        if pos > end:
+            raise WireFormatError(f"{field}: truncated fixed-width field {field_no}")
+        return pos
+    if wire_type == 4:
+        raise WireFormatError(f"{field}: end-group tag of field {field_no} without a start-group tag")
+    raise WireFormatError(f"{field}: invalid wire type {wire_type} for field {field_no}")
+
+
+def _skip_group(buf: bytes, pos: int, end: int, group_no: int, depth: int, field: str) -> int:
+    """Position after the group of field ``group_no`` whose start tag ends at ``pos``: its
+    fields are skipped (nested groups too) up to the matching end-group tag. ``depth``:
+    nesting levels left below the message the group is in (each group takes one)."""
+    open_groups = [group_no]
+    while open_groups:
+        if len(open_groups) > depth:
+            raise WireFormatError(f"{field}: groups and messages nested deeper than {_MAX_DEPTH} levels")
+        if pos >= end:
+            raise WireFormatError(f"{field}: group {open_groups[-1]} has no end-group tag")
+        field_no, wire_type, pos = _read_tag(buf, pos, end, field)
+        if wire_type == 3:
+            open_groups.append(field_no)
+        elif wire_type == 4:
+            if field_no != open_groups[-1]:
+                raise WireFormatError(f"{field}: end-group tag of field {field_no} closes group {open_groups[-1]}")
+            open_groups.pop()
+        else:
+            pos = _skip_scalar(buf, pos, end, field_no, wire_type, field)
+    return pos
+
+
+def _fields(buf: bytes, start: int, end: int, field: str, depth: int) -> Iterator[tuple[int, int, int, int]]:
+    """Yield ``(field_no, wire_type, a, b)`` of the varint and LEN fields of the message in
+    ``buf[start:end]``: varints as ``(value, 0)``, LEN as ``(start, end)``. Fixed-width
+    fields and groups are skipped. ``depth``: nesting levels left below this message
+    (protobuf's recursion limit counts sub-messages and groups alike)."""
     pos = start
     while pos < end:
-        tag, pos = _read_varint(buf, pos, end, field)
-        field_no, wire_type = tag >> 3, tag & 7
-        if field_no == 0:
-            raise WireFormatError(f"{field}: field number 0")
+        field_no, wire_type, pos = _read_tag(buf, pos, end, field)
         if wire_type == 0:
             value, pos = _read_varint(buf, pos, end, field)
             yield field_no, 0, value, 0
         elif wire_type == 2:
             length, pos = _read_varint(buf, pos, end, field)
-            if pos + length > end:
+            if length > end - pos:
                 raise WireFormatError(f"{field}: field {field_no} runs past the end of the message")
             yield field_no, 2, pos, pos + length
             pos += length
-        elif wire_type in (1, 5):
-            pos += 8 if wire_type == 1 else 4
-            if pos > end:
-                raise WireFormatError(f"{field}: truncated fixed-width field {field_no}")
+        elif wire_type == 3:
+            pos = _skip_group(buf, pos, end, field_no, depth, field)
         else:
-            raise WireFormatError(f"{field}: unsupported wire type {wire_type} for field {field_no}")
+            pos = _skip_scalar(buf, pos, end, field_no, wire_type, field)
+
+
+def _submessage_depth(depth: int, field: str) -> int:
+    """Nesting levels left inside a sub-message of a message with ``depth`` left."""
+    if depth - 1 < 0:
+        raise WireFormatError(f"{field}: groups and messages nested deeper than {_MAX_DEPTH} levels")
+    return depth - 1
+
+
+def _uint32(value: int) -> int:
+    """A varint read into a uint32 field: protobuf keeps the low 32 bits."""
+    return value & 0xFFFFFFFF
+
+
+def _int32(value: int) -> int:
+    """A varint read into an int32 or enum field: the low 32 bits, two's complement."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >> 31 else value
 
 
 def _text(buf: bytes, start: int, end: int, field: str) -> str:
@@ -299,6 +390,7 @@ class LookupResponseWriter:
         parts: list[tuple[bytes, int, int, bytes]] = []
         total = 0
         for table, n, dim, dtype in results:
+            _check_range("dim", dim, 32)
             size = n * dim * dtype_itemsize(dtype)
             head = _str_field(1, table) + (_len_field(2, size) if size else b"")
             tail = _int_field(3, dtype) + _int_field(4, dim)
@@ -333,23 +425,28 @@ class LookupResponseWriter:
 
 
 def decode_lookup_response(data: bytes) -> list[LookupResultView]:
-    """Parse ``LookupResponse`` bytes without copying the rows."""
+    """Parse ``LookupResponse`` bytes without copying the rows.
+
+    Accepts exactly the encodings protobuf accepts (any field order, unknown fields and
+    groups skipped, the last of a repeated scalar winning, integers truncated to the
+    field's width); raises ``WireFormatError`` where protobuf raises ``DecodeError``.
+    """
     view = memoryview(data)
     results: list[LookupResultView] = []
-    for field_no, wire_type, a, b in _fields(data, 0, len(data), "LookupResponse"):
+    for field_no, wire_type, a, b in _fields(data, 0, len(data), "LookupResponse", _MAX_DEPTH):
         if field_no != 1 or wire_type != 2:
             continue
         name = f"results[{len(results)}]"
         table, rows, dtype, dim = "", view[0:0], 0, 0
-        for f, wt, x, y in _fields(data, a, b, name):
+        for f, wt, x, y in _fields(data, a, b, name, _submessage_depth(_MAX_DEPTH, name)):
             if f == 1 and wt == 2:
                 table = _text(data, x, y, f"{name}.table")
             elif f == 2 and wt == 2:
                 rows = view[x:y]
             elif f == 3 and wt == 0:
-                dtype = x
+                dtype = _int32(x)
             elif f == 4 and wt == 0:
-                dim = x
+                dim = _uint32(x)
         results.append(LookupResultView(table, rows, dtype, dim))
     return results
 
@@ -376,16 +473,19 @@ class PushRequestView:
 
 
 def decode_push_request(data: bytes) -> PushRequestView:
-    """Parse ``PushRequest`` bytes without copying keys or gradients."""
+    """Parse ``PushRequest`` bytes without copying keys or gradients.
+
+    Accepts exactly what protobuf accepts, as ``decode_lookup_response`` does.
+    """
     view = memoryview(data)
     entries: list[PushEntryView] = []
     num_shards, client_id, seq = 0, "", 0
     shard: int | None = None
-    for field_no, wire_type, a, b in _fields(data, 0, len(data), "PushRequest"):
+    for field_no, wire_type, a, b in _fields(data, 0, len(data), "PushRequest", _MAX_DEPTH):
         if field_no == 1 and wire_type == 2:
             name = f"entries[{len(entries)}]"
             table, keys, grads, dtype = "", view[0:0], view[0:0], 0
-            for f, wt, x, y in _fields(data, a, b, name):
+            for f, wt, x, y in _fields(data, a, b, name, _submessage_depth(_MAX_DEPTH, name)):
                 if f == 1 and wt == 2:
                     table = _text(data, x, y, f"{name}.table")
                 elif f == 2 and wt == 2:
@@ -393,16 +493,16 @@ def decode_push_request(data: bytes) -> PushRequestView:
                 elif f == 3 and wt == 2:
                     grads = view[x:y]
                 elif f == 4 and wt == 0:
-                    dtype = x
+                    dtype = _int32(x)
             entries.append(PushEntryView(table, keys, grads, dtype))
         elif field_no == 2 and wire_type == 0:
-            num_shards = a
+            num_shards = _uint32(a)
         elif field_no == 3 and wire_type == 2:
             client_id = _text(data, a, b, "client_id")
         elif field_no == 4 and wire_type == 0:
             seq = a
         elif field_no == 5 and wire_type == 0:
-            shard = a
+            shard = _uint32(a)
     return PushRequestView(entries, num_shards, client_id, seq, shard)
 
 
@@ -416,7 +516,12 @@ def encode_push_request(
     """``PushRequest`` bytes from ``(table, keys, grads, dtype)`` entries, one copy of the payload.
 
     ``grads`` are float32 ``[n, dim]`` and are converted to ``dtype`` on the way.
+    Raises ``ValueError`` for an integer outside its field's range (as protobuf does).
     """
+    _check_range("num_shards", num_shards, 32)
+    _check_range("seq", seq, 64)
+    if shard is not None:
+        _check_range("shard", shard, 32)
     pieces: list[bytes | npt.NDArray[np.generic]] = []
     for i, (table, keys, grads, dtype) in enumerate(entries):
         dtype_itemsize(dtype, f"entries[{i}].dtype")

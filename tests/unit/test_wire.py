@@ -357,8 +357,9 @@ def test_decode_lookup_response_errors() -> None:
         decode_lookup_response(b"\x00\x00")
     with pytest.raises(WireFormatError, match=r"^results\[0\]: truncated fixed-width field"):
         decode_lookup_response(len_field(1, b"\x49\x00\x00"))
-    with pytest.raises(WireFormatError, match="unsupported wire type 3"):
-        decode_lookup_response(b"\x0b\x0c")
+    with pytest.raises(WireFormatError, match="invalid wire type 6"):
+        decode_lookup_response(b"\x0e")
+    assert decode_lookup_response(b"\x0b\x0c") == []  # an empty group of field 1: skipped, as protobuf does
     assert decode_lookup_response(b"") == []
 
 
