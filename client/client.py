@@ -9,22 +9,23 @@ Example (needs running shards, see the README):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from client.batching import scatter_rows, sum_duplicates
 from client.config import ClientConfig, TableConfig
-from client.errors import InvalidRequestError, TableNotFoundError
+from client.errors import InternalServerError, InvalidRequestError, TableNotFoundError
 from client.retry import call_all
 from client.routing import TablePlan, pack, plan_table
 from client.transport import GrpcTransport, Transport
@@ -85,12 +86,14 @@ class PSClient:
         self, addresses: Sequence[str], config: ClientConfig | None = None, *, transport: Transport | None = None
     ) -> None:
         if isinstance(addresses, str) or not addresses:
-            raise ValueError("addresses: expected a non-empty list of HOST:PORT, one per shard in shard order")
+            raise InvalidRequestError("addresses: expected a non-empty list of HOST:PORT, one per shard in shard order")
         self.addresses = list(addresses)
         self.num_shards = len(self.addresses)
         self.config = config or ClientConfig()
         self.client_id = uuid.uuid4().hex
-        self._transport = transport or GrpcTransport(self.addresses, self.config.max_message_bytes)
+        self._transport = transport or GrpcTransport(
+            self.addresses, self.config.max_message_bytes, reconnect_max_s=self.config.backoff_max_s
+        )
         self._dtype: Any = _DTYPES[self.config.transport_dtype]  # a wire DType number
         self._tables: dict[str, TableConfig] = {}
         self._seqs = [itertools.count(1) for _ in self.addresses]
@@ -165,13 +168,16 @@ class PSClient:
                 raise TypeError(f"create_table: unknown option {key!r}; valid: {valid}")
         request = pb.CreateTableRequest(spec=spec).SerializeToString()
         replies = self._call("CreateTable", [(s, request) for s in range(self.num_shards)])
-        table = self._table_config(pb.CreateTableResponse.FromString(replies[0]).spec)
+        with self._reply("CreateTable", 0):
+            table = self._table_config(pb.CreateTableResponse.FromString(replies[0]).spec)
         self._tables[name] = table
         return table
 
     def tables(self) -> dict[str, TableConfig]:
         """Every table of the cluster (as shard 0 reports them), by name."""
-        reply = pb.ListTablesResponse.FromString(self._call("ListTables", [(0, b"")])[0])
+        data = self._call("ListTables", [(0, b"")])[0]
+        with self._reply("ListTables", 0):
+            reply = pb.ListTablesResponse.FromString(data)
         found = {t.name: self._table_config(t) for t in reply.tables}
         self._tables.update(found)
         return found
@@ -179,7 +185,11 @@ class PSClient:
     def stats(self) -> list[dict[str, Any]]:
         """Each shard's ``Stats`` as a dict, in shard order."""
         replies = self._call("Stats", [(s, b"") for s in range(self.num_shards)])
-        return [_as_dict(pb.StatsResponse.FromString(r)) for r in replies]
+        out = []
+        for s, r in enumerate(replies):
+            with self._reply("Stats", s):
+                out.append(_as_dict(pb.StatsResponse.FromString(r)))
+        return out
 
     # -- lookup ---------------------------------------------------------------------
     def lookup(
@@ -231,12 +241,14 @@ class PSClient:
             p.table: np.empty((p.unique.shape[0], p.dim), dtype=np.float32) for p in plans if p.has_duplicates
         }
         for (s, parts), reply in zip(flat, replies):
-            decoded = wire.decode_lookup_response(reply)
-            if len(decoded) != len(parts):
-                raise InvalidRequestError(f"shard {s}: {len(decoded)} results for {len(parts)} tables")
+            with self._reply("Lookup", s):
+                decoded = wire.decode_lookup_response(reply)
+                if len(decoded) != len(parts):
+                    raise wire.WireFormatError(f"{len(decoded)} results for {len(parts)} tables")
             for part, res in zip(parts, decoded):
-                field = f"shard {s} Lookup results[{part.plan.table!r}]"
-                rows = wire.decode_rows(res.rows, len(part), part.plan.dim, res.dtype, field)
+                field = f"results[{part.plan.table!r}]"
+                with self._reply("Lookup", s):
+                    rows = wire.decode_rows(res.rows, len(part), part.plan.dim, res.dtype, field)
                 target = unique_rows.get(part.plan.table, results[part.plan.table])
                 if self.num_shards == 1:
                     # One shard: the routing order is the identity, so a block copy will do.
@@ -286,7 +298,10 @@ class PSClient:
                     entries.append((part.plan.table, part.keys, g if whole else g[part.positions], self._dtype))
                 seq = next(self._seqs[s])
                 encoded.append((s, wire.encode_push_request(entries, self.num_shards, self.client_id, seq, s)))
-        replies = [pb.PushResponse.FromString(r) for r in self._call("Push", encoded)]
+        replies = []
+        for (s, _), data in zip(encoded, self._call("Push", encoded)):
+            with self._reply("Push", s):
+                replies.append(pb.PushResponse.FromString(data))
         return PushResult(
             rows_updated=sum(r.rows_updated for r in replies), duplicates=sum(not r.applied for r in replies)
         )
@@ -307,6 +322,18 @@ class PSClient:
         if not self._started:
             self.start()
         return call_all(self._transport, method, requests, self.config, time.monotonic() + self.config.deadline_s)
+
+    @contextlib.contextmanager
+    def _reply(self, method: str, shard: int) -> Iterator[None]:
+        """Turn an undecodable reply of ``shard`` into ``InternalServerError``."""
+        try:
+            yield
+        except (wire.WireFormatError, DecodeError) as exc:
+            raise InternalServerError(
+                f"shard {shard} ({self.addresses[shard]}): {method} reply does not decode ({exc}); "
+                "is that address a ps-server of this version?",
+                shard=shard,
+            ) from exc
 
     def _dim(self, table: str) -> int:
         if table not in self._tables:

@@ -21,11 +21,14 @@ TransportDType = Literal["float32", "float16", "bfloat16"]
 class ClientConfig:
     """Settings of a ``PSClient``; immutable. Raises ``ValueError`` naming a bad field.
 
-    * ``deadline_s``: total time one client call may take, retries included.
+    * ``deadline_s``: total time one client call may take, retries included. Retryable
+      failures (UNAVAILABLE, DEADLINE_EXCEEDED) are retried until it passes, so the
+      default rides through a shard restart of tens of seconds.
     * ``attempt_timeout_s``: limit of one RPC attempt (None: the whole deadline).
-    * ``max_attempts``: tries per shard request for retryable failures
-      (UNAVAILABLE, DEADLINE_EXCEEDED), with exponential backoff from
-      ``backoff_initial_s`` to ``backoff_max_s`` and full jitter.
+    * ``backoff_initial_s``, ``backoff_max_s``: the pause between attempts doubles from
+      the first up to the second, with full jitter. The channels reconnect to a shard
+      that went away at least every ``backoff_max_s`` too.
+    * ``max_attempts``: None (retry until the deadline), or a cap on attempts per call.
     * ``max_message_bytes``: requests and responses are split to stay under this; it
       must not exceed the shards' own ``max_message_bytes``.
     * ``transport_dtype``: wire type of looked-up rows and pushed gradients; 16-bit
@@ -38,9 +41,9 @@ class ClientConfig:
 
     deadline_s: float = 60.0
     attempt_timeout_s: float | None = None
-    max_attempts: int = 6
     backoff_initial_s: float = 0.05
-    backoff_max_s: float = 2.0
+    backoff_max_s: float = 1.0
+    max_attempts: int | None = None
     max_message_bytes: int = 64 << 20
     transport_dtype: TransportDType = "float32"
     push_threads: int = 2
@@ -55,7 +58,9 @@ class ClientConfig:
             object.__setattr__(self, "attempt_timeout_s", float(self.deadline_s))
         elif not self.attempt_timeout_s > 0:
             raise ValueError(f"attempt_timeout_s={self.attempt_timeout_s}: must be > 0")
-        if self.max_attempts < 1:
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise ValueError(f"backoff_initial_s={self.backoff_initial_s}: must be <= backoff_max_s={self.backoff_max_s}")
+        if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError(f"max_attempts={self.max_attempts}: must be >= 1")
         if not 1 << 16 <= self.max_message_bytes < 2 << 30:
             raise ValueError(f"max_message_bytes={self.max_message_bytes}: must be in [65536, 2 GiB)")

@@ -53,8 +53,11 @@ class PSError(Exception):
         self.shard = shard
 
 
-class InvalidRequestError(PSError):
-    """The request was malformed (shape, dtype, NaN gradient, bad table spec)."""
+class InvalidRequestError(PSError, ValueError):
+    """The request was malformed (shape, dtype, NaN gradient, bad table spec).
+
+    Also a ``ValueError``, so code that checks arguments the usual way catches it.
+    """
 
     default_code = grpc.StatusCode.INVALID_ARGUMENT
 

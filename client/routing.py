@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from client.batching import dedup, group
+from client.errors import InvalidRequestError
 from protos.keys import shard_of
 
 __all__ = ["Part", "TablePlan", "pack", "plan_table"]
@@ -94,8 +95,9 @@ def pack(
                 room = (budget - used) // size
                 if room == 0:
                     if not current:
-                        raise ValueError(
-                            f"table {plan.table!r}: one row of {size} bytes does not fit in max_message_bytes={limit_bytes}"
+                        raise InvalidRequestError(
+                            f"table {plan.table!r}: one row of {size} bytes does not fit in "
+                            f"max_message_bytes={limit_bytes}: raise ClientConfig.max_message_bytes"
                         )
                     requests.append((s, current))
                     current, used = [], 0

@@ -40,12 +40,16 @@ class Transport(Protocol):
 class GrpcTransport:
     """One insecure gRPC channel per shard address, opened by ``start()``.
 
-    ``max_message_bytes`` is the largest message sent or accepted. Thread-safe.
+    ``max_message_bytes`` is the largest message sent or accepted. A channel whose shard
+    went away tries to reconnect at least every ``reconnect_max_s`` (gRPC's own default
+    backs off to two minutes, which would keep a restarted shard unreachable long after
+    it is back). Thread-safe.
     """
 
-    def __init__(self, addresses: Sequence[str], max_message_bytes: int = 64 << 20) -> None:
+    def __init__(self, addresses: Sequence[str], max_message_bytes: int = 64 << 20, reconnect_max_s: float = 1.0) -> None:
         self._addresses = list(addresses)
         self._max_bytes = max_message_bytes
+        self._reconnect_max_ms = max(100, int(reconnect_max_s * 1000))
         self._channels: list[grpc.Channel] = []
         self._methods: dict[tuple[int, str], Any] = {}
 
@@ -55,6 +59,9 @@ class GrpcTransport:
         options = [
             ("grpc.max_receive_message_length", self._max_bytes),
             ("grpc.max_send_message_length", self._max_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", self._reconnect_max_ms),
         ]
         self._channels = [grpc.insecure_channel(a, options=options) for a in self._addresses]
 
