@@ -1,10 +1,16 @@
 """``ps-launch``: start shards, run training workers under torchrun, tear everything down.
 
     ps-launch --shards 2 --workers 2 -- python examples/train_dlrm.py --train-samples 100000
+    ps-launch --shards 2 --shard-arg=--data-dir=/var/ps/shard-{shard} -- python examples/train_dlrm.py
 
 The workers get the shard addresses in ``TRAINER_ADDRESSES`` (read by
-``worker.trainer``). The launch fails loudly, and stops everything, if a shard dies
-or a worker fails; Ctrl-C stops everything too. The exit status is the workers'.
+``worker.trainer``). A shard that dies is restarted on the same address and data dir
+when the shards have one (``--restart-shards``, the default then): the workers' client
+retries through the gap and every acknowledged push is still there in ``every-push``
+mode. Without a data dir a restarted shard would come back empty, so a dead shard stops
+the run instead, as do repeated fast shard failures and a failed worker. Ctrl-C or
+SIGTERM stops everything. The exit status is the workers' (1 if the launch itself
+failed, 130 when interrupted).
 """
 
 from __future__ import annotations
@@ -17,13 +23,24 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.local import LocalCluster, ShardStartError, die_with_parent
+from deploy.local import LocalCluster, ShardProcess, ShardStartError, die_with_parent
 
-__all__ = ["main"]
+__all__ = ["RestartPolicy", "main"]
 
 log = logging.getLogger("ps-launch")
+
+_EPILOG = """\
+examples:
+  ps-launch --shards 2 --workers 2 -- python examples/train_dlrm.py --train-samples 400000
+  ps-launch --shards 2 --shard-arg=--data-dir=/var/ps/shard-{shard} --shard-arg=--durability=every-push \\
+            -- python examples/train_dlrm.py
+
+Shard logs and port files go to --data-dir (a temp dir by default); a shard's log tail is
+printed once if it fails for good. The exit status is the workers'.
+"""
 
 
 def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -31,22 +48,30 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         prog="ps-launch",
         description="Start N shard processes on this machine, run W workers of COMMAND under torchrun with "
         "TRAINER_ADDRESSES set to the shards, and stop the shards when the workers end.",
-        usage="ps-launch [--shards N] [--workers W] [--shard-arg ARG ...] [--data-dir DIR] -- COMMAND [ARGS ...]",
+        usage="ps-launch [--shards N] [--workers W] [--shard-arg ARG ...] [--data-dir DIR] "
+        "[--[no-]restart-shards] -- COMMAND [ARGS ...]",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--shards", type=int, default=2, help="shard processes to start (default 2)")
     parser.add_argument("--workers", type=int, default=1, help="worker processes per torchrun (default 1)")
     parser.add_argument("--shard-arg", action="append", default=[], help="extra ps-server flag, repeatable; {shard} becomes the shard index, e.g. "
-                        "--shard-arg=--data-dir=/var/ps/shard-{shard} --shard-arg=--memory-budget-bytes=4000000000")
+                        "--shard-arg=--data-dir=/var/ps/shard-{shard} --shard-arg=--memory-budget-bytes=4000000000")  # fmt: skip
     parser.add_argument("--data-dir", type=Path, default=None, help="shard logs and port files (default: a temp dir)")
-    if "--" not in argv:
-        parser.error("missing '-- COMMAND': e.g. ps-launch --shards 2 -- python examples/train_dlrm.py")
-    split = list(argv).index("--")
-    args = parser.parse_args(list(argv[:split]))
+    parser.add_argument("--restart-shards", action=argparse.BooleanOptionalAction, default=None,
+                        help="restart a dead shard on the same address and data dir (default: on when a "
+                        "--shard-arg gives --data-dir; without one a restarted shard would be empty)")  # fmt: skip
+    split = list(argv).index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(list(argv[:split]))  # --help prints and exits 0 here
     command = list(argv[split + 1 :])
+    if split == len(argv):
+        parser.error("missing '-- COMMAND': e.g. ps-launch --shards 2 -- python examples/train_dlrm.py")
     if not command:
         parser.error("no COMMAND after '--'")
     if args.shards < 1 or args.workers < 1:
         parser.error("--shards and --workers must be >= 1")
+    if args.restart_shards is None:
+        args.restart_shards = any(a.startswith("--data-dir") for a in args.shard_arg)
     if command[0] in ("python", "python3"):
         command[0] = sys.executable  # the same interpreter (and venv) as ps-launch
     return args, command
@@ -63,6 +88,61 @@ def _torchrun(workers: int, command: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}", *target]
 
 
+@dataclass
+class RestartPolicy:
+    """When to restart a dead shard, and when to give up.
+
+    A shard that dies within ``fast_s`` of its (re)start, or fails to come back, counts
+    as a fast failure; ``max_fast_failures`` in a row for one shard end the run. A shard
+    that ran longer than ``fast_s`` starts its count afresh.
+    """
+
+    fast_s: float = 30.0
+    max_fast_failures: int = 3
+    _started: dict[int, float] = field(default_factory=dict)
+    _fast: dict[int, int] = field(default_factory=dict)
+
+    def started(self, shard: int) -> None:
+        self._started[shard] = time.monotonic()
+
+    def died(self, shard: int) -> bool:
+        """Record a death (or failed restart) of ``shard``; True if it may be restarted again."""
+        ran_s = time.monotonic() - self._started.get(shard, float("-inf"))
+        self._fast[shard] = self._fast.get(shard, 0) + 1 if ran_s < self.fast_s else 1
+        return self._fast[shard] < self.max_fast_failures
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"status {code}"
+
+
+def _revive(cluster: LocalCluster, shard: ShardProcess, policy: RestartPolicy) -> bool:
+    """Restart ``shard`` until it serves; False once the policy gives up (log tail printed)."""
+    reason = _describe_exit(shard.proc.returncode)
+    while policy.died(shard.index):
+        log.warning("shard %d (%s, pid %d) died with %s; restarting it on the same address and data dir",
+                    shard.index, shard.address, shard.proc.pid, reason)  # fmt: skip
+        t0 = time.monotonic()
+        try:
+            new = cluster.restart(shard.index)
+        except ShardStartError as exc:
+            reason = f"a failed restart ({str(exc).splitlines()[0]})"
+            policy.started(shard.index)  # a start that failed counts as a fast failure
+            continue
+        policy.started(shard.index)
+        log.info("shard %d is back on %s (pid %d) after %.1f s", shard.index, new.address, new.proc.pid, time.monotonic() - t0)
+        return True
+    log.error("shard %d (%s) failed %d times in a row within %.0f s of starting (last: %s); giving up. Its log (%s):\n%s",
+              shard.index, shard.address, policy.max_fast_failures, policy.fast_s, reason, shard.log,
+              shard.log_tail())  # fmt: skip
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ps-launch``; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
@@ -73,25 +153,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ShardStartError as exc:
         log.error("%s", exc)
         return 1
-    log.info("shards up: %s", ",".join(cluster.addresses))
+    policy = RestartPolicy()
+    for s in cluster.shards:
+        policy.started(s.index)
+    log.info("shards up: %s (restart on failure: %s)", ",".join(cluster.addresses), "on" if args.restart_shards else "off")
     env = dict(os.environ, TRAINER_ADDRESSES=",".join(cluster.addresses))
     workers = subprocess.Popen(_torchrun(args.workers, command), env=env, start_new_session=True,
                                preexec_fn=die_with_parent)  # fmt: skip
     # SIGTERM (a scheduler or `kill`) tears down like Ctrl-C, instead of orphaning everything.
     signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
     status = 1
+    reported: set[int] = set()  # shards whose log tail was printed already
     try:
         while True:
             code = workers.poll()
             if code is not None:
                 status = code if code >= 0 else 128 - code  # killed by a signal: shell convention
-                log.info("workers exited with status %d", code)
+                if code:
+                    log.error("workers exited with %s (the failing worker's error is above)", _describe_exit(code))
+                else:
+                    log.info("workers exited with status 0")
                 break
             dead = [s for s in cluster.shards if s.proc.poll() is not None]
+            if dead and args.restart_shards:
+                if all(_revive(cluster, s, policy) for s in dead):
+                    continue
+                reported.update(s.index for s in dead)
+                _stop(workers)
+                status = 1
+                break
             if dead:
                 for s in dead:
-                    log.error("shard %d died with status %s; stopping the workers:\n%s", s.index, s.proc.returncode,
-                              s.log_tail())  # fmt: skip
+                    log.error("shard %d died with %s; stopping the workers (no --data-dir, so it is not restarted). "
+                              "Its log (%s):\n%s", s.index, _describe_exit(s.proc.returncode), s.log, s.log_tail())  # fmt: skip
+                    reported.add(s.index)
                 _stop(workers)
                 status = 1
                 break
@@ -101,11 +196,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         _stop(workers)
         status = 130
     finally:
-        try:
-            cluster.stop()
-        except ShardStartError as exc:
-            log.error("%s", exc)
-            status = status or 1
+        status = _stop_cluster(cluster, reported, status)
+    return status
+
+
+def _stop_cluster(cluster: LocalCluster, reported: set[int], status: int) -> int:
+    """Stop every shard; report (once) any that did not exit 0. Returns the final status."""
+    unreported = [s for s in cluster.shards if s.index not in reported]
+    for s in cluster.shards:
+        if s.index in reported and s.proc.poll() is None:
+            s.proc.kill()
+    try:
+        cluster.stop()
+    except ShardStartError:
+        for s in unreported:
+            if s.proc.returncode not in (0, None):
+                log.error("shard %d exited with %s at shutdown. Its log (%s):\n%s", s.index,
+                          _describe_exit(s.proc.returncode), s.log, s.log_tail())  # fmt: skip
+        return status or 1
     return status
 
 

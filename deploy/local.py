@@ -66,12 +66,14 @@ def start_shard(
     *extra_args: str,
     timeout_s: float = 60.0,
     in_child: Callable[[], None] | None = None,
+    listen: str = "127.0.0.1:0",
 ) -> ShardProcess:
     """Start shard ``index`` of ``num_shards`` with files under ``root``; blocks until it serves.
 
     ``{shard}`` in an extra argument becomes the shard index, so that every shard gets its
     own directory: ``--data-dir=/var/ps/shard-{shard}``. ``in_child`` runs in the child
-    before exec (after ``die_with_parent``), e.g. to set a resource limit.
+    before exec (after ``die_with_parent``), e.g. to set a resource limit. ``listen`` is
+    port 0 (the kernel picks) unless a restarted shard must keep its address.
 
     Raises ``ShardStartError`` (with the log tail) if it exits or is not ready in ``timeout_s``.
     """
@@ -83,7 +85,7 @@ def start_shard(
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "ps", f"--shard={index}", f"--num-shards={num_shards}",
-             "--listen=127.0.0.1:0", f"--port-file={port_file}",
+             f"--listen={listen}", f"--port-file={port_file}",
              *(a.replace("{shard}", str(index)) for a in extra_args)],  # fmt: skip
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -149,6 +151,17 @@ class LocalCluster:
                 self._tmp, self.root = None, None
             raise
         return self
+
+    def restart(self, index: int, timeout_s: float = 60.0) -> ShardProcess:
+        """Start shard ``index`` again, on its old address and with the same arguments (so
+        the same data dir); the old process must have exited. Raises ``ShardStartError``."""
+        old = self.shards[index]
+        if old.proc.poll() is None:
+            raise ShardStartError(f"shard {index} (pid {old.proc.pid}) is still running")
+        assert self.root is not None
+        self.shards[index] = start_shard(index, self.num_shards, self.root, *self.extra_args, timeout_s=timeout_s,
+                                         listen=old.address)  # fmt: skip
+        return self.shards[index]
 
     def stop(self) -> None:
         failures = []

@@ -13,10 +13,12 @@ from deploy.local import ShardStartError
 __all__ = ["RunningShard", "start_shard", "stop_shard"]
 
 
-def start_shard(i: int, n: int, root: Path, *extra: str, timeout_s: float = 60.0) -> RunningShard:
+def start_shard(
+    i: int, n: int, root: Path, *extra: str, timeout_s: float = 60.0, listen: str = "127.0.0.1:0"
+) -> RunningShard:
     """Start shard ``i`` of ``n``; returns once it wrote its real port to its port file."""
     try:
-        return local.start_shard(i, n, root, *extra, timeout_s=timeout_s)
+        return local.start_shard(i, n, root, *extra, timeout_s=timeout_s, listen=listen)
     except ShardStartError as exc:
         pytest.fail(str(exc))
 

@@ -1,0 +1,45 @@
+"""A training worker that records every push its client saw acknowledged.
+
+Run by torchrun (under ``ps-launch``) in the fault tests: it is ``python -m
+worker.trainer`` with the trainer's ``PSClient`` replaced by a subclass that, after
+each ``create_table`` and each acknowledged ``push_many``, appends the call to a log.
+The log is pickled to ``$RECORD_PUSHES`` when training ends, so the test can replay
+exactly the acknowledged pushes into an in-process twin cluster and compare rows.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+import worker.trainer as trainer
+from client import PSClient, PushResult, TableConfig
+
+LOG: dict[str, list[Any]] = {"tables": [], "pushes": []}
+
+
+class RecordingClient(PSClient):
+    """A real ``PSClient`` that also logs what the cluster acknowledged."""
+
+    def create_table(self, name: str, dim: int, **options: Any) -> TableConfig:
+        table = super().create_table(name, dim, **options)
+        LOG["tables"].append((name, dim, options))
+        return table
+
+    def push_many(self, updates: Mapping[str, tuple[npt.ArrayLike, npt.ArrayLike]]) -> PushResult:
+        result = super().push_many(updates)  # raises unless every shard acknowledged it
+        LOG["pushes"].append({t: (np.array(k, copy=True), np.array(g, copy=True)) for t, (k, g) in updates.items()})
+        return result
+
+
+if __name__ == "__main__":
+    trainer.PSClient = RecordingClient  # type: ignore[misc]
+    trainer.main(sys.argv[1:])
+    with open(os.environ["RECORD_PUSHES"], "wb") as f:
+        pickle.dump(LOG, f)
