@@ -9,6 +9,7 @@ from __future__ import annotations
 from ps.config import ServerConfig, TableSpec, load_config
 from ps.errors import (
     InvalidRequest,
+    NotConfigured,
     OutOfCapacity,
     RequestTooLarge,
     ShardError,
@@ -28,6 +29,7 @@ __all__ = [
     "InitializerKind",
     "InitializerParams",
     "InvalidRequest",
+    "NotConfigured",
     "OptimizerKind",
     "OptimizerParams",
     "OutOfCapacity",

@@ -5,7 +5,10 @@
   RPC, all shards in parallel); then ``DIR/manifest.json`` (the cluster manifest) is
   written, last and atomically. A ``DIR`` without ``manifest.json`` is incomplete.
   Shards write ``DIR`` on their own filesystem, so it must be a path every shard and
-  ``ps-admin`` see alike (one machine, or a shared filesystem). Each shard
+  ``ps-admin`` see alike (one machine, or a shared filesystem), and it must lie under
+  every shard's checkpoint root: start the shards with one ``--checkpoint-root ROOT``
+  on that filesystem and pass an ``--out`` below ``ROOT`` (the default root,
+  ``<data-dir>/checkpoints``, is a different directory on every shard). Each shard
   checkpoints at its own instant: for one cut across the cluster, pause training first.
 * ``ps-admin reshard --from CKPT --to-shards M --out DIR``: offline, reads the cluster
   checkpoint ``CKPT`` (n shards) and writes a cluster checkpoint of ``M`` shards where
@@ -230,6 +233,11 @@ def checkpoint_cluster(addresses: Sequence[str], out: Path, timeout_s: float = 6
             with contextlib.suppress(OSError):
                 out.rmdir()  # only if no shard wrote anything
             left = f"{out} is incomplete (no manifest.json): remove it, then retry" if out.exists() else ""
+            if "checkpoint root" in str(exc):
+                left = (
+                    f"every shard must be started with a --checkpoint-root that contains --out {out} "
+                    f"(e.g. --checkpoint-root {out.parent}), on a filesystem ps-admin sees too\n{left}"
+                )
             raise AdminError(f"{exc}\n{left}".rstrip()) from None
     manifests = [json.loads(r.manifest_json) for r in replies]
     try:
@@ -498,11 +506,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint every shard of a running cluster into one directory",
         description="Every shard checkpoints itself into OUT/shard-IIIII-of-NNNNN (in parallel; pushes wait "
         "while a shard's checkpoint is taken); then OUT/manifest.json is written. OUT must be a new "
-        "path that the shards and ps-admin see alike (same machine or a shared filesystem). A directory "
-        "without manifest.json is an incomplete checkpoint.",
+        "path that the shards and ps-admin see alike (same machine or a shared filesystem), under every "
+        "shard's --checkpoint-root. A directory without manifest.json is an incomplete checkpoint.",
     )
     ck.add_argument("--addresses", required=True, type=_addresses, help=addresses_help)
-    ck.add_argument("--out", required=True, type=Path, help="directory to create for the checkpoint")
+    ck.add_argument(
+        "--out", required=True, type=Path, help="directory to create for the checkpoint, under the shards' --checkpoint-root"
+    )
     ck.add_argument("--timeout-s", type=_positive_seconds, default=600.0, help="per-shard limit (default 600)")
 
     rs = sub.add_parser(

@@ -128,6 +128,14 @@ class ServerConfig:
         default=None,
         metadata={"help": "start from this checkpoint directory: copied into an empty --data-dir first"},
     )
+    checkpoint_root: Path | None = field(
+        default=None,
+        metadata={
+            "help": "the Checkpoint RPC writes only under this directory: relative paths resolve under it, "
+            "others must lie below it. Unset: DATA_DIR/checkpoints, and with no data dir checkpoints "
+            "are refused"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -149,6 +157,10 @@ class ServerConfig:
             raise ConfigError("memory_budget_bytes needs data_dir: rows over the budget are moved to RocksDB there")
         if self.restore_from is not None and self.data_dir is None:
             raise ConfigError("restore_from needs data_dir: the checkpoint is copied into it")
+        for name in ("data_dir", "checkpoint_root", "restore_from", "port_file"):
+            value = getattr(self, name)
+            if value is not None and "\0" in str(value):
+                raise ConfigError(f"{name}={str(value)!r}: contains a NUL byte")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"listen={self.listen!r}: expected HOST:PORT, e.g. 127.0.0.1:0")

@@ -11,6 +11,7 @@ import grpc
 
 __all__ = [
     "InvalidRequest",
+    "NotConfigured",
     "OutOfCapacity",
     "RequestTooLarge",
     "ShardError",
@@ -48,6 +49,12 @@ class TableExists(ShardError):
 
 class WrongMode(ShardError):
     """The shard's mode forbids the call (e.g. Push to a read-only shard)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotConfigured(ShardError):
+    """The call needs a setting this shard was started without (e.g. a checkpoint root)."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 

@@ -56,7 +56,7 @@ def open_shard(config: ServerConfig) -> Shard:
     """The shard ``config`` describes, with its data directory opened (and restored from
     ``config.restore_from`` first). Raises ``RuntimeError`` with an actionable message."""
     if config.data_dir is None:
-        return Shard(config.shard, config.num_shards)
+        return Shard(config.shard, config.num_shards, checkpoint_root=config.checkpoint_root)
     try:
         if config.restore_from is not None:
             copy_checkpoint(config.restore_from, config.data_dir)
@@ -71,6 +71,7 @@ def open_shard(config: ServerConfig) -> Shard:
         storage,
         Durability.parse(config.durability),
         config.memory_budget_bytes,
+        config.checkpoint_root,
     )
 
 

@@ -17,7 +17,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -97,6 +96,7 @@ class Servicer:
 
     def ListTables(self, request: bytes, context: grpc.ServicerContext) -> pb.ListTablesResponse:
         with status_boundary(context, "ListTables"):
+            pb.ListTablesRequest.FromString(request)  # no fields, but bytes that do not decode are refused
             return pb.ListTablesResponse(
                 tables=[spec_to_proto(t.spec) for t in self._shard.tables()],
                 shard=self._shard.index,
@@ -155,6 +155,7 @@ class Servicer:
 
     def Stats(self, request: bytes, context: grpc.ServicerContext) -> pb.StatsResponse:
         with status_boundary(context, "Stats"):
+            pb.StatsRequest.FromString(request)  # no fields, but bytes that do not decode are refused
             shard = self._shard
             tables = []
             for t in shard.tables():
@@ -209,6 +210,6 @@ class Servicer:
         with status_boundary(context, "Checkpoint"):
             msg = pb.CheckpointRequest.FromString(request)
             self._shard.check_request(0)  # refuses while shutting down
-            path, manifest = self._shard.checkpoint(Path(msg.path) if msg.path else None)
+            path, manifest = self._shard.checkpoint(msg.path or None)
             return pb.CheckpointResponse(path=str(path), manifest_json=json.dumps(manifest, sort_keys=True))
         raise AssertionError("unreachable: status_boundary aborts")

@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import shutil
 import threading
 import time
 from collections import deque
@@ -39,6 +41,7 @@ from google.protobuf import json_format
 from protos import ps_pb2 as pb
 from ps import optimizers
 from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
+from ps.checkpoint import next_version_path, resolve_checkpoint_path
 from ps.errors import InvalidRequest, ShardMismatch, ShuttingDown, TableExists, UnknownTable, WrongMode
 from ps.ledger import PushLedger
 from ps.lifecycle import now_tick
@@ -62,6 +65,8 @@ class Shard:
     ``storage``: the opened data directory (tables stored there are recreated at
     once; their rows come back from disk when first used). ``memory_budget_bytes``
     (needs storage): resident bytes above which rows are spilled; 0 = no limit.
+    ``checkpoint_root``: the only directory checkpoints may be written under (see
+    ``ps.checkpoint``); default ``<data dir>/checkpoints``, none without storage.
     """
 
     def __init__(
@@ -71,6 +76,7 @@ class Shard:
         storage: Storage | None = None,
         durability: Durability = Durability("interval", 5.0),
         memory_budget_bytes: int = 0,
+        checkpoint_root: Path | None = None,
     ) -> None:
         if not 0 <= index < num_shards:
             raise ValueError(f"shard={index}: not in [0, num_shards={num_shards})")
@@ -82,6 +88,11 @@ class Shard:
         self.storage = storage
         self.durability = durability
         self.memory_budget_bytes = memory_budget_bytes
+        # The one place the default root is decided: next to the data, where a
+        # checkpoint is hard links; none without a data dir (checkpoints are refused).
+        if checkpoint_root is None and storage is not None:
+            checkpoint_root = storage.path / "checkpoints"
+        self.checkpoint_root = Path(checkpoint_root).absolute() if checkpoint_root is not None else None
         self.started = time.monotonic()
         self.writable = True
         self.storage_error = ""
@@ -251,25 +262,25 @@ class Shard:
         self.last_durable = started
         return written
 
-    def checkpoint(self, path: Path | None = None) -> tuple[Path, dict[str, Any]]:
-        """A consistent checkpoint of every table at ``path`` (default: the data dir's
-        ``checkpoints/<version>``); returns the path and the manifest written there.
+    def checkpoint(self, path: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
+        """A consistent checkpoint of every table at ``path`` (under ``checkpoint_root``;
+        relative paths resolve under it; default: ``<root>/<next version>``); returns the
+        absolute path and the manifest written there.
 
         Pushes wait (they are not refused) while the tables are flushed and the RocksDB
         checkpoint is taken. A shard without a data dir writes its rows into a new one
-        at ``path``.
+        at ``path``. Raises ``NotConfigured`` without a root, ``InvalidRequest`` for a
+        path that is bad, exists or is outside the root, ``StorageFailed`` when the
+        checkpoint cannot be written (a failure to write the data dir itself also
+        makes the shard read-only until its writes succeed again).
         """
         with self._checkpoint_lock:
             tables = self.tables()
-            if path is None:
-                if self.storage is None:
-                    raise InvalidRequest("Checkpoint: path is empty and this shard has no --data-dir to put it in")
-                root = self.storage.path / "checkpoints"
-                versions = [int(p.name) for p in root.glob("[0-9]*") if p.name.isdigit()] if root.is_dir() else []
-                path = root / f"{max(versions, default=0) + 1:06d}"
-            path = Path(path)
-            if path.exists():
-                raise InvalidRequest(f"Checkpoint: path {path} exists: choose a new directory")
+            if path is None or str(path) == "":
+                if self.checkpoint_root is None:
+                    resolve_checkpoint_path(None, "", self.index)  # raises NotConfigured
+                path = next_version_path(self.checkpoint_root.resolve())  # type: ignore[union-attr]
+            path = resolve_checkpoint_path(self.checkpoint_root, str(path), self.index)
             manifest: dict[str, Any] = {
                 "format": FORMAT_VERSION,
                 "shard": self.index,
@@ -279,22 +290,34 @@ class Shard:
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "tables": [json_format.MessageToDict(spec_to_proto(t.spec)) for t in tables],
             }
-            if self.storage is None:
-                self._checkpoint_from_ram(path, tables, manifest)
-                return path, manifest
-            with contextlib.ExitStack() as held:
-                for t in tables:  # sorted by name: every thread takes them in one order
-                    held.enter_context(t._lock)
-                for t in tables:
-                    self._guard(t._flush_locked, True)
-                manifest["rows"] = {t.spec.name: len(t) + t.spilled for t in tables}
-                self._guard(self.storage.checkpoint, path, manifest)
+            existed = os.path.lexists(path)
+            try:
+                if self.storage is None:
+                    self._checkpoint_from_ram(path, tables, manifest)
+                    return path, manifest
+                with contextlib.ExitStack() as held:
+                    for t in tables:  # sorted by name: every thread takes them in one order
+                        held.enter_context(t._lock)
+                    for t in tables:
+                        self._guard(t._flush_locked, True)
+                    manifest["rows"] = {t.spec.name: len(t) + t.spilled for t in tables}
+                    # Not guarded: a checkpoint directory that cannot be written does not
+                    # make the data dir read-only.
+                    self.storage.checkpoint(path, manifest)
+            except BaseException:
+                if not existed:
+                    _remove_partial(path)
+                raise
             self.last_durable = manifest["created_unix_s"]
             log.info("checkpoint written path=%s tables=%d", path, len(tables))
             return path, manifest
 
     def _checkpoint_from_ram(self, path: Path, tables: list[Table], manifest: dict[str, Any]) -> None:
         rows: dict[str, int] = {}
+        try:
+            path.mkdir(parents=True)
+        except OSError as exc:
+            raise StorageFailed(f"cannot create checkpoint directory {path}: {exc.strerror}") from None
         with Storage(path, shard=self.index, num_shards=self.num_shards) as out:
             for t in tables:
                 out.save_spec(t.spec.name, spec_to_proto(t.spec).SerializeToString())
@@ -417,3 +440,9 @@ class Shard:
             else:
                 log.error("storage failed earlier (%s): rows changed since the last durable point are lost", self.storage_error)
             self.storage.close()
+
+
+def _remove_partial(path: Path) -> None:
+    """Remove what a failed checkpoint left at ``path`` (which did not exist before it)."""
+    if os.path.lexists(path):
+        shutil.rmtree(path, ignore_errors=True)

@@ -122,12 +122,22 @@ def test_checkpoint_reshard_and_restore(tmp_path: Path) -> None:
     try:
         for i in range(2):
             shards.append(start_shard(i, 2, tmp_path, f"--data-dir={tmp_path / f'data{i}'}",
-                                      f"--memory-budget-bytes={BUDGET_BYTES}"))  # fmt: skip
+                                      f"--memory-budget-bytes={BUDGET_BYTES}",
+                                      f"--checkpoint-root={tmp_path / 'ckpts'}"))  # fmt: skip
         addresses = [s.address for s in shards]
         keys = train(addresses, rng)
         before = lookup_all(addresses, keys)
 
-        ckpt2 = tmp_path / "ckpt2"
+        # The shards write only under their checkpoint root: --out elsewhere is refused by
+        # every shard, says which root to configure, and leaves nothing behind.
+        outside = ps_admin("checkpoint", "--addresses", ",".join(addresses), "--out", tmp_path / "elsewhere",
+                           cwd=tmp_path)  # fmt: skip
+        assert outside.returncode == 1, outside.stderr
+        assert f"checkpoint root {tmp_path / 'ckpts'}" in outside.stderr and "--checkpoint-root" in outside.stderr
+        assert addresses[0] in outside.stderr and addresses[1] in outside.stderr
+        assert not (tmp_path / "elsewhere").exists()
+
+        ckpt2 = tmp_path / "ckpts" / "ckpt2"
         out = ok(ps_admin("checkpoint", "--addresses", ",".join(addresses), "--out", ckpt2, cwd=tmp_path))
         assert str(ckpt2) in out and "table user: 3000 rows" in out
         manifest = json.loads((ckpt2 / "manifest.json").read_text())

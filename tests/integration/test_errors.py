@@ -79,6 +79,13 @@ BAD_REQUESTS = [
     ("Push", b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "malformed request"),
     ("Lookup", b"\x0a\xff\xff\xff\x0f", grpc.StatusCode.INVALID_ARGUMENT, "malformed request"),
     ("CreateTable", b"\x0a\x03\x12", grpc.StatusCode.INVALID_ARGUMENT, "malformed request"),
+    ("Stats", b"\xff", grpc.StatusCode.INVALID_ARGUMENT, "Stats: malformed request"),
+    ("Stats", b"\x0a\x05ab", grpc.StatusCode.INVALID_ARGUMENT, "Stats: malformed request"),
+    ("ListTables", b"\x08", grpc.StatusCode.INVALID_ARGUMENT, "ListTables: malformed request"),
+    ("ListTables", b"\x0b", grpc.StatusCode.INVALID_ARGUMENT, "ListTables: malformed request"),
+    ("Checkpoint", b"\x0a\x05ab", grpc.StatusCode.INVALID_ARGUMENT, "Checkpoint: malformed request"),
+    ("Checkpoint", pb.CheckpointRequest(path="ck").SerializeToString(), grpc.StatusCode.FAILED_PRECONDITION,
+     "has no checkpoint root: start it with --checkpoint-root"),
     ("Lookup", pb.LookupRequest(entries=[pb.LookupEntry(table="emb", keys=KEYS2)], num_shards=3).SerializeToString(),
      grpc.StatusCode.FAILED_PRECONDITION, "routed for num_shards=3"),
     ("Push", push_bytes(keys=KEYS2, grads=ROWS2, shard=1), grpc.StatusCode.FAILED_PRECONDITION,
@@ -109,6 +116,63 @@ def test_every_bad_input_gets_its_status_and_the_shard_keeps_serving(shard: Runn
         rows = ps.lookup("emb", np.array([1, 2]))
         assert rows.shape == (2, 8) and np.isfinite(rows).all()
         assert ps.stats()[0]["tables"][0]["pushes"] == 0
+
+
+def test_empty_requests_with_unknown_fields_are_accepted(shard: RunningShard) -> None:
+    # As protobuf decodes them: an unknown field is skipped, so the request is valid.
+    for method in ("Stats", "ListTables"):
+        assert raw(shard.address, method, b"\x78\x01") == (grpc.StatusCode.OK, ""), method
+
+
+def checkpoint(address: str, path: str) -> tuple[grpc.StatusCode, str, str]:
+    """(code, details, written path) of a Checkpoint RPC for ``path``."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(PATH + "Checkpoint", None, pb.CheckpointResponse.FromString)
+        try:
+            reply = call(pb.CheckpointRequest(path=path).SerializeToString(), timeout=30)
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details() or "", ""
+    return grpc.StatusCode.OK, "", reply.path
+
+
+def test_checkpoints_are_written_only_under_the_checkpoint_root(tmp_path: Path) -> None:
+    work, root = tmp_path / "work", tmp_path / "data" / "checkpoints"  # the default root
+    s = start_shard(0, 1, work, f"--data-dir={tmp_path / 'data'}")
+    try:
+        with PSClient([s.address]) as ps:
+            ps.create_table("emb", 4)
+            ps.lookup("emb", np.arange(10))
+        (tmp_path / "plain-file").write_text("x")
+        bad = [
+            (str(tmp_path / "outside"), "is not under this shard's checkpoint root"),
+            ("../../outside", "'..' component"),
+            ("a\0b", "NUL byte"),
+            ("x" * 5000, "over the limit of 4095"),
+            ("y" * 300, "over 255 bytes"),
+            (str(tmp_path / "plain-file" / "ck"), "is not under"),
+            (".", "is not under"),
+        ]
+        for path, message in bad:
+            code, details, _ = checkpoint(s.address, path)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, f"{path[:40]!r}: {code} {details}"
+            assert message in details, f"{path[:40]!r}: {details}"
+        assert not (tmp_path / "outside").exists() and not (work / "rel").exists()
+
+        # Relative paths resolve under the root, not the working directory.
+        code, details, written = checkpoint(s.address, "rel/one")
+        assert code == grpc.StatusCode.OK, details
+        assert Path(written) == root / "rel" / "one" and (root / "rel" / "one" / "manifest.json").exists()
+        code, details, _ = checkpoint(s.address, str(root / "rel" / "one"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "exists" in details
+        (root / "file").write_text("x")
+        code, details, _ = checkpoint(s.address, "file/ck")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "is not a directory" in details
+        code, details, written = checkpoint(s.address, "")
+        assert code == grpc.StatusCode.OK and Path(written) == root / "000001", details
+        with PSClient([s.address]) as ps:
+            assert ps.stats()[0]["writable"] is True  # refusals never made the shard read-only
+    finally:
+        stop_shard(s)
 
 
 def test_client_raises_one_exception_tree(shard: RunningShard) -> None:

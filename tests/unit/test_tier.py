@@ -487,7 +487,7 @@ def make_tables(shard: Shard) -> dict[str, npt.NDArray[np.int64]]:
 
 
 def test_checkpoint_of_a_shard_without_storage_opens_read_only(tmp_path: Path, clock: Clock) -> None:
-    shard = Shard(0, 1)
+    shard = Shard(0, 1, checkpoint_root=tmp_path)
     keys = make_tables(shard)
     path, manifest = shard.checkpoint(tmp_path / "ck")
     assert path == tmp_path / "ck" and not (path / "ps.lock").exists()
@@ -542,7 +542,7 @@ def test_checkpoint_with_storage_flushes_and_numbers_versions(tmp_path: Path, cl
 @pytest.mark.parametrize("with_storage", [True, False])
 def test_checkpoint_to_an_existing_path_is_refused_without_failing_the_shard(tmp_path: Path, with_storage: bool) -> None:
     st = Storage(tmp_path / "data", shard=0, num_shards=1) if with_storage else None
-    shard = Shard(0, 1, st)
+    shard = Shard(0, 1, st, checkpoint_root=tmp_path)
     try:
         shard.create_table(SGD)
         (tmp_path / "ck").mkdir()

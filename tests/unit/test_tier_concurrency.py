@@ -148,7 +148,10 @@ def test_checkpoints_taken_during_background_eviction_are_consistent_cuts(tmp_pa
     storage = Storage(tmp_path / "data", shard=0, num_shards=1)
     probe = Table(SPEC)
     # Room for a third of the pool: the evictor thread spills all the time.
-    shard = Shard(0, 1, storage, Durability.parse("interval:0.05"), memory_budget_bytes=len(POOL) // 3 * probe.bytes_per_row)
+    shard = Shard(
+        0, 1, storage, Durability.parse("interval:0.05"), memory_budget_bytes=len(POOL) // 3 * probe.bytes_per_row,
+        checkpoint_root=tmp_path,
+    )
     shard.create_table(SPEC)
     t = shard.table("t")
     for start in range(0, len(POOL), 100):

@@ -265,7 +265,7 @@ class TierMachine(RuleBasedStateMachine):
     def _open(self, *, fresh: bool = False) -> Shard:
         storage = Storage(self.data_dir, shard=0, num_shards=1)
         try:
-            shard = Shard(0, 1, storage, self.mode.durability, self.mode.memory_budget_bytes)
+            shard = Shard(0, 1, storage, self.mode.durability, self.mode.memory_budget_bytes, self.root)
             for spec in self.specs.values():
                 # On a reopened directory the stored spec must round-trip to an identical one.
                 assert shard.create_table(spec) == fresh
