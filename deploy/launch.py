@@ -85,7 +85,8 @@ def _torchrun(workers: int, command: list[str]) -> list[str]:
         target = command[1:]
     else:
         target = ["--no-python", *command]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}", *target]
+    # deploy.workers is torchrun that exits with the failing worker's own status.
+    return [sys.executable, "-m", "deploy.workers", "--standalone", f"--nproc-per-node={workers}", *target]
 
 
 @dataclass
@@ -170,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if code is not None:
                 status = code if code >= 0 else 128 - code  # killed by a signal: shell convention
                 if code:
-                    log.error("workers exited with %s (the failing worker's error is above)", _describe_exit(code))
+                    log.error("workers exited with %s (the failing worker's error is above)", _describe_exit(status))
                 else:
                     log.info("workers exited with status 0")
                 break

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from deploy.local import LocalCluster
 from worker.trainer import Dist, TrainerConfig, init_distributed, parse, report, train
@@ -85,6 +86,7 @@ def run(config: TrainerConfig) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
+@record  # under torchrun, the error reaches ps-launch's one-line summary of a failed worker
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Entry point: the trainer's flags (``python -m worker.trainer --help``)."""
     metrics = run(parse(sys.argv[1:] if argv is None else argv))

@@ -1,0 +1,71 @@
+"""``ps-launch`` as a user runs it: help, exit status, restarts, giving up on a crash loop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from deploy.launch import RestartPolicy
+from tests.integration.test_faults import _shard_pid
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _launch(*args: str) -> list[str]:
+    return [sys.executable, "-m", "deploy.launch", *args]
+
+
+def test_help_exits_0_and_documents_restarts() -> None:
+    result = subprocess.run(_launch("--help"), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--restart-shards" in result.stdout and "-- COMMAND" in result.stdout
+
+
+def test_exit_status_is_the_workers(tmp_path: Path) -> None:
+    result = subprocess.run(_launch("--shards", "1", "--data-dir", str(tmp_path), "--", "python", "-c",
+                                    "raise SystemExit(3)"), cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "workers exited with status 3" in result.stderr
+
+
+def test_restart_policy_gives_up_only_on_repeated_fast_failures() -> None:
+    policy = RestartPolicy(fast_s=10.0, max_fast_failures=3)
+    policy.started(0)
+    assert policy.died(0) and policy.died(0)  # two fast failures: restart again
+    assert not policy.died(0)  # the third in a row: give up
+    slow = RestartPolicy(fast_s=0.05, max_fast_failures=2)
+    for _ in range(5):
+        slow.started(1)
+        time.sleep(0.06)
+        assert slow.died(1)  # ran longer than fast_s each time: never a crash loop
+
+
+def test_a_crash_looping_shard_ends_the_run_with_its_log_once(tmp_path: Path) -> None:
+    launch_dir, data = tmp_path / "launch", tmp_path / "data"
+    proc = subprocess.Popen(_launch("--shards", "2", "--data-dir", str(launch_dir), f"--shard-arg=--data-dir={data}/{{shard}}",
+                                    "--", "python", "-c", "import time; time.sleep(300)"),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        kills = 0
+        last = None
+        while proc.poll() is None and time.monotonic() < deadline:
+            pid = _shard_pid(launch_dir, 0)
+            if pid is not None and pid != last and (launch_dir / "port.0").exists():
+                os.kill(pid, signal.SIGKILL)  # dies right after each (re)start
+                kills, last = kills + 1, pid
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert kills == 3, (kills, err[-3000:])
+    assert err.count("restarting it on the same address") == 2
+    assert err.count("giving up") == 1 and err.count("Its log") == 1, err[-3000:]
+    left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
+    assert left == "", left
