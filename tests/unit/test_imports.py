@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import __future__
 
+import ast
 import importlib
-import importlib.util
 import inspect
 import json
 import os
@@ -42,6 +42,8 @@ def top_level_modules_after(imports: str) -> set[str]:
         ("client", {"client", "protos", "numpy", "grpc"}, {"torch", "ps", "worker"}),
         ("ps, ps.server, ps.servicer", {"ps", "protos", "numpy", "grpc"}, {"client", "torch", "worker"}),
         ("protos", {"protos", "numpy", "grpc", "google"}, {"ps", "client", "worker", "torch", "numba"}),
+        ("worker", {"worker", "client", "protos", "torch"}, {"ps", "deploy"}),
+        ("deploy", {"deploy"}, {"torch", "worker", "ps"}),
     ],
 )
 def test_package_boundaries(imports: str, expected: set[str], forbidden: set[str]) -> None:
@@ -61,13 +63,45 @@ def defined_public_names(pkg: ModuleType) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("name", ["protos", "client", "ps", "worker"])
+# Which of our packages each package's modules may import (DESIGN.md, "Parts and what each owns"),
+# and third-party packages they must not.
+OURS = {"protos", "ps", "client", "worker", "deploy", "tests"}
+ALLOWED: dict[str, tuple[set[str], set[str]]] = {
+    "protos": (set(), {"torch", "numba"}),
+    "ps": ({"protos"}, {"torch"}),
+    "client": ({"protos"}, {"torch"}),
+    "worker": ({"client", "protos"}, set()),
+    "deploy": ({"protos", "ps", "client", "worker"}, set()),
+}
+
+
+def imported_top_levels(path: Path) -> set[str]:
+    """Top-level names a module imports anywhere in its body (absolute imports only)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_every_module_imports_only_what_its_package_may(package: str) -> None:
+    ours, banned = ALLOWED[package]
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files, f"{package}/ has no modules"
+    bad = []
+    for path in files:
+        names = imported_top_levels(path)
+        wrong = (names & OURS) - ours - {package} | (names & banned)
+        if wrong:
+            bad.append(f"{path.relative_to(ROOT)} imports {sorted(wrong)}")
+    assert bad == [], "\n".join(bad)
+
+
+@pytest.mark.parametrize("name", ["protos", "client", "ps", "worker", "deploy"])
 def test_dunder_all_matches_exports(name: str) -> None:
-    if name in ("ps", "worker"):
-        if importlib.util.find_spec(name) is None:
-            pytest.skip(f"package {name} does not exist yet")
-        if not hasattr(importlib.import_module(name), "__all__"):
-            pytest.skip(f"{name}/__init__.py does not define __all__ yet")
     pkg = importlib.import_module(name)
     exported = pkg.__all__
     assert exported, f"{name}.__all__ is empty"
