@@ -42,6 +42,14 @@ def die_with_parent() -> None:
         pass
 
 
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
 class ShardStartError(RuntimeError):
     """A shard process did not come up or did not stop cleanly; the message has its log tail."""
 
@@ -91,7 +99,7 @@ def start_shard(
             stderr=subprocess.STDOUT,
             cwd=root,
             env=env,
-            preexec_fn=die_with_parent if in_child is None else lambda: (die_with_parent(), in_child()),
+            preexec_fn=die_with_parent if in_child is None else _then(die_with_parent, in_child),
         )
     shard = ShardProcess(index, "", proc, log)
     deadline = time.monotonic() + timeout_s

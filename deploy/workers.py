@@ -30,7 +30,7 @@ def _first_line(message: object, limit: int = 400) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run torchrun with ``argv``; returns the first failing worker's exit status (0 if none failed)."""
     try:
-        run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+        run(parse_args(list(sys.argv[1:] if argv is None else argv)))  # type: ignore[no-untyped-call]
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
