@@ -1,7 +1,15 @@
-"""``ps-server``: run one shard until SIGTERM or SIGINT, then drain and exit 0.
+"""``ps-server``: run one shard until SIGTERM or SIGINT, then drain and exit.
 
-Exit codes: 0 after a clean stop, 2 for a bad setting (the message names it),
-1 when the server cannot start (e.g. the address is taken).
+Exit codes:
+
+* 0: stopped cleanly; every acknowledged update is in the data dir.
+* 1: the server cannot start (e.g. the address is taken, or the data dir cannot be
+  opened; the message says why, and for a full disk how much space it needs).
+* 2: a bad setting (the message names it).
+* 3: stopped while the data dir refused writes; the acknowledged updates it did not
+  take are saved in a rescue dump, which the last log line names: start the shard
+  again with ``--restore-from DUMP`` (same ``--data-dir``) once the disk is fixed.
+* 4: as 3, but the rescue dump could not be written either: those updates are lost.
 """
 
 from __future__ import annotations
@@ -64,7 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     while not stop.wait(1.0):
         pass
     log.info("shutting down grace_s=%s", config.grace_s)
-    server.stop(config.grace_s)
+    report = server.stop(config.grace_s)
+    if report.rescue_path is not None:
+        log.error("stopped: %d rows saved to rescue dump %s (exit 3)", report.unpersisted_rows, report.rescue_path)
+        return 3
+    if report.lost:
+        log.error("stopped: %d rows of acknowledged updates lost (exit 4)", report.unpersisted_rows)
+        return 4
     log.info("stopped")
     return 0
 

@@ -103,7 +103,11 @@ class ServerConfig:
         metadata={"help": "largest request or response in bytes; larger ones get RESOURCE_EXHAUSTED"},
     )
     grace_s: float = field(
-        default=10.0, metadata={"help": "on SIGTERM, seconds to let in-flight calls finish"}
+        default=10.0,
+        metadata={
+            "help": "on SIGTERM, seconds to let in-flight calls finish, then (if the data dir refuses the "
+            "final write) seconds to keep retrying it before saving a rescue dump"
+        },
     )
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     data_dir: Path | None = field(
@@ -126,14 +130,18 @@ class ServerConfig:
     )
     restore_from: Path | None = field(
         default=None,
-        metadata={"help": "start from this checkpoint directory: copied into an empty --data-dir first"},
+        metadata={
+            "help": "start from this checkpoint directory (copied into an empty DATA_DIR first), or "
+            "apply this rescue dump (left by a shard that stopped while its disk refused writes) to "
+            "DATA_DIR, once"
+        },
     )
     checkpoint_root: Path | None = field(
         default=None,
         metadata={
             "help": "the Checkpoint RPC writes only under this directory: relative paths resolve under it, "
             "others must lie below it. Unset: DATA_DIR/checkpoints, and with no data dir checkpoints "
-            "are refused"
+            "are refused. A shard that stops with updates its disk refused leaves a rescue dump here"
         },
     )
 

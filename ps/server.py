@@ -19,8 +19,9 @@ from grpc_reflection.v1alpha import reflection
 
 from ps.config import Durability, ServerConfig
 from ps.servicer import SERVICE_NAME, Servicer
+from ps.rescue import StopReport, apply_rescue, is_rescue_dump
 from ps.shard import Shard
-from ps.storage import DataDirError, Storage, copy_checkpoint
+from ps.storage import DataDirError, Storage, StorageFailed, copy_checkpoint
 
 __all__ = ["WRITE_HEALTH_SERVICE", "PSServer", "build_server", "open_shard"]
 
@@ -39,13 +40,15 @@ class PSServer:
         self.shard = shard
         self._health = health
 
-    def stop(self, grace_s: float | None = None) -> None:
+    def stop(self, grace_s: float | None = None) -> StopReport:
         """Refuse new calls, let in-flight ones finish for up to ``grace_s``, then write what
-        is dirty and close the data directory (blocks)."""
+        is dirty and close the data directory (blocks). If the data directory refuses
+        that write, retry for up to ``grace_s`` more, then save what it did not take to
+        a rescue dump (see ``Shard.shutdown``); the report says how it went."""
         self._health.enter_graceful_shutdown()
         self.shard.close()
         self.server.stop(grace_s).wait()
-        self.shard.shutdown()
+        return self.shard.shutdown(grace_s or 0.0)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the server stops; False on timeout."""
@@ -53,18 +56,28 @@ class PSServer:
 
 
 def open_shard(config: ServerConfig) -> Shard:
-    """The shard ``config`` describes, with its data directory opened (and restored from
-    ``config.restore_from`` first). Raises ``RuntimeError`` with an actionable message."""
+    """The shard ``config`` describes, with its data directory opened: first restored from
+    the checkpoint ``config.restore_from`` (into an empty data dir), or with the rescue
+    dump ``config.restore_from`` applied to it. Raises ``RuntimeError`` with an
+    actionable message."""
     if config.data_dir is None:
         return Shard(config.shard, config.num_shards, checkpoint_root=config.checkpoint_root)
+    rescue = config.restore_from is not None and is_rescue_dump(config.restore_from)
     try:
-        if config.restore_from is not None:
+        if config.restore_from is not None and not rescue:
             copy_checkpoint(config.restore_from, config.data_dir)
         storage = Storage(config.data_dir, shard=config.shard, num_shards=config.num_shards)
     except DataDirError as exc:
         raise RuntimeError(str(exc)) from None
     except OSError as exc:
         raise RuntimeError(f"data dir {config.data_dir}: {exc}") from None
+    if rescue:
+        assert config.restore_from is not None
+        try:
+            apply_rescue(config.restore_from, storage)
+        except (DataDirError, StorageFailed) as exc:
+            storage.close()
+            raise RuntimeError(f"--restore-from {config.restore_from}: {exc}") from None
     return Shard(
         config.shard,
         config.num_shards,

@@ -9,7 +9,16 @@ durability mode says, expires rows, and takes checkpoints.
 A storage failure (disk full, I/O error) makes the shard read-only: pushes get
 UNAVAILABLE, lookups keep working, nothing is evicted any more (RAM may grow past the
 budget rather than drop a row it cannot write), and ``writable`` listeners hear it
-(the server flips a health status). Restart the shard once the disk is fixed.
+(the server flips a health status). The maintenance thread then retries, with
+backoff (0.5 s doubling to 5 s): it reopens RocksDB (which refuses every write after
+a failed one) and writes what was held back; once that succeeds the shard is
+writable again and the listeners hear that too. Nothing needs a restart.
+
+Stopping (``shutdown``) writes every dirty row. If the data dir refuses that, the
+shard keeps retrying for its grace period; then, if rows changed by acknowledged
+pushes are still only in RAM, it saves them to a rescue dump (``ps.rescue``) in its
+checkpoint root or next to the data dir, and the returned ``StopReport`` says where
+(or that even that failed).
 
 Example:
     >>> from ps.config import TableSpec
@@ -30,7 +39,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +54,18 @@ from ps.checkpoint import next_version_path, resolve_checkpoint_path
 from ps.errors import InvalidRequest, ShardMismatch, ShuttingDown, TableExists, UnknownTable, WrongMode
 from ps.ledger import PushLedger
 from ps.lifecycle import now_tick
+from ps.rescue import StopReport, save_rescue
 from ps.storage import FORMAT_VERSION, Storage, StorageFailed, write_manifest
 from ps.table import Table
 
-__all__ = ["PushLedger", "Shard"]
+__all__ = ["PushLedger", "Shard", "StopReport"]
 
 log = logging.getLogger(__name__)
+
+# Retries of a failed storage: the first after _RETRY_FIRST_S, then twice as long each
+# time up to _RETRY_MAX_S (each try reopens RocksDB, which replays its write-ahead log).
+_RETRY_FIRST_S = 0.5
+_RETRY_MAX_S = 5.0
 
 # Above _HIGH_WATER of the budget the evictor thread spills rows down to _LOW_WATER, in
 # the background; a request that finds the budget itself exceeded waits for it.
@@ -97,6 +112,9 @@ class Shard:
         self.writable = True
         self.storage_error = ""
         self.last_durable = time.time()
+        self._failed_at = 0.0
+        self._retry_at = 0.0
+        self._retry_delay_s = _RETRY_FIRST_S
         self._tables: dict[str, Table] = {}
         self._lock = threading.Lock()
         self._evict_lock = threading.Lock()
@@ -181,7 +199,8 @@ class Shard:
         if not self.writable:
             raise StorageFailed(
                 f"shard {self.index} refuses writes since its storage failed ({self.storage_error}); "
-                "lookups still work. Fix the disk (free space, check the data dir), then restart the shard"
+                "lookups still work. It retries by itself and takes pushes again once its writes succeed: "
+                "free space or fix the data dir, then retry the push"
             )
 
     @staticmethod
@@ -210,12 +229,16 @@ class Shard:
 
     def after_request(self) -> None:
         """Keep the tables within the memory budget (called after each request): wake the
-        evictor thread as they near it; spill here, or wait for the evictor, beyond it."""
+        evictor thread as they near it; spill here, or wait for the evictor, beyond it.
+
+        Never raises ``StorageFailed``: the request it follows was applied (and must be
+        acknowledged); a spill that fails turns the shard read-only for the next ones."""
         if not (self.memory_budget_bytes and self.writable):
             return
         used = self.resident_bytes()
         if used > self.memory_budget_bytes:
-            self.enforce_budget()
+            with contextlib.suppress(StorageFailed):  # recorded by _guard
+                self.enforce_budget()
         elif used > _HIGH_WATER * self.memory_budget_bytes and self._evictor is not None:
             self._wake_evictor.set()
 
@@ -345,9 +368,65 @@ class Shard:
             return
         self.writable = False
         self.storage_error = error
-        log.error("storage failed, refusing writes from now on (reads continue): %s", error)
+        self._failed_at = time.monotonic()
+        self._retry_delay_s = _RETRY_FIRST_S
+        self._retry_at = self._failed_at + _RETRY_FIRST_S
+        log.error("storage failed, refusing writes (reads continue); retrying in the background: %s", error)
+        self._tell_listeners(False)
+
+    def _tell_listeners(self, writable: bool) -> None:
         for listener in list(self._listeners):
-            listener(False)
+            listener(writable)
+
+    def recover_storage(self) -> bool:
+        """One try at making failed storage writable again; True if it is (then the
+        ``writable`` listeners hear it). The maintenance thread calls this with backoff.
+
+        A try reopens RocksDB unless it takes a write as it is, then writes every row
+        and ledger entry held back since the failure.
+        """
+        if self.storage is None or self.writable:
+            return True
+        try:
+            self._reopen_if_refusing()
+            written = self.flush(metadata=False)
+        except StorageFailed as exc:
+            self.storage_error = str(exc)
+            self._retry_delay_s = min(2 * self._retry_delay_s, _RETRY_MAX_S)
+            self._retry_at = time.monotonic() + self._retry_delay_s
+            log.warning("storage still failing, next try in %.1f s: %s", self._retry_delay_s, exc)
+            return False
+        self.writable = True
+        self.storage_error = ""
+        log.warning(
+            "storage writable again after %.1f s: wrote %d rows held back meanwhile; taking pushes again",
+            time.monotonic() - self._failed_at,
+            written,
+        )
+        self._tell_listeners(True)
+        return True
+
+    def _reopen_if_refusing(self) -> None:
+        """Reopen the data dir's RocksDB unless a probe write goes through as it is."""
+        assert self.storage is not None
+        try:
+            self.storage.probe()
+            return
+        except StorageFailed:
+            pass
+        with self._quiesced():
+            self.storage.reopen()
+
+    @contextlib.contextmanager
+    def _quiesced(self) -> Iterator[None]:
+        """Hold every lock that guards a use of the data dir: no request, spill, flush,
+        table creation or checkpoint touches it meanwhile."""
+        with self._checkpoint_lock, self._lock, contextlib.ExitStack() as held:
+            for name in sorted(self._tables):  # the order every other thread takes them in
+                table = self._tables[name]
+                held.enter_context(table._lock)
+                held.enter_context(table._write_lock)
+            yield
 
     def on_writable_change(self, listener: Callable[[bool], None]) -> None:
         """Call ``listener(writable)`` when the shard starts or stops accepting writes."""
@@ -384,6 +463,12 @@ class Shard:
         while not self._stop.wait(0.25):
             now = time.monotonic()
             self._sample_rates(now)
+            if self.storage is not None and not self.writable and now >= self._retry_at:
+                try:
+                    self.recover_storage()
+                except Exception:
+                    log.exception("storage recovery failed")
+                continue
             try:
                 if (
                     self.storage is not None
@@ -422,24 +507,69 @@ class Shard:
         """Refuse new requests from now on (in-flight ones finish)."""
         self._closing = True
 
-    def shutdown(self) -> None:
-        """After the last request: stop background work, write what is dirty, close storage."""
+    def shutdown(self, grace_s: float = 0.0) -> StopReport:
+        """After the last request: stop background work, write what is dirty, close storage.
+
+        If the data dir refuses the final write, keep retrying (with backoff) for
+        ``grace_s`` seconds; then, if rows changed by acknowledged pushes are still
+        only in RAM (``interval`` and ``checkpoint-only`` modes; ``every-push`` wrote
+        each one before acknowledging it), write them to a rescue dump. The report
+        says what happened; blocks for up to ``grace_s`` plus the dump's write.
+        """
         self._closing = True
         self._stop.set()
         self._wake_evictor.set()
         for thread in (self._thread, self._evictor):
             if thread is not None:
                 thread.join(timeout=30)
-        if self.storage is not None:
-            if self.writable:
-                try:
-                    written = self.flush()
-                    log.info("final flush wrote %d rows", written)
-                except StorageFailed as exc:
-                    log.error("final flush failed; rows changed since the last durable point are lost: %s", exc)
-            else:
-                log.error("storage failed earlier (%s): rows changed since the last durable point are lost", self.storage_error)
+        if self.storage is None:
+            return StopReport()
+        try:
+            return self._final_write(grace_s)
+        finally:
             self.storage.close()
+
+    def _final_write(self, grace_s: float) -> StopReport:
+        deadline = time.monotonic() + grace_s
+        delay = _RETRY_FIRST_S
+        while True:
+            try:
+                if not self.writable:
+                    self._reopen_if_refusing()
+                written = self.flush()
+                log.info("final flush wrote %d rows", written)
+                return StopReport()
+            except StorageFailed as exc:
+                self._storage_failed(str(exc))
+                error = str(exc)
+            tables = self.tables()
+            unwritten = sum(t.unpersisted_rows() for t in tables)
+            at_risk = self.durability.kind != "every-push" and (unwritten or any(t.ledger.has_changes() for t in tables))
+            if not at_risk:
+                log.warning(
+                    "final flush failed (%s), but every acknowledged push is on disk: what was not written is "
+                    "rows created by lookups (they come back identical) and access times", error
+                )
+                return StopReport(error=error)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            log.warning(
+                "final flush failed, %d rows changed by acknowledged pushes are only in RAM; retrying in %.1f s "
+                "(grace period ends in %.1f s): %s", unwritten, min(delay, left), left, error,
+            )  # fmt: skip
+            time.sleep(min(delay, left))  # the last try is at the end of the grace period
+            delay = min(2 * delay, _RETRY_MAX_S)
+        return self._rescue(error)
+
+    def _rescue(self, error: str) -> StopReport:
+        """Save what the data dir could not take to the first rescue location that works."""
+        assert self.storage is not None
+        data = self.storage.path.absolute()
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
+        places = [self.checkpoint_root / f"rescue-{stamp}"] if self.checkpoint_root is not None else []
+        places.append(data.parent / f"{data.name}.rescue-{stamp}")
+        return save_rescue(self.tables(), places, shard=self.index, num_shards=self.num_shards, data_dir=data, error=error)
 
 
 def _remove_partial(path: Path) -> None:

@@ -47,6 +47,7 @@ import json
 import logging
 import operator
 import os
+import resource
 import shutil
 import time
 from collections import deque
@@ -65,7 +66,7 @@ import rocksdict
 
 from ps.errors import ShardError
 
-__all__ = ["DataDirError", "RowRecords", "Storage", "StorageFailed", "TableRows", "copy_checkpoint"]
+__all__ = ["DataDirError", "RowRecords", "Storage", "StorageFailed", "TableRows", "copy_checkpoint", "pack_records"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ _TABLE_PREFIX = "t:"
 _IDENTITY = b"identity"
 _SPEC_PREFIX = b"spec:"
 _LEDGER_PREFIX = b"ledger:"
+_PROBE = b"write-probe"
+_USER_PREFIX = b"note:"
+_OPEN_HEADROOM_BYTES = 1 << 20  # new MANIFEST, OPTIONS and WAL files, table file overhead
 _SCAN_CHUNK = 1 << 16
 _READ_THREADS = max(1, min(4, os.cpu_count() or 1))  # threads one multi-get is split across
 _READ_PART_MIN = 512  # keys per thread, at least: below this a thread hand-off costs more
@@ -120,6 +124,25 @@ def _table_options() -> rocksdict.Options:
     return opts
 
 
+def pack_records(
+    values: npt.NDArray[np.float32],
+    state: npt.NDArray[np.float32],
+    last_access: npt.NDArray[np.uint32],
+    frequency: npt.NDArray[np.uint32],
+) -> npt.NDArray[np.float32]:
+    """Rows in their stored form: ``[n, dim + state_width + 2]`` float32 words, the last
+    two holding ``last_access`` and ``frequency`` as uint32 (see the module docstring)."""
+    n, d = values.shape
+    w = d + state.shape[1] + 2
+    rec = np.empty((n, w), dtype=np.float32)
+    rec[:, :d] = values
+    rec[:, d : w - 2] = state
+    words = rec.view(np.uint32)
+    words[:, w - 2] = last_access
+    words[:, w - 1] = frequency
+    return rec
+
+
 class TableRows:
     """The rows of one table in RocksDB (one column family). Use through ``Storage.table``."""
 
@@ -129,8 +152,15 @@ class TableRows:
         self.state_width = state_width
         self.width = dim + state_width + 2  # in 4-byte words
         self._storage = storage
-        self._cf = storage._column(_TABLE_PREFIX + name)
-        self._handle = storage._db.get_column_family_handle(_TABLE_PREFIX + name)
+        self._cf: rocksdict.Rdict | None = None
+        self._handle: rocksdict.ColumnFamily | None = None
+        self._bind()
+
+    def _bind(self) -> None:
+        """Take this table's column family from the storage's (re)opened database."""
+        name = _TABLE_PREFIX + self.name
+        self._cf = self._storage._column(name)
+        self._handle = self._storage._db.get_column_family_handle(name)
 
     def decode(self, blob: bytes, n: int) -> RowRecords:
         rec = np.frombuffer(blob, dtype=np.float32).reshape(n, self.width)
@@ -143,7 +173,10 @@ class TableRows:
         n = keys.shape[0]
         if n == 0:
             return np.zeros(0, np.bool_), self.decode(b"", 0)
-        blobs = self._storage._read(self._cf.get, _key_bytes(keys))
+        cf = self._cf
+        if cf is None:
+            raise StorageFailed(f"storage in {self._storage.path} is not open (it failed and could not be reopened)")
+        blobs = self._storage._read(cf.get, _key_bytes(keys))
         found = ~np.fromiter(map(operator.not_, blobs), dtype=np.bool_, count=n)
         return found, self.decode(b"".join(filter(None, blobs)), int(found.sum()))
 
@@ -163,13 +196,8 @@ class TableRows:
         # In RocksDB's key order (the big-endian bytes = the uint64 order), with the
         # write's memtable insert hint, inserts cost a third of random-order ones.
         order = np.argsort(np.ascontiguousarray(keys, dtype=np.int64).view(np.uint64), kind="stable")
-        rec = np.empty((n, self.width), dtype=np.float32)
-        d, w = self.dim, self.width
-        rec[:, :d] = values[order]
-        rec[:, d : w - 2] = state[order]
-        words = rec.view(np.uint32)
-        words[:, w - 2] = last_access[order]
-        words[:, w - 1] = frequency[order]
+        rec = pack_records(values[order], state[order], last_access[order], frequency[order])
+        w = self.width
         deque(map(batch.put, _key_bytes(keys[order]), rec.view(f"V{4 * w}").ravel().tolist(), repeat(self._handle)), maxlen=0)
 
     def delete(self, batch: rocksdict.WriteBatch, keys: npt.NDArray[np.int64]) -> None:
@@ -177,6 +205,8 @@ class TableRows:
 
     def scan(self, chunk: int = _SCAN_CHUNK) -> Iterator[tuple[npt.NDArray[np.int64], RowRecords]]:
         """Every stored row, ``chunk`` rows at a time, in key-byte order."""
+        if self._cf is None:
+            raise StorageFailed(f"storage in {self._storage.path} is not open (it failed and could not be reopened)")
         it = self._cf.iter()
         it.seek_to_first()
         while it.valid():
@@ -190,6 +220,8 @@ class TableRows:
 
     def estimate_rows(self) -> int:
         """RocksDB's estimate of the rows stored (exact only after a compaction)."""
+        if self._cf is None:
+            return 0
         value = self._cf.property_int_value("rocksdb.estimate-num-keys")
         return int(value or 0)
 
@@ -233,7 +265,7 @@ class Storage:
             self._db = self._open(read_only)
         except Exception as exc:
             self._unlock()
-            raise DataDirError(f"{self.path}: cannot open RocksDB: {exc}") from None
+            raise DataDirError(_open_failure(self.path, exc)) from None
         self._columns: dict[str, rocksdict.Rdict] = {}
         self._rows: list[TableRows] = []
         try:
@@ -287,12 +319,18 @@ class Storage:
     def _column(self, name: str) -> rocksdict.Rdict:
         cf = self._columns.get(name) if hasattr(self, "_columns") else None
         if cf is None:
+            if self._db is None:
+                raise StorageFailed(f"storage in {self.path} is not open")
             try:
                 cf = self._db.get_column_family(name)
             except Exception:
                 if self.read_only:
                     raise DataDirError(f"{self.path}: no column family {name!r}") from None
-                cf = self._db.create_column_family(name, _table_options() if name != _META else rocksdict.Options(raw_mode=True))
+                options = _table_options() if name != _META else rocksdict.Options(raw_mode=True)
+                try:
+                    cf = self._db.create_column_family(name, options)
+                except Exception as exc:
+                    raise StorageFailed(f"cannot create column family {name!r} in {self.path}: {exc}") from None
             self._columns[name] = cf
         return cf
 
@@ -379,6 +417,65 @@ class Storage:
         for cf in self._columns.values():
             self._write(lambda cf=cf: cf.flush(True))
 
+    def probe(self) -> None:
+        """Write a small record (WAL on); ``StorageFailed`` unless RocksDB takes writes now."""
+        stamp = np.array([time.time()], dtype="<f8").tobytes()
+        self._write(lambda: self._meta.put(_PROBE, stamp, self._write_opts))
+
+    def put_meta(self, key: bytes, value: bytes) -> None:
+        """Store ``value`` under ``key`` in the meta column family (WAL on)."""
+        self._write(lambda: self._meta.put(_USER_PREFIX + key, value, self._write_opts))
+
+    def get_meta(self, key: bytes) -> bytes | None:
+        """What ``put_meta`` stored under ``key``, or None."""
+        value = self._meta.get(_USER_PREFIX + key)
+        return bytes(value) if value is not None else None
+
+    def reopen(self) -> None:
+        """Close RocksDB and open it again, in place: every ``TableRows`` keeps working.
+
+        After a write fails (disk full, I/O error) RocksDB refuses every later write
+        until it is reopened; opening replays its write-ahead log, so nothing written
+        before is lost. The caller keeps every other user of this storage out
+        meanwhile. If it cannot be opened for writing it is opened read-only (reads go
+        on) and ``StorageFailed`` is raised; if not even that works, reads fail too
+        until a later ``reopen`` succeeds.
+        """
+        self._drop_handles()
+        if self._db is not None:
+            with contextlib.suppress(Exception):  # a database that failed also fails to close cleanly
+                self._db.close()
+            self._db = None  # type: ignore[assignment]
+        error: Exception | None = None
+        try:
+            self._db = self._open(self.read_only)
+        except Exception as exc:
+            error = exc
+            if not self.read_only:
+                with contextlib.suppress(Exception):
+                    self._db = self._open(read_only=True)
+        if self._db is not None:
+            try:
+                self._bind_handles()
+            except Exception as exc:  # a column family the read-only view lacks
+                error = error or exc
+        if error is not None:
+            raise StorageFailed(_open_failure(self.path, error, reopening=True))
+        log.info("reopened RocksDB in %s", self.path)
+
+    def _drop_handles(self) -> None:
+        # RocksDB stays open (and its LOCK held) while any column family object lives.
+        for rows in self._rows:
+            rows._cf = rows._handle = None
+        self._columns.clear()
+        self._meta = self._meta_handle = None
+
+    def _bind_handles(self) -> None:
+        self._meta = self._column(_META)
+        self._meta_handle = self._db.get_column_family_handle(_META)
+        for rows in self._rows:
+            rows._bind()
+
     # -- closing -------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -386,13 +483,8 @@ class Storage:
             self._readers.shutdown(wait=True)  # no read may outlive the database
             self._readers = None
         if getattr(self, "_db", None) is not None:
-            # RocksDB stays open (and its LOCK held) while any column family object
-            # lives, so drop every one this storage handed out.
-            for rows in self._rows:
-                rows._cf = rows._handle = None
+            self._drop_handles()
             self._rows.clear()
-            self._columns.clear()
-            self._meta = self._meta_handle = None
             with contextlib.suppress(Exception):
                 self._db.close()
             self._db = None  # type: ignore[assignment]
@@ -408,6 +500,35 @@ class Storage:
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def _open_failure(path: Path, exc: Exception, reopening: bool = False) -> str:
+    """Why RocksDB in ``path`` cannot be opened; for a write error, how much space it needs."""
+    what = "reopen RocksDB for writing" if reopening else "open RocksDB"
+    text = f"{path}: cannot {what}: {exc}"
+    lowered = str(exc).lower()
+    if not any(s in lowered for s in ("no space", "file too large", "quota")):  # ENOSPC, EFBIG, EDQUOT
+        return text
+    wal = 0
+    with contextlib.suppress(OSError):
+        wal = sum(f.stat().st_size for f in (path / "db").glob("*.log"))
+    need = wal + _OPEN_HEADROOM_BYTES
+    free = -1
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(path).free
+    text += (
+        f". Opening it replays its write-ahead log ({_mib(wal)} in db/*.log) into new table files, which "
+        f"needs up to about {_mib(need)} free on its filesystem; {_mib(free) if free >= 0 else 'an unknown amount'} "
+        "is free"
+    )
+    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if limit != resource.RLIM_INFINITY:
+        text += f", and this process may not write a file over {_mib(limit)} (RLIMIT_FSIZE, see `ulimit -f`)"
+    return text + ". Free space (or raise the limit) and it opens: nothing on disk was lost"
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def _lock(path: Path) -> IO[str]:

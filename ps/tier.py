@@ -230,6 +230,24 @@ class DiskTier:
             storage.commit(batch)
             yield s
 
+    def unpersisted_locked(
+        self,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], npt.NDArray[np.float32], npt.NDArray[np.uint32], npt.NDArray[np.uint32]]:
+        """Copies of ``(keys, values, state, last_access, frequency)`` of every resident row
+        that is not on disk as it is in RAM. Caller holds the table lock (a shard stopping
+        with a failed disk saves these elsewhere)."""
+        a = self._arena
+        keys = np.empty(len(self._index), np.int64)
+        slots = np.empty(len(self._index), np.int32)
+        n = _collect_dirty(*self._index.buckets(), a.dirty, keys, slots)
+        s = slots[:n]
+        return keys[:n].copy(), a.values[s], a.state[s], a.last_access[s], a.frequency[s]
+
+    def unpersisted_rows(self) -> int:
+        """Resident rows not on disk as they are in RAM."""
+        with self._lock:
+            return int(_collect_dirty(*self._index.buckets(), self._arena.dirty, np.empty(0, np.int64), np.empty(0, np.int32)))
+
     # -- spills --------------------------------------------------------------------------
 
     def _begin_spill(
@@ -365,4 +383,11 @@ class DiskTier:
         with self._write_lock:
             batch = storage.batch()
             rows.delete(batch, keys)
-            storage.commit(batch)
+            try:
+                storage.commit(batch)
+            except BaseException:
+                # The rows stay; whether or not the delete reached disk, write them again
+                # later, so that a clean row never lacks its copy on disk.
+                slots = self._index.lookup(keys)
+                self._arena.dirty[slots[slots >= 0]] = DIRTY
+                raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -37,7 +38,9 @@ __all__ = [
     "health_status",
     "keys_of",
     "run_to_exit",
+    "set_file_size_limit",
     "spawn_shard",
+    "terminate",
 ]
 
 TABLE = "t"
@@ -107,13 +110,37 @@ def spawn_shard(
     root: Path, name: str, *args: str, fsize_limit_bytes: int | None = None, timeout_s: float = 60.0
 ) -> ShardProcess:
     """``deploy.local.start_shard`` (shard 0 of 1, files under ``root/name``), optionally
-    under ``RLIMIT_FSIZE``; raises ``ShardStartError`` with the log tail if it exits first."""
+    under ``RLIMIT_FSIZE``; raises ``ShardStartError`` with the log tail if it exits first.
+
+    Only the soft limit is set, so ``set_file_size_limit`` can lift it later (the
+    "disk" gets space again) without privileges."""
 
     def limit() -> None:
         if fsize_limit_bytes is not None:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit_bytes, fsize_limit_bytes))
+            hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit_bytes, hard))
 
     return local.start_shard(0, 1, root / name, *args, timeout_s=timeout_s, in_child=limit)
+
+
+def set_file_size_limit(pid: int, limit_bytes: int | None) -> None:
+    """Set the running process ``pid``'s soft ``RLIMIT_FSIZE`` (None: unlimited, up to its
+    hard limit). Linux, same user or root."""
+    hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)[1]
+    soft = hard if limit_bytes is None else limit_bytes
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def terminate(shard: ShardProcess, timeout_s: float = 60.0) -> int:
+    """SIGTERM and wait for the exit code (killed, and -9, after ``timeout_s``)."""
+    if shard.proc.poll() is None:
+        shard.proc.send_signal(signal.SIGTERM)
+    try:
+        return shard.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        shard.proc.kill()
+        shard.proc.wait()
+        return -9
 
 
 def run_to_exit(root: Path, *args: str, timeout_s: float = 60.0) -> tuple[int, str]:

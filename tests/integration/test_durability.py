@@ -1,5 +1,5 @@
 """Durability guarantees on real shard processes: killed mid-stream, restarted on the
-same data dir, disk full, data dir shared by mistake.
+same data dir, data dir shared by mistake (disk full: ``test_disk_full.py``).
 
 The push accounting is bit-exact: each push adds exactly +1 to the rows it touches
 (see ``durability_util``), so after a restart a row tells how many pushes it holds.
@@ -20,7 +20,6 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 import pytest
-from grpc_health.v1 import health_pb2
 
 from client import PSClient
 from tests.integration.durability_util import (
@@ -29,13 +28,10 @@ from tests.integration.durability_util import (
     TABLE,
     Pusher,
     counts_of,
-    health_status,
     run_to_exit,
-    spawn_shard,
 )
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 
-WRITES = "ps.v1.ParameterServer.Writes"
 Push = tuple[str, int]
 
 
@@ -254,65 +250,7 @@ def test_data_dir_is_locked_and_keeps_its_shard_identity(tmp_path: Path, procs: 
     stop_shard(shard)
 
 
-# -- 4. disk full: refuse writes, keep reading, lose nothing acknowledged ---------------------
-
-
-def test_disk_full_refuses_writes_but_keeps_serving(tmp_path: Path, procs: list[RunningShard]) -> None:
-    data = tmp_path / "data"
-    args = (f"--data-dir={data}", "--durability=every-push")
-    # No file of the process may grow past 4 MB: the WAL hits it after ~30 pushes.
-    shard = spawn_shard(tmp_path, "limited", *args, fsize_limit_bytes=4 << 20)
-    procs.append(shard)
-    keys, dim = np.arange(1000, dtype=np.int64), 16
-    with PSClient([shard.address]) as ps:
-        ps.create_table("wide", dim, optimizer="sgd", initializer="zeros", lr=1.0)
-    assert health_status(shard.address, WRITES) == health_pb2.HealthCheckResponse.SERVING
-
-    acked, failed_seq, error = 0, 0, None
-    with Pusher(shard.address, table="wide", dim=dim) as pusher:
-        for seq in range(1, 301):
-            try:
-                assert pusher.push("disk", seq, keys), f"seq {seq} was fresh but reported as a duplicate"
-            except grpc.RpcError as exc:
-                failed_seq, error = seq, exc
-                break
-            acked += 1
-        if error is None:
-            pytest.skip("RLIMIT_FSIZE=4 MiB did not make a RocksDB write fail after 300 pushes (~40 MB) on this machine")
-        assert error.code() == grpc.StatusCode.UNAVAILABLE, f"disk-full push got {error.code()}: {error.details()}"
-        assert "storage" in (error.details() or ""), f"disk-full message does not mention storage: {error.details()}"
-        refused = []
-        for seq in (failed_seq, failed_seq + 1):  # the failed one again, and a new one
-            with pytest.raises(grpc.RpcError) as caught:
-                pusher.push("disk", seq, keys)
-            refused.append(caught.value)
-        for later in refused:
-            assert later.code() == grpc.StatusCode.UNAVAILABLE, f"push after disk full: {later.code()}"
-            assert "storage" in (later.details() or ""), f"push after disk full: {later.details()}"
-
-    with PSClient([shard.address]) as ps:
-        rows = ps.lookup("wide", keys)
-        assert (rows == acked).all(), f"after the failed write RAM holds {np.unique(rows)}, acknowledged {acked}"
-        assert ps.lookup("wide", np.arange(1000, 1010)).shape == (10, dim), "lookups of new keys fail"
-        stats = ps.stats()[0]
-    assert stats["writable"] is False and stats["storage_error"], f"Stats after disk full: {stats}"
-    assert health_status(shard.address, WRITES) == health_pb2.HealthCheckResponse.NOT_SERVING
-    assert health_status(shard.address, "") == health_pb2.HealthCheckResponse.SERVING
-    stop_shard(shard)
-
-    shard = start(procs, tmp_path, *args)  # no limit now: the disk was "fixed"
-    with PSClient([shard.address]) as ps:
-        rows = ps.lookup("wide", keys)
-        assert (rows == acked).all(), (
-            f"after restart rows hold {np.unique(rows).tolist()} pushes, acknowledged {acked}: "
-            "a refused push became visible, or an acknowledged one was lost"
-        )
-        with Pusher(shard.address, table="wide", dim=dim) as pusher:
-            assert not pusher.push("disk", acked, keys), "an acknowledged push was applied again"
-            assert pusher.push("disk", failed_seq, keys), "the refused push was recorded as applied"
-        assert (ps.lookup("wide", keys) == acked + 1).all()
-        assert ps.stats()[0]["writable"] is True
-    stop_shard(shard)
+# -- 4. disk full: see test_disk_full.py (every durability mode, space returning, rescue dumps)
 
 
 # -- 5. a restarted shard serves its spilled rows bit-exactly ---------------------------------
