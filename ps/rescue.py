@@ -217,7 +217,15 @@ def apply_rescue(dump: Path, storage: Storage) -> dict[str, int]:
     plan = []
     for i, entry in enumerate(manifest["tables"]):
         spec = spec_from_proto(json_format.ParseDict(entry["spec"], pb.TableSpec()))
-        if spec.name in stored and stored[spec.name] != spec:
+        if spec.name not in stored:
+            # A table's spec is stored before it takes its first row, so the data dir the
+            # dump came from (or a copy of it) has every table: this one is another dir.
+            raise DataDirError(
+                f"{dump}: {storage.path} has no table {spec.name!r}: a rescue dump holds only the rows its shard "
+                f"could not write, so apply it to the data dir it came from ({manifest.get('data_dir')}) or a "
+                "copy of it, never to a new one"
+            )
+        if stored[spec.name] != spec:
             raise DataDirError(
                 f"{dump}: table {spec.name!r} differs from the one in {storage.path}: "
                 f"{'; '.join(stored[spec.name].differences(spec))} (data dir != dump)"
@@ -230,8 +238,6 @@ def apply_rescue(dump: Path, storage: Storage) -> dict[str, int]:
         plan.append((spec, keys, records.reshape(-1, width), {c: bytes.fromhex(h) for c, h in entry["ledgers"].items()}))
     written: dict[str, int] = {}
     for spec, keys, records, ledgers in plan:
-        if spec.name not in stored:
-            storage.save_spec(spec.name, spec_to_proto(spec).SerializeToString())
         rows = storage.table(spec.name, spec.dim, optimizers.state_width(spec.optimizer, spec.dim))
         for start in range(0, max(keys.shape[0], 1), _CHUNK_ROWS):
             batch = storage.batch()

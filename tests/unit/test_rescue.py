@@ -147,6 +147,9 @@ def test_a_damaged_or_foreign_dump_changes_nothing(shard: Shard, tmp_path: Path)
     with Storage(tmp_path / "other", shard=0, num_shards=2) as other:
         with pytest.raises(DataDirError, match="holds shard 0 of 1"):
             apply_rescue(dump, other)
+    with Storage(tmp_path / "fresh", shard=0, num_shards=1) as fresh:
+        with pytest.raises(DataDirError, match="has no table 't'.*never to a new one"):
+            apply_rescue(dump, fresh)
     data = bytearray((dump / "0.rows").read_bytes())
     data[5] ^= 1
     (dump / "0.rows").write_bytes(bytes(data))
