@@ -6,7 +6,7 @@ compared, bit for bit, with an in-process twin cluster that applied exactly the 
 pushes once each: a lost push or one applied twice changes rows. The same run without
 kills gives the AUC to compare against.
 
-``pytest -m slow`` runs the long version (more samples, more kills).
+A plain run kills shards 3 times; ``pytest -m slow`` runs the long version (10 kills).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from client import ClientConfig, PSClient, PSError
 from ps.shard import Shard
 from tests.fakes import InProcessTransport
 from tests.integration.shards import start_shard, stop_shard
+from tests.unit.tier_model import long_run
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("recording_worker.py")
@@ -126,9 +127,10 @@ def _compare_rows(tmp: Path, run: dict[str, Any]) -> tuple[int, int, int]:
     return len(log["pushes"]), rows, differ
 
 
-@pytest.mark.parametrize("size", [pytest.param("short"), pytest.param("long", marks=pytest.mark.slow)])
-def test_training_rides_through_shard_kills(tmp_path: Path, size: str) -> None:
-    samples, kills, gap_s = (60_000, 3, 1.5) if size == "short" else (600_000, 10, 3.0)
+@pytest.mark.slow
+def test_training_rides_through_shard_kills(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    # A plain run: 3 kills in ~60 steps (~45 s on 2 cores); `pytest -m slow`: 10 kills in ~600.
+    samples, kills, gap_s = (600_000, 10, 3.0) if long_run(request.config) else (60_000, 3, 1.5)
     faulty = _train(tmp_path / "faulty", samples=samples, kills=kills, gap_s=gap_s)
     clean = _train(tmp_path / "clean", samples=samples, kills=0, gap_s=0)
     pushes, rows, differ = _compare_rows(tmp_path, faulty)
