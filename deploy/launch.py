@@ -103,7 +103,7 @@ class RestartPolicy:
     that ran longer than ``fast_s`` starts its count afresh.
     """
 
-    fast_s: float = 10.0
+    fast_s: float = 5.0
     max_fast_failures: int = 3
     _started: dict[int, float] = field(default_factory=dict)
     _fast: dict[int, int] = field(default_factory=dict)

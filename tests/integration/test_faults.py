@@ -130,7 +130,7 @@ def _compare_rows(tmp: Path, run: dict[str, Any]) -> tuple[int, int, int]:
 @pytest.mark.slow
 def test_training_rides_through_shard_kills(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     # A plain run: 3 kills in ~60 steps (~45 s on 2 cores); `pytest -m slow`: 10 kills in ~600.
-    samples, kills, gap_s = (600_000, 10, 3.0) if long_run(request.config) else (60_000, 3, 1.5)
+    samples, kills, gap_s = (600_000, 10, 4.0) if long_run(request.config) else (60_000, 3, 1.5)
     faulty = _train(tmp_path / "faulty", samples=samples, kills=kills, gap_s=gap_s)
     clean = _train(tmp_path / "clean", samples=samples, kills=0, gap_s=0)
     pushes, rows, differ = _compare_rows(tmp_path, faulty)
