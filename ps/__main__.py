@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("stopped: %d rows saved to rescue dump %s (exit 3)", report.unpersisted_rows, report.rescue_path)
         return 3
     if report.lost:
-        log.error("stopped: %d rows of acknowledged updates lost (exit 4)", report.unpersisted_rows)
+        log.error("stopped: %d rows not in the data dir are lost (exit 4)", report.unpersisted_rows)
         return 4
     log.info("stopped")
     return 0

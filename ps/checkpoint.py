@@ -32,7 +32,7 @@ from pathlib import Path, PurePosixPath
 
 from ps.errors import InvalidRequest, NotConfigured
 
-__all__ = ["MAX_PATH_BYTES", "next_version_path", "resolve_checkpoint_path"]
+__all__ = ["MAX_PATH_BYTES", "next_version_path", "require_root", "resolve_checkpoint_path"]
 
 MAX_PATH_BYTES = 4095  # PATH_MAX (4096) less the terminating NUL
 _MAX_NAME_BYTES = 255  # NAME_MAX
@@ -44,12 +44,7 @@ def resolve_checkpoint_path(root: Path | None, requested: str, shard: int) -> Pa
     Raises ``NotConfigured`` when ``root`` is None, ``InvalidRequest`` (naming the root)
     for a path that is bad or not under it. Does not create anything.
     """
-    if root is None:
-        raise NotConfigured(
-            f"Checkpoint: shard {shard} has no checkpoint root: start it with --checkpoint-root DIR "
-            "(or with --data-dir, whose checkpoints/ directory is the default root)"
-        )
-    base = root.resolve()
+    base = require_root(root, shard).resolve()
     where = f"this shard's checkpoint root {base}"
     if os.path.lexists(base) and not base.is_dir():
         raise NotConfigured(f"Checkpoint: {where} is not a directory: fix --checkpoint-root")
@@ -82,6 +77,16 @@ def resolve_checkpoint_path(root: Path | None, requested: str, shard: int) -> Pa
         if os.path.lexists(above) and not above.is_dir():
             raise InvalidRequest(f"Checkpoint: {above} is not a directory (in path {requested!r} under {where})")
     return target
+
+
+def require_root(root: Path | None, shard: int) -> Path:
+    """``root``; ``NotConfigured`` (FAILED_PRECONDITION) if the shard has none."""
+    if root is None:
+        raise NotConfigured(
+            f"Checkpoint: shard {shard} has no checkpoint root: start it with --checkpoint-root DIR "
+            "(or with --data-dir, whose checkpoints/ directory is the default root)"
+        )
+    return root
 
 
 def next_version_path(root: Path) -> Path:

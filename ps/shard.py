@@ -50,7 +50,7 @@ from google.protobuf import json_format
 from protos import ps_pb2 as pb
 from ps import optimizers
 from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
-from ps.checkpoint import next_version_path, resolve_checkpoint_path
+from ps.checkpoint import next_version_path, require_root, resolve_checkpoint_path
 from ps.errors import InvalidRequest, ShardMismatch, ShuttingDown, TableExists, UnknownTable, WrongMode
 from ps.ledger import PushLedger
 from ps.lifecycle import now_tick
@@ -300,9 +300,7 @@ class Shard:
         with self._checkpoint_lock:
             tables = self.tables()
             if path is None or str(path) == "":
-                if self.checkpoint_root is None:
-                    resolve_checkpoint_path(None, "", self.index)  # raises NotConfigured
-                path = next_version_path(self.checkpoint_root.resolve())  # type: ignore[union-attr]
+                path = next_version_path(require_root(self.checkpoint_root, self.index).resolve())
             path = resolve_checkpoint_path(self.checkpoint_root, str(path), self.index)
             manifest: dict[str, Any] = {
                 "format": FORMAT_VERSION,
