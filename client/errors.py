@@ -12,6 +12,7 @@ Every error is a ``PSError`` carrying ``.code`` (the ``grpc.StatusCode``) and
 | FAILED_PRECONDITION | PreconditionError         | no                    |
 | RESOURCE_EXHAUSTED  | ResourceExhaustedError    | no                    |
 | UNAVAILABLE         | ShardUnavailableError     | yes                   |
+| CANCELLED           | ShardUnavailableError     | yes (a stopping shard)|
 | DEADLINE_EXCEEDED   | DeadlineExceededError     | yes, within deadline_s|
 | anything else       | InternalServerError       | no                    |
 """
@@ -109,8 +110,12 @@ _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     for cls in (InvalidRequestError, TableNotFoundError, TableExistsError, PreconditionError,
                 ResourceExhaustedError, ShardUnavailableError, DeadlineExceededError)
 }  # fmt: skip
+# A shard that stops (SIGTERM) while a call is in flight may cancel it from its side: the
+# call never ran or its answer was lost, exactly as with UNAVAILABLE. (The client itself
+# cancels only calls whose results it no longer reads.)
+_BY_CODE[grpc.StatusCode.CANCELLED] = ShardUnavailableError
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
 
 
 def error_for(code: grpc.StatusCode) -> type[PSError]:

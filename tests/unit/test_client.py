@@ -395,6 +395,17 @@ def test_retries_go_on_until_the_deadline_not_an_attempt_count(
     assert pushes == N  # every shard applied its part exactly once
 
 
+def test_cancelled_by_a_stopping_shard_is_retried_like_unavailable(
+    shards: list[Shard], transport: InProcessTransport
+) -> None:
+    with PSClient(addresses(), FAST, transport=transport) as ps:
+        ps.create_table("t", DIM)
+        transport.fail_next("Push", grpc.StatusCode.CANCELLED, times=2, after_apply=True, shard=0)
+        result = ps.push("t", KEYS, np.ones((len(KEYS), DIM), np.float32))
+    assert result.duplicates == 1  # the first attempt was applied; its resends were recognised
+    assert error_for(grpc.StatusCode.CANCELLED) is ShardUnavailableError
+
+
 def test_deadline_ends_retries_with_the_failing_shards_error(shards: list[Shard], transport: InProcessTransport) -> None:
     config = ClientConfig(deadline_s=0.3, backoff_initial_s=0.01, backoff_max_s=0.02, tune_malloc=False)
     with PSClient(addresses(), config, transport=transport) as ps:
