@@ -10,7 +10,9 @@ Example (needs running shards, see the README):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
+import json
 import threading
 import time
 import uuid
@@ -191,6 +193,31 @@ class PSClient:
                 out.append(_as_dict(pb.StatsResponse.FromString(r)))
         return out
 
+    def checkpoint(self, paths: Sequence[str] | None = None, *, deadline_s: float | None = None) -> list[dict[str, Any]]:
+        """Have every shard write a checkpoint of itself, all in parallel; blocks until all are done.
+
+        ``paths[i]`` is the directory shard ``i`` creates (relative paths resolve under that
+        shard's ``--checkpoint-root``; None: the root's next version number). Returns, in
+        shard order, ``{"path": the directory written, "manifest": its manifest.json}``.
+        Not retried (a checkpoint whose answer was lost has still been written); raises
+        the first failing shard's ``PSError``, e.g. ``InvalidRequestError`` for a path
+        outside the shard's checkpoint root.
+        """
+        if paths is not None and len(paths) != self.num_shards:
+            raise InvalidRequestError(f"paths: {len(paths)} given for {self.num_shards} shards")
+        requests = [
+            (s, pb.CheckpointRequest(path="" if paths is None else str(paths[s])).SerializeToString())
+            for s in range(self.num_shards)
+        ]
+        config = dataclasses.replace(self.config, max_attempts=1)
+        replies = self._call("Checkpoint", requests, deadline_s=deadline_s, config=config)
+        out = []
+        for s, data in enumerate(replies):
+            with self._reply("Checkpoint", s):
+                reply = pb.CheckpointResponse.FromString(data)
+                out.append({"path": reply.path, "manifest": json.loads(reply.manifest_json or "{}")})
+        return out
+
     # -- lookup ---------------------------------------------------------------------
     def lookup(
         self, table: str, keys: npt.ArrayLike, *, out: npt.NDArray[np.float32] | None = None
@@ -318,17 +345,26 @@ class PSClient:
         return self._pool.submit(self.push_many, copied)
 
     # -- internals ------------------------------------------------------------------
-    def _call(self, method: str, requests: list[tuple[int, bytes]]) -> list[bytes]:
+    def _call(
+        self,
+        method: str,
+        requests: list[tuple[int, bytes]],
+        *,
+        deadline_s: float | None = None,
+        config: ClientConfig | None = None,
+    ) -> list[bytes]:
         if not self._started:
             self.start()
-        return call_all(self._transport, method, requests, self.config, time.monotonic() + self.config.deadline_s)
+        config = config or self.config
+        deadline = time.monotonic() + (deadline_s if deadline_s is not None else config.deadline_s)
+        return call_all(self._transport, method, requests, config, deadline)
 
     @contextlib.contextmanager
     def _reply(self, method: str, shard: int) -> Iterator[None]:
         """Turn an undecodable reply of ``shard`` into ``InternalServerError``."""
         try:
             yield
-        except (wire.WireFormatError, DecodeError) as exc:
+        except (wire.WireFormatError, DecodeError, json.JSONDecodeError) as exc:
             raise InternalServerError(
                 f"shard {shard} ({self.addresses[shard]}): {method} reply does not decode ({exc}); "
                 "is that address a ps-server of this version?",

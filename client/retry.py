@@ -60,28 +60,31 @@ def call_all(
         timeout = min(remaining, config.attempt_timeout_s or remaining)
         calls = [(i, transport.call(requests[i][0], method, requests[i][1], timeout)) for i in pending]
         failed: list[int] = []
+        final: list[int] = []  # failed with a status that is not retried
         for i, call in calls:
             try:
                 results[i] = call.result()
                 errors.pop(i, None)
             except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE:
-                    for _, other in calls:
-                        other.cancel()
-                    raise convert(exc, requests[i][0], transport.address(requests[i][0])) from exc
-                failed.append(i)
+                (failed if exc.code() in RETRYABLE else final).append(i)
                 errors[i] = exc
+        if final:
+            # Every call of the round has answered, so the error can name all failing shards.
+            i = final[0]
+            err = convert(errors[i], requests[i][0], transport.address(requests[i][0]))
+            raise type(err)(f"{err}{_also(transport, requests, [*final[1:], *failed], errors)}", code=err.code,
+                            shard=err.shard) from errors[i]  # fmt: skip
         attempt += 1
         if not failed:
             if attempt > 1:
                 log.info("%s: answered after %d attempts (%.1f s)", method, attempt, time.monotonic() - started)
             break
+        if config.max_attempts is not None and attempt >= config.max_attempts:
+            raise _gave_up(transport, method, requests, failed, errors, attempt, f"max_attempts={attempt}")
         if attempt == 1:
             i = failed[0]
             log.warning("%s: retrying for up to %.0f s: %s", method, deadline - time.monotonic(),
                         convert(errors[i], requests[i][0], transport.address(requests[i][0])))  # fmt: skip
-        if config.max_attempts is not None and attempt >= config.max_attempts:
-            raise _gave_up(transport, method, requests, failed, errors, attempt, f"max_attempts={attempt}")
         time.sleep(min(backoff_s(attempt - 1, config), max(0.0, deadline - time.monotonic())))
         pending = failed
     return [r for r in results if r is not None]
@@ -100,8 +103,7 @@ def _gave_up(
     i = failed[0]
     shard = requests[i][0]
     address = transport.address(shard)
-    others = sorted({requests[j][0] for j in failed} - {shard})
-    also = f"; shards {others} failed too" if others else ""
+    also = _also(transport, requests, failed[1:], errors)
     last = errors.get(i)
     if last is None:
         return DeadlineExceededError(
@@ -111,3 +113,15 @@ def _gave_up(
         )
     err = convert(last, shard, address)
     return type(err)(f"{err} (gave up after {attempt} attempts, {why}){also}", code=err.code, shard=shard)
+
+
+def _also(transport: Transport, requests: Sequence[tuple[int, bytes]], others: Sequence[int],
+          errors: dict[int, grpc.RpcError]) -> str:  # fmt: skip
+    """``; shard 1 (ADDRESS) failed too: STATUS: first line`` for each other failing request."""
+    parts = []
+    for j in others:
+        shard = requests[j][0]
+        exc = errors.get(j)
+        what = f"{exc.code().name}: {str(exc.details()).splitlines()[0] if exc.details() else ''}" if exc else "no answer"
+        parts.append(f"; shard {shard} ({transport.address(shard)}) failed too: {what}")
+    return "".join(parts)

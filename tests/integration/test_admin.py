@@ -44,9 +44,9 @@ class Rows:
 
 
 def ps_admin(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run the installed ``ps-admin`` script (``python -m ps.admin`` if it is not installed)."""
+    """Run the installed ``ps-admin`` script (``python -m deploy.admin`` if it is not installed)."""
     script = Path(sys.executable).parent / "ps-admin"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "ps.admin"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "deploy.admin"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return subprocess.run(

@@ -1,5 +1,8 @@
 """``ps-admin``: operations on a whole cluster, or on its checkpoints.
 
+It talks to shards through ``client.PSClient`` (one channel setup and one error tree for
+every tool) and reads checkpoints offline with ``ps.storage``.
+
 * ``ps-admin checkpoint --addresses A0,A1,... --out DIR``: every shard writes a
   consistent checkpoint of itself to ``DIR/shard-{i:05d}-of-{n:05d}`` (the Checkpoint
   RPC, all shards in parallel); then ``DIR/manifest.json`` (the cluster manifest) is
@@ -45,8 +48,7 @@ import logging
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +56,8 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
+from client import ClientConfig, PSClient, PSError
 from protos import ps_pb2 as pb
-from protos import ps_pb2_grpc
 from protos.keys import shard_of
 from ps import optimizers
 from ps.config import TableSpec, spec_from_proto, spec_to_proto
@@ -76,7 +78,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _SCAN_CHUNK_ROWS = 1 << 16
-_MAX_MESSAGE_BYTES = 64 << 20
 _LEDGERS_DROPPED = (
     "dropped: a resharded cluster is a new cluster; its clients start fresh (exactly-once "
     "records of pushes made before the reshard are not kept)"
@@ -112,76 +113,44 @@ def _now() -> tuple[float, str]:
 # -- talking to shards -------------------------------------------------------------------
 
 
-class _Cluster:
-    """One channel per shard; ``call`` runs one RPC on every shard in parallel."""
+@contextlib.contextmanager
+def _cluster(addresses: Sequence[str], timeout_s: float) -> Iterator[PSClient]:
+    """A ``PSClient`` of ``addresses`` whose errors become ``AdminError`` with a hint.
 
-    def __init__(self, addresses: Sequence[str]) -> None:
-        self.addresses = list(addresses)
-        options = [
-            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-        ]
-        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
-        self._stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self._channels]  # type: ignore[no-untyped-call]
+    ``ps-admin`` waits for no shard: an unreachable one fails the command at once (one
+    attempt per call), instead of the training client's retries.
+    """
+    config = ClientConfig(deadline_s=timeout_s, max_attempts=1, tune_malloc=False)
+    try:
+        with PSClient(addresses, config) as client:
+            yield client
+    except PSError as exc:
+        if exc.code == grpc.StatusCode.UNAVAILABLE:
+            raise AdminError(f"{exc}: cannot reach the shard: is it running, and is the address right?") from None
+        if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise AdminError(f"{exc}: raise --timeout-s, or check the shard's log") from None
+        raise AdminError(str(exc)) from None
 
-    def call(self, method: str, request: Callable[[int], Any], timeout_s: float) -> list[Any]:
-        """``method(request(i))`` on every shard ``i``; ``AdminError`` naming each failed address."""
 
-        def one(i: int) -> Any:
-            return getattr(self._stubs[i], method)(request(i), timeout=timeout_s)
-
-        with ThreadPoolExecutor(max_workers=min(32, len(self.addresses))) as pool:
-            futures = [pool.submit(one, i) for i in range(len(self.addresses))]
-            results: list[Any] = []
-            errors: list[str] = []
-            for i, f in enumerate(futures):
-                try:
-                    results.append(f.result())
-                except grpc.RpcError as exc:
-                    errors.append(self._describe(i, method, exc))
-                    results.append(None)
-        if errors:
-            raise AdminError("\n".join(errors))
-        return results
-
-    def _describe(self, i: int, method: str, exc: grpc.RpcError) -> str:
-        code, details = exc.code(), exc.details()
-        where = f"{self.addresses[i]} (address #{i})"
-        if code == grpc.StatusCode.UNAVAILABLE:
-            return f"{where}: cannot reach the shard ({details}): is it running, and is the address right?"
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return f"{where}: {method} did not finish in time: raise --timeout-s, or check the shard's log"
-        return f"{where}: {method} failed: {code.name}: {details}"
-
-    def check_order(self, timeout_s: float) -> list[pb.ListTablesResponse]:
-        """ListTables on every shard; ``AdminError`` unless address ``i`` is shard ``i`` of ``n``."""
-        n = len(self.addresses)
-        replies: list[pb.ListTablesResponse] = self.call("ListTables", lambda i: pb.ListTablesRequest(), timeout_s)
-        problems = []
-        for i, r in enumerate(replies):
-            if r.num_shards != n:
-                problems.append(
-                    f"{self.addresses[i]} is shard {r.shard} of a {r.num_shards}-shard cluster, but --addresses "
-                    f"lists {n}: list every shard's address, in shard order"
-                )
-            elif r.shard != i:
-                problems.append(
-                    f"{self.addresses[i]} is shard {r.shard}, but it is address #{i} in --addresses: list the "
-                    "addresses in shard order (shard 0 first)"
-                )
-        if problems:
-            raise AdminError("\n".join(problems))
-        return replies
-
-    def close(self) -> None:
-        for c in self._channels:
-            c.close()
-
-    def __enter__(self) -> _Cluster:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def _check_order(client: PSClient) -> list[dict[str, Any]]:
+    """Every shard's Stats; ``AdminError`` unless address ``i`` is shard ``i`` of ``n``."""
+    n = client.num_shards
+    stats = client.stats()
+    problems = []
+    for i, s in enumerate(stats):
+        if s["num_shards"] != n:
+            problems.append(
+                f"{client.addresses[i]} is shard {s['shard']} of a {s['num_shards']}-shard cluster, but --addresses "
+                f"lists {n}: list every shard's address, in shard order"
+            )
+        elif s["shard"] != i:
+            problems.append(
+                f"{client.addresses[i]} is shard {s['shard']}, but it is address #{i} in --addresses: list the "
+                "addresses in shard order (shard 0 first)"
+            )
+    if problems:
+        raise AdminError("\n".join(problems))
+    return stats
 
 
 # -- checkpoint --------------------------------------------------------------------------
@@ -219,17 +188,15 @@ def checkpoint_cluster(addresses: Sequence[str], out: Path, timeout_s: float = 6
         raise AdminError(f"--out {out} exists: choose a new directory (a checkpoint never overwrites one)")
     n = len(addresses)
     names = [shard_dir_name(i, n) for i in range(n)]
-    with _Cluster(addresses) as cluster:
-        cluster.check_order(min(timeout_s, 30.0))
+    with _cluster(addresses, timeout_s) as client:
+        _check_order(client)
         try:
             out.mkdir(parents=True)
         except OSError as exc:
             raise AdminError(f"cannot create --out {out}: {exc.strerror}") from None
         try:
-            replies: list[pb.CheckpointResponse] = cluster.call(
-                "Checkpoint", lambda i: pb.CheckpointRequest(path=str(out / names[i])), timeout_s
-            )
-        except AdminError as exc:
+            replies = client.checkpoint([str(out / name) for name in names])
+        except PSError as exc:
             with contextlib.suppress(OSError):
                 out.rmdir()  # only if no shard wrote anything
             left = f"{out} is incomplete (no manifest.json): remove it, then retry" if out.exists() else ""
@@ -239,7 +206,7 @@ def checkpoint_cluster(addresses: Sequence[str], out: Path, timeout_s: float = 6
                     f"(e.g. --checkpoint-root {out.parent}), on a filesystem ps-admin sees too\n{left}"
                 )
             raise AdminError(f"{exc}\n{left}".rstrip()) from None
-    manifests = [json.loads(r.manifest_json) for r in replies]
+    manifests = [r["manifest"] for r in replies]
     try:
         tables = _merge_tables([m.get("tables", []) for m in manifests], addresses)
     except AdminError as exc:
@@ -436,25 +403,25 @@ def _reshard_into(src: Path, manifest: dict[str, Any], m: int, out: Path, chunk_
 # -- stats -------------------------------------------------------------------------------
 
 
-def cluster_stats(addresses: Sequence[str], timeout_s: float = 10.0) -> list[pb.StatsResponse]:
-    """The Stats of every shard, in address order; ``AdminError`` naming unreachable ones."""
-    with _Cluster(addresses) as cluster:
-        return cluster.call("Stats", lambda i: pb.StatsRequest(), timeout_s)
+def cluster_stats(addresses: Sequence[str], timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The Stats of every shard (``PSClient.stats()``), in address order; ``AdminError`` naming unreachable ones."""
+    with _cluster(addresses, timeout_s) as client:
+        return client.stats()
 
 
-def _format_stats(stats: Sequence[pb.StatsResponse]) -> str:
+def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
     header = ("shard", "table", "rows", "resident", "spilled", "hit_rate", "bytes/row", "durability", "writable")
     lines: list[tuple[str, ...]] = [header]
     for s in stats:
-        shard = f"{s.shard}/{s.num_shards}"
-        durability = s.durability or "ram-only"
-        writable = "yes" if s.writable else f"NO: {s.storage_error}"
-        if not s.tables:
+        shard = f"{s['shard']}/{s['num_shards']}"
+        durability = s["durability"] or "ram-only"
+        writable = "yes" if s["writable"] else f"NO: {s['storage_error']}"
+        if not s["tables"]:
             lines.append((shard, "-", "0", "0", "0", "-", "-", durability, writable))
-        for t in s.tables:
+        for t in s["tables"]:
             lines.append(
-                (shard, t.name, str(t.rows), str(t.resident_rows), str(t.spilled_rows), f"{t.ram_hit_rate:.3f}",
-                 f"{t.bytes_per_resident_row:.0f}", durability, writable)  # fmt: skip
+                (shard, t["name"], str(t["rows"]), str(t["resident_rows"]), str(t["spilled_rows"]),
+                 f"{t['ram_hit_rate']:.3f}", f"{t['bytes_per_resident_row']:.0f}", durability, writable)  # fmt: skip
             )
     widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in lines)
