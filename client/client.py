@@ -66,12 +66,10 @@ def _as_dict(msg: Message) -> dict[str, Any]:
 
 
 def _as_keys(keys: npt.ArrayLike, table: str) -> npt.NDArray[np.int64]:
-    arr = np.asarray(keys)
-    if arr.ndim != 1:
-        raise InvalidRequestError(f"table {table!r}: keys shape {arr.shape}, expected 1-D")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise InvalidRequestError(f"table {table!r}: keys dtype {arr.dtype}, expected integers")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    try:
+        return wire.as_keys(keys, f"table {table!r}: keys")
+    except wire.InvalidKeys as exc:
+        raise InvalidRequestError(str(exc)) from None
 
 
 class PSClient:

@@ -6,6 +6,10 @@ views of the message's ``bytes`` and keep it alive. Every decode validates lengt
 raises ``WireFormatError`` naming the field, e.g.
 ``entries[0].keys: 12 bytes is not a multiple of 8``.
 
+``as_keys`` is the one check of keys given as arrays, on both ends (the client before
+it sends them, the shard's tables and key index before they use them): a 1-D array of
+integers, or ``InvalidKeys`` naming the field.
+
 Example:
     >>> keys = decode_keys(encode_keys(np.array([7, -1])), "keys")
     >>> keys.tolist()
@@ -29,12 +33,14 @@ __all__ = [
     "BFLOAT16",
     "FLOAT16",
     "FLOAT32",
+    "InvalidKeys",
     "LookupResponseWriter",
     "LookupResultView",
     "PushEntryView",
     "PushRequestView",
     "WireFormatError",
     "alloc_bytes",
+    "as_keys",
     "decode_keys",
     "decode_lookup_response",
     "decode_push_request",
@@ -68,6 +74,12 @@ class WireFormatError(ValueError):
     """A field's bytes cannot be decoded; the message names the field."""
 
 
+class InvalidKeys(WireFormatError, TypeError):
+    """Keys that are not a 1-D array of integers, or key bytes whose length is not a
+    multiple of 8; the message names the field. A ``ValueError`` (and a ``TypeError``,
+    what a wrong dtype raised before there was one check of keys)."""
+
+
 def dtype_itemsize(dtype: int, field: str = "dtype") -> int:
     """Bytes per value of a wire ``DType``; raises ``WireFormatError`` for unknown values."""
     try:
@@ -81,20 +93,42 @@ def dtype_name(dtype: int) -> str:
     return pb.DType.Name(dtype or pb.FLOAT32)
 
 
-def encode_keys(keys: npt.ArrayLike) -> bytes:
-    """Little-endian int64 bytes of a 1-D integer array (one copy)."""
+def as_keys(keys: npt.ArrayLike, field: str = "keys") -> npt.NDArray[np.int64]:
+    """``keys`` as a 1-D C-contiguous int64 array: ``keys`` itself when it already is one
+    (no copy), else a converted copy. Any integer dtype is accepted (uint64 keeps its
+    bits: keys are unsigned ids); so is an empty array of any dtype (``[]`` is float64).
+
+    Raises ``InvalidKeys`` naming ``field`` for an array that is not 1-D, or not of
+    integers (a float key would be truncated onto another key's row). Thread-safe;
+    never modifies ``keys``.
+
+    Example:
+        >>> as_keys(np.array([3, 1], dtype=np.uint8)).tolist()
+        [3, 1]
+        >>> as_keys([1.5], "entries[0].keys")
+        Traceback (most recent call last):
+        ...
+        protos.wire.InvalidKeys: entries[0].keys dtype float64, expected integers
+    """
+    if type(keys) is np.ndarray and keys.dtype == _I64 and keys.ndim == 1 and keys.flags.c_contiguous:
+        return keys  # the common case, on every request: no conversion, no copy
     arr = np.asarray(keys)
     if arr.ndim != 1:
-        raise ValueError(f"keys: shape {arr.shape}, expected 1-D")
-    if arr.dtype.kind not in "iu" and arr.size:
-        raise TypeError(f"keys: dtype {arr.dtype}, expected an integer dtype")
-    return np.ascontiguousarray(arr, dtype=_I64).tobytes()
+        raise InvalidKeys(f"{field} shape {arr.shape}, expected 1-D")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidKeys(f"{field} dtype {arr.dtype}, expected integers")
+    return np.ascontiguousarray(arr, dtype=_I64)
+
+
+def encode_keys(keys: npt.ArrayLike) -> bytes:
+    """Little-endian int64 bytes of a 1-D integer array (one copy); ``InvalidKeys`` as ``as_keys``."""
+    return as_keys(keys).tobytes()
 
 
 def decode_keys(buf: bytes | memoryview, field: str) -> npt.NDArray[np.int64]:
-    """Read-only int64 view of ``buf``; raises ``WireFormatError`` naming ``field``."""
+    """Read-only int64 view of ``buf``; raises ``InvalidKeys`` naming ``field``."""
     if len(buf) % 8:
-        raise WireFormatError(f"{field}: {len(buf)} bytes is not a multiple of 8 (int64 keys)")
+        raise InvalidKeys(f"{field}: {len(buf)} bytes is not a multiple of 8 (int64 keys)")
     return np.frombuffer(buf, dtype=_I64)
 
 

@@ -14,6 +14,8 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
+from protos.wire import as_keys
+
 __all__ = ["KeyIndex", "MAX_SLOTS"]
 
 MAX_SLOTS = 2**31 - 1
@@ -186,16 +188,6 @@ def _collect(
             n += 1
 
 
-def _as_keys(keys: npt.ArrayLike) -> npt.NDArray[np.int64]:
-    arr = np.asarray(keys)
-    if arr.ndim != 1:
-        raise ValueError(f"keys must be a 1-D array, got shape {arr.shape}")
-    # A float key would be silently truncated onto another key's row; an empty list is float64.
-    if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"keys must be integers, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
-
-
 class KeyIndex:
     """Map int64 keys to dense int32 slots, and own which slots are in use.
 
@@ -207,11 +199,12 @@ class KeyIndex:
     Contract:
         * Not thread-safe: the caller (the table) serialises all calls with its lock.  The
           kernels release the GIL, so indexes of other tables can work in parallel meanwhile.
-        * Calls block for the whole batch and copy the keys in; every returned array is new and
-          owned by the caller.
-        * Batch methods raise `ValueError` for non-1-D keys and `TypeError` for non-integer
-          keys.  `lookup_or_insert` raises `OverflowError`, leaving every key->slot mapping as
-          it was, when the batch needs more than `MAX_SLOTS` slots.
+        * Calls block for the whole batch and keep no reference to the keys; every returned
+          array is new and owned by the caller.
+        * Batch methods raise `protos.wire.InvalidKeys` (a `ValueError`, and a `TypeError`)
+          for keys that are not a 1-D array of integers; contiguous int64 keys are used as
+          they are, without a copy.  `lookup_or_insert` raises `OverflowError`, leaving every
+          key->slot mapping as it was, when the batch needs more than `MAX_SLOTS` slots.
 
     >>> index = KeyIndex(initial_capacity=8)
     >>> slots, created = index.lookup_or_insert(np.array([7, -1, 7], dtype=np.int64))
@@ -255,19 +248,17 @@ class KeyIndex:
 
     def lookup(self, keys: npt.ArrayLike) -> npt.NDArray[np.int32]:
         """Slot of each key, -1 where the key is absent.  Does not modify the index."""
-        arr = _as_keys(keys)
+        arr = as_keys(keys, "keys")
         out = np.empty(arr.size, dtype=np.int32)
         if arr.size:
             _lookup_batch(self._keys, self._slots, arr, out)
         return out
 
-    def lookup_or_insert(
-        self, keys: npt.ArrayLike
-    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_]]:
+    def lookup_or_insert(self, keys: npt.ArrayLike) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_]]:
         """Slot of each key, inserting missing keys; `created[i]` marks the first occurrence of
         each key this call inserted (the caller initialises those rows).  Duplicates in the
         batch share one slot."""
-        arr = _as_keys(keys)
+        arr = as_keys(keys, "keys")
         out = np.empty(arr.size, dtype=np.int32)
         created = np.zeros(arr.size, dtype=np.bool_)
         start = 0
@@ -289,7 +280,7 @@ class KeyIndex:
     def remove(self, keys: npt.ArrayLike) -> npt.NDArray[np.int32]:
         """Remove keys; returns the slot each freed, -1 if absent (or already removed earlier in
         this batch).  Freed slots are handed out again by later inserts."""
-        arr = _as_keys(keys)
+        arr = as_keys(keys, "keys")
         out = np.empty(arr.size, dtype=np.int32)
         if not arr.size:
             return out
