@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", type=Path, help="TOML (or .json) file of settings")
-    for name, (f, hint) in _fields().items():
+    for name, (f, _hint) in _fields().items():
         default = f.default
         parser.add_argument(
             "--" + name.replace("_", "-"),

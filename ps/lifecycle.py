@@ -107,7 +107,7 @@ def _sketch_admit(
 ) -> np.uint64:
     width = counters.shape[1]
     for i in range(keys.shape[0]):
-        est = 255
+        est = np.int64(255)
         for r in range(counters.shape[0]):
             c = np.int64(_hash(keys[i], salts[r]) % np.uint64(width))
             v = counters[r, c]
@@ -115,10 +115,10 @@ def _sketch_admit(
                 v += 1
                 counters[r, c] = v
             est = min(est, np.int64(v))
-        ok = est >= threshold
+        ok = bool(est >= threshold)
         if ok and probability < 1.0 and count:
             rng_state = _hash(np.int64(rng_state), np.uint64(0x9E3779B97F4A7C15))
-            ok = (rng_state >> np.uint64(11)) * (1.0 / 9007199254740992.0) < probability
+            ok = bool((rng_state >> np.uint64(11)) * (1.0 / 9007199254740992.0) < probability)
         out[i] = ok
     return rng_state
 
@@ -148,7 +148,9 @@ class Admission:
         # numba hands the state back as a Python int: keep it uint64, or the next call
         # would type it int64 and mix signed with unsigned.
         self._rng = np.uint64(
-            _sketch_admit(self._counters, self._salts, keys, max(1, lc.admit_after), lc.admit_probability, self._rng, True, out)
+            _sketch_admit(
+                self._counters, self._salts, keys, max(1, lc.admit_after), lc.admit_probability, self._rng, True, out
+            )
         )
         return out
 
@@ -184,7 +186,9 @@ def _age_histogram(
         hist[_age(now, last_access[s], top)] += 1
 
 
-def age_histogram(index_slots: npt.NDArray[np.int32], last_access: npt.NDArray[np.uint32], now: np.uint32) -> npt.NDArray[np.int64]:
+def age_histogram(
+    index_slots: npt.NDArray[np.int32], last_access: npt.NDArray[np.uint32], now: np.uint32
+) -> npt.NDArray[np.int64]:
     """Rows per age in ticks (``hist[a]``: rows last touched ``a`` ticks ago; the last bin
     collects every older row), over the live buckets of a key index."""
     hist = np.zeros(_AGE_BINS, dtype=np.int64)
@@ -241,7 +245,9 @@ def select_victims(
     older = int(from_oldest[j - 1]) if j > 0 else 0
     out_keys = np.empty(count, np.int64)
     out_slots = np.empty(count, np.int32)
-    n = _select(index_keys, index_slots, last_access, now, min_age, count - older, hist.shape[0] - 1, out_keys, out_slots)
+    n = _select(
+        index_keys, index_slots, last_access, now, min_age, count - older, hist.shape[0] - 1, out_keys, out_slots
+    )
     return out_keys[:n], out_slots[:n]
 
 
