@@ -11,8 +11,9 @@ Modes:
   table's keys are visited in ascending order, so training is bit-for-bit what a
   local ``nn.EmbeddingBag`` with the same optimizer does (parity tests, debugging);
 * ``pipelined`` (default): ``prefetch(next_batch)`` looks up the next batch while this
-  one computes, pushes run in the background, and rows are at most ``staleness``
-  steps behind (default 1).
+  one computes, pushes run in the background, and the rows of step t reflect exactly
+  the pushes of steps up to t - 1 - ``staleness`` (default 1): one worker's run is
+  reproducible to the bit in both modes.
 
 Example (needs running shards; see examples/ and the README):
     emb = DistributedEmbedding(
@@ -135,11 +136,14 @@ class DistributedEmbedding(torch.nn.Module):
         if self._prefetched and self._prefetched[0][0] is batch:
             _, plan, future = self._prefetched.popleft()
         else:
-            # Prefetched for other batches: the loop changed course. Those steps never run.
+            # Prefetched for other batches: the loop changed course. Those steps never run,
+            # and this lookup sees every push so far (which ones it would see otherwise
+            # depends on how far the discarded lookups got).
+            changed_course = bool(self._prefetched)
             while self._prefetched:
                 self._pipeline.discard(self._prefetched.popleft()[2])
             plan = self._plan(batch)
-            future = self._pipeline.lookup(step, plan.unique)
+            future = self._pipeline.lookup(step, plan.unique, sees_all=changed_course)
         rows = future.result()
         self._step += 1
         names = list(plan.unique)

@@ -1,22 +1,34 @@
-"""Lookups ahead of time and pushes behind, with bounded staleness.
+"""Lookups ahead of time and pushes behind, with bounded staleness and a fixed order.
 
-``SparsePipeline`` runs lookups on one background thread and pushes on another (in
-submission order, so runs are reproducible). The contract, for ``staleness`` s:
+``SparsePipeline`` runs lookups on one background thread and pushes on another, each in
+submission order. The contract, for ``staleness`` s:
 
-* the lookup for step t starts only after every push of the steps up to t - 1 - s has
-  been applied, so rows are at most s steps behind (s = 0: fully synchronous);
+* the lookup for step t reads the rows after exactly the pushes of the steps up to
+  t - 1 - s: it waits until those are applied, and the push of step k is held back
+  until the lookup of step k + s has read its rows. Which pushes a lookup sees is
+  therefore fixed by the step numbers, not by thread timing, so a single-worker run
+  is reproducible to the bit (s = 0: fully synchronous);
+* a held push is released early by an evaluation read (``lookup(None, ...)``), by a
+  lookup that must see every push (``sees_all``), by ``flush()`` and ``close()``. A
+  loop that stops must call one of them, or its last ``staleness`` steps' pushes are
+  never sent;
 * a failed background push is raised at the next ``check()`` (called by every
   forward, prefetch and ``flush()``), never dropped.
 
 A step is "settled" once it can submit no more pushes: its push was submitted, or its
 autograd graph was freed without a backward (``settle``). Waiting for that happens on
 the lookup thread, so the training thread never blocks in ``lookup``.
+
+Why no deadlock: the lookup of step t waits for pushes of steps k <= t - 1 - s, and
+each of those waits only for the lookup of step k + s <= t - 1, which was submitted
+earlier and runs earlier on the same thread. Held pushes wait in a list, not on the
+push thread, so a push released early never queues behind one still held (autograd
+may push a later step first when one backward spans two steps).
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,18 +36,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import numpy.typing as npt
 
-from client import PSClient, PushResult
+from client import DeadlineExceededError, PSClient, PushResult
 
 __all__ = ["Rows", "SparsePipeline"]
 
 Rows = dict[str, npt.NDArray[np.float32]]
+Updates = dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]]
 
 
 class SparsePipeline:
     """Background lookups and pushes for one ``DistributedEmbedding`` (not shared between modules).
 
     Thread-safe: the training thread, the autograd engine and the two background threads
-    may all call it.
+    may all call it. Every failure it raises is a ``client.PSError``.
     """
 
     def __init__(self, client: PSClient, staleness: int) -> None:
@@ -46,35 +59,51 @@ class SparsePipeline:
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="ps-lookup")
         self._pushes = ThreadPoolExecutor(1, thread_name_prefix="ps-push")
         self._cond = threading.Condition()
-        self._ids = itertools.count()
+        self._next_push = 0  # id of the next push
         self._in_flight: dict[int, tuple[int, Future[PushResult]]] = {}  # push id -> (step, future)
         self._settled_through = -1  # every step <= this is settled
         self._settled: set[int] = set()  # settled steps above it
+        self._read_through = -1  # highest training step whose lookup has read its rows
+        self._release_below = 0  # pushes with a smaller id go out without waiting for a lookup
         self._error: BaseException | None = None
         self._discarded: set[Future[Rows]] = set()
+        self._held: list[tuple[int, int, Updates, Future[PushResult]]] = []  # in push order
+        self._closed = False
 
-    def lookup(self, step: int | None, keys: Mapping[str, npt.NDArray[np.int64]]) -> Future[Rows]:
+    def lookup(self, step: int | None, keys: Mapping[str, npt.NDArray[np.int64]], *,
+               sees_all: bool = False) -> Future[Rows]:  # fmt: skip
         """Start the lookup of ``keys`` for training ``step`` (never blocks).
 
         ``step=None`` is a read outside training (evaluation): it sees every push
-        submitted so far.
+        submitted so far. ``sees_all`` does the same for a training step (used when
+        prefetched lookups were discarded, so the order of reads and pushes stays fixed).
         """
         self.check()
+        if step is not None and sees_all:
+            with self._cond:
+                # Discarded lookups may have read rows for this step or later ones; they must
+                # not release pushes that the lookups submitted from now on should not see.
+                self._read_through = min(self._read_through, step - 1)
         holder: list[Future[Rows]] = []
-        future = self._lookups.submit(self._lookup, step, dict(keys), holder)
+        future = self._lookups.submit(self._lookup, step, dict(keys), holder, sees_all)
         holder.append(future)
         return future
 
     def discard(self, future: Future[Rows]) -> None:
         """Give up a lookup whose step will never run, so it does not hold up later ones."""
-        if not future.cancel():
+        if not future.cancel() and not future.done():
             with self._cond:
                 self._discarded.add(future)
                 self._cond.notify_all()
 
-    def _lookup(self, step: int | None, keys: dict[str, npt.NDArray[np.int64]], holder: list[Future[Rows]]) -> Rows:
+    def _lookup(self, step: int | None, keys: dict[str, npt.NDArray[np.int64]], holder: list[Future[Rows]],
+                sees_all: bool) -> Rows:  # fmt: skip
         with self._cond:
-            if step is not None:
+            if sees_all or step is None:
+                self._release_below = self._next_push
+                self._send_released()
+                waits = [f for _, f in self._in_flight.values()]
+            else:
                 need = step - 1 - self.staleness
                 timeout_s = self.client.config.deadline_s
 
@@ -84,32 +113,64 @@ class SparsePipeline:
                     )
 
                 if not self._cond.wait_for(ready, timeout_s):
-                    raise TimeoutError(
+                    raise DeadlineExceededError(
                         f"the lookup for step {step} waited {timeout_s}s for step {need} to finish its backward "
-                        "(or be dropped); keep at most `staleness` training forwards ahead of their backward"
+                        f"(or be dropped): keep at most staleness={self.staleness} training forwards ahead of "
+                        "their backward, or raise ClientConfig.deadline_s if a step really takes that long"
                     )
                 if holder and holder[0] in self._discarded:
                     self._discarded.discard(holder[0])
                     return {}
                 waits = [f for s, f in self._in_flight.values() if s <= need]
-            else:
-                waits = [f for _, f in self._in_flight.values()]
         for f in waits:
             f.exception()  # applied or failed; a failure is raised by check() on the training thread
         self.check()
-        return self.client.lookup_many(keys)
+        try:
+            return self.client.lookup_many(keys)
+        finally:
+            if step is not None:
+                with self._cond:
+                    if holder and holder[0] in self._discarded:
+                        self._discarded.discard(holder[0])
+                    elif step > self._read_through:
+                        self._read_through = step
+                        self._send_released()
 
     def push(self, step: int, updates: Mapping[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]],
              wait: bool) -> None:  # fmt: skip
-        """Submit a push of ``step`` (a step may push more than once); with ``wait``, block until applied."""
-        push_id = next(self._ids)
+        """Submit a push of ``step`` (a step may push more than once); with ``wait``, block until applied.
+
+        The push is held until the lookup of step ``step + staleness`` has read its rows
+        (or an evaluation read, ``flush()`` or ``close()``), then sent in the background.
+        """
+        future: Future[PushResult] = Future()
         with self._cond:
-            future = self._pushes.submit(self.client.push_many, dict(updates))
+            push_id = self._next_push
+            self._next_push += 1
             self._in_flight[push_id] = (step, future)
+            self._held.append((push_id, step, dict(updates), future))
+            self._send_released()
         future.add_done_callback(functools.partial(self._done, push_id, step))
         self.settle(step)
         if wait:
             future.result()
+
+    def _send_released(self) -> None:
+        """Hand the held pushes that may go now to the push thread, in push order (lock held)."""
+        keep = []
+        for item in self._held:
+            push_id, step, _, _ = item
+            if self._read_through >= step + self.staleness or push_id < self._release_below:
+                self._pushes.submit(self._send, item[2], item[3])
+            else:
+                keep.append(item)
+        self._held = keep
+
+    def _send(self, updates: Updates, future: Future[PushResult]) -> None:
+        try:
+            future.set_result(self.client.push_many(updates))
+        except BaseException as exc:  # the failure belongs to the push; check() raises it
+            future.set_exception(exc)
 
     def settle(self, step: int) -> None:
         """Record that ``step`` will submit no (further) push."""
@@ -136,8 +197,19 @@ class SparsePipeline:
         if self._error is not None:
             raise self._error
 
+    def _release_all(self) -> None:
+        with self._cond:
+            self._release_below = self._next_push
+            self._send_released()
+
     def flush(self) -> None:
-        """Wait for every submitted push; raise the first failure."""
+        """Wait for every submitted push; raise the first failure.
+
+        Held pushes are released once the lookups already submitted have read their
+        rows (so they see what they would have seen without the flush).
+        """
+        if not self._closed:
+            self._lookups.submit(self._release_all).result()
         with self._cond:
             pending = [f for _, f in self._in_flight.values()]
         for f in pending:
@@ -149,5 +221,8 @@ class SparsePipeline:
         try:
             self.flush()
         finally:
+            if not self._closed:
+                self._closed = True
+                self._release_all()  # in case flush failed before releasing: no push may stay held
             self._lookups.shutdown(wait=True)
             self._pushes.shutdown(wait=True)
