@@ -19,7 +19,9 @@ def main() -> None:
         print(f"started 2 shards: {', '.join(cluster.addresses)}")
         with PSClient(cluster.addresses) as ps:
             table = ps.create_table("user", dim=4, optimizer="adagrad", lr=0.1, seed=7)
-            print(f"created table {table.name!r}: dim={table.dim} optimizer={table.optimizer} lr={table.optimizer_params['lr']}")
+            print(
+                f"created table {table.name!r}: dim={table.dim} optimizer={table.optimizer} lr={table.optimizer_params['lr']}"
+            )
 
             keys = np.array([101, 202, 303, 101])
             before = ps.lookup("user", keys)

@@ -105,9 +105,11 @@ def parse_config(cls: type[_C], argv: Sequence[str], environ: Mapping[str, str],
             values[key] = _convert(key, hints[key], raw)
     for var, raw in environ.items():
         if var.startswith(prefix):
-            key = var[len(prefix):].lower()
+            key = var[len(prefix) :].lower()
             if key not in fields:
-                raise ValueError(f"environment: unknown variable {var}; valid: {', '.join(prefix + n.upper() for n in fields)}")
+                raise ValueError(
+                    f"environment: unknown variable {var}; valid: {', '.join(prefix + n.upper() for n in fields)}"
+                )
             values[key] = _convert(key, hints[key], raw)
     for key, raw in args.items():
         values[key] = _convert(key, hints[key], raw)

@@ -155,7 +155,9 @@ class DistributedEmbedding(torch.nn.Module):
         tensors = list(rows_with_push(tensors, sink))
         return self._pool_all(batch, plan, dict(zip(names, tensors)))
 
-    def _pool_all(self, batch: Mapping[str, JaggedIds], plan: _Plan, by_table: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _pool_all(
+        self, batch: Mapping[str, JaggedIds], plan: _Plan, by_table: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         return {name: self._pool(name, batch[name], by_table[f.table], plan.index[name])
                 for name, f in self.features.items()}  # fmt: skip
 
@@ -201,7 +203,9 @@ class DistributedEmbedding(torch.nn.Module):
             return rows.index_select(0, index)
         weights = None if ids.weights is None else ids.weights.to(self.device, rows.dtype)
         if weights is not None and pooling != "sum":
-            raise ValueError(f"feature {name!r}: per-id weights need pooling='sum' (as nn.EmbeddingBag), got {pooling!r}")
+            raise ValueError(
+                f"feature {name!r}: per-id weights need pooling='sum' (as nn.EmbeddingBag), got {pooling!r}"
+            )
         offsets = ids.offsets.to(self.device)
         return F.embedding_bag(index, rows, offsets[:-1], mode=pooling, per_sample_weights=weights)
 

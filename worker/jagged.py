@@ -40,7 +40,9 @@ class JaggedIds:
         if o.dim() != 1 or o.dtype != torch.int64 or o.numel() < 1:
             raise ValueError(f"offsets: {o.dtype}{list(o.shape)}, expected a 1-D int64 tensor of batch_size + 1")
         if int(o[0]) != 0 or int(o[-1]) != v.numel():
-            raise ValueError(f"offsets: must start at 0 and end at len(values)={v.numel()}, got {int(o[0])}..{int(o[-1])}")
+            raise ValueError(
+                f"offsets: must start at 0 and end at len(values)={v.numel()}, got {int(o[0])}..{int(o[-1])}"
+            )
         if o.numel() > 1 and bool((o[1:] < o[:-1]).any()):
             raise ValueError("offsets: must be non-decreasing")
         if w is not None and (w.dim() != 1 or w.numel() != v.numel() or not w.is_floating_point()):
@@ -63,7 +65,9 @@ class JaggedIds:
         return cls.from_lengths(values, lengths, w)
 
     @classmethod
-    def from_lengths(cls, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None) -> JaggedIds:
+    def from_lengths(
+        cls, values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> JaggedIds:
         """From values and the number of ids of each sample."""
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
         torch.cumsum(lengths.to(torch.int64), 0, out=offsets[1:])

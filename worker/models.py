@@ -79,5 +79,5 @@ class DeepFM(nn.Module):
         flat = fields.flatten(1)
         # 0.5 * ((sum v)^2 - sum v^2): all pairwise dot products in O(n * dim).
         second = 0.5 * (fields.sum(1).pow(2) - fields.pow(2).sum(1)).sum(1)
-        out: torch.Tensor = (self.first_order(flat).squeeze(1) + second + self.deep(flat).squeeze(1))
+        out: torch.Tensor = self.first_order(flat).squeeze(1) + second + self.deep(flat).squeeze(1)
         return out

@@ -108,8 +108,10 @@ class SparsePipeline:
                 timeout_s = self.client.config.deadline_s
 
                 def ready() -> bool:
-                    return self._settled_through >= need or self._error is not None or bool(
-                        holder and holder[0] in self._discarded
+                    return (
+                        self._settled_through >= need
+                        or self._error is not None
+                        or bool(holder and holder[0] in self._discarded)
                     )
 
                 if not self._cond.wait_for(ready, timeout_s):

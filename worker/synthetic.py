@@ -195,5 +195,3 @@ def synthetic_criteo(
         labels = (ul < 0.5 + 0.5 * np.tanh(0.5 * logit)).astype(np.float32)  # sigmoid without exp overflow
         dense_t, labels_t = torch.from_numpy(dense.astype(np.float32)), torch.from_numpy(labels)
         yield SyntheticBatch(dense_t, sparse, labels_t, torch.from_numpy(logit))
-
-

@@ -37,9 +37,9 @@ from torch.nn.parallel import DistributedDataParallel
 from client import PSClient
 from worker.config import EmbeddingTableConfig, FeatureConfig, parse_config
 from worker.data import Batch, ColumnSchema, auc, logloss, read_click_log
-from worker.synthetic import synthetic_criteo
 from worker.embedding import DistributedEmbedding
 from worker.models import DLRM, DeepFM
+from worker.synthetic import synthetic_criteo
 
 __all__ = ["Dist", "TrainerConfig", "evaluate", "init_distributed", "main", "parse", "report", "train"]
 
@@ -55,18 +55,26 @@ def _help(text: str) -> dict[str, str]:
 class TrainerConfig:
     """One training run (immutable; ``--help`` lists every field)."""
 
-    addresses: tuple[str, ...] = field(default=(), metadata=_help("shard addresses in shard order, comma-separated; empty: start local shards"))
+    addresses: tuple[str, ...] = field(
+        default=(), metadata=_help("shard addresses in shard order, comma-separated; empty: start local shards")
+    )
     num_shards: int = field(default=2, metadata=_help("shards to start when no addresses are given"))
-    data: str = field(default="synthetic", metadata=_help("'synthetic' (Criteo-like, planted model) or a click-log path"))
+    data: str = field(
+        default="synthetic", metadata=_help("'synthetic' (Criteo-like, planted model) or a click-log path")
+    )
     schema: str = field(default="criteo", metadata=_help("layout of a click-log file: criteo or avazu"))
     model: str = field(default="dlrm", metadata=_help("dlrm or deepfm"))
     dim: int = field(default=16, metadata=_help("embedding dim of every table"))
     batch_size: int = field(default=1024, metadata=_help("samples per step per worker"))
     train_samples: int = field(default=200_000, metadata=_help("synthetic samples to train on (all workers together)"))
     eval_samples: int = field(default=20_000, metadata=_help("synthetic samples to evaluate on"))
-    train_fraction: float = field(default=0.8, metadata=_help("click-log files: the first fraction trains, the rest evaluates"))
+    train_fraction: float = field(
+        default=0.8, metadata=_help("click-log files: the first fraction trains, the rest evaluates")
+    )
     epochs: int = field(default=1, metadata=_help("passes over the training data"))
-    sparse_optimizer: str = field(default="adagrad", metadata=_help("optimizer the shards run: sgd, adagrad, adam, ftrl"))
+    sparse_optimizer: str = field(
+        default="adagrad", metadata=_help("optimizer the shards run: sgd, adagrad, adam, ftrl")
+    )
     sparse_lr: float = field(default=0.1, metadata=_help("learning rate of the sparse optimizer"))
     dense_lr: float = field(default=2e-3, metadata=_help("Adam learning rate of the dense tower"))
     mode: str = field(default="pipelined", metadata=_help("pipelined (lookups ahead, async pushes) or sync (exact)"))
@@ -85,7 +93,10 @@ class TrainerConfig:
             (self.dim >= 1 and self.batch_size >= 1 and self.epochs >= 1, "dim, batch_size and epochs must be >= 1"),
             (self.num_shards >= 1, f"num_shards={self.num_shards}: must be >= 1"),
             (0 < self.train_fraction < 1, f"train_fraction={self.train_fraction}: must be in (0, 1)"),
-            (self.data == "synthetic" or Path(self.data).is_file(), f"data={self.data!r}: not 'synthetic' and no such file"),
+            (
+                self.data == "synthetic" or Path(self.data).is_file(),
+                f"data={self.data!r}: not 'synthetic' and no such file",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -149,7 +160,9 @@ def _count_lines(path: Path) -> int:
     return count + (last != b"\n")
 
 
-def evaluate(emb: DistributedEmbedding, model: torch.nn.Module, batches: Sequence[Batch], device: torch.device) -> dict[str, float]:
+def evaluate(
+    emb: DistributedEmbedding, model: torch.nn.Module, batches: Sequence[Batch], device: torch.device
+) -> dict[str, float]:
     """AUC and logloss of ``model`` on ``batches`` (no pushes; rows as the shards hold them now)."""
     emb.eval()
     model.eval()
@@ -243,7 +256,9 @@ def _loop(config: TrainerConfig, d: Dist, emb: DistributedEmbedding, model: torc
         t4 = time.perf_counter()
         optimizer.step()
         t5 = time.perf_counter()
-        for k, a, b in zip(("data", "lookup", "forward", "backward", "step"), (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
+        for k, a, b in zip(
+            ("data", "lookup", "forward", "backward", "step"), (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)
+        ):
             phases[k] += b - a
         step += 1
         samples += cur.batch_size

@@ -64,7 +64,9 @@ def local_embeddings(weights: dict[str, torch.nn.Parameter], batch: dict[str, Ja
         if f.pooling == "none":
             out[f.name] = w.index_select(0, ids.values)
         else:
-            out[f.name] = F.embedding_bag(ids.values, w, ids.offsets[:-1], mode=f.pooling, per_sample_weights=ids.weights)
+            out[f.name] = F.embedding_bag(
+                ids.values, w, ids.offsets[:-1], mode=f.pooling, per_sample_weights=ids.weights
+            )
     return out
 
 
@@ -117,6 +119,8 @@ def test_parity_sync_training_matches_local_embedding_bag(
 
     for name, w in weights.items():
         np.testing.assert_allclose(ps_rows[name], w.detach().numpy(), rtol=rtol, atol=0 if rtol == 0 else 1e-7)
-        assert not np.allclose(ps_rows[name], initial_rows(InitializerParams(), tables[0 if name == "a" else 1].seed, keys, DIM))
+        assert not np.allclose(
+            ps_rows[name], initial_rows(InitializerParams(), tables[0 if name == "a" else 1].seed, keys, DIM)
+        )
     for p, q in zip(tower.parameters(), twin.parameters()):
         np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=rtol * 5, atol=0 if rtol == 0 else 1e-6)

@@ -223,10 +223,14 @@ def test_real_avazu_sample() -> None:
 
 
 def test_avazu_preset_small_csv(tmp_path: Path) -> None:
-    header = ("id,click,hour,C1,banner_pos,site_id,site_domain,site_category,app_id,app_domain,app_category,"
-              "device_id,device_ip,device_model,device_type,device_conn_type,C14,C15,C16,C17,C18,C19,C20,C21")
-    row = ("1000009418151094273,1,14102100,1005,0,1fbe01fe,f3845767,28905ebd,ecad2386,7801e8d9,07d7df22,"
-           "a99f214a,ddd2926e,44956a24,1,2,15706,320,50,1722,0,35,-1,79")
+    header = (
+        "id,click,hour,C1,banner_pos,site_id,site_domain,site_category,app_id,app_domain,app_category,"
+        "device_id,device_ip,device_model,device_type,device_conn_type,C14,C15,C16,C17,C18,C19,C20,C21"
+    )
+    row = (
+        "1000009418151094273,1,14102100,1005,0,1fbe01fe,f3845767,28905ebd,ecad2386,7801e8d9,07d7df22,"
+        "a99f214a,ddd2926e,44956a24,1,2,15706,320,50,1722,0,35,-1,79"
+    )
     p = tmp_path / "a.csv"
     p.write_text(header + "\r\n" + row + "\r\n")
     (b,) = list(read_click_log(p, ColumnSchema.avazu(), 8))
