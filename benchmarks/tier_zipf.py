@@ -123,7 +123,8 @@ def in_process(work: Workload, durability: str | None, tmp: Path) -> dict[str, A
     def step(seq: int, keys: npt.NDArray[np.int64]) -> None:
         table.lookup(keys)
         shard.after_request()
-        shard.push([(table, keys, work.grads[: keys.shape[0]])], "bench", seq)
+        table.push(keys, work.grads[: keys.shape[0]], client_id="bench", seq=seq)
+        shard.after_request()
 
     for seq, keys in enumerate(work.batches[: work.warmup], 1):
         step(seq, keys)

@@ -268,8 +268,22 @@ class TableStats(_message.Message):
     rows_written: int
     def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_created: _Optional[int] = ..., resident_rows: _Optional[int] = ..., spilled_rows: _Optional[int] = ..., bytes_per_resident_row: _Optional[float] = ..., ram_hits: _Optional[int] = ..., ram_misses: _Optional[int] = ..., ram_hit_rate: _Optional[float] = ..., rows_spilled: _Optional[int] = ..., rows_faulted_in: _Optional[int] = ..., spill_rows_per_s: _Optional[float] = ..., fault_in_rows_per_s: _Optional[float] = ..., lookups_not_admitted: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rows_expired: _Optional[int] = ..., rows_evicted_rare: _Optional[int] = ..., admission_bytes: _Optional[int] = ..., rows_written: _Optional[int] = ...) -> None: ...
 
+class LoopFailure(_message.Message):
+    __slots__ = ("loop", "error", "failures", "first_failure_unix_s", "last_failure_unix_s")
+    LOOP_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FAILURE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    loop: str
+    error: str
+    failures: int
+    first_failure_unix_s: float
+    last_failure_unix_s: float
+    def __init__(self, loop: _Optional[str] = ..., error: _Optional[str] = ..., failures: _Optional[int] = ..., first_failure_unix_s: _Optional[float] = ..., last_failure_unix_s: _Optional[float] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
-    __slots__ = ("shard", "num_shards", "mode", "uptime_s", "tables", "duplicate_pushes", "memory_budget_bytes", "resident_bytes", "durability", "writable", "storage_error", "last_durable_unix_s")
+    __slots__ = ("shard", "num_shards", "mode", "uptime_s", "tables", "duplicate_pushes", "memory_budget_bytes", "resident_bytes", "durability", "writable", "storage_error", "last_durable_unix_s", "failing_loops")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +296,7 @@ class StatsResponse(_message.Message):
     WRITABLE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_DURABLE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    FAILING_LOOPS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     mode: str
@@ -294,7 +309,8 @@ class StatsResponse(_message.Message):
     writable: bool
     storage_error: str
     last_durable_unix_s: float
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., durability: _Optional[str] = ..., writable: _Optional[bool] = ..., storage_error: _Optional[str] = ..., last_durable_unix_s: _Optional[float] = ...) -> None: ...
+    failing_loops: _containers.RepeatedCompositeFieldContainer[LoopFailure]
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., durability: _Optional[str] = ..., writable: _Optional[bool] = ..., storage_error: _Optional[str] = ..., last_durable_unix_s: _Optional[float] = ..., failing_loops: _Optional[_Iterable[_Union[LoopFailure, _Mapping]]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("path",)

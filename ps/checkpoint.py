@@ -1,4 +1,9 @@
-"""Where the ``Checkpoint`` RPC may write: only under the shard's checkpoint root.
+"""Checkpoints of a shard: where the ``Checkpoint`` RPC may write, and writing one.
+
+``write_checkpoint`` writes a consistent cut of a shard's tables: with a data
+directory, every table is held (``Table.held``) while its dirty rows and ledger are
+flushed and RocksDB takes a checkpoint (hard links) plus ``manifest.json``; without
+one, the tables' rows are written into a new data directory at the path.
 
 A caller names a directory; the shard writes a RocksDB checkpoint there. Left
 unchecked, that is a remote "create a directory anywhere this process may write"
@@ -27,12 +32,33 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
+from typing import Any
 
+from google.protobuf import json_format
+
+from ps import optimizers
+from ps.config import spec_to_proto
 from ps.errors import InvalidRequest, NotConfigured
+from ps.storage import FORMAT_VERSION, DataDirError, Storage, StorageFailed, read_manifest, write_manifest
+from ps.table import Table, held_tables
 
-__all__ = ["MAX_PATH_BYTES", "next_version_path", "require_root", "resolve_checkpoint_path"]
+__all__ = [
+    "MAX_PATH_BYTES",
+    "copy_checkpoint",
+    "next_version_path",
+    "require_root",
+    "resolve_checkpoint_path",
+    "write_checkpoint",
+]
+
+log = logging.getLogger(__name__)
 
 MAX_PATH_BYTES = 4095  # PATH_MAX (4096) less the terminating NUL
 _MAX_NAME_BYTES = 255  # NAME_MAX
@@ -93,3 +119,101 @@ def next_version_path(root: Path) -> Path:
     """``root/NNNNNN``, one above the highest numbered checkpoint directory in ``root``."""
     versions = [int(p.name) for p in root.glob("[0-9]*") if p.name.isdigit()] if root.is_dir() else []
     return root / f"{max(versions, default=0) + 1:06d}"
+
+
+def write_checkpoint(
+    path: Path,
+    tables: list[Table],
+    storage: Storage | None,
+    *,
+    shard: int,
+    num_shards: int,
+    data_dir_failed: Callable[[StorageFailed], None],
+) -> dict[str, Any]:
+    """Write a consistent checkpoint of ``tables`` at ``path`` (from
+    ``resolve_checkpoint_path``: absolute, not existing) and return its manifest.
+
+    With ``storage`` (the shard's data directory) pushes wait while the tables are held,
+    flushed and checkpointed; a flush that fails calls ``data_dir_failed`` (the data
+    directory itself refused a write) before ``StorageFailed`` is raised. Without, the
+    rows in RAM are written into a new data directory at ``path``. Raises
+    ``StorageFailed`` when the checkpoint cannot be written; nothing is left at ``path``
+    then.
+    """
+    manifest: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "shard": shard,
+        "num_shards": num_shards,
+        "version": path.name,
+        "created_unix_s": time.time(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "tables": [json_format.MessageToDict(spec_to_proto(t.spec)) for t in tables],
+    }
+    existed = os.path.lexists(path)
+    try:
+        if storage is None:
+            manifest["rows"] = _write_ram_tables(path, tables, shard, num_shards)
+            write_manifest(path, manifest)
+        else:
+            with held_tables(tables) as held:
+                for h in held:
+                    try:
+                        h.flush(metadata=True)
+                    except StorageFailed as exc:
+                        data_dir_failed(exc)
+                        raise
+                manifest["rows"] = {h.table.spec.name: h.rows for h in held}
+                # A checkpoint directory that cannot be written is not the data dir failing.
+                storage.checkpoint(path, manifest)
+    except BaseException:
+        if not existed and os.path.lexists(path):
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+    log.info("checkpoint written path=%s tables=%d", path, len(tables))
+    return manifest
+
+
+def _write_ram_tables(path: Path, tables: list[Table], shard: int, num_shards: int) -> dict[str, int]:
+    """Write the tables of a shard without a data directory into a new one at ``path``;
+    returns rows written per table."""
+    rows: dict[str, int] = {}
+    try:
+        path.mkdir(parents=True)
+    except OSError as exc:
+        raise StorageFailed(f"cannot create checkpoint directory {path}: {exc.strerror}") from None
+    with Storage(path, shard=shard, num_shards=num_shards) as out:
+        for t in tables:
+            out.save_spec(t.spec.name, spec_to_proto(t.spec).SerializeToString())
+            target = out.table(t.spec.name, t.dim, optimizers.state_width(t.spec.optimizer, t.dim))
+            rows[t.spec.name] = t.write_to(target, out)
+        out.flush_memtables()
+    (path / "ps.lock").unlink(missing_ok=True)
+    return rows
+
+
+def copy_checkpoint(checkpoint: Path, data_dir: Path) -> None:
+    """Make ``data_dir`` start from ``checkpoint``: its ``db/`` is hard-linked (copied where
+    links are impossible) into ``data_dir/db``. ``DataDirError`` if ``data_dir`` has data."""
+    checkpoint, data_dir = Path(checkpoint), Path(data_dir)
+    read_manifest(checkpoint)
+    if (data_dir / "db").exists():
+        raise DataDirError(
+            f"--restore-from {checkpoint}: data dir {data_dir} already has a db/: restore into an empty "
+            "--data-dir (or remove its db/ to overwrite it)"
+        )
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = data_dir / f".db.restore.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    def link_or_copy(src: str, dst: str) -> None:
+        # RocksDB never modifies an SST file once written, so sharing one by hard link is
+        # safe; the WAL and MANIFEST may be appended to, so those are copied.
+        if src.endswith(".sst"):
+            with contextlib.suppress(OSError):
+                os.link(src, dst)
+                return
+        shutil.copy2(src, dst)
+
+    shutil.copytree(checkpoint / "db", tmp, copy_function=link_or_copy)
+    tmp.rename(data_dir / "db")
+    log.info("restored %s into %s at %s", checkpoint, data_dir, time.strftime("%Y-%m-%dT%H:%M:%S"))

@@ -34,7 +34,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -53,7 +52,7 @@ from protos import ps_pb2 as pb
 from ps import optimizers
 from ps.config import TableSpec, spec_from_proto, spec_to_proto
 from ps.storage import FORMAT_VERSION, DataDirError, Storage, pack_records, read_manifest, write_manifest
-from ps.table import Table
+from ps.table import Table, held_tables
 
 __all__ = ["RescueTable", "StopReport", "apply_rescue", "is_rescue_dump", "save_rescue", "write_rescue"]
 
@@ -96,7 +95,10 @@ def write_rescue(
                     "spec": json_format.MessageToDict(spec_to_proto(t.spec)),
                     "rows": int(keys.shape[0]),
                     "width": int(records.shape[1]),
-                    "crc32": {"keys": _write_synced(path / f"{i}.keys", keys), "rows": _write_synced(path / f"{i}.rows", records)},
+                    "crc32": {
+                        "keys": _write_synced(path / f"{i}.keys", keys),
+                        "rows": _write_synced(path / f"{i}.rows", records),
+                    },
                     "ledgers": {client: data.hex() for client, data in sorted(t.ledgers.items())},
                 }
             )
@@ -148,13 +150,11 @@ def save_rescue(
 ) -> StopReport:
     """Write the rows of ``tables`` not on disk, and their ledgers, to the first of
     ``places`` that takes them (a stopping shard whose data dir failed with ``error``).
-    Takes each table's lock while copying; logs the outcome at ERROR."""
-    with contextlib.ExitStack() as held:
-        for t in tables:  # sorted by name, as every thread takes them
-            held.enter_context(t._lock)
+    Holds every table while copying; logs the outcome at ERROR."""
+    with held_tables(tables) as held:
         parts = [
-            RescueTable(t.spec, *t.unpersisted_locked(), {c: t.ledger.encode(c) for c in t.ledger.clients()})
-            for t in tables
+            RescueTable(h.table.spec, *h.unpersisted(), {c: h.table.ledger.encode(c) for c in h.table.ledger.clients()})
+            for h in held
         ]
     rows = sum(p.keys.shape[0] for p in parts)
     failures = []
@@ -235,7 +235,9 @@ def apply_rescue(dump: Path, storage: Storage) -> dict[str, int]:
         records = _read_checked(dump / f"{i}.rows", entry["crc32"]["rows"], np.dtype("<f4"), entry["rows"] * width)
         if entry["width"] != width:
             raise DataDirError(f"{dump}: table {spec.name!r} rows are {entry['width']} words wide, expected {width}")
-        plan.append((spec, keys, records.reshape(-1, width), {c: bytes.fromhex(h) for c, h in entry["ledgers"].items()}))
+        plan.append(
+            (spec, keys, records.reshape(-1, width), {c: bytes.fromhex(h) for c, h in entry["ledgers"].items()})
+        )
     written: dict[str, int] = {}
     for spec, keys, records, ledgers in plan:
         rows = storage.table(spec.name, spec.dim, optimizers.state_width(spec.optimizer, spec.dim))
@@ -245,7 +247,9 @@ def apply_rescue(dump: Path, storage: Storage) -> dict[str, int]:
                 for client, data in ledgers.items():
                     rows.put_ledger(batch, client, data)
             chunk = rows.decode(records[start : start + _CHUNK_ROWS].tobytes(), min(_CHUNK_ROWS, keys.shape[0] - start))
-            rows.put(batch, keys[start : start + _CHUNK_ROWS], chunk.values, chunk.state, chunk.last_access, chunk.frequency)
+            rows.put(
+                batch, keys[start : start + _CHUNK_ROWS], chunk.values, chunk.state, chunk.last_access, chunk.frequency
+            )
             storage.commit(batch)
         written[spec.name] = int(keys.shape[0])
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -284,4 +288,3 @@ def _fsync_dir(path: Path) -> None:
 
 def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
-

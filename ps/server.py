@@ -11,22 +11,28 @@ Example:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ps.checkpoint import copy_checkpoint
 from ps.config import Durability, ServerConfig
-from ps.servicer import SERVICE_NAME, Servicer
 from ps.rescue import StopReport, apply_rescue, is_rescue_dump
+from ps.servicer import SERVICE_NAME, Servicer
 from ps.shard import Shard
-from ps.storage import DataDirError, Storage, StorageFailed, copy_checkpoint
+from ps.storage import DataDirError, Storage, StorageFailed
 
-__all__ = ["WRITE_HEALTH_SERVICE", "PSServer", "build_server", "open_shard"]
+__all__ = ["BACKGROUND_HEALTH_SERVICE", "WRITE_HEALTH_SERVICE", "PSServer", "build_server", "open_shard"]
 
 WRITE_HEALTH_SERVICE = SERVICE_NAME + ".Writes"
 """Health service name that is NOT_SERVING while the shard refuses writes (storage failed)."""
+
+BACKGROUND_HEALTH_SERVICE = SERVICE_NAME + ".Background"
+"""Health service name that is NOT_SERVING while a background loop of the shard (evictor,
+interval flush, TTL sweep, storage recovery) is failing; ``Stats.failing_loops`` says which."""
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +123,17 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
         shard.shutdown()
         raise RuntimeError(f"cannot listen on {config.listen}: address in use or not available")
     server.start()
-    for service in ("", SERVICE_NAME, WRITE_HEALTH_SERVICE):
+    for service in ("", SERVICE_NAME, WRITE_HEALTH_SERVICE, BACKGROUND_HEALTH_SERVICE):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
 
-    def writes(ok: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
-        health_servicer.set(WRITE_HEALTH_SERVICE, status)
+    def listener(service: str) -> Callable[[bool], None]:
+        def set_status(ok: bool) -> None:
+            status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            health_servicer.set(service, status)
 
-    shard.on_writable_change(writes)
+        return set_status
+
+    shard.on_writable_change(listener(WRITE_HEALTH_SERVICE))
+    shard.health.on_change(listener(BACKGROUND_HEALTH_SERVICE))
     shard.start()
     return PSServer(server, port, shard, health_servicer)

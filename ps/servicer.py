@@ -1,4 +1,4 @@
-"""gRPC handlers: decode the request, call the ``Shard``, encode the response.
+"""gRPC handlers: decode the request, call one ``Shard`` method, encode the response.
 
 Every handler runs inside ``status_boundary``: a ``ShardError`` becomes its status
 code with its message, a malformed message becomes INVALID_ARGUMENT, and anything
@@ -6,8 +6,9 @@ else becomes INTERNAL with the traceback in the shard's log. Requests are decode
 inside the handler (the registered deserializers pass bytes through) so that even
 undecodable bytes get a status a person can act on.
 
-``Lookup`` gathers rows straight into the encoded response, and ``Push`` reads
-gradients straight out of the request bytes (see ``protos.wire``).
+``Lookup`` answers with the bytes ``Shard.lookup`` gathered the rows into, and
+``Push`` hands the shard views of the gradients in the request bytes (see
+``protos.wire``): rows are never copied on their way between the wire and a table.
 """
 
 from __future__ import annotations
@@ -15,20 +16,17 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from protos import ps_pb2 as pb
 from protos import wire
 from ps.config import spec_from_proto, spec_to_proto
-from ps.errors import RequestTooLarge, ShardError
+from ps.errors import ShardError
 from ps.shard import Shard
-from ps.table import Table
 
 __all__ = ["SERVICE_NAME", "Servicer", "spec_from_proto", "spec_to_proto", "status_boundary"]
 
@@ -88,128 +86,39 @@ class Servicer:
 
     def CreateTable(self, request: bytes, context: grpc.ServicerContext) -> pb.CreateTableResponse:
         with status_boundary(context, "CreateTable"):
-            msg = pb.CreateTableRequest.FromString(request)
-            spec = spec_from_proto(msg.spec)
-            created = self._shard.create_table(spec)
-            return pb.CreateTableResponse(created=created, spec=spec_to_proto(spec))
+            spec = spec_from_proto(pb.CreateTableRequest.FromString(request).spec)
+            return pb.CreateTableResponse(created=self._shard.create_table(spec), spec=spec_to_proto(spec))
         raise AssertionError("unreachable: status_boundary aborts")
 
     def ListTables(self, request: bytes, context: grpc.ServicerContext) -> pb.ListTablesResponse:
         with status_boundary(context, "ListTables"):
             pb.ListTablesRequest.FromString(request)  # no fields, but bytes that do not decode are refused
+            specs = self._shard.specs()
             return pb.ListTablesResponse(
-                tables=[spec_to_proto(t.spec) for t in self._shard.tables()],
-                shard=self._shard.index,
-                num_shards=self._shard.num_shards,
+                tables=[spec_to_proto(s) for s in specs], shard=self._shard.index, num_shards=self._shard.num_shards
             )
         raise AssertionError("unreachable: status_boundary aborts")
 
     def Lookup(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         with status_boundary(context, "Lookup"):
-            msg = pb.LookupRequest.FromString(request)
-            self._shard.check_request(msg.num_shards, msg.shard if msg.HasField("shard") else None)
-            plan: list[tuple[Table, np.ndarray, int]] = []
-            total = 0
-            for i, entry in enumerate(msg.entries):
-                self._shard.check_table_field(entry.table, f"entries[{i}].table")
-                table = self._shard.table(entry.table)
-                keys = wire.decode_keys(entry.keys, f"entries[{i}].keys (table {entry.table!r})")
-                dtype = entry.dtype or wire.FLOAT32
-                total += keys.shape[0] * table.dim * wire.dtype_itemsize(dtype, f"entries[{i}].dtype")
-                plan.append((table, keys, dtype))
-            if total > self._max_bytes - 4096:
-                raise RequestTooLarge(
-                    f"Lookup response would be {total} bytes, over this shard's max_message_bytes="
-                    f"{self._max_bytes}: send fewer keys per request"
-                )
-            writer = wire.LookupResponseWriter([(t.spec.name, k.shape[0], t.dim, dt) for t, k, dt in plan])
-            create = self._shard.mode == "train"
-            for i, (table, keys, dtype) in enumerate(plan):
-                out = writer.rows(i)
-                if dtype == wire.FLOAT32:
-                    table.lookup(keys, out, create=create)  # type: ignore[arg-type]
-                else:
-                    out[:] = wire.rows_to_dtype(table.lookup(keys, create=create), dtype)
-            self._shard.after_request()
-            return writer.finish()
+            # The shard gathers the rows straight into the encoded response.
+            return self._shard.lookup(pb.LookupRequest.FromString(request), self._max_bytes)
         raise AssertionError("unreachable: status_boundary aborts")
 
     def Push(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:
         with status_boundary(context, "Push"):
-            msg = wire.decode_push_request(request)
-            self._shard.check_request(msg.num_shards, msg.shard)
-            self._shard.check_writable()
-            batch = []
-            for i, entry in enumerate(msg.entries):
-                self._shard.check_table_field(entry.table, f"entries[{i}].table")
-                table = self._shard.table(entry.table)
-                field = f"entries[{i}] (table {entry.table!r})"
-                keys = wire.decode_keys(entry.keys, f"{field}.keys")
-                grads = wire.decode_rows(entry.grads, keys.shape[0], table.dim, entry.dtype, f"{field}.grads")
-                table.validate_grads(keys, grads)
-                batch.append((table, keys, grads))
-            # Every entry was validated above, before anything is applied.
-            applied, rows = self._shard.push(batch, msg.client_id, msg.seq)
+            applied, rows = self._shard.push(wire.decode_push_request(request))
             return pb.PushResponse(applied=applied, rows_updated=rows)
         raise AssertionError("unreachable: status_boundary aborts")
 
     def Stats(self, request: bytes, context: grpc.ServicerContext) -> pb.StatsResponse:
         with status_boundary(context, "Stats"):
             pb.StatsRequest.FromString(request)  # no fields, but bytes that do not decode are refused
-            shard = self._shard
-            tables = []
-            for t in shard.tables():
-                c = t.counters
-                resident = len(t)
-                seen = c.ram_hits + c.ram_misses
-                spill_rate, fault_rate = shard.rates(t.spec.name)
-                tables.append(
-                    pb.TableStats(
-                        name=t.spec.name,
-                        dim=t.dim,
-                        rows=resident + t.spilled,
-                        memory_bytes=t.memory_bytes(),
-                        lookups=c.lookups,
-                        pushes=c.pushes,
-                        rows_created=c.rows_created,
-                        resident_rows=resident,
-                        spilled_rows=t.spilled,
-                        bytes_per_resident_row=t.bytes_per_row,
-                        ram_hits=c.ram_hits,
-                        ram_misses=c.ram_misses,
-                        ram_hit_rate=c.ram_hits / seen if seen else 1.0,
-                        rows_spilled=c.rows_spilled,
-                        rows_faulted_in=c.rows_faulted_in,
-                        spill_rows_per_s=spill_rate,
-                        fault_in_rows_per_s=fault_rate,
-                        lookups_not_admitted=c.lookups_not_admitted,
-                        pushes_dropped=c.pushes_dropped,
-                        rows_expired=c.rows_expired,
-                        rows_evicted_rare=c.rows_evicted_rare,
-                        admission_bytes=t.admission_bytes(),
-                        rows_written=c.rows_written,
-                    )
-                )
-            return pb.StatsResponse(
-                shard=shard.index,
-                num_shards=shard.num_shards,
-                mode=shard.mode,
-                uptime_s=time.monotonic() - shard.started,
-                tables=tables,
-                duplicate_pushes=shard.duplicate_pushes(),
-                memory_budget_bytes=shard.memory_budget_bytes,
-                resident_bytes=shard.resident_bytes(),
-                durability=str(shard.durability) if shard.storage is not None else "",
-                writable=shard.writable,
-                storage_error=shard.storage_error,
-                last_durable_unix_s=shard.last_durable if shard.storage is not None else 0.0,
-            )
+            return self._shard.stats()
         raise AssertionError("unreachable: status_boundary aborts")
 
     def Checkpoint(self, request: bytes, context: grpc.ServicerContext) -> pb.CheckpointResponse:
         with status_boundary(context, "Checkpoint"):
-            msg = pb.CheckpointRequest.FromString(request)
-            self._shard.check_request(0)  # refuses while shutting down
-            path, manifest = self._shard.checkpoint(msg.path or None)
+            path, manifest = self._shard.checkpoint(pb.CheckpointRequest.FromString(request).path or None)
             return pb.CheckpointResponse(path=str(path), manifest_json=json.dumps(manifest, sort_keys=True))
         raise AssertionError("unreachable: status_boundary aborts")

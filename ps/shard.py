@@ -1,18 +1,26 @@
-"""One shard: its tables by name, its place in the cluster, its data directory.
+"""One shard: its tables by name, its mode, its place in the cluster, its data directory.
 
-``Shard`` is what the gRPC servicer talks to, and what tests can drive without a
+``Shard`` is what the gRPC servicer talks to, one method per RPC (``create_table``,
+``lookup``, ``push``, ``stats``, ``checkpoint``), and what tests can drive without a
 network. It checks that a request was routed for this cluster's size, resolves table
-names, runs pushes through each table's exactly-once ledger, and (with a
-``Storage``) keeps the tables within the memory budget, writes them out as the
-durability mode says, expires rows, and takes checkpoints.
+names and validates every entry before anything is applied, runs pushes through each
+table's exactly-once ledger, and (with a ``Storage``) keeps the tables within the
+memory budget, writes them out as the durability mode says, expires rows, and takes
+checkpoints (``ps.checkpoint``).
+
+Modes: a ``train`` shard creates the row of a key on its first lookup and takes
+pushes; a ``serve`` shard reads a key without a row as zeros (the table default) and
+stores nothing, and refuses pushes with ``WrongMode`` (FAILED_PRECONDITION).
 
 A storage failure (disk full, I/O error) makes the shard read-only: pushes get
 UNAVAILABLE, lookups keep working, nothing is evicted any more (RAM may grow past the
 budget rather than drop a row it cannot write), and ``writable`` listeners hear it
-(the server flips a health status). The maintenance thread then retries, with
-backoff (0.5 s doubling to 5 s): it reopens RocksDB (which refuses every write after
-a failed one) and writes what was held back; once that succeeds the shard is
-writable again and the listeners hear that too. Nothing needs a restart.
+(the server flips a health status). The maintenance thread then retries until the
+data dir takes writes again (``ps.recovery``). Nothing needs a restart.
+
+Background loops (the evictor thread; the maintenance thread's interval flush, TTL
+sweep and storage recovery) report each run to ``health`` (``ps.background``): a
+failing loop is in ``stats()`` and its listeners hear it, until a run succeeds.
 
 Stopping (``shutdown``) writes every dirty row. If the data dir refuses that, the
 shard keeps retrying for its grace period; then, if rows changed by acknowledged
@@ -25,63 +33,76 @@ Example:
     >>> shard = Shard(index=0, num_shards=1)
     >>> shard.create_table(TableSpec("item", dim=8))
     True
-    >>> shard.table("item").dim
+    >>> request = pb.LookupRequest(entries=[pb.LookupEntry(table="item", keys=wire.encode_keys([3, 4]))])
+    >>> wire.decode_lookup_response(shard.lookup(request, max_response_bytes=1 << 20))[0].dim
     8
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
-import shutil
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
-from google.protobuf import json_format
 
 from protos import ps_pb2 as pb
+from protos import wire
 from ps import optimizers
+from ps.background import EVICTOR, INTERVAL_FLUSH, STORAGE_RECOVERY, TTL_SWEEP, LoopHealth, RateWindow
+from ps.checkpoint import next_version_path, require_root, resolve_checkpoint_path, write_checkpoint
 from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
-from ps.checkpoint import next_version_path, require_root, resolve_checkpoint_path
-from ps.errors import InvalidRequest, ShardMismatch, ShuttingDown, TableExists, UnknownTable, WrongMode
+from ps.errors import (
+    InvalidRequest,
+    RequestTooLarge,
+    ShardMismatch,
+    ShuttingDown,
+    TableExists,
+    UnknownTable,
+    WrongMode,
+)
 from ps.ledger import PushLedger
 from ps.lifecycle import now_tick
+from ps.recovery import StorageHealth
 from ps.rescue import StopReport, save_rescue
-from ps.storage import FORMAT_VERSION, Storage, StorageFailed, write_manifest
-from ps.table import Table
+from ps.storage import Storage, StorageFailed
+from ps.table import Table, held_tables
 
-__all__ = ["PushLedger", "Shard", "StopReport"]
+__all__ = ["MODES", "Mode", "PushLedger", "Shard", "StopReport"]
 
 log = logging.getLogger(__name__)
 
-# Retries of a failed storage: the first after _RETRY_FIRST_S, then twice as long each
-# time up to _RETRY_MAX_S (each try reopens RocksDB, which replays its write-ahead log).
-_RETRY_FIRST_S = 0.5
-_RETRY_MAX_S = 5.0
+Mode = Literal["train", "serve"]
+MODES: tuple[Mode, ...] = ("train", "serve")
 
 # Above _HIGH_WATER of the budget the evictor thread spills rows down to _LOW_WATER, in
 # the background; a request that finds the budget itself exceeded waits for it.
 _HIGH_WATER = 0.97
 _LOW_WATER = 0.92
-_RATE_WINDOW_S = 10.0
+
+# What a Lookup response may need beyond its rows (table names, field headers).
+_RESPONSE_OVERHEAD_BYTES = 4096
+
+_DEFAULT_DURABILITY = Durability("interval", 5.0)
 
 
 class Shard:
-    """Tables, cluster identity and storage of one shard. Thread-safe.
+    """Tables, mode, cluster identity and storage of one shard. Thread-safe.
 
     ``storage``: the opened data directory (tables stored there are recreated at
     once; their rows come back from disk when first used). ``memory_budget_bytes``
     (needs storage): resident bytes above which rows are spilled; 0 = no limit.
     ``checkpoint_root``: the only directory checkpoints may be written under (see
     ``ps.checkpoint``); default ``<data dir>/checkpoints``, none without storage.
+    ``mode``: ``"train"`` or ``"serve"`` (see the module docstring).
     """
 
     def __init__(
@@ -89,9 +110,11 @@ class Shard:
         index: int,
         num_shards: int,
         storage: Storage | None = None,
-        durability: Durability = Durability("interval", 5.0),
+        durability: Durability = _DEFAULT_DURABILITY,
         memory_budget_bytes: int = 0,
         checkpoint_root: Path | None = None,
+        *,
+        mode: Mode = "train",
     ) -> None:
         if not 0 <= index < num_shards:
             raise ValueError(f"shard={index}: not in [0, num_shards={num_shards})")
@@ -99,7 +122,7 @@ class Shard:
             raise ValueError("memory_budget_bytes needs storage to spill rows to")
         self.index = index
         self.num_shards = num_shards
-        self.mode = "train"
+        self.mode = mode
         self.storage = storage
         self.durability = durability
         self.memory_budget_bytes = memory_budget_bytes
@@ -108,20 +131,16 @@ class Shard:
         if checkpoint_root is None and storage is not None:
             checkpoint_root = storage.path / "checkpoints"
         self.checkpoint_root = Path(checkpoint_root).absolute() if checkpoint_root is not None else None
+        self.health = LoopHealth()
         self.started = time.monotonic()
-        self.writable = True
-        self.storage_error = ""
         self.last_durable = time.time()
-        self._failed_at = 0.0
-        self._retry_at = 0.0
-        self._retry_delay_s = _RETRY_FIRST_S
+        self._storage_health = StorageHealth(index)
         self._tables: dict[str, Table] = {}
         self._lock = threading.Lock()
         self._evict_lock = threading.Lock()
         self._checkpoint_lock = threading.Lock()
         self._closing = False
-        self._listeners: list[Callable[[bool], None]] = []
-        self._rates: deque[tuple[float, dict[str, tuple[int, int]]]] = deque()
+        self._rates = RateWindow()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._evictor: threading.Thread | None = None
@@ -131,6 +150,32 @@ class Shard:
                 self._tables[name] = self._new_table(spec_from_proto(pb.TableSpec.FromString(blob)))
             if self._tables:
                 log.info("reopened %d tables from %s: %s", len(self._tables), storage.path, ", ".join(self._tables))
+
+    @property
+    def mode(self) -> Mode:
+        """``"train"`` or ``"serve"``; may be switched while the shard runs (a request reads
+        it once, so one in flight finishes in the mode it read)."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: Mode) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
+        self._mode = mode
+
+    @property
+    def writable(self) -> bool:
+        """False while the data dir refuses writes (pushes are refused meanwhile)."""
+        return self._storage_health.writable
+
+    @property
+    def storage_error(self) -> str:
+        """The latest storage error while not ``writable``, else ""."""
+        return self._storage_health.error
+
+    def on_writable_change(self, listener: Callable[[bool], None]) -> None:
+        """Call ``listener(writable)`` when the shard starts or stops accepting writes."""
+        self._storage_health.on_change(listener)
 
     def _new_table(self, spec: TableSpec) -> Table:
         if self.storage is None:
@@ -152,8 +197,7 @@ class Shard:
                 diff = existing.spec.differences(spec)
                 if diff:
                     raise TableExists(
-                        f"table {spec.name!r} exists with a different spec: {'; '.join(diff)} "
-                        "(existing != requested)"
+                        f"table {spec.name!r} exists with a different spec: {'; '.join(diff)} (existing != requested)"
                     )
                 return False
             if self.storage is not None:
@@ -176,14 +220,17 @@ class Shard:
         with self._lock:
             return [self._tables[n] for n in sorted(self._tables)]
 
+    def specs(self) -> list[TableSpec]:
+        """The spec of every table, sorted by name."""
+        return [t.spec for t in self.tables()]
+
     def check_request(self, num_shards: int, shard: int | None = None) -> None:
         """Raise unless a request routed for ``num_shards`` shards (to ``shard``) may run here now."""
         if self._closing:
             raise ShuttingDown(f"shard {self.index} is shutting down")
         if shard is not None and shard != self.index:
             raise ShardMismatch(
-                f"request for shard {shard} reached shard {self.index}: the client's address list "
-                "is not in shard order"
+                f"request for shard {shard} reached shard {self.index}: the client's address list is not in shard order"
             )
         if num_shards and num_shards != self.num_shards:
             raise ShardMismatch(
@@ -194,14 +241,9 @@ class Shard:
     def check_writable(self) -> None:
         """Raise ``WrongMode`` if this shard refuses pushes (serving mode), ``StorageFailed``
         if its storage failed."""
-        if self.mode != "train":
-            raise WrongMode(f"shard {self.index} is read-only (mode={self.mode}): pushes are refused")
-        if not self.writable:
-            raise StorageFailed(
-                f"shard {self.index} refuses writes since its storage failed ({self.storage_error}); "
-                "lookups still work. It retries by itself and takes pushes again once its writes succeed: "
-                "free space or fix the data dir, then retry the push"
-            )
+        if self._mode != "train":
+            raise WrongMode(f"shard {self.index} is read-only (mode={self._mode}): pushes are refused")
+        self._storage_health.check()
 
     @staticmethod
     def check_table_field(name: str, field: str) -> None:
@@ -209,17 +251,68 @@ class Shard:
         if not name:
             raise InvalidRequest(f"{field}: table name is empty")
 
+    def _entry_table(self, name: str, i: int) -> Table:
+        self.check_table_field(name, f"entries[{i}].table")
+        return self.table(name)
+
     # -- requests ------------------------------------------------------------------------
 
-    def push(
-        self, entries: list[tuple[Table, npt.NDArray[np.int64], npt.NDArray[np.float32]]], client_id: str, seq: int
-    ) -> tuple[bool, int]:
-        """Apply validated ``(table, keys, grads)`` entries once per ``(client_id, seq)``
-        and table; returns (applied anywhere, rows updated)."""
+    def lookup(self, request: pb.LookupRequest, max_response_bytes: int) -> bytes:
+        """The encoded ``LookupResponse`` to ``request``: every entry is checked and the
+        response sized first, then each table's rows are gathered straight into it.
+
+        Training mode creates the rows of missing keys; serving mode reads them as zeros
+        and stores nothing. Raises ``ShuttingDown``, ``ShardMismatch``, ``InvalidRequest``
+        or ``WireFormatError`` (naming the entry and field), ``UnknownTable``,
+        ``RequestTooLarge`` (a response over ``max_response_bytes``); ``StorageFailed``
+        when rows on disk cannot be read.
+        """
+        self.check_request(request.num_shards, request.shard if request.HasField("shard") else None)
+        plan: list[tuple[Table, npt.NDArray[np.int64], int]] = []
+        total = 0
+        for i, entry in enumerate(request.entries):
+            table = self._entry_table(entry.table, i)
+            keys = wire.decode_keys(entry.keys, f"entries[{i}].keys (table {entry.table!r})")
+            dtype = entry.dtype or wire.FLOAT32
+            total += keys.shape[0] * table.dim * wire.dtype_itemsize(dtype, f"entries[{i}].dtype")
+            plan.append((table, keys, dtype))
+        if total > max_response_bytes - _RESPONSE_OVERHEAD_BYTES:
+            raise RequestTooLarge(
+                f"Lookup response would be {total} bytes, over this shard's max_message_bytes="
+                f"{max_response_bytes}: send fewer keys per request"
+            )
+        writer = wire.LookupResponseWriter([(t.spec.name, k.shape[0], t.dim, dt) for t, k, dt in plan])
+        create = self._mode == "train"
+        for i, (table, keys, dtype) in enumerate(plan):
+            out = writer.rows(i)
+            if dtype == wire.FLOAT32:
+                table.lookup(keys, cast("npt.NDArray[np.float32]", out), create=create)
+            else:
+                out[:] = wire.rows_to_dtype(table.lookup(keys, create=create), dtype)
+        self.after_request()
+        return writer.finish()
+
+    def push(self, request: wire.PushRequestView) -> tuple[bool, int]:
+        """Apply ``request`` once per ``(client_id, seq)`` and table; returns (applied
+        anywhere, distinct rows updated). Every entry is checked before any is applied.
+
+        Raises ``ShuttingDown``, ``ShardMismatch``, ``WrongMode`` (serving mode),
+        ``StorageFailed`` (storage failed: nothing applied), ``InvalidRequest`` or
+        ``WireFormatError`` (naming the entry and field), ``UnknownTable``.
+        """
+        self.check_request(request.num_shards, request.shard)
         self.check_writable()
+        batch = []
+        for i, entry in enumerate(request.entries):
+            table = self._entry_table(entry.table, i)
+            field = f"entries[{i}] (table {entry.table!r})"
+            keys = wire.decode_keys(entry.keys, f"{field}.keys")
+            grads = wire.decode_rows(entry.grads, keys.shape[0], table.dim, entry.dtype, f"{field}.grads")
+            table.validate_grads(keys, grads)
+            batch.append((table, keys, grads))
         applied, rows = False, 0
-        for table, keys, grads in entries:
-            n = self._guard(table.push, keys, grads, client_id=client_id, seq=seq, check=False)
+        for table, keys, grads in batch:
+            n = self._guard(table.push, keys, grads, client_id=request.client_id, seq=request.seq, check=False)
             if n is not None:
                 applied, rows = True, rows + n
         if self.durability.kind == "every-push" and self.storage is not None:
@@ -228,8 +321,9 @@ class Shard:
         return applied, rows
 
     def after_request(self) -> None:
-        """Keep the tables within the memory budget (called after each request): wake the
-        evictor thread as they near it; spill here, or wait for the evictor, beyond it.
+        """Keep the tables within the memory budget: wake the evictor thread as they near
+        it; spill here, or wait for the evictor, beyond it. ``lookup`` and ``push`` call
+        it; so does a caller that drives tables directly (benchmarks, tests).
 
         Never raises ``StorageFailed``: the request it follows was applied (and must be
         acknowledged); a spill that fails turns the shard read-only for the next ones."""
@@ -241,6 +335,46 @@ class Shard:
                 self.enforce_budget()
         elif used > _HIGH_WATER * self.memory_budget_bytes and self._evictor is not None:
             self._wake_evictor.set()
+
+    def stats(self) -> pb.StatsResponse:
+        """Counters of the shard and of every table, and the background loops failing now."""
+        tables = []
+        for t in self.tables():
+            c, resident = t.counters, len(t)
+            seen = c.ram_hits + c.ram_misses
+            spill_rate, fault_rate = self._rates.rates(t.spec.name, 2)
+            tables.append(
+                pb.TableStats(
+                    name=t.spec.name,
+                    dim=t.dim,
+                    rows=resident + t.spilled,
+                    memory_bytes=t.memory_bytes(),
+                    resident_rows=resident,
+                    spilled_rows=t.spilled,
+                    bytes_per_resident_row=t.bytes_per_row,
+                    ram_hit_rate=c.ram_hits / seen if seen else 1.0,
+                    spill_rows_per_s=spill_rate,
+                    fault_in_rows_per_s=fault_rate,
+                    admission_bytes=t.admission_bytes(),
+                    **dataclasses.asdict(c),  # every running total, under its own name
+                )
+            )
+        stored = self.storage is not None
+        return pb.StatsResponse(
+            shard=self.index,
+            num_shards=self.num_shards,
+            mode=self._mode,
+            uptime_s=time.monotonic() - self.started,
+            tables=tables,
+            duplicate_pushes=self.duplicate_pushes(),
+            memory_budget_bytes=self.memory_budget_bytes,
+            resident_bytes=self.resident_bytes(),
+            durability=str(self.durability) if stored else "",
+            writable=self.writable,
+            storage_error=self.storage_error,
+            last_durable_unix_s=self.last_durable if stored else 0.0,
+            failing_loops=[pb.LoopFailure(**dataclasses.asdict(f)) for f in self.health.failing()],
+        )
 
     def duplicate_pushes(self) -> int:
         return sum(t.ledger.duplicates for t in self.tables())
@@ -281,73 +415,33 @@ class Shard:
         """Write every table's dirty rows and ledger; returns rows written.
         ``metadata``: see ``Table.flush`` (the interval flush passes False)."""
         started = time.time()
-        written = sum(self._guard(t.flush, metadata) for t in self.tables())
+        written = sum(int(self._guard(t.flush, metadata)) for t in self.tables())
         self.last_durable = started
         return written
 
     def checkpoint(self, path: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
         """A consistent checkpoint of every table at ``path`` (under ``checkpoint_root``;
         relative paths resolve under it; default: ``<root>/<next version>``); returns the
-        absolute path and the manifest written there.
+        absolute path and the manifest written there (see ``ps.checkpoint``).
 
-        Pushes wait (they are not refused) while the tables are flushed and the RocksDB
-        checkpoint is taken. A shard without a data dir writes its rows into a new one
-        at ``path``. Raises ``NotConfigured`` without a root, ``InvalidRequest`` for a
-        path that is bad, exists or is outside the root, ``StorageFailed`` when the
-        checkpoint cannot be written (a failure to write the data dir itself also
-        makes the shard read-only until its writes succeed again).
+        Pushes wait (they are not refused) while it is taken. Raises ``ShuttingDown``,
+        ``NotConfigured`` without a root, ``InvalidRequest`` for a path that is bad,
+        exists or is outside the root, ``StorageFailed`` when the checkpoint cannot be
+        written (a failure to write the data dir itself also makes the shard read-only
+        until its writes succeed again).
         """
+        self.check_request(0)
         with self._checkpoint_lock:
-            tables = self.tables()
             if path is None or str(path) == "":
                 path = next_version_path(require_root(self.checkpoint_root, self.index).resolve())
-            path = resolve_checkpoint_path(self.checkpoint_root, str(path), self.index)
-            manifest: dict[str, Any] = {
-                "format": FORMAT_VERSION,
-                "shard": self.index,
-                "num_shards": self.num_shards,
-                "version": path.name,
-                "created_unix_s": time.time(),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "tables": [json_format.MessageToDict(spec_to_proto(t.spec)) for t in tables],
-            }
-            existed = os.path.lexists(path)
-            try:
-                if self.storage is None:
-                    self._checkpoint_from_ram(path, tables, manifest)
-                    return path, manifest
-                with contextlib.ExitStack() as held:
-                    for t in tables:  # sorted by name: every thread takes them in one order
-                        held.enter_context(t._lock)
-                    for t in tables:
-                        self._guard(t._flush_locked, True)
-                    manifest["rows"] = {t.spec.name: len(t) + t.spilled for t in tables}
-                    # Not guarded: a checkpoint directory that cannot be written does not
-                    # make the data dir read-only.
-                    self.storage.checkpoint(path, manifest)
-            except BaseException:
-                if not existed:
-                    _remove_partial(path)
-                raise
-            self.last_durable = manifest["created_unix_s"]
-            log.info("checkpoint written path=%s tables=%d", path, len(tables))
-            return path, manifest
-
-    def _checkpoint_from_ram(self, path: Path, tables: list[Table], manifest: dict[str, Any]) -> None:
-        rows: dict[str, int] = {}
-        try:
-            path.mkdir(parents=True)
-        except OSError as exc:
-            raise StorageFailed(f"cannot create checkpoint directory {path}: {exc.strerror}") from None
-        with Storage(path, shard=self.index, num_shards=self.num_shards) as out:
-            for t in tables:
-                out.save_spec(t.spec.name, spec_to_proto(t.spec).SerializeToString())
-                target = out.table(t.spec.name, t.dim, optimizers.state_width(t.spec.optimizer, t.dim))
-                rows[t.spec.name] = t.write_to(target, out)
-            out.flush_memtables()
-        (path / "ps.lock").unlink(missing_ok=True)
-        manifest["rows"] = rows
-        write_manifest(path, manifest)
+            target = resolve_checkpoint_path(self.checkpoint_root, str(path), self.index)
+            manifest = write_checkpoint(
+                target, self.tables(), self.storage, shard=self.index, num_shards=self.num_shards,
+                data_dir_failed=lambda exc: self._storage_health.failed(str(exc)),
+            )  # fmt: skip
+            if self.storage is not None:
+                self.last_durable = manifest["created_unix_s"]
+            return target, manifest
 
     def expire(self) -> int:
         """Apply every table's TTL now; returns rows deleted."""
@@ -355,58 +449,30 @@ class Shard:
 
     def _guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, noting a storage failure on the way out."""
-        try:
-            return fn(*args, **kwargs)
-        except StorageFailed as exc:
-            self._storage_failed(str(exc))
-            raise
-
-    def _storage_failed(self, error: str) -> None:
-        if not self.writable:
-            return
-        self.writable = False
-        self.storage_error = error
-        self._failed_at = time.monotonic()
-        self._retry_delay_s = _RETRY_FIRST_S
-        self._retry_at = self._failed_at + _RETRY_FIRST_S
-        log.error("storage failed, refusing writes (reads continue); retrying in the background: %s", error)
-        self._tell_listeners(False)
-
-    def _tell_listeners(self, writable: bool) -> None:
-        for listener in list(self._listeners):
-            listener(writable)
+        return self._storage_health.guard(fn, *args, **kwargs)
 
     def recover_storage(self) -> bool:
         """One try at making failed storage writable again; True if it is (then the
-        ``writable`` listeners hear it). The maintenance thread calls this with backoff.
+        ``writable`` listeners hear it). The maintenance thread tries with backoff.
 
         A try reopens RocksDB unless it takes a write as it is, then writes every row
         and ledger entry held back since the failure.
         """
-        if self.storage is None or self.writable:
-            return True
         try:
-            self._reopen_if_refusing()
-            written = self.flush(metadata=False)
-        except StorageFailed as exc:
-            self.storage_error = str(exc)
-            self._retry_delay_s = min(2 * self._retry_delay_s, _RETRY_MAX_S)
-            self._retry_at = time.monotonic() + self._retry_delay_s
-            log.warning("storage still failing, next try in %.1f s: %s", self._retry_delay_s, exc)
+            self._recover()
+        except StorageFailed:
             return False
-        self.writable = True
-        self.storage_error = ""
-        log.warning(
-            "storage writable again after %.1f s: wrote %d rows held back meanwhile; taking pushes again",
-            time.monotonic() - self._failed_at,
-            written,
-        )
-        self._tell_listeners(True)
         return True
+
+    def _recover(self) -> None:
+        """``recover_storage``, raising ``StorageFailed`` when the try fails."""
+        if self.storage is not None:
+            self._storage_health.recover(self._reopen_if_refusing, lambda: self.flush(metadata=False))
 
     def _reopen_if_refusing(self) -> None:
         """Reopen the data dir's RocksDB unless a probe write goes through as it is."""
-        assert self.storage is not None
+        if self.storage is None:
+            return
         try:
             self.storage.probe()
             return
@@ -419,22 +485,14 @@ class Shard:
     def _quiesced(self) -> Iterator[None]:
         """Hold every lock that guards a use of the data dir: no request, spill, flush,
         table creation or checkpoint touches it meanwhile."""
-        with self._checkpoint_lock, self._lock, contextlib.ExitStack() as held:
-            for name in sorted(self._tables):  # the order every other thread takes them in
-                table = self._tables[name]
-                held.enter_context(table._lock)
-                held.enter_context(table._write_lock)
+        with self._checkpoint_lock, self._lock, held_tables(list(self._tables.values())):
             yield
-
-    def on_writable_change(self, listener: Callable[[bool], None]) -> None:
-        """Call ``listener(writable)`` when the shard starts or stops accepting writes."""
-        self._listeners.append(listener)
 
     # -- background work -----------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the maintenance thread (interval flushes, TTL sweeps, rate samples) and,
-        with a memory budget, the evictor thread."""
+        """Start the maintenance thread (interval flushes, TTL sweeps, storage recovery,
+        rate samples) and, with a memory budget, the evictor thread."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._maintain, name=f"ps-shard{self.index}-maint", daemon=True)
             self._thread.start()
@@ -448,58 +506,34 @@ class Shard:
             self._wake_evictor.clear()
             if self._stop.is_set() or not self.writable:
                 continue
-            try:
+            with self.health.run(EVICTOR):
                 if self.resident_bytes() > _HIGH_WATER * self.memory_budget_bytes:
                     self.enforce_budget()
-            except StorageFailed:
-                pass  # already reported by _guard
-            except Exception:
-                log.exception("eviction failed")
 
     def _maintain(self) -> None:
         last_flush = last_ttl = time.monotonic()
         while not self._stop.wait(0.25):
             now = time.monotonic()
-            self._sample_rates(now)
-            if self.storage is not None and not self.writable and now >= self._retry_at:
-                try:
-                    self.recover_storage()
-                except Exception:
-                    log.exception("storage recovery failed")
+            self._rates.sample(
+                now, {t.spec.name: (t.counters.rows_spilled, t.counters.rows_faulted_in) for t in self.tables()}
+            )
+            if self.storage is not None and not self.writable:
+                if self._storage_health.retry_due(now):
+                    with self.health.run(STORAGE_RECOVERY):
+                        self._recover()
+                    if self.writable:  # run the other loops now: a failure of theirs clears at once
+                        last_flush = last_ttl = -math.inf
                 continue
-            try:
-                if (
-                    self.storage is not None
-                    and self.durability.kind == "interval"
-                    and self.writable
-                    and now - last_flush >= self.durability.interval_s
-                ):
-                    last_flush = now
+            interval = self.durability.kind == "interval" and self.storage is not None
+            if interval and now - last_flush >= self.durability.interval_s:
+                last_flush = now
+                with self.health.run(INTERVAL_FLUSH):
                     self.flush(metadata=False)
-                ttls = [t.spec.lifecycle.ttl_seconds for t in self.tables() if t.spec.lifecycle.ttl_seconds]
-                if ttls and now - last_ttl >= max(0.5, min(60.0, min(ttls) / 4)) and self.writable:
-                    last_ttl = now
+            ttls = [t.spec.lifecycle.ttl_seconds for t in self.tables() if t.spec.lifecycle.ttl_seconds]
+            if ttls and now - last_ttl >= max(0.5, min(60.0, min(ttls) / 4)) and self.writable:
+                last_ttl = now
+                with self.health.run(TTL_SWEEP):
                     self.expire()
-            except StorageFailed:
-                pass  # already reported by _guard
-            except Exception:
-                log.exception("maintenance step failed")
-
-    def _sample_rates(self, now: float) -> None:
-        counts = {t.spec.name: (t.counters.rows_spilled, t.counters.rows_faulted_in) for t in self.tables()}
-        self._rates.append((now, counts))
-        while len(self._rates) > 2 and now - self._rates[0][0] > _RATE_WINDOW_S:
-            self._rates.popleft()
-
-    def rates(self, table: str) -> tuple[float, float]:
-        """(rows spilled per second, rows faulted in per second) of ``table`` over the last ~10 s."""
-        if len(self._rates) < 2:
-            return 0.0, 0.0
-        (t0, c0), (t1, c1) = self._rates[0], self._rates[-1]
-        s0, f0 = c0.get(table, (0, 0))
-        s1, f1 = c1.get(table, (0, 0))
-        dt = max(t1 - t0, 1e-9)
-        return (s1 - s0) / dt, (f1 - f0) / dt
 
     def close(self) -> None:
         """Refuse new requests from now on (in-flight ones finish)."""
@@ -523,54 +557,28 @@ class Shard:
         if self.storage is None:
             return StopReport()
         try:
-            return self._final_write(grace_s)
+            data = self.storage.path.absolute()
+            return self._storage_health.final_write(
+                grace_s, reopen=self._reopen_if_refusing, flush=self.flush, at_risk=self._at_risk,
+                rescue=lambda error: self._rescue(data, error),
+            )  # fmt: skip
         finally:
             self.storage.close()
 
-    def _final_write(self, grace_s: float) -> StopReport:
-        deadline = time.monotonic() + grace_s
-        delay = _RETRY_FIRST_S
-        while True:
-            try:
-                if not self.writable:
-                    self._reopen_if_refusing()
-                written = self.flush()
-                log.info("final flush wrote %d rows", written)
-                return StopReport()
-            except StorageFailed as exc:
-                self._storage_failed(str(exc))
-                error = str(exc)
-            tables = self.tables()
-            unwritten = sum(t.unpersisted_rows() for t in tables)
-            at_risk = self.durability.kind != "every-push" and (unwritten or any(t.ledger.has_changes() for t in tables))
-            if not at_risk:
-                log.warning(
-                    "final flush failed (%s), but every acknowledged push is on disk: what was not written is "
-                    "rows created by lookups (they come back identical) and access times", error
-                )
-                return StopReport(error=error)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            log.warning(
-                "final flush failed, %d rows changed by acknowledged pushes are only in RAM; retrying in %.1f s "
-                "(grace period ends in %.1f s): %s", unwritten, min(delay, left), left, error,
-            )  # fmt: skip
-            time.sleep(min(delay, left))  # the last try is at the end of the grace period
-            delay = min(2 * delay, _RETRY_MAX_S)
-        return self._rescue(error)
+    def _at_risk(self) -> int | None:
+        """Rows changed by acknowledged pushes only in RAM (None: none, and no ledger entry
+        either). In every-push mode each was written before it was acknowledged."""
+        tables = self.tables()
+        unwritten = sum(t.unpersisted_rows() for t in tables)
+        if self.durability.kind == "every-push" or not (unwritten or any(t.ledger.has_changes() for t in tables)):
+            return None
+        return unwritten
 
-    def _rescue(self, error: str) -> StopReport:
-        """Save what the data dir could not take to the first rescue location that works."""
-        assert self.storage is not None
-        data = self.storage.path.absolute()
+    def _rescue(self, data: Path, error: str) -> StopReport:
+        """Save what data dir ``data`` could not take to the first rescue location that works."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
         places = [self.checkpoint_root / f"rescue-{stamp}"] if self.checkpoint_root is not None else []
         places.append(data.parent / f"{data.name}.rescue-{stamp}")
-        return save_rescue(self.tables(), places, shard=self.index, num_shards=self.num_shards, data_dir=data, error=error)
-
-
-def _remove_partial(path: Path) -> None:
-    """Remove what a failed checkpoint left at ``path`` (which did not exist before it)."""
-    if os.path.lexists(path):
-        shutil.rmtree(path, ignore_errors=True)
+        return save_rescue(
+            self.tables(), places, shard=self.index, num_shards=self.num_shards, data_dir=data, error=error
+        )

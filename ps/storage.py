@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, cast
 
 import grpc
 import numpy as np
@@ -66,7 +66,7 @@ import rocksdict
 
 from ps.errors import ShardError
 
-__all__ = ["DataDirError", "RowRecords", "Storage", "StorageFailed", "TableRows", "copy_checkpoint", "pack_records"]
+__all__ = ["DataDirError", "RowRecords", "Storage", "StorageFailed", "TableRows", "pack_records"]
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,9 @@ class TableRows:
         cf = self._cf
         if cf is None:
             raise StorageFailed(f"storage in {self._storage.path} is not open (it failed and could not be reopened)")
-        blobs = self._storage._read(cf.get, _key_bytes(keys))
+        # rocksdict's stubs type a multi-get as taking and returning any key or value.
+        get_many = cast("Callable[[list[bytes]], list[bytes | None]]", cf.get)
+        blobs = self._storage._read(get_many, _key_bytes(keys))
         found = ~np.fromiter(map(operator.not_, blobs), dtype=np.bool_, count=n)
         return found, self.decode(b"".join(filter(None, blobs)), int(found.sum()))
 
@@ -198,10 +200,15 @@ class TableRows:
         order = np.argsort(np.ascontiguousarray(keys, dtype=np.int64).view(np.uint64), kind="stable")
         rec = pack_records(values[order], state[order], last_access[order], frequency[order])
         w = self.width
-        deque(map(batch.put, _key_bytes(keys[order]), rec.view(f"V{4 * w}").ravel().tolist(), repeat(self._handle)), maxlen=0)
+        deque(
+            map(batch.put, _key_bytes(keys[order]), rec.view(f"V{4 * w}").ravel().tolist(), repeat(self._handle)),
+            maxlen=0,
+        )
 
     def delete(self, batch: rocksdict.WriteBatch, keys: npt.NDArray[np.int64]) -> None:
-        deque(map(batch.delete, _key_bytes(np.sort(keys.view(np.uint64)).view(np.int64)), repeat(self._handle)), maxlen=0)
+        deque(
+            map(batch.delete, _key_bytes(np.sort(keys.view(np.uint64)).view(np.int64)), repeat(self._handle)), maxlen=0
+        )
 
     def scan(self, chunk: int = _SCAN_CHUNK) -> Iterator[tuple[npt.NDArray[np.int64], RowRecords]]:
         """Every stored row, ``chunk`` rows at a time, in key-byte order."""
@@ -226,7 +233,8 @@ class TableRows:
         return int(value or 0)
 
     def put_ledger(self, batch: rocksdict.WriteBatch, client_id: str, data: bytes) -> None:
-        batch.put(_LEDGER_PREFIX + self.name.encode() + b"\0" + client_id.encode(), data, self._storage._meta_handle)
+        key = _LEDGER_PREFIX + self.name.encode() + b"\0" + client_id.encode()
+        batch.put(key, data, self._storage._meta_column_handle())
 
     def ledgers(self) -> dict[str, bytes]:
         """Every client's stored ledger entry for this table."""
@@ -243,9 +251,7 @@ class Storage:
     killed process).
     """
 
-    def __init__(
-        self, path: Path, *, shard: int, num_shards: int, sync: bool = False, read_only: bool = False
-    ) -> None:
+    def __init__(self, path: Path, *, shard: int, num_shards: int, sync: bool = False, read_only: bool = False) -> None:
         self.path = Path(path)
         self.read_only = read_only
         self._lock_file: IO[str] | None = None
@@ -268,6 +274,8 @@ class Storage:
             raise DataDirError(_open_failure(self.path, exc)) from None
         self._columns: dict[str, rocksdict.Rdict] = {}
         self._rows: list[TableRows] = []
+        self._meta: rocksdict.Rdict | None = None
+        self._meta_handle: rocksdict.ColumnFamily | None = None
         try:
             self._meta = self._column(_META)
             self._meta_handle = self._db.get_column_family_handle(_META)
@@ -293,11 +301,13 @@ class Storage:
         return rocksdict.Rdict(db_path, opts, column_families=families, access_type=access)
 
     def _check_identity(self, shard: int, num_shards: int) -> None:
-        raw = self._meta.get(_IDENTITY)
+        raw = self._meta_column().get(_IDENTITY)
         if raw is None:
             if self.read_only:
                 raise DataDirError(f"{self.path}: no shard identity stored: not a ps data directory")
-            self._meta.put(_IDENTITY, json.dumps({"format": FORMAT_VERSION, "shard": shard, "num_shards": num_shards}).encode())
+            self._meta_column().put(
+                _IDENTITY, json.dumps({"format": FORMAT_VERSION, "shard": shard, "num_shards": num_shards}).encode()
+            )
             self.shard, self.num_shards = shard, num_shards
             return
         ident = json.loads(raw)
@@ -313,7 +323,10 @@ class Storage:
 
     def identity(self) -> tuple[int, int]:
         """``(shard, num_shards)`` stored in this directory."""
-        ident = json.loads(self._meta[_IDENTITY])
+        raw = self._meta_column().get(_IDENTITY)
+        if not isinstance(raw, bytes):
+            raise DataDirError(f"{self.path}: no shard identity stored: not a ps data directory")
+        ident = json.loads(raw)
         return int(ident["shard"]), int(ident["num_shards"])
 
     def _column(self, name: str) -> rocksdict.Rdict:
@@ -344,17 +357,27 @@ class Storage:
 
     def save_spec(self, name: str, spec: bytes) -> None:
         """Remember a table's spec (the ``TableSpec`` protobuf) so a restart recreates it."""
-        self._write(lambda: self._meta.put(_SPEC_PREFIX + name.encode(), spec, self._write_opts))
+        self._write(lambda: self._meta_column().put(_SPEC_PREFIX + name.encode(), spec, self._write_opts))
 
     def specs(self) -> dict[str, bytes]:
         """Every stored table spec by name."""
         return {k[len(_SPEC_PREFIX) :].decode(): v for k, v in self._meta_items(_SPEC_PREFIX)}
 
     def _meta_items(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-        for k, v in self._meta.items(from_key=prefix):
-            if not k.startswith(prefix):
+        for k, v in self._meta_column().items(from_key=prefix):
+            if not isinstance(k, bytes) or not k.startswith(prefix):
                 break
             yield k, v
+
+    def _meta_column(self) -> rocksdict.Rdict:
+        if self._meta is None:
+            raise StorageFailed(f"storage in {self.path} is not open (it failed and could not be reopened)")
+        return self._meta
+
+    def _meta_column_handle(self) -> rocksdict.ColumnFamily:
+        if self._meta_handle is None:
+            raise StorageFailed(f"storage in {self.path} is not open (it failed and could not be reopened)")
+        return self._meta_handle
 
     # -- writing -------------------------------------------------------------------------
 
@@ -420,15 +443,15 @@ class Storage:
     def probe(self) -> None:
         """Write a small record (WAL on); ``StorageFailed`` unless RocksDB takes writes now."""
         stamp = np.array([time.time()], dtype="<f8").tobytes()
-        self._write(lambda: self._meta.put(_PROBE, stamp, self._write_opts))
+        self._write(lambda: self._meta_column().put(_PROBE, stamp, self._write_opts))
 
     def put_meta(self, key: bytes, value: bytes) -> None:
         """Store ``value`` under ``key`` in the meta column family (WAL on)."""
-        self._write(lambda: self._meta.put(_USER_PREFIX + key, value, self._write_opts))
+        self._write(lambda: self._meta_column().put(_USER_PREFIX + key, value, self._write_opts))
 
     def get_meta(self, key: bytes) -> bytes | None:
         """What ``put_meta`` stored under ``key``, or None."""
-        value = self._meta.get(_USER_PREFIX + key)
+        value = self._meta_column().get(_USER_PREFIX + key)
         return bytes(value) if value is not None else None
 
     def reopen(self) -> None:
@@ -479,8 +502,9 @@ class Storage:
     # -- closing -------------------------------------------------------------------------
 
     def close(self) -> None:
-        if getattr(self, "_readers", None) is not None:
-            self._readers.shutdown(wait=True)  # no read may outlive the database
+        readers = getattr(self, "_readers", None)
+        if readers is not None:
+            readers.shutdown(wait=True)  # no read may outlive the database
             self._readers = None
         if getattr(self, "_db", None) is not None:
             self._drop_handles()
@@ -568,31 +592,3 @@ def read_manifest(path: Path) -> dict[str, object]:
     if not isinstance(data, dict):
         raise DataDirError(f"{path}/manifest.json: expected a JSON object")
     return data
-
-
-def copy_checkpoint(checkpoint: Path, data_dir: Path) -> None:
-    """Make ``data_dir`` start from ``checkpoint``: its ``db/`` is hard-linked (copied where
-    links are impossible) into ``data_dir/db``. ``DataDirError`` if ``data_dir`` has data."""
-    checkpoint, data_dir = Path(checkpoint), Path(data_dir)
-    read_manifest(checkpoint)
-    if (data_dir / "db").exists():
-        raise DataDirError(
-            f"--restore-from {checkpoint}: data dir {data_dir} already has a db/: restore into an empty "
-            "--data-dir (or remove its db/ to overwrite it)"
-        )
-    data_dir.mkdir(parents=True, exist_ok=True)
-    tmp = data_dir / f".db.restore.{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-
-    def link_or_copy(src: str, dst: str) -> None:
-        # RocksDB never modifies an SST file once written, so sharing one by hard link is
-        # safe; the WAL and MANIFEST may be appended to, so those are copied.
-        if src.endswith(".sst"):
-            with contextlib.suppress(OSError):
-                os.link(src, dst)
-                return
-        shutil.copy2(src, dst)
-
-    shutil.copytree(checkpoint / "db", tmp, copy_function=link_or_copy)
-    tmp.rename(data_dir / "db")
-    log.info("restored %s into %s at %s", checkpoint, data_dir, time.strftime("%Y-%m-%dT%H:%M:%S"))

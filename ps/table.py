@@ -1,28 +1,31 @@
-"""One embedding table on one shard: key index + arena + optimizer + ledger, behind one lock.
+"""One embedding table on one shard: its lock, its RAM half, its disk half, its ledger.
 
 ``Table.lookup`` returns the rows of a batch of keys, creating missing rows (in
 training mode) with their deterministic initial values; ``Table.push`` applies a
 batch of gradients with the table's optimizer, at most once per ``(client_id, seq)``.
 Both are batch operations compiled with numba: no Python loop or object per key.
 
-With a ``TableRows`` (a RocksDB column family, see ``ps.storage``) the table is the
-RAM tier of a larger one: ``evict`` moves the least recently used rows, values and
-optimizer state, to disk; a lookup or push that misses RAM reads them back with one
-multi-get before anything else happens, so a key once created is never
+A table is composed of two halves that it calls while holding its lock: a ``RamTier``
+(``ps.ram``: key index, arena, admission counters) and, with a data directory, a
+``DiskTier`` (``ps.tier``: the table's RocksDB column family). With a disk the RAM
+half is the hot part of a larger table: ``evict`` moves the least recently used rows,
+values and optimizer state, to disk; a lookup or push that misses RAM reads them back
+with one multi-get before anything else happens, so a key once created is never
 re-initialised. What reaches disk, and when, follows the shard's durability mode:
 with ``every_push`` a push is written (rows + its ledger entry, one batch) before it
-is applied in RAM; otherwise changed rows stay ``dirty`` until ``flush`` or
-``evict`` writes them. Every write of the table carries its ledger entries, copied
-under the same lock hold as its rows, so no row on disk reflects a push the ledger on
-disk does not know about. Eviction and the interval flush write their copies with
-the table lock released (``ps.tier``, which holds those methods).
+is applied in RAM; otherwise changed rows stay dirty until ``flush`` or ``evict``
+writes them. Every write of the table carries its ledger entries, copied under the
+same lock hold as its rows, so no row on disk reflects a push the ledger on disk does
+not know about. Eviction and the interval flush write their copies with the table
+lock released (the three steps of a spill, see ``ps.tier``).
 
 The table's ``Lifecycle`` adds admission (rows only for keys seen often enough),
 TTL expiry (``expire``) and deletion of rare rows instead of spilling them.
 
 Thread-safety: every public method takes the table's lock, so a table is safe to
 share between gRPC handler threads; the kernels release the GIL, so different
-tables work in parallel.
+tables work in parallel. Locks are taken in one order: the spill lock, the table
+lock, the disk's write lock; across tables, in name order (``held``).
 
 Example:
     >>> from ps.config import TableSpec
@@ -34,52 +37,34 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numba
 import numpy as np
 import numpy.typing as npt
 
-from ps import optimizers
-from ps.arena import Arena
+from protos.wire import as_keys
 from ps.config import TableSpec
 from ps.errors import InvalidRequest
 from ps.initializers import fill_initial_rows
-from ps.keyindex import KeyIndex
 from ps.ledger import PushLedger
-from ps.lifecycle import Admission, now_tick
+from ps.lifecycle import expired_keys, now_tick
+from ps.ram import CLEAN, DIRTY, RamTier
 from ps.storage import Storage, TableRows
-from ps.tier import CLEAN, DIRTY, DiskTier
+from ps.tier import SPILL_CHUNK, DiskTier, Spill, write_rows
 
-__all__ = ["Table", "TableCounters"]
+__all__ = ["HeldTable", "Table", "TableCounters", "held_tables"]
 
-_INDEX_BYTES_PER_ROW = 16  # 12-byte buckets at the index's ~0.75 load factor
-
-_FREQ_MAX = np.uint32(0xFFFFFFFF)
-
-
-@numba.njit(nogil=True, cache=True)
-def _gather(
-    values: npt.NDArray[np.float32],
-    slots: npt.NDArray[np.int32],
-    out: npt.NDArray[np.float32],
-    last_access: npt.NDArray[np.uint32],
-    frequency: npt.NDArray[np.uint32],
-    now: np.uint32,
-) -> None:
-    dim = values.shape[1]
-    for i in range(slots.shape[0]):
-        s = slots[i]
-        if s < 0:
-            for j in range(dim):
-                out[i, j] = 0.0
-            continue
-        for j in range(dim):
-            out[i, j] = values[s, j]
-        last_access[s] = now
-        if frequency[s] != _FREQ_MAX:
-            frequency[s] += np.uint32(1)
+_RowCopies = tuple[
+    npt.NDArray[np.int64],
+    npt.NDArray[np.float32],
+    npt.NDArray[np.float32],
+    npt.NDArray[np.uint32],
+    npt.NDArray[np.uint32],
+]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -99,34 +84,16 @@ def _first_non_finite(grads: npt.NDArray[np.float32]) -> int:
     return -1
 
 
-@numba.njit(nogil=True, cache=True)
-def _has_duplicates(slots: npt.NDArray[np.int32], seen: npt.NDArray[np.uint8]) -> bool:
-    found = False
-    for i in range(slots.shape[0]):
-        s = slots[i]
-        bit = np.uint8(1 << (s & 7))
-        if seen[s >> 3] & bit:
-            found = True
-            break
-        seen[s >> 3] |= bit
-    # Leave the scratch bitmap all-zero for the next batch.
-    for i in range(slots.shape[0]):
-        seen[slots[i] >> 3] = 0
-    return found
-
-
-@numba.njit(nogil=True, cache=True)
-def _mark_pushed(
-    slots: npt.NDArray[np.int32], last_access: npt.NDArray[np.uint32], dirty: npt.NDArray[np.uint8], now: np.uint32
-) -> None:
-    for i in range(slots.shape[0]):
-        last_access[slots[i]] = now
-        dirty[slots[i]] = 1
-
-
 @dataclass
 class TableCounters:
-    """Running totals for ``Stats`` (keys, not requests)."""
+    """Running totals for ``Stats`` (keys, not requests).
+
+    ``ram_hits``/``ram_misses`` count looked-up keys that have a row: found in RAM, or
+    read back from disk. A key without a row is neither: its new row counts in
+    ``rows_created`` (or, not admitted yet, in ``lookups_not_admitted``). So a table
+    without a disk has no misses, and a tiered one's hit rate is the share of its
+    existing rows that lookups found in RAM.
+    """
 
     lookups: int = 0
     pushes: int = 0
@@ -142,7 +109,7 @@ class TableCounters:
     rows_evicted_rare: int = 0
 
 
-class Table(DiskTier):
+class Table:
     """Rows of one table on this shard (see the module docstring for the contract).
 
     ``rows``/``storage``: the table's column family and the data directory it lives in
@@ -164,62 +131,75 @@ class Table(DiskTier):
         self.dim = spec.dim
         self.counters = TableCounters()
         self.ledger = PushLedger()
+        self.spilled = 0  # rows only on disk (estimated after a restart)
         self._lock = threading.Lock()
-        self._write_lock = threading.Lock()  # see ps.tier: RocksDB writes in copy order
-        self._spill_lock = threading.Lock()
-        self._index = KeyIndex(initial_capacity)
-        self._arena = Arena(spec.dim, optimizers.state_width(spec.optimizer, spec.dim), initial_capacity)
-        self._seen = np.zeros(self._arena.capacity // 8 + 1, dtype=np.uint8)
-        self._rows = rows
-        self._storage = storage
-        self._every_push = every_push and rows is not None
-        lc = spec.lifecycle
-        self._admission = None if lc.admits_all else Admission(lc, spec.seed)
-        self.spilled = 0
-        if rows is not None:
-            self.spilled = rows.estimate_rows()
-            for client_id, data in rows.ledgers().items():
+        self._spill_lock = threading.Lock()  # one spill of this table at a time
+        self._ram = RamTier(spec, initial_capacity)
+        self._disk = DiskTier(rows, storage) if rows is not None and storage is not None else None
+        self._every_push = every_push and self._disk is not None
+        self._keys_field = f"table {spec.name!r}: keys"
+        if self._disk is not None:
+            self.spilled = self._disk.estimate_rows()
+            for client_id, data in self._disk.ledgers().items():
                 self.ledger.load(client_id, data)
+
+    @property
+    def ram(self) -> RamTier:
+        """The RAM half, for inspection (tests, tools): not thread-safe, use it inside ``held``."""
+        return self._ram
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The disk half (None without a data directory), for inspection; reads need no lock."""
+        return self._disk
 
     def __len__(self) -> int:
         """Rows resident in RAM."""
-        return len(self._index)
+        return len(self._ram)
 
     @property
     def bytes_per_row(self) -> int:
         """What one resident row costs the memory budget: arena columns plus index share."""
-        return self._arena.row_bytes + _INDEX_BYTES_PER_ROW
+        return self._ram.bytes_per_row
 
     def resident_bytes(self) -> int:
         """Resident rows times ``bytes_per_row``, plus the admission counters."""
-        return len(self._index) * self.bytes_per_row + self.admission_bytes()
+        return self._ram.resident_bytes()
 
     def admission_bytes(self) -> int:
-        return self._admission.memory_bytes() if self._admission is not None else 0
+        return self._ram.admission_bytes()
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the index, the arena, admission counters and scratch space."""
+        with self._lock:
+            return self._ram.memory_bytes()
 
     # -- lookup and push -------------------------------------------------------------
 
     def lookup(
-        self, keys: npt.NDArray[np.int64], out: npt.NDArray[np.float32] | None = None, create: bool = True
+        self, keys: npt.ArrayLike, out: npt.NDArray[np.float32] | None = None, create: bool = True
     ) -> npt.NDArray[np.float32]:
         """Rows of ``keys`` in order, written into ``out`` (``[len(keys), dim]`` float32) or a new array.
 
         With ``create`` (training), missing keys get their initial rows stored (once
         admitted; until then they read as their initial rows and nothing is stored);
-        without it (serving), missing keys read as zeros and nothing is stored.
+        without it (serving), missing keys read as zeros and nothing is stored. Raises
+        ``InvalidKeys`` for keys that are not a 1-D integer array, ``ValueError`` for a
+        wrong ``out``; ``StorageFailed`` if rows on disk cannot be read.
         """
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        keys = as_keys(keys, self._keys_field)
         if out is None:
             out = np.empty((keys.shape[0], self.dim), dtype=np.float32)
         elif out.shape != (keys.shape[0], self.dim) or out.dtype != np.float32 or not out.flags.c_contiguous:
             # The gather kernel does not bounds-check: a wrong buffer would corrupt memory.
-            raise ValueError(f"out: {out.dtype}{list(out.shape)}, expected C-contiguous float32[{keys.shape[0]}, {self.dim}]")
+            raise ValueError(
+                f"out: {out.dtype}{list(out.shape)}, expected C-contiguous float32[{keys.shape[0]}, {self.dim}]"
+            )
         now = now_tick()
         with self._lock:
             slots = self._resolve(keys, now, create=create, sighting=True)
-            a = self._arena
-            _gather(a.values, slots, out, a.last_access, a.frequency, now)
-            if create and self._admission is not None:
+            self._ram.gather(slots, out, now)
+            if create and not self._ram.admits_all:
                 absent = np.flatnonzero(slots < 0)
                 if absent.size:
                     fill_initial_rows(self.spec.initializer, self.spec.seed, keys[absent], out, absent)
@@ -229,8 +209,8 @@ class Table(DiskTier):
 
     def push(
         self,
-        keys: npt.NDArray[np.int64],
-        grads: npt.NDArray[np.float32],
+        keys: npt.ArrayLike,
+        grads: npt.ArrayLike,
         *,
         client_id: str = "",
         seq: int = 0,
@@ -246,32 +226,26 @@ class Table(DiskTier):
         applied. Returns the number of distinct rows updated, or None when this
         ``(client_id, seq)`` was applied before (``seq == 0``: never deduplicated).
         """
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
-        grads = np.ascontiguousarray(grads, dtype=np.float32)
+        k = as_keys(keys, self._keys_field)
+        g = np.ascontiguousarray(grads, dtype=np.float32)
         if check:
-            self.validate_grads(keys, grads)
+            self.validate_grads(k, g)
         now = now_tick()
         with self._lock, self.ledger.claim(client_id, seq) as fresh:
             # The claim is recorded when this block ends, still under the table lock: a
             # write of this table never sees rows with a push its ledger lacks.
             if not fresh:
                 return None
-            slots = self._resolve(keys, now, create=True, sighting=False)
+            slots = self._resolve(k, now, create=True, sighting=False)
             kept = slots >= 0
             if not kept.all():
-                self.counters.pushes_dropped += int(keys.shape[0] - kept.sum())
-                keys, grads, slots = keys[kept], grads[kept], slots[kept]
-            if _has_duplicates(slots, self._seen):
-                unique, first, inverse = np.unique(slots, return_index=True, return_inverse=True)
-                summed = np.zeros((unique.shape[0], self.dim), dtype=np.float32)
-                np.add.at(summed, inverse, grads)
-                slots, keys, grads = unique.astype(np.int32), keys[first], summed
-            a = self._arena
+                self.counters.pushes_dropped += int(k.shape[0] - kept.sum())
+                k, g, slots = k[kept], g[kept], slots[kept]
+            slots, k, g = self._ram.merge_duplicates(slots, k, g)
             if self._every_push:
-                self._push_durably(keys, grads, slots, now, client_id, seq)
+                self._push_durably(k, g, slots, now, client_id, seq)
             else:
-                optimizers.apply(self.spec.optimizer, a.values, a.state, slots, grads)
-                _mark_pushed(slots, a.last_access, a.dirty, now)
+                self._ram.apply(slots, g, now)
             self.counters.pushes += slots.shape[0]
             return int(slots.shape[0])
 
@@ -286,20 +260,14 @@ class Table(DiskTier):
     ) -> None:
         # Update copies, write them with the ledger entry, and only then install them:
         # a failed write leaves RAM exactly as it was.
-        a = self._arena
-        values, state = a.values[slots], a.state[slots]
-        optimizers.apply(self.spec.optimizer, values, state, np.arange(slots.shape[0], dtype=np.int32), grads)
-        assert self._rows is not None and self._storage is not None
-        batch = self._storage.batch()
-        if seq:
-            self._rows.put_ledger(batch, client_id, self.ledger.encode_after(client_id, seq))
+        disk = self._need_disk()
+        values, state = self._ram.updated_copies(slots, grads)
+        ledger = (client_id, self.ledger.encode_after(client_id, seq)) if seq else None
         stamp = np.full(slots.shape[0], now, dtype=np.uint32)
-        self._rows.put(batch, keys, values, state, stamp, a.frequency[slots])
-        with self._write_lock:
-            self._storage.commit(batch)
+        with disk.write_lock:
+            disk.commit_push(keys, values, state, stamp, self._ram.arena.frequency[slots], ledger)
         self.counters.rows_written += slots.shape[0]
-        a.values[slots], a.state[slots], a.last_access[slots] = values, state, stamp
-        a.dirty[slots] = CLEAN
+        self._ram.store(slots, values, state, stamp)
 
     def validate_grads(self, keys: npt.NDArray[np.int64], grads: npt.NDArray[np.float32]) -> None:
         """Raise ``InvalidRequest`` unless ``grads`` is ``[len(keys), dim]`` and all finite."""
@@ -314,99 +282,62 @@ class Table(DiskTier):
                 f"{grads.reshape(-1)[bad]} (NaN/Inf gradients are rejected; nothing was applied)"
             )
 
-    # -- the RAM tier ------------------------------------------------------------------
-
     def _resolve(
         self, keys: npt.NDArray[np.int64], now: np.uint32, *, create: bool, sighting: bool
     ) -> npt.NDArray[np.int32]:
         """Slots of ``keys``: RAM first, then disk (faulted in), then new rows if ``create``
         and admitted. -1 where a key has no row. Caller holds the lock."""
-        slots = self._index.lookup(keys)
+        ram = self._ram
+        slots = ram.slots(keys)
         miss = slots < 0
         n_miss = int(np.count_nonzero(miss))
         if sighting:  # the hit rate counts lookups: a push's rows were just looked up
             self.counters.ram_hits += keys.shape[0] - n_miss
-            self.counters.ram_misses += n_miss
         if n_miss == 0:
             return slots
         # Unique, in RocksDB's key order (uint64): sorted multi-gets are cheaper.
         missing = np.unique(keys[miss].view(np.uint64)).view(np.int64)
-        if self._rows is not None:
-            found, rec = self._rows.get(missing)
-            if rec.values.shape[0]:
-                stamp = np.full(rec.values.shape[0], now, dtype=np.uint32)
-                self._install(missing[found], rec.values, rec.state, stamp, rec.frequency, dirty=CLEAN)
-                self.counters.rows_faulted_in += rec.values.shape[0]
-                self.spilled = max(0, self.spilled - rec.values.shape[0])
+        if self._disk is not None:
+            found, rec = self._disk.read(missing)
+            faulted = rec.values.shape[0]
+            if faulted:
+                stamp = np.full(faulted, now, dtype=np.uint32)
+                ram.install(missing[found], rec.values, rec.state, stamp, rec.frequency, dirty=CLEAN)
+                self.counters.rows_faulted_in += faulted
+                self.spilled = max(0, self.spilled - faulted)
+                if sighting:  # each looked-up occurrence of a key found on disk is a miss
+                    on_disk = (
+                        n_miss if faulted == missing.shape[0] else int(np.count_nonzero(ram.slots(keys[miss]) >= 0))
+                    )
+                    self.counters.ram_misses += on_disk
             missing = missing[~found]
         if create and missing.size:
-            if self._admission is not None:
-                ok = self._admission.admit(missing) if sighting else self._admission.admitted(missing)
-                missing = missing[ok]
-            self._create(missing, now)
-        slots[miss] = self._index.lookup(keys[miss])
+            if not ram.admits_all:
+                missing = missing[ram.admit(missing, sighting)]
+            self.counters.rows_created += ram.create(missing, now)
+        slots[miss] = ram.slots(keys[miss])
         return slots
-
-    def _install(
-        self,
-        keys: npt.NDArray[np.int64],
-        values: npt.NDArray[np.float32],
-        state: npt.NDArray[np.float32],
-        last_access: npt.NDArray[np.uint32],
-        frequency: npt.NDArray[np.uint32],
-        dirty: int,
-    ) -> npt.NDArray[np.int32]:
-        """Put rows of absent ``keys`` into RAM; returns their slots. Caller holds the lock."""
-        slots, _ = self._index.lookup_or_insert(keys)
-        a = self._grown_arena()
-        a.values[slots], a.state[slots] = values, state
-        a.last_access[slots], a.frequency[slots] = last_access, frequency
-        a.dirty[slots] = dirty
-        return slots
-
-    def _grown_arena(self) -> Arena:
-        """The arena, grown to cover every slot the index handed out. Caller holds the lock."""
-        a = self._arena
-        if self._index.slot_capacity > a.capacity:
-            a.ensure_capacity(self._index.slot_capacity)
-            self._seen = np.zeros(a.capacity // 8 + 1, dtype=np.uint8)
-        return a
-
-    def _create(self, keys: npt.NDArray[np.int64], now: np.uint32) -> None:
-        """Store initial rows for absent ``keys``. Caller holds the lock."""
-        if not keys.size:
-            return
-        slots, _ = self._index.lookup_or_insert(keys)
-        a = self._grown_arena()
-        new = slots.astype(np.int64)
-        fill_initial_rows(self.spec.initializer, self.spec.seed, keys, a.values, new)
-        optimizers.init_state(self.spec.optimizer, a.state, new)
-        a.frequency[new] = 0
-        a.last_access[new] = now
-        a.dirty[new] = DIRTY
-        self.counters.rows_created += new.shape[0]
 
     # -- whole-table operations ----------------------------------------------------------
 
-    def remove(self, keys: npt.NDArray[np.int64]) -> int:
+    def remove(self, keys: npt.ArrayLike) -> int:
         """Drop the rows of ``keys`` from RAM and disk (absent keys are ignored); returns
         how many were resident."""
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        k = as_keys(keys, self._keys_field)
         with self._lock:
-            self._delete_stored(keys)
-            freed = self._index.remove(keys)
-            self._arena.dirty[freed[freed >= 0]] = CLEAN
-            return int((freed >= 0).sum())
+            self._delete_stored(k)
+            return int((self._ram.remove(k) >= 0).sum())
 
     def export(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """Copies of every stored ``(keys, values, optimizer state)``, in RAM or on disk,
         in no particular order."""
         with self._lock:
-            keys, slots = self._index.items()
-            parts = [(keys, self._arena.values[slots], self._arena.state[slots])]
-            if self._rows is not None:
-                for k, rec in self._rows.scan():
-                    cold = self._index.lookup(k) < 0
+            keys, slots = self._ram.items()
+            a = self._ram.arena
+            parts = [(keys, a.values[slots], a.state[slots])]
+            if self._disk is not None:
+                for k, rec in self._disk.scan():
+                    cold = self._ram.slots(k) < 0
                     parts.append((k[cold], rec.values[cold], rec.state[cold]))
         return (
             np.concatenate([p[0] for p in parts]),
@@ -418,12 +349,237 @@ class Table(DiskTier):
         """Write every resident row and the ledger into another data directory (a
         checkpoint of a shard without one); returns rows written."""
         with self._lock:
-            keys, slots = self._index.items()
-            return sum(s.shape[0] for s in self._write_rows_locked(rows, storage, slots, keys, self.ledger.clients()))
+            keys, slots = self._ram.items()
+            ledger = [(c, self.ledger.encode(c)) for c in self.ledger.clients()]
+            return sum(s.shape[0] for s in write_rows(self._ram, keys, slots, ledger, rows, storage))
 
-    def memory_bytes(self) -> int:
-        """Bytes held by the index, the arena, admission counters and scratch space."""
+    def age_histogram(self, now: np.uint32) -> npt.NDArray[np.int64]:
+        """Resident rows by age in ticks (see ``ps.lifecycle.age_histogram``)."""
         with self._lock:
-            return (
-                self._index.memory_bytes() + self._arena.memory_bytes() + self._seen.nbytes + self.admission_bytes()
-            )
+            return self._ram.age_histogram(now)
+
+    def unpersisted_rows(self) -> int:
+        """Resident rows not on disk as they are in RAM."""
+        with self._lock:
+            return self._ram.dirty_count()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[HeldTable]:
+        """Hold the table (its lock, then its disk's write lock) for the block: no lookup,
+        push, spill, flush or expiry of it runs meanwhile, and nothing writes its rows.
+        A caller holding several tables takes them in name order. Blocks until a spill
+        of the table in progress has written its copies."""
+        with self._lock, self._disk.write_lock if self._disk is not None else contextlib.nullcontext():
+            yield HeldTable(self)
+
+    # -- moving rows to disk -------------------------------------------------------------
+
+    def _need_disk(self) -> DiskTier:
+        if self._disk is None:
+            raise RuntimeError(f"table {self.spec.name!r} has no storage to evict to (start with --data-dir)")
+        return self._disk
+
+    def evict(self, count: int, now: np.uint32 | None = None, hist: npt.NDArray[np.int64] | None = None) -> int:
+        """Move up to ``count`` least recently used rows out of RAM; returns how many left.
+
+        Rows looked up fewer than ``lifecycle.evict_below_frequency`` times are deleted
+        (from RAM and disk); the rest are written to disk if dirty, then dropped from
+        RAM; rows used while they were being written stay. ``hist``: this table's
+        ``age_histogram(now)``, if the caller has it. Needs storage. ``StorageFailed``:
+        nothing left RAM.
+        """
+        disk = self._need_disk()
+        now = now_tick() if now is None else now
+        lifecycle = self.spec.lifecycle
+        with self._spill_lock:
+            with self._lock:
+                keys, slots = self._ram.victims(now, count, hist)
+                if not keys.size:
+                    return 0
+                floor = lifecycle.evict_below_frequency
+                a = self._ram.arena
+                rare = a.frequency[slots] < floor if floor else np.zeros(keys.shape[0], np.bool_)
+                write = ~rare
+                if not (floor or lifecycle.ttl_seconds):
+                    # Lookups change only access time and count, which nothing reads back
+                    # from disk unless a lifecycle rule does: a clean row need not be rewritten.
+                    write &= a.dirty[slots] != CLEAN
+                spill = self._begin_spill(disk, keys, slots, write, rare)
+            return self._run_spill(disk, spill, evict=True)
+
+    def flush(self, metadata: bool = False) -> int:
+        """Write every dirty row, with the ledger, to disk; returns rows written.
+
+        Without ``metadata`` (the interval flush) the rows go in chunks, each a spill
+        (lookups and pushes continue while it is written; each chunk carries the ledger
+        entries changed up to its copy, so no row on disk reflects a push the ledger on
+        disk lacks). ``metadata``: a consistent cut under one lock hold, and in a table
+        with a TTL or a frequency floor rows that were only looked up are written too,
+        so that their access time and count on disk are current (checkpoints and clean
+        shutdowns). ``StorageFailed``: the rows not yet written stay dirty.
+        """
+        disk = self._disk
+        if disk is None:
+            return 0
+        if metadata:
+            with self.held() as table:
+                return table.flush(metadata=True)
+        with self._lock:
+            dirty_keys, _ = self._ram.dirty_items()
+        n = dirty_keys.shape[0]
+        written = 0
+        for start in range(0, max(n, 1), SPILL_CHUNK):  # rows dirtied since wait for the next flush
+            with self._spill_lock:
+                with self._lock:
+                    keys = dirty_keys[start : start + SPILL_CHUNK]
+                    slots = self._ram.slots(keys)
+                    live = slots >= 0
+                    live[live] = self._ram.arena.dirty[slots[live]] != CLEAN
+                    keys, slots = keys[live], slots[live]
+                    if not keys.size and not self.ledger.has_changes():
+                        continue
+                    spill = self._begin_spill(
+                        disk, keys, slots, np.ones(keys.shape[0], np.bool_), np.zeros(keys.shape[0], np.bool_)
+                    )
+                written += self._run_spill(disk, spill, evict=False)
+        return written
+
+    def _begin_spill(
+        self,
+        disk: DiskTier,
+        keys: npt.NDArray[np.int64],
+        slots: npt.NDArray[np.int32],
+        write: npt.NDArray[np.bool_],
+        delete: npt.NDArray[np.bool_],
+    ) -> Spill:
+        """Step 1 of a spill (caller holds the spill lock and the table lock; returns
+        holding the write lock too)."""
+        changed = self.ledger.take_changed()
+        spill = Spill.take(self._ram, keys, slots, write, delete, [(c, self.ledger.encode(c)) for c in changed])
+        disk.write_lock.acquire()
+        return spill
+
+    def _run_spill(self, disk: DiskTier, spill: Spill, evict: bool) -> int:
+        """Steps 2 and 3 (caller holds the spill lock and the write lock). Returns rows
+        dropped from RAM (``evict``) or written."""
+        ok = False
+        try:
+            disk.write_spill(spill)
+            ok = True
+        finally:
+            disk.write_lock.release()
+            with self._lock:
+                done = spill.settle(self._ram, ok, evict)
+                if not ok:
+                    self.ledger.mark_changed(spill.changed)
+                c = self.counters
+                c.rows_written += done.written
+                c.rows_spilled += done.spilled
+                c.rows_evicted_rare += done.deleted_rare
+                self.spilled += done.spilled
+        return done.spilled + done.deleted_rare if evict else done.written
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def expire(self, now: np.uint32 | None = None) -> int:
+        """Delete rows idle for longer than ``lifecycle.ttl_seconds`` (RAM and disk);
+        returns how many. A no-op when the table has no TTL."""
+        ttl = self.spec.lifecycle.ttl_seconds
+        if not ttl:
+            return 0
+        now = now_tick() if now is None else now
+        removed = 0
+        with self._lock:
+            keys = self._ram.expired(now, ttl)
+            if keys.size:
+                self._delete_stored(keys)
+                self._ram.remove(keys)
+                removed += int(keys.size)
+                self.counters.rows_expired += int(keys.size)
+        if self._disk is not None:
+            removed += self._expire_spilled(self._disk, now, ttl)
+        return removed
+
+    def _expire_spilled(self, disk: DiskTier, now: np.uint32, ttl: float) -> int:
+        removed = 0
+        for keys, rec in disk.scan():
+            old = expired_keys(keys, np.arange(keys.shape[0], dtype=np.int32), rec.last_access, now, ttl)
+            if not old.size:
+                continue
+            with self._lock:
+                # Recheck under the lock: the row may have come back to RAM, or been
+                # rewritten with a newer access time, since the scan read it.
+                candidates = old[self._ram.slots(old) < 0]
+                found, fresh = disk.read(candidates)
+                present = candidates[found]
+                gone = expired_keys(present, np.arange(present.shape[0], dtype=np.int32), fresh.last_access, now, ttl)
+                if gone.size:
+                    self._delete_stored(gone)
+                    self.spilled = max(0, self.spilled - int(gone.size))
+                    self.counters.rows_expired += int(gone.size)
+                    removed += int(gone.size)
+        return removed
+
+    def _delete_stored(self, keys: npt.NDArray[np.int64]) -> None:
+        """Delete ``keys`` from disk, if the table has one (caller holds the table lock)."""
+        if self._disk is None:
+            return
+        with self._disk.write_lock:
+            try:
+                self._disk.delete(keys)
+            except BaseException:
+                # The rows stay; whether or not the delete reached disk, write them again
+                # later, so that a clean row never lacks its copy on disk.
+                self._ram.mark(self._ram.slots(keys), DIRTY)
+                raise
+
+
+class HeldTable:
+    """A table held by ``Table.held``: what may run on it while nothing else does.
+    Valid only inside that ``with`` block."""
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+
+    def flush(self, metadata: bool = True) -> int:
+        """``Table.flush`` as one cut, under the hold (see there); returns rows written."""
+        t = self.table
+        if t._disk is None:
+            return 0
+        lc = t.spec.lifecycle
+        if metadata and (lc.ttl_seconds or lc.evict_below_frequency):
+            keys, slots = t._ram.items()
+        else:
+            keys, slots = t._ram.dirty_items()
+        changed = t.ledger.take_changed()
+        if not keys.size and not changed:
+            return 0
+        try:
+            for s in t._disk.write_held(t._ram, keys, slots, [(c, t.ledger.encode(c)) for c in changed]):
+                t.counters.rows_written += s.shape[0]
+                t._ram.mark(s, CLEAN)
+                changed = []
+        finally:
+            t.ledger.mark_changed(changed)
+        return int(keys.shape[0])
+
+    def unpersisted(self) -> _RowCopies:
+        """Copies of ``(keys, values, state, last_access, frequency)`` of every resident row
+        that is not on disk as it is in RAM (a shard stopping with a failed disk saves
+        these elsewhere)."""
+        t = self.table
+        keys, slots = t._ram.dirty_items()
+        a = t._ram.arena
+        return keys, a.values[slots], a.state[slots], a.last_access[slots], a.frequency[slots]
+
+    @property
+    def rows(self) -> int:
+        """Rows of the table, resident and on disk."""
+        return len(self.table) + self.table.spilled
+
+
+@contextlib.contextmanager
+def held_tables(tables: list[Table]) -> Iterator[list[HeldTable]]:
+    """Hold every table of ``tables`` (see ``Table.held``), in name order, for the block."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(t.held()) for t in sorted(tables, key=lambda t: t.spec.name)]

@@ -31,6 +31,7 @@ from tests.integration.durability_util import Pusher, health_status, set_file_si
 from tests.integration.shards import stop_shard
 
 WRITES = "ps.v1.ParameterServer.Writes"
+BACKGROUND = "ps.v1.ParameterServer.Background"
 TABLE, DIM = "wide", 16
 NUM_KEYS, KEYS_PER_PUSH = 8192, 512
 LIMIT_BYTES = 1 << 20  # the "disk": no file of the shard may grow past 1 MiB
@@ -157,13 +158,22 @@ def test_disk_fills_then_frees_and_nothing_acknowledged_is_lost(tmp_path: Path, 
     with PSClient([shard.address]) as ps:  # new keys too: their rows are made in RAM
         assert ps.lookup(TABLE, np.arange(NUM_KEYS, NUM_KEYS + 10)).shape == (10, DIM)
     time.sleep(1.5)
-    assert stats(shard.address)["writable"] is False, "the shard claimed to be writable on a full disk"
+    st = stats(shard.address)
+    assert st["writable"] is False, "the shard claimed to be writable on a full disk"
+    # Its background retries fail, and say so: in Stats and in the Background health service.
+    assert "storage-recovery" in {f["loop"] for f in st["failing_loops"]}, st["failing_loops"]
+    assert health_status(shard.address, BACKGROUND) == health_pb2.HealthCheckResponse.NOT_SERVING
 
     # Space comes back: the shard takes writes again by itself.
     set_file_size_limit(shard.proc.pid, None)
     recovered_s = wait_for_writes(shard.address, health_pb2.HealthCheckResponse.SERVING, 30)
     st = stats(shard.address)
     assert st["writable"] is True and st["storage_error"] == "", st
+    began = time.monotonic()  # the loops that failed run again at once and clear
+    while health_status(shard.address, BACKGROUND) != health_pb2.HealthCheckResponse.SERVING:
+        assert time.monotonic() - began < 10, f"Background health still failing: {stats(shard.address)['failing_loops']}"
+        time.sleep(0.1)
+    assert stats(shard.address)["failing_loops"] == []
     with Pusher(shard.address, table=TABLE, dim=DIM) as pusher:
         assert pusher.push(*refused, keys_of(*refused)), "the refused push had been recorded as applied"
     acked.append(refused)

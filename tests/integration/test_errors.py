@@ -25,7 +25,6 @@ from client import (
     TableNotFoundError,
 )
 from protos import ps_pb2 as pb
-from protos import wire
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 
 PATH = "/ps.v1.ParameterServer/"
@@ -225,7 +224,7 @@ def test_health_and_reflection(shard: RunningShard) -> None:
 
     with grpc.insecure_channel(shard.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "ps.v1.ParameterServer"):
+        for service in ("", "ps.v1.ParameterServer", "ps.v1.ParameterServer.Writes", "ps.v1.ParameterServer.Background"):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)

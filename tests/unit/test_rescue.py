@@ -25,6 +25,7 @@ from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.rescue import apply_rescue, is_rescue_dump, save_rescue
 from ps.shard import Shard
 from ps.storage import DataDirError, Storage, StorageFailed
+from tests.fakes import push_request
 
 SPEC = TableSpec(
     "t", 4, initializer=InitializerParams(InitializerKind.ZEROS), optimizer=OptimizerParams(OptimizerKind.SGD, lr=1.0)
@@ -63,7 +64,7 @@ def shard(tmp_path: Path) -> Iterator[Shard]:
 
 
 def push(shard: Shard, seq: int, keys: npt.NDArray[np.int64] = KEYS) -> None:
-    assert shard.push([(shard.table("t"), keys, -np.ones((keys.shape[0], 4), np.float32))], "w", seq) == (True, keys.shape[0])
+    assert shard.push(push_request([("t", keys, -np.ones((keys.shape[0], 4), np.float32))], "w", seq)) == (True, keys.shape[0])
 
 
 def rows(shard: Shard) -> npt.NDArray[np.float32]:
@@ -97,7 +98,7 @@ def test_shard_recovers_by_itself_once_writes_succeed_again(shard: Shard, tmp_pa
     again = reopened(tmp_path / "data")
     try:
         np.testing.assert_array_equal(rows(again), [2] * 50 + [3] * 50)
-        assert again.push([(again.table("t"), KEYS, np.zeros((100, 4), np.float32))], "w", 3) == (False, 0)
+        assert again.push(push_request([("t", KEYS, np.zeros((100, 4), np.float32))], "w", 3)) == (False, 0)
     finally:
         again.shutdown()
 
@@ -128,7 +129,7 @@ def test_stop_with_a_refusing_disk_saves_a_rescue_dump_that_restores_once(shard:
     restored = reopened(tmp_path / "data")
     try:
         np.testing.assert_array_equal(rows(restored), expected)
-        assert restored.push([(restored.table("t"), KEYS, np.zeros((100, 4), np.float32))], "w", 2) == (False, 0)
+        assert restored.push(push_request([("t", KEYS, np.zeros((100, 4), np.float32))], "w", 2)) == (False, 0)
         push(restored, 3)
     finally:
         restored.shutdown()

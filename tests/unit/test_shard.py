@@ -1,18 +1,25 @@
-"""ps.shard: the exactly-once ``PushLedger`` and the ``Shard``'s tables and request checks."""
+"""ps.shard: the exactly-once ``PushLedger``, the ``Shard``'s tables and request checks,
+and its request path (``lookup``, ``push``, modes, hit rate)."""
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
+from protos import ps_pb2 as pb
+from protos import wire
 from ps.config import TableSpec
-from ps.errors import InvalidRequest, ShardMismatch, ShuttingDown, TableExists, UnknownTable, WrongMode
+from ps.errors import InvalidRequest, RequestTooLarge, ShardMismatch, ShuttingDown, TableExists, UnknownTable, WrongMode
 from ps.initializers import InitializerParams
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.shard import PushLedger, Shard
+from ps.storage import Storage
+from tests.fakes import lookup_rows, push_request
 
 
 class _Abandon(Exception):
@@ -292,3 +299,103 @@ def test_check_table_field_rejects_empty_name() -> None:
     Shard.check_table_field("t", "entries[0].table")
     with pytest.raises(InvalidRequest, match=r"entries\[3\]\.table: table name is empty"):
         Shard.check_table_field("", "entries[3].table")
+
+
+# -- Shard: the request path --------------------------------------------------------------
+
+
+def lookup_request(*entries: tuple[str, list[int], int], **routing: int) -> pb.LookupRequest:
+    return pb.LookupRequest(
+        entries=[pb.LookupEntry(table=t, keys=wire.encode_keys(np.array(k, np.int64)), dtype=d) for t, k, d in entries],  # type: ignore[arg-type]
+        **routing,
+    )
+
+
+def test_lookup_gathers_every_entry_into_one_response_in_its_dtype() -> None:
+    shard = Shard(0, 1)
+    shard.create_table(TableSpec("a", 4, seed=1))
+    shard.create_table(TableSpec("b", 3, seed=2))
+    request = lookup_request(("a", [5, 6, 5], wire.FLOAT32), ("b", [7], wire.FLOAT16), ("a", [], wire.FLOAT32))
+    results = wire.decode_lookup_response(shard.lookup(request, max_response_bytes=1 << 20))
+    assert [(r.table, r.dim, r.dtype) for r in results] == [
+        ("a", 4, wire.FLOAT32),
+        ("b", 3, wire.FLOAT16),
+        ("a", 4, wire.FLOAT32),
+    ]
+    a = shard.table("a").lookup(np.array([5, 6, 5]), create=False)
+    b = shard.table("b").lookup(np.array([7]), create=False)
+    np.testing.assert_array_equal(wire.decode_rows(results[0].rows, 3, 4, wire.FLOAT32, "a"), a)
+    np.testing.assert_array_equal(wire.decode_rows(results[1].rows, 1, 3, wire.FLOAT16, "b"), b.astype(np.float16))
+    assert len(results[2].rows) == 0
+    assert len(shard.table("a")) == 2 and len(shard.table("b")) == 1
+    np.testing.assert_array_equal(lookup_rows(shard, "a", [6]), a[1:2])
+
+
+def test_lookup_checks_every_entry_before_it_creates_a_row() -> None:
+    shard = Shard(0, 2)
+    shard.create_table(TableSpec("a", 4))
+    bad = [
+        (lookup_request(("a", [1], 1), ("nope", [2], 1)), UnknownTable, "'nope' does not exist"),
+        (lookup_request(("a", [1], 1), ("", [2], 1)), InvalidRequest, r"entries\[1\]\.table: table name is empty"),
+        (lookup_request(("a", [1], 1), ("a", [2], 9)), wire.WireFormatError, r"entries\[1\]\.dtype: unknown dtype 9"),
+        (lookup_request(("a", [1], 1), num_shards=3), ShardMismatch, "num_shards=3"),
+        (lookup_request(("a", [1], 1), shard=1), ShardMismatch, "request for shard 1 reached shard 0"),
+        (lookup_request(("a", list(range(40)), 1)), RequestTooLarge, "max_message_bytes=4608"),
+    ]
+    for request, error, message in bad:
+        with pytest.raises(error, match=message):
+            shard.lookup(request, max_response_bytes=4608)
+    raw = pb.LookupRequest(entries=[pb.LookupEntry(table="a", keys=b"\x01" * 12)])
+    with pytest.raises(wire.InvalidKeys, match=r"entries\[0\]\.keys \(table 'a'\): 12 bytes is not a multiple of 8"):
+        shard.lookup(raw, max_response_bytes=4608)
+    assert len(shard.table("a")) == 0 and shard.table("a").counters.lookups == 0
+
+
+def test_push_checks_every_entry_before_it_applies_any() -> None:
+    shard = Shard(0, 1)
+    shard.create_table(TableSpec("a", 2))
+    grads = np.ones((1, 2), np.float32)
+    with pytest.raises(InvalidRequest, match=r"table 'a': grads\[0\]\[1\] is nan"):
+        shard.push(push_request([("a", [1], grads), ("a", [2], np.array([[0.0, np.nan]], np.float32))], "w", 1))
+    with pytest.raises(UnknownTable):
+        shard.push(push_request([("a", [1], grads), ("b", [2], grads)], "w", 1))
+    assert len(shard.table("a")) == 0 and shard.duplicate_pushes() == 0
+    assert shard.push(push_request([("a", [1, 1, 3], np.ones((3, 2), np.float32))], "w", 1)) == (True, 2)
+    assert shard.push(push_request([("a", [1], grads)], "w", 1)) == (False, 0)
+
+
+def test_mode_is_train_or_serve() -> None:
+    assert Shard(0, 1).mode == "train" and Shard(0, 1, mode="serve").mode == "serve"
+    with pytest.raises(ValueError, match="mode='predict': expected one of train, serve"):
+        Shard(0, 1, mode="predict")  # type: ignore[arg-type]
+
+
+def test_serving_shard_reads_missing_keys_as_zeros_and_refuses_pushes(tmp_path: Path) -> None:
+    trained = Shard(0, 1, Storage(tmp_path, shard=0, num_shards=1))
+    trained.create_table(TableSpec("t", 3, seed=4))
+    known = lookup_rows(trained, "t", [1, 2])
+    trained.shutdown()
+
+    shard = Shard(0, 1, Storage(tmp_path, shard=0, num_shards=1), mode="serve")
+    try:
+        rows = lookup_rows(shard, "t", [2, 99, 1])
+        np.testing.assert_array_equal(rows, np.stack([known[1], np.zeros(3, np.float32), known[0]]))
+        t = shard.table("t")
+        assert t.counters.rows_created == 0 and len(t) == 2  # 2 and 1 read back from disk, 99 not created
+        with pytest.raises(WrongMode, match=r"read-only \(mode=serve\): pushes are refused") as info:
+            shard.push(push_request([("t", [1], np.ones((1, 3), np.float32))], "w", 1))
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert shard.stats().mode == "serve" and t.counters.pushes == 0
+    finally:
+        shard.shutdown()
+
+
+def test_hit_rate_of_a_shard_without_storage_is_one() -> None:
+    shard = Shard(0, 1)
+    shard.create_table(TableSpec("t", 2))
+    lookup_rows(shard, "t", [1, 2, 3, 3])  # new rows: neither hits nor misses
+    (stats,) = shard.stats().tables
+    assert (stats.ram_hits, stats.ram_misses, stats.ram_hit_rate, stats.rows_created) == (0, 0, 1.0, 3)
+    lookup_rows(shard, "t", [1, 2, 3, 4])
+    (stats,) = shard.stats().tables
+    assert (stats.ram_hits, stats.ram_misses, stats.ram_hit_rate, stats.rows_created) == (3, 0, 1.0, 4)

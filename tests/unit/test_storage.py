@@ -17,16 +17,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from ps.checkpoint import copy_checkpoint
 from ps.ledger import PushLedger
-from ps.storage import (
-    DataDirError,
-    RowRecords,
-    Storage,
-    StorageFailed,
-    TableRows,
-    copy_checkpoint,
-    read_manifest,
-)
+from ps.storage import DataDirError, RowRecords, Storage, StorageFailed, TableRows, read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 I64 = np.iinfo(np.int64)

@@ -2,8 +2,8 @@
 admission, TTL, rare-row deletion) and ``Shard`` (memory budget, storage failure,
 checkpoints).
 
-Time is controlled by a fake recency clock (``now_tick`` patched in ``ps.table``,
-``ps.tier`` and ``ps.shard``), plus explicit ``now`` ticks where the API takes them.
+Time is controlled by a fake recency clock (``now_tick`` patched in ``ps.table``
+and ``ps.shard``), plus explicit ``now`` ticks where the API takes them.
 Storage failures are real: a ``Storage`` opened read-only makes RocksDB refuse writes.
 Expected rows come from a RAM-only twin ``Table`` fed the same operations, or from
 ``initial_rows``, and are compared bit for bit.
@@ -21,8 +21,8 @@ import pytest
 
 import ps.shard
 import ps.table
-import ps.tier
 from protos import ps_pb2 as pb
+from ps.checkpoint import copy_checkpoint
 from ps.config import Durability, TableSpec, spec_from_proto
 from ps.errors import TableExists
 from ps.initializers import initial_rows
@@ -30,8 +30,9 @@ from ps.ledger import PushLedger
 from ps.lifecycle import TICKS_PER_S, Lifecycle, now_tick
 from ps.optimizers import OptimizerKind, OptimizerParams, state_width
 from ps.shard import Shard
-from ps.storage import Storage, StorageFailed, copy_checkpoint, read_manifest
+from ps.storage import Storage, StorageFailed, read_manifest
 from ps.table import Table
+from tests.fakes import push_request
 
 I64 = np.iinfo(np.int64)
 
@@ -53,7 +54,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    for module in (ps.table, ps.tier, ps.shard):
+    for module in (ps.table, ps.shard):
         monkeypatch.setattr(module, "now_tick", c)
     return c
 
@@ -88,9 +89,9 @@ def grads_for(keys: npt.NDArray[np.int64], dim: int, seed: int = 0) -> npt.NDArr
 
 def stored(t: Table) -> dict[int, tuple[list[int], list[int], int, int]]:
     """What the table's column family holds: key -> (value bits, state bits, last_access, frequency)."""
-    assert t._rows is not None  # the tier under test; there is no public reader of it
+    assert t.disk is not None  # the tier under test
     out = {}
-    for keys, rec in t._rows.scan():
+    for keys, rec in t.disk.scan():
         for i, k in enumerate(keys.tolist()):
             out[k] = (bits(rec.values[i]).tolist(), bits(rec.state[i]).tolist(), int(rec.last_access[i]), int(rec.frequency[i]))
     return out
@@ -137,6 +138,21 @@ def test_rows_faulted_back_match_a_ram_only_twin(storage: Storage, clock: Clock)
     np.testing.assert_array_equal(tk, wk)
     assert_same_bits(tv, wv)
     assert_same_bits(ts, ws)
+
+
+def test_hit_rate_counts_only_keys_whose_row_exists(storage: Storage, clock: Clock) -> None:
+    t = tiered(storage, SGD)
+    c = t.counters
+    t.lookup(keys_of(1, 2, 3, 4))
+    assert (c.ram_hits, c.ram_misses, c.rows_created) == (0, 0, 4)  # new rows are neither
+    clock.advance(1)
+    t.lookup(keys_of(3, 4))
+    assert (c.ram_hits, c.ram_misses) == (2, 0)
+    assert t.evict(2, clock.advance(1)) == 2  # 1 and 2, the least recently used
+    t.lookup(keys_of(3, 1, 1, 7, 7, 2))  # 3 in RAM; 1, 1 and 2 read back from disk; 7 new, twice
+    assert (c.ram_hits, c.ram_misses, c.rows_created, c.rows_faulted_in) == (3, 3, 5, 2)
+    t.lookup(keys_of(8, 3), create=False)  # no row for 8: not counted either
+    assert (c.ram_hits, c.ram_misses) == (4, 3)
 
 
 def test_evict_writes_dirty_rows_and_does_not_rewrite_clean_ones(storage: Storage, clock: Clock) -> None:
@@ -431,7 +447,7 @@ def test_pushes_keep_the_shard_within_its_budget(storage: Storage, clock: Clock)
     for step in range(1, 6):
         keys = np.arange(step * 100, step * 100 + 40, dtype=np.int64)
         clock.advance(1)
-        shard.push([(t, keys, grads_for(keys, 8))], "w", step)
+        shard.push(push_request([("a", keys, grads_for(keys, 8))], "w", step))
         assert shard.resident_bytes() <= shard.memory_budget_bytes
     assert t.counters.rows_spilled > 0 and len(t) + t.spilled == 200
 
@@ -443,7 +459,7 @@ def test_storage_failure_makes_the_shard_read_only_once(tmp_path: Path, clock: C
     keys = keys_of(1, 2, 3)
     rw = Shard(0, 1, Storage(tmp_path, shard=0, num_shards=1))
     rw.create_table(SGD)
-    rw.push([(rw.table("t"), keys, grads_for(keys, SGD.dim))], "w", 1)
+    rw.push(push_request([("t", keys, grads_for(keys, SGD.dim))], "w", 1))
     values = rw.table("t").lookup(keys).copy()
     rw.shutdown()
 
@@ -455,10 +471,10 @@ def test_storage_failure_makes_the_shard_read_only_once(tmp_path: Path, clock: C
         t = shard.table("t")
         assert shard.writable
         with pytest.raises(StorageFailed):
-            shard.push([(t, keys, grads_for(keys, SGD.dim, seed=1))], "w", 2)
+            shard.push(push_request([("t", keys, grads_for(keys, SGD.dim, seed=1))], "w", 2))
         assert not shard.writable and heard == [False]
         with pytest.raises(StorageFailed, match="refuses writes since its storage failed") as info:
-            shard.push([(t, keys, grads_for(keys, SGD.dim, seed=1))], "w", 3)
+            shard.push(push_request([("t", keys, grads_for(keys, SGD.dim, seed=1))], "w", 3))
         assert "lookups still work" in str(info.value) and "retries by itself" in str(info.value)
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(StorageFailed):
@@ -482,7 +498,7 @@ def make_tables(shard: Shard) -> dict[str, npt.NDArray[np.int64]]:
     for seq, name in enumerate(("a", "b", "a"), start=1):
         t = shard.table(name)
         t.lookup(keys[name])
-        shard.push([(t, keys[name], grads_for(keys[name], t.dim, seed=seq))], "w", seq)
+        shard.push(push_request([(name, keys[name], grads_for(keys[name], t.dim, seed=seq))], "w", seq))
     return keys
 
 
@@ -515,7 +531,7 @@ def test_checkpoint_of_a_shard_without_storage_opens_read_only(tmp_path: Path, c
         for name in ("a", "b"):
             assert_same_bits(restored.table(name).lookup(keys[name]), shard.table(name).lookup(keys[name]))
         t = restored.table("a")
-        assert restored.push([(t, keys["a"], grads_for(keys["a"], 3))], "w", 3) == (False, 0)
+        assert restored.push(push_request([("a", keys["a"], grads_for(keys["a"], 3))], "w", 3)) == (False, 0)
     finally:
         restored.shutdown()
 

@@ -25,6 +25,7 @@ from ps.optimizers import OptimizerKind, OptimizerParams, state_width
 from ps.shard import Shard
 from ps.storage import Storage
 from ps.table import Table
+from tests.fakes import push_request
 
 SPEC = TableSpec("t", 6, optimizer=OptimizerParams(OptimizerKind.ADAGRAD, lr=0.1), seed=5)
 POOL = np.arange(-300, 300, dtype=np.int64) * 7919
@@ -165,7 +166,7 @@ def test_checkpoints_taken_during_background_eviction_are_consistent_cuts(tmp_pa
         for seq, (keys, grads) in enumerate(stream, 1):
             if stop.is_set():
                 return
-            shard.push([(t, keys, grads)], "w", seq)
+            shard.push(push_request([("t", keys, grads)], "w", seq))
 
     def checkpoint_while_pushing() -> None:
         for i in range(4):

@@ -19,7 +19,6 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import ps.shard
 import ps.table
-import ps.tier
 from ps.config import Durability, TableSpec
 from ps.lifecycle import TICKS_PER_S, Lifecycle
 from ps.shard import Shard
@@ -30,7 +29,7 @@ from tests.unit.tier_model import LIFECYCLE_SPECS, LONG, MODES, SHORT, SPECS, Cl
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
-    for module in (ps.table, ps.tier, ps.shard):
+    for module in (ps.table, ps.shard):
         monkeypatch.setattr(module, "now_tick", clock)
     return clock
 

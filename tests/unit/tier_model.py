@@ -52,13 +52,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ps import optimizers
+from ps.checkpoint import copy_checkpoint
 from ps.config import Durability, TableSpec
 from ps.initializers import InitializerKind, InitializerParams, initial_rows
 from ps.ledger import PushLedger
 from ps.lifecycle import Lifecycle
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.shard import Shard
-from ps.storage import Storage, copy_checkpoint
+from ps.storage import Storage
+from tests.fakes import push_request
 
 F32 = npt.NDArray[np.float32]
 Row = tuple[F32, F32]  # (values, state); never mutated once in the model
@@ -306,7 +308,7 @@ class TierMachine(RuleBasedStateMachine):
         if not m.rows:
             return set()
         keys = np.fromiter(m.rows, np.int64, len(m.rows))
-        return set(keys[self._live().table(name)._index.lookup(keys) >= 0].tolist())
+        return set(keys[self._live().table(name).ram.slots(keys) >= 0].tolist())
 
     def _before(self) -> Before:
         self.clock.tick += 1
@@ -376,11 +378,7 @@ class TierMachine(RuleBasedStateMachine):
     def _send(self, entries: list[Entry], client: str, seq: int) -> None:
         shard = self._live()
         batch = [
-            (
-                shard.table(name),
-                np.array(keys, np.int64),
-                np.array(grads, np.float32).reshape(len(keys), self.specs[name].dim),
-            )
+            (name, np.array(keys, np.int64), np.array(grads, np.float32).reshape(len(keys), self.specs[name].dim))
             for name, keys, grads in entries
         ]
         # A table that knows this push leaves its rows where they are (even on disk).
@@ -388,7 +386,7 @@ class TierMachine(RuleBasedStateMachine):
             name: set(keys) for name, keys, _ in entries if not (seq and seq in self.model[name].ledger.get(client, ()))
         }
         before = self._before()
-        got = shard.push(batch, client, seq)
+        got = shard.push(push_request(batch, client, seq))
         expected = self._expect_push(entries, client, seq)
         assert got == expected, f"push({client!r}, seq={seq}) returned (applied, rows) {got}, expected {expected}"
         self._observe_evictions(before, touched)
@@ -520,8 +518,8 @@ class TierMachine(RuleBasedStateMachine):
             spec, table, m = self.specs[name], shard.table(name), self.model[name]
             keys, values, state = table.export()
             assert_rows_equal(f"table {name!r} export", keys.tolist(), values, state, m.rows)
-            assert table._rows is not None
-            parts = list(table._rows.scan())
+            assert table.disk is not None
+            parts = list(table.disk.scan())
             disk_keys = [k for ks, _ in parts for k in ks.tolist()]
             sw = optimizers.state_width(spec.optimizer, spec.dim)
             disk_values = np.concatenate([r.values for _, r in parts]) if parts else np.empty((0, spec.dim), np.float32)
@@ -538,12 +536,12 @@ class TierMachine(RuleBasedStateMachine):
                 continue
             table, m = shard.table(name), self.model[name]
             keys = np.fromiter(m.rows, np.int64, len(m.rows))
-            slots = table._index.lookup(keys)
-            in_ram = {int(k): int(table._arena.frequency[s]) for k, s in zip(keys, slots) if s >= 0}
+            slots = table.ram.slots(keys)
+            in_ram = {int(k): int(table.ram.arena.frequency[s]) for k, s in zip(keys, slots) if s >= 0}
             expected = {k: m.count[k] for k in in_ram}
             assert in_ram == expected, f"table {name!r}: lookup counts in RAM {in_ram}, expected {expected}"
-            assert table._rows is not None
-            on_disk = {k: int(f) for ks, rec in table._rows.scan() for k, f in zip(ks.tolist(), rec.frequency)}
+            assert table.disk is not None
+            on_disk = {k: int(f) for ks, rec in table.disk.scan() for k, f in zip(ks.tolist(), rec.frequency)}
             assert on_disk == m.disk_count, f"table {name!r}: lookup counts on disk {on_disk}, expected {m.disk_count}"
 
     @invariant()
@@ -564,8 +562,8 @@ class TierMachine(RuleBasedStateMachine):
             table, m = shard.table(name), self.model[name]
             in_ram = ledger_sets({c: table.ledger.encode(c) for c in table.ledger.clients()})
             assert in_ram == m.ledger, f"table {name!r}: ledger in RAM {in_ram}, expected {m.ledger}"
-            assert table._rows is not None
-            on_disk = ledger_sets(table._rows.ledgers())
+            assert table.disk is not None
+            on_disk = ledger_sets(table.disk.ledgers())
             assert on_disk == m.disk_ledger, f"table {name!r}: ledger on disk {on_disk}, expected {m.disk_ledger}"
 
     def teardown(self) -> None:

@@ -1,0 +1,296 @@
+"""The RAM half of a table: which keys are resident, their rows, and admission counters.
+
+``RamTier`` holds a ``KeyIndex`` (key -> slot), an ``Arena`` (rows, optimizer state and
+per-row metadata by slot) and, for tables with an admission rule, the ``Admission``
+sketch. Its methods are the batch operations a table runs on resident rows, each a
+numba kernel or a few numpy calls: no Python loop or object per key.
+
+Every row carries a ``dirty`` flag saying how it relates to its copy on disk:
+``CLEAN`` (the same), ``DIRTY`` (changed since it was written) or ``WRITING`` (a copy is
+being written; a push meanwhile turns it back to ``DIRTY``). Without a disk, rows are
+simply never cleaned.
+
+Not thread-safe: the owning ``Table`` holds its lock around every call (see
+``ps.table``). Arrays returned are new unless a docstring says they are views.
+
+Example:
+    >>> from ps.config import TableSpec
+    >>> ram = RamTier(TableSpec("t", dim=2, seed=1))
+    >>> ram.create(np.array([5, 6]), now=np.uint32(0))
+    2
+    >>> out = np.empty((2, 2), np.float32)
+    >>> ram.gather(ram.slots(np.array([6, 7])), out, now=np.uint32(1))
+    >>> len(ram), bool(out[1].any())  # key 7 has no row: zeros
+    (2, False)
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+from ps import optimizers
+from ps.arena import Arena
+from ps.config import TableSpec
+from ps.initializers import fill_initial_rows
+from ps.keyindex import KeyIndex
+from ps.lifecycle import Admission, age_histogram, expired_keys, select_victims
+
+__all__ = ["CLEAN", "DIRTY", "WRITING", "RamTier"]
+
+CLEAN, DIRTY, WRITING = 0, 1, 2  # arena.dirty: on disk as in RAM / changed since / being written
+
+_INDEX_BYTES_PER_ROW = 16  # 12-byte buckets at the index's ~0.75 load factor
+_FREQ_MAX = np.uint32(0xFFFFFFFF)
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather(
+    values: npt.NDArray[np.float32],
+    slots: npt.NDArray[np.int32],
+    out: npt.NDArray[np.float32],
+    last_access: npt.NDArray[np.uint32],
+    frequency: npt.NDArray[np.uint32],
+    now: np.uint32,
+) -> None:
+    dim = values.shape[1]
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if s < 0:
+            for j in range(dim):
+                out[i, j] = 0.0
+            continue
+        for j in range(dim):
+            out[i, j] = values[s, j]
+        last_access[s] = now
+        if frequency[s] != _FREQ_MAX:
+            frequency[s] += np.uint32(1)
+
+
+@numba.njit(nogil=True, cache=True)
+def _has_duplicates(slots: npt.NDArray[np.int32], seen: npt.NDArray[np.uint8]) -> bool:
+    found = False
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        bit = np.uint8(1 << (s & 7))
+        if seen[s >> 3] & bit:
+            found = True
+            break
+        seen[s >> 3] |= bit
+    # Leave the scratch bitmap all-zero for the next batch.
+    for i in range(slots.shape[0]):
+        seen[slots[i] >> 3] = 0
+    return found
+
+
+@numba.njit(nogil=True, cache=True)
+def _mark_pushed(
+    slots: npt.NDArray[np.int32], last_access: npt.NDArray[np.uint32], dirty: npt.NDArray[np.uint8], now: np.uint32
+) -> None:
+    for i in range(slots.shape[0]):
+        last_access[slots[i]] = now
+        dirty[slots[i]] = DIRTY
+
+
+@numba.njit(nogil=True, cache=True)
+def _collect_dirty(
+    tkeys: npt.NDArray[np.int64],
+    tslots: npt.NDArray[np.int32],
+    dirty: npt.NDArray[np.uint8],
+    out_keys: npt.NDArray[np.int64],
+    out_slots: npt.NDArray[np.int32],
+) -> int:
+    """Fill ``out_*`` with up to their length of rows not ``CLEAN``; returns how many
+    there are in all (which may be more)."""
+    n = 0
+    for i in range(tslots.shape[0]):
+        s = tslots[i]
+        if s >= 0 and dirty[s] != CLEAN:
+            if n < out_keys.shape[0]:
+                out_keys[n] = tkeys[i]
+                out_slots[n] = s
+            n += 1
+    return n
+
+
+class RamTier:
+    """Resident rows of one table (see the module docstring). ``index`` and ``arena`` are
+    public for the table's disk half and for inspection; both follow the same contract."""
+
+    def __init__(self, spec: TableSpec, initial_capacity: int = 1024) -> None:
+        self.spec = spec
+        self.index = KeyIndex(initial_capacity)
+        self.arena = Arena(spec.dim, optimizers.state_width(spec.optimizer, spec.dim), initial_capacity)
+        lc = spec.lifecycle
+        self._admission = None if lc.admits_all else Admission(lc, spec.seed)
+        self._seen = np.zeros(self.arena.capacity // 8 + 1, dtype=np.uint8)  # scratch for duplicate checks
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    # -- sizes ---------------------------------------------------------------------------
+
+    @property
+    def bytes_per_row(self) -> int:
+        """What one resident row costs the memory budget: arena columns plus index share."""
+        return self.arena.row_bytes + _INDEX_BYTES_PER_ROW
+
+    def admission_bytes(self) -> int:
+        return self._admission.memory_bytes() if self._admission is not None else 0
+
+    def resident_bytes(self) -> int:
+        """Resident rows times ``bytes_per_row``, plus the admission counters."""
+        return len(self.index) * self.bytes_per_row + self.admission_bytes()
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the index, the arena, admission counters and scratch space."""
+        return self.index.memory_bytes() + self.arena.memory_bytes() + self._seen.nbytes + self.admission_bytes()
+
+    # -- reading and creating rows -------------------------------------------------------
+
+    def slots(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int32]:
+        """Slot of each key, -1 where it has no resident row."""
+        return self.index.lookup(keys)
+
+    def gather(self, slots: npt.NDArray[np.int32], out: npt.NDArray[np.float32], now: np.uint32) -> None:
+        """Copy the rows at ``slots`` into ``out`` (zeros where a slot is -1), marking them
+        used at ``now``. ``out`` must be C-contiguous float32 ``[len(slots), dim]``: the
+        kernel does not bounds-check."""
+        a = self.arena
+        _gather(a.values, slots, out, a.last_access, a.frequency, now)
+
+    @property
+    def admits_all(self) -> bool:
+        """True when every key gets a row on first sight."""
+        return self._admission is None
+
+    def admit(self, keys: npt.NDArray[np.int64], sighting: bool) -> npt.NDArray[np.bool_]:
+        """Which of ``keys`` (distinct, without rows) may get a row now; a ``sighting`` (a
+        lookup) counts towards admission, a push only asks."""
+        if self._admission is None:
+            return np.ones(keys.shape[0], np.bool_)
+        return self._admission.admit(keys) if sighting else self._admission.admitted(keys)
+
+    def create(self, keys: npt.NDArray[np.int64], now: np.uint32) -> int:
+        """Store the initial rows of absent, distinct ``keys`` (``DIRTY``); returns how many."""
+        if not keys.size:
+            return 0
+        slots, _ = self.index.lookup_or_insert(keys)
+        a = self._grown_arena()
+        new = slots.astype(np.int64)
+        fill_initial_rows(self.spec.initializer, self.spec.seed, keys, a.values, new)
+        optimizers.init_state(self.spec.optimizer, a.state, new)
+        a.frequency[new] = 0
+        a.last_access[new] = now
+        a.dirty[new] = DIRTY
+        return int(new.shape[0])
+
+    def install(
+        self,
+        keys: npt.NDArray[np.int64],
+        values: npt.NDArray[np.float32],
+        state: npt.NDArray[np.float32],
+        last_access: npt.NDArray[np.uint32],
+        frequency: npt.NDArray[np.uint32],
+        dirty: int,
+    ) -> npt.NDArray[np.int32]:
+        """Put given rows of absent ``keys`` into RAM (rows read back from disk); returns their slots."""
+        slots, _ = self.index.lookup_or_insert(keys)
+        a = self._grown_arena()
+        a.values[slots], a.state[slots] = values, state
+        a.last_access[slots], a.frequency[slots] = last_access, frequency
+        a.dirty[slots] = dirty
+        return slots
+
+    def _grown_arena(self) -> Arena:
+        """The arena, grown to cover every slot the index handed out."""
+        a = self.arena
+        if self.index.slot_capacity > a.capacity:
+            a.ensure_capacity(self.index.slot_capacity)
+            self._seen = np.zeros(a.capacity // 8 + 1, dtype=np.uint8)
+        return a
+
+    # -- updating rows -------------------------------------------------------------------
+
+    def merge_duplicates(
+        self, slots: npt.NDArray[np.int32], keys: npt.NDArray[np.int64], grads: npt.NDArray[np.float32]
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+        """``(slots, keys, grads)`` with each slot once, its gradients summed (``np.add.at``
+        into zeros, in input order); the inputs themselves when there are no duplicates."""
+        if not _has_duplicates(slots, self._seen):
+            return slots, keys, grads
+        unique, first, inverse = np.unique(slots, return_index=True, return_inverse=True)
+        summed = np.zeros((unique.shape[0], self.spec.dim), dtype=np.float32)
+        np.add.at(summed, inverse, grads)
+        return unique.astype(np.int32), keys[first], summed
+
+    def apply(self, slots: npt.NDArray[np.int32], grads: npt.NDArray[np.float32], now: np.uint32) -> None:
+        """Apply the table's optimizer to the distinct rows at ``slots``; they become ``DIRTY``."""
+        a = self.arena
+        optimizers.apply(self.spec.optimizer, a.values, a.state, slots, grads)
+        _mark_pushed(slots, a.last_access, a.dirty, now)
+
+    def updated_copies(
+        self, slots: npt.NDArray[np.int32], grads: npt.NDArray[np.float32]
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """``(values, state)`` of the rows at ``slots`` as the optimizer would leave them,
+        as new arrays: RAM is unchanged (a write-ahead caller installs them with ``store``)."""
+        a = self.arena
+        values, state = a.values[slots], a.state[slots]
+        optimizers.apply(self.spec.optimizer, values, state, np.arange(slots.shape[0], dtype=np.int32), grads)
+        return values, state
+
+    def store(
+        self,
+        slots: npt.NDArray[np.int32],
+        values: npt.NDArray[np.float32],
+        state: npt.NDArray[np.float32],
+        last_access: npt.NDArray[np.uint32],
+    ) -> None:
+        """Overwrite the rows at ``slots`` with copies already written to disk (``CLEAN``)."""
+        a = self.arena
+        a.values[slots], a.state[slots], a.last_access[slots] = values, state, last_access
+        a.dirty[slots] = CLEAN
+
+    def mark(self, slots: npt.NDArray[np.int32], flag: int) -> None:
+        """Set the dirty flag of the rows at ``slots`` (slots < 0 are skipped)."""
+        self.arena.dirty[slots[slots >= 0]] = flag
+
+    def remove(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int32]:
+        """Drop the rows of ``keys`` from RAM; returns the slot each freed (-1: absent)."""
+        freed = self.index.remove(keys)
+        self.arena.dirty[freed[freed >= 0]] = CLEAN
+        return freed
+
+    # -- scans over every resident row ---------------------------------------------------
+
+    def items(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        """Every resident ``(keys, slots)``."""
+        return self.index.items()
+
+    def dirty_items(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        """``(keys, slots)`` of every resident row that is not ``CLEAN``."""
+        keys = np.empty(len(self.index), np.int64)
+        slots = np.empty(len(self.index), np.int32)
+        n = _collect_dirty(*self.index.buckets(), self.arena.dirty, keys, slots)
+        return keys[:n], slots[:n]
+
+    def dirty_count(self) -> int:
+        """How many resident rows are not ``CLEAN``."""
+        empty_k, empty_s = np.empty(0, np.int64), np.empty(0, np.int32)
+        return int(_collect_dirty(*self.index.buckets(), self.arena.dirty, empty_k, empty_s))
+
+    def age_histogram(self, now: np.uint32) -> npt.NDArray[np.int64]:
+        """Resident rows by age in ticks (see ``ps.lifecycle.age_histogram``)."""
+        return age_histogram(self.index.buckets()[1], self.arena.last_access, now)
+
+    def victims(
+        self, now: np.uint32, count: int, hist: npt.NDArray[np.int64] | None
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
+        """``(keys, slots)`` of the ``count`` least recently used rows (see ``select_victims``)."""
+        return select_victims(*self.index.buckets(), self.arena.last_access, now, count, hist)
+
+    def expired(self, now: np.uint32, ttl_seconds: float) -> npt.NDArray[np.int64]:
+        """Keys of resident rows idle for longer than ``ttl_seconds``."""
+        return expired_keys(*self.index.buckets(), self.arena.last_access, now, ttl_seconds)
