@@ -22,16 +22,20 @@ import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numba
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from protos.keys import hash_feature, mix64
+from protos.keys import hash_feature, hash_features, mix64
 from worker.jagged import JaggedIds
 
-__all__ = ["Batch", "ColumnSchema", "auc", "feature_seed", "hash_strings", "logloss", "read_click_log"]
+__all__ = [
+    "Batch", "ClickLog", "ColumnSchema", "auc", "feature_seed", "hash_strings", "load_click_log", "logloss",
+    "read_click_log",
+]  # fmt: skip
 
 _MASK64 = (1 << 64) - 1
 _FNV_OFFSET = 0xCBF29CE484222325
@@ -157,6 +161,8 @@ def hash_strings(values: Sequence[str | bytes], seed: int) -> I64:
 
 # --- delimited click logs
 
+_MISSING_BUCKET = np.iinfo(np.int64).min  # the bucket id of an empty dense field
+
 
 @dataclass(frozen=True)
 class ColumnSchema:
@@ -168,12 +174,25 @@ class ColumnSchema:
     for the j-th categorical. ``sep`` is one ASCII character; fields are not quoted.
     ``seeds`` overrides ``feature_seed(name)`` per feature (unknown names raise at read
     time). Dense values: empty -> 0, then ``log1p(max(x, 0))`` when ``log_transform``.
-    Raises ``ValueError`` for a bad ``sep``; ``read_click_log`` raises it for an unknown
-    column or one used twice.
+
+    Derived columns:
+
+    * ``label_threshold``: None means labels must be 0 or 1; a number t makes the label
+      column any number, positive when >= t (MovieLens ratings >= 4).
+    * ``dense_buckets``: each dense column is also the categorical feature
+      ``{column}_bucket`` (``I{j+1}_bucket`` without names), one key per log-scale
+      bucket of the raw value: ``floor(v)`` for v <= 2, ``3 + floor(ln(v)**2)`` above,
+      and a key of its own for an empty field. Counts spanning orders of magnitude
+      (Criteo's I1..I13) then get a learned row per bucket, and "missing" is not 0.
+    * ``order_by``: a numeric column (a timestamp) the rows are sorted by, stably,
+      before use; only ``load_click_log`` can do that (it holds the whole file).
+
+    Raises ``ValueError`` for a bad ``sep``; the readers raise it for an unknown column
+    or one used twice.
 
     >>> s = ColumnSchema.criteo()
-    >>> s.label, s.dense[0], s.categorical[-1], len(s.names or ())
-    ('label', 'I1', 'C26', 40)
+    >>> s.label, s.dense[0], s.categorical[-1], len(s.names or ()), s.dense_buckets
+    ('label', 'I1', 'C26', 40, True)
     """
 
     label: str | int
@@ -184,30 +203,42 @@ class ColumnSchema:
     log_transform: bool = True
     seeds: Mapping[str, int] | None = None
     names: Sequence[str] | None = None
+    label_threshold: float | None = None
+    dense_buckets: bool = False
+    order_by: str | int | None = None
 
     def __post_init__(self) -> None:
         if len(self.sep) != 1 or not self.sep.isascii():
             raise ValueError(f"sep={self.sep!r}: must be one ASCII character")
+        if self.label_threshold is not None and not math.isfinite(self.label_threshold):
+            raise ValueError(f"label_threshold={self.label_threshold}: must be finite")
         for name, value in (("dense", self.dense), ("categorical", self.categorical), ("names", self.names)):
             if value is not None:
                 object.__setattr__(self, name, tuple(value))
 
     @classmethod
-    def criteo(cls) -> ColumnSchema:
-        """Criteo Kaggle/1TB: ``label, I1..I13, C1..C26``, tab-separated, no header."""
+    def criteo(cls, *, dense_buckets: bool = True) -> ColumnSchema:
+        """Criteo Kaggle/1TB: ``label, I1..I13, C1..C26``, tab-separated, no header; the
+        counts I1..I13 are dense (log1p) and, with ``dense_buckets``, also bucketed features."""
         dense, cat = [f"I{i}" for i in range(1, 14)], [f"C{i}" for i in range(1, 27)]
-        return cls("label", dense, cat, sep="\t", names=["label", *dense, *cat])
+        return cls("label", dense, cat, sep="\t", names=["label", *dense, *cat], dense_buckets=dense_buckets)
 
     @classmethod
     def avazu(cls) -> ColumnSchema:
         """Avazu CTR: csv with header, label ``click``, every other column categorical
         except ``id`` (unique per row) and ``hour`` (``YYMMDDHH``: as a raw id every hour
-        is new, so a held-out hour never hits a trained row; a derived hour-of-day would
-        need a column transform, which the schema deliberately does not have)."""
+        is new, so a held-out hour never hits a trained row)."""
         cat = ["C1", "banner_pos", "site_id", "site_domain", "site_category", "app_id", "app_domain",
                "app_category", "device_id", "device_ip", "device_model", "device_type", "device_conn_type",
                *(f"C{i}" for i in range(14, 22))]  # fmt: skip
         return cls("click", (), cat, sep=",", header=True, log_transform=False)
+
+    @classmethod
+    def movielens(cls) -> ColumnSchema:
+        """MovieLens ``u.data``: ``user_id, item_id, rating, timestamp``, tab-separated, no
+        header; positive when rating >= 4; rows in time order (``load_click_log`` only)."""
+        return cls("rating", (), ["user_id", "item_id"], sep="\t", names=["user_id", "item_id", "rating", "timestamp"],
+                   log_transform=False, label_threshold=4.0, order_by="timestamp")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -217,8 +248,10 @@ class _Layout:
     label: I64
     dense: I64
     cat: I64
-    features: tuple[str, ...]
-    bases: U64
+    order: I64  # the order_by column, or empty
+    features: tuple[str, ...]  # categorical features, then bucket features
+    bases: U64  # FNV bases of the categorical features
+    bucket_seeds: tuple[int, ...]  # hash seeds of the bucket features
 
 
 def _layout(schema: ColumnSchema, header: list[str] | None, first_line: bytes) -> _Layout:
@@ -234,29 +267,54 @@ def _layout(schema: ColumnSchema, header: list[str] | None, first_line: bytes) -
             raise ValueError(f"column index {col} out of range: rows have {nfields} fields")
         return col
 
-    cat = [index(c) for c in schema.categorical]
-    cols = [index(schema.label), *(index(c) for c in schema.dense), *cat]
+    dense, cat = [index(c) for c in schema.dense], [index(c) for c in schema.categorical]
+    order = [] if schema.order_by is None else [index(schema.order_by)]
+    cols = [index(schema.label), *dense, *cat, *order]
     if len(set(cols)) != len(cols):
-        raise ValueError(f"a column is used twice: label, dense, categorical = {cols}")
-    features = tuple(names[i] if names is not None else f"C{j + 1}" for j, i in enumerate(cat))
+        raise ValueError(f"a column is used twice: label, dense, categorical, order_by = {cols}")
+    cat_names = [names[i] if names is not None else f"C{j + 1}" for j, i in enumerate(cat)]
+    buckets = [f"{names[i] if names is not None else f'I{j + 1}'}_bucket" for j, i in enumerate(dense)]
+    features = tuple(cat_names + (buckets if schema.dense_buckets else []))
     if len(set(features)) != len(features):
         raise ValueError(f"two categorical columns share a feature name: {features}")
     seeds = dict(schema.seeds or {})
     if unknown := set(seeds) - set(features):
         raise ValueError(f"seeds for unknown features {sorted(unknown)}; features are {list(features)}")
-    bases = [_FNV_OFFSET ^ mix64(seeds.get(f, feature_seed(f)) & _MASK64) for f in features]
+    key_seeds = [seeds.get(f, feature_seed(f)) & _MASK64 for f in features]
     return _Layout(
         nfields, tuple(names if names is not None else (f"column {i}" for i in range(nfields))),
-        np.array(cols[:1], np.int64), np.array(cols[1 : len(cols) - len(cat)], np.int64),
-        np.array(cat, np.int64), features, np.array(bases, np.uint64),
+        np.array(cols[:1], np.int64), np.array(dense, np.int64), np.array(cat, np.int64), np.array(order, np.int64),
+        features, np.array([_FNV_OFFSET ^ mix64(k) for k in key_seeds[: len(cat)]], np.uint64),
+        tuple(key_seeds[len(cat) :]),
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """Parsed rows: labels 0/1 ``[n]``, final dense values ``[n, D]``, keys ``[F, n]``, order ``[n]`` or None."""
+
+    labels: npt.NDArray[np.float32]
+    dense: npt.NDArray[np.float32]
+    keys: I64
+    order: F64 | None
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def _bucket_ids(raw: F64, missing: npt.NDArray[np.bool_]) -> I64:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        above = 3.0 + np.floor(np.log(np.maximum(raw, 3.0)) ** 2)
+    ids = np.clip(np.where(raw > 2.0, above, np.floor(raw)), -(2.0**62), 2.0**62).astype(np.int64)
+    out: I64 = np.where(missing, _MISSING_BUCKET, ids)
+    return out
+
+
 def _parse_lines(
-    buf: U8, line_starts: I64, line_ends: I64, first_line_no: int, lay: _Layout, sep: int, where: str
-) -> tuple[F64, F64, U64]:
-    """(labels [n], dense [n, D] raw values, keys [C, n]) of complete lines; raises ``ValueError``."""
-    n = line_starts.shape[0]
+    buf: U8, line_starts: I64, line_ends: I64, first_line_no: int, lay: _Layout, schema: ColumnSchema, where: str
+) -> _Rows:
+    """The complete lines ``[line_starts, line_ends)`` of ``buf`` as ``_Rows``; raises ``ValueError``."""
+    n, sep = line_starts.shape[0], ord(schema.sep)
     starts, ends = np.empty((n, lay.nfields), np.int64), np.empty((n, lay.nfields), np.int64)
     bad = _split_fields(buf, line_starts, line_ends, sep, starts, ends)
     if bad >= 0:
@@ -264,11 +322,14 @@ def _parse_lines(
         got = line.count(bytes([sep])) + 1
         raise ValueError(f"{where}:{first_line_no + bad}: {got} fields, expected {lay.nfields}: {line[:200]!r}")
 
+    def field(i: int, col: int) -> bytes:
+        return bytes(buf[starts[i, col] : ends[i, col]])
+
     def numbers(cols: I64) -> tuple[F64, npt.NDArray[np.bool_]]:
         out, status = np.empty((n, cols.shape[0]), np.float64), np.empty((n, cols.shape[0]), np.uint8)
         _parse_numbers(buf, starts, ends, cols, out, status)
         for i, c in np.argwhere(status == 2):  # rare: forms the kernel leaves to Python, or garbage
-            raw = bytes(buf[starts[i, cols[c]] : ends[i, cols[c]]])
+            raw = field(i, cols[c])
             try:
                 out[i, c] = float(raw)
             except ValueError:
@@ -279,55 +340,53 @@ def _parse_lines(
         return out, status == 1
 
     labels, missing = numbers(lay.label)
-    wrong = np.flatnonzero(missing[:, 0] | ((labels[:, 0] != 0.0) & (labels[:, 0] != 1.0)))
+    col = int(lay.label[0])
+    if schema.label_threshold is None:
+        wrong = np.flatnonzero(missing[:, 0] | ((labels[:, 0] != 0.0) & (labels[:, 0] != 1.0)))
+        expected = "expected 0 or 1"
+    else:
+        wrong = np.flatnonzero(missing[:, 0])
+        expected = f"expected a number (positive when >= {schema.label_threshold})"
+        labels = (labels >= schema.label_threshold).astype(np.float64)
     if wrong.size:
         i = int(wrong[0])
-        raw = bytes(buf[starts[i, lay.label[0]] : ends[i, lay.label[0]]])
-        raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[lay.label[0]]!r} "
-                         f"(field {lay.label[0] + 1}): label {raw[:100]!r}, expected 0 or 1")  # fmt: skip
-    dense, _ = numbers(lay.dense)  # missing -> 0 already
-    keys = np.empty((lay.cat.shape[0], n), np.uint64)
+        raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[col]!r} "
+                         f"(field {col + 1}): label {field(i, col)[:100]!r}, {expected}")  # fmt: skip
+    raw, empty = numbers(lay.dense)  # empty -> 0 already
+    keys = np.empty((len(lay.features), n), np.uint64)
     _hash_fields(buf, starts, ends, lay.cat, lay.bases, keys)
-    return labels[:, 0], dense, keys
+    for j, seed in enumerate(lay.bucket_seeds):
+        keys[lay.cat.shape[0] + j] = hash_features(_bucket_ids(raw[:, j], empty[:, j]), seed).view(np.uint64)
+    order = None
+    if lay.order.shape[0]:
+        values, empty_order = numbers(lay.order)
+        if empty_order.any():
+            i = int(np.flatnonzero(empty_order[:, 0])[0])
+            raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[lay.order[0]]!r} "
+                             f"(order_by) is empty")  # fmt: skip
+        order = values[:, 0]
+    dense = np.log1p(np.maximum(raw, 0.0)) if schema.log_transform else raw
+    return _Rows(labels[:, 0].astype(np.float32), dense.astype(np.float32), keys.view(np.int64), order)
 
 
-def _make_batch(labels: F64, dense: F64, keys: U64, features: tuple[str, ...], log_transform: bool) -> Batch:
-    n = labels.shape[0]
-    d = np.log1p(np.maximum(dense, 0.0)) if log_transform else dense
-    k = keys.view(np.int64)
-    sparse = {f: JaggedIds(torch.from_numpy(k[c]), torch.arange(n + 1)) for c, f in enumerate(features)}
-    return Batch(torch.from_numpy(d.astype(np.float32)), sparse, torch.from_numpy(labels.astype(np.float32)))
+def _concat(parts: Sequence[_Rows]) -> _Rows:
+    if len(parts) == 1:
+        return parts[0]
+    orders = [p.order for p in parts if p.order is not None]
+    return _Rows(np.concatenate([p.labels for p in parts]), np.concatenate([p.dense for p in parts]),
+                 np.concatenate([p.keys for p in parts], axis=1), np.concatenate(orders) if orders else None)  # fmt: skip
 
 
-def read_click_log(
-    path: str | os.PathLike[str],
-    schema: ColumnSchema,
-    batch_size: int,
-    *,
-    limit: int | None = None,
-    skip: int = 0,
-    chunk_bytes: int = 1 << 20,
-) -> Iterator[Batch]:
-    """Stream ``Batch``es of ``batch_size`` rows (the last one may be smaller) from a file.
+def _take(rows: _Rows, lo: int, hi: int) -> _Rows:
+    return _Rows(
+        rows.labels[lo:hi], rows.dense[lo:hi], rows.keys[:, lo:hi], None if rows.order is None else rows.order[lo:hi]
+    )
 
-    Skips the first ``skip`` data rows (after any header) and stops after ``limit``
-    rows. Reads ``chunk_bytes`` at a time and holds at most about one chunk plus one
-    batch of parsed rows. Lines end in ``\\n`` or ``\\r\\n``. The file is opened on the
-    first ``next`` and closed when the iterator ends or is closed. Blocks while reading;
-    one iterator per thread (the numba kernels release the GIL). A malformed row (wrong field
-    count, unparsable number, label other than 0/1, blank line) raises ``ValueError``
-    naming the file, the 1-based line number and the column; rows are never dropped.
 
-    >>> import tempfile, pathlib
-    >>> p = pathlib.Path(tempfile.mkdtemp()) / "log.csv"
-    >>> _ = p.write_text("y,n,c\\n1,3,a\\n0,,\\n")
-    >>> b = next(read_click_log(p, ColumnSchema("y", ["n"], ["c"], sep=",", header=True), 8))
-    >>> b.labels.tolist(), b.dense[:, 0].tolist(), b.sparse["c"].values[1].item() == hash_feature("", feature_seed("c"))
-    ([1.0, 0.0], [1.3862943649291992, 0.0], True)
-    """
-    if batch_size < 1 or skip < 0 or (limit is not None and limit < 0) or chunk_bytes < 1:
-        raise ValueError(f"batch_size={batch_size}, skip={skip}, limit={limit}, chunk_bytes={chunk_bytes}: bad value")
-    where, sep = os.fspath(path), ord(schema.sep)
+def _read_rows(path: str | os.PathLike[str], schema: ColumnSchema, skip: int, limit: int | None,
+               chunk_bytes: int) -> Iterator[tuple[_Layout, _Rows]]:  # fmt: skip
+    """Parsed rows of ``path``, one chunk at a time (see ``read_click_log``)."""
+    where = os.fspath(path)
     with open(path, "rb") as f:
         header, line_no = None, 0  # line_no: lines consumed so far
         if schema.header:
@@ -337,8 +396,7 @@ def read_click_log(
             header, line_no = first.decode("utf-8-sig").rstrip("\r\n").split(schema.sep), 1
         lay: _Layout | None = None
         to_skip, left = skip, limit
-        pending: list[tuple[F64, F64, U64]] = []
-        pending_n, carry = 0, b""
+        carry = b""
         while left is None or left > 0:
             block = f.read(chunk_bytes)
             data = carry + block
@@ -361,23 +419,127 @@ def read_click_log(
             if hi > lo:
                 if lay is None:
                     lay = _layout(schema, header, bytes(buf[line_starts[lo] : line_ends[lo]]))
-                rows = _parse_lines(buf, line_starts[lo:hi], line_ends[lo:hi], line_no + lo + 1, lay, sep, where)
-                pending.append(rows)
-                pending_n += hi - lo
+                yield lay, _parse_lines(buf, line_starts[lo:hi], line_ends[lo:hi], line_no + lo + 1, lay, schema, where)
                 left = None if left is None else left - (hi - lo)
             line_no += line_ends.shape[0]
-            if pending_n >= batch_size and lay is not None:
-                labels, dense, keys = (np.concatenate(x, axis=a) for x, a in zip(zip(*pending), (0, 0, 1)))
-                full = pending_n - pending_n % batch_size
-                for s in range(0, full, batch_size):
-                    yield _make_batch(labels[s : s + batch_size], dense[s : s + batch_size],
-                                      keys[:, s : s + batch_size], lay.features, schema.log_transform)  # fmt: skip
-                pending, pending_n = [(labels[full:], dense[full:], keys[:, full:])], pending_n - full
             if not block:
                 break
-        if pending_n and lay is not None:
-            labels, dense, keys = (np.concatenate(x, axis=a) for x, a in zip(zip(*pending), (0, 0, 1)))
-            yield _make_batch(labels, dense, keys, lay.features, schema.log_transform)
+
+
+def _make_batch(rows: _Rows, features: tuple[str, ...]) -> Batch:
+    offsets = torch.arange(len(rows) + 1)
+    sparse = {f: JaggedIds(torch.from_numpy(rows.keys[c]), offsets) for c, f in enumerate(features)}
+    return Batch(torch.from_numpy(rows.dense), sparse, torch.from_numpy(rows.labels))
+
+
+def read_click_log(
+    path: str | os.PathLike[str],
+    schema: ColumnSchema,
+    batch_size: int,
+    *,
+    limit: int | None = None,
+    skip: int = 0,
+    chunk_bytes: int = 1 << 20,
+) -> Iterator[Batch]:
+    """Stream ``Batch``es of ``batch_size`` rows (the last one may be smaller) from a file.
+
+    Skips the first ``skip`` data rows (after any header) and stops after ``limit``
+    rows. Reads ``chunk_bytes`` at a time and holds at most about one chunk plus one
+    batch of parsed rows. Lines end in ``\\n`` or ``\\r\\n``. The file is opened on the
+    first ``next`` and closed when the iterator ends or is closed. Blocks while reading;
+    one iterator per thread (the numba kernels release the GIL). A malformed row (wrong field
+    count, unparsable number, label other than 0/1, blank line) raises ``ValueError``
+    naming the file, the 1-based line number and the column; rows are never dropped.
+    A schema with ``order_by`` raises ``ValueError``: use ``load_click_log``.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "log.csv"
+    >>> _ = p.write_text("y,n,c\\n1,3,a\\n0,,\\n")
+    >>> b = next(read_click_log(p, ColumnSchema("y", ["n"], ["c"], sep=",", header=True), 8))
+    >>> b.labels.tolist(), b.dense[:, 0].tolist(), b.sparse["c"].values[1].item() == hash_feature("", feature_seed("c"))
+    ([1.0, 0.0], [1.3862943649291992, 0.0], True)
+    """
+    if batch_size < 1 or skip < 0 or (limit is not None and limit < 0) or chunk_bytes < 1:
+        raise ValueError(f"batch_size={batch_size}, skip={skip}, limit={limit}, chunk_bytes={chunk_bytes}: bad value")
+    if schema.order_by is not None:
+        raise ValueError(
+            f"the schema orders rows by {schema.order_by!r}: use load_click_log, which holds the whole file"
+        )
+    pending: list[_Rows] = []
+    pending_n, features = 0, cast(tuple[str, ...], ())
+    for lay, rows in _read_rows(path, schema, skip, limit, chunk_bytes):
+        features = lay.features
+        pending.append(rows)
+        pending_n += len(rows)
+        if pending_n >= batch_size:
+            whole = _concat(pending)
+            full = pending_n - pending_n % batch_size
+            for s in range(0, full, batch_size):
+                yield _make_batch(_take(whole, s, s + batch_size), features)
+            pending, pending_n = [_take(whole, full, pending_n)], pending_n - full
+    if pending_n:
+        yield _make_batch(_concat(pending), features)
+
+
+@dataclass(frozen=True)
+class ClickLog:
+    """A whole click log parsed into memory (``load_click_log``), in row order.
+
+    ``labels`` float32 ``[n]`` of 0/1, ``dense`` float32 ``[n, D]`` (transformed as the
+    schema says), ``keys`` int64 ``[F, n]``: one key per row of each of ``features``.
+    Immutable by convention: slices and batches are views of these arrays.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "u.data"
+    >>> _ = p.write_text("1\\t10\\t5\\t300\\n2\\t10\\t1\\t100\\n1\\t11\\t4\\t200\\n")
+    >>> log = load_click_log(p, ColumnSchema.movielens())
+    >>> len(log), log.labels.tolist(), [b.batch_size for b in log[:2].batches(1)]
+    (3, [0.0, 1.0, 1.0], [1, 1])
+    """
+
+    labels: npt.NDArray[np.float32]
+    dense: npt.NDArray[np.float32]
+    keys: I64
+    features: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def __getitem__(self, rows: slice) -> ClickLog:
+        """The rows ``rows`` (a slice with step 1), as views."""
+        lo, hi, step = rows.indices(len(self))
+        if step != 1:
+            raise ValueError(f"ClickLog[{rows}]: only contiguous slices")
+        return ClickLog(self.labels[lo:hi], self.dense[lo:hi], self.keys[:, lo:hi], self.features)
+
+    def batches(self, batch_size: int, *, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
+        """Batches of ``batch_size`` rows in order (the last may be short); ``rank`` of
+        ``world_size`` takes the batches ``rank, rank + world_size, ...``."""
+        if batch_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"batch_size={batch_size}, rank={rank}, world_size={world_size}")
+        rows = _Rows(self.labels, self.dense, self.keys, None)
+        for lo in range(rank * batch_size, len(self), batch_size * world_size):
+            yield _make_batch(_take(rows, lo, lo + batch_size), self.features)
+
+
+def load_click_log(path: str | os.PathLike[str], schema: ColumnSchema, *, chunk_bytes: int = 1 << 22) -> ClickLog:
+    """Read all of ``path`` into a ``ClickLog`` (sorted by ``schema.order_by``, stably, if set).
+
+    Holds every row in memory (about 4 bytes per dense value and 8 per key); raises
+    ``ValueError`` as ``read_click_log`` does, and for a file without data rows.
+    """
+    parts: list[_Rows] = []
+    features: tuple[str, ...] = ()
+    for lay, rows in _read_rows(path, schema, 0, None, chunk_bytes):
+        parts.append(rows)
+        features = lay.features
+    if not parts:
+        raise ValueError(f"{os.fspath(path)}: no data rows")
+    rows = _concat(parts)
+    if rows.order is not None:
+        idx = np.argsort(rows.order, kind="stable")
+        return ClickLog(rows.labels[idx], rows.dense[idx], rows.keys[:, idx], features)
+    return ClickLog(rows.labels, rows.dense, rows.keys, features)
 
 
 # --- eval metrics
