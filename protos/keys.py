@@ -113,9 +113,7 @@ def shard_of(keys: npt.ArrayLike, num_shards: int) -> npt.NDArray[np.int32]:
         b = j
         out[idx] = b
         k = k * np.uint64(_JUMP_MULT) + np.uint64(1)
-        j = ((b + 1) * (float(1 << 31) / ((k >> np.uint64(33)) + np.uint64(1)).astype(np.float64))).astype(
-            np.int64
-        )
+        j = ((b + 1) * (float(1 << 31) / ((k >> np.uint64(33)) + np.uint64(1)).astype(np.float64))).astype(np.int64)
         live = j < num_shards
         idx, k, j = idx[live], k[live], j[live]
     return out

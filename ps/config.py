@@ -90,9 +90,7 @@ class ServerConfig:
 
     shard: int = field(default=0, metadata={"help": "index of this shard, in [0, num_shards)"})
     num_shards: int = field(default=1, metadata={"help": "number of shards in the cluster"})
-    listen: str = field(
-        default="127.0.0.1:0", metadata={"help": "HOST:PORT to listen on; port 0 picks a free port"}
-    )
+    listen: str = field(default="127.0.0.1:0", metadata={"help": "HOST:PORT to listen on; port 0 picks a free port"})
     port_file: Path | None = field(
         default=None,
         metadata={"help": "once serving, write the real port to this file (atomically: temp file + rename)"},
@@ -196,9 +194,7 @@ class TableSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _TABLE_NAME.fullmatch(self.name):
-            raise ConfigError(
-                f"table name {self.name!r}: use 1-128 characters from A-Z a-z 0-9 _ . : / -"
-            )
+            raise ConfigError(f"table name {self.name!r}: use 1-128 characters from A-Z a-z 0-9 _ . : / -")
         if not 1 <= self.dim <= MAX_DIM:
             raise ConfigError(f"table {self.name!r}: dim={self.dim}, must be in [1, {MAX_DIM}]")
         if not 0 <= self.seed < 1 << 64:

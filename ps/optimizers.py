@@ -265,8 +265,7 @@ def apply(
     width = state_width(params, dim)
     if state.shape != (capacity, width):
         raise ValueError(
-            f"state: shape {state.shape}, expected {(capacity, width)} "
-            f"for {params.kind.name} with dim {dim}"
+            f"state: shape {state.shape}, expected {(capacity, width)} for {params.kind.name} with dim {dim}"
         )
     slots = _check_slots(slots, capacity)
     n = slots.shape[0]
@@ -353,9 +352,7 @@ def _check_table(name: str, array: npt.NDArray[np.float32]) -> None:
         raise ValueError(f"{name}: must be writable")
 
 
-def _check_slots(
-    slots: npt.NDArray[np.integer[Any]], capacity: int
-) -> npt.NDArray[np.integer[Any]]:
+def _check_slots(slots: npt.NDArray[np.integer[Any]], capacity: int) -> npt.NDArray[np.integer[Any]]:
     if not isinstance(slots, np.ndarray):
         raise ValueError(f"slots: expected a numpy array, got {type(slots).__name__}")
     if slots.dtype != np.int32 and slots.dtype != np.int64:
@@ -408,9 +405,7 @@ _fma = cast(Callable[[np.float32, np.float32, np.float32], np.float32], intrinsi
 
 
 @_kernel
-def _fill_rows(
-    state: npt.NDArray[np.float32], slots: npt.NDArray[np.integer[Any]], fill: np.float32
-) -> None:
+def _fill_rows(state: npt.NDArray[np.float32], slots: npt.NDArray[np.integer[Any]], fill: np.float32) -> None:
     for i in range(slots.shape[0]):
         state[slots[i]] = fill
 

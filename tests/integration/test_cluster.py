@@ -197,7 +197,9 @@ def test_same_raw_push_twice_is_applied_once(cluster: list[RunningShard]) -> Non
         assert push(request, timeout=10).applied
         assert not push(request, timeout=10).applied
         # A later sequence number from the same client is applied.
-        request2 = wire.encode_push_request([("raw", key, np.ones((1, 2), np.float32), wire.FLOAT32)], 2, "c1", 2, shard)
+        request2 = wire.encode_push_request(
+            [("raw", key, np.ones((1, 2), np.float32), wire.FLOAT32)], 2, "c1", 2, shard
+        )
         assert push(request2, timeout=10).applied
     with PSClient([s.address for s in cluster]) as ps:
         np.testing.assert_allclose(ps.lookup("raw", key), before - 2.0, atol=1e-7)

@@ -137,7 +137,9 @@ def wait_for_writes(address: str, status: int, timeout_s: float) -> float:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_disk_fills_then_frees_and_nothing_acknowledged_is_lost(tmp_path: Path, procs: list[ShardProcess], mode: str) -> None:
+def test_disk_fills_then_frees_and_nothing_acknowledged_is_lost(
+    tmp_path: Path, procs: list[ShardProcess], mode: str
+) -> None:
     args = (f"--data-dir={tmp_path / 'data'}", f"--durability={mode}")
     shard = start(procs, tmp_path, *args)
     create_table(shard.address)
@@ -171,7 +173,9 @@ def test_disk_fills_then_frees_and_nothing_acknowledged_is_lost(tmp_path: Path, 
     assert st["writable"] is True and st["storage_error"] == "", st
     began = time.monotonic()  # the loops that failed run again at once and clear
     while health_status(shard.address, BACKGROUND) != health_pb2.HealthCheckResponse.SERVING:
-        assert time.monotonic() - began < 10, f"Background health still failing: {stats(shard.address)['failing_loops']}"
+        assert time.monotonic() - began < 10, (
+            f"Background health still failing: {stats(shard.address)['failing_loops']}"
+        )
         time.sleep(0.1)
     assert stats(shard.address)["failing_loops"] == []
     with Pusher(shard.address, table=TABLE, dim=DIM) as pusher:
@@ -241,7 +245,9 @@ def test_stop_on_a_full_disk_saves_a_rescue_dump_and_restore_recovers_every_push
     stop_shard(shard)
 
 
-def test_stop_when_not_even_a_rescue_dump_fits_says_the_rows_are_lost(tmp_path: Path, procs: list[ShardProcess]) -> None:
+def test_stop_when_not_even_a_rescue_dump_fits_says_the_rows_are_lost(
+    tmp_path: Path, procs: list[ShardProcess]
+) -> None:
     # 8192 rows of dim 64 (2.1 MB unwritten, checkpoint-only) fit in neither the data
     # dir nor a rescue dump under a 1 MiB limit; the log line saying so (a few KB) does.
     args = (f"--data-dir={tmp_path / 'data'}", "--durability=checkpoint-only", "--grace-s=1")
@@ -256,7 +262,9 @@ def test_stop_when_not_even_a_rescue_dump_fits_says_the_rows_are_lost(tmp_path: 
     assert "LOST" in log and "cannot write a rescue dump" in log and "8192 rows" in log, log[-3000:]
 
 
-def test_restart_that_cannot_replay_its_log_says_how_much_space_it_needs(tmp_path: Path, procs: list[ShardProcess]) -> None:
+def test_restart_that_cannot_replay_its_log_says_how_much_space_it_needs(
+    tmp_path: Path, procs: list[ShardProcess]
+) -> None:
     args = (f"--data-dir={tmp_path / 'data'}", "--durability=every-push")
     shard = start(procs, tmp_path, *args)
     create_table(shard.address)

@@ -172,7 +172,9 @@ def test_sigkill_during_every_push_stream_loses_and_repeats_nothing(tmp_path: Pa
             # the in-flight pushes the shard's ledger says it had applied: nothing
             # doubled, and rows and ledger agree.
             expected = counts_of(sorted(resolved) + persisted)
-            assert_exact(before, expected, f"{where}: rows after restart vs acknowledged + persisted in-flight {persisted}")
+            assert_exact(
+                before, expected, f"{where}: rows after restart vs acknowledged + persisted in-flight {persisted}"
+            )
             applied = sorted(resolved | set(in_flight))
             assert_exact(row_counts(shard.address), counts_of(applied), f"{where}: rows after resending in-flight")
             resend_acknowledged(pusher, in_flight, f"{where}: in-flight pushes resent twice")
@@ -237,7 +239,9 @@ def test_data_dir_is_locked_and_keeps_its_shard_identity(tmp_path: Path, procs: 
     code, out = run_to_exit(tmp_path, "--shard=0", "--num-shards=1", f"--data-dir={data}")
     took = time.monotonic() - began
     assert code not in (0, -9), f"second process on a data dir in use exited {code}:\n{out[-2000:]}"
-    assert "in use" in out and str(shard.proc.pid) in out, f"no 'in use by pid {shard.proc.pid}' message:\n{out[-2000:]}"
+    assert "in use" in out and str(shard.proc.pid) in out, (
+        f"no 'in use by pid {shard.proc.pid}' message:\n{out[-2000:]}"
+    )
     assert took < 30, f"second process took {took:.1f}s to give up"
     assert row_counts(shard.address).sum() == 0, "the first shard stopped serving"
     stop_shard(shard)

@@ -52,7 +52,9 @@ def raw(address: str, method: str, request: bytes) -> tuple[grpc.StatusCode, str
 
 
 def push_bytes(table: str = "emb", keys: bytes = b"", grads: bytes = b"", dtype: int = 1, **kw: int) -> bytes:
-    return pb.PushRequest(entries=[pb.PushEntry(table=table, keys=keys, grads=grads, dtype=dtype)], **kw).SerializeToString()  # type: ignore[arg-type]
+    return pb.PushRequest(
+        entries=[pb.PushEntry(table=table, keys=keys, grads=grads, dtype=dtype)], **kw
+    ).SerializeToString()  # type: ignore[arg-type]
 
 
 KEYS2 = np.array([1, 2], dtype="<i8").tobytes()
@@ -224,7 +226,12 @@ def test_health_and_reflection(shard: RunningShard) -> None:
 
     with grpc.insecure_channel(shard.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        for service in ("", "ps.v1.ParameterServer", "ps.v1.ParameterServer.Writes", "ps.v1.ParameterServer.Background"):
+        for service in (
+            "",
+            "ps.v1.ParameterServer",
+            "ps.v1.ParameterServer.Writes",
+            "ps.v1.ParameterServer.Background",
+        ):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)

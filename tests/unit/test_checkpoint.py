@@ -38,7 +38,9 @@ def test_relative_and_absolute_paths_under_the_root(root: Path) -> None:
     assert resolve_checkpoint_path(root / "not-yet", "a", 0) == root / "not-yet" / "a"  # made when written
 
 
-def test_relative_paths_never_resolve_against_the_working_directory(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_relative_paths_never_resolve_against_the_working_directory(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     assert resolve_checkpoint_path(root, "ck", 0) == root / "ck"
 

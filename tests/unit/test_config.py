@@ -33,7 +33,9 @@ def toml_file(tmp_path: Path) -> Path:
 def json_file(tmp_path: Path) -> Path:
     return write(
         tmp_path / "ps.json",
-        json.dumps({"shard": 1, "num_shards": 3, "threads": 2, "listen": "0.0.0.0:7000", "grace_s": 1.5, "log_level": "debug"}),
+        json.dumps(
+            {"shard": 1, "num_shards": 3, "threads": 2, "listen": "0.0.0.0:7000", "grace_s": 1.5, "log_level": "debug"}
+        ),
     )
 
 
@@ -90,7 +92,9 @@ def test_json_integral_float_is_an_int(tmp_path: Path) -> None:
 # --- errors -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("suffix, text", [(".toml", "threads = 2\nthread_count = 4\n"), (".json", '{"thread_count": 4}')])
+@pytest.mark.parametrize(
+    "suffix, text", [(".toml", "threads = 2\nthread_count = 4\n"), (".json", '{"thread_count": 4}')]
+)
 def test_unknown_file_key_lists_valid_names(tmp_path: Path, suffix: str, text: str) -> None:
     path = write(tmp_path / f"c{suffix}", text)
     with pytest.raises(ConfigError, match="unknown setting 'thread_count'") as exc:
@@ -135,7 +139,10 @@ def test_bad_values_name_the_field(argv: list[str], environ: dict[str, str], fie
         load_config(argv, environ)
 
 
-@pytest.mark.parametrize("text, field", [('num_shards = "two"\n', "num_shards"), ("threads = true\n", "threads"), ("threads = 2.5\n", "threads")])
+@pytest.mark.parametrize(
+    "text, field",
+    [('num_shards = "two"\n', "num_shards"), ("threads = true\n", "threads"), ("threads = 2.5\n", "threads")],
+)
 def test_bad_file_values_name_the_field(tmp_path: Path, text: str, field: str) -> None:
     path = write(tmp_path / "c.toml", text)
     with pytest.raises(ConfigError, match=rf"^--config {re.escape(str(path))}: .* for {field}$"):
@@ -245,5 +252,11 @@ def test_table_spec_differences() -> None:
     assert "initializer.std: 0.01 != 0.5" in diffs
     assert "optimizer.kind: SGD != ADAGRAD" in diffs
     assert "seed: 0 != 3" in diffs
-    assert [d.split(":")[0] for d in diffs] == ["initializer.kind", "initializer.std", "optimizer.kind", "optimizer.eps", "seed"]
+    assert [d.split(":")[0] for d in diffs] == [
+        "initializer.kind",
+        "initializer.std",
+        "optimizer.kind",
+        "optimizer.eps",
+        "seed",
+    ]
     assert [d.split(":")[0] for d in other.differences(base)] == [d.split(":")[0] for d in diffs]

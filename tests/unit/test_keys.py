@@ -197,9 +197,7 @@ def test_module_agrees_with_references_on_random_keys() -> None:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 10, 64, 1000, 100_003])
 def test_vectorised_shard_of_equals_scalar(n: int) -> None:
-    keys = np.concatenate(
-        [random_int64(500, seed=n), np.array([0, 1, -1, INT64_MIN, INT64_MAX, -2], dtype=np.int64)]
-    )
+    keys = np.concatenate([random_int64(500, seed=n), np.array([0, 1, -1, INT64_MIN, INT64_MAX, -2], dtype=np.int64)])
     assert (keys < 0).any()
     expected = [jump_hash(mix64(int(k)), n) for k in keys]
     assert shard_of(keys, n).tolist() == expected
@@ -245,9 +243,7 @@ def test_shard_of_rejects_nonpositive_num_shards(n: int) -> None:
 
 
 def test_hash_features_agrees_with_hash_feature_on_ints() -> None:
-    values = np.concatenate(
-        [random_int64(1000, seed=7), np.array([0, 1, -1, INT64_MIN, INT64_MAX], dtype=np.int64)]
-    )
+    values = np.concatenate([random_int64(1000, seed=7), np.array([0, 1, -1, INT64_MIN, INT64_MAX], dtype=np.int64)])
     for seed in (0, 42, 2**63 + 5, -1):
         out = hash_features(values, seed)
         assert out.dtype == np.int64

@@ -245,7 +245,12 @@ def test_expired_keys_are_older_than_ttl() -> None:
 
 @pytest.mark.parametrize(
     ("text", "kind", "interval_s"),
-    [("every-push", "every-push", 0.0), ("checkpoint-only", "checkpoint-only", 0.0), ("interval:2.5", "interval", 2.5), ("interval:5", "interval", 5.0)],
+    [
+        ("every-push", "every-push", 0.0),
+        ("checkpoint-only", "checkpoint-only", 0.0),
+        ("interval:2.5", "interval", 2.5),
+        ("interval:5", "interval", 5.0),
+    ],
 )
 def test_durability_parse(text: str, kind: str, interval_s: float) -> None:
     d = Durability.parse(text)
@@ -253,7 +258,21 @@ def test_durability_parse(text: str, kind: str, interval_s: float) -> None:
     assert Durability.parse(str(d)) == d
 
 
-@pytest.mark.parametrize("text", ["interval:0", "interval:-1", "interval:x", "interval:", "interval:nan", "interval:inf", "interval", "foo", "", "every_push"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "interval:0",
+        "interval:-1",
+        "interval:x",
+        "interval:",
+        "interval:nan",
+        "interval:inf",
+        "interval",
+        "foo",
+        "",
+        "every_push",
+    ],
+)
 def test_durability_parse_rejects_listing_the_options(text: str) -> None:
     with pytest.raises(ConfigError) as info:
         Durability.parse(text)
@@ -272,7 +291,9 @@ def test_server_config_storage_settings(tmp_path: Path) -> None:
         ServerConfig(data_dir=tmp_path, memory_budget_bytes=-1)
     with pytest.raises(ConfigError, match="durability='sometimes'"):
         ServerConfig(durability="sometimes")
-    cfg = ServerConfig(data_dir=tmp_path, memory_budget_bytes=1 << 20, durability="every-push", restore_from=tmp_path / "ck")
+    cfg = ServerConfig(
+        data_dir=tmp_path, memory_budget_bytes=1 << 20, durability="every-push", restore_from=tmp_path / "ck"
+    )
     assert cfg.memory_budget_bytes == 1 << 20
 
 

@@ -158,9 +158,7 @@ def _torch_adagrad_step(
     p.addcdiv_(grad, std, value=-lr)
 
 
-@pytest.mark.parametrize(
-    ("weight_decay", "initial_accumulator_value"), [(0.0, 0.0), (0.0, 0.1), (0.01, 0.1)]
-)
+@pytest.mark.parametrize(("weight_decay", "initial_accumulator_value"), [(0.0, 0.0), (0.0, 0.1), (0.01, 0.1)])
 def test_adagrad_matches_torch(weight_decay: float, initial_accumulator_value: float) -> None:
     lr = 0.1
     params = OptimizerParams(
@@ -226,16 +224,12 @@ def _torch_adam_step(
 @pytest.mark.parametrize(("beta1", "weight_decay"), [(0.9, 0.0), (0.9, 0.01), (0.3, 0.0)])
 def test_adam_matches_torch_when_every_row_is_pushed(beta1: float, weight_decay: float) -> None:
     lr, betas = 0.01, (beta1, 0.999)
-    params = OptimizerParams(
-        kind=OptimizerKind.ADAM, lr=lr, beta1=beta1, beta2=0.999, weight_decay=weight_decay
-    )
+    params = OptimizerParams(kind=OptimizerKind.ADAM, lr=lr, beta1=beta1, beta2=0.999, weight_decay=weight_decay)
     steps = pushes(5, subset=False)  # per-row step == global step
     initial, values, state = run_ours(params, 6, steps)
 
     expected, torch_state = run_torch(
-        lambda p: torch.optim.Adam(
-            p, lr=lr, betas=betas, weight_decay=weight_decay, foreach=False
-        ),
+        lambda p: torch.optim.Adam(p, lr=lr, betas=betas, weight_decay=weight_decay, foreach=False),
         initial,
         steps,
     )
@@ -297,8 +291,7 @@ def ftrl_reference(
         w[slots] = np.where(
             np.abs(zs) <= params.l1,
             0.0,
-            (np.sign(zs) * params.l1 - zs)
-            / ((params.beta + n_new**power) / alpha + 2 * params.l2),
+            (np.sign(zs) * params.l1 - zs) / ((params.beta + n_new**power) / alpha + 2 * params.l2),
         )
     return w, z, n
 

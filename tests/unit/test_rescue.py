@@ -64,7 +64,10 @@ def shard(tmp_path: Path) -> Iterator[Shard]:
 
 
 def push(shard: Shard, seq: int, keys: npt.NDArray[np.int64] = KEYS) -> None:
-    assert shard.push(push_request([("t", keys, -np.ones((keys.shape[0], 4), np.float32))], "w", seq)) == (True, keys.shape[0])
+    assert shard.push(push_request([("t", keys, -np.ones((keys.shape[0], 4), np.float32))], "w", seq)) == (
+        True,
+        keys.shape[0],
+    )
 
 
 def rows(shard: Shard) -> npt.NDArray[np.float32]:

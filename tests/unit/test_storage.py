@@ -62,7 +62,12 @@ def scan_all(rows: TableRows, chunk: int = 1 << 16) -> dict[int, tuple[list[int]
     out = {}
     for keys, rec in rows.scan(chunk):
         for i, k in enumerate(keys.tolist()):
-            out[k] = (bits(rec.values[i]).tolist(), bits(rec.state[i]).tolist(), int(rec.last_access[i]), int(rec.frequency[i]))
+            out[k] = (
+                bits(rec.values[i]).tolist(),
+                bits(rec.state[i]).tolist(),
+                int(rec.last_access[i]),
+                int(rec.frequency[i]),
+            )
     return out
 
 
@@ -218,7 +223,9 @@ def test_open_from_another_process_is_refused(tmp_path: Path) -> None:
         """
     )
     with Storage(tmp_path, shard=0, num_shards=1):
-        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+        )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "in use" in proc.stdout
 

@@ -54,9 +54,7 @@ def snapshot(t: Table) -> dict[int, tuple[list[float], list[float]]]:
 
 
 def test_lookup_creates_initial_rows_and_counts() -> None:
-    spec = TableSpec(
-        "t", DIM, initializer=InitializerParams(low=-1.0, high=2.0), seed=12345
-    )
+    spec = TableSpec("t", DIM, initializer=InitializerParams(low=-1.0, high=2.0), seed=12345)
     t = Table(spec)
     keys = keys_of(10, -7, 10, 2**63 - 1, -(2**63), 0, -7)
     rows = t.lookup(keys)

@@ -93,7 +93,12 @@ def stored(t: Table) -> dict[int, tuple[list[int], list[int], int, int]]:
     out = {}
     for keys, rec in t.disk.scan():
         for i, k in enumerate(keys.tolist()):
-            out[k] = (bits(rec.values[i]).tolist(), bits(rec.state[i]).tolist(), int(rec.last_access[i]), int(rec.frequency[i]))
+            out[k] = (
+                bits(rec.values[i]).tolist(),
+                bits(rec.state[i]).tolist(),
+                int(rec.last_access[i]),
+                int(rec.frequency[i]),
+            )
     return out
 
 
@@ -213,7 +218,10 @@ def test_every_push_writes_the_rows_and_ledger_before_returning(tmp_path: Path, 
         expected = twin.lookup(keys)
         for i, k in enumerate(keys.tolist()):
             assert disk[k][0] == bits(expected[i]).tolist()
-        assert PushLedger.decode(st.table("t", ADAM.dim, state_width(ADAM.optimizer, ADAM.dim)).ledgers()["w"]) == (1, [])
+        assert PushLedger.decode(st.table("t", ADAM.dim, state_width(ADAM.optimizer, ADAM.dim)).ledgers()["w"]) == (
+            1,
+            [],
+        )
     # no flush, no shutdown: a reopened table has the push, exactly once
     with Storage(tmp_path, shard=0, num_shards=1) as st:
         t = tiered(st, ADAM, every_push=True)
@@ -222,7 +230,9 @@ def test_every_push_writes_the_rows_and_ledger_before_returning(tmp_path: Path, 
         assert_same_bits(exported(t)[2], exported(twin)[2])
 
 
-def failing_table(tmp_path: Path, spec: TableSpec, keys: npt.NDArray[np.int64], every_push: bool = True) -> tuple[Table, Storage]:
+def failing_table(
+    tmp_path: Path, spec: TableSpec, keys: npt.NDArray[np.int64], every_push: bool = True
+) -> tuple[Table, Storage]:
     """A table whose rows of ``keys`` are on disk (pushed once, seq 1 of client "w"),
     opened on a read-only Storage: RocksDB refuses every write."""
     with Storage(tmp_path / "rw", shard=0, num_shards=1) as st:
@@ -283,7 +293,9 @@ def test_failed_evict_keeps_rows_and_ledger_changes(tmp_path: Path, clock: Clock
 
 
 def test_keys_not_admitted_read_as_initial_rows_and_drop_pushes(storage: Storage, clock: Clock) -> None:
-    spec = TableSpec("t", 4, optimizer=OptimizerParams(OptimizerKind.SGD, lr=0.5), seed=5, lifecycle=Lifecycle(admit_after=3))
+    spec = TableSpec(
+        "t", 4, optimizer=OptimizerParams(OptimizerKind.SGD, lr=0.5), seed=5, lifecycle=Lifecycle(admit_after=3)
+    )
     t = tiered(storage, spec)
     keys = keys_of(10, -20, I64.max)
     initial = initial_rows(spec.initializer, spec.seed, keys, spec.dim)
@@ -320,7 +332,9 @@ TTL_TICKS = int(TTL_S * TICKS_PER_S)
 
 
 def test_expire_deletes_idle_rows_from_ram_and_disk(storage: Storage, clock: Clock) -> None:
-    spec = TableSpec("t", 3, optimizer=OptimizerParams(OptimizerKind.SGD, lr=0.5), seed=1, lifecycle=Lifecycle(ttl_seconds=TTL_S))
+    spec = TableSpec(
+        "t", 3, optimizer=OptimizerParams(OptimizerKind.SGD, lr=0.5), seed=1, lifecycle=Lifecycle(ttl_seconds=TTL_S)
+    )
     t = tiered(storage, spec)
     old, new = np.arange(20, dtype=np.int64), np.arange(100, 110, dtype=np.int64)
     t0 = clock()
@@ -351,7 +365,9 @@ def test_expire_uses_the_last_use_of_a_row_evicted_clean(storage: Storage, clock
     # A row written at t0, used again at t0+60 ticks without a change (a lookup), then
     # evicted (clean, so not rewritten) was idle for only 21 ticks at t0+81: it must
     # not expire with a 80-tick TTL.
-    spec = TableSpec("t", 3, optimizer=OptimizerParams(OptimizerKind.SGD, lr=0.5), seed=1, lifecycle=Lifecycle(ttl_seconds=TTL_S))
+    spec = TableSpec(
+        "t", 3, optimizer=OptimizerParams(OptimizerKind.SGD, lr=0.5), seed=1, lifecycle=Lifecycle(ttl_seconds=TTL_S)
+    )
     t = tiered(storage, spec)
     k = keys_of(42)
     t0 = int(clock())
@@ -369,7 +385,13 @@ def test_expire_uses_the_last_use_of_a_row_evicted_clean(storage: Storage, clock
 
 
 def test_evict_deletes_rare_rows_instead_of_spilling(storage: Storage, clock: Clock) -> None:
-    spec = TableSpec("t", 4, optimizer=OptimizerParams(OptimizerKind.SGD, lr=0.5), seed=2, lifecycle=Lifecycle(evict_below_frequency=3))
+    spec = TableSpec(
+        "t",
+        4,
+        optimizer=OptimizerParams(OptimizerKind.SGD, lr=0.5),
+        seed=2,
+        lifecycle=Lifecycle(evict_below_frequency=3),
+    )
     t, twin = tiered(storage, spec), Table(spec)
     rare, frequent = keys_of(1, 2, 3, 4, 5), keys_of(11, 12, 13, 14, 15)
     for tab in (t, twin):
@@ -389,7 +411,13 @@ def test_evict_deletes_rare_rows_instead_of_spilling(storage: Storage, clock: Cl
 def test_lookups_count_towards_frequency_across_a_clean_eviction(storage: Storage, clock: Clock) -> None:
     # Looked up 11 times in all, with a floor of 5: never rare. Its lookups after the last
     # write must not be forgotten when it is evicted clean and faulted back in.
-    spec = TableSpec("t", 4, optimizer=OptimizerParams(OptimizerKind.SGD, lr=0.5), seed=2, lifecycle=Lifecycle(evict_below_frequency=5))
+    spec = TableSpec(
+        "t",
+        4,
+        optimizer=OptimizerParams(OptimizerKind.SGD, lr=0.5),
+        seed=2,
+        lifecycle=Lifecycle(evict_below_frequency=5),
+    )
     t = tiered(storage, spec)
     k = keys_of(7)
     t.lookup(k)
@@ -492,7 +520,13 @@ def test_storage_failure_makes_the_shard_read_only_once(tmp_path: Path, clock: C
 def make_tables(shard: Shard) -> dict[str, npt.NDArray[np.int64]]:
     shard.create_table(TableSpec("a", 3, seed=1))
     shard.create_table(
-        TableSpec("b", 4, optimizer=OptimizerParams(OptimizerKind.ADAM), seed=2, lifecycle=Lifecycle(ttl_seconds=60.0, evict_below_frequency=2))
+        TableSpec(
+            "b",
+            4,
+            optimizer=OptimizerParams(OptimizerKind.ADAM),
+            seed=2,
+            lifecycle=Lifecycle(ttl_seconds=60.0, evict_below_frequency=2),
+        )
     )
     keys = {"a": keys_of(1, 2, I64.min), "b": keys_of(-5, 6, I64.max, 8)}
     for seq, name in enumerate(("a", "b", "a"), start=1):
@@ -556,7 +590,9 @@ def test_checkpoint_with_storage_flushes_and_numbers_versions(tmp_path: Path, cl
 
 
 @pytest.mark.parametrize("with_storage", [True, False])
-def test_checkpoint_to_an_existing_path_is_refused_without_failing_the_shard(tmp_path: Path, with_storage: bool) -> None:
+def test_checkpoint_to_an_existing_path_is_refused_without_failing_the_shard(
+    tmp_path: Path, with_storage: bool
+) -> None:
     st = Storage(tmp_path / "data", shard=0, num_shards=1) if with_storage else None
     shard = Shard(0, 1, st, checkpoint_root=tmp_path)
     try:
@@ -572,7 +608,9 @@ def test_checkpoint_to_an_existing_path_is_refused_without_failing_the_shard(tmp
 
 
 def test_reopened_shard_keeps_lifecycle_specs(tmp_path: Path) -> None:
-    spec = TableSpec("t", 4, lifecycle=Lifecycle(admit_after=2, admit_probability=0.5, ttl_seconds=3.5, evict_below_frequency=4))
+    spec = TableSpec(
+        "t", 4, lifecycle=Lifecycle(admit_after=2, admit_probability=0.5, ttl_seconds=3.5, evict_below_frequency=4)
+    )
     first = Shard(0, 1, Storage(tmp_path, shard=0, num_shards=1))
     first.create_table(spec)
     first.shutdown()
@@ -581,6 +619,12 @@ def test_reopened_shard_keeps_lifecycle_specs(tmp_path: Path) -> None:
         assert again.table("t").spec == spec
         assert again.create_table(spec) is False
         with pytest.raises(TableExists, match=r"lifecycle\.ttl_seconds: 3\.5 != 4\.0"):
-            again.create_table(TableSpec("t", 4, lifecycle=Lifecycle(admit_after=2, admit_probability=0.5, ttl_seconds=4.0, evict_below_frequency=4)))
+            again.create_table(
+                TableSpec(
+                    "t",
+                    4,
+                    lifecycle=Lifecycle(admit_after=2, admit_probability=0.5, ttl_seconds=4.0, evict_below_frequency=4),
+                )
+            )
     finally:
         again.shutdown()

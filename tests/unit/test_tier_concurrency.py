@@ -150,7 +150,11 @@ def test_checkpoints_taken_during_background_eviction_are_consistent_cuts(tmp_pa
     probe = Table(SPEC)
     # Room for a third of the pool: the evictor thread spills all the time.
     shard = Shard(
-        0, 1, storage, Durability.parse("interval:0.05"), memory_budget_bytes=len(POOL) // 3 * probe.bytes_per_row,
+        0,
+        1,
+        storage,
+        Durability.parse("interval:0.05"),
+        memory_budget_bytes=len(POOL) // 3 * probe.bytes_per_row,
         checkpoint_root=tmp_path,
     )
     shard.create_table(SPEC)

@@ -63,7 +63,9 @@ def test_tier_matches_model(mode: Mode, data_root: Path, clock: Clock, profile: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [MODES[1], MODES[3]], ids=str)
-def test_tier_with_rare_row_deletion_matches_model(mode: Mode, data_root: Path, clock: Clock, profile: settings) -> None:
+def test_tier_with_rare_row_deletion_matches_model(
+    mode: Mode, data_root: Path, clock: Clock, profile: settings
+) -> None:
     # "tag" deletes, instead of spilling, rows looked up fewer than twice.
     run_state_machine_as_test(lambda: TierMachine(mode, LIFECYCLE_SPECS, data_root, clock), settings=profile)
 
@@ -95,7 +97,9 @@ def test_lookup_counts_survive_a_clean_restart(data_root: Path) -> None:
         table = shard.table("t")
         table.push(key, np.ones((1, 2), np.float32))  # faults the row in; a push is not a lookup
         table.evict(1)
-        assert table.counters.rows_evicted_rare == 0, "a row looked up 3 times was deleted as looked up fewer than 3 times"
+        assert table.counters.rows_evicted_rare == 0, (
+            "a row looked up 3 times was deleted as looked up fewer than 3 times"
+        )
         assert table.export()[0].tolist() == [7]
     finally:
         shard.shutdown()

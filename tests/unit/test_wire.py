@@ -41,7 +41,13 @@ def shares(a: object, data: bytes) -> bool:
 
 
 def torch_bf16_bits(x: np.ndarray) -> np.ndarray:
-    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return (
+        torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        .to(torch.bfloat16)
+        .view(torch.int16)
+        .numpy()
+        .view(np.uint16)
+    )
 
 
 # --- keys --------------------------------------------------------------------------------
@@ -61,9 +67,7 @@ def test_keys_round_trip(keys: list[int]) -> None:
 
 
 def test_keys_are_little_endian_int64_bit_patterns() -> None:
-    assert encode_keys(np.array([1, -1, INT64_MIN])) == (
-        b"\x01" + b"\x00" * 7 + b"\xff" * 8 + b"\x00" * 7 + b"\x80"
-    )
+    assert encode_keys(np.array([1, -1, INT64_MIN])) == (b"\x01" + b"\x00" * 7 + b"\xff" * 8 + b"\x00" * 7 + b"\x80")
     big = np.array([2**64 - 1, 2**63], dtype=np.uint64)
     assert decode_keys(encode_keys(big), "k").tolist() == [-1, INT64_MIN]
     assert encode_keys(np.array([3, 4], dtype=np.int32)) == encode_keys(np.array([3, 4], dtype=np.int64))
@@ -120,7 +124,10 @@ def test_bfloat16_rounding_matches_torch_on_random_bit_patterns() -> None:
     bits = rng.integers(0, 2**32, size=(2000, 16), dtype=np.uint64).astype(np.uint32)
     rows = bits.view(np.float32)
     finite_or_inf = ~np.isnan(rows)
-    ties = np.array([[0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x00008000, 0x00018000, 0x7F7FFFFF, 0x7F7F8000]], dtype=np.uint32)
+    ties = np.array(
+        [[0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x00008000, 0x00018000, 0x7F7FFFFF, 0x7F7F8000]],
+        dtype=np.uint32,
+    )
     normal = rng.standard_normal((100, 8)).astype(np.float32)
     for data in (rows, ties.view(np.float32), normal):
         got = np.frombuffer(encode_rows(data, BFLOAT16), dtype="<u2").reshape(data.shape)
@@ -133,7 +140,14 @@ def test_bfloat16_rounding_matches_torch_on_random_bit_patterns() -> None:
     assert finite_or_inf.sum() > 0.99 * rows.size
     # Ties go to even: 1.00390625 -> 1.0, 1.01171875 -> 1.015625; 0x7F7FFFFF (max float) -> inf.
     assert np.frombuffer(encode_rows(ties.view(np.float32), BFLOAT16), "<u2").tolist() == [
-        0x3F80, 0x3F82, 0xBF80, 0xBF82, 0x0000, 0x0002, 0x7F80, 0x7F80,
+        0x3F80,
+        0x3F82,
+        0xBF80,
+        0xBF82,
+        0x0000,
+        0x0002,
+        0x7F80,
+        0x7F80,
     ]
 
 
@@ -165,7 +179,9 @@ def test_empty_rows_round_trip() -> None:
 
 
 def test_rows_errors_name_the_field() -> None:
-    with pytest.raises(WireFormatError, match=r"^entries\[2\]\.grads: 20 bytes, expected 24 \(2 keys x dim 3 x 4 bytes FLOAT32\)"):
+    with pytest.raises(
+        WireFormatError, match=r"^entries\[2\]\.grads: 20 bytes, expected 24 \(2 keys x dim 3 x 4 bytes FLOAT32\)"
+    ):
         decode_rows(b"\x00" * 20, 2, 3, FLOAT32, "entries[2].grads")
     with pytest.raises(WireFormatError, match=r"^results\[0\]\.rows: 24 bytes, expected 12 .*BFLOAT16"):
         decode_rows(b"\x00" * 24, 2, 3, BFLOAT16, "results[0].rows")
@@ -237,9 +253,7 @@ def test_lookup_writer_docstring_and_unknown_dtype() -> None:
         LookupResponseWriter([("t", 1, 1, 7)])
 
 
-result_st = st.tuples(
-    st.text(max_size=6), st.integers(0, 5), st.integers(0, 5), st.sampled_from(ALL_DTYPES)
-)
+result_st = st.tuples(st.text(max_size=6), st.integers(0, 5), st.integers(0, 5), st.sampled_from(ALL_DTYPES))
 
 
 @settings(max_examples=150, deadline=None)
@@ -252,7 +266,9 @@ def test_lookup_writer_matches_protobuf_property(results: list[Result], seed: in
     assert [(r.table, r.dtype, r.dim) for r in decoded] == [(t, d, dim) for t, _, dim, d in results]
     for r, (_, n, dim, dtype), d in zip(decoded, results, data):
         assert bytes(r.rows) == encode_rows(d, dtype)
-        np.testing.assert_array_equal(decode_rows(r.rows, n, dim, r.dtype, "rows"), decode_rows(encode_rows(d, dtype), n, dim, dtype, "rows"))
+        np.testing.assert_array_equal(
+            decode_rows(r.rows, n, dim, r.dtype, "rows"), decode_rows(encode_rows(d, dtype), n, dim, dtype, "rows")
+        )
 
 
 def assert_lookup_agrees_with_protobuf(data: bytes) -> None:
@@ -310,13 +326,17 @@ def varint(value: int) -> bytes:
 def test_decode_lookup_response_fields_reordered_and_unknown() -> None:
     rows = np.arange(6, dtype=np.float32).tobytes()
     pieces = lookup_result_pieces("tbl", rows, FLOAT32, 3)
-    body = pieces[3] + unknown_fields()[0] + pieces[2] + unknown_fields()[3] + pieces[1] + unknown_fields()[1] + pieces[0]
+    body = (
+        pieces[3] + unknown_fields()[0] + pieces[2] + unknown_fields()[3] + pieces[1] + unknown_fields()[1] + pieces[0]
+    )
     data = unknown_fields()[4] + len_field(1, body) + unknown_fields()[2] + len_field(1, b"") + unknown_fields()[3]
     assert_lookup_agrees_with_protobuf(data)
     got = decode_lookup_response(data)
     assert [(r.table, bytes(r.rows), r.dtype, r.dim) for r in got] == [("tbl", rows, FLOAT32, 3), ("", b"", 0, 0)]
     # A repeated scalar field: the last value wins, as in protobuf.
-    twice = len_field(1, pb.LookupResult(table="a", dim=1).SerializeToString() + pb.LookupResult(table="b", dim=2).SerializeToString())
+    twice = len_field(
+        1, pb.LookupResult(table="a", dim=1).SerializeToString() + pb.LookupResult(table="b", dim=2).SerializeToString()
+    )
     assert_lookup_agrees_with_protobuf(twice)
     assert (decode_lookup_response(twice)[0].table, decode_lookup_response(twice)[0].dim) == ("b", 2)
 
@@ -425,8 +445,15 @@ def check_push_round_trip(entries: list[Entry], num_shards: int, client_id: str,
 
 @pytest.mark.parametrize("shard", [None, 0, 5])
 def test_push_request_matches_protobuf(shard: int | None) -> None:
-    entries = make_entries([("user", 5, 4, FLOAT32, 1), ("", 0, 4, FLOAT16, 2), ("item", 3, 2, BFLOAT16, 3),
-                            ("x", 2, 3, pb.DTYPE_UNSPECIFIED, 4), ("big", 400, 16, FLOAT32, 5)])
+    entries = make_entries(
+        [
+            ("user", 5, 4, FLOAT32, 1),
+            ("", 0, 4, FLOAT16, 2),
+            ("item", 3, 2, BFLOAT16, 3),
+            ("x", 2, 3, pb.DTYPE_UNSPECIFIED, 4),
+            ("big", 400, 16, FLOAT32, 5),
+        ]
+    )
     check_push_round_trip(entries, 4, "worker-0", 17, shard)
     check_push_round_trip([], 0, "", 0, shard)
 

@@ -52,7 +52,9 @@ def tag(field_no: int, wire_type: int, pad: int = 0) -> bytes:
 
 # A field's payload strategy by wire type (the tag is added by the caller).
 def varint_payload() -> st.SearchStrategy[bytes]:
-    values = st.sampled_from([0, 1, 127, 128, 2**31, 2**32 - 1, 2**32, 2**32 + 5, 2**63, 2**64 - 1]) | st.integers(0, 2**64 - 1)
+    values = st.sampled_from([0, 1, 127, 128, 2**31, 2**32 - 1, 2**32, 2**32 + 5, 2**63, 2**64 - 1]) | st.integers(
+        0, 2**64 - 1
+    )
     return st.builds(varint, values, st.sampled_from([0, 0, 0, 1, 4, 9]))
 
 
@@ -157,7 +159,13 @@ def wire_push(data: bytes) -> object:
         v = decode_push_request(data)
     except WireFormatError:
         return "rejected"
-    return [(e.table, bytes(e.keys), bytes(e.grads), e.dtype) for e in v.entries], v.num_shards, v.client_id, v.seq, v.shard
+    return (
+        [(e.table, bytes(e.keys), bytes(e.grads), e.dtype) for e in v.entries],
+        v.num_shards,
+        v.client_id,
+        v.seq,
+        v.shard,
+    )
 
 
 def pb_lookup(data: bytes) -> object:
@@ -176,7 +184,9 @@ def wire_lookup(data: bytes) -> object:
     return [(r.table, bytes(r.rows), r.dtype, r.dim) for r in results]
 
 
-FUZZ = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 @FUZZ
@@ -247,7 +257,9 @@ def test_nesting_limit_matches_protobuf(extra: int) -> None:
     assert wire_lookup(top) == pb_lookup(top)
 
 
-@pytest.mark.parametrize(("value", "as_uint32", "as_int32"), [(2**32 + 3, 3, 3), (2**64 - 1, 2**32 - 1, -1), (2**31, 2**31, -(2**31))])
+@pytest.mark.parametrize(
+    ("value", "as_uint32", "as_int32"), [(2**32 + 3, 3, 3), (2**64 - 1, 2**32 - 1, -1), (2**31, 2**31, -(2**31))]
+)
 def test_integer_fields_are_truncated_to_their_width(value: int, as_uint32: int, as_int32: int) -> None:
     entry = tag(4, 0) + varint(value)
     data = tag(1, 2) + varint(len(entry)) + entry + tag(2, 0) + varint(value) + tag(5, 0) + varint(value)

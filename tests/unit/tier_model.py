@@ -134,12 +134,8 @@ class Clock:
         return np.uint32(self.tick)
 
 
-SHORT = settings(
-    max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-LONG = settings(
-    max_examples=600, stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SHORT = settings(max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+LONG = settings(max_examples=600, stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Per example; more only cost time (hypothesis would otherwise take one in most steps).
 MAX_CHECKPOINTS = 3
@@ -172,7 +168,12 @@ class TableModel:
 
     def copy(self) -> TableModel:
         return TableModel(
-            dict(self.rows), dict(self.disk), dict(self.ledger), dict(self.disk_ledger), dict(self.count), dict(self.disk_count)
+            dict(self.rows),
+            dict(self.disk),
+            dict(self.ledger),
+            dict(self.disk_ledger),
+            dict(self.count),
+            dict(self.disk_count),
         )
 
     def persist_all(self) -> None:
@@ -368,7 +369,9 @@ class TierMachine(RuleBasedStateMachine):
             rows = [self._ensure(name, k) for k in unique]
             values = np.stack([r[0] for r in rows])
             state = np.stack([r[1] for r in rows])
-            optimizers.apply(spec.optimizer, values, state, np.arange(len(unique), dtype=np.int64), np.ascontiguousarray(g))
+            optimizers.apply(
+                spec.optimizer, values, state, np.arange(len(unique), dtype=np.int64), np.ascontiguousarray(g)
+            )
             for i, k in enumerate(unique):
                 m.rows[k] = (values[i].copy(), state[i].copy())
                 if self.every_push:
@@ -404,7 +407,9 @@ class TierMachine(RuleBasedStateMachine):
         for k in keys:  # every occurrence counts, duplicates too
             m.count[k] += 1
         expected = np.stack([r[0] for r in rows]) if rows else np.empty((0, self.specs[name].dim), np.float32)
-        assert np.array_equal(bits(got), bits(expected)), f"lookup {name} {keys}: got {got.tolist()}, expected {expected.tolist()}"
+        assert np.array_equal(bits(got), bits(expected)), (
+            f"lookup {name} {keys}: got {got.tolist()}, expected {expected.tolist()}"
+        )
         self._observe_evictions(before, {name: set(keys)})
 
     @rule(name=st.sampled_from(NAMES), keys=st.lists(key_st, max_size=10))
@@ -421,7 +426,9 @@ class TierMachine(RuleBasedStateMachine):
             if k in m.rows:
                 expected[i] = m.rows[k][0]
                 m.count[k] += 1
-        assert np.array_equal(bits(got), bits(expected)), f"serving lookup {name} {keys}: got {got.tolist()}, expected {expected.tolist()}"
+        assert np.array_equal(bits(got), bits(expected)), (
+            f"serving lookup {name} {keys}: got {got.tolist()}, expected {expected.tolist()}"
+        )
         self._observe_evictions(before, {name: set(keys)})
 
     @rule(entries=entries_st(), client=st.sampled_from(CLIENTS), skip=st.integers(0, 2))
