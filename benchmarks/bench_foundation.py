@@ -47,10 +47,11 @@ sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
 from client import ClientConfig, GrpcTransport, PSClient  # noqa: E402
 from client.batching import scatter_rows  # noqa: E402
 from client.routing import pack, plan_table  # noqa: E402
-from protos import ps_pb2 as pb, wire  # noqa: E402
+from protos import ps_pb2 as pb  # noqa: E402
+from protos import wire  # noqa: E402
+from protos.wire import tune_malloc  # noqa: E402
 from ps.config import TableSpec  # noqa: E402
 from ps.optimizers import OptimizerKind, OptimizerParams  # noqa: E402
-from protos.wire import tune_malloc  # noqa: E402
 from ps.servicer import Servicer  # noqa: E402
 from ps.shard import Shard  # noqa: E402
 from ps.table import Table  # noqa: E402
@@ -171,7 +172,9 @@ def client_run(echo: str, ps_addr: str, tuned: bool, calls: int, warmup: int) ->
                 f.result()
 
         ops["ceiling_lookup2"] = lambda: both(*[lambda: raw_lookup(lookup_req, timeout=60)] * 2)
-        ops["ours_lookup2"] = lambda: both(*[lambda o=o: client.lookup(TABLE, sets[next(it) % KEY_SETS], out=o) for o in outs])
+        ops["ours_lookup2"] = lambda: both(
+            *[lambda o=o: client.lookup(TABLE, sets[next(it) % KEY_SETS], out=o) for o in outs]
+        )
         ops["ceiling_push2"] = lambda: both(*[lambda: raw_push(push_req, timeout=60)] * 2)
         ops["ours_push2"] = lambda: both(*[lambda: client.push(TABLE, sets[next(it) % KEY_SETS], grads)] * 2)
     result: dict[str, Any] = {"samples_s": run_rounds(ops, calls, warmup), "lookup_bytes": LOOKUP_BYTES,
@@ -218,8 +221,10 @@ def breakdown(ps_addr: str, sets: list[Keys], grads: npt.NDArray[np.float32], ca
     reqs = [lookup_request(k) for k in sets]
     pushes = [push_request(k, grads, "c" * 32, 0) for k in sets]  # seq 0: never deduplicated
     it = iter(range(1 << 30))
-    handlers: dict[str, Callable[[], object]] = {"server_lookup": lambda: servicer.Lookup(reqs[next(it) % KEY_SETS], ctx),
-                                                 "server_push": lambda: servicer.Push(pushes[next(it) % KEY_SETS], ctx)}
+    handlers: dict[str, Callable[[], object]] = {
+        "server_lookup": lambda: servicer.Lookup(reqs[next(it) % KEY_SETS], ctx),
+        "server_push": lambda: servicer.Push(pushes[next(it) % KEY_SETS], ctx),
+    }
     return {**s, **run_rounds(handlers, calls, warmup)}
 
 
@@ -315,21 +320,26 @@ def report(res: dict[str, Any]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(6)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     b, t = res["breakdown_ms"], res["summary"]["tuned"]
-    total, push_total = b["plan"] + b["encode"] + b["rpc_wait"] + b["decode_scatter"], b["push_encode"] + b["push_rpc_wait"]
+    total, push_total = (
+        b["plan"] + b["encode"] + b["rpc_wait"] + b["decode_scatter"],
+        b["push_encode"] + b["push_rpc_wait"],
+    )
     lines += ["", f"Breakdown, client tuned, median ms (PSClient.lookup p50 {t['ours_lookup']['p50_ms']:.2f}, "
               f"PSClient.push p50 {t['ours_push']['p50_ms']:.2f}); % of the sum of the op's client steps:"]  # fmt: skip
-    for label, v, of in [("Lookup: plan (dedup + group + pack)", b["plan"], total),
-                         ("Lookup: encode LookupRequest", b["encode"], total),
-                         ("Lookup: RPC wait (GrpcTransport future)", b["rpc_wait"], total),
-                         ("    of which server Lookup handler (in-process)", b["server_lookup"], total),
-                         ("    of which transport + gRPC (the rest)", b["rpc_wait"] - b["server_lookup"], total),
-                         ("Lookup: decode + scatter", b["decode_scatter"], total),
-                         ("Lookup ceiling, blocking call", t["ceiling_lookup"]["p50_ms"], total),
-                         ("Lookup ceiling, future().result()", t["ceiling_future_lookup"]["p50_ms"], total),
-                         ("Push: plan + encode PushRequest", b["push_encode"], push_total),
-                         ("Push: RPC wait (GrpcTransport future)", b["push_rpc_wait"], push_total),
-                         ("    of which server Push handler (in-process)", b["server_push"], push_total),
-                         ("    of which transport + gRPC (the rest)", b["push_rpc_wait"] - b["server_push"], push_total)]:
+    for label, v, of in [
+        ("Lookup: plan (dedup + group + pack)", b["plan"], total),
+        ("Lookup: encode LookupRequest", b["encode"], total),
+        ("Lookup: RPC wait (GrpcTransport future)", b["rpc_wait"], total),
+        ("    of which server Lookup handler (in-process)", b["server_lookup"], total),
+        ("    of which transport + gRPC (the rest)", b["rpc_wait"] - b["server_lookup"], total),
+        ("Lookup: decode + scatter", b["decode_scatter"], total),
+        ("Lookup ceiling, blocking call", t["ceiling_lookup"]["p50_ms"], total),
+        ("Lookup ceiling, future().result()", t["ceiling_future_lookup"]["p50_ms"], total),
+        ("Push: plan + encode PushRequest", b["push_encode"], push_total),
+        ("Push: RPC wait (GrpcTransport future)", b["push_rpc_wait"], push_total),
+        ("    of which server Push handler (in-process)", b["server_push"], push_total),
+        ("    of which transport + gRPC (the rest)", b["push_rpc_wait"] - b["server_push"], push_total),
+    ]:
         lines.append(f"  {label:<50}{v:7.2f}  {100 * v / of:5.1f}%")
     return "\n".join(lines)
 
@@ -348,8 +358,13 @@ def chart(res: dict[str, Any], path: Path) -> None:
     ax1.set_xticks(np.arange(4), [f"{op}\nmalloc {mode}" for op, mode in groups])
     ax1.set(ylabel="GB/s (message bytes / median latency)", title=f"{ROWS:,} keys x dim {DIM}, loopback gRPC")
     b, t, left = res["breakdown_ms"], res["summary"]["tuned"], 0.0
-    for name, v in [("plan", b["plan"]), ("encode", b["encode"]), ("server handler", b["server_lookup"]),
-                    ("transport+gRPC", b["rpc_wait"] - b["server_lookup"]), ("decode+scatter", b["decode_scatter"])]:
+    for name, v in [
+        ("plan", b["plan"]),
+        ("encode", b["encode"]),
+        ("server handler", b["server_lookup"]),
+        ("transport+gRPC", b["rpc_wait"] - b["server_lookup"]),
+        ("decode+scatter", b["decode_scatter"]),
+    ]:
         ax2.barh(1, v, left=left, label=name)
         left += v
     ax2.barh(0, t["ceiling_lookup"]["p50_ms"], color="grey", label="ceiling RPC")

@@ -252,14 +252,18 @@ def report(res: dict[str, Any]) -> str:
                 f"{r['ram_hit_rate']:>10.3f}{r['faulted_in_per_step']:>13,.0f}{r['written_per_step']:>13,.0f}{r['step_ms']:>9.2f}"
             )
         tier = z[part][1]["rows_per_s"] / ram
-        lines.append(f"   budget-10% (interval:5) / all-RAM = {tier:.2f}x (goal >= 0.5x: {'PASS' if tier >= 0.5 else 'FAIL'})")
+        lines.append(
+            f"   budget-10% (interval:5) / all-RAM = {tier:.2f}x (goal >= 0.5x: {'PASS' if tier >= 0.5 else 'FAIL'})"
+        )
         lines.append("")
     f, ram, tier = z["floor"], z["served"][0], z["served"][1]
     io = f["read_ms"] + f["write_ms"]
     lines.append(f"1c. Raw rocksdict I/O of one gRPC tier step ({tier['faulted_in_per_step']:,.0f} rows read by one multi-get, "
                  f"{tier['spilled_per_step']:,.0f} spilled rows written by one batch), single thread")  # fmt: skip
     r_ms = ram["step_ms"]
-    lines.append(f"   read {f['read_ms']:.2f} ms + write {f['write_ms']:.2f} ms = {io:.2f} ms a step; all-RAM step {r_ms:.2f} ms")
+    lines.append(
+        f"   read {f['read_ms']:.2f} ms + write {f['write_ms']:.2f} ms = {io:.2f} ms a step; all-RAM step {r_ms:.2f} ms"
+    )
     lines.append(f"   best ratio any design doing this I/O could reach here: {r_ms / (r_ms + io):.2f}x if the I/O overlaps "
                  f"nothing, {r_ms / (r_ms + io / f['cores']):.2f}x if spread perfectly over {f['cores']:.0f} cores; "
                  f"the tier: {r_ms / tier['step_ms']:.2f}x")  # fmt: skip
@@ -282,8 +286,12 @@ def report(res: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"3. RocksDB I/O, {io['rows']:,} rows of {io['record_bytes']} B: tier vs raw rocksdict")
     lines.append(f"{'':<8}{'tier rows/s':>14}{'raw rows/s':>14}{'ratio':>8}")
-    lines.append(f"{'write':<8}{io['tier_write_rows_per_s']:>14,.0f}{io['raw_write_rows_per_s']:>14,.0f}{io['write_ratio']:>7.2f}x")
-    lines.append(f"{'read':<8}{io['tier_read_rows_per_s']:>14,.0f}{io['raw_read_rows_per_s']:>14,.0f}{io['read_ratio']:>7.2f}x")
+    lines.append(
+        f"{'write':<8}{io['tier_write_rows_per_s']:>14,.0f}{io['raw_write_rows_per_s']:>14,.0f}{io['write_ratio']:>7.2f}x"
+    )
+    lines.append(
+        f"{'read':<8}{io['tier_read_rows_per_s']:>14,.0f}{io['raw_read_rows_per_s']:>14,.0f}{io['read_ratio']:>7.2f}x"
+    )
     return "\n".join(lines)
 
 
@@ -302,7 +310,10 @@ def chart(res: dict[str, Any], path: Path) -> None:
     axes[0].axhline(0.5, ls="--", color="k", lw=0.8, label="goal 0.5x")
     f, r_ms = res["zipf_part"]["floor"], res["zipf_part"]["served"][0]["step_ms"]
     io = f["read_ms"] + f["write_ms"]
-    for bound, style, what in ((r_ms / (r_ms + io), ":", "serial"), (r_ms / (r_ms + io / f["cores"]), "-.", "on all cores")):
+    for bound, style, what in (
+        (r_ms / (r_ms + io), ":", "serial"),
+        (r_ms / (r_ms + io / f["cores"]), "-.", "on all cores"),
+    ):
         axes[0].hlines(bound, 0.55, 1.45, colors="C2", linestyles=style, label=f"raw I/O bound, {what}")
     axes[0].set_xticks(x, modes)
     axes[0].set_ylabel("rows/s relative to all-RAM")
@@ -318,7 +329,9 @@ def chart(res: dict[str, Any], path: Path) -> None:
     io = res["io"]
     x = np.arange(2)
     axes[2].bar(x - 0.2, [io["tier_write_rows_per_s"] / 1e6, io["tier_read_rows_per_s"] / 1e6], 0.4, label="tier")
-    axes[2].bar(x + 0.2, [io["raw_write_rows_per_s"] / 1e6, io["raw_read_rows_per_s"] / 1e6], 0.4, label="raw rocksdict")
+    axes[2].bar(
+        x + 0.2, [io["raw_write_rows_per_s"] / 1e6, io["raw_read_rows_per_s"] / 1e6], 0.4, label="raw rocksdict"
+    )
     axes[2].set_xticks(x, ["write", "read"])
     axes[2].set_ylabel("M rows/s")
     axes[2].set_title("RocksDB I/O: tier vs raw")
@@ -332,7 +345,13 @@ def main(quick: bool, only: str | None = None) -> None:
     n_zipf = 400_000 if quick else 2_000_000
     sizes = [1_000_000, 4_000_000] if quick else [1_000_000, 5_000_000, 10_000_000, 25_000_000, 50_000_000]
     steps, warmup, repeats = (30, 10, 1) if quick else (300, 40, 3)
-    res: dict[str, Any] = {"machine": platform.platform(), "quick": quick, "batch": BATCH, "zipf_s": ZIPF_S, "repeats": repeats}
+    res: dict[str, Any] = {
+        "machine": platform.platform(),
+        "quick": quick,
+        "batch": BATCH,
+        "zipf_s": ZIPF_S,
+        "repeats": repeats,
+    }
     with tempfile.TemporaryDirectory(prefix="bench-tier-") as d:
         tmp = Path(d)
         if only in (None, "zipf"):

@@ -58,7 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
 
 from client import PSClient  # noqa: E402
-from deploy.local import LocalCluster
+from deploy.local import LocalCluster  # noqa: E402
 from deploy.train import threads_beside_local_shards  # noqa: E402
 from worker.config import EmbeddingTableConfig, FeatureConfig  # noqa: E402
 from worker.data import Batch  # noqa: E402
@@ -128,6 +128,7 @@ def wait_quiet(pids: list[int], budget: list[float], window_s: float = 0.5) -> f
 
 def git_state() -> dict[str, Any]:
     """The commit measured, and the files changed on top of it (the working tree is what runs)."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
@@ -186,7 +187,9 @@ def timed(fn: Callable[..., Any], total: list[float]) -> Callable[..., Any]:
     return wrapper
 
 
-def ours(mode: str, cluster: LocalCluster, closers: list[Callable[[], None]], threads: int | None = None, label: str = "") -> Variant:
+def ours(
+    mode: str, cluster: LocalCluster, closers: list[Callable[[], None]], threads: int | None = None, label: str = ""
+) -> Variant:
     client = PSClient(cluster.addresses).start()
     closers.append(client.close)
     lookups, pushes = [0.0, 0.0], [0.0, 0.0]  # instrumentation only: the pipeline calls these on its threads
@@ -344,9 +347,13 @@ def report(res: dict[str, Any]) -> str:
               ("cores busy (our CPU / wall)", [v[n]["cores_busy"] for n in names]),
               ("samples per CPU-second (ours all)", [v[n]["samples_per_cpu_s"] for n in names])]  # fmt: skip
     lines += [f"  {label:<36}" + "".join(f"{x:>26.2f}" for x in xs) for label, xs in table]
-    lines.append(f"  data generation (synthetic_criteo, inline in the trainer, excluded above): {res['datagen_ms_per_batch']:.1f} ms/batch")
+    lines.append(
+        f"  data generation (synthetic_criteo, inline in the trainer, excluded above): {res['datagen_ms_per_batch']:.1f} ms/batch"
+    )
     p = v["ours pipelined"]
-    lines.append(f"  ours pipelined with it inline (sequential estimate): {BATCH / (p['wall_ms_per_step'] + res['datagen_ms_per_batch']) * 1e3:,.0f} samples/s")
+    lines.append(
+        f"  ours pipelined with it inline (sequential estimate): {BATCH / (p['wall_ms_per_step'] + res['datagen_ms_per_batch']) * 1e3:,.0f} samples/s"
+    )
     for name in [n for n in names if n.startswith("ours")]:
         s = v[name]
         ps = s["per_step"]
@@ -368,12 +375,18 @@ def chart(res: dict[str, Any], path: Path) -> None:
     v, best = res["variants"], res["best_baseline"]
     names = list(v)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
-    ax1.bar(range(len(names)), [v[n]["samples_per_s"] for n in names], color=["C0" if n.startswith("ours") else "C1" for n in names])
+    ax1.bar(
+        range(len(names)),
+        [v[n]["samples_per_s"] for n in names],
+        color=["C0" if n.startswith("ours") else "C1" for n in names],
+    )
     if best:
         ax1.axhline(GOAL * v[best]["samples_per_s"], color="black", ls="--", label=f"goal: {GOAL}x {best}")
         ax1.legend(fontsize=8)
     ax1.set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=8)
-    ax1.set(ylabel="samples/s", title=f"DLRM, 26 tables x dim {DIM}, batch {BATCH}, {res['machine']['nproc']} CPU cores")
+    ax1.set(
+        ylabel="samples/s", title=f"DLRM, 26 tables x dim {DIM}, batch {BATCH}, {res['machine']['nproc']} CPU cores"
+    )
     for y, n in enumerate(names):
         left = 0.0
         for i, k in enumerate(PHASES):
@@ -448,6 +461,8 @@ def main(quick: bool, steps: int | None) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="60 timed steps per variant in 3 rounds (~1 min)")
-    p.add_argument("--steps", type=int, help="timed steps per variant, split over the rounds (default 400; 60 with --quick)")
+    p.add_argument(
+        "--steps", type=int, help="timed steps per variant, split over the rounds (default 400; 60 with --quick)"
+    )
     a = p.parse_args()
     main(a.quick, a.steps)

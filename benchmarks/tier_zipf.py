@@ -88,7 +88,9 @@ def mode_name(durability: str | None) -> str:
     return "all in RAM" if durability is None else f"budget 10%, {durability}"
 
 
-def _result(work: Workload, durability: str | None, elapsed: float, c0: dict[str, int], c1: dict[str, int]) -> dict[str, Any]:
+def _result(
+    work: Workload, durability: str | None, elapsed: float, c0: dict[str, int], c1: dict[str, int]
+) -> dict[str, Any]:
     rows = sum(b.shape[0] for b in work.batches[work.warmup :])
     hits, misses = c1.get("ram_hits", 0) - c0.get("ram_hits", 0), c1.get("ram_misses", 0) - c0.get("ram_misses", 0)
     per_step = {k: (c1.get(k, 0) - c0.get(k, 0)) / work.steps for k in ("rows_faulted_in", "rows_spilled")}
@@ -184,7 +186,9 @@ def io_floor(n: int, reads: int, writes: int, steps: int, tmp: Path) -> dict[str
     db = rocksdict.Rdict(str(path), opts)
     keys = key_space(n).astype(">i8").view("V8")
     record = 4 * (2 * DIM + 2)  # values, Adagrad state, access time, count
-    values = np.random.default_rng(1).random((1 << 16, record // 4), dtype=np.float32).view(f"V{record}").ravel().tolist()
+    values = (
+        np.random.default_rng(1).random((1 << 16, record // 4), dtype=np.float32).view(f"V{record}").ravel().tolist()
+    )
     for start in range(0, n, 1 << 16):
         batch = rocksdict.WriteBatch(raw_mode=True)
         for k, v in zip(keys[start : start + (1 << 16)].tolist(), values, strict=False):

@@ -29,7 +29,7 @@ from client.batching import scatter_rows, sum_duplicates
 from client.config import ClientConfig, TableConfig
 from client.errors import InternalServerError, InvalidRequestError, TableNotFoundError
 from client.retry import call_all
-from client.routing import TablePlan, pack, plan_table
+from client.routing import pack, plan_table
 from client.transport import GrpcTransport, Transport
 from protos import ps_pb2 as pb
 from protos import wire
@@ -191,7 +191,9 @@ class PSClient:
                 out.append(_as_dict(pb.StatsResponse.FromString(r)))
         return out
 
-    def checkpoint(self, paths: Sequence[str] | None = None, *, deadline_s: float | None = None) -> list[dict[str, Any]]:
+    def checkpoint(
+        self, paths: Sequence[str] | None = None, *, deadline_s: float | None = None
+    ) -> list[dict[str, Any]]:
         """Have every shard write a checkpoint of itself, all in parallel; blocks until all are done.
 
         ``paths[i]`` is the directory shard ``i`` creates (relative paths resolve under that
@@ -253,7 +255,10 @@ class PSClient:
             (
                 s,
                 pb.LookupRequest(
-                    entries=[pb.LookupEntry(table=x.plan.table, keys=wire.encode_keys(x.keys), dtype=self._dtype) for x in parts],
+                    entries=[
+                        pb.LookupEntry(table=x.plan.table, keys=wire.encode_keys(x.keys), dtype=self._dtype)
+                        for x in parts
+                    ],
                     num_shards=self.num_shards,
                     shard=s,
                 ).SerializeToString(),

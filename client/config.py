@@ -59,7 +59,9 @@ class ClientConfig:
         elif not self.attempt_timeout_s > 0:
             raise ValueError(f"attempt_timeout_s={self.attempt_timeout_s}: must be > 0")
         if self.backoff_initial_s > self.backoff_max_s:
-            raise ValueError(f"backoff_initial_s={self.backoff_initial_s}: must be <= backoff_max_s={self.backoff_max_s}")
+            raise ValueError(
+                f"backoff_initial_s={self.backoff_initial_s}: must be <= backoff_max_s={self.backoff_max_s}"
+            )
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError(f"max_attempts={self.max_attempts}: must be >= 1")
         if not 1 << 16 <= self.max_message_bytes < 2 << 30:

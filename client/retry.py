@@ -122,6 +122,8 @@ def _also(transport: Transport, requests: Sequence[tuple[int, bytes]], others: S
     for j in others:
         shard = requests[j][0]
         exc = errors.get(j)
-        what = f"{exc.code().name}: {str(exc.details()).splitlines()[0] if exc.details() else ''}" if exc else "no answer"
+        what = (
+            f"{exc.code().name}: {str(exc.details()).splitlines()[0] if exc.details() else ''}" if exc else "no answer"
+        )
         parts.append(f"; shard {shard} ({transport.address(shard)}) failed too: {what}")
     return "".join(parts)

@@ -46,7 +46,9 @@ class GrpcTransport:
     it is back). Thread-safe.
     """
 
-    def __init__(self, addresses: Sequence[str], max_message_bytes: int = 64 << 20, reconnect_max_s: float = 1.0) -> None:
+    def __init__(
+        self, addresses: Sequence[str], max_message_bytes: int = 64 << 20, reconnect_max_s: float = 1.0
+    ) -> None:
         self._addresses = list(addresses)
         self._max_bytes = max_message_bytes
         self._reconnect_max_ms = max(100, int(reconnect_max_s * 1000))

@@ -420,8 +420,17 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
             lines.append((shard, "-", "0", "0", "0", "-", "-", durability, writable))
         for t in s["tables"]:
             lines.append(
-                (shard, t["name"], str(t["rows"]), str(t["resident_rows"]), str(t["spilled_rows"]),
-                 f"{t['ram_hit_rate']:.3f}", f"{t['bytes_per_resident_row']:.0f}", durability, writable)  # fmt: skip
+                (
+                    shard,
+                    t["name"],
+                    str(t["rows"]),
+                    str(t["resident_rows"]),
+                    str(t["spilled_rows"]),
+                    f"{t['ram_hit_rate']:.3f}",
+                    f"{t['bytes_per_resident_row']:.0f}",
+                    durability,
+                    writable,
+                )  # fmt: skip
             )
     widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in lines)
@@ -478,7 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ck.add_argument("--addresses", required=True, type=_addresses, help=addresses_help)
     ck.add_argument(
-        "--out", required=True, type=Path, help="directory to create for the checkpoint, under the shards' --checkpoint-root"
+        "--out",
+        required=True,
+        type=Path,
+        help="directory to create for the checkpoint, under the shards' --checkpoint-root",
     )
     ck.add_argument("--timeout-s", type=_positive_seconds, default=600.0, help="per-shard limit (default 600)")
 

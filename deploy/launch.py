@@ -141,7 +141,13 @@ def _revive(cluster: LocalCluster, shard: ShardProcess, policy: RestartPolicy) -
             policy.started(shard.index)  # a start that failed counts as a fast failure
             continue
         policy.started(shard.index)
-        log.info("shard %d is back on %s (pid %d) after %.1f s", shard.index, new.address, new.proc.pid, time.monotonic() - t0)
+        log.info(
+            "shard %d is back on %s (pid %d) after %.1f s",
+            shard.index,
+            new.address,
+            new.proc.pid,
+            time.monotonic() - t0,
+        )
         return True
     log.error("shard %d (%s) failed %d times in a row within %.0f s of starting (last: %s); giving up. Its log (%s):\n%s",
               shard.index, shard.address, policy.max_fast_failures, policy.fast_s, reason, shard.log,
@@ -162,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     policy = RestartPolicy()
     for s in cluster.shards:
         policy.started(s.index)
-    log.info("shards up: %s (restart on failure: %s)", ",".join(cluster.addresses), "on" if args.restart_shards else "off")
+    log.info(
+        "shards up: %s (restart on failure: %s)", ",".join(cluster.addresses), "on" if args.restart_shards else "off"
+    )
     env = dict(os.environ, TRAINER_ADDRESSES=",".join(cluster.addresses))
     # The shards share this machine: leave them a core. torchrun sets no thread count for a
     # single worker, and torch's spinning OpenMP threads on every core starve the shards

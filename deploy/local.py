@@ -92,9 +92,16 @@ def start_shard(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ps", f"--shard={index}", f"--num-shards={num_shards}",
-             f"--listen={listen}", f"--port-file={port_file}",
-             *(a.replace("{shard}", str(index)) for a in extra_args)],  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "ps",
+                f"--shard={index}",
+                f"--num-shards={num_shards}",
+                f"--listen={listen}",
+                f"--port-file={port_file}",
+                *(a.replace("{shard}", str(index)) for a in extra_args),
+            ],  # fmt: skip
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=root,
@@ -195,7 +202,9 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is not None:
             self._stop_quietly()
             if self._tmp is not None:

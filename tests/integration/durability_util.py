@@ -73,9 +73,7 @@ class Pusher:
         self._table = table
         self._dim = dim
 
-    def push(
-        self, client: str, seq: int, keys: npt.NDArray[np.int64] | None = None, timeout_s: float = 20.0
-    ) -> bool:
+    def push(self, client: str, seq: int, keys: npt.NDArray[np.int64] | None = None, timeout_s: float = 20.0) -> bool:
         """``applied`` of the reply; raises ``grpc.RpcError`` when the shard refuses or dies."""
         k = keys_of(client, seq) if keys is None else keys
         grads = np.full((k.shape[0], self._dim), -1.0, dtype=np.float32)

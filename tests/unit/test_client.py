@@ -32,11 +32,11 @@ from client import (
 )
 from client.errors import error_for
 from client.retry import backoff_s
+from protos.keys import shard_of
 from ps.config import TableSpec
 from ps.initializers import InitializerKind, InitializerParams, initial_rows
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.shard import Shard
-from protos.keys import shard_of
 from tests.fakes import InProcessTransport
 
 F32 = npt.NDArray[np.float32]
@@ -87,9 +87,7 @@ def requests_per_shard(transport: InProcessTransport, method: str) -> list[int]:
 # -- lookup and push ------------------------------------------------------------------
 
 
-def test_lookup_and_push_round_trip_routes_every_key_to_its_shard(
-    ps: PSClient, shards: list[Shard]
-) -> None:
+def test_lookup_and_push_round_trip_routes_every_key_to_its_shard(ps: PSClient, shards: list[Shard]) -> None:
     spec = spec_of(shards)
     rows = ps.lookup("t", KEYS)
 
@@ -148,9 +146,7 @@ def test_lookup_fills_out_buffer(ps: PSClient, shards: list[Shard]) -> None:
     ],
     ids=["rows", "dim", "dtype", "layout"],
 )
-def test_lookup_rejects_bad_out_buffer_before_any_rpc(
-    ps: PSClient, transport: InProcessTransport, out: F32
-) -> None:
+def test_lookup_rejects_bad_out_buffer_before_any_rpc(ps: PSClient, transport: InProcessTransport, out: F32) -> None:
     with pytest.raises(InvalidRequestError, match=r"expected C-contiguous float32\[4, 4\]") as info:
         ps.lookup("t", [1, 2, 3, 4], out=out)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.shard is None
@@ -406,7 +402,9 @@ def test_cancelled_by_a_stopping_shard_is_retried_like_unavailable(
     assert error_for(grpc.StatusCode.CANCELLED) is ShardUnavailableError
 
 
-def test_deadline_ends_retries_with_the_failing_shards_error(shards: list[Shard], transport: InProcessTransport) -> None:
+def test_deadline_ends_retries_with_the_failing_shards_error(
+    shards: list[Shard], transport: InProcessTransport
+) -> None:
     config = ClientConfig(deadline_s=0.3, backoff_initial_s=0.01, backoff_max_s=0.02, tune_malloc=False)
     with PSClient(addresses(), config, transport=transport) as ps:
         ps.create_table("t", DIM)
@@ -427,7 +425,9 @@ def test_backoff_is_capped_and_jittered() -> None:
     assert max(backoff_s(0, config) for _ in range(100)) <= 0.05
 
 
-def test_too_large_row_is_an_invalid_request_naming_the_setting(shards: list[Shard], transport: InProcessTransport) -> None:
+def test_too_large_row_is_an_invalid_request_naming_the_setting(
+    shards: list[Shard], transport: InProcessTransport
+) -> None:
     config = ClientConfig(max_message_bytes=1 << 16, tune_malloc=False)
     with PSClient(addresses(), config, transport=transport) as ps:
         ps.create_table("wide", 20_000)
@@ -436,7 +436,9 @@ def test_too_large_row_is_an_invalid_request_naming_the_setting(shards: list[Sha
     assert isinstance(info.value, ValueError)
 
 
-def test_undecodable_reply_is_an_internal_error_naming_the_shard(shards: list[Shard], transport: InProcessTransport) -> None:
+def test_undecodable_reply_is_an_internal_error_naming_the_shard(
+    shards: list[Shard], transport: InProcessTransport
+) -> None:
     with PSClient(addresses(), FAST, transport=transport) as ps:
         ps.create_table("t", DIM)
         real = transport.call
@@ -540,7 +542,9 @@ def test_create_table_defaults(ps: PSClient, shards: list[Shard]) -> None:
 
 def test_create_table_unknown_option_is_a_type_error(ps: PSClient, transport: InProcessTransport) -> None:
     before = transport.count("CreateTable")
-    with pytest.raises(TypeError, match=r"unknown option 'learning_rate'; valid: lr, weight_decay, .*beta, low, .*value"):
+    with pytest.raises(
+        TypeError, match=r"unknown option 'learning_rate'; valid: lr, weight_decay, .*beta, low, .*value"
+    ):
         ps.create_table("x", 4, learning_rate=0.1)
     with pytest.raises(InvalidRequestError, match=r"optimizer='adamw': expected one of sgd, adagrad, adam, ftrl"):
         ps.create_table("x", 4, optimizer="adamw")

@@ -4,7 +4,6 @@ The subprocesses open no sockets; they only import modules.
 """
 
 from __future__ import annotations
-
 import __future__
 
 import ast
@@ -25,13 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def top_level_modules_after(imports: str) -> set[str]:
     """Top-level names in ``sys.modules`` after ``import <imports>`` in a fresh interpreter."""
     code = (
-        f"import sys, json\nimport {imports}\n"
-        "print(json.dumps(sorted({name.split('.')[0] for name in sys.modules})))"
+        f"import sys, json\nimport {imports}\nprint(json.dumps(sorted({{name.split('.')[0] for name in sys.modules}})))"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"import {imports} failed:\n{proc.stderr[-3000:]}"
     return set(json.loads(proc.stdout.strip().splitlines()[-1]))
 
@@ -57,9 +53,7 @@ def defined_public_names(pkg: ModuleType) -> set[str]:
     return {
         name
         for name, value in vars(pkg).items()
-        if not name.startswith("_")
-        and not inspect.ismodule(value)
-        and not isinstance(value, __future__._Feature)
+        if not name.startswith("_") and not inspect.ismodule(value) and not isinstance(value, __future__._Feature)
     }
 
 

@@ -55,10 +55,7 @@ def test_no_repeated_floats_in_proto() -> None:
     assert {"LookupResponse", "PushRequest", "TableSpec"} <= {m.name for m in messages}
     float_types = {FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE}
     offenders = [
-        f"{m.full_name}.{f.name}"
-        for m in messages
-        for f in m.fields
-        if f.type in float_types and f.is_repeated
+        f"{m.full_name}.{f.name}" for m in messages for f in m.fields if f.type in float_types and f.is_repeated
     ]
     assert offenders == [], "floats travel as raw bytes fields, never as repeated float/double"
     # The walk does see float fields and repeated fields, so the check above can fail.
