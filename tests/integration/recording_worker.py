@@ -33,8 +33,13 @@ class RecordingClient(PSClient):
         return table
 
     def push_many(self, updates: Mapping[str, tuple[npt.ArrayLike, npt.ArrayLike]]) -> PushResult:
+        sent = {t: (np.array(k, copy=True), np.array(g, copy=True)) for t, (k, g) in updates.items()}
         result = super().push_many(updates)  # raises unless every shard acknowledged it
-        LOG["pushes"].append({t: (np.array(k, copy=True), np.array(g, copy=True)) for t, (k, g) in updates.items()})
+        LOG["pushes"].append(sent)
+        # The caller's arrays must not change while a push is in flight (or the shards
+        # would get something else than what the trainer computed).
+        if any(not np.array_equal(np.asarray(g), sent[t][1]) for t, (_, g) in updates.items()):
+            LOG.setdefault("mutated", []).append(len(LOG["pushes"]) - 1)
         return result
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from client import ClientConfig, PSClient, PSError
+from protos.keys import shard_of
 from ps.shard import Shard
 from tests.fakes import InProcessTransport
 from tests.integration.shards import start_shard, stop_shard
@@ -123,7 +124,12 @@ def _compare_rows(tmp: Path, run: dict[str, Any]) -> tuple[int, int, int]:
         for s in shards:
             stop_shard(s)
     rows = sum(len(v) for v in wanted.values())
-    differ = sum(int((~(expected[t] == actual[t]).all(axis=1)).sum()) for t in wanted)
+    bad = {t: ~(expected[t] == actual[t]).all(axis=1) for t in wanted}
+    differ = sum(int(b.sum()) for b in bad.values())
+    for t, b in bad.items():
+        if b.any():
+            shards_of = np.bincount(shard_of(wanted[t][b], 2), minlength=2).tolist()
+            print(f"table {t!r}: {int(b.sum())} of {len(b)} rows differ (by shard: {shards_of})")
     return len(log["pushes"]), rows, differ
 
 
@@ -140,6 +146,7 @@ def test_training_rides_through_shard_kills(tmp_path: Path, request: pytest.Fixt
           f"rows differing {differ}, AUC with kills {auc_faulty:.4f}, without {auc_clean:.4f}")  # fmt: skip
     assert len(faulty["killed"]) == kills, "training ended before every kill: raise the sample count"
     assert restarts == kills, faulty["text"][-3000:]
+    assert not faulty["log"].get("mutated"), f"gradient arrays changed during pushes {faulty['log']['mutated']}"
     assert differ == 0, f"{differ} of {rows} rows differ from the replay of {pushes} acknowledged pushes"
     assert pushes == faulty["metrics"]["steps"]
     assert abs(auc_faulty - auc_clean) <= 0.003, (auc_faulty, auc_clean)
