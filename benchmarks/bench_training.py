@@ -58,8 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
 
 from client import PSClient  # noqa: E402
-from deploy.local import LocalCluster  # noqa: E402
-from deploy.train import threads_beside_local_shards  # noqa: E402
+from deploy.local import LocalCluster, threads_beside_local_shards  # noqa: E402
 from worker.config import EmbeddingTableConfig, FeatureConfig  # noqa: E402
 from worker.data import Batch  # noqa: E402
 from worker.embedding import DistributedEmbedding  # noqa: E402

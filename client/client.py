@@ -359,7 +359,9 @@ class PSClient:
         if not self._started:
             self.start()
         config = config or self.config
-        deadline = time.monotonic() + (deadline_s if deadline_s is not None else config.deadline_s)
+        if deadline_s is not None:  # this call's own deadline, for every attempt too
+            config = dataclasses.replace(config, deadline_s=deadline_s, attempt_timeout_s=None)
+        deadline = time.monotonic() + config.deadline_s
         return call_all(self._transport, method, requests, config, deadline)
 
     @contextlib.contextmanager

@@ -22,7 +22,7 @@ class ClientConfig:
     """Settings of a ``PSClient``; immutable. Raises ``ValueError`` naming a bad field.
 
     * ``deadline_s``: total time one client call may take, retries included. Retryable
-      failures (UNAVAILABLE, DEADLINE_EXCEEDED) are retried until it passes, so the
+      failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED) are retried until it passes, so the
       default rides through a shard restart of tens of seconds.
     * ``attempt_timeout_s``: limit of one RPC attempt (None: the whole deadline).
     * ``backoff_initial_s``, ``backoff_max_s``: the pause between attempts doubles from

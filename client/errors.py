@@ -112,7 +112,7 @@ _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
 }  # fmt: skip
 # A shard that stops (SIGTERM) while a call is in flight may cancel it from its side: the
 # call never ran or its answer was lost, exactly as with UNAVAILABLE. (The client itself
-# cancels only calls whose results it no longer reads.)
+# cancels no call.)
 _BY_CODE[grpc.StatusCode.CANCELLED] = ShardUnavailableError
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})

@@ -1,6 +1,6 @@
 """Send a set of shard requests in parallel and retry the ones that may be retried.
 
-Only UNAVAILABLE and DEADLINE_EXCEEDED are retried (pushes are safe to resend: each
+Only UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED (a stopping shard) are retried (pushes are safe to resend: each
 carries its ``(client_id, seq)`` and a shard applies it at most once). A request is
 retried for as long as the call's total deadline allows, so a shard that restarts
 within ``deadline_s`` costs the caller a pause, not an error. Backoff is exponential

@@ -56,7 +56,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from client import ClientConfig, PSClient, PSError
+from client import ClientConfig, PSClient, PSError, ShardUnavailableError
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
 from ps import optimizers
@@ -125,7 +125,7 @@ def _cluster(addresses: Sequence[str], timeout_s: float) -> Iterator[PSClient]:
         with PSClient(addresses, config) as client:
             yield client
     except PSError as exc:
-        if exc.code == grpc.StatusCode.UNAVAILABLE:
+        if isinstance(exc, ShardUnavailableError):
             raise AdminError(f"{exc}: cannot reach the shard: is it running, and is the address right?") from None
         if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
             raise AdminError(f"{exc}: raise --timeout-s, or check the shard's log") from None

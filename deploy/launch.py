@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.local import LocalCluster, ShardProcess, ShardStartError, die_with_parent
+from deploy.local import LocalCluster, ShardProcess, ShardStartError, die_with_parent, threads_beside_local_shards
 
-__all__ = ["RestartPolicy", "main", "workers_threads"]
+__all__ = ["RestartPolicy", "main"]
 
 log = logging.getLogger("ps-launch")
 
@@ -62,10 +62,10 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="restart a dead shard on the same address and data dir (default: on when a "
                         "--shard-arg gives --data-dir; without one a restarted shard would be empty)")  # fmt: skip
     split = list(argv).index("--") if "--" in argv else len(argv)
+    if split == len(argv) and not {"-h", "--help"} & set(argv):
+        parser.error("missing '-- COMMAND': e.g. ps-launch --shards 2 -- python examples/train_dlrm.py")
     args = parser.parse_args(list(argv[:split]))  # --help prints and exits 0 here
     command = list(argv[split + 1 :])
-    if split == len(argv):
-        parser.error("missing '-- COMMAND': e.g. ps-launch --shards 2 -- python examples/train_dlrm.py")
     if not command:
         parser.error("no COMMAND after '--'")
     if args.shards < 1 or args.workers < 1:
@@ -75,11 +75,6 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if command[0] in ("python", "python3"):
         command[0] = sys.executable  # the same interpreter (and venv) as ps-launch
     return args, command
-
-
-def workers_threads(workers: int) -> int:
-    """Torch threads per worker when ``workers`` workers share this machine with the shards."""
-    return max(1, ((os.cpu_count() or 1) - 1) // workers)
 
 
 def _torchrun(workers: int, command: list[str]) -> list[str]:
@@ -114,7 +109,7 @@ class RestartPolicy:
     def died(self, shard: int) -> bool:
         """Record a death (or failed restart) of ``shard``; True if it may be restarted again."""
         ran_s = time.monotonic() - self._started.get(shard, float("-inf"))
-        self._fast[shard] = self._fast.get(shard, 0) + 1 if ran_s < self.fast_s else 1
+        self._fast[shard] = self._fast.get(shard, 0) + 1 if ran_s < self.fast_s else 0
         return self._fast[shard] < self.max_fast_failures
 
 
@@ -175,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The shards share this machine: leave them a core. torchrun sets no thread count for a
     # single worker, and torch's spinning OpenMP threads on every core starve the shards
     # (2 cores, DLRM: 1.2K samples/s with 2 torch threads against 11.8K with 1).
-    env.setdefault("OMP_NUM_THREADS", str(workers_threads(args.workers)))
+    env.setdefault("OMP_NUM_THREADS", str(threads_beside_local_shards(args.workers)))
     workers = subprocess.Popen(_torchrun(args.workers, command), env=env, start_new_session=True,
                                preexec_fn=die_with_parent)  # fmt: skip
     # SIGTERM (a scheduler or `kill`) tears down like Ctrl-C, instead of orphaning everything.
@@ -194,15 +189,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
             dead = [s for s in cluster.shards if s.proc.poll() is not None]
             if dead and args.restart_shards:
-                if all(_revive(cluster, s, policy) for s in dead):
+                lost = [s.index for s in dead if not _revive(cluster, s, policy)]
+                if not lost:
                     continue
-                reported.update(s.index for s in dead)
+                reported.update(lost)  # _revive printed their log tails
                 _stop(workers)
                 status = 1
                 break
             if dead:
                 for s in dead:
-                    log.error("shard %d died with %s; stopping the workers (no --data-dir, so it is not restarted). "
+                    log.error("shard %d died with %s; stopping the workers (restarts are off: --no-restart-shards, "
+                              "or no --data-dir, so it would come back empty). "
                               "Its log (%s):\n%s", s.index, _describe_exit(s.proc.returncode), s.log, s.log_tail())  # fmt: skip
                     reported.add(s.index)
                 _stop(workers)
@@ -221,9 +218,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _stop_cluster(cluster: LocalCluster, reported: set[int], status: int) -> int:
     """Stop every shard; report (once) any that did not exit 0. Returns the final status."""
     unreported = [s for s in cluster.shards if s.index not in reported]
-    for s in cluster.shards:
-        if s.index in reported and s.proc.poll() is None:
-            s.proc.kill()
     try:
         cluster.stop()
     except ShardStartError:

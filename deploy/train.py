@@ -20,22 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from deploy.local import LocalCluster
+from deploy.local import LocalCluster, threads_beside_local_shards
 from worker.trainer import Dist, TrainerConfig, init_distributed, parse, report, train
 
-__all__ = ["main", "run", "threads_beside_local_shards"]
+__all__ = ["main", "run"]
 
 log = logging.getLogger(__name__)
-
-
-def threads_beside_local_shards() -> int:
-    """Torch intra-op threads for a worker whose shards run on the same machine.
-
-    One core is left to the shards and to the client's lookup/push threads: with every
-    core given to torch, its threads spin against them (DLRM, batch 4096, 2 cores:
-    77.8K samples/s with 2 threads, 90.0K with 1; benchmarks/bench_training.py).
-    """
-    return max(1, (os.cpu_count() or 1) - 1)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from deploy import local
 from deploy.local import ShardProcess as RunningShard
 from deploy.local import ShardStartError
 
-__all__ = ["RunningShard", "start_shard", "stop_shard"]
+__all__ = ["RunningShard", "shard_pid", "start_shard", "stop_shard"]
 
 
 def start_shard(
@@ -29,3 +29,19 @@ def stop_shard(shard: RunningShard, timeout_s: float = 30.0) -> None:
         local.stop_shard(shard, timeout_s)
     except ShardStartError as exc:
         pytest.fail(str(exc))
+
+
+def shard_pid(launch_dir: Path, index: int) -> int | None:
+    """The pid of the live shard process whose port file is ``launch_dir/port.<index>``."""
+    needle = f"--port-file={launch_dir / f'port.{index}'}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().split(") ")[-1][:1]
+        except OSError:
+            continue
+        if needle in cmdline and b"ps" in cmdline and state != "Z":
+            return int(proc.name)
+    return None

@@ -30,27 +30,11 @@ from client import ClientConfig, PSClient, PSError
 from protos.keys import shard_of
 from ps.shard import Shard
 from tests.fakes import InProcessTransport
-from tests.integration.shards import start_shard, stop_shard
+from tests.integration.shards import shard_pid, start_shard, stop_shard
 from tests.unit.tier_model import long_run
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("recording_worker.py")
-
-
-def _shard_pid(launch_dir: Path, index: int) -> int | None:
-    """The pid of the live shard process whose port file is ``launch_dir/port.<index>``."""
-    needle = f"--port-file={launch_dir / f'port.{index}'}".encode()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-            state = (proc / "stat").read_text().split(") ")[-1][:1]
-        except OSError:
-            continue
-        if needle in cmdline and b"ps" in cmdline and state != "Z":
-            return int(proc.name)
-    return None
 
 
 def _pushes(client: PSClient) -> int:
@@ -82,7 +66,7 @@ def _train(tmp: Path, *, samples: int, kills: int, gap_s: float) -> dict[str, An
                 time.sleep(0.1)  # training is under way
             for k in range(kills):
                 time.sleep(gap_s)
-                pid = _shard_pid(launch_dir, k % 2)
+                pid = shard_pid(launch_dir, k % 2)
                 if proc.poll() is not None or pid is None:
                     break
                 os.kill(pid, signal.SIGKILL)
@@ -168,6 +152,7 @@ def test_failing_call_names_its_own_shard_and_address(tmp_path: Path) -> None:
     mine, other = addresses[err.shard], addresses[1 - err.shard]
     assert f"shard {err.shard} ({mine})" in str(err)
     head, *others = str(err).split("; shard ")
+    assert len(others) == 1, str(err)  # the other dead shard is named too
     assert other.rsplit(":", 1)[1] not in head, str(err)  # the main message quotes its own shard only
     assert all(o.startswith(f"{1 - err.shard} ({other}) failed too") for o in others), str(err)
 

@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from deploy.launch import RestartPolicy
-from tests.integration.test_faults import _shard_pid
+from deploy.local import threads_beside_local_shards
+from tests.integration.shards import shard_pid
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,6 +31,16 @@ def test_exit_status_is_the_workers(tmp_path: Path) -> None:
                                     "raise SystemExit(3)"), cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert result.returncode == 3, result.stderr[-2000:]
     assert "workers exited with status 3" in result.stderr
+    assert "ps-launch: worker rank 0 (pid" in result.stderr and "exited with status 3" in result.stderr
+
+
+def test_workers_get_one_thread_per_spare_core_and_a_signal_is_128_plus(tmp_path: Path) -> None:
+    code = "import os, signal; print('threads', os.environ['OMP_NUM_THREADS'], flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    result = subprocess.run(_launch("--shards", "1", "--data-dir", str(tmp_path), "--", "python", "-c", code),
+                            cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 128 + 9, result.stderr[-2000:]
+    assert f"threads {threads_beside_local_shards(1)}" in result.stdout
+    assert "was killed by SIGKILL" in result.stderr
 
 
 def test_restart_policy_gives_up_only_on_repeated_fast_failures() -> None:
@@ -54,7 +65,7 @@ def test_a_crash_looping_shard_ends_the_run_with_its_log_once(tmp_path: Path) ->
         kills = 0
         last = None
         while proc.poll() is None and time.monotonic() < deadline:
-            pid = _shard_pid(launch_dir, 0)
+            pid = shard_pid(launch_dir, 0)
             if pid is not None and pid != last and (launch_dir / "port.0").exists():
                 os.kill(pid, signal.SIGKILL)  # dies right after each (re)start
                 kills, last = kills + 1, pid
