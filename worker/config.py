@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import textwrap
 import tomllib
 import typing
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-__all__ = ["EmbeddingTableConfig", "FeatureConfig", "Pooling", "check_features", "parse_config"]
+__all__ = [
+    "SCHEMA_NAMES", "EmbeddingTableConfig", "FeatureConfig", "Pooling", "TrainerConfig", "check_features", "parse_config",
+]  # fmt: skip
 
 Pooling = Literal["sum", "mean", "none"]
 _C = TypeVar("_C")
@@ -72,24 +75,117 @@ def check_features(tables: Sequence[EmbeddingTableConfig], features: Sequence[Fe
             raise ValueError(f"feature {f.name!r}: table {f.table!r} is not among the tables {names}")
 
 
-def parse_config(cls: type[_C], argv: Sequence[str], environ: Mapping[str, str], prefix: str, prog: str) -> _C:
+SCHEMA_NAMES = ("criteo", "avazu", "movielens")  # click-log layouts the trainer knows (worker.data.ColumnSchema)
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """One training run (immutable; ``--help`` lists every field; ``worker.trainer`` says
+    what the automatic choices, ``batch_size=0`` and ``epochs=0``, do)."""
+
+    addresses: tuple[str, ...] = field(default=(), metadata=_help("shard addresses in shard order, comma-separated"))
+    num_shards: int = field(default=2, metadata=_help("local shards to start when no addresses are given"))
+    data: str = field(
+        default="synthetic", metadata=_help("'synthetic' (Criteo-like, planted model) or a click-log path")
+    )
+    schema: str = field(default="criteo", metadata=_help("layout of a click-log file: criteo, avazu or movielens"))
+    model: str = field(default="dlrm", metadata=_help("dlrm or deepfm"))
+    dim: int = field(default=16, metadata=_help("embedding dim of every feature's table"))
+    batch_size: int = field(
+        default=0,
+        metadata=_help("samples per step per worker; 0: about 128 steps per epoch, in [32, 1024]"),
+    )
+    train_samples: int = field(default=200_000, metadata=_help("synthetic samples to train on (all workers together)"))
+    eval_samples: int = field(default=20_000, metadata=_help("synthetic samples to evaluate on"))
+    train_fraction: float = field(
+        default=0.8, metadata=_help("click logs: the first fraction of the rows trains, the rest evaluates")
+    )
+    epochs: int = field(
+        default=0,
+        metadata=_help(
+            "passes over the training data; 0: chosen on the training rows' last 10% (logs read into memory), else 1"
+        ),
+    )
+    sparse_optimizer: str = field(
+        default="adagrad", metadata=_help("optimizer the shards run: sgd, adagrad, adam, ftrl")
+    )
+    sparse_lr: float = field(default=0.003, metadata=_help("learning rate of the embedding tables"))
+    wide: bool = field(default=True, metadata=_help("learn a first-order weight per feature value (the table 'wide')"))
+    wide_lr: float = field(default=0.05, metadata=_help("learning rate of the first-order weights"))
+    min_count: int = field(
+        default=2,
+        metadata=_help("logs in memory: values in fewer training rows share their feature's 'rare' row (1: off)"),
+    )
+    sparse_weight_decay: float = field(
+        default=0.0, metadata=_help("L2 decay of the embedding rows, applied when a row is pushed")
+    )
+    admit_after: int = field(
+        default=1,
+        metadata=_help(
+            "a key gets a trained row at its N-th lookup (1: at once); counts lookups, so every epoch counts again"
+        ),
+    )
+    dense_lr: float = field(default=5e-4, metadata=_help("Adam learning rate of the dense tower"))
+    mode: str = field(default="pipelined", metadata=_help("pipelined (lookups ahead, async pushes) or sync (exact)"))
+    staleness: int = field(
+        default=1, metadata=_help("pipelined mode: step t reads rows without the pushes of the last N steps")
+    )
+    eval_every: int = field(default=0, metadata=_help("evaluate every N steps (0: only at the end)"))
+    output_dir: Path | None = field(
+        default=None,
+        metadata=_help(
+            "where the dense model, manifest and metrics go; empty: runs/<UTC time>/, linked from runs/latest"
+        ),
+    )
+    seed: int = field(default=0, metadata=_help("seed of dense and embedding initialisation (and synthetic data)"))
+    progress: bool = field(
+        default=True, metadata=_help("show progress on rank 0 (a bar on a terminal, else a line every 10 s)")
+    )
+    log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))  # fmt: skip
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.model in ("dlrm", "deepfm"), f"model={self.model!r}: expected dlrm or deepfm"),
+            (self.mode in ("sync", "pipelined"), f"mode={self.mode!r}: expected sync or pipelined"),
+            (self.schema in SCHEMA_NAMES, f"schema={self.schema!r}: expected one of {', '.join(SCHEMA_NAMES)}"),
+            (self.dim >= 1, f"dim={self.dim}: must be >= 1"),
+            (self.batch_size >= 0 and self.epochs >= 0, "batch_size and epochs must be >= 0 (0: chosen for you)"),
+            (self.num_shards >= 1, f"num_shards={self.num_shards}: must be >= 1"),
+            (self.admit_after >= 1 and self.min_count >= 1, "admit_after and min_count must be >= 1"),
+            (0 < self.train_fraction < 1, f"train_fraction={self.train_fraction}: must be in (0, 1)"),
+            (self.data == "synthetic" or Path(self.data).is_file(), f"data={self.data!r}: not 'synthetic' and no such file"),
+        ]  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+def parse_config(cls: type[_C], argv: Sequence[str], environ: Mapping[str, str], prefix: str, prog: str,
+                 description: str = "") -> _C:  # fmt: skip
     """Fill the frozen dataclass ``cls`` from flags, ``{prefix}*`` variables and ``--config`` (TOML/JSON).
 
     Each field ``name`` is ``--name-with-dashes``, ``{prefix}NAME`` and ``name`` in the file;
     precedence defaults < file < environment < flags. Unknown file keys or ``{prefix}*``
-    variables raise ``ValueError`` listing the valid names; ``--help`` lists every field
-    with its help text (field metadata ``help``). Tuples are comma-separated.
+    variables raise ``ValueError`` listing the valid names; ``--help`` prints ``description``
+    and lists every field with its help text (field metadata ``help``). Tuples are
+    comma-separated; an empty value of an optional (``X | None``) field is None.
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    where = textwrap.fill(f"Every flag is also {prefix}<NAME> in the environment or a key of the --config file; "
+                          "flags win over the environment, which wins over the file.", 79)  # fmt: skip
     parser = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS,
-                                     description=f"Every flag is also {prefix}<NAME> in the environment or "
-                                     "a key of the --config file; flags win over the environment, which wins over the file.")  # fmt: skip
+                                     description=f"{description}\n\n{where}" if description else where,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--config", type=Path, help="TOML or JSON file of settings")
     for name, f in fields.items():
         default = f.default if f.default is not dataclasses.MISSING else None
         parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=name.upper(),
-                            help=f"{f.metadata.get('help', '')} (default: {default}; env {prefix}{name.upper()})")  # fmt: skip
+                            help=f"{f.metadata.get('help', '').replace('%', '%%')} (default: {default}; env {prefix}{name.upper()})")  # fmt: skip
     args = vars(parser.parse_args(list(argv)))
     values: dict[str, Any] = {}
     path = args.pop("config", None)
@@ -117,6 +213,11 @@ def parse_config(cls: type[_C], argv: Sequence[str], environ: Mapping[str, str],
 
 
 def _convert(name: str, hint: Any, raw: Any) -> Any:
+    args = typing.get_args(hint)
+    if type(None) in args:  # X | None
+        if raw is None or (isinstance(raw, str) and not raw.strip()):
+            return None
+        hint = next(a for a in args if a is not type(None))
     target = typing.get_origin(hint) or hint
     try:
         if target is tuple:

@@ -1,5 +1,5 @@
-"""Training data: the ``Batch`` type, delimited click-log readers, and the eval metrics
-``auc`` and ``logloss`` (the synthetic stream is in ``worker.synthetic``).
+"""Training data: the ``Batch`` type and delimited click-log readers (the synthetic stream
+is in ``worker.synthetic``; ``auc`` and ``logloss``, in ``worker.metrics``, are re-exported here).
 
 A sample is one row of ``Batch.dense``, one label and, per categorical feature,
 exactly one key ``protos.keys.hash_feature(raw_value, feature_seed)``. The raw value
@@ -31,10 +31,11 @@ import torch
 
 from protos.keys import hash_feature, hash_features, mix64
 from worker.jagged import JaggedIds
+from worker.metrics import auc, logloss
 
 __all__ = [
     "Batch", "ClickLog", "ColumnSchema", "auc", "feature_seed", "hash_strings", "load_click_log", "logloss",
-    "read_click_log",
+    "rare_key", "read_click_log",
 ]  # fmt: skip
 
 _MASK64 = (1 << 64) - 1
@@ -512,6 +513,25 @@ class ClickLog:
             raise ValueError(f"ClickLog[{rows}]: only contiguous slices")
         return ClickLog(self.labels[lo:hi], self.dense[lo:hi], self.keys[:, lo:hi], self.features)
 
+    def with_rare_keys(self, min_count: int, counted_in: ClickLog | None = None) -> ClickLog:
+        """A copy in which each key found in fewer than ``min_count`` rows of ``counted_in``
+        (default: this log) is replaced by its feature's rare key, ``rare_key(feature)``.
+
+        Count on the training rows and apply the result to them and to the evaluation
+        rows: values too rare to learn from (and values never trained) then share one row
+        per feature that is trained on all of them, instead of a row each that can only
+        memorise its few labels or was never trained at all.
+        """
+        counted = self if counted_in is None else counted_in
+        if counted.features != self.features:
+            raise ValueError(f"features differ: {self.features} vs {counted.features}")
+        keys = self.keys.copy()
+        for f, name in enumerate(self.features):
+            values, counts = np.unique(counted.keys[f], return_counts=True)
+            rare = ~np.isin(keys[f], values[counts >= min_count])
+            keys[f, rare] = rare_key(name)
+        return ClickLog(self.labels, self.dense, keys, self.features)
+
     def batches(self, batch_size: int, *, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
         """Batches of ``batch_size`` rows in order (the last may be short); ``rank`` of
         ``world_size`` takes the batches ``rank, rank + world_size, ...``."""
@@ -520,6 +540,16 @@ class ClickLog:
         rows = _Rows(self.labels, self.dense, self.keys, None)
         for lo in range(rank * batch_size, len(self), batch_size * world_size):
             yield _make_batch(_take(rows, lo, lo + batch_size), self.features)
+
+
+def rare_key(feature: str) -> int:
+    """The key ``ClickLog.with_rare_keys`` gives to ``feature``'s rare values (a value no
+    text field holds, hashed with the feature's default seed).
+
+    >>> rare_key("C1") == hash_feature(b"\\0rare", feature_seed("C1"))
+    True
+    """
+    return hash_feature(b"\0rare", feature_seed(feature))
 
 
 def load_click_log(path: str | os.PathLike[str], schema: ColumnSchema, *, chunk_bytes: int = 1 << 22) -> ClickLog:
@@ -540,54 +570,3 @@ def load_click_log(path: str | os.PathLike[str], schema: ColumnSchema, *, chunk_
         idx = np.argsort(rows.order, kind="stable")
         return ClickLog(rows.labels[idx], rows.dense[idx], rows.keys[:, idx], features)
     return ClickLog(rows.labels, rows.dense, rows.keys, features)
-
-
-# --- eval metrics
-
-
-def _flat(x: npt.ArrayLike | torch.Tensor, name: str) -> F64:
-    a = np.asarray(x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x, dtype=np.float64).reshape(-1)
-    if not np.isfinite(a).all():
-        raise ValueError(f"{name}: contains NaN or Inf")
-    return a
-
-
-def auc(labels: npt.ArrayLike | torch.Tensor, scores: npt.ArrayLike | torch.Tensor) -> float:
-    """ROC AUC by ranks (Mann-Whitney U), tied scores sharing their average rank.
-
-    ``labels`` are 0/1; ``scores`` any finite reals of the same length. O(n log n),
-    numpy only. Raises ``ValueError`` for mismatched lengths, non-0/1 labels, NaN, or
-    when only one class is present (AUC is undefined).
-
-    >>> auc([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8]), auc([0, 1], [0.5, 0.5])
-    (0.75, 0.5)
-    """
-    y, s = _flat(labels, "labels"), _flat(scores, "scores")
-    if y.shape != s.shape or not np.isin(y, (0.0, 1.0)).all():
-        raise ValueError(f"labels: {y.shape[0]} values, scores: {s.shape[0]}; labels must be 0/1")
-    pos = y == 1.0
-    npos, nneg = int(pos.sum()), int(y.shape[0] - pos.sum())
-    if npos == 0 or nneg == 0:
-        raise ValueError(f"AUC undefined with {npos} positives and {nneg} negatives")
-    order = np.argsort(s, kind="stable")
-    ss = s[order]
-    first = np.concatenate(([True], ss[1:] != ss[:-1]))
-    starts = np.flatnonzero(first)
-    ends = np.append(starts[1:], ss.shape[0])
-    ranks = np.empty_like(s)
-    ranks[order] = ((starts + ends + 1) / 2.0)[np.cumsum(first) - 1]  # 1-based average rank of each tie group
-    return float((ranks[pos].sum() - npos * (npos + 1) / 2.0) / (npos * nneg))
-
-
-def logloss(labels: npt.ArrayLike | torch.Tensor, probs: npt.ArrayLike | torch.Tensor, eps: float = 1e-7) -> float:
-    """Mean binary cross-entropy, probabilities clipped to ``[eps, 1 - eps]``.
-
-    Raises ``ValueError`` for mismatched lengths, an empty input, or NaN.
-
-    >>> round(logloss([1, 0], [0.9, 0.2]), 4)
-    0.1643
-    """
-    y, p = _flat(labels, "labels"), np.clip(_flat(probs, "probs"), eps, 1.0 - eps)
-    if y.shape != p.shape or y.shape[0] == 0:
-        raise ValueError(f"labels: {y.shape[0]} values, probs: {p.shape[0]}; need equal, non-empty")
-    return float(-np.mean(y * np.log(p) + (1.0 - y) * np.log1p(-p)))

@@ -6,9 +6,15 @@ embeddings themselves come from a ``DistributedEmbedding`` (or, for comparison, 
 local ``nn.EmbeddingBag``s): these modules hold only dense parameters, so they are
 what ``DistributedDataParallel`` wraps.
 
+``wide`` names extra entries of the embedding dict, each ``[B, 1]``: one learned
+weight per feature value (a dim-1 table read with the same keys), summed into the
+logit. That first-order term is a logistic regression over every feature value; it is
+what learns from values seen a few times, where a dot product of two rarely trained
+vectors is mostly noise.
+
 Example:
-    >>> m = DLRM(num_dense=3, features=["a", "b"], dim=4, bottom=[8], top=[8])
-    >>> m(torch.zeros(2, 3), {"a": torch.zeros(2, 4), "b": torch.zeros(2, 4)}).shape
+    >>> m = DLRM(num_dense=3, features=["a", "b"], dim=4, bottom=[8], top=[8], wide=["a.w"])
+    >>> m(torch.zeros(2, 3), {"a": torch.zeros(2, 4), "b": torch.zeros(2, 4), "a.w": torch.ones(2, 1)}).shape
     torch.Size([2])
 """
 
@@ -32,14 +38,22 @@ def mlp(sizes: Sequence[int], *, last_relu: bool = False) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def _wide_sum(emb: Mapping[str, torch.Tensor], wide: Sequence[str]) -> torch.Tensor | None:
+    if not wide:
+        return None
+    return torch.cat([emb[w] for w in wide], dim=1).sum(1)
+
+
 class DLRM(nn.Module):
     """DLRM (Naumov et al., 2019): bottom MLP on dense features, pairwise dot products
-    between it and every embedding, top MLP on the dots plus the bottom output."""
+    between it and every embedding, top MLP on the dots plus the bottom output; plus
+    the first-order ``wide`` weights, if given."""
 
     def __init__(self, num_dense: int, features: Sequence[str], dim: int, bottom: Sequence[int] = (64, 32),
-                 top: Sequence[int] = (64, 32)) -> None:  # fmt: skip
+                 top: Sequence[int] = (64, 32), wide: Sequence[str] = ()) -> None:  # fmt: skip
         super().__init__()
         self.features = list(features)
+        self.wide = list(wide)
         # A log without dense columns (Avazu) has no bottom MLP: only embeddings interact.
         self.bottom = mlp([num_dense, *bottom, dim], last_relu=True) if num_dense else None
         n = len(self.features) + (1 if num_dense else 0)
@@ -54,30 +68,36 @@ class DLRM(nn.Module):
         i, j = self.get_buffer("pairs")
         pairs = dots[:, i, j]
         out: torch.Tensor = self.top(torch.cat([x, pairs], dim=1) if x is not None else pairs).squeeze(1)
-        return out
+        first = _wide_sum(emb, self.wide)
+        return out if first is None else out + first
 
 
 class DeepFM(nn.Module):
-    """DeepFM (Guo et al., 2017): a factorization machine over the field embeddings (and
-    a projection of the dense features) plus an MLP over their concatenation.
+    """DeepFM (Guo et al., 2017): first-order weights, a factorization machine over the
+    categorical fields, and an MLP over the dense features and all field embeddings.
 
-    The FM's first-order term uses a learned per-field linear map of each embedding, so
-    no second table per feature is needed.
+    The first-order part is a linear map of the dense features plus the ``wide``
+    weights (one per feature value). Dense features go to the linear part and the MLP,
+    not into the FM: as a projected field their unnormalised scale would dominate
+    every pairwise product (measured on Criteo: AUC 0.71 with, 0.73 without).
     """
 
-    def __init__(self, num_dense: int, features: Sequence[str], dim: int, hidden: Sequence[int] = (64, 32)) -> None:
+    def __init__(self, num_dense: int, features: Sequence[str], dim: int, hidden: Sequence[int] = (64, 32),
+                 wide: Sequence[str] = ()) -> None:  # fmt: skip
         super().__init__()
         self.features = list(features)
-        self.dense_proj = nn.Linear(num_dense, dim) if num_dense else None
-        n = len(self.features) + (1 if num_dense else 0)
-        self.first_order = nn.Linear(n * dim, 1)
-        self.deep = mlp([n * dim, *hidden, 1])
+        self.wide = list(wide)
+        self.linear = nn.Linear(num_dense, 1) if num_dense else None
+        self.bias = nn.Parameter(torch.zeros(()))
+        self.deep = mlp([num_dense + len(self.features) * dim, *hidden, 1])
 
     def forward(self, dense: torch.Tensor, emb: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        head = [self.dense_proj(dense)] if self.dense_proj is not None else []
-        fields = torch.stack(head + [emb[f] for f in self.features], dim=1)  # [B, n, dim]
-        flat = fields.flatten(1)
+        fields = torch.stack([emb[f] for f in self.features], dim=1)  # [B, n, dim]
         # 0.5 * ((sum v)^2 - sum v^2): all pairwise dot products in O(n * dim).
         second = 0.5 * (fields.sum(1).pow(2) - fields.pow(2).sum(1)).sum(1)
-        out: torch.Tensor = self.first_order(flat).squeeze(1) + second + self.deep(flat).squeeze(1)
-        return out
+        deep = self.deep(torch.cat([dense, fields.flatten(1)], dim=1)).squeeze(1)
+        out: torch.Tensor = self.bias + second + deep
+        if self.linear is not None:
+            out = out + self.linear(dense).squeeze(1)
+        first = _wide_sum(emb, self.wide)
+        return out if first is None else out + first

@@ -7,9 +7,31 @@ command line (``ps-launch`` passes the addresses in ``TRAINER_ADDRESSES``). Star
 shards for a run is ``deploy``'s job: ``python -m deploy.train`` (what the examples
 use) starts them on 127.0.0.1 when no addresses are given.
 
-Note on scale: DDP averages dense gradients over workers, while each worker pushes the
-sparse gradients of its own batch, so with W workers the shards take W updates per
-step (as in PERSIA and HugeCTR); the sparse learning rate is per worker batch.
+What a run trains on, unless the flags say otherwise (the defaults were chosen on the
+Criteo, Avazu and MovieLens samples; see the README for the AUC each reaches):
+
+* every categorical feature reads the table ``embedding`` (``dim`` columns; keys are
+  hashed with a seed per feature, so features never share a row) and, for the
+  first-order term, the dim-1 table ``wide`` (zeros at first). Both use Adagrad, the
+  embeddings with a small learning rate: on a few thousand rows the interaction terms
+  overfit within an epoch or two, while the first-order weights need several;
+* the rows come from ``worker.dataset``: a click log that fits in memory is split in
+  row order (first ``train_fraction`` trains, the rest evaluates) and values seen in
+  fewer than ``min_count`` training rows share one row per feature;
+* ``batch_size=0`` takes about 128 steps per pass over the training rows (a power of
+  two in [32, 1024]); ``epochs=0`` trains a probe model (tables ``probe.*``) on the
+  training rows without their last ``VALIDATION_FRACTION``, evaluates that tail after
+  each epoch until its logloss has been worse than the best for ``PATIENCE`` epochs,
+  and trains the real model on all training rows for the best epoch count (ties within
+  ``TIE`` go to the later epoch). Nothing is chosen on the evaluation rows. Synthetic
+  data and streamed logs train for one epoch.
+
+Scale: DDP averages dense gradients over workers, while each worker pushes the sparse
+gradients of its own batch, so with W workers the shards take W updates per step (as in
+PERSIA and HugeCTR); the sparse learning rate is per worker batch. A run with one
+worker is reproducible to the bit (same seed, same AUC); with W > 1 the pushes of
+different workers reach a shard in whatever order the network gives, so runs differ
+in the last digits.
 """
 
 from __future__ import annotations
@@ -17,14 +39,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
-import itertools
 import json
 import logging
-import math
 import os
 import sys
+import textwrap
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,72 +56,32 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from client import PSClient
-from worker.config import EmbeddingTableConfig, FeatureConfig, parse_config
-from worker.data import Batch, ColumnSchema, auc, logloss, read_click_log
+from worker.config import EmbeddingTableConfig, FeatureConfig, TrainerConfig, parse_config
+from worker.data import Batch, auc, logloss
+from worker.dataset import (
+    EVAL_BATCH_SIZE,
+    RunData,
+    auto_batch_size,
+    epoch_batches,
+    eval_batches,
+    open_data,
+    steps_per_epoch,
+)
 from worker.embedding import DistributedEmbedding
+from worker.jagged import JaggedIds
 from worker.models import DLRM, DeepFM
-from worker.synthetic import synthetic_criteo
+from worker.output import progress, run_dir
 
 __all__ = ["Dist", "TrainerConfig", "evaluate", "init_distributed", "main", "parse", "report", "train"]
 
 log = logging.getLogger(__name__)
 ENV_PREFIX = "TRAINER_"
 
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    """One training run (immutable; ``--help`` lists every field)."""
-
-    addresses: tuple[str, ...] = field(
-        default=(), metadata=_help("shard addresses in shard order, comma-separated; empty: start local shards")
-    )
-    num_shards: int = field(default=2, metadata=_help("shards to start when no addresses are given"))
-    data: str = field(
-        default="synthetic", metadata=_help("'synthetic' (Criteo-like, planted model) or a click-log path")
-    )
-    schema: str = field(default="criteo", metadata=_help("layout of a click-log file: criteo or avazu"))
-    model: str = field(default="dlrm", metadata=_help("dlrm or deepfm"))
-    dim: int = field(default=16, metadata=_help("embedding dim of every table"))
-    batch_size: int = field(default=1024, metadata=_help("samples per step per worker"))
-    train_samples: int = field(default=200_000, metadata=_help("synthetic samples to train on (all workers together)"))
-    eval_samples: int = field(default=20_000, metadata=_help("synthetic samples to evaluate on"))
-    train_fraction: float = field(
-        default=0.8, metadata=_help("click-log files: the first fraction trains, the rest evaluates")
-    )
-    epochs: int = field(default=1, metadata=_help("passes over the training data"))
-    sparse_optimizer: str = field(
-        default="adagrad", metadata=_help("optimizer the shards run: sgd, adagrad, adam, ftrl")
-    )
-    sparse_lr: float = field(default=0.1, metadata=_help("learning rate of the sparse optimizer"))
-    dense_lr: float = field(default=2e-3, metadata=_help("Adam learning rate of the dense tower"))
-    mode: str = field(default="pipelined", metadata=_help("pipelined (lookups ahead, async pushes) or sync (exact)"))
-    staleness: int = field(default=1, metadata=_help("pipelined mode: steps a looked-up row may lag behind"))
-    eval_every: int = field(default=0, metadata=_help("evaluate every N steps (0: only at the end)"))
-    output_dir: Path = field(default=Path("runs/latest"), metadata=_help("where the dense model and manifest go"))
-    seed: int = field(default=0, metadata=_help("seed of data order and dense initialisation"))
-    progress: bool = field(default=True, metadata=_help("show a progress bar on rank 0"))
-    log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.model in ("dlrm", "deepfm"), f"model={self.model!r}: expected dlrm or deepfm"),
-            (self.mode in ("sync", "pipelined"), f"mode={self.mode!r}: expected sync or pipelined"),
-            (self.schema in ("criteo", "avazu"), f"schema={self.schema!r}: expected criteo or avazu"),
-            (self.dim >= 1 and self.batch_size >= 1 and self.epochs >= 1, "dim, batch_size and epochs must be >= 1"),
-            (self.num_shards >= 1, f"num_shards={self.num_shards}: must be >= 1"),
-            (0 < self.train_fraction < 1, f"train_fraction={self.train_fraction}: must be in (0, 1)"),
-            (
-                self.data == "synthetic" or Path(self.data).is_file(),
-                f"data={self.data!r}: not 'synthetic' and no such file",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+VALIDATION_FRACTION = 0.1  # of the training rows, to choose the epoch count on
+MAX_EPOCHS = 10
+PATIENCE = 1  # epochs past the chosen one before the probe stops
+TIE = 1e-3  # validation loglosses within this fraction of the best count as equally good
+WIDE = ".wide"  # feature f + WIDE reads f's keys from the table "wide"
 
 
 @dataclass
@@ -126,56 +107,187 @@ def init_distributed() -> Dist:
     return Dist(dist.get_rank(), world, device)
 
 
-def _data(config: TrainerConfig, d: Dist) -> tuple[Iterator[Batch], list[Batch], int]:
-    """(training batches of this worker, evaluation batches, training samples of all workers)."""
-    if config.data == "synthetic":
-        # Every worker takes the same number of steps, or DDP's allreduce would wait forever.
-        steps = math.ceil(config.train_samples / config.batch_size) // d.world
-        train: Iterator[Batch] = itertools.chain.from_iterable(
-            itertools.islice(synthetic_criteo(config.train_samples, config.batch_size, seed=config.seed + 1000 * e,
-                                              rank=d.rank, world_size=d.world), steps)
-            for e in range(config.epochs))  # fmt: skip
-        held_out = list(synthetic_criteo(config.eval_samples, config.batch_size, seed=config.seed + 7_777_777))
-        return train, held_out, steps * d.world * config.batch_size * config.epochs
-    schema = ColumnSchema.criteo() if config.schema == "criteo" else ColumnSchema.avazu()
-    rows = _count_lines(Path(config.data)) - (1 if schema.header else 0)
-    n_train = int(rows * config.train_fraction)
-    steps = math.ceil(n_train / config.batch_size) // d.world  # equal on every worker (see above)
-
-    def mine() -> Iterator[Batch]:
-        for _ in range(config.epochs):
-            batches = read_click_log(config.data, schema, config.batch_size, limit=n_train)
-            yield from itertools.islice(itertools.islice(batches, d.rank, None, d.world), steps)
-
-    held_out = list(read_click_log(config.data, schema, config.batch_size, skip=n_train))
-    return mine(), held_out, min(n_train, steps * d.world * config.batch_size) * config.epochs
+# --- one model through one set of tables
 
 
-def _count_lines(path: Path) -> int:
-    count, last = 0, b"\n"
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            count += chunk.count(b"\n")
-            last = chunk[-1:]
-    return count + (last != b"\n")
+def _inputs(sparse: Mapping[str, JaggedIds], features: Sequence[str]) -> dict[str, JaggedIds]:
+    """The batch as ``DistributedEmbedding`` wants it: feature ``f + WIDE`` reads ``f``'s ids."""
+    return {f: sparse[f.removesuffix(WIDE)] if f.endswith(WIDE) else sparse[f] for f in features}
+
+
+class _Pass:
+    """A model, its tables (named ``prefix + feature``) and the step loop, kept across epochs."""
+
+    def __init__(self, config: TrainerConfig, d: Dist, client: PSClient, features: list[str], num_dense: int,
+                 prefix: str = "") -> None:  # fmt: skip
+        self.config, self.d = config, d
+        lifecycle = {"admit_after": float(config.admit_after)} if config.admit_after > 1 else {}
+        decay = {"weight_decay": config.sparse_weight_decay} if config.sparse_weight_decay else {}
+        # One table holds every feature's rows: keys are hashed with a seed per feature, so
+        # they never collide, and a step's lookup is one entry per table, not per feature
+        # (at small batches the per-table work, not the bytes, bounds the step time).
+        self.tables = [EmbeddingTableConfig(prefix + "embedding", config.dim, config.sparse_optimizer,
+                                            seed=2 * config.seed, params={"lr": config.sparse_lr, **decay, **lifecycle})]  # fmt: skip
+        self.features = [FeatureConfig(f, prefix + "embedding") for f in features]
+        wide = [f + WIDE for f in features] if config.wide else []
+        if wide:
+            self.tables.append(EmbeddingTableConfig(prefix + "wide", 1, config.sparse_optimizer, "zeros",
+                                                    seed=2 * config.seed + 1, params={"lr": config.wide_lr, **lifecycle}))  # fmt: skip
+            self.features += [FeatureConfig(w, prefix + "wide") for w in wide]
+        torch.manual_seed(config.seed)  # the probe and the real model start alike
+        model_cls = DLRM if config.model == "dlrm" else DeepFM
+        self.model: torch.nn.Module = model_cls(num_dense, features, config.dim, wide=wide).to(d.device)
+        self.emb = DistributedEmbedding(self.tables, self.features, client, mode=config.mode,  # type: ignore[arg-type]
+                                        staleness=config.staleness, device=d.device)  # fmt: skip
+        if d.rank == 0:
+            self.emb.create_tables()
+        if d.world > 1:
+            dist.barrier()
+        self.dense = DistributedDataParallel(self.model) if d.world > 1 else self.model
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.dense_lr)
+        self.phases = dict.fromkeys(("data", "lookup", "forward", "backward", "step", "eval"), 0.0)
+        self.steps, self.samples, self.train_s = 0, 0, 0.0
+        self.losses: list[float] = []
+        self.evals: list[dict[str, Any]] = []
+
+    def epoch(self, batches: Iterator[Batch], bar: Any, held_out: Sequence[Batch] = ()) -> None:
+        """Train on ``batches``: prefetch the next one, forward, backward (pushes), dense step."""
+        names = [f.name for f in self.features]
+        started = time.perf_counter()
+        eval_s = self.phases["eval"]
+        cur = next(batches, None)
+        cur_in = _inputs(cur.sparse, names) if cur is not None else {}
+        if cur is not None:
+            self.emb.prefetch(cur_in)
+        while cur is not None:
+            t0 = time.perf_counter()
+            nxt = next(batches, None)
+            nxt_in = _inputs(nxt.sparse, names) if nxt is not None else {}
+            t1 = time.perf_counter()
+            if nxt is not None:
+                self.emb.prefetch(nxt_in)
+            out = self.emb(cur_in)
+            t2 = time.perf_counter()
+            logits = self.dense(cur.dense.to(self.d.device), out)
+            loss = F.binary_cross_entropy_with_logits(logits, cur.labels.to(self.d.device))
+            t3 = time.perf_counter()
+            self.optimizer.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            t4 = time.perf_counter()
+            self.optimizer.step()
+            t5 = time.perf_counter()
+            for k, a, b in zip(
+                ("data", "lookup", "forward", "backward", "step"), (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)
+            ):
+                self.phases[k] += b - a  # fmt: skip
+            self.steps += 1
+            self.samples += cur.batch_size
+            self.losses.append(float(loss.detach()))
+            if bar is not None:
+                recent = self.losses[-20:]
+                rate = self.samples * self.d.world / max(1e-9, self.train_s + time.perf_counter() - started)
+                bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}", samples_s=f"{rate:,.0f}")
+                bar.update(1)
+            if self.config.eval_every and held_out and self.steps % self.config.eval_every == 0 and self.d.rank == 0:
+                t6 = time.perf_counter()
+                self.evals.append({"step": self.steps, **self.evaluate(held_out)})
+                self.phases["eval"] += time.perf_counter() - t6
+            cur, cur_in = nxt, nxt_in
+        self.emb.flush()
+        self.train_s += time.perf_counter() - started - (self.phases["eval"] - eval_s)
+
+    def evaluate(self, batches: Sequence[Batch]) -> dict[str, float]:
+        return evaluate(self.emb, self.model, batches, self.d.device)
+
+    def close(self) -> None:
+        self.emb.close()
+        # DDP's reducer keeps gloo/nccl work objects alive in reference cycles; if they are
+        # only collected at interpreter exit, gloo's threads can abort the process.
+        del self.dense, self.optimizer
+        gc.collect()
+
+    def stats(self) -> dict[str, Any]:
+        recent = self.losses[-20:]
+        return {"steps": self.steps, "worker_samples": self.samples, "train_s": self.train_s,
+                "samples_per_s": self.samples * self.d.world / max(1e-9, self.train_s), "phases_s": self.phases,
+                "mean_loss_last_20": sum(recent) / max(1, len(recent))}  # fmt: skip
 
 
 def evaluate(
     emb: DistributedEmbedding, model: torch.nn.Module, batches: Sequence[Batch], device: torch.device
 ) -> dict[str, float]:
-    """AUC and logloss of ``model`` on ``batches`` (no pushes; rows as the shards hold them now)."""
+    """AUC and logloss of ``model`` on ``batches`` (no pushes; rows as the shards hold them now).
+
+    Features of ``emb`` named ``f + ".wide"`` read the ids of feature ``f``.
+    """
     emb.eval()
     model.eval()
     labels, probs = [], []
+    names = list(emb.features)
     with torch.no_grad():
         for b in batches:
-            logits = model(b.dense.to(device), emb(b.sparse))
+            logits = model(b.dense.to(device), emb(_inputs(b.sparse, names)))
             labels.append(b.labels)
             probs.append(torch.sigmoid(logits).cpu())
     emb.train()
     model.train()
     y, p = torch.cat(labels), torch.cat(probs)
     return {"auc": auc(y, p), "logloss": logloss(y, p), "samples": float(len(y))}
+
+
+def _choose_epochs(config: TrainerConfig, d: Dist, client: PSClient, data: RunData, batch_size: int,
+                   features: list[str], num_dense: int) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    """Train a probe (tables ``probe.*``) on the training rows but their tail; the best epoch count on the tail."""
+    n_val = int(data.train_rows * VALIDATION_FRACTION)
+    fit, val = data.split(data.train_rows - n_val, data.train_rows, config.min_count)
+    val_batches = list(val.batches(EVAL_BATCH_SIZE))
+    probe = _Pass(config, d, client, features, num_dense, prefix="probe.")
+    history: list[dict[str, float]] = []
+    best = 1
+    bar = progress(
+        config.progress and d.rank == 0, MAX_EPOCHS * steps_per_epoch(len(fit), batch_size, d.world), "choosing epochs"
+    )
+    try:
+        for epoch in range(1, MAX_EPOCHS + 1):
+            probe.epoch(epoch_batches(config, d.rank, d.world, data, batch_size, epoch, fit), bar)
+            stop: list[Any] = [False]
+            if d.rank == 0:
+                history.append(probe.evaluate(val_batches))
+                best, stop[0] = _best_epoch([h["logloss"] for h in history])
+            if d.world > 1:
+                dist.broadcast_object_list(stop, src=0)
+            if stop[0]:
+                break
+    finally:
+        if bar is not None:
+            bar.close()
+        probe.close()
+    box: list[Any] = [best]
+    if d.world > 1:
+        dist.broadcast_object_list(box, src=0)
+    return int(box[0]), {"validation_rows": n_val, "fit_rows": len(fit), "chosen": int(box[0]), "history": history}
+
+
+def _best_epoch(losses: Sequence[float]) -> tuple[int, bool]:
+    """(the epoch count to train for, whether to stop probing) after ``len(losses)`` epochs.
+
+    The latest epoch within ``TIE`` of the lowest validation logloss: at the top of the
+    curve those differences are noise, and the first-order weights, which train slowest,
+    gain from the later epoch. Probing stops ``PATIENCE`` epochs after the chosen one.
+
+    >>> _best_epoch([0.46, 0.45, 0.4502]), _best_epoch([0.46, 0.45, 0.47])
+    ((3, False), (2, True))
+    """
+    low = min(losses)
+    best = 1 + max(i for i, x in enumerate(losses) if x <= low * (1 + TIE))
+    return best, len(losses) - best >= PATIENCE or len(losses) >= MAX_EPOCHS
+
+
+def _can_choose_epochs(data: RunData) -> bool:
+    if data.train is None:
+        return False
+    tail = data.train.labels[len(data.train) - int(len(data.train) * VALIDATION_FRACTION) :]
+    return len(tail) >= 200 and 0 < float(tail.sum()) < len(tail)  # AUC and logloss need both classes
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -186,148 +298,152 @@ def _digest(model: torch.nn.Module) -> str:
 
 
 def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None) -> dict[str, Any]:
-    """Train ``config`` on the cluster at ``addresses``; returns the metrics (also written to ``output_dir``).
+    """Train ``config`` on the cluster at ``addresses``; returns the metrics (also written to the run directory).
 
     Raises the client's ``PSError`` subclasses if the shards fail, ``ValueError`` for
     bad data. Blocks until done; collective across all workers under ``torchrun``
     (``d`` from ``init_distributed()``; the caller owns the process group).
     """
     d = d or init_distributed()
-    torch.manual_seed(config.seed)
-    train_batches, held_out, total = _data(config, d)
-    first = next(train_batches, None)
+    data = open_data(config)
+    batch_size = config.batch_size or (
+        1024 if data.source == "synthetic" else auto_batch_size(data.train_rows, d.world)
+    )
+    first = next(epoch_batches(config, d.rank, d.world, data, batch_size, 0), None)
     if first is None:
-        raise ValueError(f"no training steps: {total} samples in batches of {config.batch_size} over {d.world} workers")
-    features = list(first.sparse)
-    num_dense = first.dense.shape[1]
-    tables = [EmbeddingTableConfig(f, config.dim, config.sparse_optimizer, seed=i, params={"lr": config.sparse_lr})
-              for i, f in enumerate(features)]  # fmt: skip
-    feature_cfgs = [FeatureConfig(f, f) for f in features]
-    model: torch.nn.Module = (DLRM if config.model == "dlrm" else DeepFM)(num_dense, features, config.dim).to(d.device)
-    metrics: dict[str, Any] = {"config": {k: str(v) for k, v in dataclasses.asdict(config).items()}, "evals": []}
+        raise ValueError(f"no training steps: {data.train_rows} rows in batches of {batch_size} over {d.world} workers")
+    features, num_dense = list(first.sparse), first.dense.shape[1]
+    held_out = eval_batches(config, data, batch_size)
+    choose = config.epochs == 0 and _can_choose_epochs(data)
+    out = run_dir(config) if d.rank == 0 else None
+    resolved = dataclasses.replace(config, batch_size=batch_size, epochs=config.epochs or 1, output_dir=out)
+    if d.rank == 0:
+        _log_config(config, resolved, data, d, choose)
+    metrics: dict[str, Any] = {"config": {k: str(v) for k, v in dataclasses.asdict(resolved).items()},
+                               "data": {"source": data.source, "train_rows": data.train_rows, "eval_rows": data.eval_rows,
+                                        "features": len(features), "dense": num_dense}}  # fmt: skip
 
     with PSClient(addresses) as client:
-        emb = DistributedEmbedding(tables, feature_cfgs, client, mode=config.mode,  # type: ignore[arg-type]
-                                   staleness=config.staleness, device=d.device)  # fmt: skip
-        try:
+        epochs = config.epochs or 1
+        if choose:
+            epochs, metrics["epoch_choice"] = _choose_epochs(config, d, client, data, batch_size, features, num_dense)
+            metrics["config"]["epochs"] = str(epochs)
             if d.rank == 0:
-                emb.create_tables()
-            if d.world > 1:
-                dist.barrier()
-            metrics.update(_loop(config, d, emb, model, first, train_batches, held_out, total, metrics["evals"]))
-            final = evaluate(emb, model, held_out, d.device) if d.rank == 0 else {}
+                log.info("epochs=%d chosen on the last %d training rows (validation logloss per epoch: %s)", epochs,
+                         metrics["epoch_choice"]["validation_rows"],
+                         " ".join(f"{h['logloss']:.4f}" for h in metrics["epoch_choice"]["history"]))  # fmt: skip
+        run = _Pass(config, d, client, features, num_dense)
+        bar = progress(
+            config.progress and d.rank == 0, epochs * steps_per_epoch(data.train_rows, batch_size, d.world), "training"
+        )
+        try:
+            for epoch in range(epochs):
+                run.epoch(epoch_batches(config, d.rank, d.world, data, batch_size, epoch), bar, held_out)
+            if bar is not None:
+                bar.close()
+            final = run.evaluate(held_out) if d.rank == 0 else {}
         finally:
-            emb.close()
-        digests: list[Any] = [_digest(model)] * d.world
+            run.close()
+        digests: list[Any] = [_digest(run.model)] * d.world
         if d.world > 1:
-            dist.all_gather_object(digests, _digest(model))
+            dist.all_gather_object(digests, _digest(run.model))
         shard_stats = client.stats() if d.rank == 0 else []
-    metrics.update(final=final, dense_digests=digests)
-    if d.rank == 0:
-        _save(config, model, tables, feature_cfgs, num_dense, list(addresses), shard_stats, metrics)
-        log.info("final AUC %.4f logloss %.4f (%d eval samples), %.0f samples/s",
-                 final["auc"], final["logloss"], final["samples"], metrics["samples_per_s"])  # fmt: skip
+    metrics.update(run.stats(), evals=run.evals, final=final, dense_digests=digests)
+    if out is not None:
+        metrics["output_dir"] = str(out)
+        _save(config, out, run, num_dense, list(addresses), shard_stats, metrics)
+        log.info("final AUC %.4f logloss %.4f (%d eval samples), %.0f samples/s; wrote %s", final["auc"],
+                 final["logloss"], final["samples"], metrics["samples_per_s"], out)  # fmt: skip
     return metrics
 
 
-def _loop(config: TrainerConfig, d: Dist, emb: DistributedEmbedding, model: torch.nn.Module, first: Batch,
-          rest: Iterator[Batch], held_out: list[Batch], total: int, evals: list[dict[str, Any]]) -> dict[str, Any]:  # fmt: skip
-    """The training steps: prefetch the next batch, forward, backward (pushes), dense step."""
-    dense = DistributedDataParallel(model) if d.world > 1 else model
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.dense_lr)
-    phases = dict.fromkeys(("data", "lookup", "forward", "backward", "step", "eval"), 0.0)
-    bar = _progress(config, d, math.ceil(total / (config.batch_size * d.world)))
-    started = time.perf_counter()
-    cur: Batch | None = first
-    emb.prefetch(first.sparse)
-    step, samples, losses = 0, 0, []
-    while cur is not None:
-        t0 = time.perf_counter()
-        nxt = next(rest, None)
-        t1 = time.perf_counter()
-        if nxt is not None:
-            emb.prefetch(nxt.sparse)
-        out = emb(cur.sparse)
-        t2 = time.perf_counter()
-        loss = F.binary_cross_entropy_with_logits(dense(cur.dense.to(d.device), out), cur.labels.to(d.device))
-        t3 = time.perf_counter()
-        optimizer.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
-        t4 = time.perf_counter()
-        optimizer.step()
-        t5 = time.perf_counter()
-        for k, a, b in zip(
-            ("data", "lookup", "forward", "backward", "step"), (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)
-        ):
-            phases[k] += b - a
-        step += 1
-        samples += cur.batch_size
-        losses.append(float(loss.detach()))
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}",
-                            samples_s=f"{samples * d.world / (time.perf_counter() - started):,.0f}")  # fmt: skip
-        if config.eval_every and step % config.eval_every == 0 and d.rank == 0:
-            t6 = time.perf_counter()
-            evals.append({"step": step, **evaluate(emb, model, held_out, d.device)})
-            phases["eval"] += time.perf_counter() - t6
-        cur = nxt
-    emb.flush()
-    train_s = time.perf_counter() - started - phases["eval"]
-    if bar is not None:
-        bar.close()
-    # DDP's reducer keeps gloo/nccl work objects alive in reference cycles; if they are
-    # only collected at interpreter exit, gloo's threads can abort the process.
-    del dense, optimizer
-    gc.collect()
-    return {"steps": step, "worker_samples": samples, "train_s": train_s, "samples_per_s": samples * d.world / train_s,
-            "phases_s": phases, "mean_loss_last_20": sum(losses[-20:]) / max(1, len(losses[-20:]))}  # fmt: skip
+def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d: Dist, choose: bool) -> None:
+    """One line: the settings as used, with what was chosen for the user marked."""
+    shown: dict[str, Any] = dataclasses.asdict(resolved)
+    if data.source == "synthetic":
+        del shown["schema"], shown["train_fraction"]
+    else:
+        del shown["train_samples"], shown["eval_samples"]
+        shown["train_rows"], shown["eval_rows"] = data.train_rows, data.eval_rows
+        shown["rows_from"] = "memory" if data.path is None else "stream"
+    if config.batch_size == 0:
+        shown["batch_size"] = f"{resolved.batch_size}(auto)"
+    if config.epochs == 0:
+        shown["epochs"] = (f"auto(probe_on_last_{int(data.train_rows * VALIDATION_FRACTION)}_training_rows)" if choose
+                           else "1(auto)")  # fmt: skip
+    shown["workers"] = d.world
+    log.info("config %s", " ".join(f"{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in shown.items()))
 
 
-def _progress(config: TrainerConfig, d: Dist, total: int) -> Any:
-    if d.rank != 0 or not config.progress:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+# --- output: run directory, progress, files
 
 
-def _save(config: TrainerConfig, model: torch.nn.Module, tables: list[EmbeddingTableConfig],
-          features: list[FeatureConfig], num_dense: int, addresses: list[str], shard_stats: list[dict[str, Any]],
-          metrics: dict[str, Any]) -> None:  # fmt: skip
-    out = config.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out / "dense.pt")
+def _save(config: TrainerConfig, out: Path, run: _Pass, num_dense: int, addresses: list[str],
+          shard_stats: list[dict[str, Any]], metrics: dict[str, Any]) -> None:  # fmt: skip
+    torch.save({k: v.detach().cpu() for k, v in run.model.state_dict().items()}, out / "dense.pt")
     manifest = {
         "model": config.model, "dim": config.dim, "num_dense": num_dense, "num_shards": len(addresses),
-        "tables": [dataclasses.asdict(t) | {"params": dict(t.params)} for t in tables],
-        "features": [dataclasses.asdict(f) for f in features],
+        "tables": [dataclasses.asdict(t) | {"params": dict(t.params)} for t in run.tables],
+        "features": [dataclasses.asdict(f) for f in run.features],
+        "wide_suffix": WIDE if config.wide else None,
         "shard_rows": [sum(t["rows"] for t in s["tables"]) for s in shard_stats],
     }  # fmt: skip
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
 
 
-def parse(argv: Sequence[str] | None = None) -> TrainerConfig:
-    """The ``TrainerConfig`` from flags, ``TRAINER_*`` variables and ``--config``; exits 2 on a bad setting."""
+# --- command line
+
+
+def _description(local_shards: bool) -> str:
+    if local_shards:
+        what = ("Train DLRM or DeepFM with embeddings on parameter-server shards. With no --addresses, "
+                "--num-shards shard processes are started on 127.0.0.1 for the run and stopped after it; "
+                "with --addresses (or TRAINER_ADDRESSES) the run uses those shards. Under torchrun every "
+                "worker trains on its share of the data.")  # fmt: skip
+    else:
+        what = ("Train DLRM or DeepFM against running parameter-server shards: --addresses (or "
+                "TRAINER_ADDRESSES, which ps-launch sets) is required, and --num-shards is ignored. "
+                "To have shards started for you, run `python -m deploy.train` (or examples/train_dlrm.py) "
+                "with the same flags.")  # fmt: skip
+    data = ("--data synthetic (the default) trains on a generated Criteo-like stream; a file path trains on the "
+            "first --train-fraction of its rows (per --schema) and reports AUC and logloss on the rest. The "
+            "dense model, manifest and metrics go to --output-dir (default runs/<UTC time>/, with runs/latest "
+            "pointing at the newest).")  # fmt: skip
+    return textwrap.fill(what, 79) + "\n\n" + textwrap.fill(data, 79)
+
+
+def _prog() -> str:
+    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if main_spec is not None and main_spec.name:
+        return f"python -m {main_spec.name.removesuffix('.__main__')}"
+    return f"python {sys.argv[0]}" if sys.argv and sys.argv[0] else "trainer"
+
+
+def parse(argv: Sequence[str] | None = None, *, local_shards: bool = True) -> TrainerConfig:
+    """The ``TrainerConfig`` from flags, ``TRAINER_*`` variables and ``--config``; exits 2 on a bad setting.
+
+    Configures logging (key=value lines). ``local_shards`` says whether the caller
+    starts shards when no addresses are given (``deploy.train``) or requires them
+    (``python -m worker.trainer``); ``--help`` describes what the caller does.
+    """
     try:
-        config = parse_config(TrainerConfig, sys.argv[1:] if argv is None else argv, os.environ, ENV_PREFIX, "trainer")
+        config = parse_config(TrainerConfig, sys.argv[1:] if argv is None else argv, os.environ, ENV_PREFIX, _prog(),
+                              _description(local_shards))  # fmt: skip
     except ValueError as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     logging.basicConfig(level=config.log_level.upper(), format="ts=%(asctime)s level=%(levelname)s rank=" +
                         os.environ.get("RANK", "0") + " logger=%(name)s msg=%(message)s")  # fmt: skip
-    if int(os.environ.get("RANK", "0")) == 0:
-        log.info("config %s", " ".join(f"{k}={v}" for k, v in dataclasses.asdict(config).items()))
     return config
 
 
 def report(metrics: dict[str, Any]) -> None:
-    """Print the final line: AUC, logloss, throughput (rank 0 only has the final metrics)."""
+    """Print the final line: AUC, logloss, throughput, where the run went (rank 0 only has the final metrics)."""
     if metrics.get("final"):
         f = metrics["final"]
         print(f"AUC {f['auc']:.4f}  logloss {f['logloss']:.4f}  ({int(f['samples'])} held-out samples, "
-              f"{metrics['samples_per_s']:,.0f} samples/s)")  # fmt: skip
+              f"{metrics['samples_per_s']:,.0f} samples/s)  -> {metrics.get('output_dir', '?')}")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -335,10 +451,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     To have the shards started for you, use ``python -m deploy.train`` (or the examples).
     """
-    config = parse(argv)
+    config = parse(argv, local_shards=False)
     if not config.addresses:
         print("trainer: no shard addresses: pass --addresses (ps-launch sets TRAINER_ADDRESSES), "
-              "or run `python -m deploy.train`, which starts local shards", file=sys.stderr)  # fmt: skip
+              "or run `python -m deploy.train` with the same flags, which starts local shards", file=sys.stderr)  # fmt: skip
         raise SystemExit(2)
     d = init_distributed()
     try:

@@ -1,0 +1,121 @@
+"""The rows of a training run: synthetic, a click log held in memory, or one streamed.
+
+A click log of at most ``IN_MEMORY_BYTES`` (or one that must be sorted, MovieLens) is
+read whole and split in row order: the first ``train_fraction`` of the rows trains, the
+rest evaluates, and values found in fewer than ``min_count`` training rows share one
+"rare" key per feature (``ClickLog.with_rare_keys``). A larger log is streamed from
+disk each epoch. Every worker gets the same number of steps per epoch, or DDP's
+allreduce would wait forever.
+
+Example:
+    >>> auto_batch_size(8_000, world=1), auto_batch_size(80_000, world=1), auto_batch_size(10**7, world=4)
+    (64, 512, 1024)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker.config import TrainerConfig
+from worker.data import Batch, ClickLog, ColumnSchema, load_click_log, read_click_log
+from worker.synthetic import synthetic_criteo
+
+__all__ = ["EVAL_BATCH_SIZE", "IN_MEMORY_BYTES", "RunData", "SCHEMAS", "auto_batch_size", "count_lines", "epoch_batches", "eval_batches",
+           "open_data", "steps_per_epoch"]  # fmt: skip
+
+SCHEMAS = {"criteo": ColumnSchema.criteo, "avazu": ColumnSchema.avazu, "movielens": ColumnSchema.movielens}
+IN_MEMORY_BYTES = 256 << 20  # click logs up to this size are read whole (ordered, several epochs)
+STEPS_PER_EPOCH = 128  # what batch_size=0 aims at
+EVAL_BATCH_SIZE = 4096  # click logs; synthetic evaluation uses batch_size (its samples depend on it)
+
+
+@dataclass(frozen=True)
+class RunData:
+    """The rows of a run: synthetic, a click log in memory (``train``/``test``), or one streamed."""
+
+    source: str  # "synthetic" or the schema name
+    train_rows: int  # all workers together
+    eval_rows: int
+    train: ClickLog | None = None  # in memory, rare keys shared (see ClickLog.with_rare_keys)
+    test: ClickLog | None = None
+    rows: ClickLog | None = None  # in memory, as read: the probe splits the training rows again
+    path: Path | None = None  # a streamed log
+
+    def split(self, n: int, end: int, min_count: int) -> tuple[ClickLog, ClickLog]:
+        """Rows ``[0, n)`` and ``[n, end)`` of an in-memory log, rare keys counted in the first part."""
+        assert self.rows is not None  # only in-memory logs are split
+        head, tail = self.rows[:n], self.rows[n:end]
+        if min_count <= 1:
+            return head, tail
+        return head.with_rare_keys(min_count), tail.with_rare_keys(min_count, counted_in=head)
+
+
+def open_data(config: TrainerConfig) -> RunData:
+    if config.data == "synthetic":
+        return RunData("synthetic", config.train_samples, config.eval_samples)
+    schema, path = SCHEMAS[config.schema](), Path(config.data)
+    if schema.order_by is not None or path.stat().st_size <= IN_MEMORY_BYTES:
+        rows = load_click_log(path, schema)
+        n_train = int(len(rows) * config.train_fraction)
+        data = RunData(config.schema, n_train, len(rows) - n_train, rows=rows)
+        train, test = data.split(n_train, len(rows), config.min_count)
+        return dataclasses.replace(data, train=train, test=test)
+    total = count_lines(path) - (1 if schema.header else 0)
+    n_train = int(total * config.train_fraction)
+    return RunData(config.schema, n_train, total - n_train, path=path)
+
+
+def count_lines(path: Path) -> int:
+    count, last = 0, b"\n"
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+    return count + (last != b"\n")
+
+
+def auto_batch_size(train_rows: int, world: int) -> int:
+    """A power of two in [32, 1024] near ``train_rows / (STEPS_PER_EPOCH * world)``: enough
+    optimizer steps per pass for the dense tower on a small log, large batches on a big one."""
+    target = max(1.0, train_rows / (STEPS_PER_EPOCH * world))
+    return int(min(1024, max(32, 2 ** round(math.log2(target)))))
+
+
+def steps_per_epoch(rows: int, batch_size: int, world: int) -> int:
+    # Every worker takes the same number of steps, or DDP's allreduce would wait forever.
+    return math.ceil(rows / batch_size) // world
+
+
+def epoch_batches(config: TrainerConfig, rank: int, world: int, data: RunData, batch_size: int, epoch: int,
+                   rows: ClickLog | None = None) -> Iterator[Batch]:  # fmt: skip
+    """This worker's batches of one epoch over ``rows`` (default: all training rows)."""
+    if data.source == "synthetic":
+        steps = steps_per_epoch(config.train_samples, batch_size, world)
+        stream = synthetic_criteo(config.train_samples, batch_size, seed=config.seed + 1000 * epoch, rank=rank,
+                                  world_size=world)  # fmt: skip
+        return itertools.islice(stream, steps)
+    if data.path is not None:
+        schema = SCHEMAS[config.schema]()
+        batches = read_click_log(data.path, schema, batch_size, limit=data.train_rows)
+        return itertools.islice(
+            itertools.islice(batches, rank, None, world), steps_per_epoch(data.train_rows, batch_size, world)
+        )
+    rows = rows if rows is not None else data.train
+    assert rows is not None  # an in-memory RunData has train rows
+    return itertools.islice(
+        rows.batches(batch_size, rank=rank, world_size=world), steps_per_epoch(len(rows), batch_size, world)
+    )
+
+
+def eval_batches(config: TrainerConfig, data: RunData, batch_size: int) -> list[Batch]:
+    if data.source == "synthetic":
+        return list(synthetic_criteo(config.eval_samples, batch_size, seed=config.seed + 7_777_777))
+    if data.path is not None:
+        return list(read_click_log(data.path, SCHEMAS[config.schema](), EVAL_BATCH_SIZE, skip=data.train_rows))
+    assert data.test is not None
+    return list(data.test.batches(EVAL_BATCH_SIZE))
