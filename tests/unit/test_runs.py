@@ -1,0 +1,130 @@
+"""The trainer's choices and output without a cluster: automatic batch size and epoch
+count, run directories and ``runs/latest``, progress lines, the config line, ``--help``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from worker.config import TrainerConfig
+from worker.data import ClickLog, ColumnSchema, load_click_log, rare_key
+from worker.dataset import RunData, auto_batch_size, open_data
+from worker.output import ProgressLines, progress, run_dir
+from worker.trainer import Dist, _best_epoch, _log_config, parse
+
+
+def test_batch_size_follows_the_training_rows() -> None:
+    assert [auto_batch_size(n, 1) for n in (100, 8_000, 80_000, 200_000, 10**9)] == [32, 64, 512, 1024, 1024]
+    assert auto_batch_size(8_000, 2) == 32  # the same steps per epoch with two workers
+
+
+def test_epoch_choice_takes_the_latest_of_the_best() -> None:
+    assert _best_epoch([0.50]) == (1, False)
+    assert _best_epoch([0.50, 0.52]) == (1, True)  # worse: stop, train 1 epoch
+    assert _best_epoch([0.50, 0.49, 0.4901]) == (3, False)  # a tie within 0.1%: the later one, keep going
+    assert _best_epoch([0.50, 0.49, 0.4901, 0.50]) == (3, True)
+    assert _best_epoch([0.5 - 0.01 * i for i in range(10)]) == (10, True)  # MAX_EPOCHS
+
+
+def test_an_explicit_output_dir_is_used_as_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    out = run_dir(TrainerConfig(output_dir=tmp_path / "mine" / "run"))
+    assert out == tmp_path / "mine" / "run" and out.is_dir()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_runs_get_their_own_directory_and_latest_follows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    made = [run_dir(TrainerConfig()) for _ in range(3)]  # same second: suffixes keep them apart
+    assert len(set(made)) == 3 and all(p.is_dir() and p.parent == Path("runs") for p in made)
+    latest = Path("runs/latest")
+    assert latest.is_symlink() and latest.resolve() == made[-1].resolve()
+    assert [p.name for p in Path("runs").iterdir() if p.name.startswith(".")] == []  # no temporary link left
+
+
+def test_an_old_latest_directory_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "latest").mkdir(parents=True)
+    (tmp_path / "runs" / "latest" / "metrics.json").write_text("{}")
+    with caplog.at_level(logging.WARNING):
+        out = run_dir(TrainerConfig())
+    assert out.is_dir() and (tmp_path / "runs" / "latest" / "metrics.json").exists()
+    assert "not a link" in caplog.text
+
+
+def test_progress_off_a_terminal_is_plain_lines(caplog: pytest.LogCaptureFixture) -> None:
+    assert progress(False, 10, "x") is None
+    bar = progress(True, 10, "training")  # pytest's stderr is not a terminal
+    assert isinstance(bar, ProgressLines)
+    lines = ProgressLines(total=8, desc="training", every_s=3600)
+    lines.last -= 5  # as if the run started 5 s ago
+    with caplog.at_level(logging.INFO, logger="worker.output"):
+        for _ in range(8):
+            lines.set_postfix(loss="0.5")
+            lines.update(1)
+            lines.last -= 1.5
+        lines.close()
+    got = [r.getMessage() for r in caplog.records]
+    assert [m.split()[1] for m in got] == ["step=2/8", "step=4/8", "step=6/8", "step=8/8"]  # each quarter, once
+    assert all("\r" not in m and "loss=0.5" in m for m in got)
+
+
+def write_movielens(path: Path, rows: int) -> Path:
+    rng = np.random.default_rng(0)
+    with path.open("w") as f:
+        for i in range(rows):
+            f.write(f"{rng.integers(1, 30)}\t{rng.integers(1, 50)}\t{rng.integers(1, 6)}\t{1000 - i}\n")
+    return path
+
+
+def test_the_config_line_says_what_was_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write_movielens(tmp_path / "u.data", 1000)
+    config = TrainerConfig(data=str(path), schema="movielens", output_dir=tmp_path / "out")
+    data = open_data(config)
+    assert (data.train_rows, data.eval_rows) == (800, 200)
+    resolved = TrainerConfig(data=str(path), schema="movielens", batch_size=32, epochs=1, output_dir=tmp_path / "out")
+    with caplog.at_level(logging.INFO, logger="worker.trainer"):
+        _log_config(config, resolved, data, Dist(), choose=False)
+    line = caplog.records[-1].getMessage()
+    for part in ("schema=movielens", "train_rows=800", "eval_rows=200", "batch_size=32(auto)", "epochs=1(auto)",
+                 "rows_from=memory", "workers=1", f"output_dir={tmp_path / 'out'}"):  # fmt: skip
+        assert part in line.split(), (part, line)
+    assert "train_samples" not in line  # synthetic-only settings are left out
+
+
+def test_rare_keys_are_counted_on_the_training_rows(tmp_path: Path) -> None:
+    path = write_movielens(tmp_path / "u.data", 1000)
+    data = open_data(TrainerConfig(data=str(path), schema="movielens", min_count=5))
+    raw = load_click_log(path, ColumnSchema.movielens())
+    assert data.train is not None and data.test is not None
+    users, counts = np.unique(raw.keys[0, :800], return_counts=True)
+    frequent = set(users[counts >= 5].tolist())
+    for log_, rows in ((data.train, raw[:800]), (data.test, raw[800:])):
+        keep = np.isin(rows.keys[0], list(frequent))
+        assert (log_.keys[0, keep] == rows.keys[0, keep]).all()
+        assert (log_.keys[0, ~keep] == rare_key("user_id")).all()
+    assert isinstance(data, RunData) and isinstance(data.train, ClickLog)
+
+
+@pytest.mark.parametrize("local_shards", [True, False])
+def test_help_says_what_the_entry_point_does(local_shards: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        parse(["--help"], local_shards=local_shards)
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    if local_shards:
+        assert "With no --addresses, --num-shards shard processes are started on 127.0.0.1" in text
+    else:
+        assert "--addresses (or TRAINER_ADDRESSES, which ps-launch sets) is required" in text
+        assert "python -m deploy.train" in text
+    assert "runs/<UTC time>/" in text and "movielens" in text
+
+
+def test_an_empty_output_dir_means_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRAINER_OUTPUT_DIR", "")
+    assert parse([]).output_dir is None
+    assert parse(["--output-dir", "x/y"]).output_dir == Path("x/y")
