@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -132,6 +133,12 @@ def test_rows_stay_exact_while_spills_race_pushes_and_lookups(storage: Storage, 
     def push_all() -> None:
         for seq, (keys, grads) in enumerate(stream, 1):
             assert t.push(keys, grads, client_id="w", seq=seq) is not None
+            if seq == len(stream) // 2:
+                # On a loaded machine the other threads may not have run yet: let spills and
+                # fault-ins start before the second half of the pushes, so they race it.
+                deadline = time.monotonic() + 30
+                while not (t.counters.rows_spilled and t.counters.rows_faulted_in) and time.monotonic() < deadline:
+                    time.sleep(0.01)
 
     run_threads(evict, look, main=push_all)
     assert t.counters.rows_spilled > 0 and t.counters.rows_faulted_in > 0
