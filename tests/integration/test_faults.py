@@ -31,7 +31,7 @@ from protos.keys import shard_of
 from ps.shard import Shard
 from tests.fakes import InProcessTransport
 from tests.integration.shards import shard_pid, start_shard, stop_shard
-from tests.unit.tier_model import long_run
+from tests.profiles import long_run
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("recording_worker.py")

@@ -11,12 +11,13 @@ The samples are not part of the repository: without them every case skips.
 from __future__ import annotations
 
 import json
-import re
 import runpy
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.profiles import long_run
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO.parent / "shared" / "data"
@@ -28,10 +29,6 @@ DATASETS = {
     "movielens": ("movielens_ml-100k_u.data", 0.6952, 20000),
 }
 DEFAULT = [("criteo", "dlrm"), ("avazu", "deepfm"), ("movielens", "dlrm")]  # one per dataset, the fastest sure pass
-
-
-def long_run(config: pytest.Config) -> bool:
-    return re.search(r"(?<!not )\bslow\b", config.getoption("markexpr", "") or "") is not None
 
 
 def cases() -> list[object]:

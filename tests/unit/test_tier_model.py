@@ -23,7 +23,8 @@ from ps.config import Durability, TableSpec
 from ps.lifecycle import TICKS_PER_S, Lifecycle
 from ps.shard import Shard
 from ps.storage import Storage
-from tests.unit.tier_model import LIFECYCLE_SPECS, LONG, MODES, SHORT, SPECS, Clock, Mode, TierMachine, long_run
+from tests.profiles import long_run
+from tests.unit.tier_model import LIFECYCLE_SPECS, LONG, MODES, SHORT, SPECS, Clock, Mode, TierMachine
 
 
 @pytest.fixture

@@ -38,7 +38,6 @@ profile (well under a minute), ``pytest -m slow`` the long one.
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -46,7 +45,6 @@ from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -221,12 +219,6 @@ def ledger_sets(entries: dict[str, bytes]) -> dict[str, frozenset[int]]:
         if seqs:
             out[client] = seqs
     return out
-
-
-def long_run(config: pytest.Config) -> bool:
-    """True when this run selected slow tests (``pytest -m slow``)."""
-    expr = config.getoption("markexpr", "") or ""
-    return re.search(r"(?<!not )\bslow\b", expr) is not None
 
 
 @dataclass
