@@ -513,6 +513,14 @@ class ClickLog:
             raise ValueError(f"ClickLog[{rows}]: only contiguous slices")
         return ClickLog(self.labels[lo:hi], self.dense[lo:hi], self.keys[:, lo:hi], self.features)
 
+    def frequent_keys(self, min_count: int) -> dict[str, I64]:
+        """Per feature, the sorted keys found in at least ``min_count`` rows (the vocabulary)."""
+        out: dict[str, I64] = {}
+        for f, name in enumerate(self.features):
+            values, counts = np.unique(self.keys[f], return_counts=True)
+            out[name] = values[counts >= min_count]
+        return out
+
     def with_rare_keys(self, min_count: int, counted_in: ClickLog | None = None) -> ClickLog:
         """A copy in which each key found in fewer than ``min_count`` rows of ``counted_in``
         (default: this log) is replaced by its feature's rare key, ``rare_key(feature)``.
@@ -520,16 +528,15 @@ class ClickLog:
         Count on the training rows and apply the result to them and to the evaluation
         rows: values too rare to learn from (and values never trained) then share one row
         per feature that is trained on all of them, instead of a row each that can only
-        memorise its few labels or was never trained at all.
+        memorise its few labels or was never trained at all. (A model served later must
+        map keys outside ``frequent_keys`` the same way.)
         """
         counted = self if counted_in is None else counted_in
         if counted.features != self.features:
             raise ValueError(f"features differ: {self.features} vs {counted.features}")
         keys = self.keys.copy()
-        for f, name in enumerate(self.features):
-            values, counts = np.unique(counted.keys[f], return_counts=True)
-            rare = ~np.isin(keys[f], values[counts >= min_count])
-            keys[f, rare] = rare_key(name)
+        for f, (name, frequent) in enumerate(counted.frequent_keys(min_count).items()):
+            keys[f, ~np.isin(keys[f], frequent)] = rare_key(name)
         return ClickLog(self.labels, self.dense, keys, self.features)
 
     def batches(self, batch_size: int, *, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -57,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from client import PSClient
 from worker.config import EmbeddingTableConfig, FeatureConfig, TrainerConfig, parse_config
-from worker.data import Batch, auc, logloss
+from worker.data import Batch, auc, logloss, rare_key
 from worker.dataset import (
     EVAL_BATCH_SIZE,
     RunData,
@@ -351,7 +352,7 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
     metrics.update(run.stats(), evals=run.evals, final=final, dense_digests=digests)
     if out is not None:
         metrics["output_dir"] = str(out)
-        _save(config, out, run, num_dense, list(addresses), shard_stats, metrics)
+        _save(config, out, run, data, num_dense, list(addresses), shard_stats, metrics)
         log.info("final AUC %.4f logloss %.4f (%d eval samples), %.0f samples/s; wrote %s", final["auc"],
                  final["logloss"], final["samples"], metrics["samples_per_s"], out)  # fmt: skip
     return metrics
@@ -378,7 +379,7 @@ def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d
 # --- output: run directory, progress, files
 
 
-def _save(config: TrainerConfig, out: Path, run: _Pass, num_dense: int, addresses: list[str],
+def _save(config: TrainerConfig, out: Path, run: _Pass, data: RunData, num_dense: int, addresses: list[str],
           shard_stats: list[dict[str, Any]], metrics: dict[str, Any]) -> None:  # fmt: skip
     torch.save({k: v.detach().cpu() for k, v in run.model.state_dict().items()}, out / "dense.pt")
     manifest = {
@@ -388,6 +389,12 @@ def _save(config: TrainerConfig, out: Path, run: _Pass, num_dense: int, addresse
         "wide_suffix": WIDE if config.wide else None,
         "shard_rows": [sum(t["rows"] for t in s["tables"]) for s in shard_stats],
     }  # fmt: skip
+    if data.rows is not None and config.min_count > 1:
+        # Serving must send keys outside the training vocabulary to the rare row, as training did.
+        vocabulary = data.rows[: data.train_rows].frequent_keys(config.min_count)
+        np.savez_compressed(out / "vocabulary.npz", **vocabulary)  # type: ignore[arg-type]
+        manifest["rare_values"] = {"min_count": config.min_count, "vocabulary": "vocabulary.npz",
+                                   "rare_keys": {f: rare_key(f) for f in vocabulary}}  # fmt: skip
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
 
