@@ -361,6 +361,8 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
 def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d: Dist, choose: bool) -> None:
     """One line: the settings as used, with what was chosen for the user marked."""
     shown: dict[str, Any] = dataclasses.asdict(resolved)
+    if data.rows is None:
+        del shown["min_count"]  # rare values are only shared in logs held in memory
     if data.source == "synthetic":
         del shown["schema"], shown["train_fraction"]
     else:
