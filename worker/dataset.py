@@ -48,7 +48,8 @@ class RunData:
 
     def split(self, n: int, end: int, min_count: int) -> tuple[ClickLog, ClickLog]:
         """Rows ``[0, n)`` and ``[n, end)`` of an in-memory log, rare keys counted in the first part."""
-        assert self.rows is not None  # only in-memory logs are split
+        if self.rows is None:
+            raise ValueError(f"{self.source}: only a click log held in memory can be split")
         head, tail = self.rows[:n], self.rows[n:end]
         if min_count <= 1:
             return head, tail
@@ -56,6 +57,7 @@ class RunData:
 
 
 def open_data(config: TrainerConfig) -> RunData:
+    """The rows ``config`` names; reads a click log that fits in memory (raises ``ValueError`` for bad rows)."""
     if config.data == "synthetic":
         return RunData("synthetic", config.train_samples, config.eval_samples)
     schema, path = SCHEMAS[config.schema](), Path(config.data)
@@ -106,16 +108,19 @@ def epoch_batches(config: TrainerConfig, rank: int, world: int, data: RunData, b
             itertools.islice(batches, rank, None, world), steps_per_epoch(data.train_rows, batch_size, world)
         )
     rows = rows if rows is not None else data.train
-    assert rows is not None  # an in-memory RunData has train rows
+    if rows is None:
+        raise ValueError(f"{data.source}: no training rows")
     return itertools.islice(
         rows.batches(batch_size, rank=rank, world_size=world), steps_per_epoch(len(rows), batch_size, world)
     )
 
 
 def eval_batches(config: TrainerConfig, data: RunData, batch_size: int) -> list[Batch]:
+    """Every evaluation row, batched (synthetic: in ``batch_size``, which its samples depend on)."""
     if data.source == "synthetic":
         return list(synthetic_criteo(config.eval_samples, batch_size, seed=config.seed + 7_777_777))
     if data.path is not None:
         return list(read_click_log(data.path, SCHEMAS[config.schema](), EVAL_BATCH_SIZE, skip=data.train_rows))
-    assert data.test is not None
+    if data.test is None:
+        raise ValueError(f"{data.source}: no evaluation rows")
     return list(data.test.batches(EVAL_BATCH_SIZE))
