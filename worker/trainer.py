@@ -54,6 +54,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
 from client import PSClient
@@ -455,6 +456,7 @@ def report(metrics: dict[str, Any]) -> None:
               f"{metrics['samples_per_s']:,.0f} samples/s)  -> {metrics.get('output_dir', '?')}")  # fmt: skip
 
 
+@record  # under torchrun, the error reaches ps-launch's one-line summary of a failed worker
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """``python -m worker.trainer``: train against running shards (``--addresses`` or ``TRAINER_ADDRESSES``).
 
