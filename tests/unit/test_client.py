@@ -7,7 +7,6 @@ shard handled a call.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -31,7 +30,6 @@ from client import (
     TableNotFoundError,
 )
 from client.errors import error_for
-from client.retry import backoff_s
 from protos.keys import shard_of
 from ps.config import TableSpec
 from ps.initializers import InitializerKind, InitializerParams, initial_rows
@@ -375,89 +373,6 @@ def test_exhausted_attempts_raise_with_shard_and_code(
     assert info.value.shard == 2 and info.value.code == code
     assert "shard 2 (inproc:2)" in str(info.value)
     assert transport.count("Lookup", 2) == 3
-
-
-def test_retries_go_on_until_the_deadline_not_an_attempt_count(
-    shards: list[Shard], transport: InProcessTransport
-) -> None:
-    # A shard restart fails calls for seconds: dozens of attempts, then success.
-    with PSClient(addresses(), FAST, transport=transport) as ps:
-        ps.create_table("t", DIM)
-        transport.fail_next("Push", grpc.StatusCode.UNAVAILABLE, times=40, shard=1)
-        result = ps.push("t", KEYS, np.ones((len(KEYS), DIM), np.float32))
-    assert result.rows_updated == len(KEYS) and result.duplicates == 0
-    assert transport.count("Push", 1) == 41
-    pushes = sum(int(s.table("t").counters.pushes > 0) for s in shards)
-    assert pushes == N  # every shard applied its part exactly once
-
-
-def test_cancelled_by_a_stopping_shard_is_retried_like_unavailable(
-    shards: list[Shard], transport: InProcessTransport
-) -> None:
-    with PSClient(addresses(), FAST, transport=transport) as ps:
-        ps.create_table("t", DIM)
-        transport.fail_next("Push", grpc.StatusCode.CANCELLED, times=2, after_apply=True, shard=0)
-        result = ps.push("t", KEYS, np.ones((len(KEYS), DIM), np.float32))
-    assert result.duplicates == 1  # the first attempt was applied; its resends were recognised
-    assert error_for(grpc.StatusCode.CANCELLED) is ShardUnavailableError
-
-
-def test_deadline_ends_retries_with_the_failing_shards_error(
-    shards: list[Shard], transport: InProcessTransport
-) -> None:
-    config = ClientConfig(deadline_s=0.3, backoff_initial_s=0.01, backoff_max_s=0.02, tune_malloc=False)
-    with PSClient(addresses(), config, transport=transport) as ps:
-        ps.create_table("t", DIM)
-        transport.fail_next("Lookup", grpc.StatusCode.UNAVAILABLE, times=10_000, shard=2)
-        started = time.monotonic()
-        with pytest.raises(ShardUnavailableError, match=r"deadline_s=0.3 passed") as info:
-            ps.lookup("t", KEYS)
-    assert 0.25 < time.monotonic() - started < 2.0
-    assert info.value.shard == 2 and "shard 2 (inproc:2)" in str(info.value)
-    assert transport.count("Lookup", 2) > 5
-
-
-def test_backoff_is_capped_and_jittered() -> None:
-    config = ClientConfig(backoff_initial_s=0.05, backoff_max_s=1.0)
-    pauses = [backoff_s(attempt, config) for attempt in range(200) for _ in range(5)]
-    assert max(pauses) <= 1.0 and min(pauses) >= 0.0
-    assert len(set(pauses)) > 900  # jittered, not a fixed schedule
-    assert max(backoff_s(0, config) for _ in range(100)) <= 0.05
-
-
-def test_too_large_row_is_an_invalid_request_naming_the_setting(
-    shards: list[Shard], transport: InProcessTransport
-) -> None:
-    config = ClientConfig(max_message_bytes=1 << 16, tune_malloc=False)
-    with PSClient(addresses(), config, transport=transport) as ps:
-        ps.create_table("wide", 20_000)
-        with pytest.raises(InvalidRequestError, match="max_message_bytes") as info:
-            ps.lookup("wide", [1])
-    assert isinstance(info.value, ValueError)
-
-
-def test_undecodable_reply_is_an_internal_error_naming_the_shard(
-    shards: list[Shard], transport: InProcessTransport
-) -> None:
-    with PSClient(addresses(), FAST, transport=transport) as ps:
-        ps.create_table("t", DIM)
-        real = transport.call
-
-        def garbled(shard: int, method: str, request: bytes, timeout_s: float) -> object:
-            call = real(shard, method, request, timeout_s)
-            return _Garbled() if method == "Lookup" and shard == 1 else call
-
-        transport.call = garbled  # type: ignore[method-assign]
-        with pytest.raises(InternalServerError, match=r"shard 1 \(inproc:1\): Lookup reply does not decode"):
-            ps.lookup("t", KEYS)
-
-
-class _Garbled:
-    def result(self) -> bytes:
-        return b"\xff\xff\xff"
-
-    def cancel(self) -> bool:
-        return False
 
 
 def test_shutting_down_shard_is_unavailable_after_retries(shards: list[Shard], transport: InProcessTransport) -> None:
