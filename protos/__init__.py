@@ -1,6 +1,7 @@
 """The wire contract: ``ps.proto``, its generated modules, key hashing and byte codecs.
 
-Both ends import this package; it depends on numpy, protobuf and grpc only.
+Both ends import this package; it depends on numpy, protobuf and grpc (and numba, for
+``protos.hashing`` only, which ``import protos`` does not load).
 """
 
 from __future__ import annotations

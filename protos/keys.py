@@ -17,7 +17,9 @@ the test vectors in ``tests/unit/test_keys.py``.
   UTF-8 encoded first) are hashed with 64-bit FNV-1a whose offset basis is XORed with
   ``mix64(seed)``, then finalized with ``mix64``; integers with
   ``mix64(value ^ mix64(seed))`` on their two's-complement 64-bit pattern. The result
-  is returned as a signed int64 (the wire type of keys).
+  is returned as a signed int64 (the wire type of keys). Byte strings are hashed by
+  the numba kernel in ``protos.hashing`` (imported on first use), one implementation
+  for single values and bulk readers alike.
 
 Keys are int64 on the wire and in arrays but are treated as unsigned bit patterns.
 
@@ -36,8 +38,6 @@ import numpy.typing as npt
 __all__ = ["hash_feature", "hash_features", "jump_hash", "mix64", "shard_of"]
 
 _MASK64 = (1 << 64) - 1
-_FNV_OFFSET = 0xCBF29CE484222325
-_FNV_PRIME = 0x100000001B3
 _JUMP_MULT = 2862933555777941757
 
 
@@ -126,16 +126,14 @@ def hash_feature(value: str | bytes | int, seed: int) -> int:
     pattern, so ``hash_feature(5, s) != hash_feature("5", s)``. Raises ``TypeError``
     for any other type.
     """
-    s = mix64(seed & _MASK64)
     if isinstance(value, str):
         value = value.encode("utf-8")
     if isinstance(value, (bytes, bytearray, memoryview)):
-        h = _FNV_OFFSET ^ s
-        for byte in bytes(value):
-            h = ((h ^ byte) * _FNV_PRIME) & _MASK64
-        return _to_signed(mix64(h))
+        from protos.hashing import hash_strings  # numba: loaded on the first byte-string hash
+
+        return int(hash_strings([bytes(value)], seed)[0])
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return _to_signed(mix64((int(value) & _MASK64) ^ s))
+        return _to_signed(mix64((int(value) & _MASK64) ^ mix64(seed & _MASK64)))
     raise TypeError(f"hash_feature: value of type {type(value).__name__}, expected str, bytes or int")
 
 

@@ -8,8 +8,8 @@ is the field's bytes as they appear in the file; an empty field hashes as ``""``
 ``feature_seed(name) = hash_feature(name, 0) mod 2**64``, so every process agrees.
 
 Hot paths make no Python object per value: a file is read in byte chunks that numba
-kernels split, parse and hash in place (FNV-1a-64 over each field's byte range, the
-exact definition in ``protos/keys.py``).
+kernels split and parse in place, and ``protos.hashing.hash_fields`` hashes each
+field's byte range (the same kernel ``hash_feature`` uses, so the hash exists once).
 
 Example:
     >>> auc([0, 1, 0, 1], [0.1, 0.9, 0.3, 0.2])
@@ -29,7 +29,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from protos.keys import hash_feature, hash_features, mix64
+from protos.hashing import fnv_basis, hash_fields, hash_strings
+from protos.keys import hash_feature, hash_features
 from worker.jagged import JaggedIds
 from worker.metrics import auc, logloss
 
@@ -39,10 +40,6 @@ __all__ = [
 ]  # fmt: skip
 
 _MASK64 = (1 << 64) - 1
-_FNV_OFFSET = 0xCBF29CE484222325
-_FNV_PRIME = np.uint64(0x100000001B3)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -75,19 +72,6 @@ def feature_seed(feature: str) -> int:
 
 
 # --- numba kernels: the whole chunk is one uint8 buffer, fields are [start, end) ranges.
-
-
-@numba.njit(nogil=True, cache=True)
-def _hash_fields(buf: U8, starts: I64, ends: I64, cols: I64, bases: U64, out: U64) -> None:
-    for c in range(cols.shape[0]):
-        col, basis = cols[c], bases[c]
-        for i in range(starts.shape[0]):
-            h = basis
-            for p in range(starts[i, col], ends[i, col]):
-                h = (h ^ np.uint64(buf[p])) * _FNV_PRIME
-            h = (h ^ (h >> np.uint64(30))) * _MIX1  # mix64, as in protos/keys.py
-            h = (h ^ (h >> np.uint64(27))) * _MIX2
-            out[c, i] = h ^ (h >> np.uint64(31))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -138,26 +122,6 @@ def _parse_numbers(buf: U8, starts: I64, ends: I64, cols: I64, out: F64, status:
             if math.isfinite(v):
                 out[i, c] = -v if neg else v
                 status[i, c] = 0
-
-
-def hash_strings(values: Sequence[str | bytes], seed: int) -> I64:
-    """``[hash_feature(v, seed) for v in values]`` computed by the reader's numba kernel.
-
-    For tests and small inputs (it encodes each value in Python); returns a new int64 array.
-
-    >>> hash_strings(["a", b"", "\\u00e9"], 7).tolist() == [hash_feature(v, 7) for v in ["a", b"", "\\u00e9"]]
-    True
-    """
-    raw = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
-    lengths = np.fromiter(map(len, raw), dtype=np.int64, count=len(raw))
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    out = np.empty((1, len(raw)), dtype=np.uint64)
-    basis = np.array([_FNV_OFFSET ^ mix64(seed & _MASK64)], dtype=np.uint64)
-    buf = np.frombuffer(b"".join(raw) or b"\0", dtype=np.uint8)
-    _hash_fields(buf, starts[:, None], ends[:, None], np.zeros(1, np.int64), basis, out)
-    keys: I64 = out[0].view(np.int64)
-    return keys
 
 
 # --- delimited click logs
@@ -285,7 +249,7 @@ def _layout(schema: ColumnSchema, header: list[str] | None, first_line: bytes) -
     return _Layout(
         nfields, tuple(names if names is not None else (f"column {i}" for i in range(nfields))),
         np.array(cols[:1], np.int64), np.array(dense, np.int64), np.array(cat, np.int64), np.array(order, np.int64),
-        features, np.array([_FNV_OFFSET ^ mix64(k) for k in key_seeds[: len(cat)]], np.uint64),
+        features, np.array([fnv_basis(k) for k in key_seeds[: len(cat)]], np.uint64),
         tuple(key_seeds[len(cat) :]),
     )  # fmt: skip
 
@@ -355,7 +319,7 @@ def _parse_lines(
                          f"(field {col + 1}): label {field(i, col)[:100]!r}, {expected}")  # fmt: skip
     raw, empty = numbers(lay.dense)  # empty -> 0 already
     keys = np.empty((len(lay.features), n), np.uint64)
-    _hash_fields(buf, starts, ends, lay.cat, lay.bases, keys)
+    hash_fields(buf, starts, ends, lay.cat, lay.bases, keys)
     for j, seed in enumerate(lay.bucket_seeds):
         keys[lay.cat.shape[0] + j] = hash_features(_bucket_ids(raw[:, j], empty[:, j]), seed).view(np.uint64)
     order = None

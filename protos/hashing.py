@@ -1,0 +1,81 @@
+"""The byte-string half of ``hash_feature``, as one numba kernel every reader shares.
+
+``protos.keys.hash_feature`` defines the hash; this module computes its byte-string
+case for many values at once, without a Python object per value: the values lie in
+one ``uint8`` buffer and each is a ``[start, end)`` range of it. The click-log reader
+(``worker.data``) and the predictor both call ``hash_fields``, and
+``hash_feature`` itself hashes bytes through it, so the hash exists once.
+
+This module imports numba, so ``import protos`` does not load it; ``protos.keys``
+imports it on the first byte-string hash.
+
+Example:
+    >>> from protos.keys import hash_feature
+    >>> hash_strings(["a", b""], 7).tolist() == [hash_feature("a", 7), hash_feature(b"", 7)]
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["fnv_basis", "hash_fields", "hash_strings"]
+
+_MASK64 = (1 << 64) - 1
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = np.uint64(0x100000001B3)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # the splitmix64 finalizer's constants, as in protos.keys.mix64
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+U8 = npt.NDArray[np.uint8]
+
+
+def fnv_basis(seed: int) -> int:
+    """FNV-1a offset basis of the table with ``seed``: ``0xCBF29CE484222325 ^ mix64(seed)``."""
+    s = seed & _MASK64
+    s = ((s ^ (s >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    s = ((s ^ (s >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return _FNV_OFFSET ^ (s ^ (s >> 31))
+
+
+@numba.njit(nogil=True, cache=True)
+def hash_fields(buf: U8, starts: I64, ends: I64, cols: I64, bases: U64, out: U64) -> None:
+    """``out[c, i]`` = key of the bytes ``buf[starts[i, cols[c]]:ends[i, cols[c]]]`` under ``bases[c]``.
+
+    ``starts``/``ends`` are ``[rows, fields]`` int64 ranges into ``buf``; ``cols`` picks the
+    fields to hash and ``bases`` holds each one's ``fnv_basis(seed)``. Keys are written as
+    uint64 bit patterns (view the result as int64). Releases the GIL.
+    """
+    for c in range(cols.shape[0]):
+        col, basis = cols[c], bases[c]
+        for i in range(starts.shape[0]):
+            h = basis
+            for p in range(starts[i, col], ends[i, col]):
+                h = (h ^ np.uint64(buf[p])) * _FNV_PRIME
+            h = (h ^ (h >> np.uint64(30))) * _MIX1
+            h = (h ^ (h >> np.uint64(27))) * _MIX2
+            out[c, i] = h ^ (h >> np.uint64(31))
+
+
+def hash_strings(values: Sequence[str | bytes], seed: int) -> I64:
+    """``[hash_feature(v, seed) for v in values]`` for ``str`` (UTF-8) and ``bytes`` values.
+
+    Encodes each value in Python, so it suits small inputs and tests; bulk callers hand
+    ``hash_fields`` their buffer directly. Returns a new int64 array.
+    """
+    raw = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values]
+    lengths = np.fromiter(map(len, raw), dtype=np.int64, count=len(raw))
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    out = np.empty((1, len(raw)), dtype=np.uint64)
+    buf = np.frombuffer(b"".join(raw) or b"\0", dtype=np.uint8)
+    bases = np.array([fnv_basis(seed)], dtype=np.uint64)
+    hash_fields(buf, starts[:, None], ends[:, None], np.zeros(1, np.int64), bases, out)
+    keys: I64 = out[0].view(np.int64)
+    return keys
