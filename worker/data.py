@@ -22,7 +22,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import BinaryIO, cast
 
 import numba
 import numpy as np
@@ -30,13 +30,14 @@ import numpy.typing as npt
 import torch
 
 from protos.hashing import fnv_basis, hash_fields, hash_strings
-from protos.keys import hash_feature, hash_features
+from protos.keys import hash_feature
+from worker.fields import bucket_keys, dense_values, parse_numbers
 from worker.jagged import JaggedIds
 from worker.metrics import auc, logloss
 
 __all__ = [
-    "Batch", "ClickLog", "ColumnSchema", "auc", "feature_seed", "hash_strings", "load_click_log", "logloss",
-    "rare_key", "read_click_log",
+    "Batch", "ClickLog", "ColumnSchema", "SchemaColumns", "auc", "feature_seed", "hash_strings", "load_click_log",
+    "logloss", "rare_key", "read_click_log", "schema_columns",
 ]  # fmt: skip
 
 _MASK64 = (1 << 64) - 1
@@ -97,36 +98,7 @@ def _split_fields(buf: U8, line_starts: I64, line_ends: I64, sep: int, starts: I
     return -1
 
 
-@numba.njit(nogil=True, cache=True)
-def _parse_numbers(buf: U8, starts: I64, ends: I64, cols: I64, out: F64, status: U8) -> None:
-    """``[+-]digits[.digits]`` -> out; status 0 ok, 1 empty, 2 anything else (left to Python)."""
-    for i in range(starts.shape[0]):
-        for c in range(cols.shape[0]):
-            s, e = starts[i, cols[c]], ends[i, cols[c]]
-            out[i, c], status[i, c] = 0.0, 1 if s == e else 2
-            if s == e:
-                continue
-            p, neg = s, buf[s] == 45
-            if buf[p] == 45 or buf[p] == 43:
-                p += 1
-            v, digits, scale = 0.0, 0, 0
-            while p < e and 48 <= buf[p] <= 57:
-                v, digits, p = v * 10.0 + (buf[p] - 48), digits + 1, p + 1
-            if p < e and buf[p] == 46:
-                p += 1
-                while p < e and 48 <= buf[p] <= 57:
-                    v, digits, scale, p = v * 10.0 + (buf[p] - 48), digits + 1, scale - 1, p + 1
-            if digits == 0 or p != e or digits > 15:  # > 15 digits may not be exact in float64
-                continue
-            v /= 10.0 ** (-scale)  # an exact power of ten: correctly rounded for short decimals
-            if math.isfinite(v):
-                out[i, c] = -v if neg else v
-                status[i, c] = 0
-
-
 # --- delimited click logs
-
-_MISSING_BUCKET = np.iinfo(np.int64).min  # the bucket id of an empty dense field
 
 
 @dataclass(frozen=True)
@@ -217,6 +189,8 @@ class _Layout:
     features: tuple[str, ...]  # categorical features, then bucket features
     bases: U64  # FNV bases of the categorical features
     bucket_seeds: tuple[int, ...]  # hash seeds of the bucket features
+    dense_names: tuple[str, ...]  # the dense columns' names (I{j+1} without names)
+    seeds: tuple[int, ...]  # hash seed of every feature
 
 
 def _layout(schema: ColumnSchema, header: list[str] | None, first_line: bytes) -> _Layout:
@@ -238,7 +212,8 @@ def _layout(schema: ColumnSchema, header: list[str] | None, first_line: bytes) -
     if len(set(cols)) != len(cols):
         raise ValueError(f"a column is used twice: label, dense, categorical, order_by = {cols}")
     cat_names = [names[i] if names is not None else f"C{j + 1}" for j, i in enumerate(cat)]
-    buckets = [f"{names[i] if names is not None else f'I{j + 1}'}_bucket" for j, i in enumerate(dense)]
+    dense_names = [names[i] if names is not None else f"I{j + 1}" for j, i in enumerate(dense)]
+    buckets = [f"{d}_bucket" for d in dense_names]
     features = tuple(cat_names + (buckets if schema.dense_buckets else []))
     if len(set(features)) != len(features):
         raise ValueError(f"two categorical columns share a feature name: {features}")
@@ -250,8 +225,51 @@ def _layout(schema: ColumnSchema, header: list[str] | None, first_line: bytes) -
         nfields, tuple(names if names is not None else (f"column {i}" for i in range(nfields))),
         np.array(cols[:1], np.int64), np.array(dense, np.int64), np.array(cat, np.int64), np.array(order, np.int64),
         features, np.array([fnv_basis(k) for k in key_seeds[: len(cat)]], np.uint64),
-        tuple(key_seeds[len(cat) :]),
+        tuple(key_seeds[len(cat) :]), tuple(dense_names), tuple(key_seeds),
     )  # fmt: skip
+
+
+def _header(f: BinaryIO, schema: ColumnSchema, where: str) -> list[str] | None:
+    if not schema.header:
+        return None
+    first = f.readline()
+    if not first:
+        raise ValueError(f"{where}: empty file, expected a header line")
+    return first.decode("utf-8-sig").rstrip("\r\n").split(schema.sep)
+
+
+@dataclass(frozen=True)
+class SchemaColumns:
+    """The columns ``schema`` reads from a file, named as the readers name them.
+
+    ``categorical``: the categorical features (named after their columns); ``dense``: the
+    dense columns in ``Batch.dense`` order; ``buckets``: their bucket features (empty
+    without ``dense_buckets``); ``seeds``: the hash seed of every categorical and bucket feature.
+    """
+
+    categorical: tuple[str, ...]
+    dense: tuple[str, ...]
+    buckets: tuple[str, ...]
+    seeds: Mapping[str, int]
+
+
+def schema_columns(path: str | os.PathLike[str], schema: ColumnSchema) -> SchemaColumns:
+    """The named columns of ``path`` under ``schema`` (reads its header or first line).
+
+    Raises ``ValueError`` as the readers do for an unknown column or one used twice.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "log.csv"
+    >>> _ = p.write_text("y,n,c\\n1,3,a\\n")
+    >>> cols = schema_columns(p, ColumnSchema("y", ["n"], ["c"], sep=",", header=True, dense_buckets=True))
+    >>> cols.categorical, cols.dense, cols.buckets, cols.seeds["c"] == feature_seed("c")
+    (('c',), ('n',), ('n_bucket',), True)
+    """
+    with open(path, "rb") as f:
+        header = _header(f, schema, os.fspath(path))
+        lay = _layout(schema, header, f.readline())
+    ncat = lay.cat.shape[0]
+    return SchemaColumns(lay.features[:ncat], lay.dense_names, lay.features[ncat:], dict(zip(lay.features, lay.seeds)))
 
 
 @dataclass(frozen=True)
@@ -265,14 +283,6 @@ class _Rows:
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
-
-
-def _bucket_ids(raw: F64, missing: npt.NDArray[np.bool_]) -> I64:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        above = 3.0 + np.floor(np.log(np.maximum(raw, 3.0)) ** 2)
-    ids = np.clip(np.where(raw > 2.0, above, np.floor(raw)), -(2.0**62), 2.0**62).astype(np.int64)
-    out: I64 = np.where(missing, _MISSING_BUCKET, ids)
-    return out
 
 
 def _parse_lines(
@@ -291,18 +301,12 @@ def _parse_lines(
         return bytes(buf[starts[i, col] : ends[i, col]])
 
     def numbers(cols: I64) -> tuple[F64, npt.NDArray[np.bool_]]:
-        out, status = np.empty((n, cols.shape[0]), np.float64), np.empty((n, cols.shape[0]), np.uint8)
-        _parse_numbers(buf, starts, ends, cols, out, status)
-        for i, c in np.argwhere(status == 2):  # rare: forms the kernel leaves to Python, or garbage
-            raw = field(i, cols[c])
-            try:
-                out[i, c] = float(raw)
-            except ValueError:
-                out[i, c] = math.nan
-            if not math.isfinite(out[i, c]):
-                raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[cols[c]]!r} "
-                                 f"(field {cols[c] + 1}): {raw[:100]!r} is not a finite number")  # fmt: skip
-        return out, status == 1
+        out, empty, bad = parse_numbers(buf, starts, ends, cols)
+        if bad.shape[0]:
+            i, c = bad[0]
+            raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[cols[c]]!r} "
+                             f"(field {cols[c] + 1}): {field(i, cols[c])[:100]!r} is not a finite number")  # fmt: skip
+        return out, empty
 
     labels, missing = numbers(lay.label)
     col = int(lay.label[0])
@@ -321,7 +325,7 @@ def _parse_lines(
     keys = np.empty((len(lay.features), n), np.uint64)
     hash_fields(buf, starts, ends, lay.cat, lay.bases, keys)
     for j, seed in enumerate(lay.bucket_seeds):
-        keys[lay.cat.shape[0] + j] = hash_features(_bucket_ids(raw[:, j], empty[:, j]), seed).view(np.uint64)
+        keys[lay.cat.shape[0] + j] = bucket_keys(raw[:, j], empty[:, j], seed).view(np.uint64)
     order = None
     if lay.order.shape[0]:
         values, empty_order = numbers(lay.order)
@@ -330,8 +334,7 @@ def _parse_lines(
             raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[lay.order[0]]!r} "
                              f"(order_by) is empty")  # fmt: skip
         order = values[:, 0]
-    dense = np.log1p(np.maximum(raw, 0.0)) if schema.log_transform else raw
-    return _Rows(labels[:, 0].astype(np.float32), dense.astype(np.float32), keys.view(np.int64), order)
+    return _Rows(labels[:, 0].astype(np.float32), dense_values(raw, schema.log_transform), keys.view(np.int64), order)
 
 
 def _concat(parts: Sequence[_Rows]) -> _Rows:
@@ -353,12 +356,8 @@ def _read_rows(path: str | os.PathLike[str], schema: ColumnSchema, skip: int, li
     """Parsed rows of ``path``, one chunk at a time (see ``read_click_log``)."""
     where = os.fspath(path)
     with open(path, "rb") as f:
-        header, line_no = None, 0  # line_no: lines consumed so far
-        if schema.header:
-            first = f.readline()
-            if not first:
-                raise ValueError(f"{where}: empty file, expected a header line")
-            header, line_no = first.decode("utf-8-sig").rstrip("\r\n").split(schema.sep), 1
+        header = _header(f, schema, where)
+        line_no = 0 if header is None else 1  # lines consumed so far
         lay: _Layout | None = None
         to_skip, left = skip, limit
         carry = b""
