@@ -1,8 +1,9 @@
-"""Regenerate ``ps_pb2.py``, ``ps_pb2.pyi`` and ``ps_pb2_grpc.py`` from ``ps.proto``.
+"""Regenerate ``<name>_pb2.py``, ``<name>_pb2.pyi`` and ``<name>_pb2_grpc.py`` from each ``.proto``.
 
+The protos are ``ps.proto`` (the shards' service) and ``infer.proto`` (the predictor's).
 Run from anywhere: ``python -m protos.generate``. The generated files are committed;
 ``tests/unit/test_protos.py`` regenerates them into a temporary folder and fails on
-any difference, so edit ``ps.proto`` and rerun this instead of editing them by hand.
+any difference, so edit a ``.proto`` and rerun this instead of editing them by hand.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PROTOS = ("ps.proto", "infer.proto")
 
 
 def generate(out_dir: Path) -> None:
@@ -27,7 +29,7 @@ def generate(out_dir: Path) -> None:
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
-        str(ROOT / "protos" / "ps.proto"),
+        *(str(ROOT / "protos" / name) for name in PROTOS),
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")

@@ -1,4 +1,4 @@
-"""The committed generated code matches ps.proto, and ps.proto never sends floats as `repeated`."""
+"""The committed generated code matches ps.proto and infer.proto, and neither sends floats as `repeated`."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from protos import infer_pb2
 from protos import ps_pb2 as pb
 from protos.generate import ROOT, generate
 
-GENERATED = ["ps_pb2.py", "ps_pb2.pyi", "ps_pb2_grpc.py"]
+GENERATED = [f"{name}{suffix}" for name in ("ps_pb2", "infer_pb2") for suffix in (".py", ".pyi", "_grpc.py")]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def test_generated_code_is_up_to_date(regenerated: Path, name: str) -> None:
     assert fresh.is_file(), f"protoc wrote no {name}"
     committed = ROOT / "protos" / name
     assert fresh.read_bytes() == committed.read_bytes(), (
-        f"protos/{name} differs from what ps.proto generates: run python -m protos.generate"
+        f"protos/{name} differs from what its .proto generates: run python -m protos.generate"
     )
 
 
@@ -51,8 +52,10 @@ def all_messages(descriptors: list[Descriptor]) -> list[Descriptor]:
 
 
 def test_no_repeated_floats_in_proto() -> None:
-    messages = all_messages(list(pb.DESCRIPTOR.message_types_by_name.values()))
-    assert {"LookupResponse", "PushRequest", "TableSpec"} <= {m.name for m in messages}
+    messages = all_messages(
+        [*pb.DESCRIPTOR.message_types_by_name.values(), *infer_pb2.DESCRIPTOR.message_types_by_name.values()]
+    )
+    assert {"LookupResponse", "PushRequest", "TableSpec", "PredictRequest", "Column"} <= {m.name for m in messages}
     float_types = {FieldDescriptor.TYPE_FLOAT, FieldDescriptor.TYPE_DOUBLE}
     offenders = [
         f"{m.full_name}.{f.name}" for m in messages for f in m.fields if f.type in float_types and f.is_repeated
@@ -72,4 +75,10 @@ def test_rows_and_keys_are_bytes_fields() -> None:
     }
     for message, field in bytes_fields:
         f = pb.DESCRIPTOR.message_types_by_name[message].fields_by_name[field]
+        assert f.type == FieldDescriptor.TYPE_BYTES, (message, field)
+
+
+def test_predict_values_and_scores_are_bytes_fields() -> None:
+    for message, field in (("Column", "values"), ("Column", "lengths"), ("PredictResponse", "scores")):
+        f = infer_pb2.DESCRIPTOR.message_types_by_name[message].fields_by_name[field]
         assert f.type == FieldDescriptor.TYPE_BYTES, (message, field)
