@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from client.client import PSClient, PushResult
+from client.client import LookupResult, PSClient, PushResult
 from client.config import ClientConfig, TableConfig
 from client.errors import (
     DeadlineExceededError,
@@ -15,6 +15,7 @@ from client.errors import (
     TableExistsError,
     TableNotFoundError,
 )
+from client.replicas import parse_addresses
 from client.transport import GrpcTransport, Transport
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "GrpcTransport",
     "InternalServerError",
     "InvalidRequestError",
+    "LookupResult",
     "PSClient",
     "PSError",
     "PreconditionError",
@@ -33,4 +35,5 @@ __all__ = [
     "TableExistsError",
     "TableNotFoundError",
     "Transport",
+    "parse_addresses",
 ]

@@ -5,6 +5,11 @@ Example (needs running shards, see the README):
         ps.create_table("user", dim=16, optimizer="adagrad", lr=0.05)
         rows = ps.lookup("user", np.array([1, 2, 1]))        # [3, 16] float32
         ps.push("user", np.array([1, 2]), np.ones((2, 16), np.float32))
+
+    # Serving replicas: two copies of shard 0, one of shard 1; reads only.
+    with PSClient([["10.0.0.1:50051", "10.0.0.2:50051"], "10.0.0.3:50051"]) as ps:
+        result = ps.lookup_many({"user": keys}, degrade=True, deadline_s=0.05)
+        result["user"], result.degraded                      # rows; shards answered with zeros
 """
 
 from __future__ import annotations
@@ -13,37 +18,46 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import DecodeError
 
 from client.batching import scatter_rows, sum_duplicates
 from client.config import ClientConfig, TableConfig
 from client.errors import InternalServerError, InvalidRequestError, TableNotFoundError
-from client.retry import call_all
+from client.replicas import ReplicaSet, normalize_addresses
+from client.retry import Answer, call_all
 from client.routing import pack, plan_table
+from client.tables import message_dict, table_config, table_spec
 from client.transport import GrpcTransport, Transport
 from protos import ps_pb2 as pb
 from protos import wire
 
-__all__ = ["PSClient", "PushResult"]
+__all__ = ["LookupResult", "PSClient", "PushResult"]
 
 _DTYPES = {"float32": wire.FLOAT32, "float16": wire.FLOAT16, "bfloat16": wire.BFLOAT16}
-_OPTIMIZERS = {k.lower(): v for k, v in pb.OptimizerSpec.Kind.items() if v}
-_INITIALIZERS = {k.lower(): v for k, v in pb.InitializerSpec.Kind.items() if v}
-_OPT_FIELDS = [f for f in pb.OptimizerSpec.DESCRIPTOR.fields_by_name if f != "kind"]
-_INIT_FIELDS = [f for f in pb.InitializerSpec.DESCRIPTOR.fields_by_name if f != "kind"]
-_LIFECYCLE_FIELDS: dict[str, Any] = {
-    "admit_after": int, "admit_probability": float, "ttl_seconds": float, "evict_below_frequency": int,
-}  # fmt: skip
+_WRITES = frozenset({"CreateTable", "Push", "Checkpoint"})
+_READS = frozenset({"Lookup", "ListTables"})  # may be hedged
+F32 = npt.NDArray[np.float32]
+
+
+class LookupResult(dict[str, F32]):
+    """``lookup_many(..., degrade=True)``'s rows by table, and ``degraded``: the indices of
+    the shards (sorted) whose keys got default rows (zeros) because the shard had not
+    answered by the deadline. Empty when every shard answered."""
+
+    def __init__(self, rows: Mapping[str, F32], degraded: Sequence[int] = ()) -> None:
+        super().__init__(rows)
+        self.degraded: tuple[int, ...] = tuple(sorted(set(degraded)))
 
 
 @dataclass(frozen=True)
@@ -54,17 +68,6 @@ class PushResult:
     duplicates: int = 0
 
 
-def _as_dict(msg: Message) -> dict[str, Any]:
-    """Every field of ``msg`` (zeros included, integers as ``int``), nested messages as dicts."""
-    out: dict[str, Any] = {}
-    for f in msg.DESCRIPTOR.fields:
-        value = getattr(msg, f.name)
-        if f.message_type is not None:
-            value = [_as_dict(v) for v in value] if f.is_repeated else _as_dict(value)
-        out[f.name] = value
-    return out
-
-
 def _as_keys(keys: npt.ArrayLike, table: str) -> npt.NDArray[np.int64]:
     try:
         return wire.as_keys(keys, f"table {table!r}: keys")
@@ -73,30 +76,52 @@ def _as_keys(keys: npt.ArrayLike, table: str) -> npt.NDArray[np.int64]:
 
 
 class PSClient:
-    """A client of one cluster; ``addresses[i]`` is shard ``i``.
+    """A client of one cluster; ``addresses[i]`` is shard ``i``: ``"HOST:PORT"``, or a list
+    of them for a shard served by several replicas (``parse_addresses`` reads
+    ``h:1|h:2,h:3`` from a command line).
+
+    Replicas are read-only serving copies: reads (``lookup``, ``tables``) go to one
+    in-service replica per shard, the one with the fewest calls in flight; a retry goes
+    to another replica; failing replicas are ejected and probed back, and slow reads
+    may be hedged (see ``ClientConfig``). Writes (``push``, ``create_table``,
+    ``checkpoint``) to a shard with several replicas raise ``InvalidRequestError``. With
+    one address per shard (a training cluster) none of this changes anything.
 
     The constructor does no I/O; channels open on ``start()``, ``with``, or first use.
     Thread-safe: many threads may call one client. Every call blocks until all shards
     answered (``push_async`` returns a ``concurrent.futures.Future`` instead) and
     raises a ``client.errors.PSError`` subclass on failure. Returned arrays are new
     and belong to the caller; input arrays are not modified or kept.
+
+    Attributes: ``replicas[s]``, shard ``s``'s addresses; ``addresses``, all of them in
+    that order (one per shard without replicas; the order of ``stats()``).
     """
 
     def __init__(
-        self, addresses: Sequence[str], config: ClientConfig | None = None, *, transport: Transport | None = None
+        self,
+        addresses: Sequence[str | Sequence[str]],
+        config: ClientConfig | None = None,
+        *,
+        transport: Transport | None = None,
     ) -> None:
-        if isinstance(addresses, str) or not addresses:
-            raise InvalidRequestError("addresses: expected a non-empty list of HOST:PORT, one per shard in shard order")
-        self.addresses = list(addresses)
-        self.num_shards = len(self.addresses)
+        self.replicas = [tuple(r) for r in normalize_addresses(addresses)]
+        self.num_shards = len(self.replicas)
         self.config = config or ClientConfig()
+        self._replica_set = ReplicaSet(
+            self.replicas,
+            eject_after_failures=self.config.eject_after_failures,
+            eject_s=self.config.eject_s,
+            eject_max_s=self.config.eject_max_s,
+        )
+        self.addresses = self._replica_set.addresses
         self.client_id = uuid.uuid4().hex
+        # The transport is addressed by endpoint: the index into ``addresses``.
         self._transport = transport or GrpcTransport(
             self.addresses, self.config.max_message_bytes, reconnect_max_s=self.config.backoff_max_s
         )
         self._dtype: Any = _DTYPES[self.config.transport_dtype]  # a wire DType number
         self._tables: dict[str, TableConfig] = {}
-        self._seqs = [itertools.count(1) for _ in self.addresses]
+        self._seqs = [itertools.count(1) for _ in range(self.num_shards)]
         self._lock = threading.Lock()
         self._started = False
         self._pool: ThreadPoolExecutor | None = None
@@ -151,45 +176,36 @@ class PSClient:
         ``InvalidRequestError`` for a bad value, ``TableExistsError`` if the name
         exists with another spec (the message names each difference).
         """
-        spec = pb.TableSpec(name=name, dim=dim, seed=seed)
-        if optimizer is not None:
-            spec.optimizer.kind = self._choice("optimizer", optimizer, _OPTIMIZERS)  # type: ignore[assignment]
-        if initializer is not None:
-            spec.initializer.kind = self._choice("initializer", initializer, _INITIALIZERS)  # type: ignore[assignment]
-        for key, value in params.items():
-            if key in _OPT_FIELDS:
-                setattr(spec.optimizer, key, float(value))
-            elif key in _INIT_FIELDS:
-                setattr(spec.initializer, key, float(value))
-            elif key in _LIFECYCLE_FIELDS:
-                setattr(spec.lifecycle, key, _LIFECYCLE_FIELDS[key](value))
-            else:
-                valid = ", ".join((*_OPT_FIELDS, *_INIT_FIELDS, *_LIFECYCLE_FIELDS))
-                raise TypeError(f"create_table: unknown option {key!r}; valid: {valid}")
+        spec = table_spec(name, dim, optimizer=optimizer, initializer=initializer, seed=seed, **params)
         request = pb.CreateTableRequest(spec=spec).SerializeToString()
         replies = self._call("CreateTable", [(s, request) for s in range(self.num_shards)])
-        with self._reply("CreateTable", 0):
-            table = self._table_config(pb.CreateTableResponse.FromString(replies[0]).spec)
+        with self._reply("CreateTable", 0, replies[0].endpoint):
+            table = table_config(pb.CreateTableResponse.FromString(replies[0].data).spec)
         self._tables[name] = table
         return table
 
     def tables(self) -> dict[str, TableConfig]:
-        """Every table of the cluster (as shard 0 reports them), by name."""
-        data = self._call("ListTables", [(0, b"")])[0]
-        with self._reply("ListTables", 0):
-            reply = pb.ListTablesResponse.FromString(data)
-        found = {t.name: self._table_config(t) for t in reply.tables}
-        self._tables.update(found)
-        return found
+        """Every table of the cluster (as shard 0, any of its replicas, reports them), by name."""
+        return self._list_tables(None)
 
     def stats(self) -> list[dict[str, Any]]:
-        """Each shard's ``Stats`` as a dict, in shard order."""
-        replies = self._call("Stats", [(s, b"") for s in range(self.num_shards)])
+        """Each replica's ``Stats`` as a dict with its ``"address"`` added, in the order of
+        ``addresses`` (shard order when every shard has one address)."""
+        endpoints = range(len(self.addresses))
+        requests = [(self._replica_set.shard_of(e), b"") for e in endpoints]
+        replies = self._call("Stats", requests, pinned=endpoints)
         out = []
-        for s, r in enumerate(replies):
-            with self._reply("Stats", s):
-                out.append(_as_dict(pb.StatsResponse.FromString(r)))
+        for (s, _), r in zip(requests, replies):
+            with self._reply("Stats", s, r.endpoint):
+                out.append({**message_dict(pb.StatsResponse.FromString(r.data)), "address": self.addresses[r.endpoint]})
         return out
+
+    def replica_health(self) -> list[dict[str, Any]]:
+        """The client's view of each replica, in the order of ``addresses``: ``address``,
+        ``shard``, ``state`` (``in_service``, ``ejected``, or ``probing``: its probe is in
+        flight), ``ejected_for_s`` (time left), ``inflight`` calls and ``failures`` in a row.
+        Needs no I/O."""
+        return self._replica_set.health()
 
     def checkpoint(
         self, paths: Sequence[str] | None = None, *, deadline_s: float | None = None
@@ -209,35 +225,71 @@ class PSClient:
             (s, pb.CheckpointRequest(path="" if paths is None else str(paths[s])).SerializeToString())
             for s in range(self.num_shards)
         ]
-        config = dataclasses.replace(self.config, max_attempts=1)
-        replies = self._call("Checkpoint", requests, deadline_s=deadline_s, config=config)
+        budget = self._budget(deadline_s, dataclasses.replace(self.config, max_attempts=1))
+        replies = self._call("Checkpoint", requests, budget=budget)
         out = []
-        for s, data in enumerate(replies):
-            with self._reply("Checkpoint", s):
-                reply = pb.CheckpointResponse.FromString(data)
+        for s, answer in enumerate(replies):
+            with self._reply("Checkpoint", s, answer.endpoint):
+                reply = pb.CheckpointResponse.FromString(answer.data)
                 out.append({"path": reply.path, "manifest": json.loads(reply.manifest_json or "{}")})
         return out
 
     # -- lookup ---------------------------------------------------------------------
-    def lookup(
-        self, table: str, keys: npt.ArrayLike, *, out: npt.NDArray[np.float32] | None = None
-    ) -> npt.NDArray[np.float32]:
+    @overload
+    def lookup(self, table: str, keys: npt.ArrayLike, *, out: F32 | None = None, deadline_s: float | None = None,
+               degrade: Literal[False] = False) -> F32: ...  # fmt: skip
+    @overload
+    def lookup(self, table: str, keys: npt.ArrayLike, *, out: F32 | None = None, deadline_s: float | None = None,
+               degrade: Literal[True]) -> tuple[F32, tuple[int, ...]]: ...  # fmt: skip
+    @overload
+    def lookup(self, table: str, keys: npt.ArrayLike, *, out: F32 | None = None, deadline_s: float | None = None,
+               degrade: bool) -> F32 | tuple[F32, tuple[int, ...]]: ...  # fmt: skip
+    def lookup(self, table: str, keys: npt.ArrayLike, *, out: F32 | None = None, deadline_s: float | None = None,
+               degrade: bool = False) -> F32 | tuple[F32, tuple[int, ...]]:  # fmt: skip
         """Rows of ``keys`` (any integer 1-D array, duplicates allowed) as ``[len(keys), dim]`` float32.
 
         In a training cluster, missing keys are created with their initial rows.
         ``out``, if given, is a C-contiguous float32 array of that shape to fill.
+        ``deadline_s`` replaces ``ClientConfig.deadline_s`` for this call. With
+        ``degrade=True`` it returns ``(rows, degraded)``: see ``lookup_many``.
         """
-        return self.lookup_many({table: keys}, out={table: out} if out is not None else None)[table]
+        rows, degraded = self._lookup({table: keys}, {table: out} if out is not None else None, deadline_s, degrade)
+        return (rows[table], LookupResult(rows, degraded).degraded) if degrade else rows[table]
 
-    def lookup_many(
+    @overload
+    def lookup_many(self, requests: Mapping[str, npt.ArrayLike], *, out: Mapping[str, F32] | None = None,
+                    deadline_s: float | None = None, degrade: Literal[False] = False) -> dict[str, F32]: ...  # fmt: skip
+    @overload
+    def lookup_many(self, requests: Mapping[str, npt.ArrayLike], *, out: Mapping[str, F32] | None = None,
+                    deadline_s: float | None = None, degrade: Literal[True]) -> LookupResult: ...  # fmt: skip
+    @overload
+    def lookup_many(self, requests: Mapping[str, npt.ArrayLike], *, out: Mapping[str, F32] | None = None,
+                    deadline_s: float | None = None, degrade: bool) -> dict[str, F32]: ...  # fmt: skip
+    def lookup_many(self, requests: Mapping[str, npt.ArrayLike], *, out: Mapping[str, F32] | None = None,
+                    deadline_s: float | None = None, degrade: bool = False) -> dict[str, F32]:  # fmt: skip
+        """``lookup`` for several tables at once: one RPC per shard carries all of them.
+
+        ``deadline_s`` replaces ``ClientConfig.deadline_s`` for this call (finding an
+        unknown table's dim included). With ``degrade=True``, a shard that has not
+        answered by then (or has used up ``max_attempts``) gives its keys default rows
+        (zeros) instead of raising, and the result is a ``LookupResult``: the same dict,
+        plus ``degraded``, the indices of those shards. Statuses that are not retried
+        (``InvalidRequestError``, ``TableNotFoundError``...) raise either way.
+        """
+        rows, degraded = self._lookup(requests, out, deadline_s, degrade)
+        return LookupResult(rows, degraded) if degrade else rows
+
+    def _lookup(
         self,
         requests: Mapping[str, npt.ArrayLike],
-        *,
-        out: Mapping[str, npt.NDArray[np.float32]] | None = None,
-    ) -> dict[str, npt.NDArray[np.float32]]:
-        """``lookup`` for several tables at once: one RPC per shard carries all of them."""
-        plans = [plan_table(t, _as_keys(k, t), self._dim(t), self.num_shards) for t, k in requests.items()]
-        results: dict[str, npt.NDArray[np.float32]] = {}
+        out: Mapping[str, F32] | None,
+        deadline_s: float | None,
+        degrade: bool,
+    ) -> tuple[dict[str, F32], list[int]]:
+        """Rows by table, and the shards that degraded (with repeats)."""
+        budget = self._budget(deadline_s)
+        plans = [plan_table(t, _as_keys(k, t), self._dim(t, budget), self.num_shards) for t, k in requests.items()]
+        results: dict[str, F32] = {}
         for p in plans:
             buf = (out or {}).get(p.table)
             if buf is None:
@@ -265,21 +317,30 @@ class PSClient:
             )
             for s, parts in flat
         ]
-        replies = self._call("Lookup", encoded)
+        replies = self._send("Lookup", encoded, budget, degrade=degrade)
         # Rows of tables with duplicate keys land in a unique-row buffer first, then fan out.
         unique_rows = {
             p.table: np.empty((p.unique.shape[0], p.dim), dtype=np.float32) for p in plans if p.has_duplicates
         }
+        degraded = []
         for (s, parts), reply in zip(flat, replies):
-            with self._reply("Lookup", s):
-                decoded = wire.decode_lookup_response(reply)
-                if len(decoded) != len(parts):
-                    raise wire.WireFormatError(f"{len(decoded)} results for {len(parts)} tables")
-            for part, res in zip(parts, decoded):
-                field = f"results[{part.plan.table!r}]"
-                with self._reply("Lookup", s):
-                    rows = wire.decode_rows(res.rows, len(part), part.plan.dim, res.dtype, field)
+            if reply is None:
+                degraded.append(s)
+            else:
+                with self._reply("Lookup", s, reply.endpoint):
+                    decoded = wire.decode_lookup_response(reply.data)
+                    if len(decoded) != len(parts):
+                        raise wire.WireFormatError(f"{len(decoded)} results for {len(parts)} tables")
+            for k, part in enumerate(parts):
                 target = unique_rows.get(part.plan.table, results[part.plan.table])
+                if reply is None:
+                    target[part.positions] = 0.0  # the table's default row
+                    continue
+                with self._reply("Lookup", s, reply.endpoint):
+                    res = decoded[k]
+                    rows = wire.decode_rows(
+                        res.rows, len(part), part.plan.dim, res.dtype, f"results[{part.plan.table!r}]"
+                    )
                 if self.num_shards == 1:
                     # One shard: the routing order is the identity, so a block copy will do.
                     np.copyto(target[part.start : part.stop], rows)
@@ -288,7 +349,7 @@ class PSClient:
         for p in plans:
             if p.has_duplicates:
                 np.take(unique_rows[p.table], p.inverse, axis=0, out=results[p.table])
-        return results
+        return results, degraded
 
     # -- push -----------------------------------------------------------------------
     def push(self, table: str, keys: npt.ArrayLike, grads: npt.ArrayLike) -> PushResult:
@@ -329,9 +390,9 @@ class PSClient:
                 seq = next(self._seqs[s])
                 encoded.append((s, wire.encode_push_request(entries, self.num_shards, self.client_id, seq, s)))
         replies = []
-        for (s, _), data in zip(encoded, self._call("Push", encoded)):
-            with self._reply("Push", s):
-                replies.append(pb.PushResponse.FromString(data))
+        for (s, _), answer in zip(encoded, self._call("Push", encoded)):
+            with self._reply("Push", s, answer.endpoint):
+                replies.append(pb.PushResponse.FromString(answer.data))
         return PushResult(
             rows_updated=sum(r.rows_updated for r in replies), duplicates=sum(not r.applied for r in replies)
         )
@@ -348,58 +409,77 @@ class PSClient:
         return self._pool.submit(self.push_many, copied)
 
     # -- internals ------------------------------------------------------------------
+    def _budget(self, deadline_s: float | None, config: ClientConfig | None = None) -> tuple[ClientConfig, float]:
+        """The config of a call (with its own ``deadline_s``, if given) and its deadline."""
+        config = config or self.config
+        if deadline_s is not None:
+            if not (isinstance(deadline_s, int | float) and math.isfinite(deadline_s) and deadline_s > 0):
+                raise InvalidRequestError(f"deadline_s={deadline_s!r}: must be a positive number of seconds")
+            # An attempt limit that only followed the config's deadline follows this one.
+            follows = config.attempt_timeout_s == config.deadline_s
+            config = dataclasses.replace(
+                config, deadline_s=deadline_s, attempt_timeout_s=None if follows else config.attempt_timeout_s
+            )
+        return config, time.monotonic() + config.deadline_s
+
     def _call(
         self,
         method: str,
         requests: list[tuple[int, bytes]],
         *,
-        deadline_s: float | None = None,
-        config: ClientConfig | None = None,
-    ) -> list[bytes]:
+        budget: tuple[ClientConfig, float] | None = None,
+        pinned: Sequence[int] | None = None,
+    ) -> list[Answer]:
+        return [a for a in self._send(method, requests, budget, pinned=pinned) if a is not None]
+
+    def _send(
+        self,
+        method: str,
+        requests: list[tuple[int, bytes]],
+        budget: tuple[ClientConfig, float] | None,
+        *,
+        pinned: Sequence[int] | None = None,
+        degrade: bool = False,
+    ) -> list[Answer | None]:
+        if method in _WRITES:
+            for s in sorted({s for s, _ in requests}):
+                if len(self.replicas[s]) > 1:
+                    raise InvalidRequestError(
+                        f"{method}: shard {s} has {len(self.replicas[s])} replicas ({'|'.join(self.replicas[s])}); "
+                        "replicas are read-only serving copies: push to the training shard they follow",
+                        shard=s,
+                    )
         if not self._started:
             self.start()
-        config = config or self.config
-        if deadline_s is not None:  # this call's own deadline, for every attempt too
-            config = dataclasses.replace(config, deadline_s=deadline_s, attempt_timeout_s=None)
-        deadline = time.monotonic() + config.deadline_s
-        return call_all(self._transport, method, requests, config, deadline)
+        config, deadline = budget or self._budget(None)
+        return call_all(self._transport, self._replica_set, method, requests, config, deadline,
+                        pinned=pinned, hedge=method in _READS, degrade=degrade)  # fmt: skip
 
     @contextlib.contextmanager
-    def _reply(self, method: str, shard: int) -> Iterator[None]:
-        """Turn an undecodable reply of ``shard`` into ``InternalServerError``."""
+    def _reply(self, method: str, shard: int, endpoint: int) -> Iterator[None]:
+        """Turn an undecodable reply of ``shard`` (from ``endpoint``) into ``InternalServerError``."""
         try:
             yield
         except (wire.WireFormatError, DecodeError, json.JSONDecodeError) as exc:
             raise InternalServerError(
-                f"shard {shard} ({self.addresses[shard]}): {method} reply does not decode ({exc}); "
+                f"shard {shard} ({self.addresses[endpoint]}): {method} reply does not decode ({exc}); "
                 "is that address a ps-server of this version?",
                 shard=shard,
             ) from exc
 
-    def _dim(self, table: str) -> int:
+    def _list_tables(self, budget: tuple[ClientConfig, float] | None) -> dict[str, TableConfig]:
+        (answer,) = self._call("ListTables", [(0, b"")], budget=budget)
+        with self._reply("ListTables", 0, answer.endpoint):
+            reply = pb.ListTablesResponse.FromString(answer.data)
+        found = {t.name: table_config(t) for t in reply.tables}
+        self._tables.update(found)
+        return found
+
+    def _dim(self, table: str, budget: tuple[ClientConfig, float]) -> int:
         if table not in self._tables:
-            self.tables()
+            self._list_tables(budget)
         try:
             return self._tables[table].dim
         except KeyError:
             known = ", ".join(sorted(self._tables)) or "none"
             raise TableNotFoundError(f"table {table!r} does not exist (tables: {known})") from None
-
-    @staticmethod
-    def _choice(field: str, value: str, choices: Mapping[str, int]) -> int:
-        try:
-            return choices[value.lower()]
-        except KeyError:
-            raise InvalidRequestError(f"{field}={value!r}: expected one of {', '.join(choices)}") from None
-
-    @staticmethod
-    def _table_config(spec: pb.TableSpec) -> TableConfig:
-        return TableConfig(
-            name=spec.name,
-            dim=spec.dim,
-            seed=spec.seed,
-            initializer=pb.InitializerSpec.Kind.Name(spec.initializer.kind).lower(),
-            optimizer=pb.OptimizerSpec.Kind.Name(spec.optimizer.kind).lower(),
-            initializer_params={f: getattr(spec.initializer, f) for f in _INIT_FIELDS},
-            optimizer_params={f: getattr(spec.optimizer, f) for f in _OPT_FIELDS},
-        )

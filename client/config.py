@@ -37,6 +37,19 @@ class ClientConfig:
     * ``tune_malloc``: on ``start()``, raise glibc's mmap threshold for this process
       (``protos.wire.tune_malloc``) so multi-MiB messages reuse heap memory instead
       of page-faulting fresh mappings; False leaves the allocator alone.
+
+    Shards with several replicas (read-only serving copies; see ``PSClient``):
+
+    * ``hedge_after_s``: None (off), or the delay after which a read (Lookup, ListTables)
+      that has not been answered is sent to a second in-service replica too; the first
+      answer wins and the other attempt is cancelled. A replica that loses the race
+      counts as failing it. Pick about the 95th percentile of a healthy read.
+    * ``eject_after_failures``: consecutive failed attempts (retryable status, a missed
+      deadline, a lost hedge race) after which a replica is ejected: reads go to the
+      others. One request probes it once the ejection runs out; its success puts the
+      replica back, its failure ejects it again. A shard with one replica is never ejected.
+    * ``eject_s``, ``eject_max_s``: the first ejection lasts ``eject_s``; each one after
+      a failed probe lasts twice the one before, up to ``eject_max_s``.
     """
 
     deadline_s: float = 60.0
@@ -48,6 +61,10 @@ class ClientConfig:
     transport_dtype: TransportDType = "float32"
     push_threads: int = 2
     tune_malloc: bool = True
+    hedge_after_s: float | None = None
+    eject_after_failures: int = 3
+    eject_s: float = 1.0
+    eject_max_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("deadline_s", "backoff_initial_s", "backoff_max_s"):
@@ -70,6 +87,16 @@ class ClientConfig:
             raise ValueError(f"transport_dtype={self.transport_dtype!r}: expected float32, float16 or bfloat16")
         if self.push_threads < 1:
             raise ValueError(f"push_threads={self.push_threads}: must be >= 1")
+        if self.hedge_after_s is not None and not (math.isfinite(self.hedge_after_s) and self.hedge_after_s > 0):
+            raise ValueError(f"hedge_after_s={self.hedge_after_s}: must be None (no hedging) or a positive number")
+        if self.eject_after_failures < 1:
+            raise ValueError(f"eject_after_failures={self.eject_after_failures}: must be >= 1")
+        for name in ("eject_s", "eject_max_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value}: must be a positive number of seconds")
+        if self.eject_s > self.eject_max_s:
+            raise ValueError(f"eject_s={self.eject_s}: must be <= eject_max_s={self.eject_max_s}")
 
 
 @dataclass(frozen=True)

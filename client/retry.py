@@ -1,32 +1,55 @@
-"""Send a set of shard requests in parallel and retry the ones that may be retried.
+"""Send a set of shard requests in parallel; retry, fail over, hedge and degrade them.
 
-Only UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED (a stopping shard) are retried (pushes are safe to resend: each
-carries its ``(client_id, seq)`` and a shard applies it at most once). A request is
-retried for as long as the call's total deadline allows, so a shard that restarts
-within ``deadline_s`` costs the caller a pause, not an error. Backoff is exponential
-from ``backoff_initial_s``, capped at ``backoff_max_s``, with full jitter; an optional
-``max_attempts`` ends a call sooner.
+Only UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED (a stopping shard) are retried (pushes
+are safe to resend: each carries its ``(client_id, seq)`` and a shard applies it at most
+once). A request is retried for as long as the call's total deadline allows, so a shard
+that restarts within ``deadline_s`` costs the caller a pause, not an error. A retry goes
+at once to another replica of the shard if one is in service and has not failed this
+request yet; otherwise it waits a backoff (exponential from ``backoff_initial_s``, capped
+at ``backoff_max_s``, full jitter). An optional ``max_attempts`` ends a request sooner.
+
+A replica that the ``ReplicaSet`` has ejected is probed with a copy of a request sent
+beside the real one, once its ejection has run out; the copy's answer is not used.
+
+With ``hedge`` (reads) and ``ClientConfig.hedge_after_s`` set, a request not answered
+after that delay is also sent to a second replica; the first answer wins and the other
+attempt is cancelled. With ``degrade``, a request that has not succeeded by the deadline
+(or has used up its attempts) comes back as None instead of raising; a status that is not
+retried raises either way.
 
 Each failing request keeps its own last error, so an error always quotes the shard
-(and address) it names.
+(and address) it names. Attempts and their outcomes are recorded in the
+``ReplicaSet``, which ejects failing replicas.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
 
 from client.config import ClientConfig
 from client.errors import RETRYABLE, DeadlineExceededError, PSError, convert
-from client.transport import Transport
+from client.replicas import FAILED, NEUTRAL, OK, Outcome, Pick, ReplicaSet
+from client.transport import Call, Transport, when_done
 
-__all__ = ["backoff_s", "call_all"]
+__all__ = ["Answer", "backoff_s", "call_all"]
 
 log = logging.getLogger(__name__)
+
+
+class Answer(NamedTuple):
+    """A request's response bytes and the endpoint (replica) that sent them."""
+
+    data: bytes
+    endpoint: int
 
 
 def backoff_s(attempt: int, config: ClientConfig) -> float:
@@ -36,94 +59,267 @@ def backoff_s(attempt: int, config: ClientConfig) -> float:
 
 def call_all(
     transport: Transport,
+    replicas: ReplicaSet,
     method: str,
     requests: Sequence[tuple[int, bytes]],
     config: ClientConfig,
     deadline: float,
-) -> list[bytes]:
-    """Responses to ``requests`` (``(shard, request bytes)``), in the same order.
+    *,
+    pinned: Sequence[int] | None = None,
+    hedge: bool = False,
+    degrade: bool = False,
+) -> list[Answer | None]:
+    """Answers to ``requests`` (``(shard, request bytes)``), in the same order.
 
-    Blocks until every request succeeded; raises the ``PSError`` of the first request
+    Each attempt goes to a replica ``replicas`` picks, or to ``pinned[i]`` (an endpoint)
+    if given. Blocks until every request succeeded; raises the ``PSError`` of a request
     that failed for good: a non-retryable status, the deadline (``time.monotonic()``
-    value) passed, or ``config.max_attempts`` used up.
+    value) passed, or ``config.max_attempts`` used up. With ``degrade``, the last two
+    give None for that request instead. Never None without ``degrade``.
     """
-    results: list[bytes | None] = [None] * len(requests)
-    errors: dict[int, grpc.RpcError] = {}  # request index -> its last retryable failure
-    pending = list(range(len(requests)))
-    started = time.monotonic()
-    attempt = 0
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            why = f"deadline_s={config.deadline_s} passed"
-            raise _gave_up(transport, method, requests, pending, errors, attempt, why)
-        timeout = min(remaining, config.attempt_timeout_s or remaining)
-        calls = [(i, transport.call(requests[i][0], method, requests[i][1], timeout)) for i in pending]
-        failed: list[int] = []
-        final: list[int] = []  # failed with a status that is not retried
-        for i, call in calls:
+    return _Exchange(transport, replicas, method, requests, config, deadline, pinned, hedge, degrade).run()
+
+
+@dataclass
+class _Attempt:
+    pick: Pick
+    call: Call
+
+
+@dataclass
+class _Request:
+    shard: int
+    data: bytes
+    pinned: int | None
+    inflight: dict[int, _Attempt] = field(default_factory=dict)  # attempt id -> attempt
+    tried: set[int] = field(default_factory=set)  # endpoints that failed it since the last backoff
+    attempts: int = 0  # attempts sent (a hedge counts with the attempt it hedges)
+    backoffs: int = 0
+    retry_at: float | None = None
+    hedge_at: float | None = None
+    error: grpc.RpcError | None = None
+    error_endpoint: int = -1
+    answer: Answer | None = None
+    done: bool = False
+
+
+class _Exchange:
+    """One ``call_all``: every state change happens on the caller's thread; gRPC's threads
+    only queue ``(request, attempt)`` when an attempt finishes."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        replicas: ReplicaSet,
+        method: str,
+        requests: Sequence[tuple[int, bytes]],
+        config: ClientConfig,
+        deadline: float,
+        pinned: Sequence[int] | None,
+        hedge: bool,
+        degrade: bool,
+    ) -> None:
+        self.transport, self.replicas, self.method, self.config = transport, replicas, method, config
+        self.deadline, self.degrade = deadline, degrade
+        self.hedge_after_s = config.hedge_after_s if hedge and pinned is None else None
+        self.requests = [
+            _Request(s, data, None if pinned is None else pinned[i]) for i, (s, data) in enumerate(requests)
+        ]
+        self.finished: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self.ids = itertools.count()
+        self.started = time.monotonic()
+        self.warned = False
+
+    def run(self) -> list[Answer | None]:
+        try:
+            for i in range(len(self.requests)):
+                self._send(i)
+            while not all(r.done for r in self.requests):
+                now = time.monotonic()
+                if now >= self.deadline:
+                    self._expire()
+                    break
+                wake = self.deadline
+                for i, r in enumerate(self.requests):
+                    if r.done:
+                        continue
+                    if r.retry_at is not None and r.retry_at <= now:
+                        r.retry_at = None
+                        self._send(i)
+                    if r.hedge_at is not None and r.hedge_at <= now:
+                        r.hedge_at = None
+                        self._send(i, hedge=True)
+                    wake = min(wake, r.retry_at or wake, r.hedge_at or wake)
+                try:
+                    event = self.finished.get(timeout=max(0.0, wake - time.monotonic()))
+                except queue.Empty:
+                    continue
+                self._finish(*event)
+                while True:
+                    try:
+                        self._finish(*self.finished.get_nowait())
+                    except queue.Empty:
+                        break
+        finally:
+            self._cancel_all(NEUTRAL)  # only left on an error: a raise while others were in flight
+        if self.warned:
+            log.info("%s: answered (%.1f s after the first failure)", self.method, time.monotonic() - self.started)
+        return [r.answer for r in self.requests]
+
+    # -- attempts -------------------------------------------------------------------
+    def _send(self, i: int, hedge: bool = False) -> None:
+        r = self.requests[i]
+        busy = {a.pick.endpoint for a in r.inflight.values()}
+        if r.pinned is not None:
+            pick: Pick | None = self.replicas.take(r.pinned)
+        elif hedge:
+            pick = self.replicas.pick_other(r.shard, busy)
+        else:
+            pick = self.replicas.pick(r.shard, r.tried | busy)
+        if pick is None:
+            return  # no replica to hedge to
+        remaining = self.deadline - time.monotonic()
+        timeout = max(0.001, min(remaining, self.config.attempt_timeout_s or remaining))
+        try:
+            call = self.transport.call(pick.endpoint, self.method, r.data, timeout)
+        except BaseException:
+            self.replicas.release(pick, NEUTRAL)
+            raise
+        aid = next(self.ids)
+        r.inflight[aid] = _Attempt(pick, call)
+        if not hedge:
+            r.attempts += 1
+            if self.hedge_after_s is not None:
+                r.hedge_at = time.monotonic() + self.hedge_after_s
+        when_done(call, lambda: self.finished.put((i, aid)))
+        if r.pinned is None and not hedge:
+            probe = self.replicas.probe(r.shard, exclude={pick.endpoint})
+            if probe is not None:
+                self._probe(probe, r.data, timeout)
+
+    def _probe(self, pick: Pick, data: bytes, timeout: float) -> None:
+        """Send a copy of a request to a half-open replica; only its outcome is used, recorded
+        when it finishes (perhaps after this exchange has returned)."""
+        try:
+            call = self.transport.call(pick.endpoint, self.method, data, timeout)
+        except BaseException:
+            self.replicas.release(pick, NEUTRAL)
+            raise
+        replicas = self.replicas
+
+        def record() -> None:
+            outcome: Outcome = FAILED
             try:
-                results[i] = call.result()
-                errors.pop(i, None)
-            except grpc.RpcError as exc:
-                (failed if exc.code() in RETRYABLE else final).append(i)
-                errors[i] = exc
-        if final:
-            # Every call of the round has answered, so the error can name all failing shards.
-            i = final[0]
-            err = convert(errors[i], requests[i][0], transport.address(requests[i][0]))
-            raise type(err)(f"{err}{_also(transport, requests, [*final[1:], *failed], errors)}", code=err.code,
-                            shard=err.shard) from errors[i]  # fmt: skip
-        attempt += 1
-        if not failed:
-            if attempt > 1:
-                log.info("%s: answered after %d attempts (%.1f s)", method, attempt, time.monotonic() - started)
-            break
-        if config.max_attempts is not None and attempt >= config.max_attempts:
-            raise _gave_up(transport, method, requests, failed, errors, attempt, f"max_attempts={attempt}")
-        if attempt == 1:
-            i = failed[0]
-            log.warning("%s: retrying for up to %.0f s: %s", method, deadline - time.monotonic(),
-                        convert(errors[i], requests[i][0], transport.address(requests[i][0])))  # fmt: skip
-        time.sleep(min(backoff_s(attempt - 1, config), max(0.0, deadline - time.monotonic())))
-        pending = failed
-    return [r for r in results if r is not None]
+                call.result()
+                outcome = OK
+            except grpc.RpcError:
+                pass
+            finally:
+                replicas.release(pick, outcome)
 
+        when_done(call, record)
 
-def _gave_up(
-    transport: Transport,
-    method: str,
-    requests: Sequence[tuple[int, bytes]],
-    failed: Sequence[int],
-    errors: dict[int, grpc.RpcError],
-    attempt: int,
-    why: str,
-) -> PSError:
-    """The error for a call that ran out of time or attempts, naming the first failing shard."""
-    i = failed[0]
-    shard = requests[i][0]
-    address = transport.address(shard)
-    also = _also(transport, requests, failed[1:], errors)
-    last = errors.get(i)
-    if last is None:
-        return DeadlineExceededError(
-            f"shard {shard} ({address}): {method} got no answer before {why} ({attempt} attempts){also}",
-            code=grpc.StatusCode.DEADLINE_EXCEEDED,
-            shard=shard,
-        )
-    err = convert(last, shard, address)
-    return type(err)(f"{err} (gave up after {attempt} attempts, {why}){also}", code=err.code, shard=shard)
+    def _finish(self, i: int, aid: int) -> None:
+        r = self.requests[i]
+        attempt = r.inflight.pop(aid, None)
+        if attempt is None:
+            return  # cancelled: already accounted for
+        try:
+            data = attempt.call.result()
+        except grpc.RpcError as exc:
+            self._failed(i, attempt, exc)
+            return
+        self.replicas.release(attempt.pick, OK)
+        r.answer, r.done, r.hedge_at, r.retry_at = Answer(data, attempt.pick.endpoint), True, None, None
+        self._cancel(r, FAILED)  # the slower of a hedged pair lost the race
 
+    def _failed(self, i: int, attempt: _Attempt, exc: grpc.RpcError) -> None:
+        r = self.requests[i]
+        retryable = exc.code() in RETRYABLE
+        self.replicas.release(attempt.pick, FAILED if retryable else NEUTRAL)
+        r.error, r.error_endpoint = exc, attempt.pick.endpoint
+        if not retryable:
+            err = convert(exc, r.shard, self.transport.address(attempt.pick.endpoint))
+            others = [j for j, o in enumerate(self.requests) if j != i and not o.done and o.error is not None]
+            raise type(err)(f"{err}{self._also(others)}", code=err.code, shard=err.shard) from exc
+        r.tried.add(attempt.pick.endpoint)
+        if r.inflight:
+            return  # its hedge (or the attempt it hedged) may still answer
+        r.hedge_at = None
+        if self.config.max_attempts is not None and r.attempts >= self.config.max_attempts:
+            self._give_up([i], f"max_attempts={r.attempts}")
+            return
+        if r.pinned is None and self.replicas.available(r.shard, exclude=r.tried):
+            log.debug(
+                "%s: shard %d failing over from %s", self.method, r.shard, self.transport.address(r.error_endpoint)
+            )
+            self._send(i)
+            return
+        r.tried.clear()
+        if not self.warned:
+            self.warned = True
+            log.warning("%s: retrying for up to %.1f s: %s", self.method, self.deadline - time.monotonic(),
+                        convert(exc, r.shard, self.transport.address(attempt.pick.endpoint)))  # fmt: skip
+        r.retry_at = min(self.deadline, time.monotonic() + backoff_s(r.backoffs, self.config))
+        r.backoffs += 1
 
-def _also(transport: Transport, requests: Sequence[tuple[int, bytes]], others: Sequence[int],
-          errors: dict[int, grpc.RpcError]) -> str:  # fmt: skip
-    """``; shard 1 (ADDRESS) failed too: STATUS: first line`` for each other failing request."""
-    parts = []
-    for j in others:
-        shard = requests[j][0]
-        exc = errors.get(j)
-        what = (
-            f"{exc.code().name}: {str(exc.details()).splitlines()[0] if exc.details() else ''}" if exc else "no answer"
-        )
-        parts.append(f"; shard {shard} ({transport.address(shard)}) failed too: {what}")
-    return "".join(parts)
+    def _expire(self) -> None:
+        late = [i for i, r in enumerate(self.requests) if not r.done]
+        for i in late:
+            self._cancel(self.requests[i], FAILED)  # no answer in time
+        self._give_up(late, f"deadline_s={self.config.deadline_s} passed")
+
+    def _give_up(self, failed: list[int], why: str) -> None:
+        if self.degrade:
+            for i in failed:
+                r = self.requests[i]
+                self._cancel(r, NEUTRAL)
+                r.done, r.answer, r.retry_at, r.hedge_at = True, None, None, None
+            return
+        raise self._gave_up(failed, why)
+
+    def _cancel(self, r: _Request, outcome: Outcome) -> None:
+        for attempt in r.inflight.values():
+            attempt.call.cancel()
+            self.replicas.release(attempt.pick, outcome)
+        r.inflight.clear()
+
+    def _cancel_all(self, outcome: Outcome) -> None:
+        for r in self.requests:
+            self._cancel(r, outcome)
+
+    # -- errors ---------------------------------------------------------------------
+    def _where(self, r: _Request) -> str:
+        """``ADDRESS`` of the endpoint that failed ``r`` last, or every replica's if none did."""
+        if r.error_endpoint >= 0:
+            return self.transport.address(r.error_endpoint)
+        endpoints = [r.pinned] if r.pinned is not None else self.replicas.endpoints(r.shard)
+        return "|".join(self.transport.address(e) for e in endpoints)
+
+    def _gave_up(self, failed: Sequence[int], why: str) -> PSError:
+        """The error for a request that ran out of time or attempts, naming its shard."""
+        r = self.requests[failed[0]]
+        also = self._also(failed[1:])
+        tries = max(r.attempts, 1)
+        if r.error is None:
+            return DeadlineExceededError(
+                f"shard {r.shard} ({self._where(r)}): {self.method} got no answer before {why} ({tries} attempts){also}",
+                code=grpc.StatusCode.DEADLINE_EXCEEDED,
+                shard=r.shard,
+            )
+        err = convert(r.error, r.shard, self._where(r))
+        return type(err)(f"{err} (gave up after {tries} attempts, {why}){also}", code=err.code, shard=r.shard)
+
+    def _also(self, others: Sequence[int]) -> str:
+        """``; shard 1 (ADDRESS) failed too: STATUS: first line`` for each other failing request."""
+        parts = []
+        for j in others:
+            r = self.requests[j]
+            exc = r.error
+            what = (
+                f"{exc.code().name}: {str(exc.details()).splitlines()[0] if exc.details() else ''}"
+                if exc
+                else "no answer"
+            )
+            parts.append(f"; shard {r.shard} ({self._where(r)}) failed too: {what}")
+        return "".join(parts)

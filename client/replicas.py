@@ -1,0 +1,261 @@
+"""Replicas of each shard: which one a read goes to, and circuit breaking of failing ones.
+
+Endpoints (replica addresses) are numbered in one flat list, shard 0's replicas first;
+the transport has one channel per endpoint. ``ReplicaSet.pick`` chooses the endpoint of a
+shard for one attempt: the in-service replica with the fewest attempts in flight, ties
+taken round-robin; if every replica is ejected, the one whose ejection ends first (a call
+never fails only because the breaker is open).
+
+``release`` records how an attempt ended. ``eject_after_failures`` consecutive failed
+attempts eject a replica for ``eject_s``. Once that has run out, the replica is half-open:
+``probe`` hands it out once, for a copy of a real request sent beside it (the caller
+waits for the real one only, so a probe of a hung replica costs no caller time). A probe
+that succeeds puts the replica back (as does any success); one that fails ejects it
+again for twice as long as before, up to ``eject_max_s``. A shard with one replica (a
+training cluster) is never ejected: there is nothing to spread to, so its calls behave
+exactly as without replicas.
+
+Example:
+    >>> rs = ReplicaSet([["h:1", "h:2"]], eject_after_failures=1, eject_s=1.0, eject_max_s=30.0)
+    >>> first = rs.pick(0, now=0.0); rs.release(first, FAILED, now=0.0)
+    >>> rs.pick(0, now=0.1).endpoint != first.endpoint   # h:1 is ejected until t=1.0
+    True
+    >>> parse_addresses("h:1|h:2,h:3")
+    [['h:1', 'h:2'], ['h:3']]
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from client.errors import InvalidRequestError
+
+__all__ = ["FAILED", "NEUTRAL", "OK", "Outcome", "Pick", "ReplicaSet", "normalize_addresses", "parse_addresses"]
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["ok", "failed", "neutral"]
+OK: Outcome = "ok"
+FAILED: Outcome = "failed"  # a retryable failure, a missed deadline, or a hedge race lost
+NEUTRAL: Outcome = "neutral"  # says nothing about the replica (cancelled, request rejected)
+
+
+def _check_address(address: str, where: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise InvalidRequestError(f"{where}: {address!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
+    return address
+
+
+def parse_addresses(text: str) -> list[list[str]]:
+    """``HOST:PORT|HOST:PORT,HOST:PORT`` as replica lists, shard 0 first.
+
+    Shards are separated by ``,``, the replicas of one shard by ``|``; spaces around
+    either are ignored. Raises ``InvalidRequestError`` (a ``ValueError``) naming the bad
+    part: an empty shard or replica, a missing or bad port, an address given twice.
+
+    >>> parse_addresses("10.0.0.1:50051, 10.0.0.2:50051|10.0.0.3:50051")
+    [['10.0.0.1:50051'], ['10.0.0.2:50051', '10.0.0.3:50051']]
+    """
+    if not text.strip():
+        raise InvalidRequestError(
+            "addresses: empty; expected HOST:PORT per shard in shard order, separated by ',', "
+            "with the replicas of one shard separated by '|' (e.g. h:1|h:2,h:3)"
+        )
+    shards = []
+    for i, item in enumerate(text.split(",")):
+        if not item.strip():
+            raise InvalidRequestError(f"addresses {text!r}: shard {i} is empty (two ',' in a row, or a trailing ',')")
+        replicas = [r.strip() for r in item.split("|")]
+        if not all(replicas):
+            raise InvalidRequestError(f"addresses {text!r}: shard {i} ({item.strip()!r}) has an empty replica")
+        shards.append([_check_address(r, f"addresses {text!r}: shard {i}") for r in replicas])
+    return normalize_addresses(shards)
+
+
+def normalize_addresses(addresses: Sequence[str | Sequence[str]]) -> list[list[str]]:
+    """``PSClient``'s ``addresses`` as one replica list per shard; ``InvalidRequestError`` if malformed.
+
+    Each element is a ``"HOST:PORT"`` (one replica) or a sequence of them (the shard's
+    replicas, in any order). An address may appear once only.
+    """
+    if isinstance(addresses, str) or not addresses:
+        raise InvalidRequestError(
+            "addresses: expected a non-empty list with one entry per shard in shard order: HOST:PORT, "
+            "or a list of HOST:PORT for a shard's replicas"
+        )
+    out: list[list[str]] = []
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(addresses):
+        replicas = [entry] if isinstance(entry, str) else list(entry)
+        if not replicas or not all(isinstance(r, str) and r for r in replicas):
+            raise InvalidRequestError(f"addresses: shard {i} is {entry!r}; expected HOST:PORT or a list of them")
+        for r in replicas:
+            if r in seen:
+                raise InvalidRequestError(f"addresses: {r} is given twice (shard {seen[r]} and shard {i})")
+            seen[r] = i
+        out.append(replicas)
+    return out
+
+
+@dataclass
+class _Replica:
+    endpoint: int
+    shard: int
+    address: str
+    inflight: int = 0
+    failures: int = 0  # consecutive failed attempts
+    ejections: int = 0  # ejections since it last answered; doubles the next one
+    ejected_until: float = 0.0  # time.monotonic(); 0.0: in service
+    probing: bool = False  # half-open: its one probe is in flight
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The endpoint an attempt goes to; ``probe``: it is the half-open probe of an ejected replica."""
+
+    endpoint: int
+    probe: bool = False
+
+
+class ReplicaSet:
+    """Health and load of every replica of every shard; thread-safe (one short lock).
+
+    ``replicas[s]`` are shard ``s``'s addresses; endpoints are numbered across all shards
+    in that order (``endpoints(s)``). Every ``pick`` (or ``take``) must be matched by one
+    ``release`` with the attempt's outcome.
+    """
+
+    def __init__(
+        self, replicas: Sequence[Sequence[str]], *, eject_after_failures: int, eject_s: float, eject_max_s: float
+    ) -> None:
+        self._replicas: list[_Replica] = []
+        self._by_shard: list[list[_Replica]] = []
+        for s, addresses in enumerate(replicas):
+            group = [_Replica(len(self._replicas) + k, s, a) for k, a in enumerate(addresses)]
+            self._replicas.extend(group)
+            self._by_shard.append(group)
+        self._eject_after = eject_after_failures
+        self._eject_s = eject_s
+        self._eject_max_s = eject_max_s
+        self._turns = [itertools.count() for _ in self._by_shard]
+        self._lock = threading.Lock()
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every endpoint's address, in endpoint order."""
+        return [r.address for r in self._replicas]
+
+    def endpoints(self, shard: int) -> list[int]:
+        return [r.endpoint for r in self._by_shard[shard]]
+
+    def address(self, endpoint: int) -> str:
+        return self._replicas[endpoint].address
+
+    def shard_of(self, endpoint: int) -> int:
+        return self._replicas[endpoint].shard
+
+    def available(self, shard: int, exclude: Collection[int] = ()) -> bool:
+        """Whether a replica of ``shard`` outside ``exclude`` is in service."""
+        with self._lock:
+            return any(not r.ejected_until for r in self._by_shard[shard] if r.endpoint not in exclude)
+
+    def pick(self, shard: int, exclude: Collection[int] = (), now: float | None = None) -> Pick:
+        """The endpoint of ``shard`` for the next attempt, preferring replicas outside ``exclude``."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            group = self._by_shard[shard]
+            choice = self._choose(group, [r for r in group if r.endpoint not in exclude], shard)
+            if choice is None:
+                choice = self._choose(group, group, shard)
+            if choice is None:
+                # Every replica is ejected: try the one that comes back first rather than fail.
+                choice = Pick(min(group, key=lambda r: r.ejected_until).endpoint)
+            return self._count(choice)
+
+    def pick_other(self, shard: int, exclude: Collection[int]) -> Pick | None:
+        """An in-service replica of ``shard`` outside ``exclude`` (for a hedge), or None."""
+        with self._lock:
+            group = self._by_shard[shard]
+            choice = self._choose(group, [r for r in group if r.endpoint not in exclude], shard)
+            return None if choice is None else self._count(choice)
+
+    def probe(self, shard: int, exclude: Collection[int] = (), now: float | None = None) -> Pick | None:
+        """A replica of ``shard`` (outside ``exclude``) whose ejection has run out and whose
+        probe is not in flight, now marked as probing; or None."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            for r in self._by_shard[shard]:
+                if r.ejected_until and r.ejected_until <= now and not r.probing and r.endpoint not in exclude:
+                    return self._count(Pick(r.endpoint, probe=True))
+        return None
+
+    def take(self, endpoint: int) -> Pick:
+        """Count an attempt pinned to ``endpoint`` (e.g. ``Stats`` of every replica)."""
+        with self._lock:
+            self._replicas[endpoint].inflight += 1
+        return Pick(endpoint)
+
+    def release(self, pick: Pick, outcome: Outcome, now: float | None = None) -> None:
+        """Record how the attempt of ``pick`` ended; may eject the replica or put it back."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            r = self._replicas[pick.endpoint]
+            r.inflight -= 1
+            if pick.probe:
+                r.probing = False
+            if len(self._by_shard[r.shard]) == 1 or outcome == NEUTRAL:
+                return
+            if outcome == OK:
+                if r.ejected_until:
+                    log.info("shard %d replica %s answered again: back in service", r.shard, r.address)
+                r.failures, r.ejections, r.ejected_until = 0, 0, 0.0
+                return
+            r.failures += 1
+            if pick.probe or (not r.ejected_until and r.failures >= self._eject_after):
+                r.ejections += 1
+                ejected_s = min(self._eject_max_s, self._eject_s * 2.0 ** min(r.ejections - 1, 60))
+                r.ejected_until = now + ejected_s
+                why = "its probe failed" if pick.probe else f"{r.failures} failed attempts in a row"
+                log.warning("shard %d replica %s ejected for %.1f s: %s", r.shard, r.address, ejected_s, why)
+
+    def health(self, now: float | None = None) -> list[dict[str, Any]]:
+        """Per endpoint: ``address``, ``shard``, ``state`` (``in_service``, ``ejected`` or
+        ``probing``), ``ejected_for_s`` (time left), ``inflight``, ``failures`` in a row."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return [
+                {
+                    "address": r.address,
+                    "shard": r.shard,
+                    "state": "in_service" if not r.ejected_until else "probing" if r.probing else "ejected",
+                    "ejected_for_s": max(0.0, r.ejected_until - now) if r.ejected_until else 0.0,
+                    "inflight": r.inflight,
+                    "failures": r.failures,
+                }
+                for r in self._replicas
+            ]
+
+    # -- under the lock -------------------------------------------------------------
+    def _count(self, choice: Pick) -> Pick:
+        replica = self._replicas[choice.endpoint]
+        replica.inflight += 1
+        replica.probing = replica.probing or choice.probe
+        return choice
+
+    def _choose(self, group: list[_Replica], candidates: list[_Replica], shard: int) -> Pick | None:
+        healthy = [r for r in candidates if not r.ejected_until]
+        if not healthy:
+            return None
+        if len(healthy) == 1:
+            return Pick(healthy[0].endpoint)
+        # Fewest in flight; ties go round-robin from a start that turns with every pick.
+        start = next(self._turns[shard]) % len(group)
+        best = min(healthy, key=lambda r: (r.inflight, (r.endpoint - group[0].endpoint - start) % len(group)))
+        return Pick(best.endpoint)
