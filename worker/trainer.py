@@ -70,11 +70,12 @@ from worker.dataset import (
     steps_per_epoch,
 )
 from worker.embedding import DistributedEmbedding
+from worker.export import describe_data, serving_manifest
 from worker.jagged import JaggedIds
 from worker.models import DLRM, DeepFM
 from worker.output import progress, run_dir
 
-__all__ = ["Dist", "TrainerConfig", "evaluate", "init_distributed", "main", "parse", "report", "train"]
+__all__ = ["Dist", "TrainerConfig", "evaluate", "init_distributed", "main", "parse", "predict", "report", "train"]
 
 log = logging.getLogger(__name__)
 ENV_PREFIX = "TRAINER_"
@@ -215,10 +216,11 @@ class _Pass:
                 "mean_loss_last_20": sum(recent) / max(1, len(recent))}  # fmt: skip
 
 
-def evaluate(
+def predict(
     emb: DistributedEmbedding, model: torch.nn.Module, batches: Sequence[Batch], device: torch.device
-) -> dict[str, float]:
-    """AUC and logloss of ``model`` on ``batches`` (no pushes; rows as the shards hold them now).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels and predicted probabilities (``sigmoid`` of the logits) of every sample of
+    ``batches``, on CPU (no pushes; rows as the shards hold them now).
 
     Features of ``emb`` named ``f + ".wide"`` read the ids of feature ``f``.
     """
@@ -233,7 +235,17 @@ def evaluate(
             probs.append(torch.sigmoid(logits).cpu())
     emb.train()
     model.train()
-    y, p = torch.cat(labels), torch.cat(probs)
+    return torch.cat(labels), torch.cat(probs)
+
+
+def evaluate(
+    emb: DistributedEmbedding, model: torch.nn.Module, batches: Sequence[Batch], device: torch.device
+) -> dict[str, float]:
+    """AUC and logloss of ``model`` on ``batches`` (see ``predict``)."""
+    return _scores(*predict(emb, model, batches, device))
+
+
+def _scores(y: torch.Tensor, p: torch.Tensor) -> dict[str, float]:
     return {"auc": auc(y, p), "logloss": logloss(y, p), "samples": float(len(y))}
 
 
@@ -343,7 +355,10 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
                 run.epoch(epoch_batches(config, d.rank, d.world, data, batch_size, epoch), bar, held_out)
             if bar is not None:
                 bar.close()
-            final = run.evaluate(held_out) if d.rank == 0 else {}
+            final: dict[str, float] = {}
+            if d.rank == 0:
+                labels, probs = predict(run.emb, run.model, held_out, d.device)
+                final = _scores(labels, probs)
         finally:
             run.close()
         digests: list[Any] = [_digest(run.model)] * d.world
@@ -353,7 +368,7 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
     metrics.update(run.stats(), evals=run.evals, final=final, dense_digests=digests)
     if out is not None:
         metrics["output_dir"] = str(out)
-        _save(config, out, run, data, num_dense, list(addresses), shard_stats, metrics)
+        _save(config, out, run, data, features, num_dense, list(addresses), shard_stats, metrics, probs)
         log.info("final AUC %.4f logloss %.4f (%d eval samples), %.0f samples/s; wrote %s", final["auc"],
                  final["logloss"], final["samples"], metrics["samples_per_s"], out)  # fmt: skip
     return metrics
@@ -382,9 +397,14 @@ def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d
 # --- output: run directory, progress, files
 
 
-def _save(config: TrainerConfig, out: Path, run: _Pass, data: RunData, num_dense: int, addresses: list[str],
-          shard_stats: list[dict[str, Any]], metrics: dict[str, Any]) -> None:  # fmt: skip
+def _save(config: TrainerConfig, out: Path, run: _Pass, data: RunData, features: list[str], num_dense: int,
+          addresses: list[str], shard_stats: list[dict[str, Any]], metrics: dict[str, Any],
+          probs: torch.Tensor) -> None:  # fmt: skip
+    """The run directory: dense weights, the exported model and its manifest (``worker.export``),
+    metrics, and the final evaluation's predicted probabilities in row order (``predictions.npy``)."""
     torch.save({k: v.detach().cpu() for k, v in run.model.state_dict().items()}, out / "dense.pt")
+    np.save(out / "predictions.npy", probs.numpy().astype(np.float32))
+    schema = describe_data(data.source, config.data, features, num_dense)
     manifest = {
         "model": config.model, "dim": config.dim, "num_dense": num_dense, "num_shards": len(addresses),
         "tables": [dataclasses.asdict(t) | {"params": dict(t.params)} for t in run.tables],
@@ -398,6 +418,8 @@ def _save(config: TrainerConfig, out: Path, run: _Pass, data: RunData, num_dense
         np.savez_compressed(out / "vocabulary.npz", **vocabulary)  # type: ignore[arg-type]
         manifest["rare_values"] = {"min_count": config.min_count, "vocabulary": "vocabulary.npz",
                                    "rare_keys": {f: rare_key(f) for f in vocabulary}}  # fmt: skip
+    manifest |= serving_manifest(run.model, out, run.tables, run.features, num_dense, schema,
+                                 WIDE if config.wide else None)  # fmt: skip
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
 
