@@ -254,7 +254,7 @@ class PSClient:
         ``degrade=True`` it returns ``(rows, degraded)``: see ``lookup_many``.
         """
         rows, degraded = self._lookup({table: keys}, {table: out} if out is not None else None, deadline_s, degrade)
-        return (rows[table], LookupResult(rows, degraded).degraded) if degrade else rows[table]
+        return (rows[table], tuple(sorted(set(degraded)))) if degrade else rows[table]
 
     @overload
     def lookup_many(self, requests: Mapping[str, npt.ArrayLike], *, out: Mapping[str, F32] | None = None,
