@@ -283,7 +283,7 @@ class LoopFailure(_message.Message):
     def __init__(self, loop: _Optional[str] = ..., error: _Optional[str] = ..., failures: _Optional[int] = ..., first_failure_unix_s: _Optional[float] = ..., last_failure_unix_s: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard", "num_shards", "mode", "uptime_s", "tables", "duplicate_pushes", "memory_budget_bytes", "resident_bytes", "durability", "writable", "storage_error", "last_durable_unix_s", "failing_loops")
+    __slots__ = ("shard", "num_shards", "mode", "uptime_s", "tables", "duplicate_pushes", "memory_budget_bytes", "resident_bytes", "durability", "writable", "storage_error", "last_durable_unix_s", "failing_loops", "version", "follow")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +297,8 @@ class StatsResponse(_message.Message):
     STORAGE_ERROR_FIELD_NUMBER: _ClassVar[int]
     LAST_DURABLE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     FAILING_LOOPS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     mode: str
@@ -310,7 +312,95 @@ class StatsResponse(_message.Message):
     storage_error: str
     last_durable_unix_s: float
     failing_loops: _containers.RepeatedCompositeFieldContainer[LoopFailure]
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., durability: _Optional[str] = ..., writable: _Optional[bool] = ..., storage_error: _Optional[str] = ..., last_durable_unix_s: _Optional[float] = ..., failing_loops: _Optional[_Iterable[_Union[LoopFailure, _Mapping]]] = ...) -> None: ...
+    version: int
+    follow: FollowStatus
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., durability: _Optional[str] = ..., writable: _Optional[bool] = ..., storage_error: _Optional[str] = ..., last_durable_unix_s: _Optional[float] = ..., failing_loops: _Optional[_Iterable[_Union[LoopFailure, _Mapping]]] = ..., version: _Optional[int] = ..., follow: _Optional[_Union[FollowStatus, _Mapping]] = ...) -> None: ...
+
+class FollowStatus(_message.Message):
+    __slots__ = ("source", "leader", "checkpoint", "connected", "applied_version", "leader_version", "lag_versions", "lag_s", "snapshots", "batches", "error")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEADER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAG_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    LAG_S_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    leader: str
+    checkpoint: str
+    connected: bool
+    applied_version: int
+    leader_version: int
+    lag_versions: int
+    lag_s: float
+    snapshots: int
+    batches: int
+    error: str
+    def __init__(self, source: _Optional[str] = ..., leader: _Optional[str] = ..., checkpoint: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., leader_version: _Optional[int] = ..., lag_versions: _Optional[int] = ..., lag_s: _Optional[float] = ..., snapshots: _Optional[int] = ..., batches: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class FollowRequest(_message.Message):
+    __slots__ = ("history", "version", "shard", "num_shards")
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    history: str
+    version: int
+    shard: int
+    num_shards: int
+    def __init__(self, history: _Optional[str] = ..., version: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class TableDelta(_message.Message):
+    __slots__ = ("table", "keys", "rows", "dim", "deleted_keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DELETED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: bytes
+    rows: bytes
+    dim: int
+    deleted_keys: bytes
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., dim: _Optional[int] = ..., deleted_keys: _Optional[bytes] = ...) -> None: ...
+
+class FollowBatch(_message.Message):
+    __slots__ = ("history", "version", "leader_version", "version_unix_s", "specs", "deltas", "snapshot_begin", "snapshot_end", "in_snapshot")
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEADER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    SPECS_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_END_FIELD_NUMBER: _ClassVar[int]
+    IN_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    history: str
+    version: int
+    leader_version: int
+    version_unix_s: float
+    specs: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    deltas: _containers.RepeatedCompositeFieldContainer[TableDelta]
+    snapshot_begin: bool
+    snapshot_end: bool
+    in_snapshot: bool
+    def __init__(self, history: _Optional[str] = ..., version: _Optional[int] = ..., leader_version: _Optional[int] = ..., version_unix_s: _Optional[float] = ..., specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., deltas: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., snapshot_begin: _Optional[bool] = ..., snapshot_end: _Optional[bool] = ..., in_snapshot: _Optional[bool] = ...) -> None: ...
+
+class ServeFromRequest(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    def __init__(self, checkpoint: _Optional[str] = ...) -> None: ...
+
+class ServeFromResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: FollowStatus
+    def __init__(self, status: _Optional[_Union[FollowStatus, _Mapping]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("path",)

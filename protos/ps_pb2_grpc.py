@@ -64,6 +64,16 @@ class ParameterServerStub:
                 request_serializer=protos_dot_ps__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=protos_dot_ps__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.Follow = channel.unary_stream(
+                '/ps.v1.ParameterServer/Follow',
+                request_serializer=protos_dot_ps__pb2.FollowRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.FollowBatch.FromString,
+                _registered_method=True)
+        self.ServeFrom = channel.unary_unary(
+                '/ps.v1.ParameterServer/ServeFrom',
+                request_serializer=protos_dot_ps__pb2.ServeFromRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.ServeFromResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -105,6 +115,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Follow(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ServeFrom(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +159,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=protos_dot_ps__pb2.CheckpointRequest.FromString,
                     response_serializer=protos_dot_ps__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Follow': grpc.unary_stream_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=protos_dot_ps__pb2.FollowRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.FollowBatch.SerializeToString,
+            ),
+            'ServeFrom': grpc.unary_unary_rpc_method_handler(
+                    servicer.ServeFrom,
+                    request_deserializer=protos_dot_ps__pb2.ServeFromRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.ServeFromResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +333,60 @@ class ParameterServer:
             '/ps.v1.ParameterServer/Checkpoint',
             protos_dot_ps__pb2.CheckpointRequest.SerializeToString,
             protos_dot_ps__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ps.v1.ParameterServer/Follow',
+            protos_dot_ps__pb2.FollowRequest.SerializeToString,
+            protos_dot_ps__pb2.FollowBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ServeFrom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/ServeFrom',
+            protos_dot_ps__pb2.ServeFromRequest.SerializeToString,
+            protos_dot_ps__pb2.ServeFromResponse.FromString,
             options,
             channel_credentials,
             insecure,

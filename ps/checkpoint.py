@@ -105,6 +105,32 @@ def resolve_checkpoint_path(root: Path | None, requested: str, shard: int) -> Pa
     return target
 
 
+def resolve_existing_checkpoint(root: Path | None, requested: str, shard: int) -> Path:
+    """The checkpoint directory ``requested`` names for reading: a version number
+    ("3" is ``000003``), a path relative to ``root``, or an absolute one below it.
+
+    Raises ``NotConfigured`` without a root, ``InvalidRequest`` naming the path when it
+    is outside the root or holds no checkpoint (``db/`` and ``manifest.json``).
+    """
+    base = require_root(root, shard).resolve()
+    if "\0" in requested or not requested:
+        raise InvalidRequest(f"checkpoint {requested[:200]!r}: give a version number or a path under {base}")
+    name = f"{int(requested):06d}" if requested.isdigit() else requested
+    try:
+        target = (base / name).resolve()
+    except (OSError, RuntimeError) as exc:
+        raise InvalidRequest(f"checkpoint {requested!r} cannot be resolved under {base}: {exc}") from None
+    if not target.is_relative_to(base):
+        raise InvalidRequest(f"checkpoint {requested!r} is not under this shard's checkpoint root {base}")
+    if not (target / "db").is_dir() or not (target / "manifest.json").is_file():
+        versions = sorted(p.name for p in base.glob("[0-9]*") if p.name.isdigit()) if base.is_dir() else []
+        raise InvalidRequest(
+            f"checkpoint {requested!r}: {target} holds no checkpoint (db/ and manifest.json); "
+            f"versions under {base}: {', '.join(versions) or 'none'}"
+        )
+    return target
+
+
 def require_root(root: Path | None, shard: int) -> Path:
     """``root``; ``NotConfigured`` (FAILED_PRECONDITION) if the shard has none."""
     if root is None:

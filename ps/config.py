@@ -142,10 +142,46 @@ class ServerConfig:
             "are refused. A shard that stops with updates its disk refused leaves a rescue dump here"
         },
     )
+    mode: str = field(
+        default="train",
+        metadata={
+            "help": "train: lookups create rows, pushes update them. serve: read-only (every write gets "
+            "FAILED_PRECONDITION); unknown keys read as zeros and nothing is stored; rows come from "
+            "--data-dir (a data dir or a checkpoint, opened read-only) or from --follow"
+        },
+    )
+    follow: str | None = field(
+        default=None,
+        metadata={
+            "help": "serve mode: HOST:PORT of the training shard (same --shard) whose changes this shard "
+            "streams and applies, seconds fresh; with --data-dir the copy is kept there (its own directory)"
+        },
+    )
+    follow_history_keys: int = field(
+        default=4_000_000,
+        metadata={
+            "help": "train mode: changed keys remembered for followers (8 bytes each); a follower further "
+            "behind than this is sent a full snapshot instead"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
             raise ConfigError(f"num_shards={self.num_shards}: must be >= 1")
+        if self.mode not in ("train", "serve"):
+            raise ConfigError(f"mode={self.mode!r}: expected train or serve")
+        if self.follow is not None and self.mode != "serve":
+            raise ConfigError("follow needs mode=serve: only a serving shard follows a training shard")
+        if self.mode == "serve" and self.follow is None and self.data_dir is None:
+            raise ConfigError(
+                "mode=serve needs data_dir (a data dir or checkpoint to serve) or follow (a training shard)"
+            )
+        if self.mode == "serve" and self.restore_from is not None:
+            raise ConfigError(
+                "restore_from is for training shards; serve a checkpoint with --mode serve --data-dir CHECKPOINT"
+            )
+        if self.follow_history_keys < 1:
+            raise ConfigError(f"follow_history_keys={self.follow_history_keys}: must be >= 1")
         if not 0 <= self.shard < self.num_shards:
             raise ConfigError(f"shard={self.shard}: not in [0, num_shards={self.num_shards})")
         if self.threads < 1:
@@ -167,9 +203,11 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and "\0" in str(value):
                 raise ConfigError(f"{name}={str(value)!r}: contains a NUL byte")
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or int(port) > 65535:
-            raise ConfigError(f"listen={self.listen!r}: expected HOST:PORT, e.g. 127.0.0.1:0")
+        for name in ("listen", "follow"):
+            value = getattr(self, name)
+            host, sep, port = (value or "").rpartition(":")
+            if value is not None and (not sep or not host or not port.isdigit() or int(port) > 65535):
+                raise ConfigError(f"{name}={value!r}: expected HOST:PORT, e.g. 127.0.0.1:50051")
 
 
 @dataclass(frozen=True)

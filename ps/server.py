@@ -11,6 +11,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent import futures
 
@@ -18,17 +19,32 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ps.changes import ChangeLog
 from ps.checkpoint import copy_checkpoint
 from ps.config import Durability, ServerConfig
+from ps.follow import Source
 from ps.rescue import StopReport, apply_rescue, is_rescue_dump
 from ps.servicer import SERVICE_NAME, Servicer
-from ps.shard import Shard
+from ps.shard import Mode, Shard
 from ps.storage import DataDirError, Storage, StorageFailed
 
-__all__ = ["BACKGROUND_HEALTH_SERVICE", "WRITE_HEALTH_SERVICE", "PSServer", "build_server", "open_shard"]
+__all__ = [
+    "BACKGROUND_HEALTH_SERVICE",
+    "FOLLOW_HEALTH_SERVICE",
+    "WRITE_HEALTH_SERVICE",
+    "PSServer",
+    "build_server",
+    "open_shard",
+]
 
 WRITE_HEALTH_SERVICE = SERVICE_NAME + ".Writes"
 """Health service name that is NOT_SERVING while the shard refuses writes (storage failed)."""
+
+FOLLOW_HEALTH_SERVICE = SERVICE_NAME + ".Follow"
+"""Health service name of a following serving shard: SERVING while its change stream is
+open and it is less than ``FOLLOW_MAX_LAG_S`` behind its training shard."""
+
+FOLLOW_MAX_LAG_S = 5.0
 
 BACKGROUND_HEALTH_SERVICE = SERVICE_NAME + ".Background"
 """Health service name that is NOT_SERVING while a background loop of the shard (evictor,
@@ -45,6 +61,7 @@ class PSServer:
         self.port = port
         self.shard = shard
         self._health = health
+        self._stopped = threading.Event()
 
     def stop(self, grace_s: float | None = None) -> StopReport:
         """Refuse new calls, let in-flight ones finish for up to ``grace_s``, then write what
@@ -52,8 +69,11 @@ class PSServer:
         that write, retry for up to ``grace_s`` more, then save what it did not take to
         a rescue dump (see ``Shard.shutdown``); the report says how it went."""
         self._health.enter_graceful_shutdown()
+        self._stopped.set()
         self.shard.close()
         self.server.stop(grace_s).wait()
+        if isinstance(self.shard.source, Source):
+            self.shard.source.stop()
         return self.shard.shutdown(grace_s or 0.0)
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -66,8 +86,27 @@ def open_shard(config: ServerConfig) -> Shard:
     the checkpoint ``config.restore_from`` (into an empty data dir), or with the rescue
     dump ``config.restore_from`` applied to it. Raises ``RuntimeError`` with an
     actionable message."""
+    shard = _open_shard(config)
+    shard.changes = ChangeLog(config.follow_history_keys)
+    if config.mode == "serve":
+        shard.source = Source(shard, config.follow, max_message_bytes=config.max_message_bytes)
+    return shard
+
+
+def _open_shard(config: ServerConfig) -> Shard:
+    mode: Mode = "serve" if config.mode == "serve" else "train"
     if config.data_dir is None:
-        return Shard(config.shard, config.num_shards, checkpoint_root=config.checkpoint_root)
+        return Shard(config.shard, config.num_shards, checkpoint_root=config.checkpoint_root, mode=mode)
+    if config.mode == "serve" and config.follow is None:  # serve the rows there as they are
+        try:
+            storage = Storage(config.data_dir, shard=config.shard, num_shards=config.num_shards, read_only=True)
+        except DataDirError as exc:
+            raise RuntimeError(f"--data-dir {config.data_dir} (served read-only): {exc}") from None
+        shard = Shard(config.shard, config.num_shards, storage, Durability("checkpoint-only"),
+                      config.memory_budget_bytes, config.checkpoint_root, mode=mode)  # fmt: skip
+        if not shard.tables():
+            log.warning("%s holds no tables: every lookup will get NOT_FOUND", config.data_dir)
+        return shard
     rescue = config.restore_from is not None and is_rescue_dump(config.restore_from)
     try:
         if config.restore_from is not None and not rescue:
@@ -91,6 +130,7 @@ def open_shard(config: ServerConfig) -> Shard:
         Durability.parse(config.durability),
         config.memory_budget_bytes,
         config.checkpoint_root,
+        mode=mode,
     )
 
 
@@ -136,4 +176,21 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     shard.on_writable_change(listener(WRITE_HEALTH_SERVICE))
     shard.health.on_change(listener(BACKGROUND_HEALTH_SERVICE))
     shard.start()
-    return PSServer(server, port, shard, health_servicer)
+    ps_server = PSServer(server, port, shard, health_servicer)
+    if isinstance(shard.source, Source) and shard.source.leader is not None:
+        shard.source.start()
+        follow_health = listener(FOLLOW_HEALTH_SERVICE)
+        follow_health(False)
+        threading.Thread(target=_watch_follower, args=(shard.source, follow_health, ps_server._stopped),
+                         name="ps-follow-health", daemon=True).start()  # fmt: skip
+    return ps_server
+
+
+def _watch_follower(source: Source, set_status: Callable[[bool], None], stopped: threading.Event) -> None:
+    """Keep the follow health status in step with the follower's connection and lag."""
+    healthy: bool | None = None
+    while not stopped.wait(0.25):
+        now = source.connected and source.lag_s() < FOLLOW_MAX_LAG_S
+        if now != healthy:
+            set_status(now)
+            healthy = now

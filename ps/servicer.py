@@ -26,7 +26,9 @@ from protos import ps_pb2 as pb
 from protos import wire
 from ps.config import spec_from_proto, spec_to_proto
 from ps.errors import ShardError
+from ps.follow import serve_from
 from ps.shard import Shard
+from ps.stream import follow_batches
 
 __all__ = ["SERVICE_NAME", "Servicer", "spec_from_proto", "spec_to_proto", "status_boundary"]
 
@@ -81,6 +83,10 @@ class Servicer:
                 "Push": unary(self.Push, True),
                 "Stats": unary(self.Stats, True),
                 "Checkpoint": unary(self.Checkpoint, True),
+                "Follow": grpc.unary_stream_rpc_method_handler(
+                    self.Follow, request_deserializer=None, response_serializer=lambda m: m.SerializeToString()
+                ),
+                "ServeFrom": unary(self.ServeFrom, True),
             },
         )
 
@@ -121,4 +127,17 @@ class Servicer:
         with status_boundary(context, "Checkpoint"):
             path, manifest = self._shard.checkpoint(pb.CheckpointRequest.FromString(request).path or None)
             return pb.CheckpointResponse(path=str(path), manifest_json=json.dumps(manifest, sort_keys=True))
+        raise AssertionError("unreachable: status_boundary aborts")
+
+    def Follow(self, request: bytes, context: grpc.ServicerContext) -> Iterator[pb.FollowBatch]:
+        with status_boundary(context, "Follow"):
+            yield from follow_batches(
+                self._shard, pb.FollowRequest.FromString(request), context.is_active, self._max_bytes
+            )
+
+    def ServeFrom(self, request: bytes, context: grpc.ServicerContext) -> pb.ServeFromResponse:
+        with status_boundary(context, "ServeFrom"):
+            return pb.ServeFromResponse(
+                status=serve_from(self._shard, pb.ServeFromRequest.FromString(request).checkpoint)
+            )
         raise AssertionError("unreachable: status_boundary aborts")

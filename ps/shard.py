@@ -8,9 +8,11 @@ table's exactly-once ledger, and (with a ``Storage``) keeps the tables within th
 memory budget, writes them out as the durability mode says, expires rows, and takes
 checkpoints (``ps.checkpoint``).
 
-Modes: a ``train`` shard creates the row of a key on its first lookup and takes
-pushes; a ``serve`` shard reads a key without a row as zeros (the table default) and
-stores nothing, and refuses pushes with ``WrongMode`` (FAILED_PRECONDITION).
+Modes: a ``train`` shard creates the row of a key on its first lookup, takes pushes,
+and numbers both in its change log (``changes``, streamed to followers by
+``ps.stream``); a ``serve`` shard reads a key without a row as zeros, stores nothing,
+refuses every write with ``WrongMode`` (FAILED_PRECONDITION), and gets its rows from
+its ``source`` (``ps.follow``), whose changes it answers lookups between.
 
 A storage failure (disk full, I/O error) makes the shard read-only: pushes get
 UNAVAILABLE, lookups keep working, nothing is evicted any more (RAM may grow past the
@@ -41,7 +43,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -58,6 +59,7 @@ from protos import ps_pb2 as pb
 from protos import wire
 from ps import optimizers
 from ps.background import EVICTOR, INTERVAL_FLUSH, STORAGE_RECOVERY, TTL_SWEEP, LoopHealth, RateWindow
+from ps.changes import ChangeLog
 from ps.checkpoint import next_version_path, require_root, resolve_checkpoint_path, write_checkpoint
 from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import (
@@ -72,6 +74,7 @@ from ps.errors import (
 from ps.ledger import PushLedger
 from ps.lifecycle import now_tick
 from ps.recovery import StorageHealth
+from ps.report import RowSource, shard_stats
 from ps.rescue import StopReport, save_rescue
 from ps.storage import Storage, StorageFailed
 from ps.table import Table, held_tables
@@ -140,11 +143,16 @@ class Shard:
         self._evict_lock = threading.Lock()
         self._checkpoint_lock = threading.Lock()
         self._closing = False
-        self._rates = RateWindow()
+        self.rates = RateWindow()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._evictor: threading.Thread | None = None
         self._wake_evictor = threading.Event()
+        self.changes = ChangeLog()  # a training shard's versions, for serving shards that follow it
+        # Held by a serving shard's lookups and by whatever swaps or changes its rows
+        # (``ps.follow``), so that a lookup sees each change batch whole or not at all.
+        self.serve_lock = threading.RLock()
+        self.source: RowSource | None = None  # a serving shard's source of rows: in stats() and health
         if storage is not None:
             for name, blob in sorted(storage.specs().items()):
                 self._tables[name] = self._new_table(spec_from_proto(pb.TableSpec.FromString(blob)))
@@ -188,9 +196,15 @@ class Shard:
     def create_table(self, spec: TableSpec) -> bool:
         """Create ``spec``'s table; False if an identical one exists.
 
-        Raises ``TableExists`` naming every differing field if the name is taken by
-        another spec; ``StorageFailed`` if the spec cannot be stored.
+        Raises ``WrongMode`` on a serving shard, ``TableExists`` naming every differing
+        field if the name is taken by another spec, ``StorageFailed`` if the spec cannot
+        be stored.
         """
+        self.check_mode("CreateTable")
+        return self.install_table(spec)
+
+    def install_table(self, spec: TableSpec) -> bool:
+        """``create_table`` in any mode: how a serving shard takes its leader's tables."""
         with self._lock:
             existing = self._tables.get(spec.name)
             if existing is not None:
@@ -201,7 +215,7 @@ class Shard:
                     )
                 return False
             if self.storage is not None:
-                self.check_writable()
+                self._storage_health.check()
                 self._guard(self.storage.save_spec, spec.name, spec_to_proto(spec).SerializeToString())
             self._tables[spec.name] = self._new_table(spec)
         log.info("table created name=%s dim=%d optimizer=%s", spec.name, spec.dim, spec.optimizer.kind.name)
@@ -214,6 +228,12 @@ class Shard:
         except KeyError:
             known = ", ".join(sorted(self._tables)) or "none"
             raise UnknownTable(f"table {name!r} does not exist on shard {self.index} (tables: {known})") from None
+
+    def swap_tables(self, tables: dict[str, Table]) -> dict[str, Table]:
+        """Serve ``tables`` from now on; returns the ones served until now (``ps.follow``)."""
+        with self._lock:
+            previous, self._tables = self._tables, tables
+        return previous
 
     def tables(self) -> list[Table]:
         """Every table, sorted by name."""
@@ -241,9 +261,16 @@ class Shard:
     def check_writable(self) -> None:
         """Raise ``WrongMode`` if this shard refuses pushes (serving mode), ``StorageFailed``
         if its storage failed."""
-        if self._mode != "train":
-            raise WrongMode(f"shard {self.index} is read-only (mode={self._mode}): pushes are refused")
+        self.check_mode("Push")
         self._storage_health.check()
+
+    def check_mode(self, what: str) -> None:
+        """Raise ``WrongMode`` naming ``what`` and the mode unless this is a training shard."""
+        if self._mode != "train":
+            raise WrongMode(
+                f"{what} refused: shard {self.index} is read-only (mode={self._mode}); "
+                "send writes to the training shard it serves from"
+            )
 
     @staticmethod
     def check_table_field(name: str, field: str) -> None:
@@ -268,6 +295,12 @@ class Shard:
         when rows on disk cannot be read.
         """
         self.check_request(request.num_shards, request.shard if request.HasField("shard") else None)
+        # A serving shard's rows change only in whole batches (and its tables may be
+        # swapped for a checkpoint's): it answers under the lock those changes take.
+        with self.serve_lock if self._mode != "train" else contextlib.nullcontext():
+            return self._lookup(request, max_response_bytes)
+
+    def _lookup(self, request: pb.LookupRequest, max_response_bytes: int) -> bytes:
         plan: list[tuple[Table, npt.NDArray[np.int64], int]] = []
         total = 0
         for i, entry in enumerate(request.entries):
@@ -283,12 +316,17 @@ class Shard:
             )
         writer = wire.LookupResponseWriter([(t.spec.name, k.shape[0], t.dim, dt) for t, k, dt in plan])
         create = self._mode == "train"
+        created: list[tuple[str, npt.NDArray[np.int64]]] = []
         for i, (table, keys, dtype) in enumerate(plan):
-            out = writer.rows(i)
+            out, before = writer.rows(i), table.counters.rows_created
             if dtype == wire.FLOAT32:
                 table.lookup(keys, cast("npt.NDArray[np.float32]", out), create=create)
             else:
                 out[:] = wire.rows_to_dtype(table.lookup(keys, create=create), dtype)
+            if table.counters.rows_created != before:  # new rows: followers must see them too
+                created.append((table.spec.name, keys.copy()))
+        if created:
+            self.changes.record(created)
         self.after_request()
         return writer.finish()
 
@@ -311,10 +349,14 @@ class Shard:
             table.validate_grads(keys, grads)
             batch.append((table, keys, grads))
         applied, rows = False, 0
+        changed = []
         for table, keys, grads in batch:
             n = self._guard(table.push, keys, grads, client_id=request.client_id, seq=request.seq, check=False)
             if n is not None:
                 applied, rows = True, rows + n
+                changed.append((table.spec.name, keys.copy()))  # a copy: the view would keep the request
+        if changed:
+            self.changes.record(changed)
         if self.durability.kind == "every-push" and self.storage is not None:
             self.last_durable = time.time()
         self.after_request()
@@ -322,9 +364,7 @@ class Shard:
 
     def after_request(self) -> None:
         """Keep the tables within the memory budget: wake the evictor thread as they near
-        it; spill here, or wait for the evictor, beyond it. ``lookup`` and ``push`` call
-        it; so does a caller that drives tables directly (benchmarks, tests).
-
+        it; spill here, or wait for the evictor, beyond it (``lookup`` and ``push`` call it).
         Never raises ``StorageFailed``: the request it follows was applied (and must be
         acknowledged); a spill that fails turns the shard read-only for the next ones."""
         if not (self.memory_budget_bytes and self.writable):
@@ -337,46 +377,9 @@ class Shard:
             self._wake_evictor.set()
 
     def stats(self) -> pb.StatsResponse:
-        """Counters of the shard and of every table, and the background loops failing now."""
-        tables = []
-        for t in self.tables():
-            c, resident = t.counters, len(t)
-            seen = c.ram_hits + c.ram_misses
-            spill_rate, fault_rate = self._rates.rates(t.spec.name, 2)
-            tables.append(
-                pb.TableStats(
-                    name=t.spec.name,
-                    dim=t.dim,
-                    rows=resident + t.spilled,
-                    memory_bytes=t.memory_bytes(),
-                    resident_rows=resident,
-                    spilled_rows=t.spilled,
-                    bytes_per_resident_row=t.bytes_per_row,
-                    ram_hit_rate=c.ram_hits / seen if seen else 1.0,
-                    spill_rows_per_s=spill_rate,
-                    fault_in_rows_per_s=fault_rate,
-                    admission_bytes=t.admission_bytes(),
-                    **dataclasses.asdict(c),  # every running total, under its own name
-                )
-            )
-        stored = self.storage is not None
-        return pb.StatsResponse(
-            shard=self.index,
-            num_shards=self.num_shards,
-            mode=self._mode,
-            uptime_s=time.monotonic() - self.started,
-            tables=tables,
-            duplicate_pushes=self.duplicate_pushes(),
-            memory_budget_bytes=self.memory_budget_bytes,
-            resident_bytes=self.resident_bytes(),
-            durability=str(self.durability) if stored else "",
-            writable=self.writable,
-            storage_error=self.storage_error,
-            last_durable_unix_s=self.last_durable if stored else 0.0,
-            failing_loops=[pb.LoopFailure(**dataclasses.asdict(f)) for f in self.health.failing()],
-        )
+        return shard_stats(self)  # counters of the shard and every table, failing loops, source
 
-    def duplicate_pushes(self) -> int:
+    def duplicate_pushes(self) -> int:  # pushes skipped as applied before
         return sum(t.ledger.duplicates for t in self.tables())
 
     def resident_bytes(self) -> int:
@@ -431,6 +434,7 @@ class Shard:
         until its writes succeed again).
         """
         self.check_request(0)
+        self.check_mode("Checkpoint")
         with self._checkpoint_lock:
             if path is None or str(path) == "":
                 path = next_version_path(require_root(self.checkpoint_root, self.index).resolve())
@@ -514,7 +518,7 @@ class Shard:
         last_flush = last_ttl = time.monotonic()
         while not self._stop.wait(0.25):
             now = time.monotonic()
-            self._rates.sample(
+            self.rates.sample(
                 now, {t.spec.name: (t.counters.rows_spilled, t.counters.rows_faulted_in) for t in self.tables()}
             )
             if self.storage is not None and not self.writable:
@@ -530,7 +534,12 @@ class Shard:
                 with self.health.run(INTERVAL_FLUSH):
                     self.flush(metadata=False)
             ttls = [t.spec.lifecycle.ttl_seconds for t in self.tables() if t.spec.lifecycle.ttl_seconds]
-            if ttls and now - last_ttl >= max(0.5, min(60.0, min(ttls) / 4)) and self.writable:
+            if (
+                ttls
+                and now - last_ttl >= max(0.5, min(60.0, min(ttls) / 4))
+                and self.writable
+                and self._mode == "train"
+            ):
                 last_ttl = now
                 with self.health.run(TTL_SWEEP):
                     self.expire()
@@ -538,6 +547,11 @@ class Shard:
     def close(self) -> None:
         """Refuse new requests from now on (in-flight ones finish)."""
         self._closing = True
+        self.changes.wake()
+
+    @property
+    def closing(self) -> bool:  # True once ``close`` or ``shutdown`` ran
+        return self._closing
 
     def shutdown(self, grace_s: float = 0.0) -> StopReport:
         """After the last request: stop background work, write what is dirty, close storage.

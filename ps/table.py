@@ -29,6 +29,7 @@ lock, the disk's write lock; across tables, in name order (``held``).
 
 Example:
     >>> from ps.config import TableSpec
+from ps.counters import TableCounters
     >>> t = Table(TableSpec("user", dim=4, seed=1))
     >>> rows = t.lookup(np.array([10, 11, 10]))
     >>> bool((rows[0] == rows[2]).all()), len(t)
@@ -40,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -48,6 +48,7 @@ import numpy.typing as npt
 
 from protos.wire import as_keys
 from ps.config import TableSpec
+from ps.counters import TableCounters
 from ps.errors import InvalidRequest
 from ps.initializers import fill_initial_rows
 from ps.ledger import PushLedger
@@ -56,7 +57,7 @@ from ps.ram import CLEAN, DIRTY, RamTier
 from ps.storage import Storage, TableRows
 from ps.tier import SPILL_CHUNK, DiskTier, Spill, write_rows
 
-__all__ = ["HeldTable", "Table", "TableCounters", "held_tables"]
+__all__ = ["HeldTable", "Table", "held_tables"]
 
 _RowCopies = tuple[
     npt.NDArray[np.int64],
@@ -82,31 +83,6 @@ def _first_non_finite(grads: npt.NDArray[np.float32]) -> int:
         if bits[i] & np.uint32(0x7F800000) == np.uint32(0x7F800000):
             return i
     return -1
-
-
-@dataclass
-class TableCounters:
-    """Running totals for ``Stats`` (keys, not requests).
-
-    ``ram_hits``/``ram_misses`` count looked-up keys that have a row: found in RAM, or
-    read back from disk. A key without a row is neither: its new row counts in
-    ``rows_created`` (or, not admitted yet, in ``lookups_not_admitted``). So a table
-    without a disk has no misses, and a tiered one's hit rate is the share of its
-    existing rows that lookups found in RAM.
-    """
-
-    lookups: int = 0
-    pushes: int = 0
-    rows_created: int = 0
-    ram_hits: int = 0
-    ram_misses: int = 0
-    rows_spilled: int = 0
-    rows_faulted_in: int = 0
-    rows_written: int = 0
-    lookups_not_admitted: int = 0
-    pushes_dropped: int = 0
-    rows_expired: int = 0
-    rows_evicted_rare: int = 0
 
 
 class Table:
@@ -344,6 +320,28 @@ class Table:
             np.concatenate([p[1] for p in parts]),
             np.concatenate([p[2] for p in parts]),
         )
+
+    def peek(self, keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32]]:
+        """``(found, values)`` of the distinct, sorted ``keys``, from RAM or disk, as copies:
+        nothing is created, counted, faulted in or touched (the change stream reads so)."""
+        values = np.zeros((keys.shape[0], self.dim), dtype=np.float32)
+        with self._lock:
+            slots = self._ram.slots(keys)
+            found = slots >= 0
+            values[found] = self._ram.arena.values[slots[found]]
+            cold = np.flatnonzero(~found)
+            if self._disk is not None and cold.size:
+                on_disk, rec = self._disk.read(keys[cold])
+                values[cold[on_disk]], found[cold[on_disk]] = rec.values, True
+        return found, values
+
+    def assign(self, keys: npt.NDArray[np.int64], values: npt.NDArray[np.float32]) -> None:
+        """Set the rows of the distinct ``keys`` to ``values`` (creating them), optimizer
+        state untouched: how a serving shard applies its training shard's changes."""
+        with self._lock:
+            slots = self._resolve(keys, now_tick(), create=True, sighting=False)
+            self._ram.arena.values[slots] = values
+            self._ram.mark(slots, DIRTY)
 
     def write_to(self, rows: TableRows, storage: Storage) -> int:
         """Write every resident row and the ledger into another data directory (a

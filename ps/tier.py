@@ -165,6 +165,8 @@ class DiskTier:
         batch). ``StorageFailed``: some chunks may be written; the spill is settled as failed."""
         rows, storage = self.rows, self.storage
         keys = spill.keys[spill.write]
+        if not (keys.size or spill.ledger or spill.delete.any()):
+            return  # clean rows only: nothing to write (a read-only serving shard evicts so)
         for start in range(0, max(keys.shape[0], 1), SPILL_CHUNK):
             batch = storage.batch()
             if start == 0:

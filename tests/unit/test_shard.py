@@ -382,10 +382,14 @@ def test_serving_shard_reads_missing_keys_as_zeros_and_refuses_pushes(tmp_path: 
         np.testing.assert_array_equal(rows, np.stack([known[1], np.zeros(3, np.float32), known[0]]))
         t = shard.table("t")
         assert t.counters.rows_created == 0 and len(t) == 2  # 2 and 1 read back from disk, 99 not created
-        with pytest.raises(WrongMode, match=r"read-only \(mode=serve\): pushes are refused") as info:
+        with pytest.raises(WrongMode, match=r"Push refused: shard 0 is read-only \(mode=serve\)") as info:
             shard.push(push_request([("t", [1], np.ones((1, 3), np.float32))], "w", 1))
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        assert shard.stats().mode == "serve" and t.counters.pushes == 0
+        with pytest.raises(WrongMode, match=r"CreateTable refused: .*mode=serve"):
+            shard.create_table(TableSpec("u", 3))
+        with pytest.raises(WrongMode, match=r"Checkpoint refused: .*mode=serve"):
+            shard.checkpoint("c1")
+        assert shard.stats().mode == "serve" and t.counters.pushes == 0 and shard.specs() == [t.spec]
     finally:
         shard.shutdown()
 

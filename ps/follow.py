@@ -1,0 +1,312 @@
+"""Where a serving shard's rows come from: its data dir, a checkpoint, or a training shard it follows.
+
+A serving shard (``ps-server --mode serve``) has one ``Source``:
+
+* ``--data-dir DIR`` alone: the rows in DIR (a data dir or a checkpoint), opened read-only.
+* ``--follow ADDR``: the rows of the training shard at ADDR, kept current by its change
+  stream (``Follow``, see ``ps.stream``). A thread holds the stream open; each batch is
+  applied under the shard's ``serve_lock`` (lookups take it too), so a lookup sees a
+  batch whole or not at all, and the shard's version only grows: a row never goes back
+  to an older value it already served. A snapshot (first start, or when the leader can
+  no longer continue this follower's history) is staged whole and then applied at once,
+  dropping rows the leader no longer has. With ``--data-dir`` the follower keeps its copy
+  there (its own directory, written by it alone): a restarted follower continues from
+  the version its data dir holds, which is saved only after the rows of that version
+  were written. If the stream breaks, it reconnects with backoff and carries on.
+
+``pin(checkpoint)`` serves a checkpoint instead (read-only; a follower pauses its stream
+meanwhile) and ``unpin()`` switches back; ``ps-admin serve-from`` drives both, to roll
+serving back to a known-good version and forward again.
+
+Lag: ``lag_versions`` is the newest leader version heard of minus the one applied;
+``lag_s`` is how long the follower has been behind (0 when caught up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from protos import ps_pb2 as pb
+from protos import wire
+from ps import optimizers
+from ps.checkpoint import resolve_existing_checkpoint
+from ps.config import spec_from_proto
+from ps.errors import InvalidRequest, WrongMode
+from ps.lifecycle import Lifecycle
+from ps.shard import Shard
+from ps.storage import DataDirError, Storage, StorageFailed
+from ps.table import Table
+
+__all__ = ["Source", "serve_from"]
+
+log = logging.getLogger(__name__)
+
+_STATE_KEY = b"follow-state"  # "<history> <version>" of the rows this data dir holds
+_SAVE_EVERY_S = 2.0
+
+
+class Source:
+    """The source of ``shard``'s rows (see the module docstring). ``leader``: the training
+    shard to follow, or None to serve the shard's own tables as they are."""
+
+    def __init__(self, shard: Shard, leader: str | None = None, *, max_message_bytes: int = 64 << 20) -> None:
+        self.shard = shard
+        self.leader = leader
+        self.max_message_bytes = max_message_bytes
+        self.history, self.applied_version = "", 0
+        self.leader_version = 0
+        self.snapshots = self.batches = 0
+        self.connected = False
+        self.error = ""
+        self.pinned: Path | None = None
+        self._pinned_storage: Storage | None = None
+        self._base: dict[str, Table] | None = None  # the shard's own tables while pinned
+        self._behind_since: float | None = None
+        self._staged: dict[str, list[tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]]] = {}
+        self._saved_version = -1
+        self._saved_at = 0.0
+        self._stop = threading.Event()
+        self._resume = threading.Event()
+        self._resume.set()
+        self._call: Any = None  # the open Follow call (an iterator that can be cancelled)
+        self._thread: threading.Thread | None = None
+        if leader is not None and shard.storage is not None:
+            saved = shard.storage.get_meta(_STATE_KEY)
+            if saved:
+                history, version = saved.decode().split()
+                self.history, self.applied_version = history, int(version)
+                self._saved_version = self.applied_version
+                log.info("continuing to follow %s from version %d (history %s)", leader, int(version), history)
+
+    # -- status ----------------------------------------------------------------------------
+
+    @property
+    def kind(self) -> str:
+        if self.pinned is not None:
+            return "checkpoint"
+        return "follow" if self.leader is not None else "data-dir"
+
+    def lag_s(self) -> float:
+        since = self._behind_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
+    def status(self) -> pb.FollowStatus:
+        return pb.FollowStatus(
+            source=self.kind, leader=self.leader or "", checkpoint=str(self.pinned or ""),
+            connected=self.connected, applied_version=self.applied_version, leader_version=self.leader_version,
+            lag_versions=max(0, self.leader_version - self.applied_version), lag_s=self.lag_s(),
+            snapshots=self.snapshots, batches=self.batches, error=self.error if not self.connected else "",
+        )  # fmt: skip
+
+    # -- following -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start following (a no-op without a leader)."""
+        if self.leader is not None and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"ps-shard{self.shard.index}-follow", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop following and close a pinned checkpoint (blocks until the thread ends)."""
+        self._stop.set()
+        self._resume.set()
+        if self._call is not None:
+            self._call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._save_state()
+        if self._pinned_storage is not None:
+            self._pinned_storage.close()
+
+    def _run(self) -> None:
+        assert self.leader is not None
+        options = [("grpc.max_receive_message_length", self.max_message_bytes)]
+        backoff = 0.05
+        with grpc.insecure_channel(self.leader, options=options) as channel:
+            follow = channel.unary_stream(
+                f"/{pb.DESCRIPTOR.services_by_name['ParameterServer'].full_name}/Follow",
+                request_serializer=pb.FollowRequest.SerializeToString,
+                response_deserializer=pb.FollowBatch.FromString,
+            )
+            while not self._stop.is_set():
+                self._resume.wait()
+                if self._stop.is_set():
+                    break
+                request = pb.FollowRequest(history=self.history, version=self.applied_version,
+                                           shard=self.shard.index, num_shards=self.shard.num_shards)  # fmt: skip
+                try:
+                    self._call = follow(request)
+                    for batch in self._call:
+                        if not self.connected:
+                            self.connected, backoff = True, 0.05
+                            log.info("following %s from version %d", self.leader, self.applied_version)
+                        self._apply(batch)
+                        if not self._resume.is_set() or self._stop.is_set():
+                            break
+                except grpc.RpcError as exc:
+                    if self._stop.is_set() or not self._resume.is_set():
+                        continue
+                    self._lost(f"{exc.code().name}: {exc.details()}")
+                except Exception as exc:  # a bad batch or a storage failure: log, reconnect, carry on
+                    log.exception("applying a batch from %s failed", self.leader)
+                    self._lost(f"applying a batch failed: {type(exc).__name__}: {exc}")
+                finally:
+                    if self._call is not None:
+                        self._call.cancel()
+                    self.connected = False
+                self._stop.wait(backoff * random.uniform(0.5, 1.0))
+                backoff = min(2.0, backoff * 2)
+
+    def _lost(self, error: str) -> None:
+        if self.connected or error != self.error:
+            log.warning("lost the change stream of %s: %s (reconnecting)", self.leader, error)
+        self.error = error
+        if self._behind_since is None:
+            self._behind_since = time.monotonic()
+
+    def _apply(self, batch: pb.FollowBatch) -> None:
+        """Apply one message of the stream (see the module docstring)."""
+        self.leader_version = max(self.leader_version, batch.leader_version)
+        if batch.history != self.history and not batch.in_snapshot:
+            raise ValueError(f"a batch of history {batch.history} without a snapshot first")
+        if batch.in_snapshot:
+            if batch.snapshot_begin:
+                self._staged = {}
+            for d in batch.deltas:
+                keys = wire.decode_keys(d.keys, f"table {d.table!r}: keys")
+                rows = wire.decode_rows(d.rows, keys.shape[0], d.dim, wire.FLOAT32, f"table {d.table!r}: rows")
+                self._staged.setdefault(d.table, []).append((keys, rows))
+            if batch.snapshot_end:
+                self._apply_snapshot(batch)
+        elif batch.deltas or batch.version > self.applied_version:
+            with self.shard.serve_lock:
+                self._take_specs(batch.specs)
+                for d in batch.deltas:
+                    table = self.shard.table(d.table)
+                    keys = wire.decode_keys(d.keys, f"table {d.table!r}: keys")
+                    table.assign(keys, wire.decode_rows(d.rows, keys.shape[0], d.dim, wire.FLOAT32, "rows"))
+                    deleted = wire.decode_keys(d.deleted_keys, f"table {d.table!r}: deleted_keys")
+                    if deleted.size:
+                        table.remove(deleted)
+                self.applied_version = max(self.applied_version, batch.version)
+                self.batches += 1
+        self._caught_up_check()
+        if time.monotonic() - self._saved_at >= _SAVE_EVERY_S:
+            self._save_state()
+
+    def _apply_snapshot(self, end: pb.FollowBatch) -> None:
+        with self.shard.serve_lock:
+            self._take_specs(end.specs)
+            for table in self.shard.tables():
+                parts = self._staged.pop(table.spec.name, [])
+                keys = np.concatenate([k for k, _ in parts]) if parts else np.empty(0, np.int64)
+                if parts:
+                    table.assign(keys, np.concatenate([r for _, r in parts]))
+                held, _, _ = table.export()
+                stale = np.setdiff1d(held, keys, assume_unique=True)
+                if stale.size:
+                    table.remove(stale)
+            self.history, self.applied_version = end.history, end.version
+            self.snapshots += 1
+        self._staged = {}
+        log.info("loaded a snapshot of %s at version %d (history %s)", self.leader, end.version, end.history)
+        self._save_state(force=True)
+
+    def _take_specs(self, specs: Iterable[pb.TableSpec]) -> None:
+        """Create the leader's tables this shard lacks (lifecycle rules are the leader's to apply)."""
+        have = {t.spec.name for t in self.shard.tables()}
+        for msg in specs:
+            if msg.name not in have:
+                self.shard.install_table(dataclasses.replace(spec_from_proto(msg), lifecycle=Lifecycle()))
+
+    def _caught_up_check(self) -> None:
+        if self.applied_version >= self.leader_version:
+            self._behind_since = None
+        elif self._behind_since is None:
+            self._behind_since = time.monotonic()
+
+    def _save_state(self, force: bool = False) -> None:
+        """Write the rows applied so far, then the version they reach (a restart continues there)."""
+        storage = self.shard.storage
+        if self.leader is None or storage is None or self.pinned is not None:
+            return
+        if not force and self.applied_version == self._saved_version:
+            return
+        self._saved_at = time.monotonic()
+        with self.shard.serve_lock:
+            history, version = self.history, self.applied_version
+        try:
+            self.shard.flush()
+            storage.put_meta(_STATE_KEY, f"{history} {version}".encode())
+            self._saved_version = version
+        except StorageFailed as exc:
+            log.warning("could not save the followed rows: %s (retrying later)", exc)
+
+    # -- pinning ---------------------------------------------------------------------------
+
+    def pin(self, checkpoint: str) -> Path:
+        """Serve the checkpoint ``checkpoint`` (absolute, or under the shard's checkpoint
+        root) read-only from now on; returns its path. Raises ``InvalidRequest`` naming
+        the path when it is not a checkpoint of this shard."""
+        path = resolve_existing_checkpoint(self.shard.checkpoint_root, checkpoint, self.shard.index)
+        try:
+            storage = Storage(path, shard=self.shard.index, num_shards=self.shard.num_shards, read_only=True)
+        except DataDirError as exc:
+            raise InvalidRequest(f"checkpoint {checkpoint!r}: {exc}") from None
+        tables = {}
+        for name, blob in sorted(storage.specs().items()):
+            spec = spec_from_proto(pb.TableSpec.FromString(blob))
+            width = optimizers.state_width(spec.optimizer, spec.dim)
+            tables[name] = Table(spec, rows=storage.table(name, spec.dim, width), storage=storage)
+        self._resume.clear()  # pause following: the stream loop leaves at its next message
+        if self._call is not None:
+            self._call.cancel()
+        with self.shard.serve_lock:
+            previous = self.shard.swap_tables(tables)
+            if self._base is None:
+                self._base = previous
+            old, self._pinned_storage, self.pinned = self._pinned_storage, storage, path
+        if old is not None:
+            old.close()
+        log.info("serving checkpoint %s (pinned)", path)
+        return path
+
+    def unpin(self) -> None:
+        """Serve the shard's own tables again (a follower resumes its stream where it paused)."""
+        if self._base is None:
+            return
+        with self.shard.serve_lock:
+            self.shard.swap_tables(self._base)
+            self._base, self.pinned = None, None
+            old, self._pinned_storage = self._pinned_storage, None
+        if old is not None:
+            old.close()
+        self._resume.set()
+        log.info("unpinned: serving %s again", self.kind)
+
+
+def serve_from(shard: Shard, checkpoint: str) -> pb.FollowStatus:
+    """Pin the serving ``shard`` to ``checkpoint`` ("" unpins it); returns its source's status.
+    Raises ``WrongMode`` on a training shard, ``InvalidRequest`` for a bad checkpoint."""
+    source = shard.source
+    if not isinstance(source, Source):
+        raise WrongMode(
+            f"ServeFrom refused: shard {shard.index} is a training shard (mode={shard.mode}); "
+            "only serving shards switch sources"
+        )
+    if checkpoint:
+        source.pin(checkpoint)
+    else:
+        source.unpin()
+    return source.status()

@@ -1,0 +1,93 @@
+"""``Stats``: what a shard reports about itself and each of its tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from protos import ps_pb2 as pb
+from ps.background import LoopHealth, RateWindow
+from ps.changes import ChangeLog
+from ps.table import Table
+
+__all__ = ["RowSource", "ShardView", "shard_stats"]
+
+
+class RowSource(Protocol):
+    """Where a serving shard's rows come from (``ps.follow.Source``), as ``Stats`` sees it."""
+
+    applied_version: int
+
+    def status(self) -> pb.FollowStatus: ...
+
+
+class ShardView(Protocol):
+    """What ``shard_stats`` reads of a ``ps.shard.Shard``."""
+
+    index: int
+    num_shards: int
+    started: float
+    last_durable: float
+    memory_budget_bytes: int
+    storage: Any
+    durability: Any
+    health: LoopHealth
+    rates: RateWindow
+    changes: ChangeLog
+    source: RowSource | None
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def writable(self) -> bool: ...
+    @property
+    def storage_error(self) -> str: ...
+    def tables(self) -> Sequence[Table]: ...
+    def duplicate_pushes(self) -> int: ...
+    def resident_bytes(self) -> int: ...
+
+
+def shard_stats(shard: ShardView) -> pb.StatsResponse:
+    """Counters of ``shard`` and of every table, the background loops failing now, and
+    (a serving shard) where its rows come from."""
+    tables = []
+    for t in shard.tables():
+        c, resident = t.counters, len(t)
+        seen = c.ram_hits + c.ram_misses
+        spill_rate, fault_rate = shard.rates.rates(t.spec.name, 2)
+        tables.append(
+            pb.TableStats(
+                name=t.spec.name,
+                dim=t.dim,
+                rows=resident + t.spilled,
+                memory_bytes=t.memory_bytes(),
+                resident_rows=resident,
+                spilled_rows=t.spilled,
+                bytes_per_resident_row=t.bytes_per_row,
+                ram_hit_rate=c.ram_hits / seen if seen else 1.0,
+                spill_rows_per_s=spill_rate,
+                fault_in_rows_per_s=fault_rate,
+                admission_bytes=t.admission_bytes(),
+                **dataclasses.asdict(c),  # every running total, under its own name
+            )
+        )
+    stored = shard.storage is not None
+    return pb.StatsResponse(
+        shard=shard.index,
+        num_shards=shard.num_shards,
+        mode=shard.mode,
+        uptime_s=time.monotonic() - shard.started,
+        tables=tables,
+        duplicate_pushes=shard.duplicate_pushes(),
+        memory_budget_bytes=shard.memory_budget_bytes,
+        resident_bytes=shard.resident_bytes(),
+        durability=str(shard.durability) if stored else "",
+        writable=shard.writable,
+        storage_error=shard.storage_error,
+        last_durable_unix_s=shard.last_durable if stored else 0.0,
+        failing_loops=[pb.LoopFailure(**dataclasses.asdict(f)) for f in shard.health.failing()],
+        version=shard.changes.version if shard.source is None else shard.source.applied_version,
+        follow=shard.source.status() if shard.source is not None else None,
+    )

@@ -1,0 +1,127 @@
+"""The leader's side of ``Follow``: a training shard's changes as a stream of batches.
+
+``follow_batches(shard, request, ...)`` yields ``FollowBatch`` messages for one
+follower. It starts with a snapshot (every row of every table, over as many messages
+as the size limit needs) unless the follower's ``(history, version)`` can be
+continued from the shard's change log (``ps.changes``); then, each time pushes were
+applied, one batch with the current values of every row they changed since the last
+batch, and a heartbeat about every ``heartbeat_s`` while nothing changes, so that the
+follower knows it is caught up and that the stream is alive.
+
+Values are read when a batch is built (``Table.peek``: nothing is created, counted or
+faulted into RAM), so a batch's rows are at least as new as its ``version``; a row
+that no longer exists is sent as deleted. A batch larger than the message limit goes
+as several messages; only the last one advances the follower's version.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Iterator
+
+import numpy as np
+import numpy.typing as npt
+
+from protos import ps_pb2 as pb
+from protos import wire
+from ps.config import spec_to_proto
+from ps.errors import ShardMismatch, WrongMode
+from ps.shard import Shard
+
+__all__ = ["follow_batches"]
+
+_OVERHEAD_BYTES = 1 << 16  # specs, table names, field headers
+
+
+def follow_batches(
+    shard: Shard,
+    request: pb.FollowRequest,
+    active: Callable[[], bool],
+    max_message_bytes: int,
+    heartbeat_s: float = 0.5,
+) -> Iterator[pb.FollowBatch]:
+    """The stream ``request`` asks for, until ``active()`` turns false or the shard stops.
+
+    Raises ``WrongMode`` on a serving shard (followers follow training shards) and
+    ``ShardMismatch`` when the follower's shard index or cluster size differ.
+    """
+    shard.check_request(0)
+    if shard.mode != "train":
+        raise WrongMode(f"Follow refused: shard {shard.index} is a serving shard; follow its training shard")
+    if (request.shard, request.num_shards) != (shard.index, shard.num_shards):
+        raise ShardMismatch(
+            f"a follower of shard {request.shard} of {request.num_shards} reached shard {shard.index} of "
+            f"{shard.num_shards}: give each serving shard the address of the training shard with its index"
+        )
+    log, limit = shard.changes, max(1 << 16, max_message_bytes - _OVERHEAD_BYTES)
+    sent = request.version if request.history == log.history and log.since(request.version) is not None else None
+    while active() and not shard.closing:
+        if sent is None:
+            sent = yield from _snapshot(shard, limit)
+            continue
+        version = log.wait(sent, heartbeat_s)
+        if version == sent:
+            yield pb.FollowBatch(history=log.history, version=sent, leader_version=version)
+            continue
+        changed = log.since(sent)
+        if changed is None:  # the log moved past ``sent`` while this follower was slow
+            sent = None
+            continue
+        version, unix_s, keys = changed
+        yield from _delta(shard, version, unix_s, keys, limit, sent)
+        sent = version
+
+
+def _specs(shard: Shard) -> list[pb.TableSpec]:
+    return [spec_to_proto(s) for s in shard.specs()]
+
+
+def _delta(
+    shard: Shard, version: int, unix_s: float, keys: dict[str, npt.NDArray[np.int64]], limit: int, before: int
+) -> Iterator[pb.FollowBatch]:
+    """One change batch, split into messages under ``limit`` bytes (only the last one
+    carries ``version``; the others keep the follower at ``before``)."""
+    history, specs = shard.changes.history, _specs(shard)
+    parts: list[pb.TableDelta] = []
+    size = 0
+    for name in sorted(keys):
+        table = shard.table(name)
+        step = max(1, limit // (8 + 4 * table.dim))
+        for start in range(0, keys[name].shape[0], step):
+            k = keys[name][start : start + step]
+            found, values = table.peek(k)
+            delta = pb.TableDelta(
+                table=name, keys=wire.encode_keys(k[found]), rows=values[found].tobytes(), dim=table.dim,
+                deleted_keys=wire.encode_keys(k[~found]),
+            )  # fmt: skip
+            if parts and size + k.shape[0] * (8 + 4 * table.dim) > limit:
+                yield pb.FollowBatch(history=history, version=before, leader_version=version, specs=specs, deltas=parts)
+                parts, size = [], 0
+            parts.append(delta)
+            size += k.shape[0] * (8 + 4 * table.dim)
+    yield pb.FollowBatch(
+        history=history, version=version, leader_version=version, version_unix_s=unix_s, specs=specs, deltas=parts
+    )
+
+
+def _snapshot(shard: Shard, limit: int) -> Generator[pb.FollowBatch, None, int]:
+    """Every row of every table, as current as when each table is read; returns the
+    version the follower is at after applying it (read before any row is)."""
+    log = shard.changes
+    version, unix_s = log.version, time.time()
+    specs = _specs(shard)
+    yield pb.FollowBatch(history=log.history, version=version, leader_version=version, specs=specs,
+                         snapshot_begin=True, in_snapshot=True)  # fmt: skip
+    for table in shard.tables():
+        keys, values, _ = table.export()
+        step = max(1, limit // (8 + 4 * table.dim))
+        for start in range(0, keys.shape[0], step):
+            delta = pb.TableDelta(
+                table=table.spec.name, keys=wire.encode_keys(keys[start : start + step]),
+                rows=values[start : start + step].tobytes(), dim=table.dim,
+            )  # fmt: skip
+            yield pb.FollowBatch(history=log.history, version=version, leader_version=log.version,
+                                 deltas=[delta], in_snapshot=True)  # fmt: skip
+    yield pb.FollowBatch(history=log.history, version=version, leader_version=log.version, version_unix_s=unix_s,
+                         specs=specs, snapshot_end=True, in_snapshot=True)  # fmt: skip
+    return version
