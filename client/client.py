@@ -234,6 +234,26 @@ class PSClient:
                 out.append({"path": reply.path, "manifest": json.loads(reply.manifest_json or "{}")})
         return out
 
+    def serve_from(self, checkpoint: str | None) -> list[dict[str, Any]]:
+        """Pin every serving replica to ``checkpoint`` (a version number such as ``"3"``, or
+        a path under each replica's ``--checkpoint-root``), or with None switch each back
+        to its own source (its data dir, or the training shard it follows: it catches up).
+
+        Returns each replica's ``FollowStatus`` as a dict with its ``"address"``, in the
+        order of ``addresses``. Raises ``PreconditionError`` from a training shard,
+        ``InvalidRequestError`` naming a checkpoint a replica does not have.
+        """
+        endpoints = range(len(self.addresses))
+        body = pb.ServeFromRequest(checkpoint=checkpoint or "").SerializeToString()
+        requests = [(self._replica_set.shard_of(e), body) for e in endpoints]
+        replies = self._call("ServeFrom", requests, pinned=endpoints)
+        out = []
+        for (s, _), r in zip(requests, replies):
+            with self._reply("ServeFrom", s, r.endpoint):
+                status = pb.ServeFromResponse.FromString(r.data).status
+                out.append({**message_dict(status), "address": self.addresses[r.endpoint]})
+        return out
+
     # -- lookup ---------------------------------------------------------------------
     @overload
     def lookup(self, table: str, keys: npt.ArrayLike, *, out: F32 | None = None, deadline_s: float | None = None,

@@ -57,6 +57,9 @@ def backoff_s(attempt: int, config: ClientConfig) -> float:
     return random.uniform(0.0, min(config.backoff_max_s, config.backoff_initial_s * (2.0 ** min(attempt, 60))))
 
 
+_GATHER_S = 0.5  # after a non-retryable failure, how long the other attempts in flight may finish
+
+
 def call_all(
     transport: Transport,
     replicas: ReplicaSet,
@@ -129,6 +132,7 @@ class _Exchange:
         self.ids = itertools.count()
         self.started = time.monotonic()
         self.warned = False
+        self.fatal: tuple[int, float] | None = None  # (request, when) of a non-retryable failure
 
     def run(self) -> list[Answer | None]:
         try:
@@ -136,12 +140,17 @@ class _Exchange:
                 self._send(i)
             while not all(r.done for r in self.requests):
                 now = time.monotonic()
-                if now >= self.deadline:
+                if self.fatal is not None:
+                    # Let the attempts in flight finish (for a moment), so the error names
+                    # every shard that failed alike, then raise; nothing new is sent.
+                    if now - self.fatal[1] >= _GATHER_S or not any(r.inflight for r in self.requests):
+                        self._raise_fatal()
+                elif now >= self.deadline:
                     self._expire()
                     break
-                wake = self.deadline
+                wake = self.deadline if self.fatal is None else self.fatal[1] + _GATHER_S
                 for i, r in enumerate(self.requests):
-                    if r.done:
+                    if r.done or self.fatal is not None:
                         continue
                     if r.retry_at is not None and r.retry_at <= now:
                         r.retry_at = None
@@ -160,6 +169,8 @@ class _Exchange:
                         self._finish(*self.finished.get_nowait())
                     except queue.Empty:
                         break
+            if self.fatal is not None:
+                self._raise_fatal()
         finally:
             self._cancel_all(NEUTRAL)  # only left on an error: a raise while others were in flight
         if self.warned:
@@ -239,9 +250,13 @@ class _Exchange:
         self.replicas.release(attempt.pick, FAILED if retryable else NEUTRAL)
         r.error, r.error_endpoint = exc, attempt.pick.endpoint
         if not retryable:
-            err = convert(exc, r.shard, self.transport.address(attempt.pick.endpoint))
-            others = [j for j, o in enumerate(self.requests) if j != i and not o.done and o.error is not None]
-            raise type(err)(f"{err}{self._also(others)}", code=err.code, shard=err.shard) from exc
+            r.done, r.retry_at, r.hedge_at = True, None, None
+            if self.fatal is None:
+                self.fatal = (i, time.monotonic())
+            return
+        if self.fatal is not None:
+            r.done = True  # no more attempts: the exchange is failing
+            return
         r.tried.add(attempt.pick.endpoint)
         if r.inflight:
             return  # its hedge (or the attempt it hedged) may still answer
@@ -262,6 +277,15 @@ class _Exchange:
                         convert(exc, r.shard, self.transport.address(attempt.pick.endpoint)))  # fmt: skip
         r.retry_at = min(self.deadline, time.monotonic() + backoff_s(r.backoffs, self.config))
         r.backoffs += 1
+
+    def _raise_fatal(self) -> None:
+        assert self.fatal is not None
+        i = self.fatal[0]
+        r = self.requests[i]
+        assert r.error is not None
+        err = convert(r.error, r.shard, self.transport.address(r.error_endpoint))
+        others = [j for j, o in enumerate(self.requests) if j != i and o.error is not None and o.answer is None]
+        raise type(err)(f"{err}{self._also(others)}", code=err.code, shard=err.shard) from r.error
 
     def _expire(self) -> None:
         late = [i for i, r in enumerate(self.requests) if not r.done]

@@ -33,8 +33,8 @@ Cluster manifest (``DIR/manifest.json``)::
      "rows": {"table": rows}, "push_ledgers": "kept" | "dropped", ...}
 
 Example:
-    >>> parse_addresses("127.0.0.1:5000, 127.0.0.1:5001")
-    ['127.0.0.1:5000', '127.0.0.1:5001']
+    >>> parse_addresses("127.0.0.1:5000, 127.0.0.1:5001|127.0.0.1:5002")
+    [['127.0.0.1:5000'], ['127.0.0.1:5001', '127.0.0.1:5002']]
     >>> shard_dir_name(2, 3)
     'shard-00002-of-00003'
 """
@@ -57,6 +57,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from client import ClientConfig, PSClient, PSError, ShardUnavailableError
+from client import parse_addresses as client_parse_addresses
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
 from ps import optimizers
@@ -93,16 +94,10 @@ def shard_dir_name(shard: int, num_shards: int) -> str:
     return f"shard-{shard:05d}-of-{num_shards:05d}"
 
 
-def parse_addresses(text: str) -> list[str]:
-    """``HOST:PORT,HOST:PORT,...`` as a list, shard 0 first. ``ValueError`` names a bad entry."""
-    addresses = [a.strip() for a in text.split(",") if a.strip()]
-    if not addresses:
-        raise ValueError("expected HOST:PORT,HOST:PORT,... with one address per shard, in shard order")
-    for a in addresses:
-        host, sep, port = a.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-            raise ValueError(f"{a!r}: expected HOST:PORT, e.g. 127.0.0.1:50051")
-    return addresses
+def parse_addresses(text: str) -> list[list[str]]:
+    """``HOST:PORT|HOST:PORT,HOST:PORT`` as replica lists, shard 0 first (``client.parse_addresses``).
+    ``ValueError`` names a bad entry."""
+    return client_parse_addresses(text)
 
 
 def _now() -> tuple[float, str]:
@@ -114,7 +109,7 @@ def _now() -> tuple[float, str]:
 
 
 @contextlib.contextmanager
-def _cluster(addresses: Sequence[str], timeout_s: float) -> Iterator[PSClient]:
+def _cluster(addresses: Sequence[str | Sequence[str]], timeout_s: float) -> Iterator[PSClient]:
     """A ``PSClient`` of ``addresses`` whose errors become ``AdminError`` with a hint.
 
     ``ps-admin`` waits for no shard: an unreachable one fails the command at once (one
@@ -137,15 +132,16 @@ def _check_order(client: PSClient) -> list[dict[str, Any]]:
     n = client.num_shards
     stats = client.stats()
     problems = []
-    for i, s in enumerate(stats):
+    shard_of = [i for i, replicas in enumerate(client.replicas) for _ in replicas]
+    for i, s in zip(shard_of, stats, strict=True):
         if s["num_shards"] != n:
             problems.append(
-                f"{client.addresses[i]} is shard {s['shard']} of a {s['num_shards']}-shard cluster, but --addresses "
+                f"{s['address']} is shard {s['shard']} of a {s['num_shards']}-shard cluster, but --addresses "
                 f"lists {n}: list every shard's address, in shard order"
             )
         elif s["shard"] != i:
             problems.append(
-                f"{client.addresses[i]} is shard {s['shard']}, but it is address #{i} in --addresses: list the "
+                f"{s['address']} is shard {s['shard']}, but it is listed for shard #{i} in --addresses: list the "
                 "addresses in shard order (shard 0 first)"
             )
     if problems:
@@ -174,7 +170,7 @@ def _merge_tables(per_shard: Sequence[Sequence[dict[str, Any]]], where: Sequence
     return [merged[n] for n in sorted(merged)]
 
 
-def checkpoint_cluster(addresses: Sequence[str], out: Path, timeout_s: float = 600.0) -> dict[str, Any]:
+def checkpoint_cluster(addresses: Sequence[str | Sequence[str]], out: Path, timeout_s: float = 600.0) -> dict[str, Any]:
     """Checkpoint every shard of the cluster at ``addresses`` (shard order) into ``out``.
 
     Blocks until every shard is done, then writes ``out/manifest.json`` and returns it.
@@ -403,7 +399,7 @@ def _reshard_into(src: Path, manifest: dict[str, Any], m: int, out: Path, chunk_
 # -- stats -------------------------------------------------------------------------------
 
 
-def cluster_stats(addresses: Sequence[str], timeout_s: float = 10.0) -> list[dict[str, Any]]:
+def cluster_stats(addresses: Sequence[str | Sequence[str]], timeout_s: float = 10.0) -> list[dict[str, Any]]:
     """The Stats of every shard (``PSClient.stats()``), in address order; ``AdminError`` naming unreachable ones."""
     with _cluster(addresses, timeout_s) as client:
         return client.stats()
@@ -414,6 +410,12 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
     lines: list[tuple[str, ...]] = [header]
     for s in stats:
         shard = f"{s['shard']}/{s['num_shards']}"
+        f = s["follow"]
+        if s["mode"] == "serve":  # where the rows come from, and how fresh they are
+            lag = f" lag={f['lag_versions']}v/{f['lag_s']:.2f}s" + ("" if f["connected"] else f" DOWN: {f['error']}")
+            where = {"follow": f"following {f['leader']}{lag}", "checkpoint": f"pinned to {f['checkpoint']}"}
+            lines.append((shard, f"[{s['address']} serve, version {s['version']}: {where.get(f['source'], 'data dir')}]",
+                          *[""] * 7))  # fmt: skip
         durability = s["durability"] or "ram-only"
         writable = "yes" if s["writable"] else f"NO: {s['storage_error']}"
         if not s["tables"]:
@@ -459,7 +461,7 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _addresses(text: str) -> list[str]:
+def _addresses(text: str) -> list[list[str]]:
     try:
         return parse_addresses(text)
     except ValueError as exc:
@@ -509,8 +511,21 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--chunk-rows", type=_at_least_one, default=_SCAN_CHUNK_ROWS, help="rows read per step")
 
     st = sub.add_parser("stats", help="print rows, RAM tier and durability of every shard and table")
-    st.add_argument("--addresses", required=True, type=_addresses, help=addresses_help)
+    st.add_argument("--addresses", required=True, type=_addresses, help=addresses_help + "; '|' between replicas")
     st.add_argument("--timeout-s", type=_positive_seconds, default=10.0, help="per-shard limit (default 10)")
+
+    sf = sub.add_parser(
+        "serve-from",
+        help="pin serving shards to a checkpoint version (roll back), or back to their own source",
+        description="Serving shards (ps-server --mode serve) switch to serving the checkpoint CHECKPOINT (a "
+        "version number such as 3, or a path under each shard's --checkpoint-root) read-only; a follower "
+        "keeps its place meanwhile. --unpin switches them back: a follower catches up with its training shard.",
+    )
+    sf.add_argument("--addresses", required=True, type=_addresses, help=addresses_help + "; '|' between replicas")
+    which = sf.add_mutually_exclusive_group(required=True)
+    which.add_argument("--checkpoint", help="checkpoint version or path to serve")
+    which.add_argument("--unpin", action="store_true", help="serve the shards' own source again")
+    sf.add_argument("--timeout-s", type=_positive_seconds, default=30.0, help="per-shard limit (default 30)")
     return parser
 
 
@@ -541,6 +556,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{args.out.absolute()} ({manifest['num_shards']} shards); push ledgers were not carried over"
             )
             _print_rows(manifest)
+        elif args.command == "serve-from":
+            with _cluster(args.addresses, args.timeout_s) as client:
+                for st in client.serve_from(None if args.unpin else args.checkpoint):
+                    print(
+                        f"{st['address']}: serving {st['checkpoint'] or st['source']}, version {st['applied_version']}"
+                    )
         else:
             print(_format_stats(cluster_stats(args.addresses, args.timeout_s)))
     except AdminError as exc:

@@ -196,8 +196,9 @@ def test_client_raises_one_exception_tree(shard: RunningShard) -> None:
             ps.create_table("x", 4, learning_rate=0.1)
         with pytest.raises(InvalidRequestError, match="optimizer='rmsprop'"):
             ps.create_table("x", 4, optimizer="rmsprop")
-    # A client that thinks the cluster has 2 shards is refused.
-    with PSClient([shard.address, shard.address]) as wrong:
+    # A client that thinks the cluster has 2 shards is refused (the same shard under a
+    # second name: the client itself refuses an address listed twice).
+    with PSClient([shard.address, shard.address.replace("127.0.0.1", "localhost")]) as wrong:
         with pytest.raises(PreconditionError, match="num_shards=2") as mismatch:
             wrong.create_table("emb", 8)
             wrong.lookup("emb", np.arange(10))

@@ -191,7 +191,7 @@ def test_pin_to_a_checkpoint_and_roll_forward_again(leader: RunningShard, tmp_pa
         train.create_table("item", DIM, optimizer="sgd", lr=1.0)
         train.push("item", keys, np.ones((100, DIM), np.float32))
         v1 = train.lookup("item", keys)
-        (path,) = train.checkpoint()
+        path = train.checkpoint()[0]["path"]
         train.push("item", keys, np.ones((100, DIM), np.float32))  # a bad update, say
         wait_caught_up(follower.address, leader.address)
         latest = train.lookup("item", keys)
