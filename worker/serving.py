@@ -1,0 +1,442 @@
+"""``ps-infer``: serve a trained model's ``Predict`` (``protos/infer.proto``) over gRPC, and its Python client.
+
+``ps-infer --model runs/latest --ps HOST:PORT,HOST:PORT`` loads the run's exported
+model and manifest (``worker.export``), checks that the shards hold its tables, and
+serves ``ps.v1.Predictor`` with gRPC health and reflection:
+
+* each request is checked and hashed on its own gRPC thread (``Predictor.encode``); a
+  single batcher thread then scores concurrent requests together: it takes what is
+  queued, waits up to ``--batch-wait-ms`` for requests still being encoded (never when
+  none are), up to ``--max-batch-rows`` rows, and makes one lookup (one RPC per shard)
+  and one model call for all of them. Scores do not depend on the batching (see
+  ``worker.predictor``);
+* at most ``--max-concurrent`` requests are in progress; one more is refused at once
+  with RESOURCE_EXHAUSTED, never queued;
+* a bad request gets INVALID_ARGUMENT naming the field; shards that do not answer,
+  UNAVAILABLE or DEADLINE_EXCEEDED;
+* SIGTERM or SIGINT: health turns NOT_SERVING, new calls are refused, calls in progress
+  finish (up to ``--grace-s``), and the process exits 0.
+
+Exit codes: 0 stopped cleanly; 1 cannot start (the run cannot be served, the shards lack
+its tables, the address is taken: the message says which); 2 a bad setting.
+
+Example (a client; the README starts a predictor):
+    with PredictClient("127.0.0.1:50070") as predictor:
+        scores = predictor.predict(context={"C1": 3}, candidates=[{"C2": 5, ...}, {"C2": 8, ...}])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from client import ClientConfig, PSClient, PSError
+from protos import infer_pb2 as pb
+from protos import infer_pb2_grpc
+from worker.config import parse_config
+from worker.export import load_model
+from worker.predictor import PAD_ROWS, Encoded, Predictor
+from worker.request import InvalidRequest, decode_request, encode_request
+
+__all__ = ["SERVICE_NAME", "InferConfig", "InferServer", "PredictClient", "PredictError", "build_server", "main"]
+
+SERVICE_NAME = "ps.v1.Predictor"
+ENV_PREFIX = "INFER_"
+_SPARE_THREADS = 8  # gRPC threads beyond --max-concurrent: refusals and health checks never wait
+
+log = logging.getLogger(__name__)
+F32 = npt.NDArray[np.float32]
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class InferConfig:
+    """Settings of ``ps-infer`` (``--help`` lists them); raises ``ValueError`` naming a bad one."""
+
+    model: Path | None = field(default=None, metadata=_help("run directory to serve (e.g. runs/latest); required"))
+    ps: tuple[str, ...] = field(
+        default=(), metadata=_help("shard addresses in shard order, comma-separated (h:1|h:2 for replicas); required")
+    )
+    listen: str = field(default="127.0.0.1:0", metadata=_help("HOST:PORT to serve on (port 0: any free port)"))
+    port_file: Path | None = field(default=None, metadata=_help("write the bound port here once serving"))
+    max_candidates: int = field(default=1000, metadata=_help("most candidates one request may carry"))
+    max_concurrent: int = field(default=64, metadata=_help("requests in progress at once; more: RESOURCE_EXHAUSTED"))
+    batch_wait_ms: float = field(
+        default=2.0, metadata=_help("how long a micro-batch waits for requests still being decoded")
+    )
+    max_batch_rows: int = field(default=8192, metadata=_help("most candidates scored in one model call"))
+    deadline_s: float = field(default=5.0, metadata=_help("deadline of the row lookups of one micro-batch"))
+    grace_s: float = field(default=10.0, metadata=_help("on SIGTERM, how long calls in progress may take to finish"))
+    threads: int = field(default=0, metadata=_help("torch threads for the model (0: torch's default)"))
+    log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.model is not None, "model: required (--model DIR, a run directory such as runs/latest)"),
+            (bool(self.ps), "ps: required (--ps HOST:PORT,HOST:PORT, the shards in shard order)"),
+            (self.max_candidates >= 1, f"max_candidates={self.max_candidates}: must be >= 1"),
+            (self.max_concurrent >= 1, f"max_concurrent={self.max_concurrent}: must be >= 1"),
+            (self.batch_wait_ms >= 0, f"batch_wait_ms={self.batch_wait_ms}: must be >= 0"),
+            (self.max_batch_rows >= self.max_candidates,
+             f"max_batch_rows={self.max_batch_rows}: must be >= max_candidates={self.max_candidates}"),
+            (self.deadline_s > 0 and self.grace_s >= 0, "deadline_s must be > 0 and grace_s >= 0"),
+            (self.threads >= 0, f"threads={self.threads}: must be >= 0"),
+        ]  # fmt: skip
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def addresses(self) -> list[str | list[str]]:
+        """``ps`` as ``PSClient`` takes it: one address per shard, or a list of its replicas."""
+        shards = [[a.strip() for a in entry.split("|") if a.strip()] for entry in self.ps]
+        return [s[0] if len(s) == 1 else s for s in shards]
+
+
+# --- request path
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Gate:
+    """Admission: at most ``limit`` requests in progress; counts those still being encoded."""
+
+    def __init__(self, limit: int) -> None:
+        self._lock = threading.Lock()
+        self._limit = limit
+        self.in_flight = 0
+        self.encoding = 0
+
+    def enter(self) -> None:
+        with self._lock:
+            if self.in_flight >= self._limit:
+                raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{self._limit} requests in progress (--max-concurrent): retry later or elsewhere")  # fmt: skip
+            self.in_flight += 1
+            self.encoding += 1
+
+    def encoded(self) -> None:
+        with self._lock:
+            self.encoding -= 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+
+@dataclass
+class _Item:
+    encoded: Encoded
+    future: futures.Future[F32]
+
+
+class Batcher:
+    """Scores queued requests in micro-batches on one thread (see the module docstring).
+
+    ``submit`` is thread-safe and returns a ``Future`` of the request's scores (or the
+    exception ``Predictor.score`` raised for its batch). ``close`` scores what is queued
+    and stops the thread.
+    """
+
+    def __init__(self, predictor: Predictor, *, wait_s: float, max_rows: int, encoding: Callable[[], int]) -> None:
+        self._predictor, self._wait_s, self._max_rows, self._encoding = predictor, wait_s, max_rows, encoding
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ps-infer-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, encoded: Encoded) -> futures.Future[F32]:
+        future: futures.Future[F32] = futures.Future()
+        self._queue.put(_Item(encoded, future))
+        return future
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        carry: _Item | None = None
+        while True:
+            first = carry if carry is not None else self._queue.get()
+            carry = None
+            if first is None:
+                return
+            items, rows, stop = [first], first.encoded.n, False
+            deadline = time.monotonic() + self._wait_s
+            while rows < self._max_rows:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    # Wait only for requests that are being decoded now, and not past the deadline.
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._encoding() == 0:
+                        break
+                    try:
+                        item = self._queue.get(timeout=min(left, 0.0005))
+                    except queue.Empty:
+                        continue
+                if item is None:
+                    stop = True
+                    break
+                if rows + item.encoded.n > self._max_rows:
+                    carry = item
+                    break
+                items.append(item)
+                rows += item.encoded.n
+            self._score(items)
+            if stop:
+                return
+
+    def _score(self, items: list[_Item]) -> None:
+        try:
+            results = self._predictor.score([i.encoded for i in items])
+        except BaseException as exc:
+            for i in items:
+                i.future.set_exception(exc)
+            return
+        for i, scores in zip(items, results):
+            i.future.set_result(scores)
+
+
+class _Servicer(infer_pb2_grpc.PredictorServicer):
+    def __init__(self, predictor: Predictor, batcher: Batcher, gate: _Gate, run: str) -> None:
+        self._predictor, self._batcher, self._gate, self._run = predictor, batcher, gate, run
+
+    def Predict(self, request: pb.PredictRequest, context: grpc.ServicerContext) -> pb.PredictResponse:
+        with _status_boundary(context):
+            self._gate.enter()
+            try:
+                try:
+                    encoded = self._predictor.encode(*decode_request(request))
+                finally:
+                    self._gate.encoded()
+                scores = self._batcher.submit(encoded).result(timeout=context.time_remaining())
+            finally:
+                self._gate.leave()
+            return pb.PredictResponse(scores=scores.astype("<f4").tobytes(), model=self._run)
+        raise AssertionError("unreachable: the status boundary aborts the call")
+
+
+@contextlib.contextmanager
+def _status_boundary(context: grpc.ServicerContext) -> Iterator[None]:
+    """Each failure to its status code (see protos/infer.proto); anything unexpected to INTERNAL, logged."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except _Refused as exc:
+        context.abort(exc.code, str(exc))
+    except futures.TimeoutError:
+        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before its batch was scored")
+    except PSError as exc:
+        passed = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        code = exc.code if exc.code in passed else grpc.StatusCode.INTERNAL
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("row lookup failed: %s", exc)
+        context.abort(code, f"row lookup: {exc}")
+    except Exception:
+        log.exception("Predict failed")
+        context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the predictor)")
+
+
+# --- server
+
+
+class InferServer:
+    """A started predictor: ``port`` is the bound port; ``stop()`` drains it."""
+
+    def __init__(self, server: grpc.Server, port: int, batcher: Batcher, health_servicer: health.HealthServicer) -> None:  # fmt: skip
+        self.server, self.port, self._batcher, self._health = server, port, batcher, health_servicer
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, refuse new calls, let calls in progress finish (up to ``grace_s``), stop the batcher."""
+        self._health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()
+        self._batcher.close()
+
+
+def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
+    """Bind ``config.listen``, register Predictor, health and reflection, and start serving.
+
+    Raises ``RuntimeError`` naming the address when it cannot be bound.
+    """
+    gate = _Gate(config.max_concurrent)
+    batcher = Batcher(predictor, wait_s=config.batch_wait_ms / 1000, max_rows=config.max_batch_rows,
+                      encoding=lambda: gate.encoding)  # fmt: skip
+    threads = config.max_concurrent + _SPARE_THREADS
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-infer"),
+        # Past this, gRPC itself refuses with RESOURCE_EXHAUSTED instead of queueing.
+        maximum_concurrent_rpcs=2 * threads,
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
+    )
+    servicer = _Servicer(predictor, batcher, gate, predictor.model.run)
+    infer_pb2_grpc.add_PredictorServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    try:
+        port = server.add_insecure_port(config.listen)
+    except RuntimeError as exc:
+        batcher.close()
+        raise RuntimeError(f"cannot listen on {config.listen}: {exc}") from None
+    if port == 0:
+        batcher.close()
+        raise RuntimeError(f"cannot listen on {config.listen}: address in use or not available")
+    server.start()
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return InferServer(server, port, batcher, health_servicer)
+
+
+def _check_tables(predictor: Predictor, client: PSClient, addresses: str) -> None:
+    """Raise ``RuntimeError`` unless the shards hold every table of the model with its dim."""
+    found = client.tables()
+    for table, dim in predictor.model.dims.items():
+        if table not in found:
+            raise RuntimeError(f"table {table!r} is not on the shards at {addresses} (they hold "
+                               f"{', '.join(sorted(found)) or 'no tables'}): is --ps the cluster this run trained?")  # fmt: skip
+        if found[table].dim != dim:
+            raise RuntimeError(f"table {table!r}: dim {found[table].dim} on the shards, {dim} in the model")
+
+
+def _warm_up(predictor: Predictor) -> None:
+    """One model call on zeros, so the first request does not pay for the program's first run."""
+    m = predictor.model
+    with torch.no_grad():
+        pooled = {name: torch.zeros(PAD_ROWS, m.dims[table]) for name, table, _, _ in m.embeddings}
+        m.program(torch.zeros(PAD_ROWS, len(m.dense)), pooled)
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # write then rename: never half a port
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ps-infer`` console script."""
+    description = ("Serve a trained model's Predict over gRPC: raw feature values in, scores out, hashed "
+                   "and looked up on the shards exactly as in training.")  # fmt: skip
+    try:
+        config = parse_config(InferConfig, sys.argv[1:] if argv is None else argv, os.environ, ENV_PREFIX, "ps-infer",
+                              description)  # fmt: skip
+    except ValueError as exc:
+        print(f"ps-infer: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")  # fmt: skip
+    log.info("starting %s", " ".join(f"{k}={v}" for k, v in vars(config).items()))
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    assert config.model is not None  # checked by InferConfig
+    client = PSClient(config.addresses(), ClientConfig(deadline_s=config.deadline_s))
+    try:
+        predictor = Predictor(load_model(config.model), client, max_candidates=config.max_candidates)
+        _check_tables(predictor, client, ",".join(config.ps))
+        _warm_up(predictor)
+        server = build_server(config, predictor)
+    except (ValueError, RuntimeError, PSError) as exc:
+        log.error("%s", exc)
+        client.close()
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    if config.port_file is not None:
+        _write_port_file(config.port_file, server.port)
+    log.info("listening port=%d model=%s run=%s", server.port, config.model, predictor.model.run)
+    while not stop.wait(1.0):
+        pass
+    log.info("shutting down grace_s=%s", config.grace_s)
+    server.stop(config.grace_s)
+    client.close()
+    log.info("stopped")
+    return 0
+
+
+# --- client
+
+
+class PredictError(Exception):
+    """A ``Predict`` call failed: ``code`` is the gRPC status (see protos/infer.proto), the message the server's."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PredictClient:
+    """A client of one ``ps-infer``: ``predict(context, candidates)`` returns float32 scores.
+
+    Values are as in the training data (see ``worker.request.columns_of`` for the forms
+    ``candidates`` may take). The constructor does no I/O; the channel opens on first
+    use. Thread-safe; ``predict`` blocks and raises ``PredictError`` (``.code``) when the
+    call fails, ``TypeError``/``ValueError`` for values no request can carry.
+    """
+
+    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
+        self.address, self.timeout_s = address, timeout_s
+        self._channel: grpc.Channel | None = None
+        self._stub: Any = None
+        self._lock = threading.Lock()
+
+    def predict(self, context: Mapping[str, Any] | None, candidates: Sequence[Mapping[str, Any]] | Mapping[str, Any],
+                *, timeout_s: float | None = None) -> F32:  # fmt: skip
+        """Scores of ``candidates`` (rows, or columns), in order, each with the ``context`` values."""
+        return self.call(encode_request(context, candidates), timeout_s=timeout_s)
+
+    def call(self, request: pb.PredictRequest, *, timeout_s: float | None = None) -> F32:
+        """Send a ready ``PredictRequest``; its scores as float32."""
+        stub = self._open()
+        try:
+            reply = stub.Predict(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise PredictError(f"{self.address}: {exc.details()}", exc.code()) from None
+        return np.frombuffer(reply.scores, dtype="<f4").astype(np.float32)
+
+    def _open(self) -> Any:
+        with self._lock:
+            if self._stub is None:
+                self._channel = grpc.insecure_channel(self.address)
+                self._stub = infer_pb2_grpc.PredictorStub(self._channel)  # type: ignore[no-untyped-call]
+            return self._stub
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel, self._stub = None, None
+
+    def __enter__(self) -> PredictClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
