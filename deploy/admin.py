@@ -186,6 +186,7 @@ def checkpoint_cluster(addresses: Sequence[str | Sequence[str]], out: Path, time
     names = [shard_dir_name(i, n) for i in range(n)]
     with _cluster(addresses, timeout_s) as client:
         _check_order(client)
+        where = client.addresses
         try:
             out.mkdir(parents=True)
         except OSError as exc:
@@ -204,7 +205,7 @@ def checkpoint_cluster(addresses: Sequence[str | Sequence[str]], out: Path, time
             raise AdminError(f"{exc}\n{left}".rstrip()) from None
     manifests = [r["manifest"] for r in replies]
     try:
-        tables = _merge_tables([m.get("tables", []) for m in manifests], addresses)
+        tables = _merge_tables([m.get("tables", []) for m in manifests], where)
     except AdminError as exc:
         raise AdminError(f"{exc}\n{out} was left without manifest.json: fix the table, then checkpoint again") from None
     rows: dict[str, int] = {}

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -152,26 +152,36 @@ class LocalCluster:
     """``num_shards`` shard processes on 127.0.0.1; files under ``root`` (a temp dir if None).
 
     ``start()`` (or ``with``) starts them all; ``stop()`` stops them all and raises
-    ``ShardStartError`` if any did not exit 0. Not thread-safe.
+    ``ShardStartError`` if any did not exit 0. Not thread-safe. ``follow``: the addresses
+    of a training cluster, shard order; each shard is then a serving shard following
+    its training shard (``--mode=serve --follow=...``).
     """
 
     num_shards: int
     root: Path | None = None
     extra_args: tuple[str, ...] = ()
+    follow: Sequence[str] | None = None
     shards: list[ShardProcess] = field(default_factory=list)
     _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def _args(self, index: int) -> tuple[str, ...]:
+        if self.follow is None:
+            return self.extra_args
+        return ("--mode=serve", f"--follow={self.follow[index]}", *self.extra_args)
 
     @property
     def addresses(self) -> list[str]:
         return [s.address for s in self.shards]
 
     def start(self) -> LocalCluster:
+        if self.follow is not None and len(self.follow) != self.num_shards:
+            raise ValueError(f"follow: {len(self.follow)} addresses for {self.num_shards} shards")
         if self.root is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="ps-cluster-")
             self.root = Path(self._tmp.name)
         try:
             for i in range(self.num_shards):
-                self.shards.append(start_shard(i, self.num_shards, self.root, *self.extra_args))
+                self.shards.append(start_shard(i, self.num_shards, self.root, *self._args(i)))
         except BaseException:
             self._stop_quietly()
             if self._tmp is not None:
@@ -187,7 +197,7 @@ class LocalCluster:
         if old.proc.poll() is None:
             raise ShardStartError(f"shard {index} (pid {old.proc.pid}) is still running")
         assert self.root is not None
-        self.shards[index] = start_shard(index, self.num_shards, self.root, *self.extra_args, timeout_s=timeout_s,
+        self.shards[index] = start_shard(index, self.num_shards, self.root, *self._args(index), timeout_s=timeout_s,
                                          listen=old.address)  # fmt: skip
         return self.shards[index]
 
