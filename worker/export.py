@@ -59,11 +59,13 @@ from worker.fields import MISSING_BUCKET
 from worker.request import ValueType
 
 __all__ = ["FORMAT_VERSION", "PROGRAM_FILE", "KeyFeature", "ServingModel", "describe_data", "export_program",
-           "load_model", "serving_manifest"]  # fmt: skip
+           "load_model", "probabilities", "serving_manifest"]  # fmt: skip
 
 FORMAT_VERSION = 1
 PROGRAM_FILE = "model.pt2"
 _EXAMPLE_BATCH = 16  # torch.export specialises sizes 0 and 1, so the example batch is larger
+_SIGMOID_ALIGN = 64  # a multiple of two vectors of every SIMD width torch uses (AVX-512: 2 x 16 floats)
+_SIGMOID_SLICE = 16384  # below torch's grain size (32768): one thread, one vector loop per slice
 
 
 def describe_data(source: str, data_path: str | Path, features: Sequence[str], num_dense: int) -> dict[str, Any]:
@@ -132,6 +134,25 @@ def serving_manifest(model: torch.nn.Module, out: Path, tables: Sequence[Embeddi
                      for f in features],
         "schema": schema,
     }  # fmt: skip
+
+
+def probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(logits)`` for a 1-D tensor, each value's bits independent of its position
+    and of the tensor's length: training's evaluation and the predictor both score with it.
+
+    On CPU, ``torch.sigmoid`` computes whole vectors with a SIMD ``exp`` and a loop's
+    tail with the scalar one, which can differ in the last bit; so the input is padded
+    to a multiple of ``_SIGMOID_ALIGN`` and sigmoid runs on slices too short to be split
+    across threads: every value goes through the vector path.
+
+    >>> x = torch.linspace(-5, 5, 100)
+    >>> bool(torch.equal(probabilities(x)[77:80], probabilities(x[77:80].clone())))
+    True
+    """
+    n = logits.shape[0]
+    if pad := -n % _SIGMOID_ALIGN:
+        logits = torch.cat([logits, logits.new_zeros(pad)])
+    return torch.cat([torch.sigmoid(logits[i : i + _SIGMOID_SLICE]) for i in range(0, n + pad, _SIGMOID_SLICE)])[:n]
 
 
 # --- loading

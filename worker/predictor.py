@@ -11,13 +11,16 @@ Given a run directory (``worker.export``) and anything with ``lookup_many`` (a
    key, as in training. No Python object per value.
 2. ``score``: for one or many encoded requests together, one ``lookup_many`` (one RPC
    per shard) of each table's unique keys, pooling as ``DistributedEmbedding`` pools
-   (``F.embedding_bag``), one call of the exported dense program, ``sigmoid``.
+   (``F.embedding_bag``), one call of the exported dense program, and
+   ``worker.export.probabilities`` (sigmoid).
 
 Each program call is padded to a multiple of ``PAD_ROWS`` rows (copies of the last row,
 whose scores are dropped). On CPU the matrix kernels give a row the same bits at any
-such batch size, while below 8 rows they take other paths: so a candidate's score does
-not depend on which requests it was batched with, and equals the training evaluation's
-(``worker.trainer.predict``) for the same raw values.
+such batch size, while below 8 rows they take other paths; ``probabilities`` does not
+depend on positions either. So a candidate's score does not depend on which requests it
+was batched with, and equals the training evaluation's (``worker.trainer.predict``) for
+the same raw values when that evaluated them in batches of a multiple of 8 rows (its
+batches are, but for the last one).
 
 Example (``rows`` is a ``PSClient`` or any ``RowSource``):
     p = Predictor.load("runs/latest", rows)
@@ -39,7 +42,7 @@ import torch.nn.functional as F
 from client.batching import dedup
 from protos.hashing import fnv_basis, hash_fields
 from protos.keys import hash_features
-from worker.export import KeyFeature, ServingModel, load_model
+from worker.export import KeyFeature, ServingModel, load_model, probabilities
 from worker.fields import bucket_keys, dense_values, parse_numbers
 from worker.request import Column, InvalidRequest, ValueType, columns_of
 
@@ -191,7 +194,7 @@ class Predictor:
                     pooled[name] = F.embedding_bag(ids, weight, offsets, mode=pooling)
             inputs = {name: pooled[name] for name, _, _, _ in self.model.embeddings}
             logits = self.model.program(torch.from_numpy(dense), inputs)
-            scores = torch.sigmoid(logits).numpy()
+            scores = probabilities(logits).numpy()
         bounds = np.cumsum([0, *sizes])
         return [scores[lo:hi].copy() for lo, hi in zip(bounds[:-1], bounds[1:])]
 

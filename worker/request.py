@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from protos import infer_pb2 as pb
 
-__all__ = ["Column", "InvalidRequest", "ValueType", "columns_of", "decode_request", "encode_request"]
+__all__ = ["Column", "InvalidRequest", "ValueType", "columns_of", "decode_request", "encode_request", "request_of"]
 
 ValueType = Literal["string", "int64", "float64"]
 
@@ -156,11 +156,19 @@ def encode_request(
     >>> encode_request({}, {"item": np.arange(3)}).num_candidates
     3
     """
-    n, context_columns, candidate_columns = columns_of(context, candidates)
+    return request_of(*columns_of(context, candidates))
+
+
+def request_of(num_candidates: int, context: Mapping[str, Column], candidates: Mapping[str, Column]) -> pb.PredictRequest:  # fmt: skip
+    """A ``PredictRequest`` of ready columns, as given (the predictor checks names, types and counts).
+
+    >>> request_of(2, {}, {"item": Column.of([3, 4])}).candidates[0].values == np.array([3, 4], "<i8").tobytes()
+    True
+    """
     return pb.PredictRequest(
-        num_candidates=n,
-        context=[_to_wire(name, c) for name, c in context_columns.items()],
-        candidates=[_to_wire(name, c) for name, c in candidate_columns.items()],
+        num_candidates=num_candidates,
+        context=[_to_wire(name, c) for name, c in context.items()],
+        candidates=[_to_wire(name, c) for name, c in candidates.items()],
     )
 
 

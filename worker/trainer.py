@@ -70,7 +70,7 @@ from worker.dataset import (
     steps_per_epoch,
 )
 from worker.embedding import DistributedEmbedding
-from worker.export import describe_data, serving_manifest
+from worker.export import describe_data, probabilities, serving_manifest
 from worker.jagged import JaggedIds
 from worker.models import DLRM, DeepFM
 from worker.output import progress, run_dir
@@ -219,8 +219,9 @@ class _Pass:
 def predict(
     emb: DistributedEmbedding, model: torch.nn.Module, batches: Sequence[Batch], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labels and predicted probabilities (``sigmoid`` of the logits) of every sample of
-    ``batches``, on CPU (no pushes; rows as the shards hold them now).
+    """Labels and predicted probabilities (``worker.export.probabilities`` of the logits, as
+    the predictor computes them) of every sample of ``batches``, on CPU (no pushes; rows
+    as the shards hold them now).
 
     Features of ``emb`` named ``f + ".wide"`` read the ids of feature ``f``.
     """
@@ -232,7 +233,7 @@ def predict(
         for b in batches:
             logits = model(b.dense.to(device), emb(_inputs(b.sparse, names)))
             labels.append(b.labels)
-            probs.append(torch.sigmoid(logits).cpu())
+            probs.append(probabilities(logits.cpu()))
     emb.train()
     model.train()
     return torch.cat(labels), torch.cat(probs)

@@ -27,7 +27,7 @@ from protos import infer_pb2 as pb
 from protos.keys import hash_features, mix64
 from worker.config import EmbeddingTableConfig, FeatureConfig
 from worker.data import ColumnSchema, feature_seed, load_click_log, rare_key
-from worker.export import ServingModel, describe_data, load_model, serving_manifest
+from worker.export import ServingModel, describe_data, load_model, probabilities, serving_manifest
 from worker.fields import dense_values
 from worker.models import DLRM
 from worker.predictor import Encoded, Predictor
@@ -108,7 +108,7 @@ def reference(run: Path, rows: MemoryRows, lo: int, hi: int) -> npt.NDArray[np.f
             weight = torch.from_numpy(rows.lookup_many({table: keys})[table])
             pooled[name] = F.embedding_bag(torch.arange(len(keys)), weight, torch.arange(len(keys)), mode="sum")
     with torch.no_grad():
-        out: npt.NDArray[np.float32] = torch.sigmoid(model.eval()(batch.dense, pooled)).numpy()
+        out: npt.NDArray[np.float32] = probabilities(model.eval()(batch.dense, pooled)).numpy()
     return out
 
 
@@ -202,6 +202,16 @@ def test_scores_do_not_depend_on_the_batch(run: Path) -> None:
     together = p.score([a, b])
     for x, y in zip(alone, together):
         np.testing.assert_array_equal(x, y)
+
+
+def test_probabilities_do_not_depend_on_position_or_length() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(40_000) * 3
+    full = probabilities(logits)
+    assert torch.allclose(full, torch.sigmoid(logits), rtol=0, atol=1e-7)
+    rng = np.random.default_rng(0)
+    for lo, n in zip(rng.integers(0, 39_000, 300), rng.integers(1, 1000, 300)):
+        assert torch.equal(probabilities(logits[lo : lo + n].clone()), full[lo : lo + n])
 
 
 def test_values_outside_the_vocabulary_use_the_rare_key(run: Path) -> None:

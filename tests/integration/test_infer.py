@@ -1,0 +1,326 @@
+"""``ps-infer`` end to end: train on real shards, export, serve from a real process, score over gRPC.
+
+Scores must equal the in-process model's to the bit (CPU): the trainer's own dense model
+and ``DistributedEmbedding`` on the keys the data path computes, for the same raw values.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from client import PSClient
+from deploy.local import LocalCluster
+from protos import infer_pb2 as pb
+from protos.keys import hash_features
+from worker.config import EmbeddingTableConfig, FeatureConfig
+from worker.data import Batch, feature_seed
+from worker.embedding import DistributedEmbedding
+from worker.jagged import JaggedIds
+from worker.models import DLRM
+from worker.request import Column, columns_of, encode_request, request_of
+from worker.serving import PredictClient, PredictError
+from worker.trainer import TrainerConfig, predict, train
+
+REPO = Path(__file__).resolve().parents[2]
+CRITEO = REPO.parent / "shared" / "data" / "criteo_kaggle_train_head10k.txt"
+CAT = [f"C{i}" for i in range(1, 27)]
+DENSE = [f"I{j}" for j in range(1, 14)]
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass
+class Trained:
+    addresses: list[str]
+    run: Path
+
+
+@dataclass
+class Infer:
+    proc: subprocess.Popen[bytes]
+    address: str
+    log: Path
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+def start_infer(trained: Trained, root: Path, name: str, *extra: str) -> Infer:
+    """A real ``ps-infer`` process on 127.0.0.1 port 0; returns once it wrote its port file."""
+    port_file, log = root / f"{name}.port", root / f"{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "worker.serving", f"--model={trained.run}",
+                                 f"--ps={','.join(trained.addresses)}", "--listen=127.0.0.1:0",
+                                 f"--port-file={port_file}", *extra],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"ps-infer did not start (exit {proc.wait()}):\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+    return Infer(proc, f"127.0.0.1:{port_file.read_text().strip()}", log)
+
+
+def stop_infer(infer: Infer) -> None:
+    """SIGTERM; it must exit 0."""
+    infer.proc.send_signal(signal.SIGTERM)
+    try:
+        code = infer.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        infer.proc.kill()
+        pytest.fail(f"ps-infer ignored SIGTERM:\n{infer.tail()}")
+    assert code == 0, f"ps-infer exited {code}:\n{infer.tail()}"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
+    """A DLRM trained for a few seconds on generated data, against two real shards that stay up."""
+    root = tmp_path_factory.mktemp("infer")
+    with LocalCluster(2, root=root / "shards") as cluster:
+        config = TrainerConfig(train_samples=4096, eval_samples=512, batch_size=512, progress=False,
+                               output_dir=root / "run")  # fmt: skip
+        train(config, cluster.addresses)
+        yield Trained(cluster.addresses, root / "run")
+
+
+@pytest.fixture(scope="module")
+def infer(trained: Trained, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Infer]:
+    running = start_infer(trained, tmp_path_factory.mktemp("ps-infer"), "main", "--max-candidates=600")
+    try:
+        yield running
+    finally:
+        stop_infer(running)
+
+
+def raw_rows(n: int, seed: int) -> tuple[dict[str, npt.NDArray[np.int64]], dict[str, npt.NDArray[np.float64]]]:
+    """Raw synthetic values: ids per categorical column (mostly ones training saw), counts per dense column."""
+    rng = np.random.default_rng(seed)
+    ids = {c: rng.zipf(1.3, n).astype(np.int64) - 1 for c in CAT}
+    counts = {d: np.floor(rng.lognormal(1.0, 1.2, n)) for d in DENSE}
+    return ids, counts
+
+
+def in_process(trained: Trained, ids: Mapping[str, npt.NDArray[np.int64]],
+               counts: Mapping[str, npt.NDArray[np.float64]]) -> F32:  # fmt: skip
+    """The trained model in this process, on the keys and dense values the generator would make."""
+    manifest = json.loads((trained.run / "manifest.json").read_text())
+    tables = [EmbeddingTableConfig(t["name"], t["dim"], t["optimizer"], t["initializer"], t["seed"], t["params"])
+              for t in manifest["tables"]]  # fmt: skip
+    features = [FeatureConfig(f["name"], f["table"], f["pooling"]) for f in manifest["features"]]
+    model = DLRM(len(DENSE), CAT, manifest["dim"], wide=[c + ".wide" for c in CAT])
+    model.load_state_dict(torch.load(trained.run / "dense.pt"))
+    n = len(ids[CAT[0]])
+    offsets = torch.arange(n + 1)
+    sparse = {c: JaggedIds(torch.from_numpy(hash_features(ids[c], feature_seed(c))), offsets) for c in CAT}
+    dense = torch.from_numpy(np.stack([np.log1p(counts[d]) for d in DENSE], 1).astype(np.float32))
+    with PSClient(trained.addresses) as client:
+        emb = DistributedEmbedding(tables, features, client)
+        try:
+            _, probs = predict(emb, model, [Batch(dense, sparse, torch.zeros(n))], torch.device("cpu"))
+        finally:
+            emb.close()
+    out: F32 = probs.numpy()
+    return out
+
+
+def requests_of(ids: Mapping[str, Any], counts: Mapping[str, Any], sizes: list[int],
+                context: tuple[str, ...] = ("C1", "I1")) -> list[tuple[dict[str, Any], dict[str, Any]]]:  # fmt: skip
+    """Split rows into requests of ``sizes``; the ``context`` columns become one value per request."""
+    out = []
+    lo = 0
+    for n in sizes:
+        cols = {k: v[lo : lo + n] for k, v in {**ids, **counts}.items()}
+        out.append(({k: cols[k][0] for k in context}, {k: v for k, v in cols.items() if k not in context}))
+        lo += n
+    return out
+
+
+def with_shared_context(ids: dict[str, Any], counts: dict[str, Any], sizes: list[int],
+                        context: tuple[str, ...] = ("C1", "I1")) -> None:  # fmt: skip
+    """Make the ``context`` columns constant within each request's rows (in place)."""
+    lo = 0
+    for n in sizes:
+        for k in context:
+            col = ids if k in ids else counts
+            col[k][lo : lo + n] = col[k][lo]
+        lo += n
+
+
+def test_scores_equal_the_in_process_model_bit_exactly(trained: Trained, infer: Infer) -> None:
+    sizes = [1, 7, 40, 80, 400]  # 528 rows: the in-process model scores them as one batch
+    ids, counts = raw_rows(sum(sizes), seed=1)
+    with_shared_context(ids, counts, sizes)
+    expected = in_process(trained, ids, counts)
+    with PredictClient(infer.address) as client:
+        got = np.concatenate([client.predict(ctx, cand) for ctx, cand in requests_of(ids, counts, sizes)])
+    np.testing.assert_array_equal(got, expected)
+    assert 0 < got.min() and got.max() < 1
+
+
+def test_micro_batched_scores_equal_one_by_one(infer: Infer) -> None:
+    sizes = [3, 17, 64, 5, 128, 1, 40, 9] * 3
+    ids, counts = raw_rows(sum(sizes), seed=2)
+    with_shared_context(ids, counts, sizes)
+    requests = requests_of(ids, counts, sizes)
+    with PredictClient(infer.address) as client:
+        alone = [client.predict(ctx, cand) for ctx, cand in requests]
+        barrier = threading.Barrier(len(requests))
+
+        def concurrent(i: int) -> F32:
+            barrier.wait()
+            return client.predict(*requests[i])
+
+        with futures.ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(concurrent, range(len(requests))))
+    for a, b in zip(alone, together):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda ctx, cand: cand.update(nope=Column.of(np.zeros(4, np.int64))), "candidates['nope']: unknown feature"),
+        (lambda ctx, cand: ctx.update(C1=Column.of("abc")), "context['C1']: string values, the model takes int64"),
+        (lambda ctx, cand: cand.pop("C5"), "missing features: C5"),
+        (lambda ctx, cand: cand.update(C5=Column.of(np.zeros(3, np.int64))), "candidates['C5']: 3 values"),
+        (lambda ctx, cand: cand.update(I2=Column.of(["1", "2", "x", "4"])), "candidates['I2']: value 2 is b'x'"),
+    ],
+)
+def test_bad_requests_get_invalid_argument_naming_the_field(infer: Infer, change: Any, field: str) -> None:
+    ids, counts = raw_rows(4, seed=3)
+    n, ctx, cand = columns_of(*requests_of(ids, counts, [4])[0])
+    change(ctx, cand)
+    with PredictClient(infer.address) as client, pytest.raises(PredictError) as info:
+        client.call(request_of(n, ctx, cand))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in str(info.value)
+
+
+def test_wire_level_errors_and_too_many_candidates(infer: Infer) -> None:
+    with PredictClient(infer.address) as client:
+        bad_lengths = pb.Column(name="C2", type=pb.VALUE_TYPE_STRING, values=b"abc",
+                                lengths=np.array([1, 1], "<i4").tobytes())  # fmt: skip
+        with pytest.raises(PredictError, match=r"candidates\['C2'\].lengths: add up to 2 bytes") as info:
+            client.call(pb.PredictRequest(num_candidates=2, candidates=[bad_lengths]))
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        ids, counts = raw_rows(601, seed=4)
+        ((ctx, cand),) = requests_of(ids, counts, [601])
+        with pytest.raises(PredictError, match=r"num_candidates: 601, must be in \[1, 600\]") as info:
+            client.predict(ctx, cand)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_health_and_reflection(infer: Infer) -> None:
+    with grpc.insecure_channel(infer.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "ps.v1.Predictor"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert "ps.v1.Predictor" in services
+
+
+def test_past_max_concurrent_requests_are_refused_at_once(trained: Trained, tmp_path: Path) -> None:
+    small = start_infer(trained, tmp_path, "small", "--max-concurrent=1")
+    try:
+        ids, counts = raw_rows(1000, seed=5)
+        ((ctx, cand),) = requests_of(ids, counts, [1000])
+        req = encode_request(ctx, cand)
+        outcomes: list[tuple[str, float]] = []
+        lock = threading.Lock()
+        with PredictClient(small.address) as client:
+            expected = client.call(req)
+
+            def hammer(_: int) -> None:
+                for _ in range(6):
+                    started = time.monotonic()
+                    try:
+                        np.testing.assert_array_equal(client.call(req), expected)
+                        outcome = "ok"
+                    except PredictError as exc:
+                        assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                        assert "--max-concurrent" in str(exc)
+                        outcome = "refused"
+                    with lock:
+                        outcomes.append((outcome, time.monotonic() - started))
+
+            with futures.ThreadPoolExecutor(8) as pool:
+                list(pool.map(hammer, range(8)))
+        refused = sorted(t for o, t in outcomes if o == "refused")
+        assert refused and any(o == "ok" for o, _ in outcomes), outcomes
+        assert refused[len(refused) // 2] < 0.5, refused  # refused, not queued behind the running call
+    finally:
+        stop_infer(small)
+
+
+def test_sigterm_finishes_calls_in_progress_and_exits_0(trained: Trained, tmp_path: Path) -> None:
+    running = start_infer(trained, tmp_path, "term", "--batch-wait-ms=0")
+    ids, counts = raw_rows(500, seed=6)
+    ((ctx, cand),) = requests_of(ids, counts, [500])
+    codes: list[str] = []
+    stop = threading.Event()
+
+    def keep_calling() -> None:
+        with PredictClient(running.address) as client:
+            while not stop.is_set():
+                try:
+                    client.predict(ctx, cand)
+                    codes.append("ok")
+                except PredictError as exc:
+                    codes.append(exc.code.name)
+                    if exc.code == grpc.StatusCode.UNAVAILABLE:
+                        return
+
+    with futures.ThreadPoolExecutor(4) as pool:
+        jobs = [pool.submit(keep_calling) for _ in range(4)]
+        time.sleep(1.0)
+        running.proc.send_signal(signal.SIGTERM)
+        code = running.proc.wait(60)
+        stop.set()
+        for j in jobs:
+            j.result(timeout=60)
+    assert code == 0, running.tail()
+    assert "ok" in codes and set(codes) <= {"ok", "UNAVAILABLE"}, codes
+    assert "stopped" in running.tail()
+
+
+@pytest.mark.skipif(not CRITEO.exists(), reason=f"{CRITEO} not present (internal sample data)")
+def test_criteo_raw_text_fields_score_as_the_trainers_evaluation(tmp_path: Path) -> None:
+    lines = CRITEO.read_text().splitlines()[:2000]
+    (tmp_path / "head.txt").write_text("\n".join(lines) + "\n")
+    run = tmp_path / "run"
+    with LocalCluster(2, root=tmp_path / "shards") as cluster:
+        config = TrainerConfig(data=str(tmp_path / "head.txt"), schema="criteo", epochs=1, train_fraction=0.8,
+                               progress=False, output_dir=run)  # fmt: skip
+        train(config, cluster.addresses)
+        expected = np.load(run / "predictions.npy")  # the final evaluation's, rows 1600..1999 in order
+        infer = start_infer(Trained(cluster.addresses, run), tmp_path, "criteo")
+        try:
+            fields = [line.split("\t") for line in lines[1600:]]
+            columns = {name: [f[1 + j] for f in fields] for j, name in enumerate(DENSE + CAT)}  # text, as in the file
+            got = []
+            with PredictClient(infer.address) as client:
+                for lo, hi in ((0, 1), (1, 100), (100, 400)):
+                    got.append(client.predict({}, {k: v[lo:hi] for k, v in columns.items()}))
+        finally:
+            stop_infer(infer)
+    assert expected.shape == (400,)
+    np.testing.assert_array_equal(np.concatenate(got), expected)
