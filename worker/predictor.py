@@ -92,6 +92,8 @@ class Predictor:
         self._readers: dict[str, list[tuple[str, str, int]]] = {}  # table -> (feature, pooling, key row)
         for name, table, pooling, key_row in model.embeddings:
             self._readers.setdefault(table, []).append((name, pooling, key_row))
+        self._accepts: dict[str, tuple[ValueType, ...]] = {c: (t,) for c, t in model.categorical.items()}
+        self._accepts |= dict.fromkeys(model.dense, _NUMBER_TYPES)
 
     @classmethod
     def load(cls, run_dir: str | Path, rows: RowSource, *, max_candidates: int = 1000) -> Predictor:
@@ -99,9 +101,8 @@ class Predictor:
         return cls(load_model(run_dir), rows, max_candidates=max_candidates)
 
     def accepts(self) -> dict[str, tuple[ValueType, ...]]:
-        """The value types each raw column takes, by column name."""
-        out: dict[str, tuple[ValueType, ...]] = {c: (t,) for c, t in self.model.categorical.items()}
-        return out | dict.fromkeys(self.model.dense, _NUMBER_TYPES)
+        """The value types each raw column takes, by column name (categorical columns first)."""
+        return dict(self._accepts)
 
     # -- encode ---------------------------------------------------------------------
     def encode(self, num_candidates: int, context: Mapping[str, Column], candidates: Mapping[str, Column]) -> Encoded:
@@ -109,7 +110,7 @@ class Predictor:
         n = num_candidates
         if not 1 <= n <= self.max_candidates:
             raise InvalidRequest(f"num_candidates: {n}, must be in [1, {self.max_candidates}]")
-        accepts = self.accepts()
+        accepts = self._accepts
         where: dict[str, str] = {}
         for part, columns, count in (("context", context, 1), ("candidates", candidates, n)):
             for name, col in columns.items():

@@ -54,7 +54,7 @@ from protos import infer_pb2_grpc
 from worker.config import parse_config
 from worker.export import load_model
 from worker.predictor import PAD_ROWS, Encoded, Predictor
-from worker.request import InvalidRequest, decode_request, encode_request
+from worker.request import Column, InvalidRequest, decode_request, encode_request, request_of
 
 __all__ = ["SERVICE_NAME", "InferConfig", "InferServer", "PredictClient", "PredictError", "build_server", "main"]
 
@@ -324,8 +324,13 @@ def _check_tables(predictor: Predictor, client: PSClient, addresses: str) -> Non
 
 
 def _warm_up(predictor: Predictor) -> None:
-    """One model call on zeros, so the first request does not pay for the program's first run."""
+    """Encode one made-up candidate and run the program on zeros (no lookup), so the first
+    request does not pay for loading the numba kernels or the program's first run."""
     m = predictor.model
+    sample = {"string": Column.of([""]), "int64": Column.of([0]), "float64": Column.of([0.0])}
+    columns = {name: sample[types[0]] for name, types in predictor.accepts().items()}
+    columns |= dict.fromkeys(m.dense, Column.of(["1"]))  # the text path of dense values
+    predictor.encode(*decode_request(request_of(1, {}, columns)))  # read-only arrays, as requests bring
     with torch.no_grad():
         pooled = {name: torch.zeros(PAD_ROWS, m.dims[table]) for name, table, _, _ in m.embeddings}
         m.program(torch.zeros(PAD_ROWS, len(m.dense)), pooled)
