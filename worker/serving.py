@@ -48,7 +48,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from client import ClientConfig, PSClient, PSError
+from client import ClientConfig, PSClient, PSError, parse_addresses
 from protos import infer_pb2 as pb
 from protos import infer_pb2_grpc
 from worker.config import parse_config
@@ -106,11 +106,11 @@ class InferConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self.addresses()  # raises InvalidRequestError, a ValueError, naming a bad address
 
-    def addresses(self) -> list[str | list[str]]:
-        """``ps`` as ``PSClient`` takes it: one address per shard, or a list of its replicas."""
-        shards = [[a.strip() for a in entry.split("|") if a.strip()] for entry in self.ps]
-        return [s[0] if len(s) == 1 else s for s in shards]
+    def addresses(self) -> list[list[str]]:
+        """``ps`` as ``PSClient`` takes it: per shard, its replicas (``client.parse_addresses``)."""
+        return parse_addresses(",".join(self.ps))
 
 
 # --- request path

@@ -238,6 +238,33 @@ def test_health_and_reflection(infer: Infer) -> None:
         assert "ps.v1.Predictor" in services
 
 
+def test_serving_replicas_that_follow_the_training_shards_give_the_same_scores(
+    trained: Trained, infer: Infer, tmp_path: Path
+) -> None:
+    ids, counts = raw_rows(64, seed=7)
+    ((ctx, cand),) = requests_of(ids, counts, [64])
+    with PredictClient(infer.address) as client:
+        expected = client.predict(ctx, cand)  # on the training shards: creates the rows of unseen ids
+    with (
+        LocalCluster(2, root=tmp_path / "a", follow=trained.addresses) as a,
+        LocalCluster(2, root=tmp_path / "b", follow=trained.addresses) as b,
+    ):
+        for replicas in (a, b):
+            with PSClient(replicas.addresses) as followers:
+                deadline = time.monotonic() + 60
+                while any(s["follow"]["lag_versions"] or not s["follow"]["connected"] for s in followers.stats()):
+                    assert time.monotonic() < deadline, followers.stats()
+                    time.sleep(0.05)
+        ps = ",".join(f"{x}|{y}" for x, y in zip(a.addresses, b.addresses))
+        served = start_infer(Trained([ps], trained.run), tmp_path, "replicas")
+        try:
+            with PredictClient(served.address) as client:
+                for _ in range(4):  # reads spread over both replicas of each shard
+                    np.testing.assert_array_equal(client.predict(ctx, cand), expected)
+        finally:
+            stop_infer(served)
+
+
 def test_past_max_concurrent_requests_are_refused_at_once(trained: Trained, tmp_path: Path) -> None:
     small = start_infer(trained, tmp_path, "small", "--max-concurrent=1")
     try:

@@ -430,8 +430,10 @@ def test_gate_under_threads_never_admits_more_than_its_limit() -> None:
 
 def test_infer_config_reads_replicas_and_checks_settings(capsys: pytest.CaptureFixture[str]) -> None:
     config = InferConfig(model=Path("run"), ps=("h:1|h:2", "h:3"))
-    assert config.addresses() == [["h:1", "h:2"], "h:3"]
+    assert config.addresses() == [["h:1", "h:2"], ["h:3"]]
     with pytest.raises(ValueError, match="model: required"):
         InferConfig(ps=("h:1",))
+    with pytest.raises(ValueError, match="shard 1"):
+        InferConfig(model=Path("run"), ps=("h:1", "h"))
     assert main(["--model", "run", "--ps", "h:1", "--max-candidates", "10", "--max-batch-rows", "5"]) == 2
     assert "max_batch_rows=5: must be >= max_candidates=10" in capsys.readouterr().err
