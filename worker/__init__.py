@@ -5,5 +5,8 @@ from __future__ import annotations
 from worker.config import EmbeddingTableConfig, FeatureConfig
 from worker.embedding import DistributedEmbedding
 from worker.jagged import JaggedIds
+from worker.predictor import Predictor
 
-__all__ = ["DistributedEmbedding", "EmbeddingTableConfig", "FeatureConfig", "JaggedIds"]
+# worker.serving (ps-infer, PredictClient) is not imported here: ``python -m worker.serving``
+# runs it as a script.
+__all__ = ["DistributedEmbedding", "EmbeddingTableConfig", "FeatureConfig", "JaggedIds", "Predictor"]

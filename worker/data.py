@@ -37,7 +37,7 @@ from worker.metrics import auc, logloss
 
 __all__ = [
     "Batch", "ClickLog", "ColumnSchema", "SchemaColumns", "auc", "feature_seed", "hash_strings", "load_click_log",
-    "logloss", "rare_key", "read_click_log", "schema_columns",
+    "logloss", "rare_key", "raw_columns", "read_click_log", "schema_columns",
 ]  # fmt: skip
 
 _MASK64 = (1 << 64) - 1
@@ -270,6 +270,22 @@ def schema_columns(path: str | os.PathLike[str], schema: ColumnSchema) -> Schema
         lay = _layout(schema, header, f.readline())
     ncat = lay.cat.shape[0]
     return SchemaColumns(lay.features[:ncat], lay.dense_names, lay.features[ncat:], dict(zip(lay.features, lay.seeds)))
+
+
+def raw_columns(path: str | os.PathLike[str], schema: ColumnSchema, first: int, count: int) -> dict[str, list[str]]:
+    """The raw text of rows ``[first, first + count)`` of ``path`` (after a header), by the
+    names a predictor takes (``schema_columns``'s categorical and dense columns): what an
+    online request would carry for those rows. For examples and tests: Python per field.
+    """
+    with open(path, "rb") as f:
+        header = _header(f, schema, os.fspath(path))
+        start = f.tell()
+        lay = _layout(schema, header, f.readline())
+        f.seek(start)
+        lines = [line for _, line in zip(range(first + count), f)][first:]
+    fields = [line.decode("utf-8").rstrip("\r\n").split(schema.sep) for line in lines]
+    names = {**dict(zip(lay.features, lay.cat)), **dict(zip(lay.dense_names, lay.dense))}
+    return {name: [row[int(i)] for row in fields] for name, i in names.items()}
 
 
 @dataclass(frozen=True)

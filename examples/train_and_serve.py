@@ -1,0 +1,111 @@
+"""Train, serve and predict on one machine: the whole path of a model through the system.
+
+    python examples/train_and_serve.py                       # generated Criteo-like data
+    python examples/train_and_serve.py --data ../shared/data/criteo_kaggle_train_head10k.txt
+    python examples/train_and_serve.py --data ../shared/data/avazu_train_head10k.csv --schema avazu
+
+1. starts 2 training shards (data dirs in a temporary directory) and 2 serving shards
+   (``--mode serve --follow``) that stream every change of their training shard;
+2. trains DLRM on the training shards (every trainer flag works here: ``--model deepfm``,
+   ``--train-samples``...); the run, with its exported model, goes to runs/<UTC time>/;
+3. waits until the serving shards hold every row training wrote, and says how far behind
+   they were when training ended;
+4. starts ``ps-infer`` on the serving shards, sends one request (a context and 100
+   candidates, raw values as in the training data) and prints the best candidates, and
+   checks the scores against the same model run in this process;
+5. stops everything (the run directory stays).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from client import PSClient
+from deploy import LocalCluster
+from worker.data import raw_columns
+from worker.dataset import SCHEMAS
+from worker.predictor import Predictor
+from worker.serving import PredictClient
+from worker.trainer import parse, train
+
+CANDIDATES = 100
+
+
+def caught_up(train: PSClient, serve: PSClient) -> bool:
+    """Whether every serving shard applied its training shard's newest version."""
+    leader = [s["version"] for s in train.stats()]
+    follow = [s["follow"] for s in serve.stats()]
+    return all(f["connected"] and f["applied_version"] >= v for f, v in zip(follow, leader, strict=True))
+
+
+def request(config: Any, train_rows: int) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """A context, 100 candidates and a label per candidate, as an online request would carry them."""
+    if config.data == "synthetic":
+        # Generated data: categorical columns are integer ids, dense columns counts. One
+        # user context (C1, I1) and 100 items that differ in every other column.
+        ids = np.arange(CANDIDATES)
+        candidates = {f"C{i}": (ids * 7 + i) % 101 for i in range(2, 27)} | {f"I{j}": ids % 5 for j in range(2, 14)}
+        return {"C1": 3, "I1": 2}, candidates, [f"item {i}" for i in ids]
+    # A click log: 100 held-out rows, their fields as text exactly as in the file.
+    columns = raw_columns(config.data, SCHEMAS[config.schema](), train_rows, CANDIDATES)
+    n = len(next(iter(columns.values())))
+    return {}, columns, [f"row {train_rows + i}" for i in range(n)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse(sys.argv[1:] if argv is None else argv, local_shards=False)
+    with tempfile.TemporaryDirectory(prefix="ps-train-and-serve-") as tmp:
+        root = Path(tmp)
+        trainers = LocalCluster(2, root / "train", extra_args=(f"--data-dir={root / 'train' / 'data-{shard}'}",))
+        with trainers, LocalCluster(2, root / "serve", follow=trainers.addresses) as servers:
+            print(f"training shards {','.join(trainers.addresses)}; serving shards (following) "
+                  f"{','.join(servers.addresses)}", flush=True)  # fmt: skip
+            metrics = train(dataclasses.replace(config, addresses=tuple(trainers.addresses)), trainers.addresses)
+            run = Path(metrics["output_dir"])
+            print(f"trained: AUC {metrics['final']['auc']:.4f} on {int(metrics['final']['samples'])} held-out samples; "
+                  f"model exported to {run}", flush=True)  # fmt: skip
+            with PSClient(trainers.addresses) as train_client, PSClient(servers.addresses) as serve_client:
+                lag = [s["follow"]["lag_versions"] for s in serve_client.stats()]
+                started = time.monotonic()
+                while not caught_up(train_client, serve_client):
+                    time.sleep(0.01)
+                print(f"serving shards caught up: {lag} versions behind when training ended, "
+                      f"{1000 * (time.monotonic() - started):.0f} ms to catch up", flush=True)  # fmt: skip
+
+                port_file = root / "ps-infer.port"
+                infer = subprocess.Popen([sys.executable, "-m", "worker.serving", "--model", str(run),
+                                          "--ps", ",".join(servers.addresses), "--port-file", str(port_file)])  # fmt: skip
+                try:
+                    while not port_file.exists():
+                        if infer.poll() is not None:
+                            raise SystemExit(f"ps-infer exited {infer.returncode} before serving")
+                        time.sleep(0.05)
+                    context, candidates, names = request(config, metrics["data"]["train_rows"])
+                    address = f"127.0.0.1:{port_file.read_text().strip()}"
+                    with PredictClient(address) as predictor:
+                        started = time.monotonic()
+                        scores = predictor.predict(context, candidates)
+                        took = 1000 * (time.monotonic() - started)
+                    local = Predictor.load(run, serve_client).predict(context, candidates)
+                finally:
+                    infer.terminate()  # SIGTERM: finishes calls in progress, exits 0
+                    infer.wait(30)
+    best = np.argsort(-scores)[:5]
+    print(f"ps-infer at {address} scored {len(scores)} candidates in {took:.1f} ms "
+          f"(model {run}); best: " + ", ".join(f"{names[i]} {scores[i]:.4f}" for i in best))  # fmt: skip
+    same = np.array_equal(scores, local)
+    print(f"scores equal the in-process model's to the bit: {same}")
+    return 0 if same and infer.returncode == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
