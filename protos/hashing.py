@@ -23,7 +23,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["fnv_basis", "hash_fields", "hash_strings"]
+__all__ = ["fnv_basis", "hash_fields", "hash_strings", "jump_buckets"]
 
 _MASK64 = (1 << 64) - 1
 _FNV_OFFSET = 0xCBF29CE484222325
@@ -61,6 +61,20 @@ def hash_fields(buf: U8, starts: I64, ends: I64, cols: I64, bases: U64, out: U64
             h = (h ^ (h >> np.uint64(30))) * _MIX1
             h = (h ^ (h >> np.uint64(27))) * _MIX2
             out[c, i] = h ^ (h >> np.uint64(31))
+
+
+@numba.njit(nogil=True, cache=True)
+def jump_buckets(keys: U64, num_buckets: int, out: npt.NDArray[np.int32]) -> None:
+    """``out[i] = jump_hash(keys[i], num_buckets)`` (Lamping & Veach), for keys already
+    mixed (``shard_of`` passes ``mix64(key)``); the loop of ``protos.keys.jump_hash``."""
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        b, j = -1, 0
+        while j < num_buckets:
+            b = j
+            k = k * np.uint64(2862933555777941757) + np.uint64(1)
+            j = int((b + 1) * (float(1 << 31) / float((k >> np.uint64(33)) + np.uint64(1))))
+        out[i] = b
 
 
 def hash_strings(values: Sequence[str | bytes], seed: int) -> I64:

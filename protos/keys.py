@@ -104,18 +104,10 @@ def shard_of(keys: npt.ArrayLike, num_shards: int) -> npt.NDArray[np.int32]:
         raise ValueError(f"num_shards={num_shards}: must be >= 1")
     k = mix64(_int64_bits(keys, "keys"))
     out = np.zeros(k.shape[0], dtype=np.int32)
-    if num_shards == 1:
-        return out
-    # Each round advances the keys still jumping; about ln(num_shards) + 1 rounds.
-    idx = np.arange(k.shape[0])
-    j = np.zeros(k.shape[0], dtype=np.int64)
-    while idx.size:
-        b = j
-        out[idx] = b
-        k = k * np.uint64(_JUMP_MULT) + np.uint64(1)
-        j = ((b + 1) * (float(1 << 31) / ((k >> np.uint64(33)) + np.uint64(1)).astype(np.float64))).astype(np.int64)
-        live = j < num_shards
-        idx, k, j = idx[live], k[live], j[live]
+    if num_shards > 1:
+        from protos.hashing import jump_buckets  # numba: loaded on the first multi-shard routing
+
+        jump_buckets(k, num_shards, out)
     return out
 
 
