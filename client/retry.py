@@ -132,7 +132,9 @@ class _Exchange:
         self.ids = itertools.count()
         self.started = time.monotonic()
         self.warned = False
-        self.fatal: tuple[int, float] | None = None  # (request, when) of a non-retryable failure
+        # (request, when, why) of the first failure for good: a non-retryable status (why
+        # None) or max_attempts used up; the exchange raises it once the others settle.
+        self.fatal: tuple[int, float, str | None] | None = None
 
     def run(self) -> list[Answer | None]:
         try:
@@ -252,7 +254,7 @@ class _Exchange:
         if not retryable:
             r.done, r.retry_at, r.hedge_at = True, None, None
             if self.fatal is None:
-                self.fatal = (i, time.monotonic())
+                self.fatal = (i, time.monotonic(), None)
             return
         if self.fatal is not None:
             r.done = True  # no more attempts: the exchange is failing
@@ -262,7 +264,12 @@ class _Exchange:
             return  # its hedge (or the attempt it hedged) may still answer
         r.hedge_at = None
         if self.config.max_attempts is not None and r.attempts >= self.config.max_attempts:
-            self._give_up([i], f"max_attempts={r.attempts}")
+            if self.degrade:
+                self._give_up([i], f"max_attempts={r.attempts}")
+            else:
+                r.done = True
+                if self.fatal is None:
+                    self.fatal = (i, time.monotonic(), f"max_attempts={r.attempts}")
             return
         if r.pinned is None and self.replicas.available(r.shard, exclude=r.tried):
             log.debug(
@@ -280,11 +287,13 @@ class _Exchange:
 
     def _raise_fatal(self) -> None:
         assert self.fatal is not None
-        i = self.fatal[0]
+        i, _, why = self.fatal
         r = self.requests[i]
         assert r.error is not None
-        err = convert(r.error, r.shard, self.transport.address(r.error_endpoint))
         others = [j for j, o in enumerate(self.requests) if j != i and o.error is not None and o.answer is None]
+        if why is not None:
+            raise self._gave_up([i, *others], why) from r.error
+        err = convert(r.error, r.shard, self.transport.address(r.error_endpoint))
         raise type(err)(f"{err}{self._also(others)}", code=err.code, shard=err.shard) from r.error
 
     def _expire(self) -> None:

@@ -218,6 +218,7 @@ class Source:
                 if stale.size:
                     table.remove(stale)
             self.history, self.applied_version = end.history, end.version
+            self.leader_version = end.leader_version  # versions of an earlier history do not count
             self.snapshots += 1
         self._staged = {}
         log.info("loaded a snapshot of %s at version %d (history %s)", self.leader, end.version, end.history)

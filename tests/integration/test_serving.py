@@ -174,7 +174,7 @@ def test_follower_restart_continues_and_leader_restart_resyncs(leader: RunningSh
         with PSClient([address], FAST) as train, PSClient([follower.address], FAST) as serve:
             train.push("item", keys[:10], np.ones((10, DIM), np.float32))
             s = wait_caught_up(follower.address, address)
-            assert s["follow"]["snapshots"] == 1
+            assert s["follow"]["snapshots"] == 1 and s["follow"]["lag_versions"] == 0
             now = train.lookup("item", keys)
             np.testing.assert_array_equal(serve.lookup("item", keys), now)
             np.testing.assert_array_equal(now[10:], expected[10:])
