@@ -5,8 +5,8 @@ A serving shard (``ps-server --mode serve``) has one ``Source``:
 * ``--data-dir DIR`` alone: the rows in DIR (a data dir or a checkpoint), opened read-only.
 * ``--follow ADDR``: the rows of the training shard at ADDR, kept current by its change
   stream (``Follow``, see ``ps.stream``). A thread holds the stream open; each batch is
-  applied under the shard's ``serve_lock`` (lookups take it too), so a lookup sees a
-  batch whole or not at all, and the shard's version only grows: a row never goes back
+  applied holding the shard's ``serve_lock`` to write (lookups hold it to read), so a
+  lookup sees a batch whole or not at all, and the shard's version only grows: a row never goes back
   to an older value it already served. A snapshot (first start, or when the leader can
   no longer continue this follower's history) is staged whole and then applied at once,
   dropping rows the leader no longer has. With ``--data-dir`` the follower keeps its copy
@@ -190,7 +190,7 @@ class Source:
             if batch.snapshot_end:
                 self._apply_snapshot(batch)
         elif batch.deltas or batch.version > self.applied_version:
-            with self.shard.serve_lock:
+            with self.shard.serve_lock.writing():
                 self._take_specs(batch.specs)
                 for d in batch.deltas:
                     table = self.shard.table(d.table)
@@ -206,7 +206,7 @@ class Source:
             self._save_state()
 
     def _apply_snapshot(self, end: pb.FollowBatch) -> None:
-        with self.shard.serve_lock:
+        with self.shard.serve_lock.writing():
             self._take_specs(end.specs)
             for table in self.shard.tables():
                 parts = self._staged.pop(table.spec.name, [])
@@ -245,7 +245,7 @@ class Source:
         if not force and self.applied_version == self._saved_version:
             return
         self._saved_at = time.monotonic()
-        with self.shard.serve_lock:
+        with self.shard.serve_lock.reading():
             history, version = self.history, self.applied_version
         try:
             self.shard.flush()
@@ -273,7 +273,7 @@ class Source:
         self._resume.clear()  # pause following: the stream loop leaves at its next message
         if self._call is not None:
             self._call.cancel()
-        with self.shard.serve_lock:
+        with self.shard.serve_lock.writing():
             previous = self.shard.swap_tables(tables)
             if self._base is None:
                 self._base = previous
@@ -287,7 +287,7 @@ class Source:
         """Serve the shard's own tables again (a follower resumes its stream where it paused)."""
         if self._base is None:
             return
-        with self.shard.serve_lock:
+        with self.shard.serve_lock.writing():
             self.shard.swap_tables(self._base)
             self._base, self.pinned = None, None
             old, self._pinned_storage = self._pinned_storage, None

@@ -76,6 +76,7 @@ from ps.lifecycle import now_tick
 from ps.recovery import StorageHealth
 from ps.report import RowSource, shard_stats
 from ps.rescue import StopReport, save_rescue
+from ps.rwlock import ReadWriteLock
 from ps.storage import Storage, StorageFailed
 from ps.table import Table, held_tables
 
@@ -149,9 +150,9 @@ class Shard:
         self._evictor: threading.Thread | None = None
         self._wake_evictor = threading.Event()
         self.changes = ChangeLog()  # a training shard's versions, for serving shards that follow it
-        # Held by a serving shard's lookups and by whatever swaps or changes its rows
-        # (``ps.follow``), so that a lookup sees each change batch whole or not at all.
-        self.serve_lock = threading.RLock()
+        # A serving shard's lookups read under it, together; whatever swaps or changes its
+        # rows (``ps.follow``) writes under it, so a lookup sees a change batch whole or not at all.
+        self.serve_lock = ReadWriteLock()
         self.source: RowSource | None = None  # a serving shard's source of rows: in stats() and health
         if storage is not None:
             for name, blob in sorted(storage.specs().items()):
@@ -297,7 +298,7 @@ class Shard:
         self.check_request(request.num_shards, request.shard if request.HasField("shard") else None)
         # A serving shard's rows change only in whole batches (and its tables may be
         # swapped for a checkpoint's): it answers under the lock those changes take.
-        with self.serve_lock if self._mode != "train" else contextlib.nullcontext():
+        with self.serve_lock.reading() if self._mode != "train" else contextlib.nullcontext():
             return self._lookup(request, max_response_bytes)
 
     def _lookup(self, request: pb.LookupRequest, max_response_bytes: int) -> bytes:
