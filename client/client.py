@@ -163,6 +163,7 @@ class PSClient:
         optimizer: str | None = None,
         initializer: str | None = None,
         seed: int = 0,
+        serving_default: str | None = None,
         **params: float,
     ) -> TableConfig:
         """Create ``name`` on every shard (idempotent for an identical spec).
@@ -172,11 +173,21 @@ class PSClient:
         (lr, weight_decay, eps, initial_accumulator_value, beta1, beta2, l1, l2,
         lr_power, beta; low, high, mean, std, value) and feature-lifecycle rules
         (admit_after, admit_probability, ttl_seconds, evict_below_frequency: see
-        ``Lifecycle`` in protos/ps.proto). Anything not given takes the shard's default. Raises ``TypeError`` for an unknown option,
+        ``Lifecycle`` in protos/ps.proto); ``serving_default``: what serving shards read
+        for a key without a row, zeros (default) or initial (the row training would have
+        created). Anything not given takes the shard's default. Raises ``TypeError`` for an unknown option,
         ``InvalidRequestError`` for a bad value, ``TableExistsError`` if the name
         exists with another spec (the message names each difference).
         """
-        spec = table_spec(name, dim, optimizer=optimizer, initializer=initializer, seed=seed, **params)
+        spec = table_spec(
+            name,
+            dim,
+            optimizer=optimizer,
+            initializer=initializer,
+            seed=seed,
+            serving_default=serving_default,
+            **params,
+        )
         request = pb.CreateTableRequest(spec=spec).SerializeToString()
         replies = self._call("CreateTable", [(s, request) for s in range(self.num_shards)])
         with self._reply("CreateTable", 0, replies[0].endpoint):

@@ -110,3 +110,4 @@ class TableConfig:
     optimizer: str
     initializer_params: Mapping[str, float] = field(default_factory=dict)
     optimizer_params: Mapping[str, float] = field(default_factory=dict)
+    serving_default: str = "zeros"

@@ -31,12 +31,24 @@ _LIFECYCLE_FIELDS: dict[str, Any] = {
 }  # fmt: skip
 
 
+_SERVING_DEFAULTS = {k.lower(): v for k, v in pb.ServingDefault.items() if v}
+
+
 def table_spec(
-    name: str, dim: int, *, optimizer: str | None = None, initializer: str | None = None, seed: int = 0, **params: float
+    name: str,
+    dim: int,
+    *,
+    optimizer: str | None = None,
+    initializer: str | None = None,
+    seed: int = 0,
+    serving_default: str | None = None,
+    **params: float,
 ) -> pb.TableSpec:
     """The spec ``create_table`` sends; ``TypeError`` for an unknown option,
-    ``InvalidRequestError`` for an unknown optimizer or initializer."""
+    ``InvalidRequestError`` for an unknown optimizer, initializer or serving default."""
     spec = pb.TableSpec(name=name, dim=dim, seed=seed)
+    if serving_default is not None:
+        spec.serving_default = _choice("serving_default", serving_default, _SERVING_DEFAULTS)  # type: ignore[assignment]
     if optimizer is not None:
         spec.optimizer.kind = _choice("optimizer", optimizer, _OPTIMIZERS)  # type: ignore[assignment]
     if initializer is not None:
@@ -64,6 +76,7 @@ def table_config(spec: pb.TableSpec) -> TableConfig:
         optimizer=pb.OptimizerSpec.Kind.Name(spec.optimizer.kind).lower(),
         initializer_params={f: getattr(spec.initializer, f) for f in _INIT_FIELDS},
         optimizer_params={f: getattr(spec.optimizer, f) for f in _OPT_FIELDS},
+        serving_default="initial" if spec.serving_default == pb.INITIAL else "zeros",
     )
 
 

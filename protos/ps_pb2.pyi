@@ -13,10 +13,19 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT32: _ClassVar[DType]
     FLOAT16: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
+
+class ServingDefault(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVING_DEFAULT_UNSPECIFIED: _ClassVar[ServingDefault]
+    ZEROS: _ClassVar[ServingDefault]
+    INITIAL: _ClassVar[ServingDefault]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
 BFLOAT16: DType
+SERVING_DEFAULT_UNSPECIFIED: ServingDefault
+ZEROS: ServingDefault
+INITIAL: ServingDefault
 
 class InitializerSpec(_message.Message):
     __slots__ = ("kind", "low", "high", "mean", "std", "value")
@@ -97,7 +106,7 @@ class Lifecycle(_message.Message):
     def __init__(self, admit_after: _Optional[int] = ..., admit_probability: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., evict_below_frequency: _Optional[int] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "dim", "dtype", "initializer", "optimizer", "seed", "lifecycle")
+    __slots__ = ("name", "dim", "dtype", "initializer", "optimizer", "seed", "lifecycle", "serving_default")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +114,7 @@ class TableSpec(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
+    SERVING_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     dtype: DType
@@ -112,7 +122,8 @@ class TableSpec(_message.Message):
     optimizer: OptimizerSpec
     seed: int
     lifecycle: Lifecycle
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., seed: _Optional[int] = ..., lifecycle: _Optional[_Union[Lifecycle, _Mapping]] = ...) -> None: ...
+    serving_default: ServingDefault
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., seed: _Optional[int] = ..., lifecycle: _Optional[_Union[Lifecycle, _Mapping]] = ..., serving_default: _Optional[_Union[ServingDefault, str]] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec",)

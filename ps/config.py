@@ -229,8 +229,13 @@ class TableSpec:
     seed: int = 0
     dtype: str = "float32"
     lifecycle: Lifecycle = Lifecycle()
+    serving_default: str = "zeros"  # or "initial": what a serving shard reads for a key without a row
 
     def __post_init__(self) -> None:
+        if self.serving_default not in ("zeros", "initial"):
+            raise ConfigError(
+                f"table {self.name!r}: serving_default={self.serving_default!r}, expected zeros or initial"
+            )
         if not isinstance(self.name, str) or not _TABLE_NAME.fullmatch(self.name):
             raise ConfigError(f"table name {self.name!r}: use 1-128 characters from A-Z a-z 0-9 _ . : / -")
         if not 1 <= self.dim <= MAX_DIM:
@@ -289,6 +294,7 @@ def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
             optimizer=OptimizerParams(OptimizerKind(opt_kind), **opt_kw),
             seed=msg.seed,
             lifecycle=lifecycle,
+            serving_default="initial" if msg.serving_default == pb.INITIAL else "zeros",
         )
     except (ConfigError, ValueError) as exc:
         raise InvalidRequest(f"spec of table {msg.name!r}: {exc}") from None
@@ -311,6 +317,7 @@ def spec_to_proto(spec: TableSpec) -> pb.TableSpec:
             ttl_seconds=spec.lifecycle.ttl_seconds,
             evict_below_frequency=spec.lifecycle.evict_below_frequency,
         ),
+        serving_default=pb.INITIAL if spec.serving_default == "initial" else pb.ZEROS,
     )
 
 

@@ -159,7 +159,8 @@ class Table:
 
         With ``create`` (training), missing keys get their initial rows stored (once
         admitted; until then they read as their initial rows and nothing is stored);
-        without it (serving), missing keys read as zeros and nothing is stored. Raises
+        without it (serving), missing keys read as the table's ``serving_default`` (zeros,
+        or their initial rows) and nothing is stored. Raises
         ``InvalidKeys`` for keys that are not a 1-D integer array, ``ValueError`` for a
         wrong ``out``; ``StorageFailed`` if rows on disk cannot be read.
         """
@@ -175,11 +176,11 @@ class Table:
         with self._lock:
             slots = self._resolve(keys, now, create=create, sighting=True)
             self._ram.gather(slots, out, now)
-            if create and not self._ram.admits_all:
-                absent = np.flatnonzero(slots < 0)
+            if (not self._ram.admits_all) if create else self.spec.serving_default == "initial":
+                absent = np.flatnonzero(slots < 0)  # read as their initial rows, not stored
                 if absent.size:
                     fill_initial_rows(self.spec.initializer, self.spec.seed, keys[absent], out, absent)
-                    self.counters.lookups_not_admitted += int(absent.size)
+                    self.counters.lookups_not_admitted += int(absent.size) if create else 0
             self.counters.lookups += keys.shape[0]
         return out
 

@@ -32,6 +32,9 @@ class EmbeddingTableConfig:
     """A table to create on every shard (see ``PSClient.create_table`` for the options).
 
     ``optimizer``/``initializer`` None and absent ``params`` take the shards' defaults.
+    ``serving_default`` is "initial": serving shards read a key training never stored as
+    the row training would have created for it, so a model scores there as it did in
+    training ("zeros" reads such keys as zeros).
     """
 
     name: str
@@ -40,6 +43,7 @@ class EmbeddingTableConfig:
     initializer: str | None = None
     seed: int = 0
     params: Mapping[str, float] = field(default_factory=dict)
+    serving_default: str = "initial"
 
     def __post_init__(self) -> None:
         if self.dim < 1:

@@ -105,7 +105,7 @@ class DistributedEmbedding(torch.nn.Module):
         """Create every table on the shards (idempotent; forward does it on first use)."""
         for t in self.tables.values():
             self.client.create_table(t.name, t.dim, optimizer=t.optimizer, initializer=t.initializer, seed=t.seed,
-                                     **dict(t.params))  # fmt: skip
+                                     serving_default=t.serving_default, **dict(t.params))  # fmt: skip
         self._created = True
 
     def prefetch(self, batch: Mapping[str, JaggedIds]) -> None:

@@ -59,9 +59,15 @@ def test_serving_shard_refuses_every_write_and_creates_nothing(tmp_path: Path) -
     trained = start_shard(0, 1, tmp_path / "train", f"--data-dir={data}")
     with PSClient([trained.address], FAST) as c:
         c.create_table("item", DIM, optimizer="sgd", lr=0.5)
+        c.create_table("init", DIM, serving_default="initial")
         c.push("item", np.arange(10), np.ones((10, DIM), np.float32))
         expected = c.lookup("item", np.arange(10))
     stop_shard(trained)
+    other = start_shard(0, 1, tmp_path / "fresh")
+    with PSClient([other.address], FAST) as fresh:
+        fresh.create_table("init", DIM, serving_default="initial")
+        initial = fresh.lookup("init", np.array([77, 78]))  # rows a training shard creates for them
+    stop_shard(other)
 
     serving = start_shard(0, 1, tmp_path / "serve", "--mode=serve", f"--data-dir={data}")
     try:
@@ -70,6 +76,7 @@ def test_serving_shard_refuses_every_write_and_creates_nothing(tmp_path: Path) -
             rows = c.lookup("item", np.array([3, 1000, 0, 10**12]))
             np.testing.assert_array_equal(rows[[0, 2]], expected[[3, 0]])
             assert not rows[[1, 3]].any(), "unknown keys read as the serving default, zeros"
+            np.testing.assert_array_equal(c.lookup("init", np.array([77, 78])), initial)  # serving_default=initial
             for write, name in [
                 (lambda: c.push("item", np.array([1]), np.ones((1, DIM), np.float32)), "Push"),
                 (lambda: c.create_table("other", DIM), "CreateTable"),
@@ -80,9 +87,9 @@ def test_serving_shard_refuses_every_write_and_creates_nothing(tmp_path: Path) -
             after = c.stats()[0]
             np.testing.assert_array_equal(c.lookup("item", np.arange(10)), expected)
         assert after["mode"] == "serve" and after["follow"]["source"] == "data-dir"
-        (b,), (a,) = before["tables"], after["tables"]
+        (_, b), (_, a) = before["tables"], after["tables"]  # init, item
         assert a["rows"] == b["rows"] == 10 and a["rows_created"] == 0 and a["pushes"] == 0
-        assert [t["name"] for t in after["tables"]] == ["item"]
+        assert [t["name"] for t in after["tables"]] == ["init", "item"] and after["tables"][0]["rows"] == 0
     finally:
         stop_shard(serving)
 

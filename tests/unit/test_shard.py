@@ -13,7 +13,7 @@ import pytest
 
 from protos import ps_pb2 as pb
 from protos import wire
-from ps.config import TableSpec
+from ps.config import TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import InvalidRequest, RequestTooLarge, ShardMismatch, ShuttingDown, TableExists, UnknownTable, WrongMode
 from ps.initializers import InitializerParams
 from ps.optimizers import OptimizerKind, OptimizerParams
@@ -403,3 +403,18 @@ def test_hit_rate_of_a_shard_without_storage_is_one() -> None:
     lookup_rows(shard, "t", [1, 2, 3, 4])
     (stats,) = shard.stats().tables
     assert (stats.ram_hits, stats.ram_misses, stats.ram_hit_rate, stats.rows_created) == (3, 0, 1.0, 4)
+
+
+def test_serving_default_initial_reads_the_row_training_would_create() -> None:
+    spec = TableSpec("t", 4, seed=9, serving_default="initial")
+    trained = Shard(0, 1)
+    trained.create_table(spec)
+    serving = Shard(0, 1, mode="serve")
+    serving.install_table(spec)
+    serving.install_table(TableSpec("z", 4, seed=9))  # the default: zeros
+    rows = lookup_rows(serving, "t", [5, 6])
+    np.testing.assert_array_equal(rows, lookup_rows(trained, "t", [5, 6]))  # the initializer's rows
+    assert rows.any() and not lookup_rows(serving, "z", [5, 6]).any()
+    t = serving.table("t")
+    assert len(t) == 0 and t.counters.rows_created == 0 and t.counters.lookups_not_admitted == 0
+    assert spec_from_proto(spec_to_proto(spec)) == spec
