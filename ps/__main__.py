@@ -21,20 +21,13 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
+from protos.servers import write_port_file
 from protos.wire import tune_malloc
 from ps.config import ConfigError, ServerConfig, load_config
 from ps.server import build_server
 
 log = logging.getLogger("ps")
-
-
-def _write_port_file(path: Path, port: int) -> None:
-    # Write then rename, so a reader never sees a half-written port.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{port}\n")
-    tmp.replace(path)
 
 
 def _describe(config: ServerConfig) -> str:
@@ -67,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     if config.port_file is not None:
-        _write_port_file(config.port_file, server.port)
+        write_port_file(config.port_file, server.port)
     log.info("listening shard=%d num_shards=%d port=%d", config.shard, config.num_shards, server.port)
     while not stop.wait(1.0):
         pass

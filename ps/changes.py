@@ -12,15 +12,15 @@ all. A follower asking for a version older than that (or from another ``history`
 leader restarted, and versions began again) gets a full snapshot instead.
 
 Example:
-    >>> log = ChangeLog(max_keys=4)
+    >>> log = ChangeLog(max_keys=5)
     >>> log.record([("item", np.array([1, 2]))]), log.record([("item", np.array([2, 3]))])
     (1, 2)
     >>> version, _, changed = log.since(0)
     >>> version, changed["item"].tolist()
     (2, [1, 2, 3])
     >>> _ = log.record([("item", np.array([4, 5, 6]))])  # the first change falls out
-    >>> log.since(0) is None, log.since(1) is not None
-    (True, True)
+    >>> log.since(0) is None, log.since(1) is not None, log.holds(0), log.holds(1)
+    (True, True, False, True)
 """
 
 from __future__ import annotations
@@ -103,11 +103,16 @@ class ChangeLog:
         with self._cond:
             self._cond.notify_all()
 
+    def holds(self, after: int) -> bool:
+        """Whether ``since(after)`` can answer: every change after version ``after`` is kept."""
+        with self._cond:
+            return self._oldest_kept <= after + 1 and after <= self._version
+
     def since(self, after: int) -> tuple[int, float, dict[str, I64]] | None:
         """``(version, when it was applied (unix s), distinct keys changed per table)`` for
         every change after version ``after``; None when the log no longer holds them all."""
         with self._cond:
-            if after + 1 < self._oldest_kept or after > self._version:
+            if not (self._oldest_kept <= after + 1 and after <= self._version):
                 return None
             version, unix_s = self._version, self._version_unix_s
             parts: dict[str, list[I64]] = {}

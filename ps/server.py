@@ -16,9 +16,9 @@ from collections.abc import Callable
 from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
+from protos.servers import listen
 from ps.changes import ChangeLog
 from ps.checkpoint import copy_checkpoint
 from ps.config import Durability, ServerConfig
@@ -151,19 +151,12 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
         ],
     )
     server.add_generic_rpc_handlers((Servicer(shard, config.max_message_bytes).handler(),))
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(config.listen)
-    except RuntimeError as exc:
+        port, health_servicer = listen(server, config.listen, [SERVICE_NAME])
+    except RuntimeError:
         shard.shutdown()
-        raise RuntimeError(f"cannot listen on {config.listen}: {exc}") from None
-    if port == 0:
-        shard.shutdown()
-        raise RuntimeError(f"cannot listen on {config.listen}: address in use or not available")
-    server.start()
-    for service in ("", SERVICE_NAME, WRITE_HEALTH_SERVICE, BACKGROUND_HEALTH_SERVICE):
+        raise
+    for service in (WRITE_HEALTH_SERVICE, BACKGROUND_HEALTH_SERVICE):  # not services: reflection skips them
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     def listener(service: str) -> Callable[[bool], None]:

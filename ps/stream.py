@@ -54,7 +54,7 @@ def follow_batches(
             f"{shard.num_shards}: give each serving shard the address of the training shard with its index"
         )
     log, limit = shard.changes, max(1 << 16, max_message_bytes - _OVERHEAD_BYTES)
-    sent = request.version if request.history == log.history and log.since(request.version) is not None else None
+    sent = request.version if request.history == log.history and log.holds(request.version) else None
     while active() and not shard.closing:
         if sent is None:
             sent = yield from _snapshot(shard, limit)

@@ -45,12 +45,12 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
 from client import ClientConfig, PSClient, PSError, parse_addresses
 from protos import infer_pb2 as pb
 from protos import infer_pb2_grpc
+from protos.servers import listen, write_port_file
 from worker.config import parse_config
 from worker.export import load_model
 from worker.predictor import PAD_ROWS, Encoded, Predictor
@@ -295,20 +295,11 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
     )
     servicer = _Servicer(predictor, batcher, gate, predictor.model.run)
     infer_pb2_grpc.add_PredictorServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(config.listen)
-    except RuntimeError as exc:
+        port, health_servicer = listen(server, config.listen, [SERVICE_NAME])
+    except RuntimeError:
         batcher.close()
-        raise RuntimeError(f"cannot listen on {config.listen}: {exc}") from None
-    if port == 0:
-        batcher.close()
-        raise RuntimeError(f"cannot listen on {config.listen}: address in use or not available")
-    server.start()
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        raise
     return InferServer(server, port, batcher, health_servicer)
 
 
@@ -334,12 +325,6 @@ def _warm_up(predictor: Predictor) -> None:
     with torch.no_grad():
         pooled = {name: torch.zeros(PAD_ROWS, m.dims[table]) for name, table, _, _ in m.embeddings}
         m.program(torch.zeros(PAD_ROWS, len(m.dense)), pooled)
-
-
-def _write_port_file(path: Path, port: int) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # write then rename: never half a port
-    tmp.write_text(f"{port}\n")
-    tmp.replace(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -372,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     if config.port_file is not None:
-        _write_port_file(config.port_file, server.port)
+        write_port_file(config.port_file, server.port)
     log.info("listening port=%d model=%s run=%s", server.port, config.model, predictor.model.run)
     while not stop.wait(1.0):
         pass

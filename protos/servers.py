@@ -1,0 +1,58 @@
+"""What every gRPC server of the system does alike: health, reflection, binding, port file.
+
+``ps-server`` (``ps.server``) and ``ps-infer`` (``worker.serving``) both start with
+``listen``, which registers gRPC health checking and server reflection for the given
+services, binds the address, starts the server and marks the services SERVING; and
+both tell launchers their real port with ``write_port_file``. Not imported by
+``import protos``.
+
+Example:
+    >>> from concurrent import futures
+    >>> server = grpc.server(futures.ThreadPoolExecutor(1))
+    >>> port, health_servicer = listen(server, "127.0.0.1:0", ["ps.v1.Example"])
+    >>> port > 0
+    True
+    >>> _ = server.stop(0).wait()
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+__all__ = ["listen", "write_port_file"]
+
+
+def listen(server: grpc.Server, address: str, services: Sequence[str]) -> tuple[int, health.HealthServicer]:
+    """Register health and reflection for ``services`` on ``server`` (its own services
+    already added), bind ``address``, start it, and mark ``""`` and every service SERVING.
+
+    Returns the real port and the health servicer. Raises ``RuntimeError`` naming the
+    address when it cannot be bound (the server is not started then).
+    """
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot listen on {address}: {exc}") from None
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {address}: address in use or not available")
+    server.start()
+    for service in ("", *services):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return port, health_servicer
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write ``port`` to ``path`` through a temporary file and a rename: a reader never
+    sees half a port."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
