@@ -41,6 +41,8 @@ from client.tables import message_dict, table_config, table_spec
 from client.transport import GrpcTransport, Transport
 from protos import ps_pb2 as pb
 from protos import wire
+from protos.auth import AuthError, bearer_metadata, read_client_token
+from protos.tls import TLSError, channel_credentials
 
 __all__ = ["LookupResult", "PSClient", "PushResult"]
 
@@ -73,6 +75,17 @@ def _as_keys(keys: npt.ArrayLike, table: str) -> npt.NDArray[np.int64]:
         return wire.as_keys(keys, f"table {table!r}: keys")
     except wire.InvalidKeys as exc:
         raise InvalidRequestError(str(exc)) from None
+
+
+def _security(config: ClientConfig) -> dict[str, Any]:
+    """The transport's TLS credentials and token metadata for ``config``; raises
+    ``ValueError`` naming an unreadable file."""
+    try:
+        token = config.token if config.token is not None else read_client_token(config.token_file)
+        credentials = channel_credentials(config.tls_ca, config.tls_cert, config.tls_key) if config.tls else None
+    except (AuthError, TLSError) as exc:
+        raise ValueError(str(exc)) from None
+    return {"credentials": credentials, "metadata": bearer_metadata(token)}
 
 
 class PSClient:
@@ -117,7 +130,10 @@ class PSClient:
         self.client_id = uuid.uuid4().hex
         # The transport is addressed by endpoint: the index into ``addresses``.
         self._transport = transport or GrpcTransport(
-            self.addresses, self.config.max_message_bytes, reconnect_max_s=self.config.backoff_max_s
+            self.addresses,
+            self.config.max_message_bytes,
+            reconnect_max_s=self.config.backoff_max_s,
+            **_security(self.config),
         )
         self._dtype: Any = _DTYPES[self.config.transport_dtype]  # a wire DType number
         self._tables: dict[str, TableConfig] = {}

@@ -8,6 +8,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -50,6 +51,20 @@ class ClientConfig:
       replica back, its failure ejects it again. A shard with one replica is never ejected.
     * ``eject_s``, ``eject_max_s``: the first ejection lasts ``eject_s``; each one after
       a failed probe lasts twice the one before, up to ``eject_max_s``.
+
+    Security (shards started with ``--tls-cert``/``--auth-token-file``); each defaults to
+    the environment variable named, so every program that calls shards (trainer,
+    ``ps-admin``, ``ps-infer``, a following serving shard) is configured alike:
+
+    * ``tls_ca`` (``PS_CLIENT_TLS_CA``): PEM CA the shards' certificates are signed by;
+      setting it (or ``tls=True``, the system's roots) makes the channels TLS.
+    * ``tls_cert``, ``tls_key`` (``PS_CLIENT_TLS_CERT``, ``PS_CLIENT_TLS_KEY``): this
+      client's certificate and key, for shards that require mutual TLS.
+    * ``token_file`` (``PS_CLIENT_TOKEN_FILE``) or ``token``: the bearer token sent with
+      every call. ``token`` is never shown in ``repr``.
+
+    Refusals for load (RESOURCE_EXHAUSTED marked ``ps-overloaded``: a shard at its
+    ``--threads`` limit or this client over its share) are retried like UNAVAILABLE.
     """
 
     deadline_s: float = 60.0
@@ -65,8 +80,20 @@ class ClientConfig:
     eject_after_failures: int = 3
     eject_s: float = 1.0
     eject_max_s: float = 30.0
+    tls_ca: str | None = field(default_factory=lambda: _env("PS_CLIENT_TLS_CA"))
+    tls_cert: str | None = field(default_factory=lambda: _env("PS_CLIENT_TLS_CERT"))
+    tls_key: str | None = field(default_factory=lambda: _env("PS_CLIENT_TLS_KEY"))
+    tls: bool = False
+    token_file: str | None = field(default_factory=lambda: _env("PS_CLIENT_TOKEN_FILE"))
+    token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.tls_ca or self.tls_cert:
+            object.__setattr__(self, "tls", True)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together (mutual TLS): give both or neither")
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("token and token_file: give one")
         for name in ("deadline_s", "backoff_initial_s", "backoff_max_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -97,6 +124,10 @@ class ClientConfig:
                 raise ValueError(f"{name}={value}: must be a positive number of seconds")
         if self.eject_s > self.eject_max_s:
             raise ValueError(f"eject_s={self.eject_s}: must be <= eject_max_s={self.eject_max_s}")
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(name) or None
 
 
 @dataclass(frozen=True)

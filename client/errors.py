@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
@@ -116,6 +117,21 @@ _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
 _BY_CODE[grpc.StatusCode.CANCELLED] = ShardUnavailableError
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED})
+
+OVERLOADED = ("ps-overloaded", "1")
+"""Trailing metadata of a RESOURCE_EXHAUSTED that refuses for load (retry later), unlike
+one that refuses a request too large (never retried)."""
+
+
+def is_retryable(exc: grpc.RpcError) -> bool:
+    """Whether a failed attempt may be retried: a RETRYABLE status or an overload refusal."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    if code in RETRYABLE:
+        return True
+    if code != grpc.StatusCode.RESOURCE_EXHAUSTED or not hasattr(exc, "trailing_metadata"):
+        return False
+    metadata: Any = exc.trailing_metadata() or ()
+    return any((m[0], m[1]) == OVERLOADED for m in metadata)
 
 
 def error_for(code: grpc.StatusCode) -> type[PSError]:

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import grpc
 
 from client.config import ClientConfig
-from client.errors import RETRYABLE, DeadlineExceededError, PSError, convert
+from client.errors import DeadlineExceededError, PSError, convert, is_retryable
 from client.replicas import FAILED, NEUTRAL, OK, Outcome, Pick, ReplicaSet
 from client.transport import Call, Transport, when_done
 
@@ -248,7 +248,7 @@ class _Exchange:
 
     def _failed(self, i: int, attempt: _Attempt, exc: grpc.RpcError) -> None:
         r = self.requests[i]
-        retryable = exc.code() in RETRYABLE
+        retryable = is_retryable(exc)
         self.replicas.release(attempt.pick, FAILED if retryable else NEUTRAL)
         r.error, r.error_endpoint = exc, attempt.pick.endpoint
         if not retryable:

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import grpc
 
+from protos.tls import open_channel
+
 __all__ = ["Call", "GrpcTransport", "Transport", "SERVICE_PATH", "when_done"]
 
 SERVICE_PATH = "/ps.v1.ParameterServer/"
@@ -81,7 +83,9 @@ class _PooledCall:
 
 
 class GrpcTransport:
-    """One insecure gRPC channel per endpoint address, opened by ``start()``.
+    """One gRPC channel per endpoint address, opened by ``start()``: TLS with
+    ``credentials`` (``protos.tls.channel_credentials``), and ``metadata`` (a bearer
+    token) sent with every call.
 
     ``max_message_bytes`` is the largest message sent or accepted. A channel whose shard
     went away tries to reconnect at least every ``reconnect_max_s`` (gRPC's own default
@@ -97,8 +101,11 @@ class GrpcTransport:
         max_message_bytes: int = 64 << 20,
         reconnect_max_s: float = 1.0,
         threads: int | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._addresses = list(addresses)
+        self._credentials, self._metadata = credentials, metadata
         self._max_bytes = max_message_bytes
         self._reconnect_max_ms = max(100, int(reconnect_max_s * 1000))
         self._channels: list[grpc.Channel] = []
@@ -118,7 +125,7 @@ class GrpcTransport:
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", self._reconnect_max_ms),
         ]
-        self._channels = [grpc.insecure_channel(a, options=options) for a in self._addresses]
+        self._channels = [open_channel(a, self._credentials, options) for a in self._addresses]
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="ps-call")
 
     def close(self) -> None:
@@ -146,11 +153,13 @@ class GrpcTransport:
             if pooled:
                 self._busy += 1
         if not pooled:
-            future: Call = stub.future(request, timeout=timeout_s)
+            future: Call = stub.future(request, timeout=timeout_s, metadata=self._metadata)
             return future
         assert self._pool is not None
         try:
-            return _PooledCall(self._pool.submit(stub, request, timeout=timeout_s), self._release)
+            return _PooledCall(
+                self._pool.submit(stub, request, timeout=timeout_s, metadata=self._metadata), self._release
+            )
         except BaseException:
             self._release()
             raise

@@ -28,9 +28,12 @@ from grpc_reflection.v1alpha import reflection
 __all__ = ["listen", "write_port_file"]
 
 
-def listen(server: grpc.Server, address: str, services: Sequence[str]) -> tuple[int, health.HealthServicer]:
+def listen(
+    server: grpc.Server, address: str, services: Sequence[str], credentials: grpc.ServerCredentials | None = None
+) -> tuple[int, health.HealthServicer]:
     """Register health and reflection for ``services`` on ``server`` (its own services
-    already added), bind ``address``, start it, and mark ``""`` and every service SERVING.
+    already added), bind ``address`` (with TLS when ``credentials`` are given, see
+    ``protos.tls``), start it, and mark ``""`` and every service SERVING.
 
     Returns the real port and the health servicer. Raises ``RuntimeError`` naming the
     address when it cannot be bound (the server is not started then).
@@ -39,7 +42,10 @@ def listen(server: grpc.Server, address: str, services: Sequence[str]) -> tuple[
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(address)
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
     except RuntimeError as exc:
         raise RuntimeError(f"cannot listen on {address}: {exc}") from None
     if port == 0:

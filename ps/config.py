@@ -95,7 +95,48 @@ class ServerConfig:
         default=None,
         metadata={"help": "once serving, write the real port to this file (atomically: temp file + rename)"},
     )
-    threads: int = field(default=8, metadata={"help": "gRPC handler threads"})
+    threads: int = field(
+        default=16,
+        metadata={
+            "help": "calls handled at once; one more gets RESOURCE_EXHAUSTED at once (clients retry it with "
+            "backoff). Health checks never wait: spare threads answer them and refusals"
+        },
+    )
+    max_calls_per_client: int = field(
+        default=0,
+        metadata={"help": "calls one client connection may have in flight; 0: three quarters of --threads"},
+    )
+    max_keys_per_request: int = field(
+        default=4_000_000,
+        metadata={"help": "keys one Lookup or Push may carry (all tables); more get RESOURCE_EXHAUSTED"},
+    )
+    max_tables: int = field(default=256, metadata={"help": "tables this shard may hold; CreateTable beyond it "
+                                                           "gets RESOURCE_EXHAUSTED"})  # fmt: skip
+    metrics_port: int | None = field(
+        default=None,
+        metadata={"help": "serve Prometheus metrics at http://HOST:PORT/metrics (HOST of --listen); "
+                          "0 picks a free port (logged)"},
+    )  # fmt: skip
+    tls_cert: Path | None = field(default=None, metadata={"help": "PEM certificate chain: serve TLS (with --tls-key)"})
+    tls_key: Path | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
+    tls_client_ca: Path | None = field(
+        default=None, metadata={"help": "PEM CA: clients must present a certificate it signed (mutual TLS)"}
+    )
+    auth_token_file: Path | None = field(
+        default=None,
+        metadata={"help": "file of 'ROLE TOKEN' lines (ROLE: read, write or admin): calls need "
+                          "'authorization: Bearer TOKEN' metadata; health checks need none"},
+    )  # fmt: skip
+    client_tls_ca: Path | None = field(
+        default=None, metadata={"help": "--follow over TLS: PEM CA that signed the training shard's certificate"}
+    )
+    client_tls_cert: Path | None = field(
+        default=None, metadata={"help": "--follow with mutual TLS: this shard's client certificate (PEM)"}
+    )
+    client_tls_key: Path | None = field(default=None, metadata={"help": "PEM private key of --client-tls-cert"})
+    client_token_file: Path | None = field(
+        default=None, metadata={"help": "--follow: file holding the bearer token sent to the training shard"}
+    )
     max_message_bytes: int = field(
         default=64 << 20,
         metadata={"help": "largest request or response in bytes; larger ones get RESOURCE_EXHAUSTED"},
@@ -186,6 +227,14 @@ class ServerConfig:
             raise ConfigError(f"shard={self.shard}: not in [0, num_shards={self.num_shards})")
         if self.threads < 1:
             raise ConfigError(f"threads={self.threads}: must be >= 1")
+        if self.max_calls_per_client < 0 or self.max_keys_per_request < 1 or self.max_tables < 1:
+            raise ConfigError("max_calls_per_client must be >= 0, max_keys_per_request and max_tables >= 1")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port={self.metrics_port}: must be in [0, 65535]")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together: give both (TLS) or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls_client_ca needs tls_cert and tls_key: mutual TLS is TLS first")
         if not 1 << 16 <= self.max_message_bytes <= (2 << 30) - 1:
             raise ConfigError(f"max_message_bytes={self.max_message_bytes}: must be in [65536, 2 GiB)")
         if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
@@ -199,7 +248,9 @@ class ServerConfig:
             raise ConfigError("memory_budget_bytes needs data_dir: rows over the budget are moved to RocksDB there")
         if self.restore_from is not None and self.data_dir is None:
             raise ConfigError("restore_from needs data_dir: the checkpoint is copied into it")
-        for name in ("data_dir", "checkpoint_root", "restore_from", "port_file"):
+        for name in ("data_dir", "checkpoint_root", "restore_from", "port_file", "tls_cert", "tls_key",
+                     "tls_client_ca", "auth_token_file", "client_tls_ca", "client_tls_cert", "client_tls_key",
+                     "client_token_file"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and "\0" in str(value):
                 raise ConfigError(f"{name}={str(value)!r}: contains a NUL byte")

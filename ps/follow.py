@@ -39,6 +39,7 @@ import numpy.typing as npt
 
 from protos import ps_pb2 as pb
 from protos import wire
+from protos.tls import open_channel
 from ps import optimizers
 from ps.checkpoint import resolve_existing_checkpoint
 from ps.config import spec_from_proto
@@ -60,10 +61,19 @@ class Source:
     """The source of ``shard``'s rows (see the module docstring). ``leader``: the training
     shard to follow, or None to serve the shard's own tables as they are."""
 
-    def __init__(self, shard: Shard, leader: str | None = None, *, max_message_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        shard: Shard,
+        leader: str | None = None,
+        *,
+        max_message_bytes: int = 64 << 20,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self.shard = shard
         self.leader = leader
         self.max_message_bytes = max_message_bytes
+        self.credentials, self.metadata = credentials, metadata  # TLS and bearer token for the leader
         self.history, self.applied_version = "", 0
         self.leader_version = 0
         self.snapshots = self.batches = 0
@@ -133,7 +143,7 @@ class Source:
         assert self.leader is not None
         options = [("grpc.max_receive_message_length", self.max_message_bytes)]
         backoff = 0.05
-        with grpc.insecure_channel(self.leader, options=options) as channel:
+        with open_channel(self.leader, self.credentials, options) as channel:
             follow = channel.unary_stream(
                 f"/{pb.DESCRIPTOR.services_by_name['ParameterServer'].full_name}/Follow",
                 request_serializer=pb.FollowRequest.SerializeToString,
@@ -146,7 +156,7 @@ class Source:
                 request = pb.FollowRequest(history=self.history, version=self.applied_version,
                                            shard=self.shard.index, num_shards=self.shard.num_shards)  # fmt: skip
                 try:
-                    self._call = follow(request)
+                    self._call = follow(request, metadata=self.metadata)
                     for batch in self._call:
                         if not self.connected:
                             self.connected, backoff = True, 0.05

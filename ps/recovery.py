@@ -60,6 +60,7 @@ class StorageHealth:
         self.shard = shard
         self.writable = True
         self.error = ""
+        self.errors = 0  # storage failures seen (each failed write or recovery try)
         self._failed_at = 0.0
         self._retry_at = 0.0
         self._retry_delay_s = _RETRY_FIRST_S
@@ -88,6 +89,7 @@ class StorageHealth:
 
     def failed(self, error: str) -> None:
         """The data directory refused a write: refuse writes from now on (once)."""
+        self.errors += 1
         if not self.writable:
             return
         self.writable = False
@@ -113,6 +115,7 @@ class StorageHealth:
             written = flush()
         except StorageFailed as exc:
             self.error = str(exc)
+            self.errors += 1
             self._retry_delay_s = min(2 * self._retry_delay_s, _RETRY_MAX_S)
             self._retry_at = time.monotonic() + self._retry_delay_s
             log.warning("storage still failing, next try in %.1f s: %s", self._retry_delay_s, exc)

@@ -14,11 +14,15 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from protos.auth import AuthError, Tokens, bearer_metadata, read_client_token
+from protos.guard import Guard, RpcMetrics, serve_metrics
 from protos.servers import listen
+from protos.tls import TLSError, channel_credentials, server_credentials
 from ps.changes import ChangeLog
 from ps.checkpoint import copy_checkpoint
 from ps.config import Durability, ServerConfig
@@ -50,6 +54,16 @@ BACKGROUND_HEALTH_SERVICE = SERVICE_NAME + ".Background"
 """Health service name that is NOT_SERVING while a background loop of the shard (evictor,
 interval flush, TTL sweep, storage recovery) is failing; ``Stats.failing_loops`` says which."""
 
+SPARE_THREADS = 8
+"""Handler threads beyond ``--threads``: refusals and health checks never wait for a busy one."""
+
+ROLES = {f"/{SERVICE_NAME}/{m}": role for m, role in [
+    ("Lookup", "read"), ("ListTables", "read"), ("Stats", "read"), ("Follow", "read"),
+    ("Push", "write"),
+    ("CreateTable", "admin"), ("Checkpoint", "admin"), ("ServeFrom", "admin"),
+]}  # fmt: skip
+"""The token role each method needs (see ``protos.auth``)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -59,6 +73,8 @@ class PSServer:
     def __init__(self, server: grpc.Server, port: int, shard: Shard, health: health.HealthServicer) -> None:
         self.server = server
         self.port = port
+        self.metrics_port: int | None = None
+        self._metrics_server: Any = None
         self.shard = shard
         self._health = health
         self._stopped = threading.Event()
@@ -72,6 +88,8 @@ class PSServer:
         self._stopped.set()
         self.shard.close()
         self.server.stop(grace_s).wait()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         if isinstance(self.shard.source, Source):
             self.shard.source.stop()
         return self.shard.shutdown(grace_s or 0.0)
@@ -89,8 +107,23 @@ def open_shard(config: ServerConfig) -> Shard:
     shard = _open_shard(config)
     shard.changes = ChangeLog(config.follow_history_keys)
     if config.mode == "serve":
-        shard.source = Source(shard, config.follow, max_message_bytes=config.max_message_bytes)
+        shard.source = Source(shard, config.follow, max_message_bytes=config.max_message_bytes,
+                              **_leader_credentials(config))  # fmt: skip
     return shard
+
+
+def _leader_credentials(config: ServerConfig) -> dict[str, Any]:
+    """TLS credentials and token metadata a follower sends its training shard."""
+    try:
+        tls = config.client_tls_ca or config.client_tls_cert
+        return {
+            "credentials": channel_credentials(config.client_tls_ca, config.client_tls_cert, config.client_tls_key)
+            if tls
+            else None,
+            "metadata": bearer_metadata(read_client_token(config.client_token_file)),
+        }
+    except (AuthError, TLSError) as exc:
+        raise RuntimeError(str(exc)) from None
 
 
 def _open_shard(config: ServerConfig) -> Shard:
@@ -140,9 +173,35 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     Raises ``RuntimeError`` naming the address when it cannot be bound, or the data
     directory when it cannot be used.
     """
+    try:
+        tokens = Tokens.load(config.auth_token_file) if config.auth_token_file is not None else None
+        credentials = (
+            server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+            if config.tls_cert is not None and config.tls_key is not None
+            else None
+        )
+    except (AuthError, TLSError) as exc:
+        raise RuntimeError(str(exc)) from None
     shard = shard or open_shard(config)
+    shard.max_tables, shard.max_keys_per_request = config.max_tables, config.max_keys_per_request
+    registry = metrics = None
+    if config.metrics_port is not None:
+        from ps.metrics import shard_registry
+
+        registry = shard_registry(shard)
+        metrics = RpcMetrics("ps", registry)
+    guard = Guard(
+        f"shard {config.shard}",
+        ROLES,
+        tokens=tokens,
+        max_in_flight=config.threads,
+        max_per_peer=config.max_calls_per_client or max(1, config.threads * 3 // 4),
+        metrics=metrics,
+        limits_flag="--threads",
+    )
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="ps-rpc"),
+        futures.ThreadPoolExecutor(max_workers=config.threads + SPARE_THREADS, thread_name_prefix="ps-rpc"),
+        interceptors=[guard],
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -152,7 +211,7 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     )
     server.add_generic_rpc_handlers((Servicer(shard, config.max_message_bytes).handler(),))
     try:
-        port, health_servicer = listen(server, config.listen, [SERVICE_NAME])
+        port, health_servicer = listen(server, config.listen, [SERVICE_NAME], credentials)
     except RuntimeError:
         shard.shutdown()
         raise
@@ -170,6 +229,14 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     shard.health.on_change(listener(BACKGROUND_HEALTH_SERVICE))
     shard.start()
     ps_server = PSServer(server, port, shard, health_servicer)
+    if registry is not None and config.metrics_port is not None:
+        host = config.listen.rpartition(":")[0].strip("[]")
+        try:
+            ps_server._metrics_server, ps_server.metrics_port = serve_metrics(host, config.metrics_port, registry)
+        except RuntimeError:
+            ps_server.stop(grace_s=0)
+            raise
+        log.info("metrics on http://%s:%d/metrics", host, ps_server.metrics_port)
     if isinstance(shard.source, Source) and shard.source.leader is not None:
         shard.source.start()
         follow_health = listener(FOLLOW_HEALTH_SERVICE)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,11 +47,11 @@ def status_boundary(context: grpc.ServicerContext, method: str) -> Iterator[None
         context.abort(exc.code, str(exc))
     except (wire.WireFormatError, DecodeError) as exc:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: malformed request: {exc}")
-    except Exception as exc:
-        log.exception("unhandled error in %s", method)
-        context.abort(
-            grpc.StatusCode.INTERNAL, f"{method}: internal error {type(exc).__name__}: {exc} (see the shard log)"
-        )
+    except Exception:
+        # The status names an incident the log has in full: no traceback, path or value leaves the shard.
+        incident = uuid.uuid4().hex[:12]
+        log.exception("unhandled error in %s (incident %s)", method, incident)
+        context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error, incident {incident} in the shard log")
 
 
 class Servicer:

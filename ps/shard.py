@@ -48,7 +48,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -64,6 +64,7 @@ from ps.checkpoint import next_version_path, require_root, resolve_checkpoint_pa
 from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import (
     InvalidRequest,
+    OutOfCapacity,
     RequestTooLarge,
     ShardMismatch,
     ShuttingDown,
@@ -126,6 +127,8 @@ class Shard:
             raise ValueError("memory_budget_bytes needs storage to spill rows to")
         self.index = index
         self.num_shards = num_shards
+        self.max_tables = 1 << 30  # CreateTable beyond it: RESOURCE_EXHAUSTED (--max-tables)
+        self.max_keys_per_request = 1 << 62  # Lookup/Push beyond it: RESOURCE_EXHAUSTED
         self.mode = mode
         self.storage = storage
         self.durability = durability
@@ -202,6 +205,12 @@ class Shard:
         be stored.
         """
         self.check_mode("CreateTable")
+        with self._lock:
+            if spec.name not in self._tables and len(self._tables) >= self.max_tables:
+                raise OutOfCapacity(
+                    f"CreateTable refused: shard {self.index} holds {len(self._tables)} tables, its limit "
+                    f"(--max-tables={self.max_tables}); drop the table count or raise the limit"
+                )
         return self.install_table(spec)
 
     def install_table(self, spec: TableSpec) -> bool:
@@ -301,7 +310,17 @@ class Shard:
         with self.serve_lock.reading() if self._mode != "train" else contextlib.nullcontext():
             return self._lookup(request, max_response_bytes)
 
+    def check_keys(self, method: str, counts: Iterable[int]) -> None:
+        """Raise ``RequestTooLarge`` when a request carries more than ``max_keys_per_request`` keys."""
+        n = sum(counts)
+        if n > self.max_keys_per_request:
+            raise RequestTooLarge(
+                f"{method} carries {n} keys, over this shard's --max-keys-per-request={self.max_keys_per_request}: "
+                "send fewer keys per request"
+            )
+
     def _lookup(self, request: pb.LookupRequest, max_response_bytes: int) -> bytes:
+        self.check_keys("Lookup", (len(e.keys) // 8 for e in request.entries))
         plan: list[tuple[Table, npt.NDArray[np.int64], int]] = []
         total = 0
         for i, entry in enumerate(request.entries):
@@ -341,6 +360,7 @@ class Shard:
         """
         self.check_request(request.num_shards, request.shard)
         self.check_writable()
+        self.check_keys("Push", (len(e.keys) // 8 for e in request.entries))
         batch = []
         for i, entry in enumerate(request.entries):
             table = self._entry_table(entry.table, i)
@@ -451,6 +471,11 @@ class Shard:
     def expire(self) -> int:
         """Apply every table's TTL now; returns rows deleted."""
         return sum(self._guard(t.expire) for t in self.tables() if t.spec.lifecycle.ttl_seconds)
+
+    @property
+    def storage_errors(self) -> int:
+        """Storage failures seen since start (failed writes and recovery tries)."""
+        return self._storage_health.errors
 
     def _guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, noting a storage failure on the way out."""

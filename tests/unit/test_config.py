@@ -45,7 +45,7 @@ def json_file(tmp_path: Path) -> Path:
 def test_defaults() -> None:
     assert load_config([], {}) == ServerConfig()
     cfg = ServerConfig()
-    assert (cfg.shard, cfg.num_shards, cfg.listen, cfg.port_file, cfg.threads) == (0, 1, "127.0.0.1:0", None, 8)
+    assert (cfg.shard, cfg.num_shards, cfg.listen, cfg.port_file, cfg.threads) == (0, 1, "127.0.0.1:0", None, 16)
 
 
 @pytest.mark.parametrize("fixture", ["toml_file", "json_file"])

@@ -1,0 +1,287 @@
+"""What stands in front of every call to ``ps-server`` and ``ps-infer``: the token check,
+admission control and RPC metrics, as one gRPC server interceptor.
+
+In order, for each call to a guarded service (health checks and reflection pass freely):
+
+1. **Token** (when the server has a token file, see ``protos.auth``): none or an unknown
+   one gets UNAUTHENTICATED; a role below what the method needs gets PERMISSION_DENIED.
+2. **Admission**: at most ``max_in_flight`` calls run at once; one more gets
+   RESOURCE_EXHAUSTED at once (the refusal is decided on gRPC's polling thread, and the
+   server keeps spare handler threads so that it is answered without waiting behind the
+   calls that run). One peer (connection) may hold at most ``max_per_peer`` of them, so
+   a client that sends too much is the one refused (and its retries back off), not the
+   others.
+3. **Deadline**: a call cancelled or past its deadline before its handler starts is
+   answered CANCELLED or DEADLINE_EXCEEDED without doing the work.
+4. **Metrics** (``RpcMetrics``): latency histogram per method, calls by method and code,
+   calls in flight, refusals by method and reason.
+
+Refusals name the limit and the flag that sets it, never a token.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import grpc
+
+from protos.auth import Tokens, allows, bearer_token
+
+__all__ = ["OPEN_SERVICES", "Guard", "RpcMetrics", "serve_metrics"]
+
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
+                 "/grpc.reflection.v1.ServerReflection/")  # fmt: skip
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class RpcMetrics:
+    """Prometheus metrics of a server's calls, named ``{prefix}_...``, in ``registry``.
+
+    ``{prefix}_rpc_duration_seconds{method}`` (histogram), ``{prefix}_rpcs_total{method,
+    code}``, ``{prefix}_rpcs_in_flight``, ``{prefix}_rpcs_rejected_total{method,reason}``.
+    """
+
+    def __init__(self, prefix: str, registry: Any) -> None:
+        from prometheus_client import Counter as PCounter
+        from prometheus_client import Gauge, Histogram
+
+        self.registry = registry
+        self.duration = Histogram(f"{prefix}_rpc_duration_seconds", "Time to answer a call, by method",
+                                  ["method"], registry=registry, buckets=LATENCY_BUCKETS_S)  # fmt: skip
+        self.calls = PCounter(f"{prefix}_rpcs", "Calls answered, by method and status code", ["method", "code"],
+                              registry=registry)  # fmt: skip
+        self.in_flight = Gauge(f"{prefix}_rpcs_in_flight", "Calls being handled now", registry=registry)
+        self.rejected = PCounter(f"{prefix}_rpcs_rejected", "Calls refused before any work, by method and reason",
+                                 ["method", "reason"], registry=registry)  # fmt: skip
+
+    def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        self.duration.labels(method).observe(seconds)
+        self.calls.labels(method, code.name).inc()
+
+    def reject(self, method: str, reason: str, code: grpc.StatusCode) -> None:
+        self.rejected.labels(method, reason).inc()
+        self.calls.labels(method, code.name).inc()
+
+
+def serve_metrics(host: str, port: int, registry: Any) -> tuple[Any, int]:
+    """Serve ``registry`` as Prometheus text at ``http://host:port/metrics`` from a daemon
+    thread; returns (the HTTP server, its real port). Port 0 picks a free one."""
+    from prometheus_client import start_http_server
+
+    try:
+        server, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise RuntimeError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
+    return server, int(server.server_port)
+
+
+OVERLOADED = ("ps-overloaded", "1")
+"""Trailing metadata of a refusal for load: clients retry it with backoff."""
+
+
+def _refuse(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:  # type: ignore[type-arg]
+    """``handler`` with its behavior replaced by one that answers ``code`` (marked
+    overloaded when it is RESOURCE_EXHAUSTED)."""
+
+    def behavior(request: Any, context: grpc.ServicerContext) -> Any:
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            context.set_trailing_metadata((OVERLOADED,))
+        context.abort(code, message)
+
+    kind = "unary_stream" if handler.response_streaming else "unary_unary"
+    if handler.request_streaming:
+        kind = "stream_stream" if handler.response_streaming else "stream_unary"
+    return handler._replace(**{kind: behavior})  # type: ignore[attr-defined,no-any-return]
+
+
+def _code(context: grpc.ServicerContext) -> grpc.StatusCode | None:
+    """The status code a handler set (by ``abort`` or ``set_code``), None if none."""
+    code: grpc.StatusCode | None = context.code()  # type: ignore[attr-defined]
+    return code
+
+
+def _method_name(full: str) -> str:
+    return full.rsplit("/", 1)[-1]
+
+
+class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """The interceptor described in the module docstring.
+
+    ``roles`` maps a full method name (``/ps.v1.ParameterServer/Push``) to the role it
+    needs; a guarded method missing from it needs ``admin``. ``who`` names the server in
+    refusals (e.g. ``shard 0``). ``limits_flag`` is the flag named when a call is refused
+    for the in-flight limit.
+    """
+
+    def __init__(
+        self,
+        who: str,
+        roles: Mapping[str, str],
+        *,
+        tokens: Tokens | None = None,
+        max_in_flight: int = 0,
+        max_per_peer: int = 0,
+        metrics: RpcMetrics | None = None,
+        limits_flag: str = "--max-concurrent-rpcs",
+    ) -> None:
+        self.who, self.roles, self.tokens, self.metrics = who, dict(roles), tokens, metrics
+        self.max_in_flight, self.max_per_peer, self.limits_flag = max_in_flight, max_per_peer, limits_flag
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._per_peer: Counter[str] = Counter()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],  # type: ignore[type-arg]
+        details: grpc.HandlerCallDetails,
+    ) -> Any:
+        full = details.method
+        handler = continuation(details)
+        if handler is None or full.startswith(OPEN_SERVICES):
+            return handler
+        method = _method_name(full)
+        refusal = self._check_token(full, details.invocation_metadata)
+        if refusal is not None:
+            code, reason, message = refusal
+            return self._refused(handler, method, code, reason, message)
+        if handler.request_streaming:
+            return handler  # no client-streaming methods here: not counted
+        with self._lock:
+            if self.max_in_flight and self._in_flight >= self.max_in_flight:
+                full_now = True
+            else:
+                full_now = False
+                self._in_flight += 1
+        if full_now:
+            return self._refused(
+                handler, method, grpc.StatusCode.RESOURCE_EXHAUSTED, "in_flight",
+                f"{method} refused: {self.who} is handling {self.max_in_flight} calls "
+                f"({self.limits_flag}={self.max_in_flight}); retry with backoff",
+            )  # fmt: skip
+        return self._wrap(handler, method)
+
+    # -- the checks -------------------------------------------------------------------
+    def _check_token(self, full: str, metadata: Any) -> tuple[grpc.StatusCode, str, str] | None:
+        if self.tokens is None:
+            return None
+        method = _method_name(full)
+        token = bearer_token(metadata)
+        if not token:
+            return (grpc.StatusCode.UNAUTHENTICATED, "no_token",
+                    f"{method} refused: no bearer token; send 'authorization: Bearer TOKEN' metadata")  # fmt: skip
+        role = self.tokens.role_of(token)
+        if role is None:
+            return grpc.StatusCode.UNAUTHENTICATED, "bad_token", f"{method} refused: unknown token"
+        needed = self.roles.get(full, "admin")
+        if not allows(role, needed):
+            return (grpc.StatusCode.PERMISSION_DENIED, "role",
+                    f"{method} refused: needs a {needed} token, this one is {role}")  # fmt: skip
+        return None
+
+    def _refused(self, handler: Any, method: str, code: grpc.StatusCode, reason: str, message: str) -> Any:
+        if self.metrics is not None:
+            self.metrics.reject(method, reason, code)
+        return _refuse(handler, code, message)
+
+    # -- running a call -----------------------------------------------------------------
+    def _enter_peer(self, peer: str) -> bool:
+        with self._lock:
+            if self.max_per_peer and self._per_peer[peer] >= self.max_per_peer:
+                return False
+            self._per_peer[peer] += 1
+            return True
+
+    def _leave(self, peer: str | None) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if peer is not None:
+                self._per_peer[peer] -= 1
+                if self._per_peer[peer] <= 0:
+                    del self._per_peer[peer]
+
+    def _start(self, method: str, context: grpc.ServicerContext) -> str | None:
+        """Checks at the start of the handler; returns the peer it counted. Aborts (after
+        releasing its slot) when the call is over or its peer holds too many."""
+        if not context.is_active():
+            self._leave(None)
+            code = grpc.StatusCode.DEADLINE_EXCEEDED
+            remaining = context.time_remaining()
+            if remaining is None or remaining > 0:
+                code = grpc.StatusCode.CANCELLED
+            self._record(method, code, 0.0)
+            context.abort(code, f"{method}: the call ended before its handler started")
+        peer = context.peer()
+        if not self._enter_peer(peer):
+            self._leave(None)
+            if self.metrics is not None:
+                self.metrics.reject(method, "per_peer", grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.set_trailing_metadata((OVERLOADED,))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{method} refused: this client already has {self.max_per_peer} calls in flight on "
+                          f"{self.who} (its share of {self.limits_flag}={self.max_in_flight}); retry with backoff")  # fmt: skip
+        return peer
+
+    def _record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(method, code, seconds)
+
+    def _wrap(self, handler: Any, method: str) -> Any:
+        metrics = self.metrics
+
+        def unary(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+            def run(request: Any, context: grpc.ServicerContext) -> Any:
+                peer = self._start(method, context)
+                if metrics is not None:
+                    metrics.in_flight.inc()
+                t0 = time.perf_counter()
+                code = grpc.StatusCode.UNKNOWN
+                try:
+                    reply = behavior(request, context)
+                    code = _code(context) or grpc.StatusCode.OK
+                    return reply
+                except BaseException:
+                    code = _code(context) or grpc.StatusCode.UNKNOWN
+                    raise
+                finally:
+                    self._leave(peer)
+                    if metrics is not None:
+                        metrics.in_flight.dec()
+                        metrics.observe(method, code, time.perf_counter() - t0)
+
+            return run
+
+        def streaming(behavior: Callable[[Any, grpc.ServicerContext], Iterator[Any]]) -> Callable[..., Any]:
+            def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                peer = self._start(method, context)
+                if metrics is not None:
+                    metrics.in_flight.inc()
+                t0 = time.perf_counter()
+                code = grpc.StatusCode.UNKNOWN
+                try:
+                    yield from behavior(request, context)
+                    code = _code(context) or grpc.StatusCode.OK
+                except GeneratorExit:
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                except BaseException:
+                    code = _code(context) or grpc.StatusCode.UNKNOWN
+                    raise
+                finally:
+                    self._leave(peer)
+                    if metrics is not None:
+                        metrics.in_flight.dec()
+                        metrics.observe(method, code, time.perf_counter() - t0)
+
+            return run
+
+        if handler.response_streaming:
+            return handler._replace(unary_stream=streaming(handler.unary_stream))
+        return handler._replace(unary_unary=unary(handler.unary_unary))

@@ -1,0 +1,200 @@
+"""What operators rely on, on real ``ps-server`` processes: Prometheus metrics, bearer
+tokens, TLS and mutual TLS, and admission control (calls in flight, tables, keys)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import ClientConfig, PSClient, PSError
+from protos import ps_pb2 as pb
+from tests.integration.shards import RunningShard, start_shard, stop_shard
+
+LOOKUP = "/ps.v1.ParameterServer/Lookup"
+FOLLOW = "/ps.v1.ParameterServer/Follow"
+
+
+def _metrics_port(shard: RunningShard, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = re.search(r"metrics on http://[^:]+:(\d+)/metrics", shard.log.read_text())
+        if m:
+            return int(m.group(1))
+        time.sleep(0.05)
+    raise AssertionError(f"no metrics line in the log:\n{shard.log_tail()}")
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+@pytest.fixture
+def shard_with_metrics(tmp_path: Path) -> Iterator[RunningShard]:
+    shard = start_shard(0, 1, tmp_path, "--metrics-port=0", f"--data-dir={tmp_path / 'data'}")
+    yield shard
+    stop_shard(shard)
+
+
+def test_metrics_count_calls_rows_and_refusals(shard_with_metrics: RunningShard) -> None:
+    port = _metrics_port(shard_with_metrics)
+    with PSClient([shard_with_metrics.address]) as client:
+        client.create_table("users", dim=8)
+        for _ in range(5):
+            client.lookup("users", np.arange(100))
+        client.push("users", np.arange(10), np.ones((10, 8), np.float32))
+        client.push("users", np.arange(10), np.ones((10, 8), np.float32))
+        with pytest.raises(PSError):
+            client.lookup("missing", np.arange(3))
+    m = _scrape(port)
+    assert m['ps_rpcs_total{code="OK",method="Lookup"}'] == 5
+    assert m['ps_rpcs_total{code="OK",method="Push"}'] == 2
+    assert m['ps_rpc_duration_seconds_count{method="Lookup"}'] == 5
+    assert m['ps_table_rows{table="users",tier="ram"}'] == 100
+    assert m['ps_table_keys_looked_up_total{table="users"}'] == 500
+    assert m['ps_table_rows_created_total{table="users"}'] == 100
+    assert m['ps_table_memory_bytes{table="users"}'] > 0
+    assert m["ps_tables"] == 1
+    assert m["ps_storage_errors_total"] == 0
+    assert m["ps_rpcs_in_flight"] == 0
+    # Labels are methods, codes, tables and tiers only: never a key.
+    labels = {k for name in m for k in re.findall(r'(\w+)="', name)}
+    assert labels <= {"method", "code", "table", "tier", "le", "reason"}, labels
+
+
+def test_tokens_by_role_and_health_without_one(tmp_path: Path) -> None:
+    tokens = {"read": "r" * 20, "write": "w" * 20, "admin": "a" * 20}
+    token_file = tmp_path / "tokens"
+    token_file.write_text("".join(f"{role} {t}\n" for role, t in tokens.items()))
+    shard = start_shard(0, 1, tmp_path, f"--auth-token-file={token_file}")
+    try:
+
+        def client(token: str | None) -> PSClient:
+            return PSClient([shard.address], ClientConfig(token=token, deadline_s=5, max_attempts=1))
+
+        with client(None) as c, pytest.raises(PSError) as exc:
+            c.tables()
+        assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with client("x" * 20) as c, pytest.raises(PSError) as exc:
+            c.tables()
+        assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED and "x" * 20 not in str(exc.value)
+        with client(tokens["write"]) as c, pytest.raises(PSError) as exc:
+            c.create_table("t", dim=4)
+        assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED and "needs a admin token" in str(exc.value)
+        with client(tokens["admin"]) as c:
+            c.create_table("t", dim=4)
+        with client(tokens["read"]) as c:
+            assert c.lookup("t", np.arange(4)).shape == (4, 4)
+            with pytest.raises(PSError) as exc:
+                c.push("t", np.arange(4), np.ones((4, 4), np.float32))
+            assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED
+        with client(tokens["write"]) as c:
+            assert c.push("t", np.arange(4), np.ones((4, 4), np.float32)).rows_updated == 4
+        with grpc.insecure_channel(shard.address) as channel:  # probes carry no token
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert not any(t in shard.log.read_text() for t in tokens.values())  # never logged
+    finally:
+        stop_shard(shard)
+
+
+def test_bad_token_file_stops_start_with_a_clear_error(tmp_path: Path) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text("root secret-secret-secret\n")
+    with pytest.raises(pytest.fail.Exception, match="line 1: expected 'ROLE TOKEN'"):
+        start_shard(0, 1, tmp_path, f"--auth-token-file={token_file}", timeout_s=20)
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
+    server_cert = ca.issue_cert("127.0.0.1", "localhost")
+    server_cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "server.pem"))
+    server_cert.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    client_cert = ca.issue_cert("trainer@example.test")
+    client_cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "client.pem"))
+    client_cert.private_key_pem.write_to_path(str(tmp_path / "client.key"))
+    tls = (f"--tls-cert={tmp_path / 'server.pem'}", f"--tls-key={tmp_path / 'server.key'}")
+    quick = {"deadline_s": 3.0, "max_attempts": 1}
+
+    shard = start_shard(0, 1, tmp_path / "tls", *tls)
+    try:
+        with PSClient([shard.address], ClientConfig(tls_ca=str(tmp_path / "ca.pem"), **quick)) as c:
+            c.create_table("t", dim=4)
+            assert c.lookup("t", np.arange(3)).shape == (3, 4)
+        with PSClient([shard.address], ClientConfig(**quick)) as c, pytest.raises(PSError):
+            c.tables()  # plain text to a TLS port
+    finally:
+        stop_shard(shard)
+
+    shard = start_shard(0, 1, tmp_path / "mtls", *tls, f"--tls-client-ca={tmp_path / 'ca.pem'}")
+    try:
+        mutual = ClientConfig(tls_ca=str(tmp_path / "ca.pem"), tls_cert=str(tmp_path / "client.pem"),
+                              tls_key=str(tmp_path / "client.key"), **quick)  # fmt: skip
+        with PSClient([shard.address], mutual) as c:
+            c.create_table("t", dim=4)
+        with PSClient([shard.address], ClientConfig(tls_ca=str(tmp_path / "ca.pem"), **quick)) as c:
+            with pytest.raises(PSError):
+                c.tables()  # no client certificate
+    finally:
+        stop_shard(shard)
+
+
+def test_admission_refuses_fast_and_the_client_retries(tmp_path: Path) -> None:
+    shard = start_shard(0, 1, tmp_path, "--threads=1", "--max-tables=2", "--max-keys-per-request=1000")
+    try:
+        with PSClient([shard.address]) as client:
+            client.create_table("a", dim=4)
+            client.create_table("b", dim=4)
+            with pytest.raises(PSError, match="--max-tables=2") as exc:
+                client.create_table("c", dim=4)
+            assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(PSError, match="--max-keys-per-request=1000"):
+                client.lookup("a", np.arange(1001))
+            assert client.lookup("a", np.arange(1000)).shape == (1000, 4)
+
+            # A Follow stream holds the one call slot; a lookup beside it is refused at once.
+            with grpc.insecure_channel(shard.address) as channel:
+                follow = channel.unary_stream(FOLLOW, None, None)(
+                    pb.FollowRequest(shard=0, num_shards=1).SerializeToString()
+                )
+                next(follow)  # the stream is open
+                lookup = channel.unary_unary(LOOKUP, None, None)
+                body = pb.LookupRequest(entries=[pb.LookupEntry(table="a", keys=np.arange(3).tobytes())],
+                                        num_shards=1, shard=0).SerializeToString()  # fmt: skip
+                t0 = time.monotonic()
+                with pytest.raises(grpc.RpcError) as err:
+                    lookup(body, timeout=10)
+                assert time.monotonic() - t0 < 1.0
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "--threads=1" in (err.value.details() or "")
+                # PSClient backs off and retries an overload refusal: it succeeds once the slot frees.
+                done: list[np.ndarray] = []
+                worker = threading.Thread(target=lambda: done.append(client.lookup("a", np.arange(3))))
+                worker.start()
+                time.sleep(0.5)
+                assert not done
+                follow.cancel()
+                worker.join(timeout=20)
+                assert done and done[0].shape == (3, 4)
+    finally:
+        stop_shard(shard)
