@@ -50,7 +50,10 @@ from grpc_health.v1 import health
 from client import ClientConfig, PSClient, PSError, parse_addresses
 from protos import infer_pb2 as pb
 from protos import infer_pb2_grpc
+from protos.auth import AuthError, Tokens, bearer_metadata
+from protos.guard import Guard, RpcMetrics, serve_metrics
 from protos.servers import listen, write_port_file
+from protos.tls import TLSError, channel_credentials, open_channel, server_credentials
 from worker.config import parse_config
 from worker.export import load_model
 from worker.predictor import PAD_ROWS, Encoded, Predictor
@@ -90,6 +93,17 @@ class InferConfig:
     grace_s: float = field(default=10.0, metadata=_help("on SIGTERM, how long calls in progress may take to finish"))
     threads: int = field(default=0, metadata=_help("torch threads for the model (0: torch's default)"))
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
+    metrics_port: int | None = field(
+        default=None, metadata=_help("serve Prometheus metrics at http://HOST:PORT/metrics (HOST of --listen)")
+    )
+    tls_cert: Path | None = field(default=None, metadata=_help("PEM certificate chain: serve TLS (with --tls-key)"))
+    tls_key: Path | None = field(default=None, metadata=_help("PEM private key of --tls-cert"))
+    tls_client_ca: Path | None = field(
+        default=None, metadata=_help("PEM CA: callers must present a certificate it signed (mutual TLS)")
+    )
+    auth_token_file: Path | None = field(
+        default=None, metadata=_help("file of 'ROLE TOKEN' lines: Predict needs a read token or better")
+    )
 
     def __post_init__(self) -> None:
         checks = [
@@ -102,6 +116,9 @@ class InferConfig:
              f"max_batch_rows={self.max_batch_rows}: must be >= max_candidates={self.max_candidates}"),
             (self.deadline_s > 0 and self.grace_s >= 0, "deadline_s must be > 0 and grace_s >= 0"),
             (self.threads >= 0, f"threads={self.threads}: must be >= 0"),
+            ((self.tls_cert is None) == (self.tls_key is None), "tls_cert and tls_key go together: give both"),
+            (self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca needs tls_cert and tls_key"),
+            (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port: must be in [0, 65535]"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
@@ -162,8 +179,10 @@ class Batcher:
     and stops the thread.
     """
 
-    def __init__(self, predictor: Predictor, *, wait_s: float, max_rows: int, encoding: Callable[[], int]) -> None:
+    def __init__(self, predictor: Predictor, *, wait_s: float, max_rows: int, encoding: Callable[[], int],
+                 observe: Callable[[int], None] | None = None) -> None:  # fmt: skip
         self._predictor, self._wait_s, self._max_rows, self._encoding = predictor, wait_s, max_rows, encoding
+        self._observe = observe  # told the candidates of each micro-batch
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ps-infer-batcher", daemon=True)
         self._thread.start()
@@ -211,6 +230,8 @@ class Batcher:
                 return
 
     def _score(self, items: list[_Item]) -> None:
+        if self._observe is not None:
+            self._observe(sum(i.encoded.n for i in items))
         try:
             results = self._predictor.score([i.encoded for i in items])
         except BaseException as exc:
@@ -270,12 +291,16 @@ class InferServer:
 
     def __init__(self, server: grpc.Server, port: int, batcher: Batcher, health_servicer: health.HealthServicer) -> None:  # fmt: skip
         self.server, self.port, self._batcher, self._health = server, port, batcher, health_servicer
+        self.metrics_port: int | None = None
+        self.metrics_server: Any = None
 
     def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, refuse new calls, let calls in progress finish (up to ``grace_s``), stop the batcher."""
         self._health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
         self._batcher.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
 
 
 def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
@@ -283,12 +308,32 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
 
     Raises ``RuntimeError`` naming the address when it cannot be bound.
     """
+    try:
+        tokens = Tokens.load(config.auth_token_file) if config.auth_token_file is not None else None
+        credentials = (
+            server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+            if config.tls_cert is not None and config.tls_key is not None
+            else None
+        )
+    except (AuthError, TLSError) as exc:
+        raise RuntimeError(str(exc)) from None
+    registry = metrics = observe = None
+    if config.metrics_port is not None:
+        from prometheus_client import CollectorRegistry, Histogram
+
+        registry = CollectorRegistry(auto_describe=False)
+        metrics = RpcMetrics("ps_infer", registry)
+        observe = Histogram("ps_infer_batch_candidates", "Candidates scored per micro-batch (model call)",
+                            registry=registry, buckets=(1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)).observe  # fmt: skip
     gate = _Gate(config.max_concurrent)
     batcher = Batcher(predictor, wait_s=config.batch_wait_ms / 1000, max_rows=config.max_batch_rows,
-                      encoding=lambda: gate.encoding)  # fmt: skip
+                      encoding=lambda: gate.encoding, observe=observe)  # fmt: skip
     threads = config.max_concurrent + _SPARE_THREADS
+    # Admission is the gate's (--max-concurrent); the guard checks tokens and keeps metrics.
+    guard = Guard("ps-infer", {f"/{SERVICE_NAME}/Predict": "read"}, tokens=tokens, metrics=metrics)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-infer"),
+        interceptors=[guard],
         # Past this, gRPC itself refuses with RESOURCE_EXHAUSTED instead of queueing.
         maximum_concurrent_rpcs=2 * threads,
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
@@ -296,11 +341,20 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
     servicer = _Servicer(predictor, batcher, gate, predictor.model.run)
     infer_pb2_grpc.add_PredictorServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     try:
-        port, health_servicer = listen(server, config.listen, [SERVICE_NAME])
+        port, health_servicer = listen(server, config.listen, [SERVICE_NAME], credentials)
     except RuntimeError:
         batcher.close()
         raise
-    return InferServer(server, port, batcher, health_servicer)
+    infer = InferServer(server, port, batcher, health_servicer)
+    if registry is not None and config.metrics_port is not None:
+        host = config.listen.rpartition(":")[0].strip("[]")
+        try:
+            infer.metrics_server, infer.metrics_port = serve_metrics(host, config.metrics_port, registry)
+        except RuntimeError:
+            infer.stop(0)
+            raise
+        log.info("metrics on http://%s:%d/metrics", host, infer.metrics_port)
+    return infer
 
 
 def _check_tables(predictor: Predictor, client: PSClient, addresses: str) -> None:
@@ -386,10 +440,15 @@ class PredictClient:
     ``candidates`` may take). The constructor does no I/O; the channel opens on first
     use. Thread-safe; ``predict`` blocks and raises ``PredictError`` (``.code``) when the
     call fails, ``TypeError``/``ValueError`` for values no request can carry.
+    ``token``, ``tls_ca`` (TLS), ``tls_cert``/``tls_key`` (mutual TLS) reach a secured
+    ``ps-infer``; the token is sent as ``authorization: Bearer`` metadata.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 10.0, token: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None) -> None:  # fmt: skip
         self.address, self.timeout_s = address, timeout_s
+        self._metadata = bearer_metadata(token)
+        self._credentials = channel_credentials(tls_ca, tls_cert, tls_key) if tls_ca or tls_cert else None
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
         self._lock = threading.Lock()
@@ -403,7 +462,7 @@ class PredictClient:
         """Send a ready ``PredictRequest``; its scores as float32."""
         stub = self._open()
         try:
-            reply = stub.Predict(request, timeout=timeout_s or self.timeout_s)
+            reply = stub.Predict(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise PredictError(f"{self.address}: {exc.details()}", exc.code()) from None
         return np.frombuffer(reply.scores, dtype="<f4").astype(np.float32)
@@ -411,7 +470,7 @@ class PredictClient:
     def _open(self) -> Any:
         with self._lock:
             if self._stub is None:
-                self._channel = grpc.insecure_channel(self.address)
+                self._channel = open_channel(self.address, self._credentials, [])
                 self._stub = infer_pb2_grpc.PredictorStub(self._channel)  # type: ignore[no-untyped-call]
             return self._stub
 

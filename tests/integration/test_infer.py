@@ -7,11 +7,13 @@ and ``DistributedEmbedding`` on the keys the data path computes, for the same ra
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
+import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -356,3 +359,37 @@ def test_criteo_raw_text_fields_score_as_the_trainers_evaluation(tmp_path: Path)
             stop_infer(infer)
     assert expected.shape == (400,)
     np.testing.assert_array_equal(np.concatenate(got), expected)
+
+
+def test_tokens_tls_and_metrics(trained: Trained, tmp_path: Path) -> None:
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "server.pem"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    token = "predict-token-0123456789"
+    (tmp_path / "tokens").write_text(f"read {token}\n")
+    secured = start_infer(trained, tmp_path, "secured", f"--auth-token-file={tmp_path / 'tokens'}",
+                          f"--tls-cert={tmp_path / 'server.pem'}", f"--tls-key={tmp_path / 'server.key'}",
+                          "--metrics-port=0")  # fmt: skip
+    try:
+        ids, counts = raw_rows(5, seed=9)
+        ((ctx, cand),) = requests_of(ids, counts, [5])
+        tls = {"tls_ca": str(tmp_path / "ca.pem")}
+        with PredictClient(secured.address, token=token, **tls) as client:
+            scores = client.predict(ctx, cand)
+            assert scores.shape == (5,)
+        with PredictClient(secured.address, **tls) as client, pytest.raises(PredictError) as exc:
+            client.predict(ctx, cand)
+        assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with PredictClient(secured.address, token=token, timeout_s=3) as client, pytest.raises(PredictError):
+            client.predict(ctx, cand)  # plain text to a TLS port
+        port = re.search(r"metrics on http://[^:]+:(\d+)/metrics", secured.log.read_text())
+        assert port, secured.tail()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10).read().decode()
+        assert 'ps_infer_rpcs_total{code="OK",method="Predict"} 1.0' in text
+        assert 'ps_infer_rpcs_rejected_total{method="Predict",reason="no_token"} 1.0' in text
+        assert "ps_infer_batch_candidates_count 1.0" in text
+        assert token not in secured.log.read_text()
+    finally:
+        stop_infer(secured)
