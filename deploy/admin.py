@@ -20,6 +20,13 @@ every tool) and reads checkpoints offline with ``ps.storage``.
   records) are not carried over: a resharded cluster is a new cluster and its clients
   start fresh.
 * ``ps-admin stats --addresses ...``: one line per shard and table from the Stats RPC.
+* ``ps-admin tables``, ``create-table --name N --dim D [optimizer=adagrad lr=0.05 ...]``,
+  ``health`` (every health service of every replica; exit 1 unless all serve), and
+  ``serve-from --checkpoint V | --unpin`` (pin serving shards, roll back).
+
+Every command prints text, or JSON with ``--json``. ``--tls-ca``/``--tls-cert``/
+``--tls-key``/``--token-file`` (default: the ``PS_CLIENT_*`` environment) reach secured
+shards; creating tables, checkpoints and pins need an admin token.
 
 Start shard ``j`` of a checkpoint with
 ``ps-server --shard j --num-shards M --data-dir NEW --restore-from DIR/shard-...``.
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -55,11 +63,13 @@ from typing import Any
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import ClientConfig, PSClient, PSError, ShardUnavailableError
 from client import parse_addresses as client_parse_addresses
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
+from protos.tls import TLSError, channel_credentials, open_channel
 from ps import optimizers
 from ps.config import TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import ShardError
@@ -108,6 +118,15 @@ def _now() -> tuple[float, str]:
 # -- talking to shards -------------------------------------------------------------------
 
 
+CLIENT_OPTIONS: dict[str, Any] = {}
+"""TLS and token settings of every client ``ps-admin`` opens (``main`` fills it from
+``--tls-ca``/``--tls-cert``/``--tls-key``/``--token-file``; unset ones come from the
+``PS_CLIENT_*`` environment, see ``ClientConfig``)."""
+
+HEALTH_SERVICES = ("", "ps.v1.ParameterServer", "ps.v1.ParameterServer.Writes", "ps.v1.ParameterServer.Background",
+                   "ps.v1.ParameterServer.Follow")  # fmt: skip
+
+
 @contextlib.contextmanager
 def _cluster(addresses: Sequence[str | Sequence[str]], timeout_s: float) -> Iterator[PSClient]:
     """A ``PSClient`` of ``addresses`` whose errors become ``AdminError`` with a hint.
@@ -115,7 +134,7 @@ def _cluster(addresses: Sequence[str | Sequence[str]], timeout_s: float) -> Iter
     ``ps-admin`` waits for no shard: an unreachable one fails the command at once (one
     attempt per call), instead of the training client's retries.
     """
-    config = ClientConfig(deadline_s=timeout_s, max_attempts=1, tune_malloc=False)
+    config = ClientConfig(deadline_s=timeout_s, max_attempts=1, tune_malloc=False, **CLIENT_OPTIONS)
     try:
         with PSClient(addresses, config) as client:
             yield client
@@ -439,6 +458,81 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
+def cluster_tables(addresses: Sequence[str | Sequence[str]], timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """Every table of the cluster, as shard 0 reports it."""
+    with _cluster(addresses, timeout_s) as client:
+        return [dataclasses.asdict(t) for _, t in sorted(client.tables().items())]
+
+
+def create_table(addresses: Sequence[str | Sequence[str]], name: str, dim: int, options: dict[str, Any],
+                 timeout_s: float = 30.0) -> dict[str, Any]:  # fmt: skip
+    """Create ``name`` on every shard (``PSClient.create_table``); the table as created."""
+    with _cluster(addresses, timeout_s) as client:
+        try:
+            return dataclasses.asdict(client.create_table(name, dim, **options))
+        except (TypeError, ValueError) as exc:
+            raise AdminError(str(exc)) from None
+
+
+def cluster_health(addresses: Sequence[str | Sequence[str]], timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    """The gRPC health status of every address and health service (no token needed)."""
+    out = []
+    flat = [a for shard in addresses for a in ([shard] if isinstance(shard, str) else shard)]
+    for address in flat:
+        row: dict[str, Any] = {"address": address, "services": {}}
+        try:
+            with open_channel(address, _health_credentials(), []) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                for service in HEALTH_SERVICES:
+                    try:
+                        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+                        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                    except grpc.RpcError as exc:
+                        if exc.code() == grpc.StatusCode.NOT_FOUND:
+                            continue  # not a service of this kind of shard
+                        status = f"{exc.code().name}: {exc.details()}"
+                    row["services"][service or "(server)"] = status
+        except TLSError as exc:
+            raise AdminError(str(exc)) from None
+        row["serving"] = bool(row["services"]) and all(v == "SERVING" for v in row["services"].values())
+        out.append(row)
+    return out
+
+
+def _health_credentials() -> grpc.ChannelCredentials | None:
+    config = ClientConfig(**CLIENT_OPTIONS)
+    return channel_credentials(config.tls_ca, config.tls_cert, config.tls_key) if config.tls else None
+
+
+def _format_health(rows: Sequence[dict[str, Any]]) -> str:
+    lines = []
+    for r in rows:
+        states = ", ".join(f"{k}={v}" for k, v in r["services"].items())
+        lines.append(f"{r['address']}: {'SERVING' if r['serving'] else 'NOT SERVING'} ({states})")
+    return "\n".join(lines)
+
+
+def _format_tables(tables: Sequence[dict[str, Any]]) -> str:
+    if not tables:
+        return "no tables"
+    return "\n".join(
+        f"{t['name']}: dim {t['dim']}, optimizer {t['optimizer']}, initializer {t['initializer']}, seed {t['seed']}"
+        for t in tables
+    )
+
+
+def _table_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE, e.g. lr=0.05")
+    if key in ("optimizer", "initializer", "serving_default"):
+        return key, value
+    try:
+        return key, int(value) if key == "seed" else float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {key} takes a number") from None
+
+
 # -- command line ------------------------------------------------------------------------
 
 
@@ -477,6 +571,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Exit codes: 0 done, 1 failed (stderr says what to do), 2 bad arguments.",
     )
     parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+    sec = parser.add_argument_group("security (defaults: the PS_CLIENT_* environment variables)")
+    sec.add_argument("--tls-ca", help="PEM CA of the shards' certificates: connect with TLS")
+    sec.add_argument("--tls-cert", help="PEM client certificate, for shards that require mutual TLS")
+    sec.add_argument("--tls-key", help="PEM key of --tls-cert")
+    sec.add_argument("--token-file", help="file holding the bearer token (admin for create-table, checkpoint, "
+                     "serve-from)")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     addresses_help = "HOST:PORT of every shard, comma-separated, shard 0 first"
@@ -527,6 +628,28 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--checkpoint", help="checkpoint version or path to serve")
     which.add_argument("--unpin", action="store_true", help="serve the shards' own source again")
     sf.add_argument("--timeout-s", type=_positive_seconds, default=30.0, help="per-shard limit (default 30)")
+
+    tb = sub.add_parser("tables", help="list the cluster's tables")
+    tb.add_argument("--addresses", required=True, type=_addresses, help=addresses_help + "; '|' between replicas")
+    tb.add_argument("--timeout-s", type=_positive_seconds, default=10.0, help="per-shard limit (default 10)")
+
+    ct = sub.add_parser(
+        "create-table",
+        help="create a table on every shard",
+        description="Create NAME on every shard (nothing changes if an identical table exists; a different "
+        "one with that name is an error naming each difference). Options are NAME=VALUE: optimizer "
+        "(sgd, adagrad, adam, ftrl), initializer (uniform, normal, zeros, constant), seed, serving_default "
+        "(zeros, initial) and numbers such as lr=0.05, ttl_seconds=86400, admit_after=2.",
+    )
+    ct.add_argument("--addresses", required=True, type=_addresses, help=addresses_help)
+    ct.add_argument("--name", required=True, help="table name")
+    ct.add_argument("--dim", required=True, type=_at_least_one, help="row width")
+    ct.add_argument("option", nargs="*", type=_table_option, help="NAME=VALUE settings of the table")
+    ct.add_argument("--timeout-s", type=_positive_seconds, default=30.0, help="per-shard limit (default 30)")
+
+    hc = sub.add_parser("health", help="gRPC health of every shard and replica (exit 1 unless all serve)")
+    hc.add_argument("--addresses", required=True, type=_addresses, help=addresses_help + "; '|' between replicas")
+    hc.add_argument("--timeout-s", type=_positive_seconds, default=5.0, help="per-call limit (default 5)")
     return parser
 
 
@@ -545,13 +668,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s"
     )
+    CLIENT_OPTIONS.clear()
+    for flag in ("tls_ca", "tls_cert", "tls_key", "token_file"):
+        if getattr(args, flag) is not None:
+            CLIENT_OPTIONS[flag] = getattr(args, flag)
     try:
         if args.command == "checkpoint":
             manifest = checkpoint_cluster(args.addresses, args.out, args.timeout_s)
+            if args.json:
+                print(json.dumps(manifest, indent=2, sort_keys=True))
+                return 0
             print(f"checkpoint of {manifest['num_shards']} shards written to {args.out.absolute()}")
             _print_rows(manifest)
         elif args.command == "reshard":
             manifest = reshard(args.src, args.to_shards, args.out, args.chunk_rows)
+            if args.json:
+                print(json.dumps(manifest, indent=2, sort_keys=True))
+                return 0
             print(
                 f"resharded {args.src.absolute()} ({manifest['resharded_from']['num_shards']} shards) into "
                 f"{args.out.absolute()} ({manifest['num_shards']} shards); push ledgers were not carried over"
@@ -559,12 +692,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print_rows(manifest)
         elif args.command == "serve-from":
             with _cluster(args.addresses, args.timeout_s) as client:
-                for st in client.serve_from(None if args.unpin else args.checkpoint):
-                    print(
-                        f"{st['address']}: serving {st['checkpoint'] or st['source']}, version {st['applied_version']}"
-                    )
+                statuses = client.serve_from(None if args.unpin else args.checkpoint)
+            if args.json:
+                print(json.dumps(statuses, indent=2, sort_keys=True))
+                return 0
+            for st in statuses:
+                print(f"{st['address']}: serving {st['checkpoint'] or st['source']}, version {st['applied_version']}")
+        elif args.command == "tables":
+            tables = cluster_tables(args.addresses, args.timeout_s)
+            print(json.dumps(tables, indent=2, sort_keys=True) if args.json else _format_tables(tables))
+        elif args.command == "create-table":
+            table = create_table(args.addresses, args.name, args.dim, dict(args.option), args.timeout_s)
+            print(json.dumps(table, indent=2, sort_keys=True) if args.json else _format_tables([table]))
+        elif args.command == "health":
+            rows = cluster_health(args.addresses, args.timeout_s)
+            print(json.dumps(rows, indent=2, sort_keys=True) if args.json else _format_health(rows))
+            return 0 if all(r["serving"] for r in rows) else 1
         else:
-            print(_format_stats(cluster_stats(args.addresses, args.timeout_s)))
+            stats = cluster_stats(args.addresses, args.timeout_s)
+            print(json.dumps(stats, indent=2, sort_keys=True) if args.json else _format_stats(stats))
     except AdminError as exc:
         print(f"ps-admin {args.command}: {exc}", file=sys.stderr)
         return 1

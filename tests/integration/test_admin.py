@@ -231,3 +231,37 @@ def test_bad_arguments_and_checkpoints(tmp_path: Path) -> None:
 
     exists = ps_admin("checkpoint", "--addresses", "127.0.0.1:1", "--out", tmp_path / "empty", cwd=tmp_path)
     assert exists.returncode == 1 and "exists" in exists.stderr
+
+
+def test_tables_create_table_health_and_json_with_a_token(tmp_path: Path) -> None:
+    admin_token, read_token = "admin-token-0123456789", "read-token-0123456789"
+    (tmp_path / "tokens").write_text(f"admin {admin_token}\nread {read_token}\n")
+    (tmp_path / "admin.token").write_text(admin_token + "\n")
+    (tmp_path / "read.token").write_text(read_token + "\n")
+    shards = [start_shard(i, 2, tmp_path, f"--auth-token-file={tmp_path / 'tokens'}") for i in range(2)]
+    addresses = ",".join(s.address for s in shards)
+    try:
+        as_admin = ("--token-file", tmp_path / "admin.token")
+        created = json.loads(ok(ps_admin("--json", *as_admin, "create-table", "--addresses", addresses,
+                                         "--name", "items", "--dim", "8", "optimizer=adagrad", "lr=0.05", cwd=tmp_path)))  # fmt: skip
+        assert (created["name"], created["dim"], created["optimizer"]) == ("items", 8, "adagrad")
+        denied = ps_admin("--token-file", tmp_path / "read.token", "create-table", "--addresses", addresses,
+                          "--name", "other", "--dim", "4", cwd=tmp_path)  # fmt: skip
+        assert denied.returncode == 1 and "needs a admin token" in denied.stderr and read_token not in denied.stderr
+        no_token = ps_admin("tables", "--addresses", addresses, cwd=tmp_path)
+        assert no_token.returncode == 1 and "no bearer token" in no_token.stderr
+        assert "items: dim 8, optimizer adagrad" in ok(ps_admin(*as_admin, "tables", "--addresses", addresses,
+                                                                cwd=tmp_path))  # fmt: skip
+        tables = json.loads(ok(ps_admin("--json", *as_admin, "tables", "--addresses", addresses, cwd=tmp_path)))
+        assert [t["name"] for t in tables] == ["items"]
+        stats = json.loads(ok(ps_admin("--json", *as_admin, "stats", "--addresses", addresses, cwd=tmp_path)))
+        assert [s["shard"] for s in stats] == [0, 1] and stats[0]["tables"][0]["name"] == "items"
+        health = json.loads(ok(ps_admin("--json", "health", "--addresses", addresses, cwd=tmp_path)))  # no token
+        assert all(h["serving"] for h in health) and "ps.v1.ParameterServer.Writes" in health[0]["services"]
+        bad = ps_admin("create-table", "--addresses", addresses, "--name", "x", "--dim", "4", "lr=fast", cwd=tmp_path)
+        assert bad.returncode == 2 and "lr takes a number" in bad.stderr
+    finally:
+        stop_shard(shards[1])
+    down = ps_admin("health", "--addresses", addresses, "--timeout-s", "1", cwd=tmp_path)
+    assert down.returncode == 1 and "NOT SERVING" in down.stdout
+    stop_shard(shards[0])
