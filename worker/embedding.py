@@ -161,6 +161,11 @@ class DistributedEmbedding(torch.nn.Module):
         return {name: self._pool(name, batch[name], by_table[f.table], plan.index[name])
                 for name, f in self.features.items()}  # fmt: skip
 
+    def push_latency(self) -> dict[str, float]:
+        """Acknowledged pushes so far: how many, and their mean and max latency in seconds."""
+        p = self._pipeline
+        return {"pushes": p.push_count, "push_mean_s": p.push_s / max(1, p.push_count), "push_max_s": p.push_max_s}
+
     def flush(self) -> None:
         """Block until every push so far is applied; raise a background failure if there was one."""
         self._pipeline.flush()

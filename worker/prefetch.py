@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -69,6 +70,7 @@ class SparsePipeline:
         self._discarded: set[Future[Rows]] = set()
         self._held: list[tuple[int, int, Updates, Future[PushResult]]] = []  # in push order
         self._closed = False
+        self.push_count, self.push_s, self.push_max_s = 0, 0.0, 0.0  # acknowledged pushes and their latency
 
     def lookup(self, step: int | None, keys: Mapping[str, npt.NDArray[np.int64]], *,
                sees_all: bool = False) -> Future[Rows]:  # fmt: skip
@@ -170,7 +172,12 @@ class SparsePipeline:
 
     def _send(self, updates: Updates, future: Future[PushResult]) -> None:
         try:
-            future.set_result(self.client.push_many(updates))
+            t0 = time.perf_counter()
+            result = self.client.push_many(updates)
+            took = time.perf_counter() - t0
+            self.push_count, self.push_s = self.push_count + 1, self.push_s + took  # only this thread writes
+            self.push_max_s = max(self.push_max_s, took)
+            future.set_result(result)
         except BaseException as exc:  # the failure belongs to the push; check() raises it
             future.set_exception(exc)
 

@@ -85,6 +85,7 @@ MAX_EPOCHS = 10
 PATIENCE = 1  # epochs past the chosen one before the probe stops
 TIE = 1e-3  # validation loglosses within this fraction of the best count as equally good
 WIDE = ".wide"  # feature f + WIDE reads f's keys from the table "wide"
+LOG_EVERY_S = 10.0  # seconds between progress log lines (samples/s, lookup wait, push latency)
 
 
 @dataclass
@@ -150,6 +151,7 @@ class _Pass:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.dense_lr)
         self.phases = dict.fromkeys(("data", "lookup", "forward", "backward", "step", "eval"), 0.0)
         self.steps, self.samples, self.train_s = 0, 0, 0.0
+        self._logged_at = time.perf_counter()
         self.losses: list[float] = []
         self.evals: list[dict[str, Any]] = []
 
@@ -186,6 +188,9 @@ class _Pass:
             self.steps += 1
             self.samples += cur.batch_size
             self.losses.append(float(loss.detach()))
+            if t5 - self._logged_at >= LOG_EVERY_S:
+                self._logged_at = t5
+                self._log_progress(self.train_s + t5 - started)
             if bar is not None:
                 recent = self.losses[-20:]
                 rate = self.samples * self.d.world / max(1e-9, self.train_s + time.perf_counter() - started)
@@ -198,6 +203,14 @@ class _Pass:
             cur, cur_in = nxt, nxt_in
         self.emb.flush()
         self.train_s += time.perf_counter() - started - (self.phases["eval"] - eval_s)
+
+    def _log_progress(self, train_s: float) -> None:
+        """One progress line: throughput, time waiting for rows, push latency."""
+        push = self.emb.push_latency()
+        log.info("progress step=%d samples_per_s=%.0f lookup_wait_s=%.3f pushes=%d push_mean_ms=%.1f "
+                 "push_max_ms=%.1f loss_last_20=%.4f", self.steps, self.samples * self.d.world / max(1e-9, train_s),
+                 self.phases["lookup"], push["pushes"], 1e3 * push["push_mean_s"], 1e3 * push["push_max_s"],
+                 sum(self.losses[-20:]) / max(1, len(self.losses[-20:])))  # fmt: skip
 
     def evaluate(self, batches: Sequence[Batch]) -> dict[str, float]:
         return evaluate(self.emb, self.model, batches, self.d.device)
@@ -213,6 +226,7 @@ class _Pass:
         recent = self.losses[-20:]
         return {"steps": self.steps, "worker_samples": self.samples, "train_s": self.train_s,
                 "samples_per_s": self.samples * self.d.world / max(1e-9, self.train_s), "phases_s": self.phases,
+                "lookup_wait_s": self.phases["lookup"], **self.emb.push_latency(),
                 "mean_loss_last_20": sum(recent) / max(1, len(recent))}  # fmt: skip
 
 

@@ -29,6 +29,9 @@ def test_two_worker_ddp_through_ps_launch(tmp_path: Path) -> None:
     digests = metrics["dense_digests"]
     assert len(digests) == 2 and digests[0] == digests[1], digests  # DDP kept the workers' dense weights equal
     assert metrics["final"]["auc"] > 0.6
+    # What the trainer reports for operators: throughput, time waiting for rows, push latency.
+    assert metrics["samples_per_s"] > 0 and metrics["lookup_wait_s"] >= 0
+    assert metrics["pushes"] > 0 and 0 < metrics["push_mean_s"] <= metrics["push_max_s"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert [t["name"] for t in manifest["tables"]] == ["embedding", "wide"] and manifest["num_shards"] == 2
     assert len(manifest["features"]) == 2 * 26  # each feature, and its first-order weight
