@@ -84,6 +84,7 @@ from serving_parts import (  # noqa: E402
     Setup,
     freshness_part,
     infer_part,
+    process_cpu_s,
     ps_server_help,
     run_threads,
     summarize,
@@ -377,8 +378,12 @@ def lookup_part(setup: Setup, procs: Processes) -> dict[str, Any]:
     addresses = [s.address for s in shards]
     check_rows(addresses, keys, rows)
     print("lookup: starting echo and redis servers, loading redis ...", file=sys.stderr)
+    before = len(procs.pids)
     echo = [procs.child([sys.executable, __file__, "--echo-server"], root / f"echo-{i}") for i in range(SHARDS)]
+    echo_pids = procs.pids[before:]
     redis_ports = [procs.redis(root / f"redis-{i}") for i in range(SHARDS)]
+    redis_pids = procs.pids[before + len(echo_pids) :]
+    shard_pids = [s.proc.pid for s in shards]
     load_redis(redis_ports, keys, rows)
     work = Workload(keys, rows, requests)
     systems = [
@@ -391,19 +396,31 @@ def lookup_part(setup: Setup, procs: Processes) -> dict[str, Any]:
     rounds = 2 if setup.quick else 4
     samples: dict[str, dict[int, list[float]]] = {s.name: {c: [] for c in CONCURRENCY} for s in systems}
     walls: dict[str, dict[int, float]] = {s.name: dict.fromkeys(CONCURRENCY, 0.0) for s in systems}
+    # CPU seconds each system spends (this process, its servers) while measured: on 2 shared
+    # cores, latency under load follows the CPU a request costs, so this says where it goes.
+    server_pids = {"ours": shard_pids, "shards-raw": shard_pids, "ceiling": echo_pids,
+                   "redis-threads": redis_pids, "redis-asyncio": redis_pids}  # fmt: skip
+    cpu: dict[str, dict[int, list[float]]] = {s.name: {c: [0.0, 0.0] for c in CONCURRENCY} for s in systems}
     print(f"lookup: measuring {len(systems)} systems x concurrency {CONCURRENCY}, {setup.seconds:g} s each "
           f"in {rounds} rounds ...", file=sys.stderr)  # fmt: skip
     try:
         for _ in range(rounds):
             for c in CONCURRENCY:
                 for system in systems:
-                    lat, wall = system.measure(c, setup.seconds / rounds, setup.warmup_s)
+                    lat, wall, client_s, server_s = _measure_cpu(system, c, setup, rounds, server_pids[system.name])
+                    cpu[system.name][c][0] += client_s
+                    cpu[system.name][c][1] += server_s
                     samples[system.name][c] += lat
                     walls[system.name][c] += wall
     finally:
         for system in systems:
             system.close()
     cells = {name: {str(c): summarize(samples[name][c], walls[name][c]) for c in CONCURRENCY} for name in samples}
+    for name, by_c in cells.items():
+        for c in CONCURRENCY:
+            n = max(1, len(samples[name][c]))
+            by_c[str(c)]["client_cpu_ms_per_request"] = 1e3 * cpu[name][c][0] / n
+            by_c[str(c)]["server_cpu_ms_per_request"] = 1e3 * cpu[name][c][1] / n
     return {
         "setup": {
             "rows": len(keys),
@@ -420,6 +437,17 @@ def lookup_part(setup: Setup, procs: Processes) -> dict[str, Any]:
         "cells": cells,
         "goals": goals(cells),
     }
+
+
+def _measure_cpu(system: System, c: int, setup: Setup, rounds: int,
+                 pids: Sequence[int]) -> tuple[list[float], float, float, float]:  # fmt: skip
+    """``system.measure`` (after its warm-up), and the CPU seconds this process and the servers used meanwhile."""
+    system.measure(c, 0.0, setup.warmup_s)  # warm up first: only the timed slice is counted
+    before, servers_before = os.times(), sum(process_cpu_s(p) for p in pids)
+    lat, wall = system.measure(c, setup.seconds / rounds, 0.0)
+    after, servers_after = os.times(), sum(process_cpu_s(p) for p in pids)
+    client_s = (after.user + after.system) - (before.user + before.system)
+    return lat, wall, client_s, servers_after - servers_before
 
 
 def goals(cells: dict[str, dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
@@ -456,11 +484,13 @@ def report(res: dict[str, Any]) -> str:
             "TRAINING shards: this ps-server has no --mode serve")  # fmt: skip
         lines.append(f"Lookup: {st['keys_per_request']:,} keys x dim {st['dim']} per request, {st['shards']} "
                      f"servers each, {st['rows']:,} rows; ours = {mode}")  # fmt: skip
-        rows = [("system", "concurrency", "p50 ms", "p99 ms", "requests/s")]
+        rows = [("system", "concurrency", "p50 ms", "p99 ms", "requests/s", "client CPU ms/req", "server CPU ms/req")]
         for name, by_c in lk["cells"].items():
             for c, cell in by_c.items():
+                cpu = [f"{cell[k]:.2f}" if k in cell else "-" for k in
+                       ("client_cpu_ms_per_request", "server_cpu_ms_per_request")]  # fmt: skip
                 rows.append(
-                    (name, c, f"{cell['p50_ms']:.2f}", f"{cell['p99_ms']:.2f}", f"{cell['requests_per_s']:.0f}")
+                    (name, c, f"{cell['p50_ms']:.2f}", f"{cell['p99_ms']:.2f}", f"{cell['requests_per_s']:.0f}", *cpu)
                 )
         lines += table(rows) + [""]
         rows = [("goal", "ratio", "target", "pass")]

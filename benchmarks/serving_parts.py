@@ -87,6 +87,11 @@ class Processes:
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.stop_all()
 
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the running processes, oldest first."""
+        return [p.pid for p in self._procs]
+
     def shard(self, index: int, num_shards: int, root: Path, *args: str) -> ShardProcess:
         """``deploy.local.start_shard``; blocks until it serves."""
         shard = start_shard(index, num_shards, root, *args)
@@ -215,6 +220,13 @@ def run_threads(call: Callable[[int], object], concurrency: int, seconds: float)
     if errors:
         raise errors[0]
     return [x for xs in latencies for x in xs], wall
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summarize(latencies: list[float], wall: float) -> dict[str, float]:
