@@ -231,8 +231,18 @@ def training(res: dict[str, Any]) -> Section:
 # -- serving -----------------------------------------------------------------------------------
 
 
+CPU_KEYS = ("client_cpu_ms_per_request", "server_cpu_ms_per_request")
+
+
+def _cpu(cell: dict[str, Any]) -> float:
+    return float(cell[CPU_KEYS[0]] + cell[CPU_KEYS[1]])
+
+
 def _latency(cell: dict[str, Any]) -> str:
-    return f"p50 {cell['p50_ms']:.2f} ms, p99 {cell['p99_ms']:.2f} ms, {cell['requests_per_s']:.0f}/s"
+    text = f"p50 {cell['p50_ms']:.2f} ms, p99 {cell['p99_ms']:.2f} ms, {cell['requests_per_s']:.0f}/s"
+    if all(k in cell for k in CPU_KEYS):
+        text += f"; CPU {cell[CPU_KEYS[0]]:.2f} + {cell[CPU_KEYS[1]]:.2f} ms/request (client + servers)"
+    return text
 
 
 def serving(res: dict[str, Any]) -> Section:
@@ -256,6 +266,10 @@ def serving(res: dict[str, Any]) -> Section:
                                     ours["requests_per_s"] / cells[redis][c]["requests_per_s"]),
                            goals.get(f"requests/s vs {redis}, concurrency {c}")),
             ]  # fmt: skip
+            if CPU_KEYS[0] in ours and CPU_KEYS[0] in ceil:  # bench_serving records CPU since 71b56ce
+                a, b = _cpu(ours), _cpu(ceil)
+                out.headlines.append(Headline(f"Lookup CPU per request (client + servers), concurrency {c}",
+                                              f"{a:.2f} ms", f"ceiling {b:.2f} ms", a / b, lower_is_better=True))  # fmt: skip
         st = lk.get("setup", {})
         out.details += [f"Lookup: {st.get('keys_per_request', 0):,} keys × dim {st.get('dim', '?')} per request from "
                         f"{st.get('shards', '?')} shards (`--mode {st.get('ps_mode', '?')}`), {st.get('rows', 0):,} rows:", "",

@@ -81,9 +81,14 @@ def cell(p99_ms: float, requests_per_s: float) -> dict[str, float]:
             "requests": 100}  # fmt: skip
 
 
+def cpu(client_ms: float, server_ms: float) -> dict[str, float]:
+    return {"client_cpu_ms_per_request": client_ms, "server_cpu_ms_per_request": server_ms}
+
+
 def serving_json(parts: tuple[str, ...] = ("lookup", "infer", "freshness")) -> dict[str, Any]:
-    cells = {"ours": {"1": cell(3.0, 400), "8": cell(30.0, 500)}, "shards-raw": {"1": cell(2.5, 500), "8": cell(20, 700)},
-             "ceiling": {"1": cell(2.0, 800), "8": cell(15.0, 1000)},
+    cells = {"ours": {"1": cell(3.0, 400), "8": cell(30.0, 500) | cpu(2.0, 1.0)},
+             "shards-raw": {"1": cell(2.5, 500), "8": cell(20, 700)},
+             "ceiling": {"1": cell(2.0, 800), "8": cell(15.0, 1000) | cpu(0.5, 0.5)},
              "redis-threads": {"1": cell(8.0, 200), "8": cell(80.0, 200)},
              "redis-asyncio": {"1": cell(9.0, 150), "8": cell(70.0, 250)}}  # fmt: skip
     goals = [{"goal": "p99 vs ceiling, concurrency 1", "ratio": 1.5, "target": "<= 1.5x", "pass": True},
@@ -175,6 +180,9 @@ def test_every_benchmark_read_ratios_goals_and_pass(results: Path) -> None:
     # The faster Redis client is the peer, per concurrency: threads at 1, asyncio at 8.
     assert t[("serving", "Lookup requests/s vs Redis, concurrency 1")]["ceiling or peer"] == "redis-threads 200/s"
     assert cells(t, "serving", "Lookup requests/s vs Redis, concurrency 8") == ("2.00×", "≥ 2.0×", "pass")
+    # CPU per request where the JSON has it (concurrency 8 here), none where it has not.
+    assert cells(t, "serving", "Lookup CPU per request (client + servers), concurrency 8") == ("3.00×", "", "")
+    assert ("serving", "Lookup CPU per request (client + servers), concurrency 1") not in t
     assert cells(t, "serving", "ps-infer Predict requests/s, concurrency 8") == ("0.40×", "≥ 0.5×", "**fail**")
     fresh = "Freshness: push ack → visible on a follower, p99 under training load"
     assert cells(t, "serving", fresh) == ("10.00×", "≤ 1 s, no timeouts", "pass")
