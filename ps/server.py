@@ -27,6 +27,7 @@ from ps.changes import ChangeLog
 from ps.checkpoint import copy_checkpoint
 from ps.config import Durability, ServerConfig
 from ps.follow import Source
+from ps.limits import Limits
 from ps.rescue import StopReport, apply_rescue, is_rescue_dump
 from ps.servicer import SERVICE_NAME, Servicer
 from ps.shard import Mode, Shard
@@ -183,7 +184,7 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     except (AuthError, TLSError) as exc:
         raise RuntimeError(str(exc)) from None
     shard = shard or open_shard(config)
-    shard.max_tables, shard.max_keys_per_request = config.max_tables, config.max_keys_per_request
+    shard.limits = Limits(config.max_tables, config.max_keys_per_request)
     registry = metrics = None
     if config.metrics_port is not None:
         from ps.metrics import shard_registry

@@ -1,34 +1,23 @@
 """One shard: its tables by name, its mode, its place in the cluster, its data directory.
 
-``Shard`` is what the gRPC servicer talks to, one method per RPC (``create_table``,
-``lookup``, ``push``, ``stats``, ``checkpoint``), and what tests can drive without a
-network. It checks that a request was routed for this cluster's size, resolves table
-names and validates every entry before anything is applied, runs pushes through each
-table's exactly-once ledger, and (with a ``Storage``) keeps the tables within the
-memory budget, writes them out as the durability mode says, expires rows, and takes
-checkpoints (``ps.checkpoint``).
+``Shard`` is what the gRPC servicer talks to, one method per RPC, and what tests drive
+without a network. It checks that a request was routed for this cluster's size and
+within its ``limits``, validates every entry before anything is applied, runs pushes
+through each table's exactly-once ledger, and (with a ``Storage``) keeps the tables
+within the memory budget, writes them out as the durability mode says, expires rows,
+and takes checkpoints (``ps.checkpoint``).
 
-Modes: a ``train`` shard creates the row of a key on its first lookup, takes pushes,
-and numbers both in its change log (``changes``, streamed to followers by
-``ps.stream``); a ``serve`` shard reads a key without a row as zeros, stores nothing,
-refuses every write with ``WrongMode`` (FAILED_PRECONDITION), and gets its rows from
-its ``source`` (``ps.follow``), whose changes it answers lookups between.
+Modes: a ``train`` shard creates the row of a key on its first lookup, takes pushes, and
+numbers both in its change log (``changes``, streamed to followers by ``ps.stream``); a
+``serve`` shard reads a key without a row as its default, stores nothing, refuses every
+write with ``WrongMode``, and gets its rows from its ``source`` (``ps.follow``).
 
 A storage failure (disk full, I/O error) makes the shard read-only: pushes get
-UNAVAILABLE, lookups keep working, nothing is evicted any more (RAM may grow past the
-budget rather than drop a row it cannot write), and ``writable`` listeners hear it
-(the server flips a health status). The maintenance thread then retries until the
-data dir takes writes again (``ps.recovery``). Nothing needs a restart.
-
-Background loops (the evictor thread; the maintenance thread's interval flush, TTL
-sweep and storage recovery) report each run to ``health`` (``ps.background``): a
-failing loop is in ``stats()`` and its listeners hear it, until a run succeeds.
-
-Stopping (``shutdown``) writes every dirty row. If the data dir refuses that, the
-shard keeps retrying for its grace period; then, if rows changed by acknowledged
-pushes are still only in RAM, it saves them to a rescue dump (``ps.rescue``) in its
-checkpoint root or next to the data dir, and the returned ``StopReport`` says where
-(or that even that failed).
+UNAVAILABLE, lookups keep working, nothing is evicted, ``writable`` listeners hear it,
+and the maintenance thread retries until the data dir takes writes (``ps.recovery``).
+Background loops report each run to ``health`` (``ps.background``). ``shutdown`` writes
+every dirty row, retrying for its grace period; rows of acknowledged pushes it still
+could not write go to a rescue dump (``ps.rescue``) that its ``StopReport`` names.
 
 Example:
     >>> from ps.config import TableSpec
@@ -48,7 +37,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -64,7 +53,6 @@ from ps.checkpoint import next_version_path, require_root, resolve_checkpoint_pa
 from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import (
     InvalidRequest,
-    OutOfCapacity,
     RequestTooLarge,
     ShardMismatch,
     ShuttingDown,
@@ -74,6 +62,7 @@ from ps.errors import (
 )
 from ps.ledger import PushLedger
 from ps.lifecycle import now_tick
+from ps.limits import Limits
 from ps.recovery import StorageHealth
 from ps.report import RowSource, shard_stats
 from ps.rescue import StopReport, save_rescue
@@ -127,8 +116,7 @@ class Shard:
             raise ValueError("memory_budget_bytes needs storage to spill rows to")
         self.index = index
         self.num_shards = num_shards
-        self.max_tables = 1 << 30  # CreateTable beyond it: RESOURCE_EXHAUSTED (--max-tables)
-        self.max_keys_per_request = 1 << 62  # Lookup/Push beyond it: RESOURCE_EXHAUSTED
+        self.limits = Limits()  # --max-tables, --max-keys-per-request
         self.mode = mode
         self.storage = storage
         self.durability = durability
@@ -206,11 +194,8 @@ class Shard:
         """
         self.check_mode("CreateTable")
         with self._lock:
-            if spec.name not in self._tables and len(self._tables) >= self.max_tables:
-                raise OutOfCapacity(
-                    f"CreateTable refused: shard {self.index} holds {len(self._tables)} tables, its limit "
-                    f"(--max-tables={self.max_tables}); drop the table count or raise the limit"
-                )
+            if spec.name not in self._tables:
+                self.limits.check_new_table(self.index, len(self._tables))
         return self.install_table(spec)
 
     def install_table(self, spec: TableSpec) -> bool:
@@ -310,17 +295,8 @@ class Shard:
         with self.serve_lock.reading() if self._mode != "train" else contextlib.nullcontext():
             return self._lookup(request, max_response_bytes)
 
-    def check_keys(self, method: str, counts: Iterable[int]) -> None:
-        """Raise ``RequestTooLarge`` when a request carries more than ``max_keys_per_request`` keys."""
-        n = sum(counts)
-        if n > self.max_keys_per_request:
-            raise RequestTooLarge(
-                f"{method} carries {n} keys, over this shard's --max-keys-per-request={self.max_keys_per_request}: "
-                "send fewer keys per request"
-            )
-
     def _lookup(self, request: pb.LookupRequest, max_response_bytes: int) -> bytes:
-        self.check_keys("Lookup", (len(e.keys) // 8 for e in request.entries))
+        self.limits.check_keys("Lookup", (len(e.keys) // 8 for e in request.entries))
         plan: list[tuple[Table, npt.NDArray[np.int64], int]] = []
         total = 0
         for i, entry in enumerate(request.entries):
@@ -360,7 +336,7 @@ class Shard:
         """
         self.check_request(request.num_shards, request.shard)
         self.check_writable()
-        self.check_keys("Push", (len(e.keys) // 8 for e in request.entries))
+        self.limits.check_keys("Push", (len(e.keys) // 8 for e in request.entries))
         batch = []
         for i, entry in enumerate(request.entries):
             table = self._entry_table(entry.table, i)
