@@ -8,12 +8,14 @@ from client.errors import (
     DeadlineExceededError,
     InternalServerError,
     InvalidRequestError,
+    PermissionDeniedError,
     PreconditionError,
     PSError,
     ResourceExhaustedError,
     ShardUnavailableError,
     TableExistsError,
     TableNotFoundError,
+    UnauthenticatedError,
 )
 from client.replicas import parse_addresses
 from client.transport import GrpcTransport, Transport
@@ -27,6 +29,7 @@ __all__ = [
     "LookupResult",
     "PSClient",
     "PSError",
+    "PermissionDeniedError",
     "PreconditionError",
     "PushResult",
     "ResourceExhaustedError",
@@ -35,5 +38,6 @@ __all__ = [
     "TableExistsError",
     "TableNotFoundError",
     "Transport",
+    "UnauthenticatedError",
     "parse_addresses",
 ]

@@ -10,7 +10,9 @@ Every error is a ``PSError`` carrying ``.code`` (the ``grpc.StatusCode``) and
 | NOT_FOUND           | TableNotFoundError        | no                    |
 | ALREADY_EXISTS      | TableExistsError          | no                    |
 | FAILED_PRECONDITION | PreconditionError         | no                    |
-| RESOURCE_EXHAUSTED  | ResourceExhaustedError    | no                    |
+| RESOURCE_EXHAUSTED  | ResourceExhaustedError    | only marked ps-overloaded (a shard's call limit) |
+| UNAUTHENTICATED     | UnauthenticatedError      | no                    |
+| PERMISSION_DENIED   | PermissionDeniedError     | no                    |
 | UNAVAILABLE         | ShardUnavailableError     | yes                   |
 | CANCELLED           | ShardUnavailableError     | yes (a stopping shard)|
 | DEADLINE_EXCEEDED   | DeadlineExceededError     | yes, within deadline_s|
@@ -35,6 +37,8 @@ __all__ = [
     "ShardUnavailableError",
     "TableExistsError",
     "TableNotFoundError",
+    "PermissionDeniedError",
+    "UnauthenticatedError",
     "error_for",
     "rpc_errors",
 ]
@@ -100,6 +104,18 @@ class DeadlineExceededError(PSError):
     default_code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class UnauthenticatedError(PSError):
+    """No token, or one the shard does not know (``ClientConfig.token_file``/``PS_CLIENT_TOKEN_FILE``)."""
+
+    default_code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDeniedError(PSError):
+    """The token's role may not do this (read < write < admin)."""
+
+    default_code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class InternalServerError(PSError):
     """A shard failed in a way that is a bug; its log has the traceback."""
 
@@ -109,7 +125,8 @@ class InternalServerError(PSError):
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     cls.default_code: cls
     for cls in (InvalidRequestError, TableNotFoundError, TableExistsError, PreconditionError,
-                ResourceExhaustedError, ShardUnavailableError, DeadlineExceededError)
+                ResourceExhaustedError, ShardUnavailableError, DeadlineExceededError, UnauthenticatedError,
+                PermissionDeniedError)
 }  # fmt: skip
 # A shard that stops (SIGTERM) while a call is in flight may cancel it from its side: the
 # call never ran or its answer was lost, exactly as with UNAVAILABLE. (The client itself

@@ -16,7 +16,7 @@ import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import ClientConfig, PSClient, PSError
+from client import ClientConfig, PermissionDeniedError, PSClient, PSError, UnauthenticatedError
 from protos import ps_pb2 as pb
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 
@@ -87,13 +87,13 @@ def test_tokens_by_role_and_health_without_one(tmp_path: Path) -> None:
         def client(token: str | None) -> PSClient:
             return PSClient([shard.address], ClientConfig(token=token, deadline_s=5, max_attempts=1))
 
-        with client(None) as c, pytest.raises(PSError) as exc:
+        with client(None) as c, pytest.raises(UnauthenticatedError) as exc:
             c.tables()
         assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED
         with client("x" * 20) as c, pytest.raises(PSError) as exc:
             c.tables()
         assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED and "x" * 20 not in str(exc.value)
-        with client(tokens["write"]) as c, pytest.raises(PSError) as exc:
+        with client(tokens["write"]) as c, pytest.raises(PermissionDeniedError) as exc:
             c.create_table("t", dim=4)
         assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED and "needs a admin token" in str(exc.value)
         with client(tokens["admin"]) as c:
