@@ -1,0 +1,815 @@
+"""deploy/: the Kubernetes manifests, the Prometheus scrape config, the Grafana dashboard and the
+Dockerfile agree with the API schemas, with each other, and with the programs they start. Offline.
+
+What ``kubectl apply -k deploy/k8s`` would create is built here as kustomize builds it (the
+kustomization's resources, generators, images, replicas, components, patches and replacements;
+a key this builder does not know fails the test rather than being skipped), with and without the
+TLS component. Every resource is validated against the Kubernetes API schema (strict: unknown
+fields are errors). Then each pod is expanded as the cluster would run it (ordinal, pod-index
+label, downward API, ``$(VAR)`` references) and each container's command line and environment go
+through the real parser of its program: ``ps.config.load_config`` for ps-server,
+``parse_config(InferConfig)`` for ps-infer, torch's own torchrun parser and
+``parse_config(TrainerConfig)`` for the trainer, and ``ClientConfig`` for the ``PS_CLIENT_*``
+settings. The wiring checks read those parsed configs: a renamed flag, or a shard count changed
+in one place only, fails here rather than in a cluster. (For both variants the builder's output
+was compared with ``kubectl kustomize`` 5.5's and is the same.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import json
+import re
+import shlex
+import tomllib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+from torch.distributed.run import get_args_parser as torchrun_parser
+
+import ps.metrics
+from client import ClientConfig, parse_addresses
+from protos import ps_pb2 as pb
+from protos.guard import RpcMetrics
+from ps.config import build_parser, load_config
+from worker.config import TrainerConfig, parse_config
+from worker.serving import ENV_PREFIX as INFER_PREFIX
+from worker.serving import InferConfig
+from worker.trainer import ENV_PREFIX as TRAINER_PREFIX
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+NS = "ml-prod"  # any namespace: addresses must follow the pods' own
+# An older release still common in managed clusters (the pod-index label the shards read is set
+# from 1.28 on) and the newest whose schema kubernetes-validate ships.
+K8S_VERSIONS = ("1.32.0", kubernetes_validate.latest_version())
+VARIANTS = ("plain", "tls")
+
+Resource = dict[str, Any]
+
+
+# --- building what kustomize would apply
+
+
+def _load(path: Path) -> list[Resource]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def _key(r: Resource) -> tuple[str, str]:
+    return r["kind"], r["metadata"]["name"]
+
+
+def _find(resources: list[Resource], kind: str, name: str) -> Resource:
+    found = [r for r in resources if _key(r) == (kind, name)]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} resources"
+    return found[0]
+
+
+# Strategic merge: lists of these fields merge item by item on the key (as the API's patch
+# strategy says); other lists are replaced, and a null deletes the field.
+_MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
+               "volumeMounts": "mountPath", "ports": "containerPort"}  # fmt: skip
+
+
+def _merge(base: dict[str, Any], patch: dict[str, Any]) -> None:
+    for k, v in patch.items():
+        if v is None:
+            base.pop(k, None)
+        elif isinstance(v, dict) and isinstance(base.get(k), dict):
+            _merge(base[k], v)
+        elif isinstance(v, list) and k in _MERGE_KEYS and isinstance(base.get(k), list):
+            key = _MERGE_KEYS[k]
+            new = []
+            for item in v:
+                match = [b for b in base[k] if b.get(key) == item.get(key)]
+                if match:
+                    _merge(match[0], item)
+                else:
+                    new.append(copy.deepcopy(item))
+            base[k][:0] = new  # kustomize puts new items first
+        else:
+            base[k] = copy.deepcopy(v)
+
+
+def _field_path(path: str) -> list[str]:
+    return re.findall(r"\[[^\]]*\]|[^.\[\]]+", path)
+
+
+def _walk(node: Any, path: list[str]) -> tuple[Any, str | int]:
+    """The container of the last element of ``path`` and that element's key."""
+    for part in path[:-1]:
+        node = _step(node, part)
+    return node, path[-1]
+
+
+def _step(node: Any, part: str) -> Any:
+    if part.startswith("["):
+        k, _, v = part[1:-1].partition("=")
+        found = [item for item in node if item.get(k) == v]
+        assert len(found) == 1, f"field path element {part}: {len(found)} matches"
+        return found[0]
+    assert part in node, f"field path element {part!r} not found"
+    return node[part]
+
+
+def _replace(resources: list[Resource], replacement: dict[str, Any]) -> None:
+    src = replacement["source"]
+    assert set(src) <= {"kind", "name", "fieldPath"}, src
+    value = _step(*_walk(_find(resources, src["kind"], src["name"]), _field_path(src["fieldPath"])))
+    for target in replacement["targets"]:
+        assert set(target) <= {"select", "fieldPaths"}, target
+        sel = target["select"]
+        for path in target["fieldPaths"]:
+            node, last = _walk(_find(resources, sel["kind"], sel["name"]), _field_path(path))
+            old = node[last]  # kustomize keeps the target's type: "2" stays a string, 2 a number
+            node[last] = str(value) if isinstance(old, str) else int(value) if isinstance(old, int) else value
+
+
+def _apply_patches(resources: list[Resource], base: Path, patches: list[dict[str, Any]]) -> None:
+    for p in patches:
+        assert set(p) == {"path"}, f"{base}: only `patches: - path:` is built here: {p}"
+        for patch in _load(base / p["path"]):
+            _merge(_find(resources, patch["kind"], patch["metadata"]["name"]), patch)
+
+
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "images", "replicas", "configMapGenerator",
+                      "replacements", "components", "patches"}  # fmt: skip
+
+
+def build(directory: Path, edit: Callable[[dict[str, Any]], None] | None = None) -> list[Resource]:
+    """The resources ``kubectl apply -k directory`` would create; ``edit`` may change the
+    kustomization first (as a person would, e.g. enabling the TLS component)."""
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    if edit is not None:
+        edit(k)
+    assert set(k) <= KUSTOMIZATION_KEYS, f"kustomization keys this test does not build: {set(k) - KUSTOMIZATION_KEYS}"
+    resources: list[Resource] = []
+    for name in k.get("resources", []):
+        resources += _load(directory / name)
+    for gen in k.get("configMapGenerator", []):
+        assert gen["options"]["disableNameSuffixHash"], "generated names are referenced as written"
+        data = dict(lit.split("=", 1) for lit in gen["literals"])
+        meta = {"name": gen["name"], "annotations": gen["options"].get("annotations", {})}
+        resources.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
+    for component in k.get("components", []):
+        c = yaml.safe_load((directory / component / "kustomization.yaml").read_text())
+        assert c["kind"] == "Component" and set(c) <= {"apiVersion", "kind", "patches"}, c
+        _apply_patches(resources, directory / component, c["patches"])
+    _apply_patches(resources, directory, k.get("patches", []))
+    for image in k.get("images", []):
+        for r in resources:
+            for c in _containers(r):
+                if c["image"].split(":")[0] == image["name"]:
+                    c["image"] = f"{image['newName']}:{image['newTag']}"
+    for rep in k.get("replicas", []):
+        found = [r for r in resources if r["metadata"]["name"] == rep["name"] and "replicas" in r.get("spec", {})]
+        assert len(found) == 1, rep
+        found[0]["spec"]["replicas"] = rep["count"]
+    for replacement in k.get("replacements", []):
+        _replace(resources, replacement)
+    local = "config.kubernetes.io/local-config"
+    return [r for r in resources if r["metadata"].get("annotations", {}).get(local) != "true"]
+
+
+def _enable_tls(k: dict[str, Any]) -> None:
+    k["components"] = ["tls"]
+
+
+@functools.cache
+def built(variant: str) -> list[Resource]:
+    return build(K8S, _enable_tls if variant == "tls" else None)
+
+
+def _template(r: Resource) -> dict[str, Any] | None:
+    return r["spec"]["template"] if r["kind"] in ("StatefulSet", "Deployment", "Job") else None
+
+
+def _containers(r: Resource) -> list[dict[str, Any]]:
+    t = _template(r)
+    return [] if t is None else t["spec"].get("initContainers", []) + t["spec"]["containers"]
+
+
+# --- pods and processes as the cluster would run them
+
+
+@dataclass
+class Pod:
+    workload: Resource
+    name: str
+    index: int | None  # StatefulSet ordinal or Job completion index; None for a Deployment pod
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    spec: dict[str, Any]
+
+
+@dataclass
+class Proc:
+    pod: Pod
+    container: dict[str, Any]
+    init: bool
+    argv: list[str]
+    env: dict[str, str]
+    program: str = ""  # ps-server, ps-infer, trainer, or a shell
+    config: Any = None
+    torchrun: argparse.Namespace | None = None
+    client_env: dict[str, str] = field(default_factory=dict)
+
+
+def pods(resources: list[Resource]) -> Iterator[Pod]:
+    for r in resources:
+        t = _template(r)
+        if t is None:
+            continue
+        name, meta = r["metadata"]["name"], t["metadata"]
+        if r["kind"] == "StatefulSet":
+            for i in range(r["spec"]["replicas"]):
+                extra = {"apps.kubernetes.io/pod-index": str(i), "statefulset.kubernetes.io/pod-name": f"{name}-{i}"}
+                yield Pod(r, f"{name}-{i}", i, meta["labels"] | extra, meta.get("annotations", {}), t["spec"])
+        elif r["kind"] == "Job":
+            for i in range(r["spec"]["completions"]):
+                labels = meta["labels"] | {"batch.kubernetes.io/job-completion-index": str(i)}
+                annotations = meta.get("annotations", {}) | {"batch.kubernetes.io/job-completion-index": str(i)}
+                yield Pod(r, f"{name}-{i}-x7k2p", i, labels, annotations, t["spec"])
+        else:
+            yield Pod(r, f"{name}-5d8f7c9b6-x7k2p", None, meta["labels"], meta.get("annotations", {}), t["spec"])
+
+
+_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion: defined variables only, ``$$`` escapes."""
+    out = _REF.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+    assert "$(" not in out, f"{text!r}: refers to a variable the container does not define"
+    return out
+
+
+def _downward(pod: Pod, path: str) -> str:
+    m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+    if m:
+        source = pod.labels if m.group(1) == "labels" else pod.annotations
+        assert m.group(2) in source, f"{pod.name}: the pod has no {m.group(1)[:-1]} {m.group(2)!r}"
+        return source[m.group(2)]
+    known = {"metadata.namespace": NS, "metadata.name": pod.name, "status.podIP": "10.1.2.3"}
+    assert path in known, f"{pod.name}: downward API field {path} is not checked here"
+    return known[path]
+
+
+def container_env(pod: Pod, c: dict[str, Any]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    if pod.workload["kind"] == "Job" and pod.workload["spec"].get("completionMode") == "Indexed":
+        env["JOB_COMPLETION_INDEX"] = str(pod.index)  # the Job controller adds it to every container
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = expand(e["value"], env)
+        else:
+            ref = e["valueFrom"]
+            assert set(ref) == {"fieldRef"}, f"{pod.name}: env {e['name']}: only the downward API is used"
+            env[e["name"]] = _downward(pod, ref["fieldRef"]["fieldPath"])
+    return env
+
+
+def _client_env(p: Proc) -> dict[str, str]:
+    return {k: v for k, v in p.env.items() if k.startswith("PS_CLIENT_")}
+
+
+def parse_process(p: Proc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fill ``p.program`` and ``p.config`` through the real parser of what the container runs."""
+    exe, args = p.argv[0], p.argv[1:]
+    if exe == "ps-server":
+        flags = {opt for action in build_parser()._actions for opt in action.option_strings}
+        unknown = [a for a in args if a.startswith("--") and a.split("=")[0] not in flags]
+        assert not unknown, f"{p.pod.name}: ps-server has no {unknown}"
+        p.program, p.config = "ps-server", load_config(args, p.env)  # unknown PS_* variables raise
+        return
+    if exe == "ps-infer":
+        p.program, p.config = "ps-infer", parse_config(InferConfig, args, p.env, INFER_PREFIX, "ps-infer")
+    elif exe == "torchrun":
+        p.torchrun = torchrun_parser().parse_args(args)
+        assert p.torchrun.module and p.torchrun.training_script == "deploy.train", p.argv
+        script = p.torchrun.training_script_args
+        p.program, p.config = "trainer", parse_config(TrainerConfig, script, p.env, TRAINER_PREFIX, "deploy.train")
+    elif exe == "sh" and p.init:
+        p.program = "sh"
+        return
+    else:
+        pytest.fail(f"{p.pod.name}: container {p.container['name']} runs {exe!r}, which this test does not know")
+    # A client of the shards reads PS_CLIENT_* when it makes its ClientConfig: each variable
+    # set (here to a value of its own) must land in a ClientConfig field.
+    p.client_env = _client_env(p)
+    with monkeypatch.context() as m:
+        for name in p.client_env:
+            m.setenv(name, f"/{name}")
+        client = ClientConfig()
+    values = {str(getattr(client, f.name)) for f in dataclasses.fields(client)}
+    unread = [name for name in p.client_env if f"/{name}" not in values]
+    assert not unread, f"{p.pod.name}: ClientConfig does not read {unread}"
+
+
+def processes(resources: list[Resource], monkeypatch: pytest.MonkeyPatch) -> list[Proc]:
+    out = []
+    for pod in pods(resources):
+        for c in _containers(pod.workload):
+            init = c in pod.spec.get("initContainers", [])
+            env = container_env(pod, c)
+            argv = [expand(a, env) for a in c.get("command", []) + c.get("args", [])]
+            proc = Proc(pod, c, init, argv, env)
+            parse_process(proc, monkeypatch)
+            out.append(proc)
+    return out
+
+
+def _of(procs: list[Proc], program: str, workload: str | None = None) -> list[Proc]:
+    return [p for p in procs if p.program == program and workload in (None, p.pod.workload["metadata"]["name"])]
+
+
+def _port(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+def _container_ports(c: dict[str, Any]) -> dict[str, int]:
+    return {p.get("name", str(p["containerPort"])): p["containerPort"] for p in c.get("ports", [])}
+
+
+def _selects(selector: dict[str, str], pod: Pod) -> bool:
+    return all(pod.labels.get(k) == v for k, v in selector.items())
+
+
+def _service_of(resources: list[Resource], pod: Pod, container_port: int) -> tuple[Resource, int]:
+    """The Service that selects ``pod`` and exposes ``container_port``, and its port there."""
+    found = []
+    ports = {n: p for c in pod.spec["containers"] for n, p in _container_ports(c).items()}
+    for s in (r for r in resources if r["kind"] == "Service"):
+        if _selects(s["spec"]["selector"], pod):
+            for sp in s["spec"]["ports"]:
+                target = sp.get("targetPort", sp["port"])
+                if ports.get(target, target) == container_port:
+                    found.append((s, sp["port"]))
+    assert len(found) == 1, f"{pod.name}: {len(found)} Services expose port {container_port}"
+    return found[0]
+
+
+def stable_address(resources: list[Resource], statefulset: str, i: int, listen: str) -> str:
+    """What clients must dial for pod ``i`` of ``statefulset``: its name under the headless Service."""
+    sts = _find(resources, "StatefulSet", statefulset)
+    pod = next(p for p in pods([sts]) if p.index == i)
+    service, port = _service_of(resources, pod, _port(listen))
+    assert service["metadata"]["name"] == sts["spec"]["serviceName"] and service["spec"]["clusterIP"] == "None"
+    return f"{pod.name}.{service['metadata']['name']}.{NS}.svc:{port}"
+
+
+@pytest.fixture(params=VARIANTS)
+def variant(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def resources(variant: str) -> list[Resource]:
+    return copy.deepcopy(built(variant))
+
+
+@pytest.fixture
+def procs(resources: list[Resource], monkeypatch: pytest.MonkeyPatch) -> list[Proc]:
+    return processes(resources, monkeypatch)
+
+
+# --- files and schemas
+
+
+def test_every_yaml_file_is_built_or_an_example() -> None:
+    k = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    used = {K8S / "kustomization.yaml", K8S / "secrets.example.yaml"} | {K8S / r for r in k["resources"]}
+    tls = K8S / "tls"
+    used |= {tls / "kustomization.yaml"} | {tls / p["path"] for p in yaml.safe_load((tls / "kustomization.yaml").read_text())["patches"]}  # fmt: skip
+    files = set(K8S.rglob("*.yaml")) | set(K8S.rglob("*.yml"))
+    assert files == used, f"not built and not an example: {sorted(map(str, files - used))}"
+    assert k.get("components") is None, "TLS is off by default: the Secrets must exist first"
+    for path in files:
+        _load(path)  # every file parses
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_resources_match_the_api_schema(resources: list[Resource], version: str) -> None:
+    examples = _load(K8S / "secrets.example.yaml")
+    for r in resources + examples:
+        try:
+            kubernetes_validate.validate(r, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(
+                f"{r['kind']}/{r['metadata']['name']} (Kubernetes {version}): {exc.message} at {list(exc.path)}"
+            )
+
+
+def test_every_container_is_a_program_of_the_image(procs: list[Proc]) -> None:
+    # The fixture ran every container through its program's parser (and fails on one it does
+    # not know); all of them come from the one image deploy/Dockerfile builds.
+    kinds = {p.program for p in procs}
+    assert kinds == {"ps-server", "ps-infer", "trainer", "sh"}, kinds
+    for p in procs:
+        assert p.container["image"] == "embedding-ps:0.1.0"
+
+
+# --- shards
+
+
+def test_shards_and_followers_line_up(resources: list[Resource], procs: list[Proc]) -> None:
+    train, serve = _of(procs, "ps-server", "ps-shard"), _of(procs, "ps-server", "ps-serve")
+    n = _find(resources, "StatefulSet", "ps-shard")["spec"]["replicas"]
+    assert n >= 1 and _find(resources, "StatefulSet", "ps-serve")["spec"]["replicas"] == n
+    assert [p.config.shard for p in train] == list(range(n)) == [p.config.shard for p in serve]
+    for p in train:
+        assert (p.config.num_shards, p.config.mode, p.config.follow) == (n, "train", None)
+    for p in serve:
+        i = p.config.shard
+        leader = stable_address(resources, "ps-shard", i, train[i].config.listen)
+        assert (p.config.num_shards, p.config.mode, p.config.follow) == (n, "serve", leader), p.pod.name
+
+
+def test_shard_data_lives_on_its_own_volume(resources: list[Resource], procs: list[Proc]) -> None:
+    sts = _find(resources, "StatefulSet", "ps-shard")
+    claims = {t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]}
+    for p in _of(procs, "ps-server", "ps-shard"):
+        mounts = [m for m in p.container["volumeMounts"] if m["name"] in claims]
+        assert p.config.data_dir is not None and any(
+            PurePosixPath(p.config.data_dir).is_relative_to(m["mountPath"]) for m in mounts
+        ), f"{p.pod.name}: data dir {p.config.data_dir} is not on a volumeClaimTemplate"
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
+
+
+def test_memory_budget_fits_the_limit(procs: list[Proc]) -> None:
+    for p in _of(procs, "ps-server"):
+        limit = _bytes(p.container["resources"]["limits"]["memory"])
+        assert 0 < p.config.memory_budget_bytes <= 0.8 * limit, f"{p.pod.name}: leave RAM beside the rows"
+
+
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9}
+    m = re.fullmatch(r"(\d+)([A-Za-z]*)", quantity)
+    assert m and (m.group(2) in units or not m.group(2)), quantity
+    return int(m.group(1)) * units.get(m.group(2), 1)
+
+
+# --- clients name one address per shard
+
+
+def test_clients_name_every_shard_in_order(resources: list[Resource], procs: list[Proc]) -> None:
+    train = {p.config.shard: p.config.listen for p in _of(procs, "ps-server", "ps-shard")}
+    serve = {p.config.shard: p.config.listen for p in _of(procs, "ps-server", "ps-serve")}
+    n = len(train)
+    for p in _of(procs, "trainer"):
+        want = [stable_address(resources, "ps-shard", i, train[i]) for i in range(n)]
+        assert parse_addresses(",".join(p.config.addresses)) == [[a] for a in want], p.pod.name
+    for p in _of(procs, "ps-infer"):
+        assert p.config.addresses() == [[stable_address(resources, "ps-serve", i, serve[i])] for i in range(n)]
+
+
+def _three_addresses(literal: str) -> str:
+    key, _, addresses = literal.partition("=")
+    first = addresses.split(",")[0]
+    return key + "=" + ",".join(first.replace("-0.", f"-{i}.", 1) for i in range(3))
+
+
+def test_shard_count_changes_in_one_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the kustomization tells a person to do: change `count`, give both lists 3 addresses.
+    def three_shards(k: dict[str, Any]) -> None:
+        k["replicas"][0]["count"] = 3
+        generator = k["configMapGenerator"][0]
+        generator["literals"] = [_three_addresses(literal) for literal in generator["literals"]]
+
+    resources = build(K8S, three_shards)
+    procs = processes(resources, monkeypatch)
+    assert [p.config.shard for p in _of(procs, "ps-server", "ps-serve")] == [0, 1, 2]
+    assert {p.config.num_shards for p in _of(procs, "ps-server")} == {3}
+    test_shards_and_followers_line_up(resources, procs)
+    test_clients_name_every_shard_in_order(resources, procs)
+
+
+# --- services, probes, shutdown
+
+
+def test_services_select_their_pods_and_ports(resources: list[Resource]) -> None:
+    workloads = [r for r in resources if _template(r) is not None]
+    for s in (r for r in resources if r["kind"] in ("Service", "PodDisruptionBudget")):
+        selector = s["spec"]["selector"]
+        selector = selector.get("matchLabels", selector)
+        chosen = [w for w in workloads if _selects(selector, next(pods([w])))]
+        assert len(chosen) == 1, f"{s['kind']}/{s['metadata']['name']} selects {len(chosen)} workloads"
+        if s["kind"] == "PodDisruptionBudget":
+            assert s["spec"]["maxUnavailable"] == 1
+            continue
+        declared = {n: p for c in chosen[0]["spec"]["template"]["spec"]["containers"] for n, p in _container_ports(c).items()}  # fmt: skip
+        for sp in s["spec"]["ports"]:
+            target = sp.get("targetPort", sp["port"])
+            assert target in declared or target in declared.values(), f"{s['metadata']['name']}: no port {target}"
+    for kind, name in [("StatefulSet", "ps-shard"), ("StatefulSet", "ps-serve")]:
+        sts = _find(resources, kind, name)
+        service = _find(resources, "Service", sts["spec"]["serviceName"])
+        assert service["spec"]["clusterIP"] == "None", f"{name}: its Service must be headless (a name per pod)"
+        assert _selects(service["spec"]["selector"], next(pods([sts])))
+    assert {_key(r) for r in resources if r["kind"] == "PodDisruptionBudget"} >= {("PodDisruptionBudget", "ps-shard")}
+
+
+def _probes(c: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in c]
+
+
+def test_probes_ask_the_grpc_port(procs: list[Proc]) -> None:
+    for p in _of(procs, "ps-server") + _of(procs, "ps-infer"):
+        probes = _probes(p.container)
+        assert len(probes) == 3, f"{p.pod.name}: startup, readiness and liveness probes"
+        port = _port(p.config.listen)
+        assert _container_ports(p.container)["grpc"] == port
+        for probe in probes:
+            if p.config.tls_cert is None:
+                # grpc.health.v1: service "" is the server's overall status
+                assert probe["grpc"]["port"] == port and probe["grpc"].get("service", "") == "", probe
+            else:  # the kubelet's gRPC probe speaks plaintext only: it would fail against TLS
+                assert "grpc" not in probe and probe["tcpSocket"]["port"] == port, probe
+
+
+def _pre_stop_s(c: dict[str, Any]) -> int:
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep", command
+    return int(command[1])
+
+
+def test_shutdown_fits_the_grace_period(procs: list[Proc]) -> None:
+    for p in _of(procs, "ps-server") + _of(procs, "ps-infer"):
+        # ps-server drains for grace_s, and may retry a refused final write for grace_s more.
+        drain = p.config.grace_s * (2 if p.program == "ps-server" else 1)
+        period = p.pod.spec["terminationGracePeriodSeconds"]
+        assert period > _pre_stop_s(p.container) + drain, f"{p.pod.name}: SIGKILL would cut the drain short"
+
+
+# --- metrics
+
+
+def test_metrics_port_matches_annotations_and_scrape_config(procs: list[Proc]) -> None:
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["kubernetes_sd_configs"][0]["role"] == "pod"
+    servers = {id(p.pod) for p in procs if p.program in ("ps-server", "ps-infer")}
+    seen_pods = {id(p.pod): p.pod for p in procs}
+    for pod_id, pod in seen_pods.items():
+        targets = [t for c in pod.spec["containers"] for t in scrape_targets(pod, c, job["relabel_configs"])]
+        if pod_id not in servers:
+            assert targets == [], f"{pod.name}: nothing to scrape"
+            continue
+        (p,) = [q for q in procs if q.pod is pod and not q.init]
+        port = p.config.metrics_port
+        assert port is not None and _container_ports(p.container)["metrics"] == port
+        assert pod.annotations["prometheus.io/scrape"] == "true"
+        assert int(pod.annotations["prometheus.io/port"]) == port
+        assert len(targets) == 1, f"{pod.name}: scraped {len(targets)} times"
+        (t,) = targets
+        assert t["__address__"].endswith(f":{port}") and t["__metrics_path__"] == pod.annotations["prometheus.io/path"]
+        assert t["namespace"] == NS and t["pod"] == pod.name
+        assert t["component"] == pod.labels["app.kubernetes.io/component"]
+        assert t.get("shard") == (str(pod.index) if pod.workload["kind"] == "StatefulSet" else None)
+
+
+def _sanitize(name: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def scrape_targets(pod: Pod, c: dict[str, Any], relabel: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Prometheus' pod discovery (one target per declared container port) and relabelling."""
+    meta = {"__meta_kubernetes_namespace": NS, "__meta_kubernetes_pod_name": pod.name,
+            "__meta_kubernetes_pod_ip": "10.1.2.3", "__meta_kubernetes_pod_phase": "Running",
+            "__meta_kubernetes_pod_container_name": c["name"], "__meta_kubernetes_pod_container_init": "false",
+            "__metrics_path__": "/metrics", "__scheme__": "http", "job": "embedding-ps"}  # fmt: skip
+    for k, v in pod.labels.items():
+        meta[f"__meta_kubernetes_pod_label_{_sanitize(k)}"] = v
+        meta[f"__meta_kubernetes_pod_labelpresent_{_sanitize(k)}"] = "true"
+    for k, v in pod.annotations.items():
+        meta[f"__meta_kubernetes_pod_annotation_{_sanitize(k)}"] = v
+    out = []
+    for port in c.get("ports", []) or [None]:
+        labels = dict(meta, __address__="10.1.2.3")
+        if port is not None:
+            labels |= {"__address__": f"10.1.2.3:{port['containerPort']}",
+                       "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                       "__meta_kubernetes_pod_container_port_number": str(port["containerPort"])}  # fmt: skip
+        result = _relabel(labels, relabel)
+        if result is not None:
+            out.append(result)
+    return out
+
+
+def _relabel(labels: dict[str, str], configs: list[dict[str, Any]]) -> dict[str, str] | None:
+    for rc in configs:
+        action = rc.get("action", "replace")
+        value = rc.get("separator", ";").join(labels.get(s, "") for s in rc.get("source_labels", []))
+        m = re.fullmatch(str(rc.get("regex", "(.*)")), value)
+        if action == "keep" and not m or action == "drop" and m:
+            return None
+        if action == "replace" and m:
+            result = m.expand(re.sub(r"\$\{?(\w+)\}?", r"\\g<\1>", rc.get("replacement", "$1")))
+            if result:
+                labels[rc["target_label"]] = result
+            else:
+                labels.pop(rc["target_label"], None)
+        assert action in ("keep", "drop", "replace"), f"relabel action {action} is not checked here"
+    return labels
+
+
+def exposed_metrics(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """Every series name ps-server and ps-infer can expose: their collectors run on a stand-in
+    shard, and metrics made from a literal name are read from the source."""
+    registry = CollectorRegistry(auto_describe=False)
+    RpcMetrics("ps", registry)
+    RpcMetrics("ps_infer", registry)
+    stats = pb.StatsResponse(tables=[pb.TableStats(name="t")], follow=pb.FollowStatus(source="follow"))
+    monkeypatch.setattr(ps.metrics, "shard_stats", lambda shard: stats)
+    registry.register(ps.metrics.ShardCollector(SimpleNamespace(storage_errors=0)))
+    families = [(f.name, f.type) for f in registry.collect()]
+    makers = {"Histogram": "histogram", "Counter": "counter", "Gauge": "gauge", "Summary": "summary"}
+    for path in [*(ROOT / "ps").glob("*.py"), *(ROOT / "protos").glob("*.py"), *(ROOT / "worker").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+                func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                kind = makers.get(func.removesuffix("MetricFamily"))
+                if kind and isinstance(node.args[0].value, str):
+                    families.append((node.args[0].value.removesuffix("_total"), kind))
+    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",),
+                "summary": ("", "_sum", "_count")}  # fmt: skip
+    return {name + s for name, kind in families for s in suffixes.get(kind, ("",))}
+
+
+def test_dashboard_shows_metrics_the_servers_expose(monkeypatch: pytest.MonkeyPatch) -> None:
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "ps-dashboard.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) and panels
+    exposed = exposed_metrics(monkeypatch)
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    target_labels = {
+        rc["target_label"] for rc in scrape["scrape_configs"][0]["relabel_configs"] if "target_label" in rc
+    }
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}" and "datasource" in variables
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            expr = target["expr"]
+            used = set(re.findall(r"\bps_[a-z0-9_]+", expr))
+            assert used and used <= exposed, f"{panel['title']}: {sorted(used - exposed)} are not exposed"
+            # labels matched in selectors come from the scrape config (metric labels are grouped by)
+            matched = set(re.findall(r"(\w+)\s*=~?\s*\"", expr))
+            assert matched <= target_labels, f"{panel['title']}: {matched - target_labels} are not scrape labels"
+            for var in re.findall(r"\$(\w+)", expr):
+                assert var in variables or var.startswith("__"), f"{panel['title']}: no variable ${var}"
+
+
+# --- training and serving meet on the model volume
+
+
+def test_training_job_finds_its_rendezvous(resources: list[Resource], procs: list[Proc]) -> None:
+    job = _find(resources, "Job", "ps-train")
+    spec, template = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    service = _find(resources, "Service", template["subdomain"])
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    workers = _of(procs, "trainer")
+    assert [p.pod.index for p in workers] == list(range(spec["completions"]))
+    for p in workers:
+        args = p.torchrun
+        assert args is not None
+        assert int(args.nnodes) == spec["completions"] and int(args.node_rank) == p.pod.index
+        assert args.master_addr == f"{job['metadata']['name']}-0.{template['subdomain']}.{NS}.svc"
+        assert int(args.master_port) in _container_ports(p.container).values()
+        assert int(args.master_port) in [sp["port"] for sp in service["spec"]["ports"]]
+
+
+def _mount_source(pod: Pod, c: dict[str, Any], path: PurePosixPath) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The volumeMount under which ``path`` lies (the deepest), and its volume."""
+    mounts = [m for m in c.get("volumeMounts", []) if path.is_relative_to(m["mountPath"])]
+    assert mounts, f"{pod.name}: {path} is on no volume"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+    return mount, volumes[mount["name"]]
+
+
+def test_ps_infer_serves_what_training_writes(procs: list[Proc]) -> None:
+    (trainer, *_) = _of(procs, "trainer")
+    out = trainer.config.output_dir
+    run = PurePosixPath(trainer.container["workingDir"]) / "runs" / "latest" if out is None else PurePosixPath(out)
+    _, written = _mount_source(trainer.pod, trainer.container, run)
+    for p in _of(procs, "ps-infer"):
+        assert PurePosixPath(p.config.model) == run
+        mount, volume = _mount_source(p.pod, p.container, run)
+        assert volume["persistentVolumeClaim"]["claimName"] == written["persistentVolumeClaim"]["claimName"]
+        assert mount.get("readOnly") is True
+        (wait,) = [q for q in procs if q.pod is p.pod and q.init]
+        assert f"{run}/" in wait.argv[-1], "the init container waits for this run directory"
+
+
+# --- security
+
+
+def test_tls_files_come_from_mounted_secrets(procs: list[Proc]) -> None:
+    examples = {s["metadata"]["name"]: s for s in _load(K8S / "secrets.example.yaml")}
+    settings = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "client_tls_ca", "client_tls_cert",
+                "client_tls_key", "client_token_file")  # fmt: skip
+    for p in procs:
+        files = [getattr(p.config, s) for s in settings if getattr(p.config, s, None) is not None]
+        files += list(p.client_env.values())
+        for f in files:
+            mount, volume = _mount_source(p.pod, p.container, PurePosixPath(f))
+            assert mount.get("readOnly") is True, f"{p.pod.name}: {mount['mountPath']} must be read-only"
+            secret = volume["secret"]
+            rel = str(PurePosixPath(f).relative_to(mount["mountPath"]))
+            keys = {i["path"]: i["key"] for i in secret.get("items", [])} or {k: k for k in examples[secret["secretName"]]["stringData"]}  # fmt: skip
+            assert rel in keys and keys[rel] in examples[secret["secretName"]]["stringData"], f"{p.pod.name}: {f}"
+
+
+def test_tls_reaches_every_connection(variant: str, procs: list[Proc]) -> None:
+    on = variant == "tls"
+    for p in _of(procs, "ps-server") + _of(procs, "ps-infer"):
+        assert (p.config.tls_cert is not None and p.config.auth_token_file is not None) == on, p.pod.name
+    for p in _of(procs, "ps-server", "ps-serve"):  # the follower is a client of its training shard
+        client = (p.config.client_tls_ca, p.config.client_tls_cert, p.config.client_tls_key, p.config.client_token_file)
+        assert all(f is not None for f in client) if on else all(f is None for f in client), p.pod.name
+    for p in _of(procs, "ps-infer") + _of(procs, "trainer"):
+        keys = {"PS_CLIENT_TLS_CA", "PS_CLIENT_TLS_CERT", "PS_CLIENT_TLS_KEY", "PS_CLIENT_TOKEN_FILE"}
+        assert set(p.client_env) == (keys if on else set()), p.pod.name
+
+
+def _dockerfile() -> tuple[list[str], dict[str, str]]:
+    """The Dockerfile's instructions (continuations joined) and its ARG defaults."""
+    text = re.sub(r"\\\n\s*", " ", (ROOT / "deploy" / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    args = dict(line.split(None, 1)[1].split("=", 1) for line in lines if line.startswith("ARG ") and "=" in line)
+    return lines, args
+
+
+def test_pods_run_as_the_image_user(resources: list[Resource]) -> None:
+    lines, _ = _dockerfile()
+    (user,) = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert user.isdigit() and int(user) != 0, "a numeric, non-root USER lets runAsNonRoot verify it"
+    for r in resources:
+        t = _template(r)
+        if t is None:
+            continue
+        ctx = t["spec"]["securityContext"]
+        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == int(user) == ctx["fsGroup"]
+        for c in _containers(r):
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+            for kind in ("requests", "limits"):
+                assert set(c["resources"][kind]) == {"cpu", "memory"}, f"{r['metadata']['name']}/{c['name']}"
+
+
+# --- the image
+
+
+def test_dockerfile_installs_with_the_constraints() -> None:
+    lines, args = _dockerfile()
+    assert lines[0] == "FROM python:3.11-slim"
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    steps = [shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), step))
+             for line in lines if line.startswith("RUN ") for step in line[4:].split("&&")]  # fmt: skip
+    pip = [words for words in steps if words[:2] == ["pip", "install"]]
+    assert any(words[-1] == "." for words in pip), "the project itself is installed with `pip install ... .`"
+    for words in pip:
+        assert words[2:4] == ["-c", "constraints.txt"], f"every pip install is constrained: {words}"
+        assert words[words.index("--extra-index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    copied = {source for line in lines if line.startswith("COPY ") for source in line.split()[1:-1]}
+    assert {"constraints.txt", "pyproject.toml"} <= copied
+    packages = set(pyproject["tool"]["setuptools"]["packages"])
+    assert packages <= copied, f"pip install . needs every package: {packages - copied} not copied"
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "benchmarks/results", "**/__pycache__"} <= set(ignored)
+
+
+def test_dockerfile_starts_every_entry_point(resources: list[Resource]) -> None:
+    lines, _ = _dockerfile()
+    scripts = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
+    torch_scripts = {e.name for e in importlib.metadata.distribution("torch").entry_points if e.group == "console_scripts"}  # fmt: skip
+    checked = set()
+    for line in lines:
+        if line.startswith("RUN ") and "--help" in line:
+            for step in line[4:].split("&&"):
+                words = shlex.split(step.split(">")[0])
+                if words[:2] == ["python", "-m"]:
+                    assert importlib.util.find_spec(words[2]) is not None, words
+                    checked.add(f"python -m {words[2]}")
+                else:
+                    assert words[0] in scripts | torch_scripts, f"{words[0]} is no console script of the image"
+                    checked.add(words[0])
+    assert {"ps-server", "ps-infer", "ps-admin", "python -m deploy.train"} <= checked, checked
+    commands = {c["command"][0] for r in resources for c in _containers(r)}
+    assert commands - {"sh"} <= checked, f"containers run what the build did not try: {commands - checked}"
