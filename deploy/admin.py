@@ -490,7 +490,8 @@ def cluster_health(addresses: Sequence[str | Sequence[str]], timeout_s: float = 
                     except grpc.RpcError as exc:
                         if exc.code() == grpc.StatusCode.NOT_FOUND:
                             continue  # not a service of this kind of shard
-                        status = f"{exc.code().name}: {exc.details()}"
+                        row["services"][service or "(server)"] = f"{exc.code().name}: {exc.details()}"
+                        break  # unreachable: the other services would only say so again
                     row["services"][service or "(server)"] = status
         except TLSError as exc:
             raise AdminError(str(exc)) from None
@@ -579,6 +580,15 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--token-file", help="file holding the bearer token (admin for create-table, checkpoint, "
                      "serve-from)")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # --json may also come after the command; the subcommand's copy leaves an earlier one alone.
+    json_after = argparse.ArgumentParser(add_help=False)
+    json_after.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+    sub_add = sub.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        return sub_add(name, parents=[json_after], **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
 
     addresses_help = "HOST:PORT of every shard, comma-separated, shard 0 first"
     ck = sub.add_parser(
@@ -714,6 +724,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AdminError as exc:
         print(f"ps-admin {args.command}: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # a bad --tls-*/--token-file (unreadable file, a cert without its key)
+        print(f"ps-admin {args.command}: {exc}", file=sys.stderr)
+        return 2
     except (StorageFailed, DataDirError, OSError) as exc:
         print(f"ps-admin {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -55,6 +55,10 @@ class Tokens:
 
     entries: tuple[tuple[bytes, str], ...]
 
+    def __repr__(self) -> str:  # never the tokens themselves
+        roles = [role for _, role in self.entries]
+        return f"Tokens({', '.join(f'{r}={roles.count(r)}' for r in ROLES if r in roles)})"
+
     @classmethod
     def parse(cls, text: str, source: str) -> Tokens:
         entries = []

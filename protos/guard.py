@@ -6,11 +6,11 @@ In order, for each call to a guarded service (health checks and reflection pass 
 1. **Token** (when the server has a token file, see ``protos.auth``): none or an unknown
    one gets UNAUTHENTICATED; a role below what the method needs gets PERMISSION_DENIED.
 2. **Admission**: at most ``max_in_flight`` calls run at once; one more gets
-   RESOURCE_EXHAUSTED at once (the refusal is decided on gRPC's polling thread, and the
-   server keeps spare handler threads so that it is answered without waiting behind the
-   calls that run). One peer (connection) may hold at most ``max_per_peer`` of them, so
-   a client that sends too much is the one refused (and its retries back off), not the
-   others.
+   RESOURCE_EXHAUSTED marked ``ps-overloaded`` at once (the server keeps spare handler
+   threads, so a refusal never waits behind the calls that run). One peer (connection)
+   may hold at most ``max_per_peer`` of them, so a client that sends too much is the one
+   refused (and its retries back off), not the others. Response streams have their own
+   ``max_streams``.
 3. **Deadline**: a call cancelled or past its deadline before its handler starts is
    answered CANCELLED or DEADLINE_EXCEEDED without doing the work.
 4. **Metrics** (``RpcMetrics``): latency histogram per method, calls by method and code,
@@ -41,8 +41,9 @@ LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 class RpcMetrics:
     """Prometheus metrics of a server's calls, named ``{prefix}_...``, in ``registry``.
 
-    ``{prefix}_rpc_duration_seconds{method}`` (histogram), ``{prefix}_rpcs_total{method,
-    code}``, ``{prefix}_rpcs_in_flight``, ``{prefix}_rpcs_rejected_total{method,reason}``.
+    ``{prefix}_rpc_seconds{method,code}`` (histogram of calls handled), ``{prefix}_rpcs_total
+    {method,code}`` (every call, refusals included), ``{prefix}_rpcs_in_flight``,
+    ``{prefix}_rpcs_rejected_total{method,reason}``.
     """
 
     def __init__(self, prefix: str, registry: Any) -> None:
@@ -50,8 +51,8 @@ class RpcMetrics:
         from prometheus_client import Gauge, Histogram
 
         self.registry = registry
-        self.duration = Histogram(f"{prefix}_rpc_duration_seconds", "Time to answer a call, by method",
-                                  ["method"], registry=registry, buckets=LATENCY_BUCKETS_S)  # fmt: skip
+        self.duration = Histogram(f"{prefix}_rpc_seconds", "Time to answer a call, by method and status code",
+                                  ["method", "code"], registry=registry, buckets=LATENCY_BUCKETS_S)  # fmt: skip
         self.calls = PCounter(f"{prefix}_rpcs", "Calls answered, by method and status code", ["method", "code"],
                               registry=registry)  # fmt: skip
         self.in_flight = Gauge(f"{prefix}_rpcs_in_flight", "Calls being handled now", registry=registry)
@@ -59,7 +60,7 @@ class RpcMetrics:
                                  ["method", "reason"], registry=registry)  # fmt: skip
 
     def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
-        self.duration.labels(method).observe(seconds)
+        self.duration.labels(method, code.name).observe(seconds)
         self.calls.labels(method, code.name).inc()
 
     def reject(self, method: str, reason: str, code: grpc.StatusCode) -> None:
@@ -114,7 +115,13 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
     ``roles`` maps a full method name (``/ps.v1.ParameterServer/Push``) to the role it
     needs; a guarded method missing from it needs ``admin``. ``who`` names the server in
     refusals (e.g. ``shard 0``). ``limits_flag`` is the flag named when a call is refused
-    for the in-flight limit.
+    for the in-flight limit. Response streams (``Follow``) are long-lived: they do not
+    count against ``max_in_flight`` but against ``max_streams`` of their own.
+
+    A slot is taken when the handler starts and given back when it ends, so a call gRPC
+    never hands to its handler (cancelled while its request was still arriving) holds
+    none. The server needs ``max_in_flight + max_streams`` handler threads plus spares
+    that answer refusals.
     """
 
     def __init__(
@@ -125,18 +132,27 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
         tokens: Tokens | None = None,
         max_in_flight: int = 0,
         max_per_peer: int = 0,
+        max_streams: int = 0,
         metrics: RpcMetrics | None = None,
         limits_flag: str = "--max-concurrent-rpcs",
     ) -> None:
         self.who, self.roles, self.tokens, self.metrics = who, dict(roles), tokens, metrics
         self.max_in_flight, self.max_per_peer, self.limits_flag = max_in_flight, max_per_peer, limits_flag
+        self.max_streams = max_streams
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._streams = 0
         self._per_peer: Counter[str] = Counter()
 
     @property
     def in_flight(self) -> int:
+        """Unary calls being handled now."""
         return self._in_flight
+
+    @property
+    def streams(self) -> int:
+        """Response streams open now."""
+        return self._streams
 
     def intercept_service(
         self,
@@ -151,21 +167,11 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
         refusal = self._check_token(full, details.invocation_metadata)
         if refusal is not None:
             code, reason, message = refusal
-            return self._refused(handler, method, code, reason, message)
+            if self.metrics is not None:
+                self.metrics.reject(method, reason, code)
+            return _refuse(handler, code, message)
         if handler.request_streaming:
             return handler  # no client-streaming methods here: not counted
-        with self._lock:
-            if self.max_in_flight and self._in_flight >= self.max_in_flight:
-                full_now = True
-            else:
-                full_now = False
-                self._in_flight += 1
-        if full_now:
-            return self._refused(
-                handler, method, grpc.StatusCode.RESOURCE_EXHAUSTED, "in_flight",
-                f"{method} refused: {self.who} is handling {self.max_in_flight} calls "
-                f"({self.limits_flag}={self.max_in_flight}); retry with backoff",
-            )  # fmt: skip
         return self._wrap(handler, method)
 
     # -- the checks -------------------------------------------------------------------
@@ -186,47 +192,55 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
                     f"{method} refused: needs a {needed} token, this one is {role}")  # fmt: skip
         return None
 
-    def _refused(self, handler: Any, method: str, code: grpc.StatusCode, reason: str, message: str) -> Any:
-        if self.metrics is not None:
-            self.metrics.reject(method, reason, code)
-        return _refuse(handler, code, message)
-
     # -- running a call -----------------------------------------------------------------
-    def _enter_peer(self, peer: str) -> bool:
+    def _take(self, streaming: bool, peer: str) -> str | None:
+        """Take a slot for a call of ``peer``; None if taken, else the refusal's reason."""
         with self._lock:
+            if streaming:
+                if self.max_streams and self._streams >= self.max_streams:
+                    return "streams"
+                self._streams += 1
+                return None
+            if self.max_in_flight and self._in_flight >= self.max_in_flight:
+                return "in_flight"
             if self.max_per_peer and self._per_peer[peer] >= self.max_per_peer:
-                return False
+                return "per_peer"
+            self._in_flight += 1
             self._per_peer[peer] += 1
-            return True
+            return None
 
-    def _leave(self, peer: str | None) -> None:
+    def _give_back(self, streaming: bool, peer: str) -> None:
         with self._lock:
+            if streaming:
+                self._streams -= 1
+                return
             self._in_flight -= 1
-            if peer is not None:
-                self._per_peer[peer] -= 1
-                if self._per_peer[peer] <= 0:
-                    del self._per_peer[peer]
+            self._per_peer[peer] -= 1
+            if self._per_peer[peer] <= 0:
+                del self._per_peer[peer]
 
-    def _start(self, method: str, context: grpc.ServicerContext) -> str | None:
-        """Checks at the start of the handler; returns the peer it counted. Aborts (after
-        releasing its slot) when the call is over or its peer holds too many."""
+    def _start(self, method: str, context: grpc.ServicerContext, streaming: bool) -> str:
+        """Checks at the start of the handler; returns the peer whose slot it took. Aborts
+        (holding no slot) when the call is over or there is no slot for it."""
         if not context.is_active():
-            self._leave(None)
-            code = grpc.StatusCode.DEADLINE_EXCEEDED
             remaining = context.time_remaining()
-            if remaining is None or remaining > 0:
-                code = grpc.StatusCode.CANCELLED
+            code = grpc.StatusCode.CANCELLED
+            if remaining is not None and remaining <= 0:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
             self._record(method, code, 0.0)
             context.abort(code, f"{method}: the call ended before its handler started")
         peer = context.peer()
-        if not self._enter_peer(peer):
-            self._leave(None)
+        reason = self._take(streaming, peer)
+        if reason is not None:
+            limit = {"in_flight": (self.max_in_flight, f"{self.who} is handling {self.max_in_flight} calls "
+                                                       f"({self.limits_flag}={self.max_in_flight})"),
+                     "per_peer": (self.max_per_peer, f"this client already has {self.max_per_peer} calls in "
+                                                     f"flight on {self.who} (its share of {self.limits_flag})"),
+                     "streams": (self.max_streams, f"{self.who} has {self.max_streams} streams open")}[reason]  # fmt: skip
             if self.metrics is not None:
-                self.metrics.reject(method, "per_peer", grpc.StatusCode.RESOURCE_EXHAUSTED)
+                self.metrics.reject(method, reason, grpc.StatusCode.RESOURCE_EXHAUSTED)
             context.set_trailing_metadata((OVERLOADED,))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{method} refused: this client already has {self.max_per_peer} calls in flight on "
-                          f"{self.who} (its share of {self.limits_flag}={self.max_in_flight}); retry with backoff")  # fmt: skip
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method} refused: {limit[1]}; retry with backoff")
         return peer
 
     def _record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
@@ -238,7 +252,7 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
         def unary(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
             def run(request: Any, context: grpc.ServicerContext) -> Any:
-                peer = self._start(method, context)
+                peer = self._start(method, context, False)
                 if metrics is not None:
                     metrics.in_flight.inc()
                 t0 = time.perf_counter()
@@ -251,7 +265,7 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
                     code = _code(context) or grpc.StatusCode.UNKNOWN
                     raise
                 finally:
-                    self._leave(peer)
+                    self._give_back(False, peer)
                     if metrics is not None:
                         metrics.in_flight.dec()
                         metrics.observe(method, code, time.perf_counter() - t0)
@@ -260,7 +274,7 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
         def streaming(behavior: Callable[[Any, grpc.ServicerContext], Iterator[Any]]) -> Callable[..., Any]:
             def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                peer = self._start(method, context)
+                peer = self._start(method, context, True)
                 if metrics is not None:
                     metrics.in_flight.inc()
                 t0 = time.perf_counter()
@@ -275,7 +289,7 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
                     code = _code(context) or grpc.StatusCode.UNKNOWN
                     raise
                 finally:
-                    self._leave(peer)
+                    self._give_back(True, peer)
                     if metrics is not None:
                         metrics.in_flight.dec()
                         metrics.observe(method, code, time.perf_counter() - t0)

@@ -106,6 +106,10 @@ class ServerConfig:
         default=0,
         metadata={"help": "calls one client connection may have in flight; 0: three quarters of --threads"},
     )
+    max_follow_streams: int = field(
+        default=8,
+        metadata={"help": "Follow streams (serving shards following this one) open at once, beside --threads"},
+    )
     max_keys_per_request: int = field(
         default=4_000_000,
         metadata={"help": "keys one Lookup or Push may carry (all tables); more get RESOURCE_EXHAUSTED"},
@@ -229,6 +233,10 @@ class ServerConfig:
             raise ConfigError(f"threads={self.threads}: must be >= 1")
         if self.max_calls_per_client < 0 or self.max_keys_per_request < 1 or self.max_tables < 1:
             raise ConfigError("max_calls_per_client must be >= 0, max_keys_per_request and max_tables >= 1")
+        if self.max_follow_streams < 1:
+            raise ConfigError(f"max_follow_streams={self.max_follow_streams}: must be >= 1")
+        if (self.client_tls_cert is None) != (self.client_tls_key is None):
+            raise ConfigError("client_tls_cert and client_tls_key go together: give both or neither")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port={self.metrics_port}: must be in [0, 65535]")
         if (self.tls_cert is None) != (self.tls_key is None):

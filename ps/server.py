@@ -197,11 +197,14 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
         tokens=tokens,
         max_in_flight=config.threads,
         max_per_peer=config.max_calls_per_client or max(1, config.threads * 3 // 4),
+        max_streams=config.max_follow_streams,
         metrics=metrics,
         limits_flag="--threads",
     )
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.threads + SPARE_THREADS, thread_name_prefix="ps-rpc"),
+        futures.ThreadPoolExecutor(
+            max_workers=config.threads + config.max_follow_streams + SPARE_THREADS, thread_name_prefix="ps-rpc"
+        ),
         interceptors=[guard],
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),

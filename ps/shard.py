@@ -193,15 +193,15 @@ class Shard:
         be stored.
         """
         self.check_mode("CreateTable")
-        with self._lock:
-            if spec.name not in self._tables:
-                self.limits.check_new_table(self.index, len(self._tables))
-        return self.install_table(spec)
+        return self.install_table(spec, limited=True)
 
-    def install_table(self, spec: TableSpec) -> bool:
-        """``create_table`` in any mode: how a serving shard takes its leader's tables."""
+    def install_table(self, spec: TableSpec, limited: bool = False) -> bool:
+        """``create_table`` in any mode: how a serving shard takes its leader's tables
+        (``limited``: a new one must fit ``limits.max_tables``)."""
         with self._lock:
             existing = self._tables.get(spec.name)
+            if existing is None and limited:
+                self.limits.check_new_table(self.index, len(self._tables))
             if existing is not None:
                 diff = existing.spec.differences(spec)
                 if diff:

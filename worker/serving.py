@@ -447,6 +447,8 @@ class PredictClient:
     def __init__(self, address: str, *, timeout_s: float = 10.0, token: str | None = None, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None) -> None:  # fmt: skip
         self.address, self.timeout_s = address, timeout_s
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key go together (mutual TLS): give both or neither")
         self._metadata = bearer_metadata(token)
         self._credentials = channel_credentials(tls_ca, tls_cert, tls_key) if tls_ca or tls_cert else None
         self._channel: grpc.Channel | None = None

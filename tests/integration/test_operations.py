@@ -8,6 +8,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -64,7 +65,7 @@ def test_metrics_count_calls_rows_and_refusals(shard_with_metrics: RunningShard)
     m = _scrape(port)
     assert m['ps_rpcs_total{code="OK",method="Lookup"}'] == 5
     assert m['ps_rpcs_total{code="OK",method="Push"}'] == 2
-    assert m['ps_rpc_duration_seconds_count{method="Lookup"}'] == 5
+    assert m['ps_rpc_seconds_count{code="OK",method="Lookup"}'] == 5
     assert m['ps_table_rows{table="users",tier="ram"}'] == 100
     assert m['ps_table_keys_looked_up_total{table="users"}'] == 500
     assert m['ps_table_rows_created_total{table="users"}'] == 100
@@ -159,42 +160,106 @@ def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
         stop_shard(shard)
 
 
-def test_admission_refuses_fast_and_the_client_retries(tmp_path: Path) -> None:
-    shard = start_shard(0, 1, tmp_path, "--threads=1", "--max-tables=2", "--max-keys-per-request=1000")
+def test_table_and_key_limits(tmp_path: Path) -> None:
+    shard = start_shard(0, 1, tmp_path, "--max-tables=2", "--max-keys-per-request=1000")
     try:
         with PSClient([shard.address]) as client:
             client.create_table("a", dim=4)
             client.create_table("b", dim=4)
+            client.create_table("b", dim=4)  # the same table again: no new one
             with pytest.raises(PSError, match="--max-tables=2") as exc:
                 client.create_table("c", dim=4)
             assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             with pytest.raises(PSError, match="--max-keys-per-request=1000"):
                 client.lookup("a", np.arange(1001))
+            with pytest.raises(PSError, match="--max-keys-per-request=1000"):
+                client.push("a", np.arange(1001), np.ones((1001, 4), np.float32))
             assert client.lookup("a", np.arange(1000)).shape == (1000, 4)
+            assert {s["name"] for s in client.stats()[0]["tables"]} == {"a", "b"}
+    finally:
+        stop_shard(shard)
 
-            # A Follow stream holds the one call slot; a lookup beside it is refused at once.
-            with grpc.insecure_channel(shard.address) as channel:
-                follow = channel.unary_stream(FOLLOW, None, None)(
-                    pb.FollowRequest(shard=0, num_shards=1).SerializeToString()
-                )
-                next(follow)  # the stream is open
-                lookup = channel.unary_unary(LOOKUP, None, None)
-                body = pb.LookupRequest(entries=[pb.LookupEntry(table="a", keys=np.arange(3).tobytes())],
-                                        num_shards=1, shard=0).SerializeToString()  # fmt: skip
-                t0 = time.monotonic()
-                with pytest.raises(grpc.RpcError) as err:
-                    lookup(body, timeout=10)
-                assert time.monotonic() - t0 < 1.0
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "--threads=1" in (err.value.details() or "")
-                # PSClient backs off and retries an overload refusal: it succeeds once the slot frees.
-                done: list[np.ndarray] = []
-                worker = threading.Thread(target=lambda: done.append(client.lookup("a", np.arange(3))))
-                worker.start()
-                time.sleep(0.5)
-                assert not done
-                follow.cancel()
-                worker.join(timeout=20)
-                assert done and done[0].shape == (3, 4)
+
+def test_past_threads_calls_are_refused_fast_and_the_client_retries(tmp_path: Path) -> None:
+    shard = start_shard(0, 1, tmp_path, "--threads=1")
+    keys = np.arange(300_000)
+    try:
+        with PSClient([shard.address]) as client:
+            client.create_table("a", dim=16)
+            client.lookup("a", keys)  # creates the rows: later lookups only read (~20 MB answers)
+            body = pb.LookupRequest(entries=[pb.LookupEntry(table="a", keys=keys.tobytes())],
+                                    num_shards=1, shard=0).SerializeToString()  # fmt: skip
+            outcomes: list[tuple[str, float, bool]] = []
+            lock = threading.Lock()
+
+            def hammer() -> None:
+                with grpc.insecure_channel(shard.address, options=[("grpc.max_receive_message_length", 1 << 26)]) as ch:
+                    lookup = ch.unary_unary(LOOKUP, None, None)
+                    for _ in range(4):
+                        t0 = time.monotonic()
+                        try:
+                            lookup(body, timeout=30)
+                            outcome = ("ok", time.monotonic() - t0, False)
+                        except grpc.RpcError as exc:
+                            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                            assert "--threads=1" in (exc.details() or "")
+                            marked = ("ps-overloaded", "1") in tuple(exc.trailing_metadata() or ())
+                            outcome = ("refused", time.monotonic() - t0, marked)
+                        with lock:
+                            outcomes.append(outcome)
+
+            threads = [threading.Thread(target=hammer) for _ in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            refused = sorted(t for o, t, _ in outcomes if o == "refused")
+            assert refused and any(o == "ok" for o, _, _ in outcomes), outcomes
+            assert all(marked for o, _, marked in outcomes if o == "refused")
+            assert refused[len(refused) // 2] < 0.5, refused  # answered at once, not queued
+
+            # PSClient retries overload refusals with backoff: every lookup of 4 concurrent ones succeeds.
+            with ThreadPoolExecutor(4) as pool:
+                shapes = list(pool.map(lambda _: client.lookup("a", keys[:100_000]).shape, range(8)))
+            assert shapes == [(100_000, 16)] * 8
+    finally:
+        stop_shard(shard)
+
+
+def test_calls_gRPC_never_hands_to_a_handler_hold_no_slot(tmp_path: Path) -> None:
+    """A call that ends before its handler runs (here: a unary method sent no request
+    message) must not keep one of the shard's --threads slots."""
+    shard = start_shard(0, 1, tmp_path, "--threads=2")
+    try:
+        with grpc.insecure_channel(shard.address) as channel:
+            empty = channel.stream_unary("/ps.v1.ParameterServer/ListTables", None, None)
+            for _ in range(5):
+                with pytest.raises(grpc.RpcError):
+                    empty(iter([]), timeout=5)
+            list_tables = channel.unary_unary("/ps.v1.ParameterServer/ListTables", None, None)
+            for _ in range(3):
+                pb.ListTablesResponse.FromString(list_tables(b"", timeout=5))  # no RESOURCE_EXHAUSTED
+    finally:
+        stop_shard(shard)
+
+
+def test_follow_streams_do_not_take_the_call_slots(tmp_path: Path) -> None:
+    shard = start_shard(0, 1, tmp_path, "--threads=1", "--max-follow-streams=2")
+    try:
+        with grpc.insecure_channel(shard.address) as channel:
+            follow = channel.unary_stream(FOLLOW, None, None)
+            body = pb.FollowRequest(shard=0, num_shards=1).SerializeToString()
+            streams = [follow(body) for _ in range(2)]
+            for s in streams:
+                next(s)
+            list_tables = channel.unary_unary("/ps.v1.ParameterServer/ListTables", None, None)
+            pb.ListTablesResponse.FromString(list_tables(b"", timeout=5))  # the call slot is free
+            third = follow(body)
+            with pytest.raises(grpc.RpcError) as err:
+                next(third)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "2 streams open" in (err.value.details() or "")
+            for s in streams:
+                s.cancel()
     finally:
         stop_shard(shard)
