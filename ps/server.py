@@ -88,7 +88,10 @@ class PSServer:
         self._health.enter_graceful_shutdown()
         self._stopped.set()
         self.shard.close()
-        self.server.stop(grace_s).wait()
+        # Bounded: a handler gRPC cannot cancel (a reflection stream fed bytes that do not
+        # decode) must not keep the shard from writing its rows and exiting.
+        if not self.server.stop(grace_s).wait((grace_s or 0.0) + 5.0):
+            log.warning("calls still running 5 s after the grace period; stopping anyway")
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         if isinstance(self.shard.source, Source):

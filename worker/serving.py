@@ -45,6 +45,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 import torch
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health
 
 from client import ClientConfig, PSClient, PSError, parse_addresses
@@ -242,12 +243,16 @@ class Batcher:
             i.future.set_result(scores)
 
 
-class _Servicer(infer_pb2_grpc.PredictorServicer):
+class _Servicer:
     def __init__(self, predictor: Predictor, batcher: Batcher, gate: _Gate, run: str) -> None:
         self._predictor, self._batcher, self._gate, self._run = predictor, batcher, gate, run
 
-    def Predict(self, request: pb.PredictRequest, context: grpc.ServicerContext) -> pb.PredictResponse:
+    def Predict(self, body: bytes, context: grpc.ServicerContext) -> pb.PredictResponse:
         with _status_boundary(context):
+            try:  # decoded here, not by gRPC: bytes that do not decode get INVALID_ARGUMENT, not INTERNAL
+                request = pb.PredictRequest.FromString(body)
+            except DecodeError as exc:
+                raise InvalidRequest(f"request: not a PredictRequest ({exc})") from None
             self._gate.enter()
             try:
                 try:
@@ -297,7 +302,10 @@ class InferServer:
     def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, refuse new calls, let calls in progress finish (up to ``grace_s``), stop the batcher."""
         self._health.enter_graceful_shutdown()
-        self.server.stop(grace_s).wait()
+        # Bounded: a handler gRPC cannot cancel (a reflection stream fed bytes that do not
+        # decode) must not keep the process from exiting.
+        if not self.server.stop(grace_s).wait((grace_s or 0.0) + 5.0):
+            log.warning("calls still running %.0f s after the grace period; stopping anyway", 5.0)
         self._batcher.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
@@ -339,7 +347,10 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
     )
     servicer = _Servicer(predictor, batcher, gate, predictor.model.run)
-    infer_pb2_grpc.add_PredictorServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    predict = grpc.unary_unary_rpc_method_handler(
+        servicer.Predict, request_deserializer=None, response_serializer=pb.PredictResponse.SerializeToString
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"Predict": predict}),))
     try:
         port, health_servicer = listen(server, config.listen, [SERVICE_NAME], credentials)
     except RuntimeError:
