@@ -1,12 +1,15 @@
-"""Training rides through shard failures: kill -9 shards under ps-launch and check every row.
+"""Training rides through shard failures: kill -9 random shards under ps-launch and check every row.
 
 The worker (``recording_worker.py``) logs every push its client saw acknowledged. After
 the run, the shards are started again on their data dirs and every pushed key's row is
 compared, bit for bit, with an in-process twin cluster that applied exactly the logged
 pushes once each: a lost push or one applied twice changes rows. The same run without
-kills gives the AUC to compare against.
+kills gives the AUC to compare against. Each kill picks a shard at random (the seed is
+printed) and times the restart: from the SIGKILL until the shard's address answers a
+health check again, which ``ps-launch --restart-shards`` must make happen within 3 s.
 
-A plain run kills shards 3 times; ``pytest -m slow`` runs the long version (10 kills).
+A plain run kills a shard 3 times, ~1.5 s apart; ``pytest -m slow`` runs the long
+version (10 kills, one every ~15 s).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import signal
 import subprocess
 import sys
@@ -25,6 +29,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import ClientConfig, PSClient, PSError
 from protos.keys import shard_of
@@ -35,14 +40,45 @@ from tests.profiles import long_run
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("recording_worker.py")
+MAX_RESTART_S = 3.0  # from SIGKILL to the shard answering again on its address
 
 
 def _pushes(client: PSClient) -> int:
     return sum(t["pushes"] for s in client.stats() for t in s["tables"])
 
 
-def _train(tmp: Path, *, samples: int, kills: int, gap_s: float) -> dict[str, Any]:
-    """One pipelined DLRM run under ps-launch (2 shards, every-push); ``kills`` kill -9s spaced ``gap_s`` apart."""
+def _dead(pid: int) -> bool:
+    """True once ``pid`` no longer runs (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1] in "ZX"
+    except OSError:
+        return True
+
+
+def _answering(address: str) -> bool:
+    """True if the shard at ``address`` answers a health check now (a fresh connection each time)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="ps.v1.ParameterServer"), timeout=0.5
+            )
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _restart_s(address: str, pid: int, killed_at: float, timeout_s: float = 60.0) -> float:
+    """Seconds from ``killed_at`` until a new process answers on ``address`` (the old ``pid`` is dead first)."""
+    while not _dead(pid) or not _answering(address):
+        assert time.monotonic() - killed_at < timeout_s, f"{address} not answering {timeout_s} s after its kill"
+        time.sleep(0.02)
+    return time.monotonic() - killed_at
+
+
+def _train(tmp: Path, *, samples: int, kills: int, gap_s: float, seed: int = 0) -> dict[str, Any]:
+    """One pipelined DLRM run under ps-launch (2 shards, every-push); ``kills`` kill -9s of a
+    random shard (``random.Random(seed)``), one every ``gap_s`` ±20%, each timed until the
+    shard answers again."""
     launch_dir, data_dir, out = tmp / "launch", tmp / "data", tmp / "run"
     record = tmp / "pushes.pkl"
     command = [sys.executable, "-m", "deploy.launch", "--shards", "2", "--data-dir", str(launch_dir),
@@ -53,8 +89,10 @@ def _train(tmp: Path, *, samples: int, kills: int, gap_s: float) -> dict[str, An
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, RECORD_PUSHES=str(record))
     log = (tmp / "launch.log").open("w")
+    started = time.monotonic()
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    killed: list[tuple[int, int]] = []
+    rng = random.Random(seed)
+    killed: list[tuple[int, int, float]] = []  # (shard, pid, seconds until it answered again)
     try:
         deadline = time.monotonic() + 120
         while not all((launch_dir / f"port.{i}").exists() for i in range(2)):
@@ -64,14 +102,18 @@ def _train(tmp: Path, *, samples: int, kills: int, gap_s: float) -> dict[str, An
         with PSClient(addresses, ClientConfig(deadline_s=60, tune_malloc=False)) as watcher:
             while kills and proc.poll() is None and _pushes(watcher) < 30:
                 time.sleep(0.1)  # training is under way
-            for k in range(kills):
-                time.sleep(gap_s)
-                pid = shard_pid(launch_dir, k % 2)
-                if proc.poll() is not None or pid is None:
-                    break
-                os.kill(pid, signal.SIGKILL)
-                killed.append((k % 2, pid))
-        code = proc.wait(timeout=600)
+        next_kill = time.monotonic()
+        for _ in range(kills):
+            next_kill += gap_s * rng.uniform(0.8, 1.2)
+            time.sleep(max(0.0, next_kill - time.monotonic()))
+            shard = rng.randrange(2)
+            pid = shard_pid(launch_dir, shard)
+            if proc.poll() is not None or pid is None:
+                break
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            killed.append((shard, pid, _restart_s(addresses[shard], pid, killed_at)))
+        code = proc.wait(timeout=1800)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -82,7 +124,8 @@ def _train(tmp: Path, *, samples: int, kills: int, gap_s: float) -> dict[str, An
     metrics = json.loads((out / "metrics.json").read_text())
     with record.open("rb") as f:
         pushes = pickle.load(f)
-    return {"metrics": metrics, "log": pushes, "killed": killed, "text": text, "data_dir": data_dir}
+    return {"metrics": metrics, "log": pushes, "killed": killed, "text": text, "data_dir": data_dir,
+            "seconds": time.monotonic() - started}  # fmt: skip
 
 
 def _compare_rows(tmp: Path, run: dict[str, Any]) -> tuple[int, int, int]:
@@ -119,17 +162,23 @@ def _compare_rows(tmp: Path, run: dict[str, Any]) -> tuple[int, int, int]:
 
 @pytest.mark.slow
 def test_training_rides_through_shard_kills(tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    # A plain run: 3 kills in ~60 steps (~45 s on 2 cores); `pytest -m slow`: 10 kills in ~600.
-    samples, kills, gap_s = (600_000, 10, 4.0) if long_run(request.config) else (60_000, 3, 1.5)
-    faulty = _train(tmp_path / "faulty", samples=samples, kills=kills, gap_s=gap_s)
+    # A plain run: 3 kills in ~60 steps (~40 s on 2 cores); `pytest -m slow`: 10 kills, one
+    # every ~15 s, in a run long enough for all of them (~3,000 samples/s with the kills).
+    samples, kills, gap_s = (900_000, 10, 15.0) if long_run(request.config) else (60_000, 3, 1.5)
+    seed = random.randrange(1 << 32)
+    faulty = _train(tmp_path / "faulty", samples=samples, kills=kills, gap_s=gap_s, seed=seed)
     clean = _train(tmp_path / "clean", samples=samples, kills=0, gap_s=0)
     pushes, rows, differ = _compare_rows(tmp_path, faulty)
     auc_faulty, auc_clean = faulty["metrics"]["final"]["auc"], clean["metrics"]["final"]["auc"]
     restarts = faulty["text"].count("restarting it on the same address")
-    print(f"kills {len(faulty['killed'])}, restarts {restarts}, acknowledged pushes {pushes}, rows compared {rows}, "
-          f"rows differing {differ}, AUC with kills {auc_faulty:.4f}, without {auc_clean:.4f}")  # fmt: skip
+    restart_s = [r for _, _, r in faulty["killed"]]
+    print(f"seed {seed}: kills {len(faulty['killed'])} (shards {[s for s, _, _ in faulty['killed']]}), "
+          f"restarts {restarts}, restart s {[round(r, 2) for r in restart_s]} (max {max(restart_s, default=0):.2f}), "
+          f"acknowledged pushes {pushes}, rows compared {rows}, rows differing {differ}, AUC with kills "
+          f"{auc_faulty:.4f}, without {auc_clean:.4f}, run s {faulty['seconds']:.0f} / {clean['seconds']:.0f}")  # fmt: skip
     assert len(faulty["killed"]) == kills, "training ended before every kill: raise the sample count"
     assert restarts == kills, faulty["text"][-3000:]
+    assert max(restart_s) <= MAX_RESTART_S, f"restart times {restart_s} (seed {seed}): over {MAX_RESTART_S} s"
     assert not faulty["log"].get("mutated"), f"gradient arrays changed during pushes {faulty['log']['mutated']}"
     assert differ == 0, f"{differ} of {rows} rows differ from the replay of {pushes} acknowledged pushes"
     assert pushes == faulty["metrics"]["steps"]
