@@ -95,7 +95,9 @@ def _overlong_varint(rng: np.random.Generator, data: bytes) -> bytes:
 
 
 def _huge_length(rng: np.random.Generator, data: bytes) -> bytes:
-    return data + tag(1, 2) + varint(int(rng.choice([1 << 31, 1 << 32, 1 << 63, (1 << 64) - 1])))
+    """A length field past the data: 2**31 and up, to 2**64 - 1 and a 10-byte varint over 64 bits."""
+    lengths = [1 << 31, 1 << 32, 1 << 63, (1 << 64) - 1, 1 << 64]
+    return data + tag(int(rng.choice([1, 15])), 2) + varint(lengths[int(rng.integers(0, len(lengths)))])
 
 
 def _length_past_end(rng: np.random.Generator, data: bytes) -> bytes:

@@ -20,7 +20,7 @@ over the message limit; raw channels with identity serializers send them.
   real servicer) that got only the requests the server accepted: table specs, row and
   push counts, and the rows of every key any request named. The serving shard's rows
   equal the training shard's once it has caught up;
-* no server's RSS grows by more than 5% from the end of a warm-up (the first 20% of the
+* no server's RSS grows by more than 5% from the end of a warm-up (the first 40% of the
   requests) to the end.
 
 A plain run sends 1,500 requests, ``pytest -m slow`` 10,000. ``FAULTS_SEED=N`` repeats a
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -87,6 +88,13 @@ WARM_UP_SHARE = 0.4  # RSS settles over the first requests (allocator arenas, gR
 # True to fuzz a build that still has the defect: the oracle then expects it.
 PREDICT_UNDECODABLE_IS_INTERNAL = False
 REFLECTION_UNDECODABLE_HANGS_STOP = False
+# Open: ps-server's own Push decoder (protos.wire) reads a length varint of 10 bytes whose value
+# overflows 64 bits as 0 and accepts the message, which protobuf refuses; the push is applied
+# (test_push_with_an_overflowing_length_varint_is_refused, xfail). Until fixed, the oracle
+# gives no verdict on Push bytes that protobuf refuses and that hold such a varint.
+PUSH_OVERFLOWING_VARINT_ACCEPTED = True
+_OVERFLOWING_VARINT = re.compile(rb"(?<![\x80-\xff])[\x80-\xff]{9}[\x02-\x7f]")
+GRACE_S = 1  # the servers' --grace-s: a stop after undecodable reflection messages waits it + 5 s
 
 
 # -- the servers ------------------------------------------------------------------------
@@ -118,7 +126,7 @@ def _start_infer(run: Path, addresses: list[str], root: Path) -> Infer:
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "worker.serving", f"--model={run}", f"--ps={','.join(addresses)}",
                                  "--listen=127.0.0.1:0", f"--port-file={port_file}",
-                                 f"--max-candidates={MAX_CANDIDATES}"],
+                                 f"--max-candidates={MAX_CANDIDATES}", f"--grace-s={GRACE_S}"],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO)  # fmt: skip
     deadline = time.monotonic() + 120
     while not port_file.exists():
@@ -153,7 +161,8 @@ def _raw(address: str, method: str, request: bytes) -> bytes:
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     root = tmp_path_factory.mktemp("adversarial")
     limit = f"--max-message-bytes={SHARD_LIMIT_BYTES}"
-    train_shard = start_shard(0, 1, root / "train", f"--data-dir={root / 'train' / 'data'}", limit)
+    grace = f"--grace-s={GRACE_S}"
+    train_shard = start_shard(0, 1, root / "train", f"--data-dir={root / 'train' / 'data'}", limit, grace)
     checkpoints = root / "train" / "data" / "checkpoints"
     twin = InProcessTransport([Shard(0, 1)], max_message_bytes=SHARD_LIMIT_BYTES)
     twin.start()
@@ -172,7 +181,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     # Checkpoint version 1: something for ServeFrom to pin.
     _raw(train_shard.address, PS + "Checkpoint", pb.CheckpointRequest().SerializeToString())
     serve_shard = start_shard(0, 1, root / "serve", "--mode=serve", f"--follow={train_shard.address}",
-                              f"--checkpoint-root={checkpoints}", limit)  # fmt: skip
+                              f"--checkpoint-root={checkpoints}", limit, grace)  # fmt: skip
     tables = {"emb": 8, "count": 4}
     cluster = LocalCluster(2, root=root / "infer-shards").start()
     infer: Infer | None = None
@@ -185,6 +194,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
                       ShardModel("train", dict(tables), SHARD_LIMIT_BYTES, checkpoints, creates=set(creates)),
                       ShardModel("serve", dict(tables), SHARD_LIMIT_BYTES, checkpoints), twin, creates)  # fmt: skip
     finally:
+        # All at once: each may take its grace period + 5 s (see GRACE_S); each must exit 0.
+        for proc in (serve_shard.proc, train_shard.proc, *([infer.proc] if infer is not None else [])):
+            proc.send_signal(signal.SIGTERM)
         if infer is not None:
             _stop_infer(infer)
         cluster.stop()
@@ -551,6 +563,10 @@ def _verdict(servers: Servers, case: Case) -> Verdict:
         else:
             model = servers.train_model if case.target == "train" else servers.serve_model
             verdict = shard_verdict(model, case.method.removeprefix(PS), case.payload)
+            overflow = case.method == PS + "Push" and _OVERFLOWING_VARINT.search(case.payload) is not None
+            if PUSH_OVERFLOWING_VARINT_ACCEPTED and overflow and verdict.why == "does not decode":
+                verdict = Verdict(None, verdict.codes | {"OK", "FAILED_PRECONDITION", "NOT_FOUND"},
+                                  "a varint over 64 bits (known defect: accepted)")  # fmt: skip
     if case.how == "oversized":
         verdict = Verdict(False, frozenset({"RESOURCE_EXHAUSTED"}), "over the message limit")
     meta = case.metadata
@@ -589,14 +605,9 @@ def _replay(servers: Servers, run: Run, result: Result) -> None:
         listed = pb.ListTablesResponse.FromString(_raw(servers.train.address, PS + "ListTables", b""))
         servers.train_model.tables = {s.name: s.dim for s in listed.tables}
         servers.train_model.creates.add(case.payload)
-    else:
-        cls = pb.LookupRequest if method == "Lookup" else pb.PushRequest
-        try:
-            message = cls.FromString(case.payload)
-        except DecodeError:
-            run.violations.append((result, "OK for bytes protobuf cannot decode"))
-            return
-        for entry in message.entries:
+    else:  # decoded as the server does: Push by protos.wire (see PUSH_OVERFLOWING_VARINT_ACCEPTED)
+        message = pb.LookupRequest.FromString(case.payload) if method == "Lookup" else None
+        for entry in message.entries if message is not None else wire.decode_push_request(case.payload).entries:
             if entry.table in run.keys:
                 run.keys[entry.table].update(np.frombuffer(entry.keys, "<i8").tolist())
 
@@ -745,3 +756,33 @@ def test_adversarial_requests_get_proper_statuses_and_change_nothing(
         assert g <= RSS_GROWTH_MAX, f"{t}: RSS grew {g:.1%} after the warm-up ({rss[t]})"
     for proc in (servers.train.proc, servers.serve.proc, servers.infer.proc):
         assert proc.poll() is None
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="defect: protos.wire.decode_push_request reads a length varint over 64 bits as 0 and accepts "
+    "a Push that protobuf refuses as malformed; ps-server applies it and answers OK",
+)
+def test_push_with_an_overflowing_length_varint_is_refused(tmp_path: Path) -> None:
+    # A valid push, then an unknown field 15 whose length is a 10-byte varint of value 2**64.
+    tail = mut.tag(15, 2) + mut.varint(1 << 64)
+    assert tail.hex() == "7a80808080808080808002"
+    keys = np.arange(4, dtype=np.int64)
+    push = wire.encode_push_request([("count", keys, -np.ones((4, 4), np.float32), wire.FLOAT32)], 1, "c", 1, 0)
+    with pytest.raises(DecodeError):
+        pb.PushRequest.FromString(push + tail)
+    shard = start_shard(0, 1, tmp_path)
+    try:
+        with grpc.insecure_channel(shard.address) as channel:
+            create = pb.CreateTableRequest(spec=pb.TableSpec(name="count", dim=4, initializer=pb.InitializerSpec(kind=pb.InitializerSpec.ZEROS), optimizer=pb.OptimizerSpec(lr=1.0)))  # fmt: skip
+            channel.unary_unary(PS + "CreateTable", None, None)(create.SerializeToString(), timeout=10)
+            try:
+                channel.unary_unary(PS + "Push", None, None)(push + tail, timeout=10)
+                code = "OK"
+            except grpc.RpcError as exc:
+                code = exc.code().name
+        rows = _rows(shard.address, "count", keys)
+    finally:
+        stop_shard(shard)
+    print(f"Push of {len(push + tail)} bytes ending {tail.hex()}: {code}, rows {rows[:, 0].tolist()}")
+    assert code == "INVALID_ARGUMENT" and not rows.any(), (code, rows)
