@@ -288,6 +288,24 @@ def _read_varint(buf: bytes, pos: int, end: int, field: str) -> tuple[int, int]:
         shift += 7
 
 
+def _read_length(buf: bytes, pos: int, end: int, field: str, field_no: int) -> tuple[int, int]:
+    """The length of a LEN field: a varint whose value fits in 31 bits, as protobuf
+    requires (a 10-byte varint whose value overflows 64 bits must not wrap to a small one)."""
+    length, shift = 0, 0
+    while True:
+        if pos >= end or shift > 63:
+            raise WireFormatError(f"{field}: truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        length |= (byte & 0x7F) << shift  # not masked to 64 bits: an overflow stays too large
+        if not byte & 0x80:
+            break
+        shift += 7
+    if length >= 1 << 31:
+        raise WireFormatError(f"{field}: field {field_no} has an impossible length ({length})")
+    return length, pos
+
+
 def _read_tag(buf: bytes, pos: int, end: int, field: str) -> tuple[int, int, int]:
     """``(field_no, wire_type, pos after the tag)``. A tag is a varint of at most 5 bytes
     whose field number is in [1, 2**29 - 1]; protobuf rejects anything else."""
@@ -312,7 +330,7 @@ def _skip_scalar(buf: bytes, pos: int, end: int, field_no: int, wire_type: int, 
     if wire_type == 0:
         return _read_varint(buf, pos, end, field)[1]
     if wire_type == 2:
-        length, pos = _read_varint(buf, pos, end, field)
+        length, pos = _read_length(buf, pos, end, field, field_no)
         if length > end - pos:
             raise WireFormatError(f"{field}: field {field_no} runs past the end of the message")
         return pos + length
@@ -360,7 +378,7 @@ def _fields(buf: bytes, start: int, end: int, field: str, depth: int) -> Iterato
             value, pos = _read_varint(buf, pos, end, field)
             yield field_no, 0, value, 0
         elif wire_type == 2:
-            length, pos = _read_varint(buf, pos, end, field)
+            length, pos = _read_length(buf, pos, end, field, field_no)
             if length > end - pos:
                 raise WireFormatError(f"{field}: field {field_no} runs past the end of the message")
             yield field_no, 2, pos, pos + length
