@@ -88,6 +88,9 @@ class ShardModel:
     index: int = 0
     num_shards: int = 1
     creates: set[bytes] = field(default_factory=set)  # CreateTable request bytes known to succeed
+    # Tables that may or may not be there (name -> dim): on a serving shard, those its training
+    # shard created lately (copied when the next change batch comes, absent from older checkpoints).
+    maybe_tables: dict[str, int] = field(default_factory=dict)
 
 
 Problems = list[tuple[str, tuple[str, ...]]]
@@ -107,9 +110,9 @@ def _route(model: ShardModel, num_shards: int, shard: int | None) -> Problems:
 def _table(model: ShardModel, name: str, i: int) -> tuple[int | None, Problems]:
     if not name:
         return None, [(f"entries[{i}]: empty table name", _IA)]
-    if name not in model.tables:
+    if name not in model.tables and name not in model.maybe_tables:
         return None, [(f"entries[{i}]: unknown table {name[:40]!r}", _NF)]
-    return model.tables[name], []
+    return model.tables.get(name, model.maybe_tables.get(name)), []
 
 
 def _grads(data: bytes, dtype: int) -> np.ndarray[Any, Any]:
@@ -137,8 +140,11 @@ def _lookup(model: ShardModel, m: pb.LookupRequest, data: bytes) -> Verdict:
     limit = model.max_message_bytes - _RESPONSE_OVERHEAD_BYTES
     if total > limit + 4096:
         problems.append((f"response of {total} bytes", _RE))
+    maybe = [e.table for e in m.entries if e.table in model.maybe_tables and e.table not in model.tables]
     if problems:
-        return _invalid(problems)
+        return _invalid(problems + ([("a table that may not be there yet", ("NOT_FOUND",))] if maybe else []))
+    if maybe:
+        return _unsure(f"table {maybe[0][:40]!r} may not be there yet")
     return _valid() if total < limit - 4096 else _unsure(f"response of {total} bytes, at the limit")
 
 

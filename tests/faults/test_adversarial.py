@@ -23,6 +23,9 @@ over the message limit; raw channels with identity serializers send them.
 * no server's RSS grows by more than 5% from the end of a warm-up (the first 40% of the
   requests) to the end.
 
+Defects found and still open are pinned by xfail tests at the end of this file; the flags
+after the constants say how the fuzz treats the requests that trigger them.
+
 A plain run sends 1,500 requests, ``pytest -m slow`` 10,000. ``FAULTS_SEED=N`` repeats a
 run; a failure prints each offending request's method and bytes (hex) and saves them
 under the test's tmp dir.
@@ -81,13 +84,18 @@ MAX_CANDIDATES = 64
 CALL_TIMEOUT_S = 10.0
 RSS_GROWTH_MAX = 0.05
 WARM_UP_SHARE = 0.4  # RSS settles over the first requests (allocator arenas, gRPC buffers)
-# Defects this fuzz found, both fixed: ps-infer let gRPC decode Predict requests, so bytes
-# that did not decode were answered INTERNAL (it decodes them itself now: INVALID_ARGUMENT);
-# a reflection stream fed bytes that do not decode left gRPC unable to finish a graceful
-# stop, so SIGTERM never returned (ps-server and ps-infer now bound that wait). Set a flag to
-# True to fuzz a build that still has the defect: the oracle then expects it.
+# Defects this fuzz found. Fixed: ps-infer let gRPC decode Predict requests, so bytes that did
+# not decode were answered INTERNAL (it decodes them itself now: INVALID_ARGUMENT); set the flag
+# to True to fuzz a build that still has it. Open (xfail tests below; set a flag to False once
+# fixed, and drop its xfail):
 PREDICT_UNDECODABLE_IS_INTERNAL = False
-REFLECTION_UNDECODABLE_HANGS_STOP = False
+# A request that gRPC's own deserializer cannot decode (health Check/Watch, reflection: the
+# services registered with protobuf classes) is answered INTERNAL, but gRPC Python 1.85's server
+# keeps its call state for good: ~20 kB of RSS per call, and a reflection stream's call also
+# keeps a graceful stop waiting until the bounded wait gives up (grace + 5 s). The fuzz holds
+# such requests back, as they would make the RSS check measure this one leak
+# (test_undecodable_requests_to_grpc_services_leak_nothing).
+LIBRARY_UNDECODABLE_LEAKS = True
 # Open: ps-server's own Push decoder (protos.wire) reads a length varint of 10 bytes whose value
 # overflows 64 bits as 0 and accepts the message, which protobuf refuses; the push is applied
 # (test_push_with_an_overflowing_length_varint_is_refused, xfail). Until fixed, the oracle
@@ -518,7 +526,8 @@ class Run:
     results: list[Result] = field(default_factory=list)
     violations: list[tuple[Result, str]] = field(default_factory=list)
     twin_refused: list[Result] = field(default_factory=list)
-    held_back: int = 0  # requests not sent while REFLECTION_UNDECODABLE_HANGS_STOP holds
+    rss_trace: dict[str, list[float]] = field(default_factory=dict)  # MiB after each tenth of the requests
+    held_back: int = 0  # requests not sent while LIBRARY_UNDECODABLE_LEAKS holds
     keys: dict[str, set[int]] = field(default_factory=lambda: {"emb": set(), "count": set()})
 
 
@@ -604,6 +613,8 @@ def _replay(servers: Servers, run: Run, result: Result) -> None:
     if method == "CreateTable":
         listed = pb.ListTablesResponse.FromString(_raw(servers.train.address, PS + "ListTables", b""))
         servers.train_model.tables = {s.name: s.dim for s in listed.tables}
+        serve = servers.serve_model  # the follower copies the new table in its own time
+        serve.maybe_tables = {n: d for n, d in servers.train_model.tables.items() if n not in serve.tables}
         servers.train_model.creates.add(case.payload)
     else:  # decoded as the server does: Push by protos.wire (see PUSH_OVERFLOWING_VARINT_ACCEPTED)
         message = pb.LookupRequest.FromString(case.payload) if method == "Lookup" else None
@@ -645,7 +656,7 @@ def _fuzz(servers: Servers, total: int, seed: int, tmp: Path) -> tuple[Run, dict
                 target, method = "train", PS + "Push"  # ps-infer's frames are 64 MiB: send fewer of them
             case = gen.oversized(target, method) if oversize else gen.case(target, method)
             verdict = _verdict(servers, case)
-            if REFLECTION_UNDECODABLE_HANGS_STOP and case.method == REFLECTION and verdict.why == LIBRARY_UNDECODABLE:
+            if LIBRARY_UNDECODABLE_LEAKS and verdict.why == LIBRARY_UNDECODABLE:
                 run.held_back += 1
             else:
                 recent.append(case)
@@ -659,6 +670,9 @@ def _fuzz(servers: Servers, total: int, seed: int, tmp: Path) -> tuple[Run, dict
                 time.sleep(0.5)  # calls still finishing on the servers' threads
                 for t, proc in procs.items():
                     rss[t] = (rss.get(t, (rss_bytes(proc.pid), 0))[0], rss_bytes(proc.pid))
+            if i % (total // 10) == total // 10 - 1:
+                for t, proc in procs.items():
+                    run.rss_trace.setdefault(t, []).append(round(rss_bytes(proc.pid) / 2**20, 1))
             if i % 100 == 99 or i == total - 1:
                 dead = {t: p.returncode for t, p in procs.items() if p.poll() is not None}
                 assert not dead, f"servers died {dead}; the last requests:\n" + "\n".join(
@@ -738,8 +752,9 @@ def test_adversarial_requests_get_proper_statuses_and_change_nothing(
     print(f"by kind {dict(Counter(r.case.how for r in run.results).most_common())}")
     print("RSS MiB (after warm-up -> end): " + ", ".join(
         f"{t} {b / 2**20:.1f} -> {a / 2**20:.1f} ({growth[t]:+.2%})" for t, (b, a) in rss.items()))  # fmt: skip
+    print(f"RSS MiB after each tenth of the requests: {run.rss_trace}")
     print(f"state: {state}; twin refused {len(run.twin_refused)} accepted requests; held back {run.held_back} "
-          "undecodable reflection requests")  # fmt: skip
+          "requests gRPC's services cannot decode")  # fmt: skip
     for result, problem in run.violations[:30]:
         c = result.case
         print(f"VIOLATION {problem}: {c.target} {c.method} {c.how} (oracle: {result.verdict.why}) -> {result.code} "
@@ -786,3 +801,33 @@ def test_push_with_an_overflowing_length_varint_is_refused(tmp_path: Path) -> No
         stop_shard(shard)
     print(f"Push of {len(push + tail)} bytes ending {tail.hex()}: {code}, rows {rows[:, 0].tolist()}")
     assert code == "INVALID_ARGUMENT" and not rows.any(), (code, rows)
+
+
+@pytest.mark.parametrize("method", [HEALTH + "Check", HEALTH + "Watch", REFLECTION])
+@pytest.mark.xfail(
+    strict=True,
+    reason="defect (gRPC Python 1.85 server, ps-server and ps-infer): a request gRPC's deserializer cannot "
+    "decode gets INTERNAL, but its call state is never freed: ~20 kB of RSS per call; after a reflection "
+    "stream's, a graceful stop also waits until the bounded wait gives up",
+)
+def test_undecodable_requests_to_grpc_services_leak_nothing(tmp_path: Path, method: str) -> None:
+    shard = start_shard(0, 1, tmp_path, f"--grace-s={GRACE_S}")
+    codes: Counter[str] = Counter()
+    junk = Case("train", method, "junk", (b"\xff",) if method == REFLECTION else b"\xff")
+    try:
+        with grpc.insecure_channel(shard.address) as channel:
+            rss = []
+            for calls in (300, 1000):  # a warm-up, then the measured calls
+                for _ in range(calls):
+                    codes[" ".join(_send(channel, junk))] += 1
+                rss.append(rss_bytes(shard.proc.pid))
+    finally:
+        started = time.monotonic()
+        shard.proc.send_signal(signal.SIGTERM)
+        code = shard.proc.wait(GRACE_S + 30)
+        stop_s = time.monotonic() - started
+    growth = (rss[1] - rss[0]) / rss[0]
+    print(f"{method}: 1,300 calls sending b'\\xff': {dict(codes)}; RSS after 300 {rss[0] / 2**20:.1f} MiB, "
+          f"after 1,000 more {rss[1] / 2**20:.1f} MiB ({growth:+.1%}); SIGTERM: exit {code} in {stop_s:.1f} s")  # fmt: skip
+    assert set(codes) == {f"INTERNAL {LIBRARY_UNDECODABLE}"} and code == 0
+    assert growth <= RSS_GROWTH_MAX and stop_s < GRACE_S + 2, (growth, stop_s)
