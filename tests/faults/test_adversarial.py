@@ -84,24 +84,23 @@ MAX_CANDIDATES = 64
 CALL_TIMEOUT_S = 10.0
 RSS_GROWTH_MAX = 0.05
 WARM_UP_SHARE = 0.4  # RSS settles over the first requests (allocator arenas, gRPC buffers)
-# Defects this fuzz found. Fixed: ps-infer let gRPC decode Predict requests, so bytes that did
-# not decode were answered INTERNAL (it decodes them itself now: INVALID_ARGUMENT); set the flag
-# to True to fuzz a build that still has it. Open (xfail tests below; set a flag to False once
-# fixed, and drop its xfail):
+# Defects this fuzz found. Fixed (set a flag to True to fuzz a build that still has it):
+# ps-infer let gRPC decode Predict requests, so bytes that did not decode were answered INTERNAL
+# (it decodes them itself now: INVALID_ARGUMENT);
 PREDICT_UNDECODABLE_IS_INTERNAL = False
-# A request that gRPC's own deserializer cannot decode (health Check/Watch, reflection: the
-# services registered with protobuf classes) is answered INTERNAL, but gRPC Python 1.85's server
-# keeps its call state for good: ~20 kB of RSS per call, and a reflection stream's call also
-# keeps a graceful stop waiting until the bounded wait gives up (grace + 5 s). The fuzz holds
-# such requests back, as they would make the RSS check measure this one leak
+# ps-server's own Push decoder (protos.wire) read a 10-byte length varint whose value overflows
+# 64 bits as 0 and applied a Push that protobuf refuses (test_push_with_an_overflowing_length_
+# varint_is_refused); while True, the oracle gives no verdict on Push bytes holding one.
+PUSH_OVERFLOWING_VARINT_ACCEPTED = False
+_OVERFLOWING_VARINT = re.compile(rb"(?<![\x80-\xff])[\x80-\xff]{9}[\x02-\x7f]")
+# Open (an xfail test below; set the flag to False once fixed, and drop the xfail): a request
+# that gRPC's own deserializer cannot decode (health Check/Watch, reflection: the services
+# registered with protobuf classes) is answered INTERNAL, but gRPC Python 1.85's server keeps
+# its call state for good: ~20 kB of RSS per call, and a reflection stream's call also keeps a
+# graceful stop waiting until the bounded wait gives up (grace + 5 s). The fuzz holds such
+# requests back, as they would make the RSS check measure this one leak
 # (test_undecodable_requests_to_grpc_services_leak_nothing).
 LIBRARY_UNDECODABLE_LEAKS = True
-# Open: ps-server's own Push decoder (protos.wire) reads a length varint of 10 bytes whose value
-# overflows 64 bits as 0 and accepts the message, which protobuf refuses; the push is applied
-# (test_push_with_an_overflowing_length_varint_is_refused, xfail). Until fixed, the oracle
-# gives no verdict on Push bytes that protobuf refuses and that hold such a varint.
-PUSH_OVERFLOWING_VARINT_ACCEPTED = True
-_OVERFLOWING_VARINT = re.compile(rb"(?<![\x80-\xff])[\x80-\xff]{9}[\x02-\x7f]")
 GRACE_S = 1  # the servers' --grace-s: a stop after undecodable reflection messages waits it + 5 s
 
 
@@ -773,11 +772,6 @@ def test_adversarial_requests_get_proper_statuses_and_change_nothing(
         assert proc.poll() is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect: protos.wire.decode_push_request reads a length varint over 64 bits as 0 and accepts "
-    "a Push that protobuf refuses as malformed; ps-server applies it and answers OK",
-)
 def test_push_with_an_overflowing_length_varint_is_refused(tmp_path: Path) -> None:
     # A valid push, then an unknown field 15 whose length is a 10-byte varint of value 2**64.
     tail = mut.tag(15, 2) + mut.varint(1 << 64)
