@@ -38,7 +38,8 @@ import contextlib
 import socket
 import struct
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["FaultProxy", "Mode"]
@@ -64,13 +65,11 @@ class _Connection:
     client: asyncio.StreamWriter
     upstream: asyncio.StreamWriter | None = None
     tainted: bool = False  # discarded bytes: its byte stream is no longer whole
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def reset(self) -> None:
+        """Abort both sides: the pumps see their reads end, drop what is queued and finish."""
         _rst(self.client)
         _rst(self.upstream)
-        for task in self.tasks:
-            task.cancel()
 
 
 @dataclass
@@ -81,6 +80,7 @@ class ProxyCounters:
     resets: int = 0
     bytes_forwarded: int = 0
     bytes_dropped: int = 0
+    bytes_queued: int = 0  # read, to be forwarded (delayed ones wait here)
 
 
 class FaultProxy:
@@ -151,6 +151,17 @@ class FaultProxy:
 
         asyncio.run_coroutine_threadsafe(switch(), self._loop).result(10)
 
+    def wait_drained(self, timeout_s: float) -> None:
+        """Block until every byte read has been forwarded (delays included) or dropped.
+
+        Bytes on a TCP connection arrive in order: after a long ``delay``, new bytes wait behind
+        the delayed ones even once the mode is ``pass``. Raises ``TimeoutError``."""
+        deadline = time.monotonic() + timeout_s
+        while self.counters.bytes_queued:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.counters.bytes_queued} bytes still queued after {timeout_s} s")
+            time.sleep(0.01)
+
     def close(self) -> None:
         """Stop listening, reset every connection and stop the loop thread."""
         loop, thread = self._loop, self._thread
@@ -162,7 +173,12 @@ class FaultProxy:
                 self._server.close()
             for conn in list(self._connections):
                 self._reset(conn)
-            await asyncio.sleep(0)
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if others:  # the pumps see their connections end; a delayed write may still sleep
+                _, late = await asyncio.wait(others, timeout=5)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
@@ -199,11 +215,9 @@ class FaultProxy:
             except OSError:
                 self._reset(conn)
                 return
-        conn.tasks.append(asyncio.current_task())  # type: ignore[arg-type]
         down = None
         if upstream_reader is not None:
             down = asyncio.ensure_future(self._pump(conn, upstream_reader, writer, upward=False))
-            conn.tasks.append(down)
         try:
             await self._pump(conn, reader, conn.upstream, upward=True)
         finally:
@@ -224,20 +238,27 @@ class FaultProxy:
         loop = asyncio.get_running_loop()
 
         async def write() -> None:
+            broken = False  # reset or gone: what is left is dropped
             while (item := await queue.get()) is not None:
                 due, data = item
-                if due > loop.time():
+                broken = broken or dst is None or dst.transport.is_closing()
+                if not broken and due > loop.time():
                     await asyncio.sleep(due - loop.time())
-                if dst is None or dst.transport.is_closing():
-                    return
-                dst.write(data)
-                await dst.drain()
-                self.counters.bytes_forwarded += len(data)
-            if dst is not None and not dst.transport.is_closing() and dst.can_write_eof():
-                dst.write_eof()
+                self.counters.bytes_queued -= len(data)
+                if broken or dst is None or dst.transport.is_closing():
+                    broken = True
+                    continue
+                try:
+                    dst.write(data)
+                    await dst.drain()
+                    self.counters.bytes_forwarded += len(data)
+                except (ConnectionError, OSError):
+                    broken = True
+            if not broken and dst is not None and not dst.transport.is_closing() and dst.can_write_eof():
+                with contextlib.suppress(ConnectionError, OSError):
+                    dst.write_eof()
 
         writer = asyncio.ensure_future(write())
-        conn.tasks.append(writer)
         try:
             while data := await src.read(_CHUNK):
                 mode = self._mode
@@ -245,6 +266,7 @@ class FaultProxy:
                     conn.tainted = True
                     self.counters.bytes_dropped += len(data)
                     continue
+                self.counters.bytes_queued += len(data)
                 queue.put_nowait((loop.time() + (self._delay_s if mode == "delay" else 0.0), data))
         except (ConnectionError, OSError):
             pass
