@@ -25,7 +25,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-__all__ = ["listen", "write_port_file"]
+from protos.auth import AuthError, Tokens
+from protos.tls import TLSError, server_credentials
+
+__all__ = ["listen", "server_security", "write_port_file"]
 
 
 def listen(
@@ -54,6 +57,19 @@ def listen(
     for service in ("", *services):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return port, health_servicer
+
+
+def server_security(
+    cert: Path | None, key: Path | None, client_ca: Path | None, token_file: Path | None
+) -> tuple[Tokens | None, grpc.ServerCredentials | None]:
+    """The tokens (``--auth-token-file``) and TLS credentials (``--tls-*``) a server is
+    started with, None where not given; ``RuntimeError`` naming a file that cannot be used."""
+    try:
+        tokens = Tokens.load(token_file) if token_file is not None else None
+        credentials = server_credentials(cert, key, client_ca) if cert is not None and key is not None else None
+    except (AuthError, TLSError) as exc:
+        raise RuntimeError(str(exc)) from None
+    return tokens, credentials
 
 
 def write_port_file(path: Path, port: int) -> None:

@@ -276,6 +276,11 @@ def _int_field(field_no: int, value: int) -> bytes:
 
 def _read_varint(buf: bytes, pos: int, end: int, field: str) -> tuple[int, int]:
     """A varint of at most 10 bytes; bits above 64 are dropped, as protobuf does."""
+    value, pos = _read_varint_unmasked(buf, pos, end, field)
+    return value & _U64_MASK, pos
+
+
+def _read_varint_unmasked(buf: bytes, pos: int, end: int, field: str) -> tuple[int, int]:
     result, shift = 0, 0
     while True:
         if pos >= end or shift > 63:
@@ -284,23 +289,14 @@ def _read_varint(buf: bytes, pos: int, end: int, field: str) -> tuple[int, int]:
         pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
-            return result & _U64_MASK, pos
+            return result, pos
         shift += 7
 
 
 def _read_length(buf: bytes, pos: int, end: int, field: str, field_no: int) -> tuple[int, int]:
     """The length of a LEN field: a varint whose value fits in 31 bits, as protobuf
-    requires (a 10-byte varint whose value overflows 64 bits must not wrap to a small one)."""
-    length, shift = 0, 0
-    while True:
-        if pos >= end or shift > 63:
-            raise WireFormatError(f"{field}: truncated or overlong varint")
-        byte = buf[pos]
-        pos += 1
-        length |= (byte & 0x7F) << shift  # not masked to 64 bits: an overflow stays too large
-        if not byte & 0x80:
-            break
-        shift += 7
+    requires (one whose value overflows 64 bits must not wrap to a small length)."""
+    length, pos = _read_varint_unmasked(buf, pos, end, field)
     if length >= 1 << 31:
         raise WireFormatError(f"{field}: field {field_no} has an impossible length ({length})")
     return length, pos

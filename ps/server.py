@@ -19,10 +19,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from protos.auth import AuthError, Tokens, bearer_metadata, read_client_token
+from protos.auth import AuthError, bearer_metadata, read_client_token
 from protos.guard import Guard, RpcMetrics, serve_metrics
-from protos.servers import listen
-from protos.tls import TLSError, channel_credentials, server_credentials
+from protos.servers import listen, server_security
+from protos.tls import TLSError, channel_credentials
 from ps.changes import ChangeLog
 from ps.checkpoint import copy_checkpoint
 from ps.config import Durability, ServerConfig
@@ -177,15 +177,8 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     Raises ``RuntimeError`` naming the address when it cannot be bound, or the data
     directory when it cannot be used.
     """
-    try:
-        tokens = Tokens.load(config.auth_token_file) if config.auth_token_file is not None else None
-        credentials = (
-            server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-            if config.tls_cert is not None and config.tls_key is not None
-            else None
-        )
-    except (AuthError, TLSError) as exc:
-        raise RuntimeError(str(exc)) from None
+    tokens, credentials = server_security(config.tls_cert, config.tls_key, config.tls_client_ca,
+                                          config.auth_token_file)  # fmt: skip
     shard = shard or open_shard(config)
     shard.limits = Limits(config.max_tables, config.max_keys_per_request)
     registry = metrics = None

@@ -51,10 +51,10 @@ from grpc_health.v1 import health
 from client import ClientConfig, PSClient, PSError, parse_addresses
 from protos import infer_pb2 as pb
 from protos import infer_pb2_grpc
-from protos.auth import AuthError, Tokens, bearer_metadata
+from protos.auth import bearer_metadata
 from protos.guard import Guard, RpcMetrics, serve_metrics
-from protos.servers import listen, write_port_file
-from protos.tls import TLSError, channel_credentials, open_channel, server_credentials
+from protos.servers import listen, server_security, write_port_file
+from protos.tls import channel_credentials, open_channel
 from worker.config import parse_config
 from worker.export import load_model
 from worker.predictor import PAD_ROWS, Encoded, Predictor
@@ -316,15 +316,8 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
 
     Raises ``RuntimeError`` naming the address when it cannot be bound.
     """
-    try:
-        tokens = Tokens.load(config.auth_token_file) if config.auth_token_file is not None else None
-        credentials = (
-            server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-            if config.tls_cert is not None and config.tls_key is not None
-            else None
-        )
-    except (AuthError, TLSError) as exc:
-        raise RuntimeError(str(exc)) from None
+    tokens, credentials = server_security(config.tls_cert, config.tls_key, config.tls_client_ca,
+                                          config.auth_token_file)  # fmt: skip
     registry = metrics = observe = None
     if config.metrics_port is not None:
         from prometheus_client import CollectorRegistry, Histogram
