@@ -142,7 +142,7 @@ def _start_infer(run: Path, addresses: list[str], root: Path) -> Infer:
             pytest.fail(f"ps-infer did not start (exit {proc.wait()}):\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
     model = load_model(run)
-    accepts = {c: (t,) for c, t in model.categorical.items()}
+    accepts: dict[str, tuple[str, ...]] = {c: (t,) for c, t in model.categorical.items()}
     accepts |= dict.fromkeys(model.dense, ("float64", "int64", "string"))
     return Infer(proc, f"127.0.0.1:{port_file.read_text().strip()}", log, accepts, tuple(model.dense),
                  dict(model.categorical))  # fmt: skip
@@ -230,7 +230,7 @@ def _lookup(table: str, keys: np.ndarray[Any, Any], **kw: Any) -> bytes:
 
 def _push(entries: list[tuple[str, bytes, bytes, int]], client_id: str, seq: int, **kw: Any) -> bytes:
     kw = {"num_shards": 1, "shard": 0, **kw}
-    return pb.PushRequest(entries=[pb.PushEntry(table=t, keys=k, grads=g, dtype=d) for t, k, g, d in entries],
+    return pb.PushRequest(entries=[pb.PushEntry(table=t, keys=k, grads=g, dtype=d) for t, k, g, d in entries],  # type: ignore[arg-type]
                           client_id=client_id, seq=seq, **kw).SerializeToString()  # fmt: skip
 
 
@@ -402,7 +402,7 @@ class Generator:
                 ("valid", lambda: self.valid_shard("ServeFrom", target)),
             ]  # fmt: skip
         elif name == "Predict":
-            choices = self.predict_targeted()
+            choices = list(self.predict_targeted())
         elif method.startswith(HEALTH):
             choices = [
                 ("unknown-service", lambda: health_pb2.HealthCheckRequest(service=str(r.choice(["nope", "x" * 10000, "ps.v1"]))).SerializeToString()),
@@ -425,12 +425,12 @@ class Generator:
     def predict_targeted(self) -> list[tuple[str, Callable[[], bytes]]]:
         r = self.rng
 
-        def request(change: Callable[[dict[str, Column], dict[str, Column]], int | None]) -> bytes:
+        def request(change: Callable[[dict[str, Column], dict[str, Column]], Any]) -> bytes:
             n = 4
             cols = self.columns(n)
             context = {k: Column.of(cols[k].values[:1]) for k in list(cols)[:1]}
             candidates = {k: v for k, v in cols.items() if k not in context}
-            n = change(context, candidates) or n
+            n = int(change(context, candidates) or n)
             return request_of(n, context, candidates).SerializeToString()
 
         infer = self.servers.infer
@@ -463,6 +463,7 @@ class Generator:
     def case(self, target: str, method: str) -> Case:
         r = self.rng
         roll = r.random()
+        payload: bytes | tuple[bytes, ...]
         if roll < 0.2:
             how, payload = "random", mut.random_bytes(r)
             if method == REFLECTION:
@@ -543,7 +544,7 @@ def _send(channel: grpc.Channel, case: Case) -> tuple[str, str]:
             call = channel.unary_stream(case.method, None, None)(case.payload, timeout=CALL_TIMEOUT_S,
                                                                  metadata=metadata)  # fmt: skip
             try:
-                next(call)
+                next(call)  # type: ignore[call-overload]
             except StopIteration:
                 return call.code().name, f"stream ended without a message: {call.details()}"
             call.cancel()
