@@ -87,6 +87,7 @@ class ShardModel:
     checkpoint_root: Path
     index: int = 0
     num_shards: int = 1
+    max_tables: int | None = None  # the shard's --max-tables
     creates: set[bytes] = field(default_factory=set)  # CreateTable request bytes known to succeed
     # Tables that may or may not be there (name -> dim): on a serving shard, those its training
     # shard created lately (copied when the next change batch comes, absent from older checkpoints).
@@ -205,6 +206,9 @@ def _create(model: ShardModel, m: pb.CreateTableRequest, data: bytes) -> Verdict
         return _invalid(problems)
     if data in model.creates:
         return _valid("the request that created the table")
+    if s.name not in model.tables and model.max_tables is not None and len(model.tables) >= model.max_tables:
+        # The spec is checked first, by rules beyond the oracle's.
+        return _invalid([(f"a table past --max-tables={model.max_tables}", ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"))])
     if s.name in model.tables and s.dim != model.tables[s.name]:
         return _invalid([(f"table {s.name!r} exists with dim {model.tables[s.name]}", ("ALREADY_EXISTS",))])
     return _unsure("a table spec (rules beyond the oracle's: optimizer ranges, table limit)")

@@ -101,6 +101,7 @@ _OVERFLOWING_VARINT = re.compile(rb"(?<![\x80-\xff])[\x80-\xff]{9}[\x02-\x7f]")
 # requests back, as they would make the RSS check measure this one leak
 # (test_undecodable_requests_to_grpc_services_leak_nothing).
 LIBRARY_UNDECODABLE_LEAKS = True
+MAX_TABLES = 6  # the training shard's --max-tables: each table costs its RocksDB column family ~0.5 MB of RSS
 GRACE_S = 1  # the servers' --grace-s: a stop after undecodable reflection messages waits it + 5 s
 
 
@@ -169,7 +170,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     root = tmp_path_factory.mktemp("adversarial")
     limit = f"--max-message-bytes={SHARD_LIMIT_BYTES}"
     grace = f"--grace-s={GRACE_S}"
-    train_shard = start_shard(0, 1, root / "train", f"--data-dir={root / 'train' / 'data'}", limit, grace)
+    train_shard = start_shard(0, 1, root / "train", f"--data-dir={root / 'train' / 'data'}", limit, grace,
+                              f"--max-tables={MAX_TABLES}")  # fmt: skip
     checkpoints = root / "train" / "data" / "checkpoints"
     twin = InProcessTransport([Shard(0, 1)], max_message_bytes=SHARD_LIMIT_BYTES)
     twin.start()
@@ -197,9 +199,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         train(TrainerConfig(train_samples=2048, eval_samples=256, batch_size=512, progress=False, output_dir=run),
               cluster.addresses)  # fmt: skip
         infer = _start_infer(run, cluster.addresses, root)
-        yield Servers(train_shard, serve_shard, infer,
-                      ShardModel("train", dict(tables), SHARD_LIMIT_BYTES, checkpoints, creates=set(creates)),
-                      ShardModel("serve", dict(tables), SHARD_LIMIT_BYTES, checkpoints), twin, creates)  # fmt: skip
+        train_model = ShardModel("train", dict(tables), SHARD_LIMIT_BYTES, checkpoints, creates=set(creates),
+                                 max_tables=MAX_TABLES)  # fmt: skip
+        serve_model = ShardModel("serve", dict(tables), SHARD_LIMIT_BYTES, checkpoints)
+        yield Servers(train_shard, serve_shard, infer, train_model, serve_model, twin, creates)
     finally:
         # All at once: each may take its grace period + 5 s (see GRACE_S); each must exit 0.
         for proc in (serve_shard.proc, train_shard.proc, *([infer.proc] if infer is not None else [])):
