@@ -53,27 +53,19 @@ import contextlib
 import dataclasses
 import json
 import logging
-import shutil
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
-from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import ClientConfig, PSClient, PSError, ShardUnavailableError
 from client import parse_addresses as client_parse_addresses
-from protos import ps_pb2 as pb
-from protos.keys import shard_of
+from deploy.reshard import SCAN_CHUNK_ROWS, AdminError, now_stamp, read_cluster_manifest, reshard, shard_dir_name
 from protos.tls import TLSError, channel_credentials, open_channel
-from ps import optimizers
-from ps.config import TableSpec, spec_from_proto, spec_to_proto
-from ps.errors import ShardError
-from ps.storage import FORMAT_VERSION, DataDirError, Storage, StorageFailed, read_manifest, write_manifest
+from ps.storage import FORMAT_VERSION, DataDirError, StorageFailed, write_manifest
 
 __all__ = [
     "AdminError",
@@ -88,31 +80,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_SCAN_CHUNK_ROWS = 1 << 16
-_LEDGERS_DROPPED = (
-    "dropped: a resharded cluster is a new cluster; its clients start fresh (exactly-once "
-    "records of pushes made before the reshard are not kept)"
-)
-
-
-class AdminError(RuntimeError):
-    """A ``ps-admin`` operation failed; the message says what to do (exit code 1)."""
-
-
-def shard_dir_name(shard: int, num_shards: int) -> str:
-    """The directory of shard ``shard`` inside a cluster checkpoint."""
-    return f"shard-{shard:05d}-of-{num_shards:05d}"
-
 
 def parse_addresses(text: str) -> list[list[str]]:
     """``HOST:PORT|HOST:PORT,HOST:PORT`` as replica lists, shard 0 first (``client.parse_addresses``).
     ``ValueError`` names a bad entry."""
     return client_parse_addresses(text)
-
-
-def _now() -> tuple[float, str]:
-    t = time.time()
-    return t, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 # -- talking to shards -------------------------------------------------------------------
@@ -231,7 +203,7 @@ def checkpoint_cluster(addresses: Sequence[str | Sequence[str]], out: Path, time
     for m in manifests:
         for table, count in (m.get("rows") or {}).items():
             rows[table] = rows.get(table, 0) + int(count)
-    created_unix_s, created = _now()
+    created_unix_s, created = now_stamp()
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "kind": "cluster",
@@ -248,172 +220,6 @@ def checkpoint_cluster(addresses: Sequence[str | Sequence[str]], out: Path, time
     write_manifest(out, manifest)
     log.info("cluster checkpoint written path=%s shards=%d", out, n)
     return manifest
-
-
-# -- reshard -----------------------------------------------------------------------------
-
-
-def read_cluster_manifest(path: Path) -> dict[str, Any]:
-    """The cluster manifest of ``path``; ``AdminError`` saying why it is not a cluster checkpoint."""
-    path = Path(path)
-    if not path.is_dir():
-        raise AdminError(f"{path}: no such directory")
-    try:
-        manifest = read_manifest(path)
-    except DataDirError as exc:
-        raise AdminError(
-            f"{exc} (a cluster checkpoint written by `ps-admin checkpoint` ends with its manifest.json; "
-            "without one it is incomplete)"
-        ) from None
-    if "shards" not in manifest:
-        if "shard" in manifest:
-            raise AdminError(
-                f"{path} is the checkpoint of one shard, not of a cluster: pass the directory that "
-                "`ps-admin checkpoint --out` wrote (it holds shard-*-of-* directories)"
-            )
-        raise AdminError(f"{path}/manifest.json: no 'shards' list: not a cluster checkpoint")
-    shards, n = manifest["shards"], manifest.get("num_shards")
-    if not isinstance(shards, list) or not isinstance(n, int) or len(shards) != n or n < 1:
-        raise AdminError(f"{path}/manifest.json: num_shards={n!r} does not match its shards list {shards!r}")
-    if manifest.get("format") != FORMAT_VERSION:
-        raise AdminError(f"{path}: checkpoint format {manifest.get('format')!r}, this ps-admin reads {FORMAT_VERSION}")
-    return manifest
-
-
-def _open_sources(src: Path, manifest: dict[str, Any], stack: contextlib.ExitStack) -> list[Storage]:
-    n = int(manifest["num_shards"])
-    sources = []
-    for i, name in enumerate(manifest["shards"]):
-        path = src / str(name)
-        try:
-            st = stack.enter_context(Storage(path, shard=-1, num_shards=0, read_only=True))
-        except DataDirError as exc:
-            raise AdminError(f"cannot read shard {i} of {src}: {exc}") from None
-        if (st.shard, st.num_shards) != (i, n):
-            raise AdminError(
-                f"{path} holds shard {st.shard} of {st.num_shards}, but {src}/manifest.json lists it as "
-                f"shard {i} of {n}: the checkpoint is damaged"
-            )
-        sources.append(st)
-    return sources
-
-
-def _source_specs(sources: Sequence[Storage]) -> dict[str, tuple[TableSpec, bytes, list[int]]]:
-    """Every table of the source shards: its spec, the stored spec bytes and which shards hold it."""
-    found: dict[str, tuple[TableSpec, bytes, list[int]]] = {}
-    for i, st in enumerate(sources):
-        for name, blob in st.specs().items():
-            try:
-                spec = spec_from_proto(pb.TableSpec.FromString(blob))
-            except (ShardError, ValueError) as exc:
-                raise AdminError(f"{st.path}: stored spec of table {name!r} is unreadable: {exc}") from None
-            if name in found:
-                known = found[name][0]
-                diff = known.differences(spec)
-                if diff:
-                    raise AdminError(
-                        f"table {name!r} differs between shards {found[name][2][0]} and {i}: {'; '.join(diff)}"
-                    )
-                found[name][2].append(i)
-            else:
-                found[name] = (spec, blob, [i])
-    return found
-
-
-def reshard(src: Path, num_shards: int, out: Path, chunk_rows: int = _SCAN_CHUNK_ROWS) -> dict[str, Any]:
-    """Write the cluster checkpoint ``src`` again as ``num_shards`` shards into ``out``.
-
-    Offline: reads ``src`` (read-only) and writes ``out``, which must not exist. Every
-    row with its optimizer state, ``last_access`` and ``frequency`` goes to the shard
-    ``shard_of(key, num_shards)`` names. Push ledgers are not carried over. Returns the
-    new cluster manifest. Raises ``AdminError``; on failure ``out`` is removed.
-    """
-    if num_shards < 1:
-        raise AdminError(f"--to-shards {num_shards}: must be >= 1")
-    if chunk_rows < 1:
-        raise AdminError(f"chunk_rows={chunk_rows}: must be >= 1")
-    src, out = Path(src).absolute(), Path(out).absolute()
-    manifest = read_cluster_manifest(src)
-    if out.exists():
-        raise AdminError(f"--out {out} exists: choose a new directory (reshard never overwrites one)")
-    try:
-        out.mkdir(parents=True)
-    except OSError as exc:
-        raise AdminError(f"cannot create --out {out}: {exc.strerror}") from None
-    try:
-        return _reshard_into(src, manifest, num_shards, out, chunk_rows)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
-
-
-def _reshard_into(src: Path, manifest: dict[str, Any], m: int, out: Path, chunk_rows: int) -> dict[str, Any]:
-    names = [shard_dir_name(j, m) for j in range(m)]
-    rows: list[dict[str, int]] = [{} for _ in range(m)]
-    with contextlib.ExitStack() as stack:
-        sources = _open_sources(src, manifest, stack)
-        tables = _source_specs(sources)
-        targets = [stack.enter_context(Storage(out / name, shard=j, num_shards=m)) for j, name in enumerate(names)]
-        for name, (spec, blob, holders) in sorted(tables.items()):
-            width = optimizers.state_width(spec.optimizer, spec.dim)
-            outs = []
-            for j, t in enumerate(targets):
-                t.save_spec(name, blob)
-                outs.append(t.table(name, spec.dim, width))
-                rows[j][name] = 0
-            for i in holders:
-                for keys, rec in sources[i].table(name, spec.dim, width).scan(chunk_rows):
-                    dest = shard_of(keys, m)
-                    # One stable sort groups the chunk by destination; each gets one batch.
-                    order = np.argsort(dest, kind="stable")
-                    bounds = np.searchsorted(dest[order], np.arange(m + 1))
-                    for j in np.flatnonzero(np.diff(bounds)).tolist():
-                        sel = order[bounds[j] : bounds[j + 1]]
-                        batch = targets[j].batch()
-                        outs[j].put(batch, keys[sel], rec.values[sel], rec.state[sel], rec.last_access[sel],
-                                    rec.frequency[sel])  # fmt: skip
-                        targets[j].commit(batch)
-                        rows[j][name] += int(sel.shape[0])
-            log.info("resharded table=%s rows=%d", name, sum(r[name] for r in rows))
-        for t in targets:
-            t.flush_memtables()
-    # Every Storage is closed here: its lock files can go, and the manifests come last.
-    created_unix_s, created = _now()
-    specs_json = [json_format.MessageToDict(spec_to_proto(tables[n][0])) for n in sorted(tables)]
-    origin = {"path": str(src), "num_shards": int(manifest["num_shards"])}
-    for j, name in enumerate(names):
-        (out / name / "ps.lock").unlink(missing_ok=True)
-        write_manifest(
-            out / name,
-            {
-                "format": FORMAT_VERSION,
-                "shard": j,
-                "num_shards": m,
-                "version": name,
-                "created_unix_s": created_unix_s,
-                "created": created,
-                "tables": specs_json,
-                "rows": rows[j],
-                "resharded_from": origin,
-                "push_ledgers": _LEDGERS_DROPPED,
-            },
-        )
-    cluster: dict[str, Any] = {
-        "format": FORMAT_VERSION,
-        "kind": "cluster",
-        "num_shards": m,
-        "shards": names,
-        "created_unix_s": created_unix_s,
-        "created": created,
-        "tables": specs_json,
-        "rows": {n: sum(r[n] for r in rows) for n in sorted(tables)},
-        "shard_rows": rows,
-        "resharded_from": origin,
-        "push_ledgers": _LEDGERS_DROPPED,
-    }
-    write_manifest(out, cluster)
-    log.info("reshard written path=%s from=%s shards=%d->%d", out, src, origin["num_shards"], m)
-    return cluster
 
 
 # -- stats -------------------------------------------------------------------------------
@@ -620,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--from", dest="src", required=True, type=Path, help="cluster checkpoint to read")
     rs.add_argument("--to-shards", required=True, type=_at_least_one, help="number of shards to write (>= 1)")
     rs.add_argument("--out", required=True, type=Path, help="directory to create for the new checkpoint")
-    rs.add_argument("--chunk-rows", type=_at_least_one, default=_SCAN_CHUNK_ROWS, help="rows read per step")
+    rs.add_argument("--chunk-rows", type=_at_least_one, default=SCAN_CHUNK_ROWS, help="rows read per step")
 
     st = sub.add_parser("stats", help="print rows, RAM tier and durability of every shard and table")
     st.add_argument("--addresses", required=True, type=_addresses, help=addresses_help + "; '|' between replicas")
