@@ -9,6 +9,7 @@
 * ``infer_part``: ``ps-infer`` end to end against an in-process predictor holding the same
   rows in RAM (``worker.predictor.Predictor`` over ``RamRows``). Skipped while
   ``worker.serving`` is missing.
+* ``report``: the printed tables of every part's results.
 * ``freshness_part``: push-acknowledged to visible-on-the-follower lag; skipped while
   ``ps-server`` has no ``--follow``.
 """
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -532,3 +533,39 @@ def freshness_part(setup: Setup, procs: Processes) -> dict[str, Any]:
         f"{f['lag_versions']} versions / {f['lag_s']:.3f} s" for f in follow_stats))  # fmt: skip
     return {"idle": idle, "under_load": loaded, "load": load_stats, "follow_stats": follow_stats, "goals": [goal],
             "report": lines}  # fmt: skip
+
+
+# -- the printed report ----------------------------------------------------------------------
+
+
+def table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def report(res: dict[str, Any]) -> str:
+    lines: list[str] = []
+    if "lookup" in res:
+        lk = res["lookup"]
+        st = lk["setup"]
+        mode = "serving shards (--mode serve)" if st["ps_mode"] == "serve" else (
+            "TRAINING shards: this ps-server has no --mode serve")  # fmt: skip
+        lines.append(f"Lookup: {st['keys_per_request']:,} keys x dim {st['dim']} per request, {st['shards']} "
+                     f"servers each, {st['rows']:,} rows; ours = {mode}")  # fmt: skip
+        rows = [("system", "concurrency", "p50 ms", "p99 ms", "requests/s", "client CPU ms/req", "server CPU ms/req")]
+        for name, by_c in lk["cells"].items():
+            for c, cell in by_c.items():
+                cpu = [f"{cell[k]:.2f}" if k in cell else "-" for k in
+                       ("client_cpu_ms_per_request", "server_cpu_ms_per_request")]  # fmt: skip
+                rows.append(
+                    (name, c, f"{cell['p50_ms']:.2f}", f"{cell['p99_ms']:.2f}", f"{cell['requests_per_s']:.0f}", *cpu)
+                )
+        lines += table(rows) + [""]
+        rows = [("goal", "ratio", "target", "pass")]
+        rows += [(g["goal"], f"{g['ratio']:.2f}x", g["target"], str(g["pass"])) for g in lk["goals"]]
+        lines += table(rows) + [""]
+    for part in ("infer", "freshness"):
+        if part in res:
+            lines += [f"{part}: {line}" for line in res[part].get("report", [f"skipped: {res[part].get('skipped')}"])]
+            lines.append("")
+    return "\n".join(lines).rstrip()
