@@ -21,6 +21,7 @@ Refusals name the limit and the flag that sets it, never a token.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -35,6 +36,7 @@ __all__ = ["OPEN_SERVICES", "Guard", "RpcMetrics", "serve_metrics"]
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")  # fmt: skip
+log = logging.getLogger(__name__)
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -68,15 +70,18 @@ class RpcMetrics:
         self.calls.labels(method, code.name).inc()
 
 
-def serve_metrics(host: str, port: int, registry: Any) -> tuple[Any, int]:
-    """Serve ``registry`` as Prometheus text at ``http://host:port/metrics`` from a daemon
-    thread; returns (the HTTP server, its real port). Port 0 picks a free one."""
+def serve_metrics(listen: str, port: int, registry: Any) -> tuple[Any, int]:
+    """Serve ``registry`` as Prometheus text at ``http://HOST:port/metrics`` from a daemon
+    thread, HOST being that of the gRPC ``listen`` address; returns (the HTTP server, its
+    real port; port 0 picks a free one) and logs the URL."""
     from prometheus_client import start_http_server
 
+    host = listen.rpartition(":")[0].strip("[]")
     try:
         server, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
         raise RuntimeError(f"cannot serve metrics on {host}:{port}: {exc.strerror}") from None
+    log.info("metrics on http://%s:%d/metrics", host, server.server_port)
     return server, int(server.server_port)
 
 

@@ -230,13 +230,13 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     shard.start()
     ps_server = PSServer(server, port, shard, health_servicer)
     if registry is not None and config.metrics_port is not None:
-        host = config.listen.rpartition(":")[0].strip("[]")
         try:
-            ps_server._metrics_server, ps_server.metrics_port = serve_metrics(host, config.metrics_port, registry)
+            ps_server._metrics_server, ps_server.metrics_port = serve_metrics(
+                config.listen, config.metrics_port, registry
+            )
         except RuntimeError:
             ps_server.stop(grace_s=0)
             raise
-        log.info("metrics on http://%s:%d/metrics", host, ps_server.metrics_port)
     if isinstance(shard.source, Source) and shard.source.leader is not None:
         shard.source.start()
         follow_health = listener(FOLLOW_HEALTH_SERVICE)

@@ -351,13 +351,11 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
         raise
     infer = InferServer(server, port, batcher, health_servicer)
     if registry is not None and config.metrics_port is not None:
-        host = config.listen.rpartition(":")[0].strip("[]")
         try:
-            infer.metrics_server, infer.metrics_port = serve_metrics(host, config.metrics_port, registry)
+            infer.metrics_server, infer.metrics_port = serve_metrics(config.listen, config.metrics_port, registry)
         except RuntimeError:
             infer.stop(0)
             raise
-        log.info("metrics on http://%s:%d/metrics", host, infer.metrics_port)
     return infer
 
 
