@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,21 @@ __all__ = ["RunningShard", "shard_pid", "start_shard", "stop_shard"]
 def start_shard(
     i: int, n: int, root: Path, *extra: str, timeout_s: float = 60.0, listen: str = "127.0.0.1:0"
 ) -> RunningShard:
-    """Start shard ``i`` of ``n``; returns once it wrote its real port to its port file."""
-    try:
-        return local.start_shard(i, n, root, *extra, timeout_s=timeout_s, listen=listen)
-    except ShardStartError as exc:
-        pytest.fail(str(exc))
+    """Start shard ``i`` of ``n``; returns once it wrote its real port to its port file.
+
+    A restart on a fixed port (``listen`` not ending in ``:0``) tries again for a few
+    seconds while that port is still taken: a client reconnecting to a stopped shard on
+    loopback can, rarely, get that very port as its own source port for a moment.
+    """
+    tries = 1 if listen.endswith(":0") else 10
+    for attempt in range(tries):
+        try:
+            return local.start_shard(i, n, root, *extra, timeout_s=timeout_s, listen=listen)
+        except ShardStartError as exc:
+            if attempt + 1 == tries or "cannot listen on" not in str(exc):
+                pytest.fail(str(exc))
+            time.sleep(0.5)
+    raise AssertionError("unreachable")
 
 
 def stop_shard(shard: RunningShard, timeout_s: float = 30.0) -> None:

@@ -30,13 +30,16 @@ def stats(address: str) -> dict:  # type: ignore[type-arg]
         return c.stats()[0]
 
 
-def wait_caught_up(follower: str, leader: str, timeout_s: float = 20.0) -> dict:  # type: ignore[type-arg]
-    """The follower's stats once it applied the leader's newest version."""
+def wait_caught_up(follower: str, leader: str, timeout_s: float = 20.0, snapshots: int = 0) -> dict:  # type: ignore[type-arg]
+    """The follower's stats once it applied the leader's newest version (and, after a
+    leader restart, the ``snapshots``-th snapshot: versions of the old history are not
+    comparable with the new one's, so until then a version check alone could pass)."""
     deadline = time.monotonic() + timeout_s
     while True:
         target = stats(leader)["version"]
         s = stats(follower)
-        if s["follow"]["applied_version"] >= target and s["follow"]["connected"]:
+        f = s["follow"]
+        if f["applied_version"] >= target and f["connected"] and f["snapshots"] >= snapshots:
             return s
         assert time.monotonic() < deadline, f"follower stuck at {s['follow']} (leader at {target})"
         time.sleep(0.05)
@@ -180,7 +183,7 @@ def test_follower_restart_continues_and_leader_restart_resyncs(leader: RunningSh
     try:
         with PSClient([address], FAST) as train, PSClient([follower.address], FAST) as serve:
             train.push("item", keys[:10], np.ones((10, DIM), np.float32))
-            s = wait_caught_up(follower.address, address)
+            s = wait_caught_up(follower.address, address, snapshots=1)
             assert s["follow"]["snapshots"] == 1 and s["follow"]["lag_versions"] == 0
             now = train.lookup("item", keys)
             np.testing.assert_array_equal(serve.lookup("item", keys), now)
