@@ -18,12 +18,14 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from protos.auth import AuthError, Tokens
 from protos.tls import TLSError, server_credentials
@@ -42,8 +44,12 @@ def listen(
     address when it cannot be bound (the server is not started then).
     """
     health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((*services, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    names = (*services, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    for add, servicer in (
+        (health_pb2_grpc.add_HealthServicer_to_server, health_servicer),
+        (reflection_pb2_grpc.add_ServerReflectionServicer_to_server, reflection.ReflectionServicer(names)),
+    ):
+        _add_decoding_itself(server, add, servicer)
     try:
         if credentials is None:
             port = server.add_insecure_port(address)
@@ -57,6 +63,71 @@ def listen(
     for service in ("", *services):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return port, health_servicer
+
+
+class _Handlers:
+    """Stands in for a server to catch what a generated ``add_*_to_server`` registers."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.methods: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass  # the same methods come again through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, methods: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.service, self.methods = service, methods
+
+
+def _add_decoding_itself(server: grpc.Server, add: Callable[[Any, Any], None], servicer: object) -> None:
+    """Add ``servicer`` as the generated ``add`` would, except that its handlers take the
+    request bytes and decode them themselves: bytes that do not decode get
+    INVALID_ARGUMENT naming the message type. Left to gRPC, they get INTERNAL, and gRPC
+    Python keeps each such call's state for good (~20 kB a call; a reflection stream's also
+    holds up a graceful stop): anyone who can reach the port could grow the server."""
+    caught = _Handlers()
+    add(servicer, caught)
+    methods = {name: _decoding_itself(caught.service, name, h) for name, h in caught.methods.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(caught.service, methods),))
+
+
+def _decoding_itself(service: str, name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+    assert parse is not None, f"{service}/{name} has no request deserializer"
+    what = f"{service}/{name}"
+
+    def decode(raw: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            return parse(raw)
+        except (DecodeError, ValueError) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: the request does not decode: {exc}")
+
+    serialize = handler.response_serializer
+    if handler.request_streaming:
+        streamed = handler.stream_stream if handler.response_streaming else handler.stream_unary
+        assert streamed is not None
+        behavior: Callable[..., Any] = streamed
+
+        def streaming(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            return behavior((decode(raw, context) for raw in requests), context)
+
+        make = (
+            grpc.stream_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.stream_unary_rpc_method_handler
+        )
+        return make(streaming, response_serializer=serialize)
+    single = handler.unary_stream if handler.response_streaming else handler.unary_unary
+    assert single is not None
+    behavior = single
+
+    def unary(raw: bytes, context: grpc.ServicerContext, *callback: Any) -> Any:
+        return behavior(decode(raw, context), context, *callback)
+
+    # Health's Watch answers through a callback instead of holding a thread per stream.
+    unary.experimental_non_blocking = getattr(behavior, "experimental_non_blocking", False)  # type: ignore[attr-defined]
+    make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+    return make(unary, response_serializer=serialize)
 
 
 def server_security(

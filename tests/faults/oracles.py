@@ -34,7 +34,6 @@ from protos import ps_pb2 as pb
 
 __all__ = [
     "ALL_CODES",
-    "LIBRARY_UNDECODABLE",
     "ShardModel",
     "Verdict",
     "health_verdict",
@@ -44,7 +43,6 @@ __all__ = [
 ]
 
 ALL_CODES = frozenset(c.name for c in grpc.StatusCode)
-LIBRARY_UNDECODABLE = "Exception deserializing request!"  # gRPC's own INTERNAL for request bytes that do not decode
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 _MAX_DIM = 65536
 _RESPONSE_OVERHEAD_BYTES = 4096  # ps.shard keeps this much of max_message_bytes for the response's framing
@@ -291,7 +289,7 @@ def health_verdict(services: Iterable[str], data: bytes, watch: bool) -> Verdict
     """Health ``Check`` (``watch``: ``Watch``) of ``data``; ``services``: those registered."""
     m = _decode(health_pb2.HealthCheckRequest, data)
     if m is None:
-        return Verdict(False, frozenset({"INTERNAL"}), LIBRARY_UNDECODABLE)
+        return _invalid([("the request does not decode", ("INVALID_ARGUMENT",))])
     if m.service in services or watch:  # Watch answers SERVICE_UNKNOWN in its first message
         return _valid()
     return _invalid([(f"unknown service {m.service[:40]!r}", ("NOT_FOUND",))])
@@ -301,7 +299,7 @@ def reflection_verdict(messages: Iterable[bytes]) -> Verdict:
     """A ``ServerReflectionInfo`` stream of ``messages``: errors travel inside its answers."""
     decoded = [_decode(reflection_pb2.ServerReflectionRequest, d) for d in messages]
     if any(m is None for m in decoded):
-        return Verdict(False, frozenset({"INTERNAL"}), LIBRARY_UNDECODABLE)
+        return _invalid([("a request does not decode", ("INVALID_ARGUMENT",))])
     if all(m.WhichOneof("message_request") is not None for m in decoded):
         return _valid()
     return _unsure("a reflection request naming no question", ours=False)

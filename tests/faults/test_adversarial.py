@@ -23,8 +23,8 @@ over the message limit; raw channels with identity serializers send them.
 * no server's RSS grows by more than 5% from the end of a warm-up (the first 40% of the
   requests) to the end.
 
-Defects found and still open are pinned by xfail tests at the end of this file; the flags
-after the constants say how the fuzz treats the requests that trigger them.
+Defects this fuzz found are listed after the constants, each with the flag that lets the
+fuzz run against a build that still has it, and pinned by a regression test.
 
 A plain run sends 1,500 requests, ``pytest -m slow`` 10,000. ``FAULTS_SEED=N`` repeats a
 run; a failure prints each offending request's method and bytes (hex) and saves them
@@ -61,7 +61,6 @@ from ps.shard import Shard
 from tests.fakes import InProcessTransport
 from tests.faults import mutations as mut
 from tests.faults.oracles import (
-    LIBRARY_UNDECODABLE,
     ShardModel,
     Verdict,
     health_verdict,
@@ -93,16 +92,13 @@ PREDICT_UNDECODABLE_IS_INTERNAL = False
 # varint_is_refused); while True, the oracle gives no verdict on Push bytes holding one.
 PUSH_OVERFLOWING_VARINT_ACCEPTED = False
 _OVERFLOWING_VARINT = re.compile(rb"(?<![\x80-\xff])[\x80-\xff]{9}[\x02-\x7f]")
-# Open (an xfail test below; set the flag to False once fixed, and drop the xfail): a request
-# that gRPC's own deserializer cannot decode (health Check/Watch, reflection: the services
-# registered with protobuf classes) is answered INTERNAL, but gRPC Python 1.85's server keeps
-# its call state for good: ~20 kB of RSS per call, and a reflection stream's call also keeps a
-# graceful stop waiting until the bounded wait gives up (grace + 5 s). The fuzz holds such
-# requests back, as they would make the RSS check measure this one leak
+# Health checking and reflection (registered with protobuf classes) let gRPC decode their
+# requests: bytes that did not decode got INTERNAL, and gRPC Python 1.85's server kept each such
+# call's state for good (~20 kB of RSS a call; a reflection stream's also held a graceful stop
+# until its bounded wait gave up). protos.servers decodes them itself now: INVALID_ARGUMENT
 # (test_undecodable_requests_to_grpc_services_leak_nothing).
-LIBRARY_UNDECODABLE_LEAKS = True
 MAX_TABLES = 6  # the training shard's --max-tables: each table costs its RocksDB column family ~0.5 MB of RSS
-GRACE_S = 1  # the servers' --grace-s: a stop after undecodable reflection messages waits it + 5 s
+GRACE_S = 1  # the servers' --grace-s
 
 
 # -- the servers ------------------------------------------------------------------------
@@ -530,7 +526,6 @@ class Run:
     violations: list[tuple[Result, str]] = field(default_factory=list)
     twin_refused: list[Result] = field(default_factory=list)
     rss_trace: dict[str, list[float]] = field(default_factory=dict)  # MiB after each tenth of the requests
-    held_back: int = 0  # requests not sent while LIBRARY_UNDECODABLE_LEAKS holds
     keys: dict[str, set[int]] = field(default_factory=lambda: {"emb": set(), "count": set()})
 
 
@@ -595,7 +590,7 @@ def _judge(run: Run, result: Result) -> None:
         run.violations.append((result, "UNKNOWN status"))
     elif code == "INTERNAL" and ours and "INTERNAL" not in verdict.codes:
         run.violations.append((result, "INTERNAL from our own service (a bug by the contract)"))
-    elif code == "INTERNAL" and not ours and result.details != LIBRARY_UNDECODABLE:
+    elif code == "INTERNAL" and not ours:
         run.violations.append((result, "INTERNAL from a gRPC library service"))
     elif code not in verdict.codes:
         problem = "OK for a bad request" if code == "OK" else f"{code}, expected one of {sorted(verdict.codes)}"
@@ -659,16 +654,13 @@ def _fuzz(servers: Servers, total: int, seed: int, tmp: Path) -> tuple[Run, dict
                 target, method = "train", PS + "Push"  # ps-infer's frames are 64 MiB: send fewer of them
             case = gen.oversized(target, method) if oversize else gen.case(target, method)
             verdict = _verdict(servers, case)
-            if LIBRARY_UNDECODABLE_LEAKS and verdict.why == LIBRARY_UNDECODABLE:
-                run.held_back += 1
-            else:
-                recent.append(case)
-                started = time.monotonic()
-                code, details = _send(channels[target], case)
-                result = Result(case, verdict, code, details, time.monotonic() - started)
-                run.results.append(result)
-                _judge(run, result)
-                _replay(servers, run, result)
+            recent.append(case)
+            started = time.monotonic()
+            code, details = _send(channels[target], case)
+            result = Result(case, verdict, code, details, time.monotonic() - started)
+            run.results.append(result)
+            _judge(run, result)
+            _replay(servers, run, result)
             if i == warm_up - 1 or i == total - 1:
                 time.sleep(0.5)  # calls still finishing on the servers' threads
                 for t, proc in procs.items():
@@ -756,8 +748,7 @@ def test_adversarial_requests_get_proper_statuses_and_change_nothing(
     print("RSS MiB (after warm-up -> end): " + ", ".join(
         f"{t} {b / 2**20:.1f} -> {a / 2**20:.1f} ({growth[t]:+.2%})" for t, (b, a) in rss.items()))  # fmt: skip
     print(f"RSS MiB after each tenth of the requests: {run.rss_trace}")
-    print(f"state: {state}; twin refused {len(run.twin_refused)} accepted requests; held back {run.held_back} "
-          "requests gRPC's services cannot decode")  # fmt: skip
+    print(f"state: {state}; twin refused {len(run.twin_refused)} accepted requests")
     for result, problem in run.violations[:30]:
         c = result.case
         print(f"VIOLATION {problem}: {c.target} {c.method} {c.how} (oracle: {result.verdict.why}) -> {result.code} "
@@ -802,12 +793,6 @@ def test_push_with_an_overflowing_length_varint_is_refused(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("method", [HEALTH + "Check", HEALTH + "Watch", REFLECTION])
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect (gRPC Python 1.85 server, ps-server and ps-infer): a request gRPC's deserializer cannot "
-    "decode gets INTERNAL, but its call state is never freed: ~20 kB of RSS per call; after a reflection "
-    "stream's, a graceful stop also waits until the bounded wait gives up",
-)
 def test_undecodable_requests_to_grpc_services_leak_nothing(tmp_path: Path, method: str) -> None:
     shard = start_shard(0, 1, tmp_path, f"--grace-s={GRACE_S}")
     codes: Counter[str] = Counter()
@@ -827,5 +812,6 @@ def test_undecodable_requests_to_grpc_services_leak_nothing(tmp_path: Path, meth
     growth = (rss[1] - rss[0]) / rss[0]
     print(f"{method}: 1,300 calls sending b'\\xff': {dict(codes)}; RSS after 300 {rss[0] / 2**20:.1f} MiB, "
           f"after 1,000 more {rss[1] / 2**20:.1f} MiB ({growth:+.1%}); SIGTERM: exit {code} in {stop_s:.1f} s")  # fmt: skip
-    assert set(codes) == {f"INTERNAL {LIBRARY_UNDECODABLE}"} and code == 0
+    assert len(codes) == 1 and next(iter(codes)).startswith("INVALID_ARGUMENT grpc."), codes
+    assert "does not decode" in next(iter(codes)) and code == 0
     assert growth <= RSS_GROWTH_MAX and stop_s < GRACE_S + 2, (growth, stop_s)

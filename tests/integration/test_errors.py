@@ -235,6 +235,16 @@ def test_health_and_reflection(shard: RunningShard) -> None:
         ):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        watch = health.Watch(health_pb2.HealthCheckRequest(service="ps.v1.ParameterServer"), timeout=5)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        unknown = health.Watch(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+        assert next(unknown).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        unknown.cancel()
+        with pytest.raises(grpc.RpcError) as refused:
+            channel.unary_unary("/grpc.health.v1.Health/Check")(b"\xff", timeout=5)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "grpc.health.v1.Health/Check: the request does not decode" in str(refused.value.details())
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
         names = {s.name for r in replies for s in r.list_services_response.service}
