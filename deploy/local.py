@@ -123,12 +123,16 @@ def start_shard(
         )
     shard = ShardProcess(index, "", proc, log)
     deadline = time.monotonic() + timeout_s
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise ShardStartError(f"shard {index} did not start (exit {proc.returncode}):\n{shard.log_tail()}")
-        time.sleep(0.05)
+    try:
+        while not port_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                how = f"exit {proc.returncode}" if proc.returncode is not None else f"no port after {timeout_s:g} s"
+                raise ShardStartError(f"shard {index} did not start ({how}):\n{shard.log_tail()}")
+            time.sleep(0.05)
+    except BaseException:  # also an interrupt: leave no shard behind
+        proc.kill()
+        proc.wait()
+        raise
     shard.address = f"127.0.0.1:{port_file.read_text().strip()}"
     return shard
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from deploy.train import run
 from worker.trainer import TrainerConfig
@@ -74,18 +78,29 @@ def test_ps_launch_needs_a_command(tmp_path: Path) -> None:
     assert result.returncode == 2 and "missing '-- COMMAND'" in result.stderr
 
 
-def test_sigterm_to_ps_launch_stops_shards_and_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when", ["training", "starting shards"])
+def test_sigterm_to_ps_launch_stops_shards_and_workers(tmp_path: Path, when: str) -> None:
+    # Started the way a shell starts a background job (`ps-launch ... &`): SIGINT ignored.
     proc = subprocess.Popen([sys.executable, "-m", "deploy.launch", "--data-dir", str(tmp_path / "shards"), "--shards", "2",
                              "--", "python", "-c", "import time; time.sleep(300)"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
+    assert proc.stderr is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
     deadline = time.monotonic() + 60
-    while not (tmp_path / "shards" / "port.1").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(1.0)  # let torchrun start its worker
+    sign = "port.0" if when == "starting shards" else "port.1"
+    while not (tmp_path / "shards" / sign).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    while when == "training" and not any("shards up" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5 if when == "training" else 0.0)  # torchrun starting its worker
     proc.terminate()
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0
-    assert "interrupted" in err
+    assert proc.wait(60) == 130
+    reader.join(10)
+    err = "".join(lines)
+    assert "interrupted (SIGINT or SIGTERM)" in err, err
     time.sleep(0.5)
     left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
     assert left == "", left
