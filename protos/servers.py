@@ -70,12 +70,12 @@ class _Handlers:
 
     def __init__(self) -> None:
         self.service = ""
-        self.methods: dict[str, grpc.RpcMethodHandler] = {}
+        self.methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
     def add_generic_rpc_handlers(self, handlers: object) -> None:
         pass  # the same methods come again through add_registered_method_handlers
 
-    def add_registered_method_handlers(self, service: str, methods: dict[str, grpc.RpcMethodHandler]) -> None:
+    def add_registered_method_handlers(self, service: str, methods: dict[str, grpc.RpcMethodHandler[Any, Any]]) -> None:
         self.service, self.methods = service, methods
 
 
@@ -91,7 +91,9 @@ def _add_decoding_itself(server: grpc.Server, add: Callable[[Any, Any], None], s
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(caught.service, methods),))
 
 
-def _decoding_itself(service: str, name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _decoding_itself(
+    service: str, name: str, handler: grpc.RpcMethodHandler[Any, Any]
+) -> grpc.RpcMethodHandler[Any, Any]:
     parse = handler.request_deserializer
     assert parse is not None, f"{service}/{name} has no request deserializer"
     what = f"{service}/{name}"
