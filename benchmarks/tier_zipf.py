@@ -23,7 +23,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
 
 from ps.config import Durability, TableSpec  # noqa: E402
+from ps.lifecycle import Eviction  # noqa: E402
 from ps.optimizers import OptimizerKind, OptimizerParams  # noqa: E402
 from ps.shard import Shard  # noqa: E402
 from ps.storage import Storage, _table_options  # noqa: E402
@@ -84,37 +85,47 @@ class Workload:
         self.grads = np.random.default_rng(5).standard_normal((BATCH, DIM), dtype=np.float32) * np.float32(0.01)
 
 
-def mode_name(durability: str | None) -> str:
-    return "all in RAM" if durability is None else f"budget 10%, {durability}"
+def mode_name(mode: str | None) -> str:
+    """``mode``: None (every row in RAM), or a durability, then ``/lru`` for LRU eviction
+    instead of the default LFU."""
+    if mode is None:
+        return "all in RAM"
+    durability, eviction = split_mode(mode)
+    return f"budget 10%, {durability}" + (", LRU" if eviction == "lru" else "")
 
 
-def _result(
-    work: Workload, durability: str | None, elapsed: float, c0: dict[str, int], c1: dict[str, int]
-) -> dict[str, Any]:
+def split_mode(mode: str) -> tuple[str, Eviction]:
+    durability, _, eviction = mode.partition("/")
+    return durability, cast(Eviction, eviction or "lfu")
+
+
+def _result(work: Workload, mode: str | None, elapsed: float, c0: dict[str, int], c1: dict[str, int]) -> dict[str, Any]:
     rows = sum(b.shape[0] for b in work.batches[work.warmup :])
     hits, misses = c1.get("ram_hits", 0) - c0.get("ram_hits", 0), c1.get("ram_misses", 0) - c0.get("ram_misses", 0)
     per_step = {k: (c1.get(k, 0) - c0.get(k, 0)) / work.steps for k in ("rows_faulted_in", "rows_spilled")}
     return {
-        "mode": mode_name(durability),
+        "mode": mode_name(mode),
         "rows": work.n,
         "unique_keys_per_step": rows / work.steps,
         "rows_per_s": 2 * rows / elapsed,  # each key is looked up and pushed
         "step_ms": 1e3 * elapsed / work.steps,
-        "ram_hit_rate": hits / max(hits + misses, 1) if durability else 1.0,
+        "ram_hit_rate": hits / max(hits + misses, 1) if mode else 1.0,
         "faulted_in_per_step": per_step["rows_faulted_in"],
         "spilled_per_step": per_step["rows_spilled"],
         "written_per_step": (c1.get("rows_written", 0) - c0.get("rows_written", 0)) / work.steps,
     }
 
 
-def in_process(work: Workload, durability: str | None, tmp: Path) -> dict[str, Any]:
-    """The shard's own code, no transport (``durability`` None = all RAM)."""
+def in_process(work: Workload, mode: str | None, tmp: Path) -> dict[str, Any]:
+    """The shard's own code, no transport (``mode``: see ``mode_name``)."""
     spec = adagrad_spec(DIM)
     data_dir = tmp / "zipf-data"
-    if durability is None:
+    if mode is None:
         shard = Shard(0, 1)
     else:
+        durability, eviction = split_mode(mode)
         shard = Shard(0, 1, Storage(data_dir, shard=0, num_shards=1), Durability.parse(durability), budget_for(work.n))
+        shard.eviction = eviction
     shard.create_table(spec)
     table = shard.table("t")
     shard.start()
@@ -135,21 +146,25 @@ def in_process(work: Workload, durability: str | None, tmp: Path) -> dict[str, A
     for seq, keys in enumerate(work.batches[work.warmup :], work.warmup + 1):
         step(seq, keys)
     elapsed = time.perf_counter() - t0
-    out = _result(work, durability, elapsed, c0, dict(vars(table.counters)))
+    out = _result(work, mode, elapsed, c0, dict(vars(table.counters)))
     shard.close()
     shard.shutdown()
     shutil.rmtree(data_dir, ignore_errors=True)
     return out
 
 
-def served(work: Workload, durability: str | None, tmp: Path) -> dict[str, Any]:
+def served(work: Workload, mode: str | None, tmp: Path) -> dict[str, Any]:
     """End to end: a real ``ps-server`` process and a ``PSClient`` over loopback gRPC."""
     from client import PSClient
     from deploy.local import start_shard, stop_shard
 
     root = tmp / "served"
-    args = [f"--data-dir={root / 'data'}", f"--memory-budget-bytes={budget_for(work.n)}", f"--durability={durability}"]
-    shard = start_shard(0, 1, root, *(args if durability else []))
+    args = []
+    if mode is not None:
+        durability, eviction = split_mode(mode)
+        args = [f"--data-dir={root / 'data'}", f"--memory-budget-bytes={budget_for(work.n)}",
+                f"--durability={durability}", f"--eviction={eviction}"]  # fmt: skip
+    shard = start_shard(0, 1, root, *args)
     try:
         with PSClient([shard.address]) as client:
             client.create_table("t", DIM, optimizer="adagrad", lr=0.05, seed=3)
@@ -171,7 +186,7 @@ def served(work: Workload, durability: str | None, tmp: Path) -> dict[str, Any]:
     finally:
         stop_shard(shard)
         shutil.rmtree(root, ignore_errors=True)
-    out = _result(work, durability, elapsed, c0, c1)
+    out = _result(work, mode, elapsed, c0, c1)
     out["mode"] += " (gRPC)"
     return out
 

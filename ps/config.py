@@ -30,7 +30,7 @@ from protos import ps_pb2 as pb
 from protos import wire
 from ps.errors import InvalidRequest
 from ps.initializers import InitializerKind, InitializerParams
-from ps.lifecycle import Lifecycle
+from ps.lifecycle import EVICTIONS, LFU_HALF_LIFE_S, Lifecycle
 from ps.optimizers import OptimizerKind, OptimizerParams
 
 __all__ = ["ConfigError", "Durability", "ServerConfig", "TableSpec", "load_config", "spec_from_proto", "spec_to_proto"]
@@ -163,8 +163,15 @@ class ServerConfig:
     memory_budget_bytes: int = field(
         default=0,
         metadata={
-            "help": "RAM for rows (values, optimizer state, index, admission counters); above it the "
-            "least recently used rows move to RocksDB. 0: no limit. Needs --data-dir"
+            "help": "RAM for rows (values, optimizer state, index, admission counters); above it rows "
+            "move to RocksDB, in --eviction order. 0: no limit. Needs --data-dir"
+        },
+    )
+    eviction: str = field(
+        default="lfu",
+        metadata={
+            "help": "which rows leave RAM first over --memory-budget-bytes: lfu (the least often looked up, "
+            f"counts halving every {LFU_HALF_LIFE_S // 60} idle minutes) or lru (the least recently used)"
         },
     )
     durability: str = field(
@@ -252,6 +259,8 @@ class ServerConfig:
         Durability.parse(self.durability)
         if self.memory_budget_bytes < 0:
             raise ConfigError(f"memory_budget_bytes={self.memory_budget_bytes}: must be >= 0 (0: no limit)")
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"eviction={self.eviction!r}: expected one of {', '.join(EVICTIONS)}")
         if self.memory_budget_bytes and self.data_dir is None:
             raise ConfigError("memory_budget_bytes needs data_dir: rows over the budget are moved to RocksDB there")
         if self.restore_from is not None and self.data_dir is None:

@@ -35,7 +35,7 @@ from ps.arena import Arena
 from ps.config import TableSpec
 from ps.initializers import fill_initial_rows
 from ps.keyindex import KeyIndex
-from ps.lifecycle import Admission, age_histogram, expired_keys, select_victims
+from ps.lifecycle import Admission, Eviction, eviction_histogram, expired_keys, select_victims
 
 __all__ = ["CLEAN", "DIRTY", "WRITING", "RamTier"]
 
@@ -281,15 +281,17 @@ class RamTier:
         empty_k, empty_s = np.empty(0, np.int64), np.empty(0, np.int32)
         return int(_collect_dirty(*self.index.buckets(), self.arena.dirty, empty_k, empty_s))
 
-    def age_histogram(self, now: np.uint32) -> npt.NDArray[np.int64]:
-        """Resident rows by age in ticks (see ``ps.lifecycle.age_histogram``)."""
-        return age_histogram(self.index.buckets()[1], self.arena.last_access, now)
+    def eviction_histogram(self, now: np.uint32, policy: Eviction) -> npt.NDArray[np.int64]:
+        """Resident rows by eviction rank (see ``ps.lifecycle.eviction_histogram``)."""
+        a = self.arena
+        return eviction_histogram(self.index.buckets()[1], a.last_access, a.frequency, now, policy)
 
     def victims(
-        self, now: np.uint32, count: int, hist: npt.NDArray[np.int64] | None
+        self, now: np.uint32, count: int, policy: Eviction, hist: npt.NDArray[np.int64] | None
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
-        """``(keys, slots)`` of the ``count`` least recently used rows (see ``select_victims``)."""
-        return select_victims(*self.index.buckets(), self.arena.last_access, now, count, hist)
+        """``(keys, slots)`` of the first ``count`` rows to evict (see ``select_victims``)."""
+        a = self.arena
+        return select_victims(*self.index.buckets(), a.last_access, a.frequency, now, count, policy, hist)
 
     def expired(self, now: np.uint32, ttl_seconds: float) -> npt.NDArray[np.int64]:
         """Keys of resident rows idle for longer than ``ttl_seconds``."""

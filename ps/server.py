@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent import futures
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -27,6 +27,7 @@ from ps.changes import ChangeLog
 from ps.checkpoint import copy_checkpoint
 from ps.config import Durability, ServerConfig
 from ps.follow import Source
+from ps.lifecycle import Eviction
 from ps.limits import Limits
 from ps.rescue import StopReport, apply_rescue, is_rescue_dump
 from ps.servicer import SERVICE_NAME, Servicer
@@ -181,6 +182,7 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
                                           config.auth_token_file)  # fmt: skip
     shard = shard or open_shard(config)
     shard.limits = Limits(config.max_tables, config.max_keys_per_request)
+    shard.eviction = cast(Eviction, config.eviction)
     registry = metrics = None
     if config.metrics_port is not None:
         from ps.metrics import shard_registry

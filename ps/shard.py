@@ -61,7 +61,7 @@ from ps.errors import (
     WrongMode,
 )
 from ps.ledger import PushLedger
-from ps.lifecycle import now_tick
+from ps.lifecycle import Eviction, now_tick
 from ps.limits import Limits
 from ps.recovery import StorageHealth
 from ps.report import RowSource, shard_stats
@@ -117,6 +117,7 @@ class Shard:
         self.index = index
         self.num_shards = num_shards
         self.limits = Limits()  # --max-tables, --max-keys-per-request
+        self.eviction: Eviction = "lfu"  # --eviction
         self.mode = mode
         self.storage = storage
         self.durability = durability
@@ -386,29 +387,28 @@ class Shard:
     # -- storage -------------------------------------------------------------------------
 
     def enforce_budget(self) -> int:
-        """Spill least recently used rows, across all tables, until resident bytes are at
-        ``_LOW_WATER`` of the budget; returns rows moved. One thread at a time (others
-        wait for it, then see what is left to do)."""
+        """Spill rows in ``eviction`` order, across tables, down to ``_LOW_WATER`` of the
+        budget; returns rows moved. One thread at a time (others wait, then see what is left)."""
         with self._evict_lock:
             tables = self.tables()
             need = self.resident_bytes() - int(_LOW_WATER * self.memory_budget_bytes)
             if need <= 0 or not self.writable:
                 return 0
             now = now_tick()
-            hists = [t.age_histogram(now) for t in tables]
+            hists = [t.eviction_histogram(now, self.eviction) for t in tables]
             weights = [t.bytes_per_row for t in tables]
-            by_age = sum((h * w for h, w in zip(hists, weights, strict=True)), np.zeros_like(hists[0]))
-            from_oldest = np.cumsum(by_age[::-1])
-            j = min(int(np.searchsorted(from_oldest, need)), by_age.shape[0] - 1)
-            cutoff = by_age.shape[0] - 1 - j  # evict every row older than this age ...
-            older = int(from_oldest[j - 1]) if j > 0 else 0
-            share = (need - older) / by_age[cutoff] if by_age[cutoff] else 0.0  # ... and this share of it
+            by_rank = sum((h * w for h, w in zip(hists, weights, strict=True)), np.zeros_like(hists[0]))
+            from_top = np.cumsum(by_rank[::-1])
+            j = min(int(np.searchsorted(from_top, need)), by_rank.shape[0] - 1)
+            cutoff = by_rank.shape[0] - 1 - j  # evict every row ranked above this ...
+            above = int(from_top[j - 1]) if j > 0 else 0
+            share = (need - above) / by_rank[cutoff] if by_rank[cutoff] else 0.0  # ... and this share of it
             moved = 0
             for t, h in zip(tables, hists, strict=True):
                 count = int(h[cutoff + 1 :].sum()) + math.ceil(h[cutoff] * min(1.0, share))
                 if count:
-                    # Rows only get younger meanwhile, so h still bounds the victims.
-                    moved += self._guard(t.evict, count, now, h)
+                    # Ranks only fall meanwhile (rows used again), so h still bounds the victims.
+                    moved += self._guard(t.evict, count, now, h, self.eviction)
             return moved
 
     def flush(self, metadata: bool = True) -> int:

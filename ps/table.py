@@ -8,8 +8,8 @@ Both are batch operations compiled with numba: no Python loop or object per key.
 A table is composed of two halves that it calls while holding its lock: a ``RamTier``
 (``ps.ram``: key index, arena, admission counters) and, with a data directory, a
 ``DiskTier`` (``ps.tier``: the table's RocksDB column family). With a disk the RAM
-half is the hot part of a larger table: ``evict`` moves the least recently used rows,
-values and optimizer state, to disk; a lookup or push that misses RAM reads them back
+half is the hot part of a larger table: ``evict`` moves rows (by default the least
+often looked up, see ``ps.lifecycle``), values and optimizer state, to disk; a lookup or push that misses RAM reads them back
 with one multi-get before anything else happens, so a key once created is never
 re-initialised. What reaches disk, and when, follows the shard's durability mode:
 with ``every_push`` a push is written (rows + its ledger entry, one batch) before it
@@ -52,7 +52,7 @@ from ps.counters import TableCounters
 from ps.errors import InvalidRequest
 from ps.initializers import fill_initial_rows
 from ps.ledger import PushLedger
-from ps.lifecycle import expired_keys, now_tick
+from ps.lifecycle import Eviction, expired_keys, now_tick
 from ps.ram import CLEAN, DIRTY, RamTier
 from ps.storage import Storage, TableRows
 from ps.tier import SPILL_CHUNK, DiskTier, Spill, write_rows
@@ -352,10 +352,10 @@ class Table:
             ledger = [(c, self.ledger.encode(c)) for c in self.ledger.clients()]
             return sum(s.shape[0] for s in write_rows(self._ram, keys, slots, ledger, rows, storage))
 
-    def age_histogram(self, now: np.uint32) -> npt.NDArray[np.int64]:
-        """Resident rows by age in ticks (see ``ps.lifecycle.age_histogram``)."""
+    def eviction_histogram(self, now: np.uint32, policy: Eviction = "lfu") -> npt.NDArray[np.int64]:
+        """Resident rows by eviction rank (see ``ps.lifecycle.eviction_histogram``)."""
         with self._lock:
-            return self._ram.age_histogram(now)
+            return self._ram.eviction_histogram(now, policy)
 
     def unpersisted_rows(self) -> int:
         """Resident rows not on disk as they are in RAM."""
@@ -378,13 +378,20 @@ class Table:
             raise RuntimeError(f"table {self.spec.name!r} has no storage to evict to (start with --data-dir)")
         return self._disk
 
-    def evict(self, count: int, now: np.uint32 | None = None, hist: npt.NDArray[np.int64] | None = None) -> int:
-        """Move up to ``count`` least recently used rows out of RAM; returns how many left.
+    def evict(
+        self,
+        count: int,
+        now: np.uint32 | None = None,
+        hist: npt.NDArray[np.int64] | None = None,
+        policy: Eviction = "lfu",
+    ) -> int:
+        """Move up to ``count`` rows out of RAM, the first in ``policy``'s order (see
+        ``ps.lifecycle``); returns how many left.
 
         Rows looked up fewer than ``lifecycle.evict_below_frequency`` times are deleted
         (from RAM and disk); the rest are written to disk if dirty, then dropped from
         RAM; rows used while they were being written stay. ``hist``: this table's
-        ``age_histogram(now)``, if the caller has it. Needs storage. ``StorageFailed``:
+        ``eviction_histogram(now, policy)``, if the caller has it. Needs storage. ``StorageFailed``:
         nothing left RAM.
         """
         disk = self._need_disk()
@@ -392,7 +399,7 @@ class Table:
         lifecycle = self.spec.lifecycle
         with self._spill_lock:
             with self._lock:
-                keys, slots = self._ram.victims(now, count, hist)
+                keys, slots = self._ram.victims(now, count, policy, hist)
                 if not keys.size:
                     return 0
                 floor = lifecycle.evict_below_frequency
@@ -400,8 +407,8 @@ class Table:
                 rare = a.frequency[slots] < floor if floor else np.zeros(keys.shape[0], np.bool_)
                 write = ~rare
                 if not (floor or lifecycle.ttl_seconds):
-                    # Lookups change only access time and count, which nothing reads back
-                    # from disk unless a lifecycle rule does: a clean row need not be rewritten.
+                    # Lookups change only access time and count: a clean row is not rewritten
+                    # for them (LFU then finds the count of its last write when it returns).
                     write &= a.dirty[slots] != CLEAN
                 spill = self._begin_spill(disk, keys, slots, write, rare)
             return self._run_spill(disk, spill, evict=True)

@@ -25,10 +25,11 @@ from ps.config import (
 )
 from ps.errors import InvalidRequest
 from ps.lifecycle import (
+    LFU_HALF_LIFE_S,
     TICKS_PER_S,
     Admission,
     Lifecycle,
-    age_histogram,
+    eviction_histogram,
     expired_keys,
     now_tick,
     select_victims,
@@ -186,11 +187,15 @@ def index_arrays(
     return keys, slots
 
 
-def test_age_histogram_counts_live_rows_by_modular_age() -> None:
+def never_looked_up(la: npt.NDArray[np.uint32]) -> npt.NDArray[np.uint32]:
+    return np.zeros(la.shape[0], np.uint32)
+
+
+def test_lru_histogram_counts_live_rows_by_modular_age() -> None:
     now = np.uint32(5)
     la = np.array([5, 4, 4, 2**32 - 3, 5 - 70000 + 2**32, 7], dtype=np.uint32)
     _, slots = index_arrays(la)
-    hist = age_histogram(slots, la, now)
+    hist = eviction_histogram(slots, la, never_looked_up(la), now, "lru")
     assert hist.sum() == la.shape[0]
     assert hist[1] == 2 and hist[8] == 1  # 2**32-3 is 8 ticks before 5
     # a row touched after the caller read the clock is among the youngest, not the oldest
@@ -199,14 +204,14 @@ def test_age_histogram_counts_live_rows_by_modular_age() -> None:
 
 
 @pytest.mark.parametrize("count", [0, 1, 17, 50, 99, 100, 1000])
-def test_select_victims_takes_exactly_count_oldest_rows(count: int) -> None:
+def test_lru_takes_exactly_count_oldest_rows(count: int) -> None:
     rng = np.random.default_rng(count)
     n = 100
     now = np.uint32(3)  # rows older than now wrap around 2**32
     ages = rng.integers(0, 30, size=n)  # many ties
     la = (np.int64(now) - ages).astype(np.uint32)
     keys, slots = index_arrays(la, seed=count)
-    vk, vs = select_victims(keys, slots, la, now, count)
+    vk, vs = select_victims(keys, slots, la, never_looked_up(la), now, count, "lru")
     assert vk.dtype == np.int64 and vs.dtype == np.int32
     assert vk.shape[0] == min(count, n) == vs.shape[0]
     assert len(set(vs.tolist())) == vs.shape[0] and (vk == 1000 + vs).all()
@@ -219,9 +224,61 @@ def test_select_victims_accepts_a_precomputed_histogram() -> None:
     la = np.arange(50, dtype=np.uint32)
     keys, slots = index_arrays(la)
     now = np.uint32(100)
-    hist = age_histogram(slots, la, now)
-    _, vs = select_victims(keys, slots, la, now, 10, hist=hist)
+    hist = eviction_histogram(slots, la, never_looked_up(la), now, "lru")
+    _, vs = select_victims(keys, slots, la, never_looked_up(la), now, 10, "lru", hist=hist)
     assert sorted(vs.tolist()) == list(range(10))
+    # LFU, equal counts: ages by power of two, so any 10 of those 64 ticks old or more (slots 0-36).
+    hist = eviction_histogram(slots, la, never_looked_up(la), now, "lfu")
+    _, vs = select_victims(keys, slots, la, never_looked_up(la), now, 10, "lfu", hist=hist)
+    assert vs.shape[0] == 10 and vs.max() <= 36
+
+
+@pytest.mark.parametrize("count", [0, 1, 17, 50, 99, 100])
+def test_lfu_takes_the_least_looked_up_rows_then_the_oldest(count: int) -> None:
+    rng = np.random.default_rng(count)
+    n = 100
+    now = np.uint32(1000)
+    ages = rng.integers(1, 30, size=n)  # none touched in this tick
+    freq = rng.integers(0, 6, size=n).astype(np.uint32)  # many ties
+    la = (np.int64(now) - ages).astype(np.uint32)
+    keys, slots = index_arrays(la, seed=count)
+    _, vs = select_victims(keys, slots, la, freq, now, count, "lfu")
+    assert vs.shape[0] == count and len(set(vs.tolist())) == count
+    rest = np.setdiff1d(np.arange(n), vs)
+    if vs.size and rest.size:
+        assert freq[vs].max() <= freq[rest].min()
+        # Among rows of the cut-off count, older (by power-of-two age) ones go first.
+        cut = freq[vs].max()
+        tied_in, tied_out = vs[freq[vs] == cut], rest[freq[rest] == cut]
+        if tied_in.size and tied_out.size:
+            assert np.log2(ages[tied_in]).astype(int).min() >= np.log2(ages[tied_out]).astype(int).max()
+
+
+def test_lfu_keeps_rows_in_use_and_forgets_counts_of_idle_rows() -> None:
+    now = np.uint32(10 * LFU_HALF_LIFE_S * TICKS_PER_S)
+    half_life = LFU_HALF_LIFE_S * TICKS_PER_S
+    # slot 0: looked up once, touched in this tick; slot 1: looked up once, 1 tick ago;
+    # slot 2: 100 lookups, 1 tick ago; slot 3: 100 lookups, idle 7 half-lives (100 >> 7 == 0)
+    la = np.array([now, now - 1, now - 1, now - 7 * half_life], dtype=np.uint32)
+    freq = np.array([1, 1, 100, 100], dtype=np.uint32)
+    keys, slots = index_arrays(la)
+    order = []
+    for count in range(1, 5):
+        _, vs = select_victims(keys, slots, la, freq, now, count, "lfu")
+        order.append(sorted(set(vs.tolist()) - set(order))[0])
+    assert order == [3, 1, 2, 0]  # the idle one first, the one in use last
+    # LRU on the same rows: oldest first, counts ignored.
+    _, vs = select_victims(keys, slots, la, freq, now, 1, "lru")
+    assert vs.tolist() == [3]
+
+
+def test_eviction_policy_is_checked() -> None:
+    la = np.zeros(3, np.uint32)
+    keys, slots = index_arrays(la)
+    with pytest.raises(ValueError, match="eviction='mru': must be one of lfu, lru"):
+        select_victims(keys, slots, la, la, np.uint32(9), 1, "mru")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="eviction='fifo'"):
+        ServerConfig(eviction="fifo")
 
 
 def test_expired_keys_are_older_than_ttl() -> None:

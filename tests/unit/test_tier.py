@@ -433,8 +433,9 @@ def test_lookups_count_towards_frequency_across_a_clean_eviction(storage: Storag
 # -- Shard: memory budget -------------------------------------------------------------------
 
 
-def test_enforce_budget_spills_the_oldest_rows_across_tables(storage: Storage, clock: Clock) -> None:
+def test_lru_budget_spills_the_oldest_rows_across_tables(storage: Storage, clock: Clock) -> None:
     shard = Shard(0, 1, storage, Durability.parse("checkpoint-only"), memory_budget_bytes=1 << 40)
+    shard.eviction = "lru"
     shard.create_table(TableSpec("a", 4))
     shard.create_table(TableSpec("b", 32, optimizer=OptimizerParams(OptimizerKind.ADAGRAD)))
     a, b = shard.table("a"), shard.table("b")
@@ -462,6 +463,33 @@ def test_enforce_budget_spills_the_oldest_rows_across_tables(storage: Storage, c
     assert resident(b, kb[b_out:]) == 100 - b_out  # the most recent rows stayed
     assert resident(b, kb[:b_out]) == 0  # the oldest left (and are faulted back now)
     assert_same_bits(b.lookup(kb, create=False), values_b)  # kb is sorted, like exported()
+
+
+def test_lfu_budget_spills_the_least_looked_up_rows_across_tables(storage: Storage, clock: Clock) -> None:
+    shard = Shard(0, 1, storage, Durability.parse("checkpoint-only"), memory_budget_bytes=1 << 40)
+    assert shard.eviction == "lfu"  # the default
+    shard.create_table(TableSpec("a", 4))
+    shard.create_table(TableSpec("b", 4))
+    a, b = shard.table("a"), shard.table("b")
+    ka, kb = np.arange(100, dtype=np.int64), np.arange(1000, 1100, dtype=np.int64)
+    hot_a, hot_b = ka[::2], kb[:10]
+    for _ in range(5):  # hot rows of a: 6 lookups each, all long ago
+        a.lookup(hot_a)
+    a.lookup(ka)
+    clock.advance(100)
+    b.lookup(kb)  # every row of b: 1 lookup, recent ...
+    for _ in range(2):
+        b.lookup(hot_b)  # ... but 10 of them 3
+    clock.advance(1)
+    values_a, values_b = exported(a)[1], exported(b)[1]
+    shard.memory_budget_bytes = int(70 * a.bytes_per_row / ps.shard._LOW_WATER) + 1
+    assert shard.enforce_budget() == 130
+    # Out went the rows looked up once: the cold half of a, then 80 of b's 90 (of those
+    # equally rare, the older first); in stayed the hot rows of a (old as they are) and of b.
+    assert resident(a, hot_a) == 50 and resident(a, ka[1::2]) == 0
+    assert resident(b, hot_b) == 10 and len(b) == 20
+    assert_same_bits(a.lookup(ka, create=False), values_a)
+    assert_same_bits(b.lookup(kb, create=False), values_b)
 
 
 def test_pushes_keep_the_shard_within_its_budget(storage: Storage, clock: Clock) -> None:
