@@ -18,6 +18,7 @@ from client.errors import (
     UnauthenticatedError,
 )
 from client.replicas import parse_addresses
+from client.routing import TablePlan
 from client.transport import GrpcTransport, Transport
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "TableConfig",
     "TableExistsError",
     "TableNotFoundError",
+    "TablePlan",
     "Transport",
     "UnauthenticatedError",
     "parse_addresses",

@@ -36,7 +36,7 @@ from client.config import ClientConfig, TableConfig
 from client.errors import InternalServerError, InvalidRequestError, TableNotFoundError
 from client.replicas import ReplicaSet, normalize_addresses
 from client.retry import Answer, call_all
-from client.routing import pack, plan_table
+from client.routing import TablePlan, pack, plan_table
 from client.tables import message_dict, table_config, table_spec
 from client.transport import GrpcTransport, Transport
 from protos import ps_pb2 as pb
@@ -50,6 +50,7 @@ _DTYPES = {"float32": wire.FLOAT32, "float16": wire.FLOAT16, "bfloat16": wire.BF
 _WRITES = frozenset({"CreateTable", "Push", "Checkpoint"})
 _READS = frozenset({"Lookup", "ListTables"})  # may be hedged
 F32 = npt.NDArray[np.float32]
+Keys = npt.ArrayLike | TablePlan  # keys, or a plan of them made by PSClient.plan
 
 
 class LookupResult(dict[str, F32]):
@@ -304,15 +305,15 @@ class PSClient:
         return (rows[table], tuple(sorted(set(degraded)))) if degrade else rows[table]
 
     @overload
-    def lookup_many(self, requests: Mapping[str, npt.ArrayLike], *, out: Mapping[str, F32] | None = None,
+    def lookup_many(self, requests: Mapping[str, Keys], *, out: Mapping[str, F32] | None = None,
                     deadline_s: float | None = None, degrade: Literal[False] = False) -> dict[str, F32]: ...  # fmt: skip
     @overload
-    def lookup_many(self, requests: Mapping[str, npt.ArrayLike], *, out: Mapping[str, F32] | None = None,
+    def lookup_many(self, requests: Mapping[str, Keys], *, out: Mapping[str, F32] | None = None,
                     deadline_s: float | None = None, degrade: Literal[True]) -> LookupResult: ...  # fmt: skip
     @overload
-    def lookup_many(self, requests: Mapping[str, npt.ArrayLike], *, out: Mapping[str, F32] | None = None,
+    def lookup_many(self, requests: Mapping[str, Keys], *, out: Mapping[str, F32] | None = None,
                     deadline_s: float | None = None, degrade: bool) -> dict[str, F32]: ...  # fmt: skip
-    def lookup_many(self, requests: Mapping[str, npt.ArrayLike], *, out: Mapping[str, F32] | None = None,
+    def lookup_many(self, requests: Mapping[str, Keys], *, out: Mapping[str, F32] | None = None,
                     deadline_s: float | None = None, degrade: bool = False) -> dict[str, F32]:  # fmt: skip
         """``lookup`` for several tables at once: one RPC per shard carries all of them.
 
@@ -328,14 +329,14 @@ class PSClient:
 
     def _lookup(
         self,
-        requests: Mapping[str, npt.ArrayLike],
+        requests: Mapping[str, Keys],
         out: Mapping[str, F32] | None,
         deadline_s: float | None,
         degrade: bool,
     ) -> tuple[dict[str, F32], list[int]]:
         """Rows by table, and the shards that degraded (with repeats)."""
         budget = self._budget(deadline_s)
-        plans = [plan_table(t, _as_keys(k, t), self._dim(t, budget), self.num_shards) for t, k in requests.items()]
+        plans = [self._plan_of(t, k, self._dim(t, budget)) for t, k in requests.items()]
         results: dict[str, F32] = {}
         for p in plans:
             buf = (out or {}).get(p.table)
@@ -407,18 +408,18 @@ class PSClient:
         """
         return self.push_many({table: (keys, grads)})
 
-    def push_many(self, updates: Mapping[str, tuple[npt.ArrayLike, npt.ArrayLike]]) -> PushResult:
+    def push_many(self, updates: Mapping[str, tuple[Keys, npt.ArrayLike]]) -> PushResult:
         """``push`` for several tables at once: one RPC per shard carries all of them."""
         prepared = []
         for table, (keys, grads) in updates.items():
-            k = _as_keys(keys, table)
+            k = keys.keys if isinstance(keys, TablePlan) else _as_keys(keys, table)
             g = np.asarray(grads)
             if g.ndim != 2 or g.shape[0] != k.shape[0]:
                 raise InvalidRequestError(f"table {table!r}: grads shape {g.shape}, expected ({k.shape[0]}, dim)")
             if g.dtype.kind != "f":
                 raise InvalidRequestError(f"table {table!r}: grads dtype {g.dtype}, expected a float dtype")
             g = np.ascontiguousarray(g, dtype=np.float32)
-            plan = plan_table(table, k, g.shape[1], self.num_shards)
+            plan = self._plan_of(table, keys if isinstance(keys, TablePlan) else k, g.shape[1])
             if plan.has_duplicates:
                 g = sum_duplicates(g, plan.inverse, plan.unique.shape[0])
             prepared.append((plan, g))
@@ -448,14 +449,32 @@ class PSClient:
         """``push`` on a background thread; the inputs are copied first, so callers may reuse them."""
         return self.push_many_async({table: (keys, grads)})
 
-    def push_many_async(self, updates: Mapping[str, tuple[npt.ArrayLike, npt.ArrayLike]]) -> Future[PushResult]:
+    def push_many_async(self, updates: Mapping[str, tuple[Keys, npt.ArrayLike]]) -> Future[PushResult]:
         """``push_many`` on a background thread; the ``Future`` raises what ``push_many`` would."""
         self.start()
-        copied = {t: (np.array(k, copy=True), np.array(g, copy=True)) for t, (k, g) in updates.items()}
+        copied = {t: (k if isinstance(k, TablePlan) else np.array(k, copy=True), np.array(g, copy=True))
+                  for t, (k, g) in updates.items()}  # fmt: skip
         assert self._pool is not None
         return self._pool.submit(self.push_many, copied)
 
+    def plan(self, table: str, keys: npt.ArrayLike, *, deadline_s: float | None = None) -> TablePlan:
+        """``keys`` of ``table`` deduplicated and routed to shards once, for several calls:
+        ``lookup_many`` and ``push_many`` take the plan where they take keys (a training
+        step looks up, then pushes, the same keys). ``plan.keys`` are ``keys``; the plan
+        is immutable and belongs to this client's cluster size."""
+        return plan_table(table, _as_keys(keys, table), self._dim(table, self._budget(deadline_s)), self.num_shards)
+
     # -- internals ------------------------------------------------------------------
+    def _plan_of(self, table: str, keys: Keys, dim: int) -> TablePlan:
+        if not isinstance(keys, TablePlan):
+            return plan_table(table, _as_keys(keys, table), dim, self.num_shards)
+        if (keys.table, keys.dim, keys.bounds.shape[0] - 1) != (table, dim, self.num_shards):
+            raise InvalidRequestError(
+                f"table {table!r}: a plan made for table {keys.table!r}, dim {keys.dim}, "
+                f"{keys.bounds.shape[0] - 1} shards does not fit dim {dim}, {self.num_shards} shards"
+            )
+        return keys
+
     def _budget(self, deadline_s: float | None, config: ClientConfig | None = None) -> tuple[ClientConfig, float]:
         """The config of a call (with its own ``deadline_s``, if given) and its deadline."""
         config = config or self.config

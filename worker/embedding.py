@@ -34,11 +34,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
-from client import PSClient
+from client import PSClient, TablePlan
 from client.batching import dedup
 from worker.autograd import rows_with_push
 from worker.config import EmbeddingTableConfig, FeatureConfig, check_features
@@ -52,9 +51,10 @@ Mode = Literal["sync", "pipelined"]
 
 @dataclass(frozen=True)
 class _Plan:
-    """One batch's lookup: unique keys per table and, per feature, indices into them."""
+    """One batch's lookup: unique keys per table (routed to shards once, for the lookup
+    and the push) and, per feature, indices into them."""
 
-    unique: dict[str, npt.NDArray[np.int64]]
+    unique: dict[str, TablePlan]
     index: dict[str, torch.Tensor]  # feature -> positions into its table's unique keys
 
 
@@ -184,7 +184,7 @@ class DistributedEmbedding(torch.nn.Module):
         extra = [f for f in batch if f not in self.features]
         if missing or extra:
             raise ValueError(f"batch features: missing {missing}, unexpected {extra}; expected {list(self.features)}")
-        unique: dict[str, npt.NDArray[np.int64]] = {}
+        unique: dict[str, TablePlan] = {}
         index: dict[str, torch.Tensor] = {}
         for table, feats in self._readers.items():
             parts = [batch[n].values.detach().cpu().numpy() for n in feats]
@@ -196,7 +196,7 @@ class DistributedEmbedding(torch.nn.Module):
                 rank = np.empty_like(order)
                 rank[order] = np.arange(order.shape[0])
                 keys, inverse = keys[order], rank[inverse]
-            unique[table] = keys
+            unique[table] = self.client.plan(table, keys)
             bounds = np.cumsum([0] + [len(p) for p in parts])
             for n, lo, hi in zip(feats, bounds[:-1], bounds[1:]):
                 index[n] = torch.from_numpy(inverse[lo:hi]).to(self.device, non_blocking=True)
@@ -214,7 +214,7 @@ class DistributedEmbedding(torch.nn.Module):
         offsets = ids.offsets.to(self.device)
         return F.embedding_bag(index, rows, offsets[:-1], mode=pooling, per_sample_weights=weights)
 
-    def _push(self, step: int, names: list[str], unique: list[npt.NDArray[np.int64]],
+    def _push(self, step: int, names: list[str], unique: list[TablePlan],
               grads: Sequence[torch.Tensor | None]) -> None:  # fmt: skip
         updates = {
             t: (keys, g.detach().to("cpu", torch.float32).contiguous().numpy())
@@ -230,7 +230,7 @@ class _PushSink:
     __slots__ = ("module", "step", "names", "unique", "__weakref__")
 
     def __init__(self, module: DistributedEmbedding, step: int, names: list[str],
-                 unique: list[npt.NDArray[np.int64]]) -> None:  # fmt: skip
+                 unique: list[TablePlan]) -> None:  # fmt: skip
         self.module, self.step, self.names, self.unique = module, step, names, unique
 
     def __call__(self, grads: Sequence[torch.Tensor | None]) -> None:

@@ -37,12 +37,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import numpy.typing as npt
 
-from client import DeadlineExceededError, PSClient, PushResult
+from client import DeadlineExceededError, PSClient, PushResult, TablePlan
 
 __all__ = ["Rows", "SparsePipeline"]
 
 Rows = dict[str, npt.NDArray[np.float32]]
-Updates = dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]]
+Updates = dict[str, tuple[npt.NDArray[np.int64] | TablePlan, npt.NDArray[np.float32]]]
 
 
 class SparsePipeline:
@@ -72,7 +72,7 @@ class SparsePipeline:
         self._closed = False
         self.push_count, self.push_s, self.push_max_s = 0, 0.0, 0.0  # acknowledged pushes and their latency
 
-    def lookup(self, step: int | None, keys: Mapping[str, npt.NDArray[np.int64]], *,
+    def lookup(self, step: int | None, keys: Mapping[str, npt.NDArray[np.int64] | TablePlan], *,
                sees_all: bool = False) -> Future[Rows]:  # fmt: skip
         """Start the lookup of ``keys`` for training ``step`` (never blocks).
 
@@ -98,7 +98,7 @@ class SparsePipeline:
                 self._discarded.add(future)
                 self._cond.notify_all()
 
-    def _lookup(self, step: int | None, keys: dict[str, npt.NDArray[np.int64]], holder: list[Future[Rows]],
+    def _lookup(self, step: int | None, keys: dict[str, npt.NDArray[np.int64] | TablePlan], holder: list[Future[Rows]],
                 sees_all: bool) -> Rows:  # fmt: skip
         with self._cond:
             if sees_all or step is None:
@@ -140,7 +140,7 @@ class SparsePipeline:
                         self._read_through = step
                         self._send_released()
 
-    def push(self, step: int, updates: Mapping[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]],
+    def push(self, step: int, updates: Mapping[str, tuple[npt.NDArray[np.int64] | TablePlan, npt.NDArray[np.float32]]],
              wait: bool) -> None:  # fmt: skip
         """Submit a push of ``step`` (a step may push more than once); with ``wait``, block until applied.
 

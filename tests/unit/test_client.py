@@ -105,6 +105,33 @@ def test_lookup_and_push_round_trip_routes_every_key_to_its_shard(ps: PSClient, 
     assert sum(len(s.table("t")) for s in shards) == KEYS.size
 
 
+def test_a_plan_stands_in_for_its_keys_in_lookups_and_pushes(
+    ps: PSClient, shards: list[Shard], transport: InProcessTransport
+) -> None:
+    keys = np.array([9, 3, 9, 1000, 3, -5, 9], dtype=np.int64)
+    grads = np.arange(keys.size * DIM, dtype=np.float32).reshape(-1, DIM) / 8
+    plan = ps.plan("t", keys)
+    assert plan.keys.tolist() == keys.tolist() and plan.unique.size == 4
+    by_plan = ps.lookup_many({"t": plan})["t"]
+    np.testing.assert_array_equal(by_plan, ps.lookup("t", keys))
+    assert ps.push_many({"t": (plan, grads)}) == PushResult(rows_updated=4, duplicates=0)
+    assert ps.push_many_async({"t": (plan, grads)}).result() == PushResult(rows_updated=4, duplicates=0)
+    # Bit for bit what the same pushes given as keys do, on a twin table.
+    ps.create_table("twin", DIM, lr=0.5, seed=3)
+    ps.push_many({"twin": (keys, grads)})
+    ps.push_many({"twin": (keys, grads)})
+    np.testing.assert_array_equal(ps.lookup_many({"t": plan})["t"], ps.lookup("twin", keys))
+    assert not np.array_equal(ps.lookup("t", keys), by_plan)
+    # A plan belongs to its table, dim and cluster size.
+    ps.create_table("u", DIM + 1)
+    with pytest.raises(InvalidRequestError, match="table 'u': a plan made for table 't', dim 4, 3 shards"):
+        ps.lookup_many({"u": plan})
+    with pytest.raises(InvalidRequestError, match="does not fit dim 5"):
+        ps.push_many({"t": (plan, np.zeros((keys.size, DIM + 1), np.float32))})
+    with pytest.raises(InvalidRequestError, match="grads shape"):
+        ps.push_many({"t": (plan, grads[:3])})
+
+
 def test_duplicates_and_caller_order_are_preserved(ps: PSClient, shards: list[Shard]) -> None:
     spec = spec_of(shards)
     keys = np.array([9, 3, 9, 1000, 3, -5, 9], dtype=np.int64)
