@@ -19,7 +19,8 @@ import numpy as np
 import numpy.typing as npt
 
 import worker.trainer as trainer
-from client import PSClient, PushResult, TableConfig
+from client import PSClient, PushResult, TableConfig, TablePlan
+from client.client import Keys
 
 LOG: dict[str, list[Any]] = {"tables": [], "pushes": []}
 
@@ -32,8 +33,10 @@ class RecordingClient(PSClient):
         LOG["tables"].append((name, dim, options))
         return table
 
-    def push_many(self, updates: Mapping[str, tuple[npt.ArrayLike, npt.ArrayLike]]) -> PushResult:
-        sent = {t: (np.array(k, copy=True), np.array(g, copy=True)) for t, (k, g) in updates.items()}
+    def push_many(self, updates: Mapping[str, tuple[Keys, npt.ArrayLike]]) -> PushResult:
+        # Keys as given, or the keys of a plan (DistributedEmbedding pushes plans).
+        sent = {t: (np.array(k.keys if isinstance(k, TablePlan) else k, copy=True), np.array(g, copy=True))
+                for t, (k, g) in updates.items()}  # fmt: skip
         result = super().push_many(updates)  # raises unless every shard acknowledged it
         LOG["pushes"].append(sent)
         # The caller's arrays must not change while a push is in flight (or the shards
