@@ -17,20 +17,15 @@ was compared with ``kubectl kustomize`` 5.5's and is the same.)
 
 from __future__ import annotations
 
-import argparse
 import ast
 import copy
-import dataclasses
-import functools
 import importlib.metadata
 import importlib.util
 import json
 import re
 import shlex
 import tomllib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,337 +33,38 @@ import kubernetes_validate
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
-from torch.distributed.run import get_args_parser as torchrun_parser
 
 import ps.metrics
-from client import ClientConfig, parse_addresses
+from client import parse_addresses
 from protos import ps_pb2 as pb
 from protos.guard import RpcMetrics
-from ps.config import build_parser, load_config
-from worker.config import TrainerConfig, parse_config
-from worker.serving import ENV_PREFIX as INFER_PREFIX
-from worker.serving import InferConfig
-from worker.trainer import ENV_PREFIX as TRAINER_PREFIX
+from tests.unit.k8s_model import (
+    K8S,
+    NS,
+    ROOT,
+    Pod,
+    Proc,
+    Resource,
+    build,
+    built,
+    container_ports,
+    containers_of,
+    find_resource,
+    load_resources,
+    pod_template,
+    pods,
+    port_of,
+    processes,
+    procs_of,
+    resource_key,
+    selects,
+    stable_address,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
-NS = "ml-prod"  # any namespace: addresses must follow the pods' own
 # An older release still common in managed clusters (the pod-index label the shards read is set
 # from 1.28 on) and the newest whose schema kubernetes-validate ships.
 K8S_VERSIONS = ("1.32.0", kubernetes_validate.latest_version())
 VARIANTS = ("plain", "tls")
-
-Resource = dict[str, Any]
-
-
-# --- building what kustomize would apply
-
-
-def _load(path: Path) -> list[Resource]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
-
-
-def _key(r: Resource) -> tuple[str, str]:
-    return r["kind"], r["metadata"]["name"]
-
-
-def _find(resources: list[Resource], kind: str, name: str) -> Resource:
-    found = [r for r in resources if _key(r) == (kind, name)]
-    assert len(found) == 1, f"{kind}/{name}: {len(found)} resources"
-    return found[0]
-
-
-# Strategic merge: lists of these fields merge item by item on the key (as the API's patch
-# strategy says); other lists are replaced, and a null deletes the field.
-_MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-               "volumeMounts": "mountPath", "ports": "containerPort"}  # fmt: skip
-
-
-def _merge(base: dict[str, Any], patch: dict[str, Any]) -> None:
-    for k, v in patch.items():
-        if v is None:
-            base.pop(k, None)
-        elif isinstance(v, dict) and isinstance(base.get(k), dict):
-            _merge(base[k], v)
-        elif isinstance(v, list) and k in _MERGE_KEYS and isinstance(base.get(k), list):
-            key = _MERGE_KEYS[k]
-            new = []
-            for item in v:
-                match = [b for b in base[k] if b.get(key) == item.get(key)]
-                if match:
-                    _merge(match[0], item)
-                else:
-                    new.append(copy.deepcopy(item))
-            base[k][:0] = new  # kustomize puts new items first
-        else:
-            base[k] = copy.deepcopy(v)
-
-
-def _field_path(path: str) -> list[str]:
-    return re.findall(r"\[[^\]]*\]|[^.\[\]]+", path)
-
-
-def _walk(node: Any, path: list[str]) -> tuple[Any, str | int]:
-    """The container of the last element of ``path`` and that element's key."""
-    for part in path[:-1]:
-        node = _step(node, part)
-    return node, path[-1]
-
-
-def _step(node: Any, part: str) -> Any:
-    if part.startswith("["):
-        k, _, v = part[1:-1].partition("=")
-        found = [item for item in node if item.get(k) == v]
-        assert len(found) == 1, f"field path element {part}: {len(found)} matches"
-        return found[0]
-    assert part in node, f"field path element {part!r} not found"
-    return node[part]
-
-
-def _replace(resources: list[Resource], replacement: dict[str, Any]) -> None:
-    src = replacement["source"]
-    assert set(src) <= {"kind", "name", "fieldPath"}, src
-    value = _step(*_walk(_find(resources, src["kind"], src["name"]), _field_path(src["fieldPath"])))
-    for target in replacement["targets"]:
-        assert set(target) <= {"select", "fieldPaths"}, target
-        sel = target["select"]
-        for path in target["fieldPaths"]:
-            node, last = _walk(_find(resources, sel["kind"], sel["name"]), _field_path(path))
-            old = node[last]  # kustomize keeps the target's type: "2" stays a string, 2 a number
-            node[last] = str(value) if isinstance(old, str) else int(value) if isinstance(old, int) else value
-
-
-def _apply_patches(resources: list[Resource], base: Path, patches: list[dict[str, Any]]) -> None:
-    for p in patches:
-        assert set(p) == {"path"}, f"{base}: only `patches: - path:` is built here: {p}"
-        for patch in _load(base / p["path"]):
-            _merge(_find(resources, patch["kind"], patch["metadata"]["name"]), patch)
-
-
-KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "images", "replicas", "configMapGenerator",
-                      "replacements", "components", "patches"}  # fmt: skip
-
-
-def build(directory: Path, edit: Callable[[dict[str, Any]], None] | None = None) -> list[Resource]:
-    """The resources ``kubectl apply -k directory`` would create; ``edit`` may change the
-    kustomization first (as a person would, e.g. enabling the TLS component)."""
-    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    if edit is not None:
-        edit(k)
-    assert set(k) <= KUSTOMIZATION_KEYS, f"kustomization keys this test does not build: {set(k) - KUSTOMIZATION_KEYS}"
-    resources: list[Resource] = []
-    for name in k.get("resources", []):
-        resources += _load(directory / name)
-    for gen in k.get("configMapGenerator", []):
-        assert gen["options"]["disableNameSuffixHash"], "generated names are referenced as written"
-        data = dict(lit.split("=", 1) for lit in gen["literals"])
-        meta = {"name": gen["name"], "annotations": gen["options"].get("annotations", {})}
-        resources.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
-    for component in k.get("components", []):
-        c = yaml.safe_load((directory / component / "kustomization.yaml").read_text())
-        assert c["kind"] == "Component" and set(c) <= {"apiVersion", "kind", "patches"}, c
-        _apply_patches(resources, directory / component, c["patches"])
-    _apply_patches(resources, directory, k.get("patches", []))
-    for image in k.get("images", []):
-        for r in resources:
-            for c in _containers(r):
-                if c["image"].split(":")[0] == image["name"]:
-                    c["image"] = f"{image['newName']}:{image['newTag']}"
-    for rep in k.get("replicas", []):
-        found = [r for r in resources if r["metadata"]["name"] == rep["name"] and "replicas" in r.get("spec", {})]
-        assert len(found) == 1, rep
-        found[0]["spec"]["replicas"] = rep["count"]
-    for replacement in k.get("replacements", []):
-        _replace(resources, replacement)
-    local = "config.kubernetes.io/local-config"
-    return [r for r in resources if r["metadata"].get("annotations", {}).get(local) != "true"]
-
-
-def _enable_tls(k: dict[str, Any]) -> None:
-    k["components"] = ["tls"]
-
-
-@functools.cache
-def built(variant: str) -> list[Resource]:
-    return build(K8S, _enable_tls if variant == "tls" else None)
-
-
-def _template(r: Resource) -> dict[str, Any] | None:
-    return r["spec"]["template"] if r["kind"] in ("StatefulSet", "Deployment", "Job") else None
-
-
-def _containers(r: Resource) -> list[dict[str, Any]]:
-    t = _template(r)
-    return [] if t is None else t["spec"].get("initContainers", []) + t["spec"]["containers"]
-
-
-# --- pods and processes as the cluster would run them
-
-
-@dataclass
-class Pod:
-    workload: Resource
-    name: str
-    index: int | None  # StatefulSet ordinal or Job completion index; None for a Deployment pod
-    labels: dict[str, str]
-    annotations: dict[str, str]
-    spec: dict[str, Any]
-
-
-@dataclass
-class Proc:
-    pod: Pod
-    container: dict[str, Any]
-    init: bool
-    argv: list[str]
-    env: dict[str, str]
-    program: str = ""  # ps-server, ps-infer, trainer, or a shell
-    config: Any = None
-    torchrun: argparse.Namespace | None = None
-    client_env: dict[str, str] = field(default_factory=dict)
-
-
-def pods(resources: list[Resource]) -> Iterator[Pod]:
-    for r in resources:
-        t = _template(r)
-        if t is None:
-            continue
-        name, meta = r["metadata"]["name"], t["metadata"]
-        if r["kind"] == "StatefulSet":
-            for i in range(r["spec"]["replicas"]):
-                extra = {"apps.kubernetes.io/pod-index": str(i), "statefulset.kubernetes.io/pod-name": f"{name}-{i}"}
-                yield Pod(r, f"{name}-{i}", i, meta["labels"] | extra, meta.get("annotations", {}), t["spec"])
-        elif r["kind"] == "Job":
-            for i in range(r["spec"]["completions"]):
-                labels = meta["labels"] | {"batch.kubernetes.io/job-completion-index": str(i)}
-                annotations = meta.get("annotations", {}) | {"batch.kubernetes.io/job-completion-index": str(i)}
-                yield Pod(r, f"{name}-{i}-x7k2p", i, labels, annotations, t["spec"])
-        else:
-            yield Pod(r, f"{name}-5d8f7c9b6-x7k2p", None, meta["labels"], meta.get("annotations", {}), t["spec"])
-
-
-_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def expand(text: str, env: dict[str, str]) -> str:
-    """Kubernetes' ``$(VAR)`` expansion: defined variables only, ``$$`` escapes."""
-    out = _REF.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
-    assert "$(" not in out, f"{text!r}: refers to a variable the container does not define"
-    return out
-
-
-def _downward(pod: Pod, path: str) -> str:
-    m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
-    if m:
-        source = pod.labels if m.group(1) == "labels" else pod.annotations
-        assert m.group(2) in source, f"{pod.name}: the pod has no {m.group(1)[:-1]} {m.group(2)!r}"
-        return source[m.group(2)]
-    known = {"metadata.namespace": NS, "metadata.name": pod.name, "status.podIP": "10.1.2.3"}
-    assert path in known, f"{pod.name}: downward API field {path} is not checked here"
-    return known[path]
-
-
-def container_env(pod: Pod, c: dict[str, Any]) -> dict[str, str]:
-    env: dict[str, str] = {}
-    if pod.workload["kind"] == "Job" and pod.workload["spec"].get("completionMode") == "Indexed":
-        env["JOB_COMPLETION_INDEX"] = str(pod.index)  # the Job controller adds it to every container
-    for e in c.get("env", []):
-        if "value" in e:
-            env[e["name"]] = expand(e["value"], env)
-        else:
-            ref = e["valueFrom"]
-            assert set(ref) == {"fieldRef"}, f"{pod.name}: env {e['name']}: only the downward API is used"
-            env[e["name"]] = _downward(pod, ref["fieldRef"]["fieldPath"])
-    return env
-
-
-def _client_env(p: Proc) -> dict[str, str]:
-    return {k: v for k, v in p.env.items() if k.startswith("PS_CLIENT_")}
-
-
-def parse_process(p: Proc, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fill ``p.program`` and ``p.config`` through the real parser of what the container runs."""
-    exe, args = p.argv[0], p.argv[1:]
-    if exe == "ps-server":
-        flags = {opt for action in build_parser()._actions for opt in action.option_strings}
-        unknown = [a for a in args if a.startswith("--") and a.split("=")[0] not in flags]
-        assert not unknown, f"{p.pod.name}: ps-server has no {unknown}"
-        p.program, p.config = "ps-server", load_config(args, p.env)  # unknown PS_* variables raise
-        return
-    if exe == "ps-infer":
-        p.program, p.config = "ps-infer", parse_config(InferConfig, args, p.env, INFER_PREFIX, "ps-infer")
-    elif exe == "torchrun":
-        p.torchrun = torchrun_parser().parse_args(args)
-        assert p.torchrun.module and p.torchrun.training_script == "deploy.train", p.argv
-        script = p.torchrun.training_script_args
-        p.program, p.config = "trainer", parse_config(TrainerConfig, script, p.env, TRAINER_PREFIX, "deploy.train")
-    elif exe == "sh" and p.init:
-        p.program = "sh"
-        return
-    else:
-        pytest.fail(f"{p.pod.name}: container {p.container['name']} runs {exe!r}, which this test does not know")
-    # A client of the shards reads PS_CLIENT_* when it makes its ClientConfig: each variable
-    # set (here to a value of its own) must land in a ClientConfig field.
-    p.client_env = _client_env(p)
-    with monkeypatch.context() as m:
-        for name in p.client_env:
-            m.setenv(name, f"/{name}")
-        client = ClientConfig()
-    values = {str(getattr(client, f.name)) for f in dataclasses.fields(client)}
-    unread = [name for name in p.client_env if f"/{name}" not in values]
-    assert not unread, f"{p.pod.name}: ClientConfig does not read {unread}"
-
-
-def processes(resources: list[Resource], monkeypatch: pytest.MonkeyPatch) -> list[Proc]:
-    out = []
-    for pod in pods(resources):
-        for c in _containers(pod.workload):
-            init = c in pod.spec.get("initContainers", [])
-            env = container_env(pod, c)
-            argv = [expand(a, env) for a in c.get("command", []) + c.get("args", [])]
-            proc = Proc(pod, c, init, argv, env)
-            parse_process(proc, monkeypatch)
-            out.append(proc)
-    return out
-
-
-def _of(procs: list[Proc], program: str, workload: str | None = None) -> list[Proc]:
-    return [p for p in procs if p.program == program and workload in (None, p.pod.workload["metadata"]["name"])]
-
-
-def _port(address: str) -> int:
-    return int(address.rpartition(":")[2])
-
-
-def _container_ports(c: dict[str, Any]) -> dict[str, int]:
-    return {p.get("name", str(p["containerPort"])): p["containerPort"] for p in c.get("ports", [])}
-
-
-def _selects(selector: dict[str, str], pod: Pod) -> bool:
-    return all(pod.labels.get(k) == v for k, v in selector.items())
-
-
-def _service_of(resources: list[Resource], pod: Pod, container_port: int) -> tuple[Resource, int]:
-    """The Service that selects ``pod`` and exposes ``container_port``, and its port there."""
-    found = []
-    ports = {n: p for c in pod.spec["containers"] for n, p in _container_ports(c).items()}
-    for s in (r for r in resources if r["kind"] == "Service"):
-        if _selects(s["spec"]["selector"], pod):
-            for sp in s["spec"]["ports"]:
-                target = sp.get("targetPort", sp["port"])
-                if ports.get(target, target) == container_port:
-                    found.append((s, sp["port"]))
-    assert len(found) == 1, f"{pod.name}: {len(found)} Services expose port {container_port}"
-    return found[0]
-
-
-def stable_address(resources: list[Resource], statefulset: str, i: int, listen: str) -> str:
-    """What clients must dial for pod ``i`` of ``statefulset``: its name under the headless Service."""
-    sts = _find(resources, "StatefulSet", statefulset)
-    pod = next(p for p in pods([sts]) if p.index == i)
-    service, port = _service_of(resources, pod, _port(listen))
-    assert service["metadata"]["name"] == sts["spec"]["serviceName"] and service["spec"]["clusterIP"] == "None"
-    return f"{pod.name}.{service['metadata']['name']}.{NS}.svc:{port}"
 
 
 @pytest.fixture(params=VARIANTS)
@@ -398,12 +94,12 @@ def test_every_yaml_file_is_built_or_an_example() -> None:
     assert files == used, f"not built and not an example: {sorted(map(str, files - used))}"
     assert k.get("components") is None, "TLS is off by default: the Secrets must exist first"
     for path in files:
-        _load(path)  # every file parses
+        load_resources(path)  # every file parses
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_resources_match_the_api_schema(resources: list[Resource], version: str) -> None:
-    examples = _load(K8S / "secrets.example.yaml")
+    examples = load_resources(K8S / "secrets.example.yaml")
     for r in resources + examples:
         try:
             kubernetes_validate.validate(r, version, strict=True)
@@ -426,9 +122,9 @@ def test_every_container_is_a_program_of_the_image(procs: list[Proc]) -> None:
 
 
 def test_shards_and_followers_line_up(resources: list[Resource], procs: list[Proc]) -> None:
-    train, serve = _of(procs, "ps-server", "ps-shard"), _of(procs, "ps-server", "ps-serve")
-    n = _find(resources, "StatefulSet", "ps-shard")["spec"]["replicas"]
-    assert n >= 1 and _find(resources, "StatefulSet", "ps-serve")["spec"]["replicas"] == n
+    train, serve = procs_of(procs, "ps-server", "ps-shard"), procs_of(procs, "ps-server", "ps-serve")
+    n = find_resource(resources, "StatefulSet", "ps-shard")["spec"]["replicas"]
+    assert n >= 1 and find_resource(resources, "StatefulSet", "ps-serve")["spec"]["replicas"] == n
     assert [p.config.shard for p in train] == list(range(n)) == [p.config.shard for p in serve]
     for p in train:
         assert (p.config.num_shards, p.config.mode, p.config.follow) == (n, "train", None)
@@ -439,9 +135,9 @@ def test_shards_and_followers_line_up(resources: list[Resource], procs: list[Pro
 
 
 def test_shard_data_lives_on_its_own_volume(resources: list[Resource], procs: list[Proc]) -> None:
-    sts = _find(resources, "StatefulSet", "ps-shard")
+    sts = find_resource(resources, "StatefulSet", "ps-shard")
     claims = {t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]}
-    for p in _of(procs, "ps-server", "ps-shard"):
+    for p in procs_of(procs, "ps-server", "ps-shard"):
         mounts = [m for m in p.container["volumeMounts"] if m["name"] in claims]
         assert p.config.data_dir is not None and any(
             PurePosixPath(p.config.data_dir).is_relative_to(m["mountPath"]) for m in mounts
@@ -450,7 +146,7 @@ def test_shard_data_lives_on_its_own_volume(resources: list[Resource], procs: li
 
 
 def test_memory_budget_fits_the_limit(procs: list[Proc]) -> None:
-    for p in _of(procs, "ps-server"):
+    for p in procs_of(procs, "ps-server"):
         limit = _bytes(p.container["resources"]["limits"]["memory"])
         assert 0 < p.config.memory_budget_bytes <= 0.8 * limit, f"{p.pod.name}: leave RAM beside the rows"
 
@@ -466,13 +162,13 @@ def _bytes(quantity: str) -> int:
 
 
 def test_clients_name_every_shard_in_order(resources: list[Resource], procs: list[Proc]) -> None:
-    train = {p.config.shard: p.config.listen for p in _of(procs, "ps-server", "ps-shard")}
-    serve = {p.config.shard: p.config.listen for p in _of(procs, "ps-server", "ps-serve")}
+    train = {p.config.shard: p.config.listen for p in procs_of(procs, "ps-server", "ps-shard")}
+    serve = {p.config.shard: p.config.listen for p in procs_of(procs, "ps-server", "ps-serve")}
     n = len(train)
-    for p in _of(procs, "trainer"):
+    for p in procs_of(procs, "trainer"):
         want = [stable_address(resources, "ps-shard", i, train[i]) for i in range(n)]
         assert parse_addresses(",".join(p.config.addresses)) == [[a] for a in want], p.pod.name
-    for p in _of(procs, "ps-infer"):
+    for p in procs_of(procs, "ps-infer"):
         assert p.config.addresses() == [[stable_address(resources, "ps-serve", i, serve[i])] for i in range(n)]
 
 
@@ -491,8 +187,8 @@ def test_shard_count_changes_in_one_place(monkeypatch: pytest.MonkeyPatch) -> No
 
     resources = build(K8S, three_shards)
     procs = processes(resources, monkeypatch)
-    assert [p.config.shard for p in _of(procs, "ps-server", "ps-serve")] == [0, 1, 2]
-    assert {p.config.num_shards for p in _of(procs, "ps-server")} == {3}
+    assert [p.config.shard for p in procs_of(procs, "ps-server", "ps-serve")] == [0, 1, 2]
+    assert {p.config.num_shards for p in procs_of(procs, "ps-server")} == {3}
     test_shards_and_followers_line_up(resources, procs)
     test_clients_name_every_shard_in_order(resources, procs)
 
@@ -501,25 +197,27 @@ def test_shard_count_changes_in_one_place(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_services_select_their_pods_and_ports(resources: list[Resource]) -> None:
-    workloads = [r for r in resources if _template(r) is not None]
+    workloads = [r for r in resources if pod_template(r) is not None]
     for s in (r for r in resources if r["kind"] in ("Service", "PodDisruptionBudget")):
         selector = s["spec"]["selector"]
         selector = selector.get("matchLabels", selector)
-        chosen = [w for w in workloads if _selects(selector, next(pods([w])))]
+        chosen = [w for w in workloads if selects(selector, next(pods([w])))]
         assert len(chosen) == 1, f"{s['kind']}/{s['metadata']['name']} selects {len(chosen)} workloads"
         if s["kind"] == "PodDisruptionBudget":
             assert s["spec"]["maxUnavailable"] == 1
             continue
-        declared = {n: p for c in chosen[0]["spec"]["template"]["spec"]["containers"] for n, p in _container_ports(c).items()}  # fmt: skip
+        declared = {n: p for c in chosen[0]["spec"]["template"]["spec"]["containers"] for n, p in container_ports(c).items()}  # fmt: skip
         for sp in s["spec"]["ports"]:
             target = sp.get("targetPort", sp["port"])
             assert target in declared or target in declared.values(), f"{s['metadata']['name']}: no port {target}"
     for kind, name in [("StatefulSet", "ps-shard"), ("StatefulSet", "ps-serve")]:
-        sts = _find(resources, kind, name)
-        service = _find(resources, "Service", sts["spec"]["serviceName"])
+        sts = find_resource(resources, kind, name)
+        service = find_resource(resources, "Service", sts["spec"]["serviceName"])
         assert service["spec"]["clusterIP"] == "None", f"{name}: its Service must be headless (a name per pod)"
-        assert _selects(service["spec"]["selector"], next(pods([sts])))
-    assert {_key(r) for r in resources if r["kind"] == "PodDisruptionBudget"} >= {("PodDisruptionBudget", "ps-shard")}
+        assert selects(service["spec"]["selector"], next(pods([sts])))
+    assert {resource_key(r) for r in resources if r["kind"] == "PodDisruptionBudget"} >= {
+        ("PodDisruptionBudget", "ps-shard")
+    }
 
 
 def _probes(c: dict[str, Any]) -> list[dict[str, Any]]:
@@ -527,11 +225,11 @@ def _probes(c: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_probes_ask_the_grpc_port(procs: list[Proc]) -> None:
-    for p in _of(procs, "ps-server") + _of(procs, "ps-infer"):
+    for p in procs_of(procs, "ps-server") + procs_of(procs, "ps-infer"):
         probes = _probes(p.container)
         assert len(probes) == 3, f"{p.pod.name}: startup, readiness and liveness probes"
-        port = _port(p.config.listen)
-        assert _container_ports(p.container)["grpc"] == port
+        port = port_of(p.config.listen)
+        assert container_ports(p.container)["grpc"] == port
         for probe in probes:
             if p.config.tls_cert is None:
                 # grpc.health.v1: service "" is the server's overall status
@@ -547,7 +245,7 @@ def _pre_stop_s(c: dict[str, Any]) -> int:
 
 
 def test_shutdown_fits_the_grace_period(procs: list[Proc]) -> None:
-    for p in _of(procs, "ps-server") + _of(procs, "ps-infer"):
+    for p in procs_of(procs, "ps-server") + procs_of(procs, "ps-infer"):
         # ps-server drains for grace_s, and may retry a refused final write for grace_s more.
         drain = p.config.grace_s * (2 if p.program == "ps-server" else 1)
         period = p.pod.spec["terminationGracePeriodSeconds"]
@@ -570,7 +268,7 @@ def test_metrics_port_matches_annotations_and_scrape_config(procs: list[Proc]) -
             continue
         (p,) = [q for q in procs if q.pod is pod and not q.init]
         port = p.config.metrics_port
-        assert port is not None and _container_ports(p.container)["metrics"] == port
+        assert port is not None and container_ports(p.container)["metrics"] == port
         assert pod.annotations["prometheus.io/scrape"] == "true"
         assert int(pod.annotations["prometheus.io/port"]) == port
         assert len(targets) == 1, f"{pod.name}: scraped {len(targets)} times"
@@ -678,19 +376,19 @@ def test_dashboard_shows_metrics_the_servers_expose(monkeypatch: pytest.MonkeyPa
 
 
 def test_training_job_finds_its_rendezvous(resources: list[Resource], procs: list[Proc]) -> None:
-    job = _find(resources, "Job", "ps-train")
+    job = find_resource(resources, "Job", "ps-train")
     spec, template = job["spec"], job["spec"]["template"]["spec"]
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
-    service = _find(resources, "Service", template["subdomain"])
+    service = find_resource(resources, "Service", template["subdomain"])
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
-    workers = _of(procs, "trainer")
+    workers = procs_of(procs, "trainer")
     assert [p.pod.index for p in workers] == list(range(spec["completions"]))
     for p in workers:
         args = p.torchrun
         assert args is not None
         assert int(args.nnodes) == spec["completions"] and int(args.node_rank) == p.pod.index
         assert args.master_addr == f"{job['metadata']['name']}-0.{template['subdomain']}.{NS}.svc"
-        assert int(args.master_port) in _container_ports(p.container).values()
+        assert int(args.master_port) in container_ports(p.container).values()
         assert int(args.master_port) in [sp["port"] for sp in service["spec"]["ports"]]
 
 
@@ -704,11 +402,11 @@ def _mount_source(pod: Pod, c: dict[str, Any], path: PurePosixPath) -> tuple[dic
 
 
 def test_ps_infer_serves_what_training_writes(procs: list[Proc]) -> None:
-    (trainer, *_) = _of(procs, "trainer")
+    (trainer, *_) = procs_of(procs, "trainer")
     out = trainer.config.output_dir
     run = PurePosixPath(trainer.container["workingDir"]) / "runs" / "latest" if out is None else PurePosixPath(out)
     _, written = _mount_source(trainer.pod, trainer.container, run)
-    for p in _of(procs, "ps-infer"):
+    for p in procs_of(procs, "ps-infer"):
         assert PurePosixPath(p.config.model) == run
         mount, volume = _mount_source(p.pod, p.container, run)
         assert volume["persistentVolumeClaim"]["claimName"] == written["persistentVolumeClaim"]["claimName"]
@@ -721,7 +419,7 @@ def test_ps_infer_serves_what_training_writes(procs: list[Proc]) -> None:
 
 
 def test_tls_files_come_from_mounted_secrets(procs: list[Proc]) -> None:
-    examples = {s["metadata"]["name"]: s for s in _load(K8S / "secrets.example.yaml")}
+    examples = {s["metadata"]["name"]: s for s in load_resources(K8S / "secrets.example.yaml")}
     settings = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "client_tls_ca", "client_tls_cert",
                 "client_tls_key", "client_token_file")  # fmt: skip
     for p in procs:
@@ -738,12 +436,12 @@ def test_tls_files_come_from_mounted_secrets(procs: list[Proc]) -> None:
 
 def test_tls_reaches_every_connection(variant: str, procs: list[Proc]) -> None:
     on = variant == "tls"
-    for p in _of(procs, "ps-server") + _of(procs, "ps-infer"):
+    for p in procs_of(procs, "ps-server") + procs_of(procs, "ps-infer"):
         assert (p.config.tls_cert is not None and p.config.auth_token_file is not None) == on, p.pod.name
-    for p in _of(procs, "ps-server", "ps-serve"):  # the follower is a client of its training shard
+    for p in procs_of(procs, "ps-server", "ps-serve"):  # the follower is a client of its training shard
         client = (p.config.client_tls_ca, p.config.client_tls_cert, p.config.client_tls_key, p.config.client_token_file)
         assert all(f is not None for f in client) if on else all(f is None for f in client), p.pod.name
-    for p in _of(procs, "ps-infer") + _of(procs, "trainer"):
+    for p in procs_of(procs, "ps-infer") + procs_of(procs, "trainer"):
         keys = {"PS_CLIENT_TLS_CA", "PS_CLIENT_TLS_CERT", "PS_CLIENT_TLS_KEY", "PS_CLIENT_TOKEN_FILE"}
         assert set(p.client_env) == (keys if on else set()), p.pod.name
 
@@ -761,12 +459,12 @@ def test_pods_run_as_the_image_user(resources: list[Resource]) -> None:
     (user,) = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert user.isdigit() and int(user) != 0, "a numeric, non-root USER lets runAsNonRoot verify it"
     for r in resources:
-        t = _template(r)
+        t = pod_template(r)
         if t is None:
             continue
         ctx = t["spec"]["securityContext"]
         assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == int(user) == ctx["fsGroup"]
-        for c in _containers(r):
+        for c in containers_of(r):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
             for kind in ("requests", "limits"):
@@ -811,5 +509,5 @@ def test_dockerfile_starts_every_entry_point(resources: list[Resource]) -> None:
                     assert words[0] in scripts | torch_scripts, f"{words[0]} is no console script of the image"
                     checked.add(words[0])
     assert {"ps-server", "ps-infer", "ps-admin", "python -m deploy.train"} <= checked, checked
-    commands = {c["command"][0] for r in resources for c in _containers(r)}
+    commands = {c["command"][0] for r in resources for c in containers_of(r)}
     assert commands - {"sh"} <= checked, f"containers run what the build did not try: {commands - checked}"
