@@ -156,16 +156,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, command = _parse(sys.argv[1:] if argv is None else argv)
     # SIGTERM (a scheduler or `kill`) tears down like Ctrl-C, instead of orphaning everything;
     # raised here, not as a SIGINT, which a launch started in the background ignores.
-    signal.signal(signal.SIGTERM, _interrupted)
+    interrupt = _Interrupt()
+    signal.signal(signal.SIGTERM, interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, interrupt)
     cluster = LocalCluster(args.shards, args.data_dir, tuple(args.shard_arg))
     try:
         cluster.start()
+        interrupt.check()
     except ShardStartError as exc:
         log.error("%s", exc)
         return 1
     except KeyboardInterrupt:
         log.warning("interrupted (SIGINT or SIGTERM) while starting the shards")
-        return 130  # start stopped the shards it had started
+        return _stop_cluster(cluster, set(), 130)  # nothing to stop if the interrupt reached start
     policy = RestartPolicy()
     for s in cluster.shards:
         policy.started(s.index)
@@ -184,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers = subprocess.Popen(_torchrun(args.workers, command), env=env, start_new_session=True,
                                    preexec_fn=die_with_parent)  # fmt: skip
         while True:
+            interrupt.check()
             code = workers.poll()
             if code is not None:
                 status = code if code >= 0 else 128 - code  # killed by a signal: shell convention
@@ -221,8 +226,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
-def _interrupted(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+class _Interrupt:
+    """The SIGTERM/SIGINT handler: raises ``KeyboardInterrupt`` where the signal lands, and
+    remembers it for ``check()``, since Python only reports (and drops) an exception raised
+    where it cannot propagate, such as the fork hooks that run inside ``subprocess.Popen``."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.seen:
+            raise KeyboardInterrupt
 
 
 def _stop_cluster(cluster: LocalCluster, reported: set[int], status: int) -> int:
