@@ -88,6 +88,8 @@ def test_batch_must_match_the_features(addresses: list[str]) -> None:
         emb = DistributedEmbedding(TABLES, FEATURES, client)
         with pytest.raises(ValueError, match=r"missing \['f'\], unexpected \['g'\]"):
             emb({"g": JaggedIds.from_lists([[1]])})
+        with pytest.raises(ValueError, match=r"missing \['f'\], unexpected \['g'\]"):
+            emb.prefetch({"g": JaggedIds.from_lists([[1]])})  # at the call, not later in forward
         with pytest.raises(ValueError, match="pooling='sum'"):
             DistributedEmbedding(TABLES, [FeatureConfig("f", "t", "mean")], client)(
                 {"f": JaggedIds.from_lists([[1, 2]], weights=[[0.5, 0.5]])}
