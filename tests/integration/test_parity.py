@@ -3,7 +3,8 @@
 One worker, sync mode, real shards. The local twin keeps each table as an
 ``nn.Parameter`` started from the same deterministic initial rows and pooled with the
 same ``embedding_bag`` call an ``nn.EmbeddingBag`` makes, and trains it with the
-``torch.optim`` optimizer the shards run.
+``torch.optim`` optimizer the shards run. Pipelined mode's fused sum pooling is held to
+the same run through ``embedding_bag``.
 """
 
 from __future__ import annotations
@@ -124,3 +125,50 @@ def test_parity_sync_training_matches_local_embedding_bag(
         )
     for p, q in zip(tower.parameters(), twin.parameters()):
         np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), rtol=rtol * 5, atol=0 if rtol == 0 else 1e-6)
+
+
+def test_pipelined_fused_pooling_trains_like_embedding_bag(addresses: list[str]) -> None:
+    """Pipelined sum pooling runs in one node (worker/pooling.py); the same run through
+    ``embedding_bag`` ends with the same rows and dense weights, up to float rounding."""
+    features = [FeatureConfig("x", "a"), FeatureConfig("y", "a"), FeatureConfig("z", "b")]  # "a" read twice
+    rng = np.random.default_rng(3)
+    batches = []
+    for _ in range(STEPS):
+        batch = {}
+        for f in features:
+            lengths = torch.from_numpy(rng.integers(0, 4, BATCH))  # empty bags included
+            batch[f.name] = JaggedIds.from_lengths(
+                torch.from_numpy(rng.integers(0, VOCAB, int(lengths.sum()))), lengths
+            )
+        batches.append(batch)
+    finals = []
+    with PSClient(addresses) as client:
+        for fused in (True, False):
+            tables = [
+                EmbeddingTableConfig(f"{t}_{fused}", DIM, "adagrad", seed=i, params={"lr": 0.3})
+                for i, t in enumerate("ab")
+            ]
+            emb = DistributedEmbedding(tables, [FeatureConfig(f.name, f"{f.table}_{fused}") for f in features], client)
+            assert emb._fusable  # the default for sum pooling on CPU
+            emb._fusable = fused
+            torch.manual_seed(0)
+            tower = torch.nn.Linear(3 * DIM, 1)
+            opt = torch.optim.SGD(tower.parameters(), lr=0.1)
+            emb.prefetch(batches[0])
+            for t, batch in enumerate(batches):
+                if t + 1 < STEPS:
+                    emb.prefetch(batches[t + 1])
+                out = emb(batch)
+                loss = tower(torch.cat([out["x"], out["y"], out["z"]], 1)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            emb.close()
+            keys = np.arange(VOCAB)
+            rows = client.lookup_many({f"a_{fused}": keys, f"b_{fused}": keys})
+            finals.append((list(rows.values()), [p.detach().clone() for p in tower.parameters()]))
+    (rows_fused, dense_fused), (rows_bag, dense_bag) = finals
+    for a, b in zip(rows_fused + dense_fused, rows_bag + dense_bag):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    initial = initial_rows(InitializerParams(), 0, np.arange(VOCAB), DIM)
+    assert not np.allclose(rows_fused[0], initial)  # it trained
