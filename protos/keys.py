@@ -102,12 +102,12 @@ def shard_of(keys: npt.ArrayLike, num_shards: int) -> npt.NDArray[np.int32]:
     """
     if num_shards < 1:
         raise ValueError(f"num_shards={num_shards}: must be >= 1")
-    k = mix64(_int64_bits(keys, "keys"))
+    k = _int64_bits(keys, "keys")
     out = np.zeros(k.shape[0], dtype=np.int32)
     if num_shards > 1:
-        from protos.hashing import jump_buckets  # numba: loaded on the first multi-shard routing
+        from protos.hashing import shard_buckets  # numba: loaded on the first multi-shard routing
 
-        jump_buckets(k, num_shards, out)
+        shard_buckets(k, num_shards, out)
     return out
 
 

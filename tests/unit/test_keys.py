@@ -157,6 +157,12 @@ def test_shard_of_vectors(n: int) -> None:
     assert [ref_jump(ref_mix64(k), n) for k in SHARD_KEYS] == SHARD_VECTORS[n]
 
 
+@pytest.mark.parametrize("n", [2, 3, 7, 64])
+def test_shard_of_random_keys_match_the_reference(n: int) -> None:
+    keys = random_int64(2000, seed=n)  # negative keys included: their bits are the unsigned id
+    assert shard_of(keys, n).tolist() == [ref_jump(ref_mix64(int(k)), n) for k in keys]
+
+
 def test_shard_of_docstring_example() -> None:
     assert shard_of(np.array([1, 2, 3], dtype=np.int64), 4).tolist() == [0, 3, 0]
 
