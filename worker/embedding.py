@@ -201,7 +201,7 @@ class DistributedEmbedding(torch.nn.Module):
         unique: dict[str, TablePlan] = {}
         index: dict[str, npt.NDArray[np.int64]] = {}
         for table, feats in self._readers.items():
-            parts = [batch[n].values.detach().cpu().numpy() for n in feats]
+            parts = [_host_ids(batch[n].values) for n in feats]
             keys, inverse = dedup(np.concatenate(parts) if len(parts) > 1 else parts[0])
             if self.mode == "sync":
                 # Ascending keys make embedding_bag's backward add up duplicate ids in the
@@ -211,9 +211,10 @@ class DistributedEmbedding(torch.nn.Module):
                 rank[order] = np.arange(order.shape[0])
                 keys, inverse = keys[order], rank[inverse]
             unique[table] = self.client.plan(table, keys)
-            bounds = np.cumsum([0] + [len(p) for p in parts])
-            for n, lo, hi in zip(feats, bounds[:-1], bounds[1:]):
-                index[n] = inverse[lo:hi]
+            lo = 0
+            for n, p in zip(feats, parts):
+                index[n] = inverse[lo : lo + p.shape[0]]
+                lo += p.shape[0]
         return _Plan(unique, index)
 
     def _pool(self, name: str, ids: JaggedIds, rows: torch.Tensor, ids_at: npt.NDArray[np.int64]) -> torch.Tensor:
@@ -237,6 +238,11 @@ class DistributedEmbedding(torch.nn.Module):
             if g is not None
         }
         self._pipeline.push(step, updates, wait=self.mode == "sync")
+
+
+def _host_ids(values: torch.Tensor) -> npt.NDArray[np.int64]:
+    """Ids as a numpy array; no torch call for a CPU tensor (each would let go of the GIL)."""
+    return (values if values.device.type == "cpu" else values.cpu()).numpy()
 
 
 class _PushSink:

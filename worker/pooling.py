@@ -39,7 +39,10 @@ class SumFeature:
     offsets: npt.NDArray[np.int64]
 
 
-@numba.njit(nogil=True, cache=True)
+# These hold the GIL: they take tens of microseconds, and a training thread that lets go of
+# the GIL waits up to the interpreter's switch interval (5 ms) to get it back from the
+# pipeline's threads. Measured paired on the DLRM benchmark: 7% faster steps than nogil.
+@numba.njit(cache=True)
 def _pool(rows: Any, index: Any, offsets: Any, out: Any) -> None:  # pragma: no cover - compiled
     dim = rows.shape[1]
     for b in range(out.shape[0]):
@@ -51,7 +54,7 @@ def _pool(rows: Any, index: Any, offsets: Any, out: Any) -> None:  # pragma: no 
                 out[b, d] += rows[r, d]
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(cache=True)
 def _scatter(grad: Any, index: Any, offsets: Any, out: Any) -> None:  # pragma: no cover - compiled
     dim = out.shape[1]
     for b in range(grad.shape[0]):
