@@ -19,7 +19,9 @@ meanwhile) and ``unpin()`` switches back; ``ps-admin serve-from`` drives both, t
 serving back to a known-good version and forward again.
 
 Lag: ``lag_versions`` is the newest leader version heard of minus the one applied;
-``lag_s`` is how long the follower has been behind (0 when caught up).
+``lag_s`` is how long the follower has been behind (0 when caught up). While a snapshot is
+being staged the follower is behind whatever the versions say (a restarted leader counts
+its versions from 0 again, in a new history): ``lag_versions`` is then at least 1.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class Source:
         self._base: dict[str, Table] | None = None  # the shard's own tables while pinned
         self._behind_since: float | None = None
         self._staged: dict[str, list[tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]]] = {}
+        self._resync_version = 0  # while a snapshot is staged: the leader's newest version, in its history
+        self.resyncing = False  # a snapshot is on its way: the rows served are older than the leader's
         self._saved_version = -1
         self._saved_at = 0.0
         self._stop = threading.Event()
@@ -111,11 +115,16 @@ class Source:
         since = self._behind_since
         return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
+    def lag_versions(self) -> int:
+        if self.resyncing:
+            return max(1, self._resync_version)  # none of the snapshot's versions is applied yet
+        return max(0, self.leader_version - self.applied_version)
+
     def status(self) -> pb.FollowStatus:
         return pb.FollowStatus(
             source=self.kind, leader=self.leader or "", checkpoint=str(self.pinned or ""),
             connected=self.connected, applied_version=self.applied_version, leader_version=self.leader_version,
-            lag_versions=max(0, self.leader_version - self.applied_version), lag_s=self.lag_s(),
+            lag_versions=self.lag_versions(), lag_s=self.lag_s(),
             snapshots=self.snapshots, batches=self.batches, error=self.error if not self.connected else "",
         )  # fmt: skip
 
@@ -187,10 +196,12 @@ class Source:
 
     def _apply(self, batch: pb.FollowBatch) -> None:
         """Apply one message of the stream (see the module docstring)."""
-        self.leader_version = max(self.leader_version, batch.leader_version)
         if batch.history != self.history and not batch.in_snapshot:
             raise ValueError(f"a batch of history {batch.history} without a snapshot first")
         if batch.in_snapshot:
+            # Versions of another history do not compare with the applied one: until the
+            # snapshot is in, the follower is behind.
+            self.resyncing, self._resync_version = True, batch.leader_version
             if batch.snapshot_begin:
                 self._staged = {}
             for d in batch.deltas:
@@ -199,18 +210,21 @@ class Source:
                 self._staged.setdefault(d.table, []).append((keys, rows))
             if batch.snapshot_end:
                 self._apply_snapshot(batch)
-        elif batch.deltas or batch.version > self.applied_version:
-            with self.shard.serve_lock.writing():
-                self._take_specs(batch.specs)
-                for d in batch.deltas:
-                    table = self.shard.table(d.table)
-                    keys = wire.decode_keys(d.keys, f"table {d.table!r}: keys")
-                    table.assign(keys, wire.decode_rows(d.rows, keys.shape[0], d.dim, wire.FLOAT32, "rows"))
-                    deleted = wire.decode_keys(d.deleted_keys, f"table {d.table!r}: deleted_keys")
-                    if deleted.size:
-                        table.remove(deleted)
-                self.applied_version = max(self.applied_version, batch.version)
-                self.batches += 1
+        else:
+            self.leader_version = max(self.leader_version, batch.leader_version)
+            self.resyncing, self._staged = False, {}  # the leader continued this history after all
+            if batch.deltas or batch.version > self.applied_version:
+                with self.shard.serve_lock.writing():
+                    self._take_specs(batch.specs)
+                    for d in batch.deltas:
+                        table = self.shard.table(d.table)
+                        keys = wire.decode_keys(d.keys, f"table {d.table!r}: keys")
+                        table.assign(keys, wire.decode_rows(d.rows, keys.shape[0], d.dim, wire.FLOAT32, "rows"))
+                        deleted = wire.decode_keys(d.deleted_keys, f"table {d.table!r}: deleted_keys")
+                        if deleted.size:
+                            table.remove(deleted)
+                    self.applied_version = max(self.applied_version, batch.version)
+                    self.batches += 1
         self._caught_up_check()
         if time.monotonic() - self._saved_at >= _SAVE_EVERY_S:
             self._save_state()
@@ -230,6 +244,7 @@ class Source:
             self.history, self.applied_version = end.history, end.version
             self.leader_version = end.leader_version  # versions of an earlier history do not count
             self.snapshots += 1
+            self.resyncing = False
         self._staged = {}
         log.info("loaded a snapshot of %s at version %d (history %s)", self.leader, end.version, end.history)
         self._save_state(force=True)
@@ -242,7 +257,7 @@ class Source:
                 self.shard.install_table(dataclasses.replace(spec_from_proto(msg), lifecycle=Lifecycle()))
 
     def _caught_up_check(self) -> None:
-        if self.applied_version >= self.leader_version:
+        if not self.resyncing and self.applied_version >= self.leader_version:
             self._behind_since = None
         elif self._behind_since is None:
             self._behind_since = time.monotonic()
