@@ -212,7 +212,8 @@ def test_missing_benchmark_is_reported_and_fails_the_run(results: Path) -> None:
     assert code == 1
     assert t[("tier", f"missing: no tier.json (nor tier-*.json) in {results}")]["pass"] == "**fail**"
     assert "| tier | missing |" in text
-    assert cells(t, "training", "DLRM training, ours pipelined") == ("0.70×", "≥ 0.8×", "**fail**")  # the others still read
+    # The others still read.
+    assert cells(t, "training", "DLRM training, ours pipelined") == ("0.70×", "≥ 0.8×", "**fail**")
 
 
 def test_failed_run_shows_its_stderr_and_not_a_stale_json(results: Path) -> None:
