@@ -86,7 +86,7 @@ class Source:
         self._base: dict[str, Table] | None = None  # the shard's own tables while pinned
         self._behind_since: float | None = None
         self._staged: dict[str, list[tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]]] = {}
-        self._resync_version = 0  # while a snapshot is staged: the leader's newest version, in its history
+        self._resync_lag = 0  # while a snapshot is staged: versions it brings (all, in a new history)
         self.resyncing = False  # a snapshot is on its way: the rows served are older than the leader's
         self._saved_version = -1
         self._saved_at = 0.0
@@ -117,7 +117,7 @@ class Source:
 
     def lag_versions(self) -> int:
         if self.resyncing:
-            return max(1, self._resync_version)  # none of the snapshot's versions is applied yet
+            return max(1, self._resync_lag)  # none of the snapshot's versions is applied yet
         return max(0, self.leader_version - self.applied_version)
 
     def status(self) -> pb.FollowStatus:
@@ -199,9 +199,14 @@ class Source:
         if batch.history != self.history and not batch.in_snapshot:
             raise ValueError(f"a batch of history {batch.history} without a snapshot first")
         if batch.in_snapshot:
-            # Versions of another history do not compare with the applied one: until the
-            # snapshot is in, the follower is behind.
-            self.resyncing, self._resync_version = True, batch.leader_version
+            # Until the snapshot is in, the follower is behind. Versions of another history
+            # (a restarted leader counts from 0 again) do not compare with the applied one.
+            if batch.history == self.history:
+                self.leader_version = max(self.leader_version, batch.leader_version)
+                self._resync_lag = self.leader_version - self.applied_version
+            else:
+                self._resync_lag = batch.leader_version
+            self.resyncing = True
             if batch.snapshot_begin:
                 self._staged = {}
             for d in batch.deltas:

@@ -53,3 +53,12 @@ def test_a_follower_resyncing_to_a_restarted_leader_reports_itself_behind() -> N
     assert source.status().lag_versions == 2 and source.lag_s() >= 0
     source._apply(pb.FollowBatch(history="B", version=5, leader_version=5, specs=[spec()], deltas=[delta([2], 3.0)]))
     assert (source.applied_version, source.status().lag_versions, source.lag_s()) == (5, 0, 0.0)
+
+    # A snapshot of the same history (the follower fell out of the leader's change log): the
+    # versions compare, and the lag is the gap to the leader while the snapshot comes in.
+    source._apply(pb.FollowBatch(history="B", version=15, leader_version=15, specs=[spec()], deltas=[delta([2], 4.0)],
+                                 snapshot_begin=True, in_snapshot=True))  # fmt: skip
+    status = source.status()
+    assert (status.applied_version, status.leader_version, status.lag_versions) == (5, 15, 10)
+    source._apply(pb.FollowBatch(history="B", version=15, leader_version=15, snapshot_end=True, in_snapshot=True))
+    assert (source.applied_version, source.status().lag_versions, source.snapshots) == (15, 0, 3)
