@@ -162,7 +162,7 @@ class DistributedEmbedding(torch.nn.Module):
         weakref.finalize(sink, self._pipeline.settle, step)
         if self._fusable and all(batch[n].weights is None for n in self.features):
             position = {t: i for i, t in enumerate(names)}
-            sums = [SumFeature(position[f.table], plan.index[n], batch[n].offsets.numpy())
+            sums = [SumFeature(position[f.table], plan.index[n], _host_ids(batch[n].offsets))
                     for n, f in self.features.items()]  # fmt: skip
             return dict(zip(self.features, pool_and_push([rows[t] for t in names], sums, sink, self._anchor)))
         tensors = [torch.from_numpy(rows[t]).to(self.device, non_blocking=True) for t in names]
