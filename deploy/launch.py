@@ -170,21 +170,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.warning("interrupted (SIGINT or SIGTERM) while starting the shards")
         return _stop_cluster(cluster, set(), 130)  # nothing to stop if the interrupt reached start
-    policy = RestartPolicy()
-    for s in cluster.shards:
-        policy.started(s.index)
-    log.info(
-        "shards up: %s (restart on failure: %s)", ",".join(cluster.addresses), "on" if args.restart_shards else "off"
-    )
-    env = dict(os.environ, TRAINER_ADDRESSES=",".join(cluster.addresses))
-    # The shards share this machine: leave them a core. torchrun sets no thread count for a
-    # single worker, and torch's spinning OpenMP threads on every core starve the shards
-    # (2 cores, DLRM: 1.2K samples/s with 2 torch threads against 11.8K with 1).
-    env.setdefault("OMP_NUM_THREADS", str(threads_beside_local_shards(args.workers)))
     workers: subprocess.Popen[bytes] | None = None
     status = 1
     reported: set[int] = set()  # shards whose log tail was printed already
     try:
+        policy = RestartPolicy()
+        for s in cluster.shards:
+            policy.started(s.index)
+        log.info("shards up: %s (restart on failure: %s)", ",".join(cluster.addresses),
+                 "on" if args.restart_shards else "off")  # fmt: skip
+        env = dict(os.environ, TRAINER_ADDRESSES=",".join(cluster.addresses))
+        # The shards share this machine: leave them a core. torchrun sets no thread count for a
+        # single worker, and torch's spinning OpenMP threads on every core starve the shards
+        # (2 cores, DLRM: 1.2K samples/s with 2 torch threads against 11.8K with 1).
+        env.setdefault("OMP_NUM_THREADS", str(threads_beside_local_shards(args.workers)))
         workers = subprocess.Popen(_torchrun(args.workers, command), env=env, start_new_session=True,
                                    preexec_fn=die_with_parent)  # fmt: skip
         while True:
@@ -229,12 +228,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 class _Interrupt:
     """The SIGTERM/SIGINT handler: raises ``KeyboardInterrupt`` where the signal lands, and
     remembers it for ``check()``, since Python only reports (and drops) an exception raised
-    where it cannot propagate, such as the fork hooks that run inside ``subprocess.Popen``."""
+    where it cannot propagate, such as the fork hooks that run inside ``subprocess.Popen``.
+    Later signals are ignored: the teardown the first one started (workers get 40 s, then
+    SIGKILL) runs to its end."""
 
     def __init__(self) -> None:
         self.seen = False
 
     def __call__(self, signum: int, frame: object) -> None:
+        if self.seen:
+            return  # shutting down already: a second signal must not cut the teardown short
         self.seen = True
         raise KeyboardInterrupt
 

@@ -9,7 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from deploy.launch import RestartPolicy
+import pytest
+
+from deploy.launch import RestartPolicy, _Interrupt
 from deploy.local import threads_beside_local_shards
 from tests.integration.shards import shard_pid
 
@@ -41,6 +43,17 @@ def test_workers_get_one_thread_per_spare_core_and_a_signal_is_128_plus(tmp_path
     assert result.returncode == 128 + 9, result.stderr[-2000:]
     assert f"threads {threads_beside_local_shards(1)}" in result.stdout
     assert "was killed by SIGKILL" in result.stderr
+
+
+def test_the_first_signal_interrupts_and_later_ones_let_the_teardown_finish() -> None:
+    interrupt = _Interrupt()
+    interrupt.check()  # nothing yet
+    with pytest.raises(KeyboardInterrupt):
+        interrupt(signal.SIGTERM, None)
+    interrupt(signal.SIGTERM, None)  # during the teardown: recorded, not raised
+    interrupt(signal.SIGINT, None)
+    with pytest.raises(KeyboardInterrupt):
+        interrupt.check()  # a first signal Python dropped (raised in a fork hook) is still seen
 
 
 def test_restart_policy_gives_up_only_on_repeated_fast_failures() -> None:
