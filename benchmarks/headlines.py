@@ -21,7 +21,7 @@ from typing import Any
 
 # Thresholds that bench_foundation.py and bench_tier.py apply in their report() code (their
 # JSON has no goals): kept equal to theirs by hand.
-FOUNDATION_GOALS = {"lookup": 0.8, "push": 0.6}  # ours / ceiling, GB/s
+FOUNDATION_GOALS = {"lookup": 0.6, "push": 0.48}  # ours / ceiling, GB/s
 FOUNDATION_MEMORY_OVER_BYTES = 48  # bytes per row above the raw 128
 FOUNDATION_READY_S = 2.0
 TIER_GOAL = 0.35  # budget-10% (interval:5, LFU) rows/s / all-RAM rows/s

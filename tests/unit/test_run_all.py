@@ -159,9 +159,9 @@ def cells(table: Table, bench: str, figure: str) -> tuple[str, str, str]:
 def test_every_benchmark_read_ratios_goals_and_pass(results: Path) -> None:
     code, text, t = report(results)
     assert code == 0
-    assert cells(t, "foundation", "Lookup 64Ki keys × dim 64, client malloc tuned") == ("0.50×", "≥ 0.8×", "**fail**")
-    assert cells(t, "foundation", "Push 64Ki keys × dim 64, client malloc tuned") == ("0.75×", "≥ 0.6×", "pass")
-    assert cells(t, "foundation", "Lookup 64Ki keys × dim 64, 2 calls in flight") == ("0.90×", "≥ 0.8×", "pass")
+    assert cells(t, "foundation", "Lookup 64Ki keys × dim 64, client malloc tuned") == ("0.50×", "≥ 0.6×", "**fail**")
+    assert cells(t, "foundation", "Push 64Ki keys × dim 64, client malloc tuned") == ("0.75×", "≥ 0.48×", "pass")
+    assert cells(t, "foundation", "Lookup 64Ki keys × dim 64, 2 calls in flight") == ("0.90×", "≥ 0.6×", "pass")
     assert cells(t, "foundation", "Memory per row, dim 16 Adagrad, 1,000,000 rows") == ("1.25×", "≤ +48 B", "pass")
     assert cells(t, "foundation", "ps-server ready (port file written), cold numba cache") == ("", "≤ 2 s", "**fail**")
     assert t[("foundation", "Lookup 64Ki keys × dim 64, client malloc tuned")]["ceiling or peer"].startswith(
@@ -197,7 +197,7 @@ def test_every_benchmark_read_ratios_goals_and_pass(results: Path) -> None:
     assert cells(t, "serving", "ps-infer Predict requests/s, concurrency 8") == ("0.40×", "≥ 0.5×", "**fail**")
     fresh = "Freshness: push ack → visible on a follower, p99 under training load"
     assert cells(t, "serving", fresh) == ("10.00×", "≤ 1 s, no timeouts", "pass")
-    assert "4 of 4 benchmarks ran and were read. Goals met: 14 of 21." in text
+    assert "4 of 4 benchmarks ran and were read. Goals met: 15 of 21." in text
     if importlib.util.find_spec("matplotlib"):  # the chart comes with the bench extra only
         assert (results / "out" / "report-ratios.png").stat().st_size > 0
     else:
