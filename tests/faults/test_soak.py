@@ -37,6 +37,7 @@ def _rss(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
+@pytest.mark.slow  # selected by `pytest -m slow`, which runs the 30-minute version
 def test_connection_churn_soak(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     seconds = 1800.0 if long_run(request.config) else 25.0
     shard = start_shard(0, 1, tmp_path, f"--data-dir={tmp_path / 'data'}", "--follow-history-keys=50000")
