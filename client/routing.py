@@ -45,6 +45,15 @@ class TablePlan:
     def has_duplicates(self) -> bool:
         return bool(self.unique.shape[0] != self.keys.shape[0])
 
+    def of_unique(self) -> TablePlan:
+        """The plan of ``unique`` itself, routed as this one (no second dedup): a caller
+        that keeps ``inverse`` looks up and pushes one row per distinct key with it."""
+        if not self.has_duplicates:
+            return self
+        m = self.unique.shape[0]
+        return TablePlan(self.table, self.dim, self.unique, self.unique, np.arange(m, dtype=np.int64),
+                         self.order, self.bounds)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Part:

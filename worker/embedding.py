@@ -202,15 +202,20 @@ class DistributedEmbedding(torch.nn.Module):
         index: dict[str, npt.NDArray[np.int64]] = {}
         for table, feats in self._readers.items():
             parts = [_host_ids(batch[n].values) for n in feats]
-            keys, inverse = dedup(np.concatenate(parts) if len(parts) > 1 else parts[0])
+            ids = np.concatenate(parts) if len(parts) > 1 else parts[0]
             if self.mode == "sync":
                 # Ascending keys make embedding_bag's backward add up duplicate ids in the
                 # same order as over a local [vocab, dim] weight: bit-exact parity.
+                keys, inverse = dedup(ids)
                 order = np.argsort(keys, kind="stable")
                 rank = np.empty_like(order)
                 rank[order] = np.arange(order.shape[0])
                 keys, inverse = keys[order], rank[inverse]
-            unique[table] = self.client.plan(table, keys)
+                unique[table] = self.client.plan(table, keys)
+            else:
+                # One dedup: the plan's own, kept for the pooling index.
+                plan = self.client.plan(table, ids)
+                unique[table], inverse = plan.of_unique(), plan.inverse
             lo = 0
             for n, p in zip(feats, parts):
                 index[n] = inverse[lo : lo + p.shape[0]]

@@ -132,6 +132,21 @@ def test_a_plan_stands_in_for_its_keys_in_lookups_and_pushes(
         ps.push_many({"t": (plan, grads[:3])})
 
 
+def test_a_plans_unique_keys_are_planned_without_a_second_dedup(ps: PSClient, transport: InProcessTransport) -> None:
+    keys = np.array([9, 3, 9, 1000, 3, -5, 9], dtype=np.int64)
+    plan = ps.plan("t", keys)
+    once = plan.of_unique()
+    assert once.keys.tolist() == plan.unique.tolist() == [9, 3, 1000, -5] and not once.has_duplicates
+    assert once.order is plan.order and once.bounds is plan.bounds  # the same routing, not a new one
+    assert once.of_unique() is once
+    rows = ps.lookup_many({"t": once})["t"]
+    np.testing.assert_array_equal(rows[plan.inverse], ps.lookup("t", keys))  # the caller's fan-out
+    before = transport.count("Push")
+    grads = np.ones((4, DIM), np.float32)
+    assert ps.push_many({"t": (once, grads)}) == PushResult(rows_updated=4, duplicates=0)
+    assert transport.count("Push") - before == len({s for s in shard_of(once.keys, N).tolist()})
+
+
 def test_duplicates_and_caller_order_are_preserved(ps: PSClient, shards: list[Shard]) -> None:
     spec = spec_of(shards)
     keys = np.array([9, 3, 9, 1000, 3, -5, 9], dtype=np.int64)
