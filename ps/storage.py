@@ -79,6 +79,7 @@ _LEDGER_PREFIX = b"ledger:"
 _PROBE = b"write-probe"
 _USER_PREFIX = b"note:"
 _OPEN_HEADROOM_BYTES = 1 << 20  # new MANIFEST, OPTIONS and WAL files, table file overhead
+_MAX_WAL_BYTES = 64 << 20  # write-ahead log kept (about): at most what a start after kill -9 replays
 _SCAN_CHUNK = 1 << 16
 _READ_THREADS = max(1, min(4, os.cpu_count() or 1))  # threads one multi-get is split across
 _READ_PART_MIN = 512  # keys per thread, at least: below this a thread hand-off costs more
@@ -292,6 +293,12 @@ class Storage:
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
         opts.set_max_background_jobs(2)
+        # A kill -9 replays the WAL at the next start, and a WAL file lives until every
+        # column family with writes in it has flushed: the small meta family (push ledger)
+        # would keep every file since the start, so a shard up for an hour would replay an
+        # hour of pushes. Past this total, RocksDB flushes the families holding the oldest
+        # file instead: restart time stays bounded, whatever the uptime.
+        opts.set_max_total_wal_size(_MAX_WAL_BYTES)
         # Point reads of SST blocks through mmap skip a pread and a copy each.
         opts.set_allow_mmap_reads(True)
         existing = rocksdict.Rdict.list_cf(db_path) if (self.path / "db" / "CURRENT").exists() else []
