@@ -163,9 +163,9 @@ def _compare_rows(tmp: Path, run: dict[str, Any]) -> tuple[int, int, int]:
 @pytest.mark.slow
 def test_training_rides_through_shard_kills(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     # A plain run: 3 kills in ~60 steps (~30 s on 2 cores); `pytest -m slow`: 10 kills, one
-    # every ~15 s, in a run long enough for all of them (~17,000 samples/s on 2 cores, so
-    # ~3 minutes; the recorded pushes take ~2 GB).
-    samples, kills, gap_s = (3_000_000, 10, 15.0) if long_run(request.config) else (60_000, 3, 1.5)
+    # every ~15 s (up to 180 s for all 10), in a run long enough for all of them with room to
+    # spare (~18,000 samples/s on 2 cores, so ~4 minutes; the recorded pushes take ~3 GB).
+    samples, kills, gap_s = (4_500_000, 10, 15.0) if long_run(request.config) else (60_000, 3, 1.5)
     seed = random.randrange(1 << 32)
     faulty = _train(tmp_path / "faulty", samples=samples, kills=kills, gap_s=gap_s, seed=seed)
     clean = _train(tmp_path / "clean", samples=samples, kills=0, gap_s=0)
