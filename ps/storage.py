@@ -293,11 +293,9 @@ class Storage:
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
         opts.set_max_background_jobs(2)
-        # A kill -9 replays the WAL at the next start, and a WAL file lives until every
-        # column family with writes in it has flushed: the small meta family (push ledger)
-        # would keep every file since the start, so a shard up for an hour would replay an
-        # hour of pushes. Past this total, RocksDB flushes the families holding the oldest
-        # file instead: restart time stays bounded, whatever the uptime.
+        # A WAL file lives until every family with writes in it has flushed: the meta family
+        # (a little ledger per push) would keep them all, and a start after kill -9 replays
+        # them. Past this total RocksDB flushes the oldest file's families: bounded restarts.
         opts.set_max_total_wal_size(_MAX_WAL_BYTES)
         # Point reads of SST blocks through mmap skip a pread and a copy each.
         opts.set_allow_mmap_reads(True)
