@@ -304,7 +304,9 @@ def chart(res: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    modes = ["all RAM", "10%, interval:5", "10%, every-push"]
+    labels = {None: "all RAM", "interval:5": "10%, LFU\ninterval:5", "interval:5/lru": "10%, LRU\ninterval:5",
+              "every-push": "10%, LFU\nevery-push"}  # fmt: skip
+    modes = [labels[m] for m in MODES]
     x = np.arange(len(modes))
     for off, part, label in ((-0.2, "served", "gRPC ps-server"), (0.2, "zipf", "in process")):
         ram = res["zipf_part"][part][0]["rows_per_s"]
