@@ -43,6 +43,11 @@ import numpy.typing as npt
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # headlines, beside this file
+
+from headlines import FOUNDATION_GOALS as GOALS  # noqa: E402
+from headlines import FOUNDATION_MEMORY_OVER_BYTES as OVER_BYTES  # noqa: E402
+from headlines import FOUNDATION_READY_S as READY_S  # noqa: E402
 
 from client import ClientConfig, GrpcTransport, PSClient  # noqa: E402
 from client.batching import scatter_rows  # noqa: E402
@@ -65,10 +70,6 @@ ADAGRAD = OptimizerParams(kind=OptimizerKind.ADAGRAD)
 LOOKUP_BYTES = len(wire.LookupResponseWriter([(TABLE, ROWS, DIM, wire.FLOAT32)]).finish())
 Keys = npt.NDArray[np.int64]
 Samples = dict[str, list[float]]
-
-
-# Issue 13: of the raw-bytes echo of the same payload (the mandatory work was measured at ~0.63x and ~0.5x).
-GOALS = {"lookup": 0.6, "push": 0.48}
 
 
 def workload() -> tuple[Keys, list[Keys]]:
@@ -315,10 +316,11 @@ def report(res: dict[str, Any]) -> str:
     m, r = res["memory"], res["ready"]
     over = m["bytes_per_row"] - m["raw_row_bytes"]
     rows += [(f"Memory per row, dim 16 Adagrad, {m['rows']:,} rows", f"{m['bytes_per_row']:.1f} B",
-              f"{m['raw_row_bytes']} B raw", f"+{over:.1f} B", "<= +48 B", str(over <= 48)),
-             ("Ready time, warm numba cache (median of 5)", f"{r['warm_median_s']:.2f} s", "-", "-", "<= 2 s",
-              str(r["warm_median_s"] <= 2)),
-             ("Ready time, cold numba cache (1st start)", f"{r['cold_s']:.2f} s", "-", "-", "<= 2 s", str(r["cold_s"] <= 2)),
+              f"{m['raw_row_bytes']} B raw", f"+{over:.1f} B", f"<= +{OVER_BYTES} B", str(over <= OVER_BYTES)),
+             ("Ready time, warm numba cache (median of 5)", f"{r['warm_median_s']:.2f} s", "-", "-", f"<= {READY_S:g} s",
+              str(r["warm_median_s"] <= READY_S)),
+             ("Ready time, cold numba cache (1st start)", f"{r['cold_s']:.2f} s", "-", "-", f"<= {READY_S:g} s",
+              str(r["cold_s"] <= READY_S)),
              ("First lookup+push after ready, cold / warm", f"{r['first_call_cold_s']:.2f} / "
               f"{r['first_call_warm_median_s']:.2f} s", "-", "-", "-", "-")]  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(6)]

@@ -39,8 +39,10 @@ from typing import Any
 import numpy as np
 import rocksdict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_zipf, beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tier_zipf and headlines, beside this file
 
+from headlines import TIER_GOAL  # noqa: E402
+from headlines import TIER_HIT_RATE_GOAL as HIT_RATE_GOAL  # noqa: E402
 from tier_zipf import (  # noqa: E402
     BATCH,
     BUDGET_FRACTION,
@@ -62,7 +64,6 @@ from ps.table import Table  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 MODES = (None, "interval:5", "interval:5/lru", "every-push")  # see tier_zipf.mode_name
-TIER_GOAL, HIT_RATE_GOAL = 0.35, 0.72  # budget-10% interval:5 (LFU) vs all-RAM, through gRPC
 
 
 def open_shard(tmp: Path | None, durability: str, budget: int) -> Shard:
