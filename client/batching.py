@@ -21,7 +21,9 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["dedup", "group", "scatter_rows", "sum_duplicates"]
+from protos.hashing import shard_buckets
+
+__all__ = ["dedup", "group", "plan_keys", "scatter_rows", "sum_duplicates"]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -85,6 +87,35 @@ def group(shards: npt.NDArray[np.int32], num_shards: int) -> tuple[npt.NDArray[n
     bounds = np.zeros(num_shards + 1, dtype=np.int64)
     _counting_sort(np.ascontiguousarray(shards, dtype=np.int32), num_shards, order, bounds)
     return order, bounds
+
+
+@numba.njit(nogil=True, cache=True)
+def _plan(keys: npt.NDArray[np.int64], num_shards: int, table_keys: npt.NDArray[np.int64],
+          table_ids: npt.NDArray[np.int64], unique: npt.NDArray[np.int64], inverse: npt.NDArray[np.int64],
+          shards: npt.NDArray[np.int32], order: npt.NDArray[np.int64], bounds: npt.NDArray[np.int64]) -> int:  # fmt: skip
+    m = _dedup(keys, table_keys, table_ids, unique, inverse)
+    if num_shards > 1:
+        shard_buckets(unique[:m], num_shards, shards[:m])
+    _counting_sort(shards[:m], num_shards, order[:m], bounds)
+    return m
+
+
+def plan_keys(
+    keys: npt.NDArray[np.int64], num_shards: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``dedup`` then ``group(shard_of(unique))`` in one compiled call: ``(unique, inverse,
+    order, bounds)``. A lookup of a few thousand keys spends more on each call from Python
+    than on its keys, so the three steps share one."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    n = keys.shape[0]
+    size = 1 << max(4, int(2 * n - 1).bit_length())  # load factor <= 0.5
+    unique = np.empty(n, dtype=np.int64)
+    order = np.empty(n, dtype=np.int64)
+    bounds = np.zeros(num_shards + 1, dtype=np.int64)
+    inverse = np.empty(n, dtype=np.int64)
+    m = _plan(keys, num_shards, np.empty(size, dtype=np.int64), np.full(size, -1, dtype=np.int64), unique, inverse,
+              np.zeros(n, dtype=np.int32), order, bounds)  # fmt: skip
+    return unique[:m], inverse, order[:m], bounds
 
 
 @numba.njit(nogil=True, cache=True)

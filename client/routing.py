@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from client.batching import dedup, group
+from client.batching import plan_keys
 from client.errors import InvalidRequestError
-from protos.keys import shard_of
 
 __all__ = ["Part", "TablePlan", "pack", "plan_table"]
 
@@ -78,8 +77,9 @@ class Part:
 
 def plan_table(table: str, keys: npt.NDArray[np.int64], dim: int, num_shards: int) -> TablePlan:
     """Dedup ``keys`` and group the unique ones by shard."""
-    unique, inverse = dedup(keys)
-    order, bounds = group(shard_of(unique, num_shards), num_shards)
+    if num_shards < 1:
+        raise ValueError(f"num_shards={num_shards}: must be >= 1")
+    unique, inverse, order, bounds = plan_keys(keys, num_shards)
     return TablePlan(table, dim, keys, unique, inverse, order, bounds)
 
 
