@@ -58,6 +58,7 @@ def backoff_s(attempt: int, config: ClientConfig) -> float:
 
 
 _GATHER_S = 0.5  # after a non-retryable failure, how long the other attempts in flight may finish
+_IN_TURN_S = 0.05  # how long the callback-free wait may delay noticing another request's failure
 
 
 def call_all(
@@ -138,8 +139,11 @@ class _Exchange:
 
     def run(self) -> list[Answer | None]:
         try:
+            lean = self.hedge_after_s is None
             for i in range(len(self.requests)):
-                self._send(i)
+                self._send(i, notify=not lean)
+            if lean and self._wait_in_turn():
+                return [r.answer for r in self.requests]
             while not all(r.done for r in self.requests):
                 now = time.monotonic()
                 if self.fatal is not None:
@@ -179,8 +183,41 @@ class _Exchange:
             log.info("%s: answered (%.1f s after the first failure)", self.method, time.monotonic() - self.started)
         return [r.answer for r in self.requests]
 
+    def _wait_in_turn(self) -> bool:
+        """The common case without callbacks: wait for each first attempt in turn. True when
+        all answered; otherwise (a failure, or no answer within ``_IN_TURN_S``) every attempt
+        still in flight reports to ``finished`` from here on and ``run``'s loop takes over.
+
+        Each attempt's callback and queue hop cost the caller's thread about as much as the
+        rest of a small exchange, and under concurrency every thread waits for the GIL."""
+        until = min(self.deadline, time.monotonic() + _IN_TURN_S)
+        for r in self.requests:
+            if len(r.inflight) != 1:
+                break
+            aid, attempt = next(iter(r.inflight.items()))
+            call = attempt.call
+            try:
+                data = (
+                    call.result(max(0.0, until - time.monotonic()))
+                    if hasattr(call, "add_done_callback")
+                    else call.result()
+                )
+            except (grpc.RpcError, TimeoutError, grpc.FutureTimeoutError):
+                break
+            del r.inflight[aid]
+            self._answered(r, attempt, data)
+        else:
+            return True
+        for i, r in enumerate(self.requests):
+            for aid, attempt in r.inflight.items():
+                self._notify(i, aid, attempt.call)
+        return False
+
+    def _notify(self, i: int, aid: int, call: Call) -> None:
+        when_done(call, lambda: self.finished.put((i, aid)))
+
     # -- attempts -------------------------------------------------------------------
-    def _send(self, i: int, hedge: bool = False) -> None:
+    def _send(self, i: int, hedge: bool = False, notify: bool = True) -> None:
         r = self.requests[i]
         busy = {a.pick.endpoint for a in r.inflight.values()}
         if r.pinned is not None:
@@ -204,7 +241,8 @@ class _Exchange:
             r.attempts += 1
             if self.hedge_after_s is not None:
                 r.hedge_at = time.monotonic() + self.hedge_after_s
-        when_done(call, lambda: self.finished.put((i, aid)))
+        if notify:
+            self._notify(i, aid, call)
         if r.pinned is None and not hedge:
             probe = self.replicas.probe(r.shard, exclude={pick.endpoint})
             if probe is not None:
@@ -242,6 +280,9 @@ class _Exchange:
         except grpc.RpcError as exc:
             self._failed(i, attempt, exc)
             return
+        self._answered(r, attempt, data)
+
+    def _answered(self, r: _Request, attempt: _Attempt, data: bytes) -> None:
         self.replicas.release(attempt.pick, OK)
         r.answer, r.done, r.hedge_at, r.retry_at = Answer(data, attempt.pick.endpoint), True, None, None
         self._cancel(r, FAILED)  # the slower of a hedged pair lost the race

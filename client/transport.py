@@ -31,11 +31,13 @@ class Call(Protocol):
     """An RPC in flight: ``result()`` blocks and returns the response bytes or raises ``grpc.RpcError``.
 
     A call that can finish later also has ``add_done_callback(fn)`` (as gRPC futures do),
-    calling ``fn(call)`` once it finished, at once if it already has. A call without it
-    must be finished when ``Transport.call`` returns it (in-process transports).
+    calling ``fn(call)`` once it finished, at once if it already has, and takes
+    ``result(timeout_s)``, raising ``TimeoutError`` (or ``grpc.FutureTimeoutError``) if it
+    has not finished by then. A call without ``add_done_callback`` must be finished when
+    ``Transport.call`` returns it (in-process transports).
     """
 
-    def result(self) -> bytes: ...
+    def result(self, timeout_s: float | None = None) -> bytes: ...
     def cancel(self) -> bool: ...
 
 
@@ -72,8 +74,8 @@ class _PooledCall:
         self._future = future
         future.add_done_callback(lambda _: done())
 
-    def result(self) -> bytes:
-        return self._future.result()
+    def result(self, timeout_s: float | None = None) -> bytes:
+        return self._future.result(timeout_s)
 
     def cancel(self) -> bool:
         return self._future.cancel()

@@ -92,7 +92,7 @@ class _DoneCall:
         self._response = response
         self._error = error
 
-    def result(self) -> bytes:
+    def result(self, timeout_s: float | None = None) -> bytes:
         if self._error is not None:
             raise self._error
         assert self._response is not None

@@ -165,7 +165,7 @@ class _Failed(grpc.RpcError):
     def details(self) -> str:
         return "reply lost"
 
-    def result(self) -> bytes:
+    def result(self, timeout_s: float | None = None) -> bytes:
         raise self
 
     def cancel(self) -> bool:

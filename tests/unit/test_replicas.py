@@ -231,8 +231,9 @@ class _Hanging:
         self._done = threading.Event()
         self._callbacks: list[Callable[[Any], None]] = []
 
-    def result(self) -> bytes:
-        self._done.wait()
+    def result(self, timeout_s: float | None = None) -> bytes:
+        if not self._done.wait(timeout_s):
+            raise TimeoutError
         raise FakeRpcError(grpc.StatusCode.CANCELLED, "cancelled")
 
     def cancel(self) -> bool:

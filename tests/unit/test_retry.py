@@ -3,7 +3,10 @@ name their shard, undecodable replies. Real ``Shard``s behind ``InProcessTranspo
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -103,8 +106,67 @@ def test_undecodable_reply_is_an_internal_error_naming_the_shard(
 
 
 class _Garbled:
-    def result(self) -> bytes:
+    def result(self, timeout_s: float | None = None) -> bytes:
         return b"\xff\xff\xff"
 
     def cancel(self) -> bool:
         return False
+
+
+class _Later:
+    """A call that finishes ``delay_s`` after it starts, like a gRPC future."""
+
+    def __init__(self, done: object, delay_s: float) -> None:
+        self._done, self._event = done, threading.Event()
+        self._callbacks: list[Callable[[Any], None]] = []
+        self._lock = threading.Lock()
+        threading.Timer(delay_s, self._finish).start()
+
+    def _finish(self) -> None:
+        with self._lock:
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
+
+    def result(self, timeout_s: float | None = None) -> bytes:
+        if not self._event.wait(timeout_s):
+            raise TimeoutError
+        return self._done.result()  # type: ignore[attr-defined,no-any-return]
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+
+def test_a_slow_shard_does_not_hold_up_the_retry_of_a_failing_one(
+    shards: list[Shard], transport: InProcessTransport
+) -> None:
+    # The caller first waits for each shard's answer in turn, without callbacks; a failure
+    # elsewhere must still be retried while a slow shard is answering, not after it.
+    with PSClient(addresses(), FAST, transport=transport) as ps:
+        ps.create_table("t", DIM)
+        expected = ps.lookup("t", KEYS)
+        real = transport.call
+        sent: list[tuple[int, float]] = []
+        started = time.monotonic()
+
+        def slow_and_failing(shard: int, method: str, request: bytes, timeout_s: float) -> object:
+            call = real(shard, method, request, timeout_s)
+            sent.append((shard, time.monotonic() - started))
+            return _Later(call, 0.8 if shard == 0 else 0.0)
+
+        transport.call = slow_and_failing  # type: ignore[method-assign]
+        transport.fail_next("Lookup", grpc.StatusCode.UNAVAILABLE, times=1, shard=1)
+        rows = ps.lookup("t", KEYS)
+    assert np.array_equal(rows, expected)
+    assert [s for s, _ in sent].count(1) == 2  # the failed attempt and its retry
+    retry_at = max(t for s, t in sent if s == 1)
+    assert retry_at < 0.5, f"shard 1 retried {retry_at:.2f} s in, after slow shard 0 answered (0.8 s)"
+    assert time.monotonic() - started >= 0.8
