@@ -112,7 +112,9 @@ class GrpcTransport:
         self._reconnect_max_ms = max(100, int(reconnect_max_s * 1000))
         self._channels: list[grpc.Channel] = []
         self._methods: dict[tuple[int, str], Any] = {}
-        self._threads = threads if threads is not None else max(8, 4 * len(self._addresses))
+        # Threads start as calls need them. 8 callers x 2 shards already need 16: past the
+        # limit a call goes out as a gRPC future, which starts a thread of gRPC's per call.
+        self._threads = threads if threads is not None else max(64, 8 * len(self._addresses))
         self._pool: ThreadPoolExecutor | None = None
         self._busy = 0
         self._busy_lock = threading.Lock()
