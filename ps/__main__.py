@@ -22,7 +22,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from protos.servers import write_port_file
+from protos.servers import settle_heap, write_port_file
 from protos.wire import tune_malloc
 from ps.config import ConfigError, ServerConfig, load_config
 from ps.server import build_server
@@ -59,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
+    settle_heap()
     if config.port_file is not None:
         write_port_file(config.port_file, server.port)
     log.info("listening shard=%d num_shards=%d port=%d", config.shard, config.num_shards, server.port)

@@ -53,7 +53,7 @@ from protos import infer_pb2 as pb
 from protos import infer_pb2_grpc
 from protos.auth import bearer_metadata
 from protos.guard import Guard, RpcMetrics, serve_metrics
-from protos.servers import listen, server_security, write_port_file
+from protos.servers import listen, server_security, settle_heap, write_port_file
 from protos.tls import channel_credentials, open_channel
 from worker.config import parse_config
 from worker.export import load_model
@@ -412,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
+    settle_heap()
     if config.port_file is not None:
         write_port_file(config.port_file, server.port)
     log.info("listening port=%d model=%s run=%s", server.port, config.model, predictor.model.run)
