@@ -165,4 +165,3 @@ def settle_heap() -> None:
     """
     gc.collect()
     gc.freeze()
-
