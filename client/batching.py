@@ -56,14 +56,15 @@ def _dedup(keys: npt.NDArray[np.int64], table_keys: npt.NDArray[np.int64], table
 def dedup(keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """``(unique, inverse)`` with ``unique[inverse] == keys``; unique keys keep first-seen order."""
     keys = np.ascontiguousarray(keys, dtype=np.int64)
-    n = keys.shape[0]
-    size = 1 << max(4, int(2 * n - 1).bit_length())  # load factor <= 0.5
-    table_ids = np.full(size, -1, dtype=np.int64)
-    table_keys = np.empty(size, dtype=np.int64)
-    unique = np.empty(n, dtype=np.int64)
-    inverse = np.empty(n, dtype=np.int64)
-    m = _dedup(keys, table_keys, table_ids, unique, inverse)
+    unique, inverse = np.empty_like(keys), np.empty_like(keys)
+    m = _dedup(keys, *_hash_table(keys.shape[0]), unique, inverse)
     return unique[:m], inverse
+
+
+def _hash_table(n: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Empty ``(table_keys, table_ids)`` of ``_dedup`` for ``n`` keys (load factor <= 0.5)."""
+    size = 1 << max(4, int(2 * n - 1).bit_length())
+    return np.empty(size, dtype=np.int64), np.full(size, -1, dtype=np.int64)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -108,13 +109,9 @@ def plan_keys(
     than on its keys, so the three steps share one."""
     keys = np.ascontiguousarray(keys, dtype=np.int64)
     n = keys.shape[0]
-    size = 1 << max(4, int(2 * n - 1).bit_length())  # load factor <= 0.5
-    unique = np.empty(n, dtype=np.int64)
-    order = np.empty(n, dtype=np.int64)
+    unique, inverse, order = np.empty_like(keys), np.empty_like(keys), np.empty_like(keys)
     bounds = np.zeros(num_shards + 1, dtype=np.int64)
-    inverse = np.empty(n, dtype=np.int64)
-    m = _plan(keys, num_shards, np.empty(size, dtype=np.int64), np.full(size, -1, dtype=np.int64), unique, inverse,
-              np.zeros(n, dtype=np.int32), order, bounds)  # fmt: skip
+    m = _plan(keys, num_shards, *_hash_table(n), unique, inverse, np.zeros(n, dtype=np.int32), order, bounds)
     return unique[:m], inverse, order[:m], bounds
 
 
