@@ -158,10 +158,10 @@ def settle_heap() -> None:
     """Move everything a server built while starting (modules, compiled kernels, tables'
     metadata) out of the garbage collector's reach, once it is ready to serve.
 
-    A full collection walks every tracked object: with numba, grpc and torch loaded that
-    is a pause of ~50 ms, taken every few seconds of traffic, and each one lands in the
-    tail latency of the requests in flight. Frozen objects are never walked again; what
-    requests allocate is still collected as before.
+    A full collection walks every tracked object: 40 ms in a ps-server heap (118K objects)
+    and 106 ms in ps-infer's (257K, torch loaded), a stall for the requests in flight.
+    Frozen objects are never walked again (0.01 ms after freezing); what requests
+    allocate is still collected as before.
     """
     gc.collect()
     gc.freeze()
