@@ -148,6 +148,7 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
         self._in_flight = 0
         self._streams = 0
         self._per_peer: Counter[str] = Counter()
+        self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (handler, its wrapped handler)
 
     @property
     def in_flight(self) -> int:
@@ -177,7 +178,12 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
             return _refuse(handler, code, message)
         if handler.request_streaming:
             return handler  # no client-streaming methods here: not counted
-        return self._wrap(handler, method)
+        # Each call asks again; a method's handler is the same object every time, so it
+        # is wrapped once (a wrap per call cost as much as the rest of this method).
+        cached = self._wrapped.get(full)
+        if cached is None or cached[0] is not handler:
+            cached = self._wrapped[full] = (handler, self._wrap(handler, method))
+        return cached[1]
 
     # -- the checks -------------------------------------------------------------------
     def _check_token(self, full: str, metadata: Any) -> tuple[grpc.StatusCode, str, str] | None:
