@@ -13,9 +13,10 @@ Example:
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError
 from typing import Any, Protocol
 
 import grpc
@@ -61,27 +62,117 @@ def when_done(call: Call, fn: Callable[[], None]) -> None:
 
 
 class _PooledCall:
-    """A blocking gRPC call run on one of the transport's own threads.
+    """A blocking gRPC call run on one of the transport's own threads (``_CallThreads``).
 
     gRPC's ``future()`` starts a thread per channel whenever the channel goes from no
     call in flight to one, and that thread exits when the call ends: a client that calls
     each shard once per request starts a thread per shard per request (about 0.3 ms of
     the caller's time each, measured on 2 cores). A blocking call on a thread that stays
-    needs none. Such a call cannot be cancelled once running: it ends at its timeout.
+    needs none. Waiting is one lock (no ``concurrent.futures`` condition variables: under
+    concurrency each of those Python-level steps waits for the GIL again). A call cannot
+    be cancelled once running: it ends at its timeout.
     """
 
-    def __init__(self, future: Future[bytes], done: Callable[[], None]) -> None:
-        self._future = future
-        future.add_done_callback(lambda _: done())
+    __slots__ = ("_stub", "_request", "_kwargs", "_done", "_finished", "_cancelled", "_value", "_error",
+                 "_callbacks", "_release")  # fmt: skip
+
+    def __init__(self, stub: Any, request: bytes, kwargs: dict[str, Any], release: Callable[[], None]) -> None:
+        self._stub, self._request, self._kwargs, self._release = stub, request, kwargs, release
+        self._done = threading.Lock()
+        self._done.acquire()  # released once the call has finished
+        self._finished = self._cancelled = False
+        self._value: bytes = b""
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Any], None]] = []
+
+    def run(self) -> None:
+        """On a call thread: make the call (unless cancelled first), then report."""
+        if self._cancelled:
+            self._error = CancelledError()
+        else:
+            try:
+                self._value = self._stub(self._request, **self._kwargs)
+            except BaseException as exc:  # handed to whoever waits for the result
+                self._error = exc
+        self._request = b""
+        self._release()
+        with _CALLBACKS_LOCK:
+            self._finished = True
+            callbacks, self._callbacks = self._callbacks, []
+        self._done.release()
+        for fn in callbacks:
+            fn(self)
 
     def result(self, timeout_s: float | None = None) -> bytes:
-        return self._future.result(timeout_s)
+        if not self._finished:
+            if not self._done.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
+                raise TimeoutError(f"call not finished within {timeout_s} s")
+            self._done.release()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
     def cancel(self) -> bool:
-        return self._future.cancel()
+        """True if the call had not started: it will not be made."""
+        if self._finished:
+            return False
+        self._cancelled = True
+        return True
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
-        self._future.add_done_callback(lambda _: fn(self))
+        with _CALLBACKS_LOCK:
+            if not self._finished:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+
+# Guards every pooled call's callbacks against finishing while one is being added:
+# rarely contended (the retry loop adds callbacks only when a first attempt fails or lags).
+_CALLBACKS_LOCK = threading.Lock()
+
+
+class _CallThreads:
+    """Up to ``limit`` threads that make pooled calls, started as calls need them; calls
+    wait in a ``SimpleQueue`` (C-level, no Python condition variables)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._jobs: queue.SimpleQueue[_PooledCall | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._busy = self._started = 0
+        self._closed = False
+
+    def submit(self, stub: Any, request: bytes, kwargs: dict[str, Any]) -> _PooledCall | None:
+        """Queue a call; None when ``limit`` calls are in flight already (or after close)."""
+        with self._lock:
+            if self._closed or self._busy >= self.limit:
+                return None
+            self._busy += 1
+            start = self._busy > self._started
+            if start:
+                self._started += 1
+        if start:
+            threading.Thread(target=self._work, name=f"ps-call-{self._started}", daemon=True).start()
+        call = _PooledCall(stub, request, kwargs, self._finished)
+        self._jobs.put(call)
+        return call
+
+    def close(self) -> None:
+        """Threads exit once the calls queued before finish (calls on closed channels fail fast)."""
+        with self._lock:
+            self._closed = True
+            started = self._started
+        for _ in range(started):
+            self._jobs.put(None)
+
+    def _finished(self) -> None:
+        with self._lock:
+            self._busy -= 1
+
+    def _work(self) -> None:
+        while (call := self._jobs.get()) is not None:
+            call.run()
 
 
 class GrpcTransport:
@@ -115,9 +206,7 @@ class GrpcTransport:
         # Threads start as calls need them. 8 callers x 2 shards already need 16: past the
         # limit a call goes out as a gRPC future, which starts a thread of gRPC's per call.
         self._threads = threads if threads is not None else max(64, 8 * len(self._addresses))
-        self._pool: ThreadPoolExecutor | None = None
-        self._busy = 0
-        self._busy_lock = threading.Lock()
+        self._calls: _CallThreads | None = None
 
     def start(self) -> None:
         if self._channels:
@@ -130,14 +219,14 @@ class GrpcTransport:
             ("grpc.max_reconnect_backoff_ms", self._reconnect_max_ms),
         ]
         self._channels = [open_channel(a, self._credentials, options) for a in self._addresses]
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="ps-call")
+        self._calls = _CallThreads(self._threads)
 
     def close(self) -> None:
         for channel in self._channels:
             channel.close()  # calls still in flight end with CANCELLED
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None
         self._channels = []
         self._methods.clear()
 
@@ -152,22 +241,9 @@ class GrpcTransport:
             # Identity (de)serializers: the client encodes and decodes messages itself.
             stub = self._channels[endpoint].unary_unary(SERVICE_PATH + method, None, None)
             self._methods[(endpoint, method)] = stub
-        with self._busy_lock:
-            pooled = self._pool is not None and self._busy < self._threads
-            if pooled:
-                self._busy += 1
-        if not pooled:
-            future: Call = stub.future(request, timeout=timeout_s, metadata=self._metadata)
-            return future
-        assert self._pool is not None
-        try:
-            return _PooledCall(
-                self._pool.submit(stub, request, timeout=timeout_s, metadata=self._metadata), self._release
-            )
-        except BaseException:
-            self._release()
-            raise
-
-    def _release(self) -> None:
-        with self._busy_lock:
-            self._busy -= 1
+        kwargs = {"timeout": timeout_s, "metadata": self._metadata}
+        pooled = None if self._calls is None else self._calls.submit(stub, request, kwargs)
+        if pooled is not None:
+            return pooled
+        future: Call = stub.future(request, timeout=timeout_s, metadata=self._metadata)
+        return future
