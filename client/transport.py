@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError
 from typing import Any, Protocol
@@ -140,31 +141,39 @@ class _CallThreads:
         self.limit = limit
         self._jobs: queue.SimpleQueue[_PooledCall | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._busy = self._started = 0
+        self._busy = 0
         self._closed = False
+        self._threads: list[threading.Thread] = []
 
     def submit(self, stub: Any, request: bytes, kwargs: dict[str, Any]) -> _PooledCall | None:
         """Queue a call; None when ``limit`` calls are in flight already (or after close)."""
+        thread = None
         with self._lock:
             if self._closed or self._busy >= self.limit:
                 return None
             self._busy += 1
-            start = self._busy > self._started
-            if start:
-                self._started += 1
-        if start:
-            threading.Thread(target=self._work, name=f"ps-call-{self._started}", daemon=True).start()
+            if self._busy > len(self._threads):  # every thread is busy: one more
+                thread = threading.Thread(target=self._work, name=f"ps-call-{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+        if thread is not None:
+            thread.start()
         call = _PooledCall(stub, request, kwargs, self._finished)
         self._jobs.put(call)
         return call
 
-    def close(self) -> None:
-        """Threads exit once the calls queued before finish (calls on closed channels fail fast)."""
+    def close(self, wait_s: float = 2.0) -> None:
+        """Threads exit once the calls queued before finish (calls on closed channels end
+        at once, CANCELLED); waits up to ``wait_s`` for them, so none is still inside gRPC
+        when the process exits."""
         with self._lock:
             self._closed = True
-            started = self._started
-        for _ in range(started):
+            threads = list(self._threads)
+        for _ in threads:
             self._jobs.put(None)
+        until = time.monotonic() + wait_s
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, until - time.monotonic()))
 
     def _finished(self) -> None:
         with self._lock:
