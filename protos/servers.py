@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -152,6 +154,26 @@ def write_port_file(path: Path, port: int) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(f"{port}\n")
     tmp.replace(path)
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by the first SIGTERM or SIGINT; later ones are ignored.
+
+    The first signal starts the shutdown. Another one changes nothing then, but Python
+    restores every signal's default action as the interpreter exits, so one arriving
+    after the shutdown finished (a launcher stopping a group, then each process) would
+    still kill the process and turn its exit status 0 into -SIGTERM.
+    """
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    return stop
 
 
 def settle_heap() -> None:

@@ -19,10 +19,9 @@ import logging
 import os
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 
-from protos.servers import settle_heap, write_port_file
+from protos.servers import settle_heap, stop_on_signals, write_port_file
 from protos.wire import tune_malloc
 from ps.config import ConfigError, ServerConfig, load_config
 from ps.server import build_server
@@ -56,9 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", exc)
         return 1
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    stop = stop_on_signals()
     settle_heap()
     if config.port_file is not None:
         write_port_file(config.port_file, server.port)

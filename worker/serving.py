@@ -31,7 +31,6 @@ import contextlib
 import logging
 import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -53,7 +52,7 @@ from protos import infer_pb2 as pb
 from protos import infer_pb2_grpc
 from protos.auth import bearer_metadata
 from protos.guard import Guard, RpcMetrics, serve_metrics
-from protos.servers import listen, server_security, settle_heap, write_port_file
+from protos.servers import listen, server_security, settle_heap, stop_on_signals, write_port_file
 from protos.tls import channel_credentials, open_channel
 from worker.config import parse_config
 from worker.export import load_model
@@ -409,9 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("%s", exc)
         client.close()
         return 1
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    stop = stop_on_signals()
     settle_heap()
     if config.port_file is not None:
         write_port_file(config.port_file, server.port)

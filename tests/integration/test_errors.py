@@ -3,6 +3,7 @@ and the shard keeps serving afterwards."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -281,4 +282,22 @@ def test_sigterm_drains_in_flight_calls_and_exits_0(tmp_path: Path) -> None:
     worker.join(30)
     assert not errors, errors
     assert calls[0] >= 3
+    assert "stopped" in s.log.read_text()
+
+
+def test_sigterm_again_while_a_shard_exits_still_ends_it_cleanly(tmp_path: Path) -> None:
+    # A launcher may signal a group and then each process: a repeat must neither hang
+    # the shutdown nor, arriving as the interpreter exits, kill the process (-SIGTERM).
+    s = start_shard(0, 1, tmp_path)
+    with PSClient([s.address]) as ps:
+        ps.create_table("t", 4)
+        ps.push("t", np.arange(100), np.ones((100, 4), np.float32))
+    deadline = time.monotonic() + 30
+    signals = 0
+    while s.proc.poll() is None and time.monotonic() < deadline:
+        s.proc.send_signal(signal.SIGTERM)
+        signals += 1
+        time.sleep(0.002)
+    assert s.proc.wait(5) == 0, s.log.read_text()[-2000:]
+    assert signals > 1
     assert "stopped" in s.log.read_text()
