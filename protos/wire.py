@@ -207,6 +207,10 @@ _PyBytes_FromStringAndSize.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
 _PyBytes_AsString = ctypes.pythonapi.PyBytes_AsString
 _PyBytes_AsString.restype = ctypes.c_void_p
 _PyBytes_AsString.argtypes = [ctypes.py_object]
+_PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
+_PyMemoryView_FromMemory.restype = ctypes.py_object
+_PyMemoryView_FromMemory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_PyBUF_WRITE = 0x200
 
 
 def alloc_bytes(size: int) -> tuple[bytes, npt.NDArray[np.uint8]]:
@@ -222,7 +226,9 @@ def alloc_bytes(size: int) -> tuple[bytes, npt.NDArray[np.uint8]]:
         # CPython shares one empty bytes object; there is nothing to write anyway.
         return b"", np.empty(0, dtype=np.uint8)
     data = _PyBytes_FromStringAndSize(None, size)
-    view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(_PyBytes_AsString(data)))
+    # A writable memoryview over the bytes' buffer (a ctypes array of the size would build a
+    # new ctypes type per distinct size: 10 us instead of 1.6 when sizes vary, as they do).
+    view = np.frombuffer(_PyMemoryView_FromMemory(_PyBytes_AsString(data), size, _PyBUF_WRITE), dtype=np.uint8)
     return data, view
 
 
