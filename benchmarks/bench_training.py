@@ -67,6 +67,7 @@ from worker.data import Batch  # noqa: E402
 from worker.embedding import DistributedEmbedding  # noqa: E402
 from worker.models import DLRM  # noqa: E402
 from worker.synthetic import CRITEO_VOCAB_SIZES, synthetic_criteo  # noqa: E402
+from worker.trainer import dense_adam  # noqa: E402
 
 BATCH, DIM, NUM_DENSE, ZIPF, MAX_ROWS, SHARDS = 4096, 16, 13, 1.05, 1_000_000, 2
 QUIET_CORES = 0.2  # a round is clean when other processes used fewer cores than this during it
@@ -218,7 +219,7 @@ def ours(
         return c
 
     name = label or f"ours {mode}"
-    return Variant(name, lambda p: emb(p.batch.sparse), model, [torch.optim.Adam(model.parameters(), lr=DENSE_LR)],
+    return Variant(name, lambda p: emb(p.batch.sparse), model, [dense_optimizer(model)],
                    prefetch=lambda p: emb.prefetch(p.batch.sparse), finish=emb.flush, probe=probe, threads=threads)  # fmt: skip
 
 
@@ -231,7 +232,7 @@ def in_process() -> Variant:
     def embed(p: Prepared) -> Pooled:
         return {f: bag(ids, p.offsets) for f, bag, ids in zip(FEATURES, bags, p.local_ids)}
 
-    opts = [torch.optim.Adagrad(bags.parameters(), lr=SPARSE_LR), torch.optim.Adam(model.parameters(), lr=DENSE_LR)]
+    opts = [torch.optim.Adagrad(bags.parameters(), lr=SPARSE_LR), dense_optimizer(model)]
     return Variant("(a) in-process", embed, model, opts)
 
 
@@ -244,7 +245,7 @@ def torchrec_fused(torchrec: ModuleType) -> Variant:
     ebc = FusedEmbeddingBagCollection(configs, torch.optim.Adagrad, {"lr": SPARSE_LR}, device=torch.device("cpu"))
     model = dense_tower()
     return Variant("(b) TorchRec", lambda p: ebc(p.kjt).to_dict(), model,
-                   [torch.optim.Adam(model.parameters(), lr=DENSE_LR)])  # fmt: skip
+                   [dense_optimizer(model)])  # fmt: skip
 
 
 def dense_alone(threads: int) -> Variant:
@@ -258,7 +259,12 @@ def dense_alone(threads: int) -> Variant:
 
     model = dense_tower()
     return Variant(f"{FLOOR}, {threads} thread{'s' if threads > 1 else ''}", embed, model,
-                   [torch.optim.Adam(model.parameters(), lr=DENSE_LR)], threads=threads)  # fmt: skip
+                   [dense_optimizer(model)], threads=threads)  # fmt: skip
+
+
+def dense_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Every variant's dense optimizer, as the trainer builds it (``worker.trainer``)."""
+    return dense_adam(model.parameters(), DENSE_LR)
 
 
 def run_round(v: Variant, batches: list[Prepared], start: int, steps: int, pids: list[int] | None = None,

@@ -45,7 +45,7 @@ import os
 import sys
 import textwrap
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,7 +75,18 @@ from worker.jagged import JaggedIds
 from worker.models import DLRM, DeepFM
 from worker.output import progress, run_dir
 
-__all__ = ["Dist", "TrainerConfig", "evaluate", "init_distributed", "main", "parse", "predict", "report", "train"]
+__all__ = [
+    "Dist",
+    "TrainerConfig",
+    "dense_adam",
+    "evaluate",
+    "init_distributed",
+    "main",
+    "parse",
+    "predict",
+    "report",
+    "train",
+]
 
 log = logging.getLogger(__name__)
 ENV_PREFIX = "TRAINER_"
@@ -114,6 +125,18 @@ def init_distributed() -> Dist:
 # --- one model through one set of tables
 
 
+def dense_adam(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Adam:
+    """The dense tower's Adam: torch's fused kernel (one call for every parameter) where
+    the device has one. The per-parameter loop launches ~10 ops per tensor, each letting
+    go of the GIL and waiting to take it back from the embedding pipeline's threads: on
+    the DLRM benchmark (2 cores) its step took 2.9 ms beside the shards, 0.85 ms alone."""
+    params = list(params)
+    try:
+        return torch.optim.Adam(params, lr=lr, fused=True)
+    except RuntimeError:  # a device without the fused kernel
+        return torch.optim.Adam(params, lr=lr)
+
+
 def _inputs(sparse: Mapping[str, JaggedIds], features: Sequence[str]) -> dict[str, JaggedIds]:
     """The batch as ``DistributedEmbedding`` wants it: feature ``f + WIDE`` reads ``f``'s ids."""
     return {f: sparse[f.removesuffix(WIDE)] if f.endswith(WIDE) else sparse[f] for f in features}
@@ -148,7 +171,7 @@ class _Pass:
         if d.world > 1:
             dist.barrier()
         self.dense = DistributedDataParallel(self.model) if d.world > 1 else self.model
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.dense_lr)
+        self.optimizer = dense_adam(self.model.parameters(), config.dense_lr)
         self.phases = dict.fromkeys(("data", "lookup", "forward", "backward", "step", "eval"), 0.0)
         self.steps, self.samples, self.train_s = 0, 0, 0.0
         self._logged_at = time.perf_counter()
