@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -25,6 +26,8 @@ import grpc
 from protos.tls import open_channel
 
 __all__ = ["Call", "GrpcTransport", "Transport", "SERVICE_PATH", "when_done"]
+
+log = logging.getLogger(__name__)
 
 SERVICE_PATH = "/ps.v1.ParameterServer/"
 
@@ -74,27 +77,27 @@ class _PooledCall:
     be cancelled once running: it ends at its timeout.
     """
 
-    __slots__ = ("_stub", "_request", "_kwargs", "_done", "_finished", "_cancelled", "_value", "_error",
+    __slots__ = ("_stub", "_request", "_kwargs", "_done", "_started", "_finished", "_cancelled", "_value", "_error",
                  "_callbacks", "_release")  # fmt: skip
 
     def __init__(self, stub: Any, request: bytes, kwargs: dict[str, Any], release: Callable[[], None]) -> None:
         self._stub, self._request, self._kwargs, self._release = stub, request, kwargs, release
         self._done = threading.Lock()
         self._done.acquire()  # released once the call has finished
-        self._finished = self._cancelled = False
+        self._started = self._finished = self._cancelled = False
         self._value: bytes = b""
         self._error: BaseException | None = None
         self._callbacks: list[Callable[[Any], None]] = []
 
     def run(self) -> None:
         """On a call thread: make the call (unless cancelled first), then report."""
-        if self._cancelled:
+        with _CALLBACKS_LOCK:
+            self._started = True
+            cancelled = self._cancelled
+        if cancelled:
             self._error = CancelledError()
         else:
-            try:
-                self._value = self._stub(self._request, **self._kwargs)
-            except BaseException as exc:  # handed to whoever waits for the result
-                self._error = exc
+            self._value, self._error = _make_call(self._stub, self._request, self._kwargs)
         self._request = b""
         self._release()
         with _CALLBACKS_LOCK:
@@ -102,30 +105,59 @@ class _PooledCall:
             callbacks, self._callbacks = self._callbacks, []
         self._done.release()
         for fn in callbacks:
-            fn(self)
+            _run_callback(fn, self)
+        # A failure's traceback keeps this frame (the caller of the frame that raised): it
+        # must not keep the call, or failed calls live until the cycle collector runs.
+        del self, callbacks
 
     def result(self, timeout_s: float | None = None) -> bytes:
         if not self._finished:
-            if not self._done.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
+            done = False
+            try:
+                done = self._done.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s))
+            finally:
+                if done:
+                    self._done.release()  # the next waiter's turn
+            if not done:
                 raise TimeoutError(f"call not finished within {timeout_s} s")
-            self._done.release()
         if self._error is not None:
-            raise self._error
+            try:
+                raise self._error
+            finally:
+                del self  # the raise adds this frame to the error's traceback: no cycle back
         return self._value
 
     def cancel(self) -> bool:
-        """True if the call had not started: it will not be made."""
-        if self._finished:
-            return False
-        self._cancelled = True
-        return True
+        """True if the call had not started: it will not be made (its result raises
+        ``CancelledError``). False once it runs: it ends at its timeout."""
+        with _CALLBACKS_LOCK:
+            if self._started:
+                return False
+            self._cancelled = True
+            return True
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         with _CALLBACKS_LOCK:
             if not self._finished:
                 self._callbacks.append(fn)
                 return
-        fn(self)
+        _run_callback(fn, self)
+
+
+def _make_call(stub: Any, request: bytes, kwargs: dict[str, Any]) -> tuple[bytes, BaseException | None]:
+    try:
+        return stub(request, **kwargs), None
+    except BaseException as exc:  # handed to whoever waits for the result
+        return b"", exc
+
+
+def _run_callback(fn: Callable[[Any], None], call: _PooledCall) -> None:
+    """A callback that raises is logged (as ``concurrent.futures`` does); the call thread,
+    and the callbacks after it, carry on."""
+    try:
+        fn(call)
+    except Exception:
+        log.exception("a callback of a finished call raised")
 
 
 # Guards every pooled call's callbacks against finishing while one is being added:
@@ -147,29 +179,29 @@ class _CallThreads:
 
     def submit(self, stub: Any, request: bytes, kwargs: dict[str, Any]) -> _PooledCall | None:
         """Queue a call; None when ``limit`` calls are in flight already (or after close)."""
-        thread = None
-        with self._lock:
+        with self._lock:  # queued under the lock: close() then comes before or after, whole
             if self._closed or self._busy >= self.limit:
                 return None
-            self._busy += 1
-            if self._busy > len(self._threads):  # every thread is busy: one more
+            call = _PooledCall(stub, request, kwargs, self._finished)
+            if self._busy >= len(self._threads):  # every thread is busy: one more
                 thread = threading.Thread(target=self._work, name=f"ps-call-{len(self._threads)}", daemon=True)
+                thread.start()
                 self._threads.append(thread)
-        if thread is not None:
-            thread.start()
-        call = _PooledCall(stub, request, kwargs, self._finished)
-        self._jobs.put(call)
+            self._busy += 1
+            self._jobs.put(call)
         return call
 
     def close(self, wait_s: float = 2.0) -> None:
         """Threads exit once the calls queued before finish (calls on closed channels end
         at once, CANCELLED); waits up to ``wait_s`` for them, so none is still inside gRPC
-        when the process exits."""
+        when the process exits. Idempotent."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             threads = list(self._threads)
-        for _ in threads:
-            self._jobs.put(None)
+            for _ in threads:
+                self._jobs.put(None)  # after every call queued: each thread takes one, then stops
         until = time.monotonic() + wait_s
         for thread in threads:
             if thread is not threading.current_thread():
@@ -180,8 +212,12 @@ class _CallThreads:
             self._busy -= 1
 
     def _work(self) -> None:
-        while (call := self._jobs.get()) is not None:
+        while True:
+            call = self._jobs.get()
+            if call is None:
+                return
             call.run()
+            del call  # not kept alive (its answer, or its error) while waiting for the next
 
 
 class GrpcTransport:
