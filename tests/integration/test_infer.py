@@ -7,6 +7,7 @@ and ``DistributedEmbedding`` on the keys the data path computes, for the same ra
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -53,6 +54,7 @@ F32 = npt.NDArray[np.float32]
 class Trained:
     addresses: list[str]
     run: Path
+    shard_pids: list[int]
 
 
 @dataclass
@@ -101,7 +103,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
         config = TrainerConfig(train_samples=4096, eval_samples=512, batch_size=512, progress=False,
                                output_dir=root / "run")  # fmt: skip
         train(config, cluster.addresses)
-        yield Trained(cluster.addresses, root / "run")
+        yield Trained(cluster.addresses, root / "run", [s.proc.pid for s in cluster.shards])
 
 
 @pytest.fixture(scope="module")
@@ -305,7 +307,7 @@ def test_sigterm_finishes_calls_in_progress_and_exits_0(trained: Trained, tmp_pa
     running = start_infer(trained, tmp_path, "term", "--batch-wait-ms=0")
     ids, counts = raw_rows(500, seed=6)
     ((ctx, cand),) = requests_of(ids, counts, [500])
-    calls: list[tuple[float, str]] = []  # (when the call started, how it ended)
+    calls: list[tuple[float, float, str]] = []  # (when the call started, when it ended, how)
     stop = threading.Event()
     refused = {"UNAVAILABLE", "CANCELLED"}  # a call that reaches a stopping server may see either
 
@@ -315,25 +317,38 @@ def test_sigterm_finishes_calls_in_progress_and_exits_0(trained: Trained, tmp_pa
                 started = time.monotonic()
                 try:
                     client.predict(ctx, cand)
-                    calls.append((started, "ok"))
+                    calls.append((started, time.monotonic(), "ok"))
                 except PredictError as exc:
-                    calls.append((started, exc.code.name))
+                    calls.append((started, time.monotonic(), exc.code.name))
                     if exc.code.name in refused:
                         return
 
+    # Calls are a few ms long, and one sent a moment before SIGTERM may still reach the
+    # server after it: which calls were in progress is made certain by pausing the shards,
+    # so every call made before the pause is inside ps-infer, waiting for rows, at SIGTERM.
     with futures.ThreadPoolExecutor(4) as pool:
         jobs = [pool.submit(keep_calling) for _ in range(4)]
         time.sleep(1.0)
-        term = time.monotonic()
-        running.proc.send_signal(signal.SIGTERM)
+        paused = time.monotonic()
+        for pid in trained.shard_pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.2)
+            term = time.monotonic()
+            running.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+        finally:
+            for pid in trained.shard_pids:
+                os.kill(pid, signal.SIGCONT)
         code = running.proc.wait(60)
         stop.set()
         for j in jobs:
             j.result(timeout=60)
     assert code == 0, running.tail()
-    before = [c for t, c in calls if t < term]  # in progress or done when SIGTERM came: all answered
+    before = [how for started, _, how in calls if started < paused]  # all reached ps-infer before SIGTERM
     assert before and set(before) == {"ok"}, calls
-    assert {c for t, c in calls if t >= term} <= {"ok", *refused}, calls
+    assert any(started < paused and ended > term for started, ended, _ in calls), "no call was in progress"
+    assert {how for started, _, how in calls if started >= paused} <= {"ok", *refused}, calls
     assert "stopped" in running.tail()
 
 
