@@ -17,7 +17,7 @@ import time
 import urllib.request
 from collections.abc import Iterator, Mapping
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ F32 = npt.NDArray[np.float32]
 class Trained:
     addresses: list[str]
     run: Path
-    shard_pids: list[int]
+    shard_pids: list[int] = field(default_factory=list)
 
 
 @dataclass
