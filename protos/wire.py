@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from protos import ps_pb2 as pb
+from protos.buffers import alloc_bytes, tune_malloc
 
 __all__ = [
     "BFLOAT16",
@@ -200,57 +200,6 @@ def decode_rows(buf: bytes | memoryview, n: int, dim: int, dtype: int, field: st
 # levels of nesting, integers truncated to their field's width.
 # tests/unit/test_wire.py checks both directions against protobuf, and
 # tests/unit/test_wire_differential.py fuzzes the decoders against it.
-
-_PyBytes_FromStringAndSize = ctypes.pythonapi.PyBytes_FromStringAndSize
-_PyBytes_FromStringAndSize.restype = ctypes.py_object
-_PyBytes_FromStringAndSize.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
-_PyBytes_AsString = ctypes.pythonapi.PyBytes_AsString
-_PyBytes_AsString.restype = ctypes.c_void_p
-_PyBytes_AsString.argtypes = [ctypes.py_object]
-_PyMemoryView_FromMemory = ctypes.pythonapi.PyMemoryView_FromMemory
-_PyMemoryView_FromMemory.restype = ctypes.py_object
-_PyMemoryView_FromMemory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
-_PyBUF_WRITE = 0x200
-
-
-def alloc_bytes(size: int) -> tuple[bytes, npt.NDArray[np.uint8]]:
-    """A new ``bytes`` of ``size`` uninitialised bytes and a writable uint8 view of it.
-
-    gRPC sends only ``bytes``; filling a fresh ``bytes`` in place (what C code does
-    with ``PyBytes_FromStringAndSize(NULL, n)``) saves copying a finished buffer into
-    one. Contract: write every byte through the view before the ``bytes`` object is
-    shared, hashed or returned, and never write afterwards. The view does not keep the
-    ``bytes`` alive: hold on to both.
-    """
-    if size == 0:
-        # CPython shares one empty bytes object; there is nothing to write anyway.
-        return b"", np.empty(0, dtype=np.uint8)
-    data = _PyBytes_FromStringAndSize(None, size)
-    # A writable memoryview over the bytes' buffer (a ctypes array of the size would build a
-    # new ctypes type per distinct size: 10 us instead of 1.6 when sizes vary, as they do).
-    view = np.frombuffer(_PyMemoryView_FromMemory(_PyBytes_AsString(data), size, _PyBUF_WRITE), dtype=np.uint8)
-    return data, view
-
-
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-
-def tune_malloc() -> bool:
-    """Keep buffers of up to 32 MiB on glibc's heap instead of a fresh mmap each.
-
-    Lookup responses and push requests are megabytes each. Above glibc's default mmap
-    threshold every one is a new mapping whose pages fault in on first touch, which
-    costs as much as copying the data (a 16 MiB push: ~36% slower). This raises the
-    threshold to glibc's maximum (32 MiB) and the trim threshold to 256 MiB for the
-    whole process. Returns False where glibc is not available (nothing changed).
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
-    return bool(ok and libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20) == 1)
 
 
 def _varint(value: int) -> bytes:
