@@ -33,7 +33,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from protos.auth import AuthError, Tokens
 from protos.tls import TLSError, server_credentials
 
-__all__ = ["listen", "server_security", "settle_heap", "write_port_file"]
+__all__ = ["listen", "server_security", "settle_heap", "stop_on_signals", "write_port_file"]
 
 
 def listen(

@@ -26,51 +26,49 @@ from typing import Any
 import numba
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils as _cgutils
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["LINE_BYTES", "prefetch", "prefetch_at", "prefetch_row"]
 
 LINE_BYTES = 64  # a cache line on x86-64 and most arm64 cores
 
-cg: Any = _cgutils  # untyped to mypy
+_cg: Any = cgutils  # untyped to mypy
 _I32 = ir.IntType(32)
 _READ, _KEEP_IN_ALL_LEVELS, _DATA_CACHE = 0, 3, 1  # llvm.prefetch's rw, locality, cache type
 
 
-def _codegen() -> Any:
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        array_type = signature.args[0]
-        arr = context.make_array(array_type)(context, builder, args[0])
-        index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
-        zero = context.get_constant(types.intp, 0)
-        ptr = cg.get_item_pointer2(
-            context,
-            builder,
-            data=arr.data,
-            shape=cg.unpack_tuple(builder, arr.shape),
-            strides=cg.unpack_tuple(builder, arr.strides),
-            layout=array_type.layout,
-            inds=index + [zero] * (array_type.ndim - len(index)),
-            wraparound=False,
-            boundscheck=False,
-        )
-        address = builder.bitcast(ptr, cg.voidptr_t)
-        # LLVM names the intrinsic by its pointer type: "p0" where pointers are opaque.
-        name = "llvm.prefetch.p0" if getattr(address.type, "is_opaque", False) else "llvm.prefetch.p0i8"
-        fnty = ir.FunctionType(ir.VoidType(), [address.type, _I32, _I32, _I32])
-        fn = cg.get_or_insert_function(builder.module, fnty, name)
-        flags = [ir.Constant(_I32, v) for v in (_READ, _KEEP_IN_ALL_LEVELS, _DATA_CACHE)]
-        builder.call(fn, [address, *flags])
-        return context.get_dummy_value()
-
-    return codegen
+def _codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+    """The address of ``array[index..., 0...]`` and one ``llvm.prefetch`` of it."""
+    array_type = signature.args[0]
+    arr = context.make_array(array_type)(context, builder, args[0])
+    index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
+    zero = context.get_constant(types.intp, 0)
+    ptr = _cg.get_item_pointer2(
+        context,
+        builder,
+        data=arr.data,
+        shape=_cg.unpack_tuple(builder, arr.shape),
+        strides=_cg.unpack_tuple(builder, arr.strides),
+        layout=array_type.layout,
+        inds=index + [zero] * (array_type.ndim - len(index)),
+        wraparound=False,
+        boundscheck=False,
+    )
+    address = builder.bitcast(ptr, _cg.voidptr_t)
+    # LLVM names the intrinsic by its pointer type: "p0" where pointers are opaque.
+    name = "llvm.prefetch.p0" if getattr(address.type, "is_opaque", False) else "llvm.prefetch.p0i8"
+    fnty = ir.FunctionType(ir.VoidType(), [address.type, _I32, _I32, _I32])
+    fn = _cg.get_or_insert_function(builder.module, fnty, name)
+    flags = [ir.Constant(_I32, v) for v in (_READ, _KEEP_IN_ALL_LEVELS, _DATA_CACHE)]
+    builder.call(fn, [address, *flags])
+    return context.get_dummy_value()
 
 
 def _prefetch(typingctx: Any, array: Any, row: Any) -> Any:
     if not isinstance(array, types.Array) or not isinstance(row, types.Integer):
         return None
-    return types.void(array, row), _codegen()
+    return types.void(array, row), _codegen
 
 
 def _prefetch_at(typingctx: Any, array: Any, row: Any, col: Any) -> Any:
@@ -78,7 +76,7 @@ def _prefetch_at(typingctx: Any, array: Any, row: Any, col: Any) -> Any:
         return None
     if not isinstance(row, types.Integer) or not isinstance(col, types.Integer):
         return None
-    return types.void(array, row, col), _codegen()
+    return types.void(array, row, col), _codegen
 
 
 # Typed ``Any``: to a type checker an intrinsic's signature is its typing function's.
