@@ -35,7 +35,7 @@ from ps.arena import Arena
 from ps.config import TableSpec
 from ps.initializers import fill_initial_rows
 from ps.keyindex import KeyIndex
-from ps.lifecycle import Admission, Eviction, eviction_histogram, expired_keys, select_victims
+from ps.lifecycle import Admission, Eviction, expired_keys, unchanged_ranks
 from ps.prefetch import prefetch_row
 
 __all__ = ["CLEAN", "DIRTY", "WRITING", "RamTier"]
@@ -290,17 +290,28 @@ class RamTier:
         empty_k, empty_s = np.empty(0, np.int64), np.empty(0, np.int32)
         return int(_collect_dirty(*self.index.buckets(), self.arena.dirty, empty_k, empty_s))
 
-    def eviction_histogram(self, now: np.uint32, policy: Eviction) -> npt.NDArray[np.int64]:
-        """Resident rows by eviction rank (see ``ps.lifecycle.eviction_histogram``)."""
+    def eviction_columns(
+        self,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.uint32], npt.NDArray[np.uint32]]:
+        """The arrays the eviction passes read, as ``(index keys, index slots, last_access,
+        frequency)``: taken under the table lock and scanned outside it (see ``Table.evict``),
+        they stay valid memory if the index or the arena grows meanwhile."""
         a = self.arena
-        return eviction_histogram(self.index.buckets()[1], a.last_access, a.frequency, now, policy)
+        return (*self.index.buckets(), a.last_access, a.frequency)
 
-    def victims(
-        self, now: np.uint32, count: int, policy: Eviction, hist: npt.NDArray[np.int64] | None
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
-        """``(keys, slots)`` of the first ``count`` rows to evict (see ``select_victims``)."""
+    def unchanged_victims(
+        self,
+        keys: npt.NDArray[np.int64],
+        slots: npt.NDArray[np.int32],
+        ranks: npt.NDArray[np.int64],
+        now: np.uint32,
+        policy: Eviction,
+    ) -> npt.NDArray[np.bool_]:
+        """Which of the victims ``(keys, slots, ranks)`` from ``ranked_victims`` over a
+        snapshot of ``eviction_columns`` are still resident at the same slot and unused since."""
+        same: npt.NDArray[np.bool_] = self.index.lookup(keys) == slots
         a = self.arena
-        return select_victims(*self.index.buckets(), a.last_access, a.frequency, now, count, policy, hist)
+        return same & unchanged_ranks(np.where(same, slots, -1), ranks, a.last_access, a.frequency, now, policy)
 
     def expired(self, now: np.uint32, ttl_seconds: float) -> npt.NDArray[np.int64]:
         """Keys of resident rows idle for longer than ``ttl_seconds``."""

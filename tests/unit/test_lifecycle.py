@@ -28,12 +28,15 @@ from ps.lifecycle import (
     LFU_HALF_LIFE_S,
     TICKS_PER_S,
     Admission,
+    Eviction,
     Lifecycle,
     eviction_histogram,
     expired_keys,
     now_tick,
+    ranked_victims,
     select_victims,
     tick_to_unix,
+    unchanged_ranks,
 )
 from ps.optimizers import OptimizerKind, OptimizerParams
 
@@ -270,6 +273,39 @@ def test_lfu_keeps_rows_in_use_and_forgets_counts_of_idle_rows() -> None:
     # LRU on the same rows: oldest first, counts ignored.
     _, vs = select_victims(keys, slots, la, freq, now, 1, "lru")
     assert vs.tolist() == [3]
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_victims_used_after_the_scan_are_told_apart(policy: Eviction) -> None:
+    rng = np.random.default_rng(4)
+    n = 200
+    now = np.uint32(5000)
+    la = (np.int64(now) - rng.integers(1, 3000, size=n)).astype(np.uint32)
+    freq = rng.integers(0, 9, size=n).astype(np.uint32)
+    keys, slots = index_arrays(la)
+    vk, vs, ranks = ranked_victims(keys, slots, la, freq, now, 50, policy)
+    assert vk.tolist() == (1000 + vs).tolist() and vs.shape[0] == ranks.shape[0] == 50
+    assert unchanged_ranks(vs, ranks, la, freq, now, policy).all()
+    # Rows used since the scan: one looked up now, one looked up once more (LFU only
+    # counts that), and a slot that is gone (-1); the rest are still victims.
+    la[vs[0]] = now
+    freq[vs[1]] += 1
+    unused = unchanged_ranks(np.where(np.arange(50) == 2, -1, vs), ranks, la, freq, now, policy)
+    assert not unused[0] and not unused[2]
+    assert unused[1] == (policy == "lru") and unused[3:].all()
+
+
+def test_victim_scans_skip_slots_beyond_the_arrays_they_were_given() -> None:
+    # A scan outside the table lock can meet a slot handed out after its snapshot of the
+    # arena's columns (the arena grew meanwhile): such a bucket is not a row it knows.
+    la = np.zeros(4, np.uint32)
+    keys, slots = index_arrays(la)
+    slots = np.concatenate([slots, np.array([4, 1 << 30], np.int32)])
+    keys = np.concatenate([keys, np.array([1004, 1005], np.int64)])
+    now = np.uint32(100)
+    assert eviction_histogram(slots, la, la, now, "lfu").sum() == 4
+    vk, vs, _ = ranked_victims(keys, slots, la, la, now, 10, "lfu")
+    assert sorted(vs.tolist()) == [0, 1, 2, 3] and sorted(vk.tolist()) == [1000, 1001, 1002, 1003]
 
 
 def test_eviction_policy_is_checked() -> None:

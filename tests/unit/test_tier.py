@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+import ps.lifecycle
 import ps.shard
 import ps.table
 from ps.config import Durability, TableSpec
@@ -428,6 +429,30 @@ def test_lookups_count_towards_frequency_across_a_clean_eviction(storage: Storag
     assert t.evict(1, clock.advance(1)) == 1
     assert t.counters.rows_evicted_rare == 0
     assert_same_bits(t.lookup(k), trained)
+
+
+def test_evict_keeps_rows_used_while_it_scanned_outside_the_lock(
+    storage: Storage, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Evict picks victims outside the table lock: a row looked up and one pushed between
+    # that scan and the check under the lock stay in RAM, and the pushed row keeps its push.
+    t, twin = tiered(storage, SGD), Table(SGD)
+    keys = np.arange(10, dtype=np.int64)
+    t.lookup(keys), twin.lookup(keys)
+    scan = ps.lifecycle.ranked_victims
+    used = keys_of(3, 7)
+
+    def scan_then_use(*args: object, **kwargs: object) -> object:
+        found = scan(*args, **kwargs)  # type: ignore[arg-type]
+        t.lookup(used[:1])
+        t.push(used[1:], grads_for(used[1:], SGD.dim))
+        return found
+
+    monkeypatch.setattr(ps.table, "ranked_victims", scan_then_use)
+    twin.push(used[1:], grads_for(used[1:], SGD.dim))
+    assert t.evict(10, clock.advance(3)) == 8 and len(t) == 2
+    assert resident(t, used) == 2
+    assert_same_bits(t.lookup(keys, create=False), twin.lookup(keys, create=False))
 
 
 # -- Shard: memory budget -------------------------------------------------------------------
