@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -99,9 +100,32 @@ def split_mode(mode: str) -> tuple[str, Eviction]:
     return durability, cast(Eviction, eviction or "lfu")
 
 
+WARMUP_WINDOW = 100  # steps per hit-rate sample while warming up
+
+
+def _hit_rate(c0: dict[str, int], c1: dict[str, int]) -> float:
+    hits, misses = c1.get("ram_hits", 0) - c0.get("ram_hits", 0), c1.get("ram_misses", 0) - c0.get("ram_misses", 0)
+    return hits / max(hits + misses, 1) if hits + misses else 1.0
+
+
+def _warm_up(
+    work: Workload, step: Callable[[int, npt.NDArray[np.int64]], None], counters: Callable[[], dict[str, int]]
+) -> list[float]:
+    """Run the warm-up steps; the RAM hit rate of every ``WARMUP_WINDOW`` of them (LFU
+    learns which rows are popular from their counts: its hit rate climbs for ~600 steps)."""
+    curve = []
+    c0 = counters()
+    for seq, keys in enumerate(work.batches[: work.warmup], 1):
+        step(seq, keys)
+        if seq % WARMUP_WINDOW == 0 or seq == work.warmup:
+            c1 = counters()
+            curve.append(round(_hit_rate(c0, c1), 4))
+            c0 = c1
+    return curve
+
+
 def _result(work: Workload, mode: str | None, elapsed: float, c0: dict[str, int], c1: dict[str, int]) -> dict[str, Any]:
     rows = sum(b.shape[0] for b in work.batches[work.warmup :])
-    hits, misses = c1.get("ram_hits", 0) - c0.get("ram_hits", 0), c1.get("ram_misses", 0) - c0.get("ram_misses", 0)
     per_step = {k: (c1.get(k, 0) - c0.get(k, 0)) / work.steps for k in ("rows_faulted_in", "rows_spilled")}
     return {
         "mode": mode_name(mode),
@@ -109,7 +133,7 @@ def _result(work: Workload, mode: str | None, elapsed: float, c0: dict[str, int]
         "unique_keys_per_step": rows / work.steps,
         "rows_per_s": 2 * rows / elapsed,  # each key is looked up and pushed
         "step_ms": 1e3 * elapsed / work.steps,
-        "ram_hit_rate": hits / max(hits + misses, 1) if mode else 1.0,
+        "ram_hit_rate": _hit_rate(c0, c1) if mode else 1.0,
         "faulted_in_per_step": per_step["rows_faulted_in"],
         "spilled_per_step": per_step["rows_spilled"],
         "written_per_step": (c1.get("rows_written", 0) - c0.get("rows_written", 0)) / work.steps,
@@ -139,14 +163,14 @@ def in_process(work: Workload, mode: str | None, tmp: Path) -> dict[str, Any]:
         table.push(keys, work.grads[: keys.shape[0]], client_id="bench", seq=seq)
         shard.after_request()
 
-    for seq, keys in enumerate(work.batches[: work.warmup], 1):
-        step(seq, keys)
+    warmup = _warm_up(work, step, lambda: dict(vars(table.counters)))
     c0 = dict(vars(table.counters))
     t0 = time.perf_counter()
     for seq, keys in enumerate(work.batches[work.warmup :], work.warmup + 1):
         step(seq, keys)
     elapsed = time.perf_counter() - t0
     out = _result(work, mode, elapsed, c0, dict(vars(table.counters)))
+    out["warmup_hit_rates"] = warmup
     shard.close()
     shard.shutdown()
     shutil.rmtree(data_dir, ignore_errors=True)
@@ -171,16 +195,15 @@ def served(work: Workload, mode: str | None, tmp: Path) -> dict[str, Any]:
             for start in range(0, work.n, 1 << 16):
                 client.lookup("t", work.keys[start : start + (1 << 16)])
 
-            def step(keys: npt.NDArray[np.int64]) -> None:
+            def step(_: int, keys: npt.NDArray[np.int64]) -> None:
                 client.lookup("t", keys)
                 client.push("t", keys, work.grads[: keys.shape[0]])
 
-            for keys in work.batches[: work.warmup]:
-                step(keys)
+            warmup = _warm_up(work, step, lambda: cast(dict[str, int], client.stats()[0]["tables"][0]))
             c0 = client.stats()[0]["tables"][0]
             t0 = time.perf_counter()
-            for keys in work.batches[work.warmup :]:
-                step(keys)
+            for seq, keys in enumerate(work.batches[work.warmup :], work.warmup + 1):
+                step(seq, keys)
             elapsed = time.perf_counter() - t0
             c1 = client.stats()[0]["tables"][0]
     finally:
@@ -188,6 +211,7 @@ def served(work: Workload, mode: str | None, tmp: Path) -> dict[str, Any]:
         shutil.rmtree(root, ignore_errors=True)
     out = _result(work, mode, elapsed, c0, c1)
     out["mode"] += " (gRPC)"
+    out["warmup_hit_rates"] = warmup
     return out
 
 
