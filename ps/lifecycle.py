@@ -45,7 +45,6 @@ __all__ = [
     "Eviction",
     "eviction_histogram",
     "now_tick",
-    "ranked_victims",
     "select_victims",
     "tick_to_unix",
     "unchanged_ranks",
@@ -302,27 +301,12 @@ def select_victims(
     count: int,
     policy: Eviction,
     hist: npt.NDArray[np.int64] | None = None,
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32]]:
-    """The first ``count`` rows in ``policy``'s eviction order as ``(keys, slots)``: every
-    row above a cut-off rank, plus just enough rows of exactly that rank. ``hist`` is this
-    index's ``eviction_histogram`` if the caller already has it."""
-    keys, slots, _ = ranked_victims(index_keys, index_slots, last_access, frequency, now, count, policy, hist)
-    return keys, slots
-
-
-def ranked_victims(
-    index_keys: npt.NDArray[np.int64],
-    index_slots: npt.NDArray[np.int32],
-    last_access: npt.NDArray[np.uint32],
-    frequency: npt.NDArray[np.uint32],
-    now: np.uint32,
-    count: int,
-    policy: Eviction,
-    hist: npt.NDArray[np.int64] | None = None,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int64]]:
-    """``select_victims`` with the rank each victim had: the arrays may be read while other
-    threads change them (a table scans outside its lock), and ``unchanged_ranks`` later
-    tells which victims nothing used meanwhile."""
+    """The first ``count`` rows in ``policy``'s eviction order as ``(keys, slots, ranks)``:
+    every row above a cut-off rank, plus just enough rows of exactly that rank. ``hist`` is
+    this index's ``eviction_histogram`` if the caller already has it. The arrays may change
+    during the scan (a table scans outside its lock): ``unchanged_ranks`` then tells which
+    victims nothing used meanwhile."""
     lfu = _lfu(policy)
     if hist is None:
         hist = eviction_histogram(index_slots, last_access, frequency, now, policy)
@@ -366,7 +350,7 @@ def unchanged_ranks(
     now: np.uint32,
     policy: Eviction,
 ) -> npt.NDArray[np.bool_]:
-    """Which rows at ``slots`` still rank at least ``ranks`` (from ``ranked_victims`` with
+    """Which rows at ``slots`` still rank at least ``ranks`` (from ``select_victims`` with
     the same ``now``): a rank only falls when its row is used, so these were not."""
     out = np.empty(slots.shape[0], np.bool_)
     _unchanged(slots, ranks, last_access, frequency, now, _lfu(policy), _RANK_BINS - 1, out)

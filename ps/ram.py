@@ -307,7 +307,7 @@ class RamTier:
         now: np.uint32,
         policy: Eviction,
     ) -> npt.NDArray[np.bool_]:
-        """Which of the victims ``(keys, slots, ranks)`` from ``ranked_victims`` over a
+        """Which of the victims ``(keys, slots, ranks)`` from ``select_victims`` over a
         snapshot of ``eviction_columns`` are still resident at the same slot and unused since."""
         same: npt.NDArray[np.bool_] = self.index.lookup(keys) == slots
         a = self.arena

@@ -52,7 +52,7 @@ from ps.counters import TableCounters
 from ps.errors import InvalidRequest
 from ps.initializers import fill_initial_rows
 from ps.ledger import PushLedger
-from ps.lifecycle import Eviction, eviction_histogram, expired_keys, now_tick, ranked_victims
+from ps.lifecycle import Eviction, eviction_histogram, expired_keys, now_tick, select_victims
 from ps.ram import CLEAN, DIRTY, RamTier
 from ps.storage import Storage, TableRows
 from ps.tier import SPILL_CHUNK, DiskTier, Spill, write_rows
@@ -403,7 +403,7 @@ class Table:
                 columns = self._ram.eviction_columns()
             # The pass over the index runs outside the table lock (3-7 ms on 200K rows, which
             # lookups waited for); under it, victims are checked: same slot, unused since.
-            keys, slots, ranks = ranked_victims(*columns, now, count, policy, hist)
+            keys, slots, ranks = select_victims(*columns, now, count, policy, hist)
             keys, first = np.unique(keys, return_index=True)  # a key moved mid-scan is seen twice
             slots, ranks = slots[first], ranks[first]
             with self._lock:

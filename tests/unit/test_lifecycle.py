@@ -33,7 +33,6 @@ from ps.lifecycle import (
     eviction_histogram,
     expired_keys,
     now_tick,
-    ranked_victims,
     select_victims,
     tick_to_unix,
     unchanged_ranks,
@@ -214,7 +213,7 @@ def test_lru_takes_exactly_count_oldest_rows(count: int) -> None:
     ages = rng.integers(0, 30, size=n)  # many ties
     la = (np.int64(now) - ages).astype(np.uint32)
     keys, slots = index_arrays(la, seed=count)
-    vk, vs = select_victims(keys, slots, la, never_looked_up(la), now, count, "lru")
+    vk, vs, _ = select_victims(keys, slots, la, never_looked_up(la), now, count, "lru")
     assert vk.dtype == np.int64 and vs.dtype == np.int32
     assert vk.shape[0] == min(count, n) == vs.shape[0]
     assert len(set(vs.tolist())) == vs.shape[0] and (vk == 1000 + vs).all()
@@ -228,11 +227,11 @@ def test_select_victims_accepts_a_precomputed_histogram() -> None:
     keys, slots = index_arrays(la)
     now = np.uint32(100)
     hist = eviction_histogram(slots, la, never_looked_up(la), now, "lru")
-    _, vs = select_victims(keys, slots, la, never_looked_up(la), now, 10, "lru", hist=hist)
+    _, vs, _ = select_victims(keys, slots, la, never_looked_up(la), now, 10, "lru", hist=hist)
     assert sorted(vs.tolist()) == list(range(10))
     # LFU, equal counts: ages by power of two, so any 10 of those 64 ticks old or more (slots 0-36).
     hist = eviction_histogram(slots, la, never_looked_up(la), now, "lfu")
-    _, vs = select_victims(keys, slots, la, never_looked_up(la), now, 10, "lfu", hist=hist)
+    _, vs, _ = select_victims(keys, slots, la, never_looked_up(la), now, 10, "lfu", hist=hist)
     assert vs.shape[0] == 10 and vs.max() <= 36
 
 
@@ -245,7 +244,7 @@ def test_lfu_takes_the_least_looked_up_rows_then_the_oldest(count: int) -> None:
     freq = rng.integers(0, 6, size=n).astype(np.uint32)  # many ties
     la = (np.int64(now) - ages).astype(np.uint32)
     keys, slots = index_arrays(la, seed=count)
-    _, vs = select_victims(keys, slots, la, freq, now, count, "lfu")
+    _, vs, _ = select_victims(keys, slots, la, freq, now, count, "lfu")
     assert vs.shape[0] == count and len(set(vs.tolist())) == count
     rest = np.setdiff1d(np.arange(n), vs)
     if vs.size and rest.size:
@@ -267,11 +266,11 @@ def test_lfu_keeps_rows_in_use_and_forgets_counts_of_idle_rows() -> None:
     keys, slots = index_arrays(la)
     order = []
     for count in range(1, 5):
-        _, vs = select_victims(keys, slots, la, freq, now, count, "lfu")
+        _, vs, _ = select_victims(keys, slots, la, freq, now, count, "lfu")
         order.append(sorted(set(vs.tolist()) - set(order))[0])
     assert order == [3, 1, 2, 0]  # the idle one first, the one in use last
     # LRU on the same rows: oldest first, counts ignored.
-    _, vs = select_victims(keys, slots, la, freq, now, 1, "lru")
+    _, vs, _ = select_victims(keys, slots, la, freq, now, 1, "lru")
     assert vs.tolist() == [3]
 
 
@@ -283,7 +282,7 @@ def test_victims_used_after_the_scan_are_told_apart(policy: Eviction) -> None:
     la = (np.int64(now) - rng.integers(1, 3000, size=n)).astype(np.uint32)
     freq = rng.integers(0, 9, size=n).astype(np.uint32)
     keys, slots = index_arrays(la)
-    vk, vs, ranks = ranked_victims(keys, slots, la, freq, now, 50, policy)
+    vk, vs, ranks = select_victims(keys, slots, la, freq, now, 50, policy)
     assert vk.tolist() == (1000 + vs).tolist() and vs.shape[0] == ranks.shape[0] == 50
     assert unchanged_ranks(vs, ranks, la, freq, now, policy).all()
     # Rows used since the scan: one looked up now, one looked up once more (LFU only
@@ -304,7 +303,7 @@ def test_victim_scans_skip_slots_beyond_the_arrays_they_were_given() -> None:
     keys = np.concatenate([keys, np.array([1004, 1005], np.int64)])
     now = np.uint32(100)
     assert eviction_histogram(slots, la, la, now, "lfu").sum() == 4
-    vk, vs, _ = ranked_victims(keys, slots, la, la, now, 10, "lfu")
+    vk, vs, _ = select_victims(keys, slots, la, la, now, 10, "lfu")
     assert sorted(vs.tolist()) == [0, 1, 2, 3] and sorted(vk.tolist()) == [1000, 1001, 1002, 1003]
 
 

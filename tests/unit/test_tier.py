@@ -439,7 +439,7 @@ def test_evict_keeps_rows_used_while_it_scanned_outside_the_lock(
     t, twin = tiered(storage, SGD), Table(SGD)
     keys = np.arange(10, dtype=np.int64)
     t.lookup(keys), twin.lookup(keys)
-    scan = ps.lifecycle.ranked_victims
+    scan = ps.lifecycle.select_victims
     used = keys_of(3, 7)
 
     def scan_then_use(*args: object, **kwargs: object) -> object:
@@ -448,7 +448,7 @@ def test_evict_keeps_rows_used_while_it_scanned_outside_the_lock(
         t.push(used[1:], grads_for(used[1:], SGD.dim))
         return found
 
-    monkeypatch.setattr(ps.table, "ranked_victims", scan_then_use)
+    monkeypatch.setattr(ps.table, "select_victims", scan_then_use)
     twin.push(used[1:], grads_for(used[1:], SGD.dim))
     assert t.evict(10, clock.advance(3)) == 8 and len(t) == 2
     assert resident(t, used) == 2
