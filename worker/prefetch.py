@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -42,6 +42,7 @@ from client import DeadlineExceededError, PSClient, PushResult, TablePlan
 __all__ = ["Rows", "SparsePipeline"]
 
 Rows = dict[str, npt.NDArray[np.float32]]
+Keys = Mapping[str, npt.NDArray[np.int64] | TablePlan]
 Updates = dict[str, tuple[npt.NDArray[np.int64] | TablePlan, npt.NDArray[np.float32]]]
 
 
@@ -72,9 +73,10 @@ class SparsePipeline:
         self._closed = False
         self.push_count, self.push_s, self.push_max_s = 0, 0.0, 0.0  # acknowledged pushes and their latency
 
-    def lookup(self, step: int | None, keys: Mapping[str, npt.NDArray[np.int64] | TablePlan], *,
-               sees_all: bool = False) -> Future[Rows]:  # fmt: skip
-        """Start the lookup of ``keys`` for training ``step`` (never blocks).
+    def lookup(self, step: int | None, keys: Keys | Callable[[], Keys], *, sees_all: bool = False) -> Future[Rows]:
+        """Start the lookup of ``keys`` for training ``step`` (never blocks). ``keys`` may be
+        a function that returns them: it is called on the lookup thread, first (an
+        exception it raises is the lookup's).
 
         ``step=None`` is a read outside training (evaluation): it sees every push
         submitted so far. ``sees_all`` does the same for a training step (used when
@@ -87,7 +89,7 @@ class SparsePipeline:
                 # not release pushes that the lookups submitted from now on should not see.
                 self._read_through = min(self._read_through, step - 1)
         holder: list[Future[Rows]] = []
-        future = self._lookups.submit(self._lookup, step, dict(keys), holder, sees_all)
+        future = self._lookups.submit(self._lookup, step, keys if callable(keys) else dict(keys), holder, sees_all)
         holder.append(future)
         return future
 
@@ -98,8 +100,10 @@ class SparsePipeline:
                 self._discarded.add(future)
                 self._cond.notify_all()
 
-    def _lookup(self, step: int | None, keys: dict[str, npt.NDArray[np.int64] | TablePlan], holder: list[Future[Rows]],
+    def _lookup(self, step: int | None, keys: Keys | Callable[[], Keys], holder: list[Future[Rows]],
                 sees_all: bool) -> Rows:  # fmt: skip
+        if callable(keys):
+            keys = keys()  # while the pushes this lookup waits for are still going
         with self._cond:
             if sees_all or step is None:
                 self._release_below = self._next_push

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -99,6 +100,29 @@ def test_batch_must_match_the_features(addresses: list[str]) -> None:
 
 def shard_lookups(client: PSClient) -> int:
     return sum(s["tables"][0]["lookups"] for s in client.stats())
+
+
+def test_a_prefetched_batch_is_planned_off_the_training_thread(addresses: list[str]) -> None:
+    with PSClient(addresses) as client:
+        planned_on: list[str] = []
+        plan = client.plan
+
+        def recording_plan(*args: object, **kwargs: object) -> object:
+            planned_on.append(threading.current_thread().name)
+            return plan(*args, **kwargs)  # type: ignore[arg-type]
+
+        client.plan = recording_plan  # type: ignore[method-assign]
+        emb = DistributedEmbedding(TABLES, FEATURES, client, mode="pipelined")
+        first, second = batch(), batch()
+        emb.prefetch(first)
+        emb.prefetch(second)
+        emb(first)["f"].sum().backward()
+        out = emb(second)["f"]
+        out.sum().backward()
+        emb.close()
+        assert planned_on and all(name.startswith("ps-lookup") for name in planned_on), planned_on
+        # Step 1 saw no push (staleness 1), as when the training thread planned it.
+        np.testing.assert_array_equal(out.detach().numpy(), np.zeros((1, 4), np.float32))
 
 
 def test_a_skipped_backward_does_not_stall_the_pipeline(addresses: list[str]) -> None:
