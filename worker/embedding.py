@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
@@ -47,8 +47,8 @@ from client.batching import dedup
 from worker.autograd import rows_with_push
 from worker.config import EmbeddingTableConfig, FeatureConfig, check_features
 from worker.jagged import JaggedIds
-from worker.pooling import SumFeature, pool_and_push
-from worker.prefetch import Rows, SparsePipeline
+from worker.pooling import SumFeature, TableGrads, pool_and_push
+from worker.prefetch import Rows, SparsePipeline, Updates
 
 __all__ = ["DistributedEmbedding"]
 
@@ -255,13 +255,15 @@ class DistributedEmbedding(torch.nn.Module):
         return F.embedding_bag(index, rows, offsets[:-1], mode=pooling, per_sample_weights=weights)
 
     def _push(self, step: int, names: list[str], unique: list[TablePlan],
-              grads: Sequence[torch.Tensor | None]) -> None:  # fmt: skip
-        updates = {
-            t: (keys, g.detach().to("cpu", torch.float32).contiguous().numpy())
-            for t, keys, g in zip(names, unique, grads)
-            if g is not None
-        }
-        self._pipeline.push(step, updates, wait=self.mode == "sync")
+              grads: TableGrads | Callable[[], TableGrads]) -> None:  # fmt: skip
+        """Push ``grads`` (per table, or a function the push thread calls for them)."""
+
+        def updates() -> Updates:
+            found = grads() if callable(grads) else grads
+            return {t: (keys, g.detach().to("cpu", torch.float32).contiguous().numpy())
+                    for t, keys, g in zip(names, unique, found) if g is not None}  # fmt: skip
+
+        self._pipeline.push(step, updates if callable(grads) else updates(), wait=self.mode == "sync")
 
 
 def _host_ids(values: torch.Tensor) -> npt.NDArray[np.int64]:
@@ -278,5 +280,5 @@ class _PushSink:
                  unique: list[TablePlan]) -> None:  # fmt: skip
         self.module, self.step, self.names, self.unique = module, step, names, unique
 
-    def __call__(self, grads: Sequence[torch.Tensor | None]) -> None:
+    def __call__(self, grads: TableGrads | Callable[[], TableGrads]) -> None:
         self.module._push(self.step, self.names, self.unique, grads)

@@ -39,7 +39,7 @@ import numpy.typing as npt
 
 from client import DeadlineExceededError, PSClient, PushResult, TablePlan
 
-__all__ = ["Rows", "SparsePipeline"]
+__all__ = ["Rows", "SparsePipeline", "Updates"]
 
 Rows = dict[str, npt.NDArray[np.float32]]
 Keys = Mapping[str, npt.NDArray[np.int64] | TablePlan]
@@ -69,7 +69,7 @@ class SparsePipeline:
         self._release_below = 0  # pushes with a smaller id go out without waiting for a lookup
         self._error: BaseException | None = None
         self._discarded: set[Future[Rows]] = set()
-        self._held: list[tuple[int, int, Updates, Future[PushResult]]] = []  # in push order
+        self._held: list[tuple[int, int, Updates | Callable[[], Updates], Future[PushResult]]] = []  # in push order
         self._closed = False
         self.push_count, self.push_s, self.push_max_s = 0, 0.0, 0.0  # acknowledged pushes and their latency
 
@@ -144,9 +144,10 @@ class SparsePipeline:
                         self._read_through = step
                         self._send_released()
 
-    def push(self, step: int, updates: Mapping[str, tuple[npt.NDArray[np.int64] | TablePlan, npt.NDArray[np.float32]]],
-             wait: bool) -> None:  # fmt: skip
+    def push(self, step: int, updates: Updates | Callable[[], Updates], wait: bool) -> None:
         """Submit a push of ``step`` (a step may push more than once); with ``wait``, block until applied.
+        ``updates`` may be a function that returns them: the push thread calls it (an
+        exception it raises is the push's).
 
         The push is held until the lookup of step ``step + staleness`` has read its rows
         (or an evaluation read, ``flush()`` or ``close()``), then sent in the background.
@@ -156,7 +157,7 @@ class SparsePipeline:
             push_id = self._next_push
             self._next_push += 1
             self._in_flight[push_id] = (step, future)
-            self._held.append((push_id, step, dict(updates), future))
+            self._held.append((push_id, step, updates if callable(updates) else dict(updates), future))
             self._send_released()
         future.add_done_callback(functools.partial(self._done, push_id, step))
         self.settle(step)
@@ -174,8 +175,10 @@ class SparsePipeline:
                 keep.append(item)
         self._held = keep
 
-    def _send(self, updates: Updates, future: Future[PushResult]) -> None:
+    def _send(self, updates: Updates | Callable[[], Updates], future: Future[PushResult]) -> None:
         try:
+            if callable(updates):
+                updates = updates()
             t0 = time.perf_counter()
             result = self.client.push_many(updates)
             took = time.perf_counter() - t0
