@@ -30,6 +30,7 @@ Example (needs running shards; see examples/ and the README):
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -47,12 +48,17 @@ from client.batching import dedup
 from worker.autograd import rows_with_push
 from worker.config import EmbeddingTableConfig, FeatureConfig, check_features
 from worker.jagged import JaggedIds
-from worker.pooling import SumFeature, TableGrads, pool_and_push
+from worker.pooling import SumFeature, TableGrads, pool_and_push, sum_pool
 from worker.prefetch import Rows, SparsePipeline, Updates
 
 __all__ = ["DistributedEmbedding"]
 
 Mode = Literal["sync", "pipelined"]
+
+
+_Prefetched = tuple[
+    Mapping[str, JaggedIds], "Future[_Plan]", "Future[Rows]", "Future[list[npt.NDArray[np.float32]]] | None"
+]  # batch, plan, rows, sums
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ class DistributedEmbedding(torch.nn.Module):
         self.mode = mode
         self.device = torch.device(device)
         self._pipeline = SparsePipeline(client, 0 if mode == "sync" else staleness)
-        self._prefetched: deque[tuple[Mapping[str, JaggedIds], Future[_Plan], Future[Rows]]] = deque()
+        self._prefetched: deque[_Prefetched] = deque()
         self._created = False
         self._step = 0
         # Pipelined sum pooling on CPU runs in one node (worker/pooling.py); this tensor
@@ -143,7 +149,13 @@ class DistributedEmbedding(torch.nn.Module):
             return plan.result().unique
 
         step = self._step + len(self._prefetched)
-        self._prefetched.append((batch, plan, self._pipeline.lookup(step, keys)))
+        future = self._pipeline.lookup(step, keys)
+        pooled: Future[list[npt.NDArray[np.float32]]] | None = None
+        if self._fused(batch):
+            # The sums too are made on the lookup thread, as soon as the rows are in.
+            pooled = Future()
+            future.add_done_callback(functools.partial(self._pool_sums, batch, plan, pooled))
+        self._prefetched.append((batch, plan, future, pooled))
 
     def forward(self, batch: Mapping[str, JaggedIds]) -> dict[str, torch.Tensor]:
         self._pipeline.check()
@@ -157,8 +169,9 @@ class DistributedEmbedding(torch.nn.Module):
             tensors = [torch.from_numpy(rows[t]).to(self.device, non_blocking=True) for t in plan.unique]
             return self._pool_all(batch, plan, dict(zip(plan.unique, tensors)))
         step = self._step
+        pooled = None
         if self._prefetched and self._prefetched[0][0] is batch:
-            _, planned, future = self._prefetched.popleft()
+            _, planned, future, pooled = self._prefetched.popleft()
             plan = planned.result()
         else:
             # Prefetched for other batches: the loop changed course. Those steps never run,
@@ -176,14 +189,32 @@ class DistributedEmbedding(torch.nn.Module):
         # When autograd frees this step's graph without a backward (skipped or failed
         # step), the step can push nothing more: later lookups must not wait for it.
         weakref.finalize(sink, self._pipeline.settle, step)
-        if self._fusable and all(batch[n].weights is None for n in self.features):
-            position = {t: i for i, t in enumerate(names)}
-            sums = [SumFeature(position[f.table], plan.index[n], _host_ids(batch[n].offsets))
-                    for n, f in self.features.items()]  # fmt: skip
-            return dict(zip(self.features, pool_and_push([rows[t] for t in names], sums, sink, self._anchor)))
+        if self._fused(batch):
+            sums = self._sums(batch, plan)
+            outputs = None if pooled is None else pooled.result()
+            return dict(zip(self.features, pool_and_push([rows[t] for t in names], sums, sink, self._anchor,
+                                                         pooled=outputs)))  # fmt: skip
         tensors = [torch.from_numpy(rows[t]).to(self.device, non_blocking=True) for t in names]
         tensors = list(rows_with_push(tensors, sink))
         return self._pool_all(batch, plan, dict(zip(names, tensors)))
+
+    def _fused(self, batch: Mapping[str, JaggedIds]) -> bool:
+        """Whether ``batch`` pools in one compiled node (``worker/pooling.py``)."""
+        return self._fusable and all(batch[n].weights is None for n in self.features)
+
+    def _sums(self, batch: Mapping[str, JaggedIds], plan: _Plan) -> list[SumFeature]:
+        position = {t: i for i, t in enumerate(plan.unique)}
+        return [SumFeature(position[f.table], plan.index[n], _host_ids(batch[n].offsets))
+                for n, f in self.features.items()]  # fmt: skip
+
+    def _pool_sums(self, batch: Mapping[str, JaggedIds], plan: Future[_Plan],
+                   out: Future[list[npt.NDArray[np.float32]]], lookup: Future[Rows]) -> None:  # fmt: skip
+        """On the lookup thread, once ``lookup`` is done: each feature's sums, into ``out``."""
+        try:
+            rows, p = lookup.result(), plan.result()
+            out.set_result(sum_pool([rows[t] for t in p.unique], self._sums(batch, p)))
+        except BaseException as exc:  # raised where forward(batch) reads it
+            out.set_exception(exc)
 
     def _pool_all(
         self, batch: Mapping[str, JaggedIds], plan: _Plan, by_table: dict[str, torch.Tensor]
