@@ -56,9 +56,8 @@ __all__ = ["DistributedEmbedding"]
 Mode = Literal["sync", "pipelined"]
 
 
-_Prefetched = tuple[
-    Mapping[str, JaggedIds], "Future[_Plan]", "Future[Rows]", "Future[list[npt.NDArray[np.float32]]] | None"
-]  # batch, plan, rows, sums
+_Pooled = tuple[list[SumFeature], list[npt.NDArray[np.float32]]]  # the features, their sums
+_Prefetched = tuple[Mapping[str, JaggedIds], "Future[_Plan]", "Future[Rows]", "Future[_Pooled] | None"]
 
 
 @dataclass(frozen=True)
@@ -150,7 +149,7 @@ class DistributedEmbedding(torch.nn.Module):
 
         step = self._step + len(self._prefetched)
         future = self._pipeline.lookup(step, keys)
-        pooled: Future[list[npt.NDArray[np.float32]]] | None = None
+        pooled: Future[_Pooled] | None = None
         if self._fused(batch):
             # The sums too are made on the lookup thread, as soon as the rows are in.
             pooled = Future()
@@ -190,8 +189,7 @@ class DistributedEmbedding(torch.nn.Module):
         # step), the step can push nothing more: later lookups must not wait for it.
         weakref.finalize(sink, self._pipeline.settle, step)
         if self._fused(batch):
-            sums = self._sums(batch, plan)
-            outputs = None if pooled is None else pooled.result()
+            sums, outputs = pooled.result() if pooled is not None else (self._sums(batch, plan), None)
             return dict(zip(self.features, pool_and_push([rows[t] for t in names], sums, sink, self._anchor,
                                                          pooled=outputs)))  # fmt: skip
         tensors = [torch.from_numpy(rows[t]).to(self.device, non_blocking=True) for t in names]
@@ -208,11 +206,12 @@ class DistributedEmbedding(torch.nn.Module):
                 for n, f in self.features.items()]  # fmt: skip
 
     def _pool_sums(self, batch: Mapping[str, JaggedIds], plan: Future[_Plan],
-                   out: Future[list[npt.NDArray[np.float32]]], lookup: Future[Rows]) -> None:  # fmt: skip
-        """On the lookup thread, once ``lookup`` is done: each feature's sums, into ``out``."""
+                   out: Future[_Pooled], lookup: Future[Rows]) -> None:  # fmt: skip
+        """On the lookup thread, once ``lookup`` is done: the features and their sums, into ``out``."""
         try:
             rows, p = lookup.result(), plan.result()
-            out.set_result(sum_pool([rows[t] for t in p.unique], self._sums(batch, p)))
+            sums = self._sums(batch, p)
+            out.set_result((sums, sum_pool([rows[t] for t in p.unique], sums)))
         except BaseException as exc:  # raised where forward(batch) reads it
             out.set_exception(exc)
 
