@@ -67,7 +67,7 @@ def _shards(config: TrainerConfig, d: Dist) -> Iterator[list[str]]:
 
 def run(config: TrainerConfig) -> dict[str, Any]:
     """Train ``config``, with local shards if it names no addresses; returns the metrics."""
-    d = init_distributed()
+    d = init_distributed(config.device)
     try:
         with _shards(config, d) as addresses:
             return train(config, addresses, d)

@@ -15,3 +15,15 @@ def clean_environ(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         if name.startswith("PS_"):
             monkeypatch.delenv(name)
     yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``@pytest.mark.gpu`` tests where torch sees no CUDA device."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in gpu_tests:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA: torch sees no CUDA device"))

@@ -135,6 +135,9 @@ class TrainerConfig:
     )
     dense_lr: float = field(default=5e-4, metadata=_help("Adam learning rate of the dense tower"))
     mode: str = field(default="pipelined", metadata=_help("pipelined (lookups ahead, async pushes) or sync (exact)"))
+    device: str = field(
+        default="auto", metadata=_help("where the dense tower trains: cuda, cpu, or auto (cuda when there is one)")
+    )
     staleness: int = field(
         default=1, metadata=_help("pipelined mode: step t reads rows without the pushes of the last N steps")
     )
@@ -155,6 +158,7 @@ class TrainerConfig:
         checks = [
             (self.model in ("dlrm", "deepfm"), f"model={self.model!r}: expected dlrm or deepfm"),
             (self.mode in ("sync", "pipelined"), f"mode={self.mode!r}: expected sync or pipelined"),
+            (self.device in ("auto", "cpu", "cuda"), f"device={self.device!r}: expected auto, cpu or cuda"),
             (self.schema in SCHEMA_NAMES, f"schema={self.schema!r}: expected one of {', '.join(SCHEMA_NAMES)}"),
             (self.dim >= 1, f"dim={self.dim}: must be >= 1"),
             (self.batch_size >= 0 and self.epochs >= 0, "batch_size and epochs must be >= 0 (0: chosen for you)"),

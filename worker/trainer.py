@@ -108,18 +108,33 @@ class Dist:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
-def init_distributed() -> Dist:
-    """Join the torchrun job (gloo on CPU, nccl with CUDA) if there is one; idempotent."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available()
+def init_distributed(device: str = "auto") -> Dist:
+    """Join the torchrun job (gloo on CPU, nccl with CUDA) if there is one; idempotent.
+
+    ``device``: ``"cuda"``, ``"cpu"`` or ``"auto"`` (CUDA when there is a device). On CUDA each
+    worker of a machine takes the GPU of its ``LOCAL_RANK``, so a machine runs at most one
+    worker per GPU; more is an error that says so, not a crash inside CUDA.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device={device!r}: expected auto, cpu or cuda")
+    world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    gpus = torch.cuda.device_count() if device != "cpu" else 0
+    if device == "cuda" and gpus == 0:
+        raise RuntimeError("device=cuda: torch sees no CUDA device (a CPU build of torch, or no GPU visible)")
+    cuda = gpus > 0
+    if cuda and local_rank >= gpus:
+        raise RuntimeError(
+            f"worker LOCAL_RANK={local_rank} needs a GPU of its own, but this machine has {gpus}: start at most "
+            f"{gpus} worker{'s' if gpus > 1 else ''} per machine (ps-launch --workers {gpus}), or train on CPU "
+            "(--device cpu)"
+        )
     if world == 1:
-        return Dist(device=torch.device("cuda") if cuda else torch.device("cpu"))
+        return Dist(device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"))
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return Dist(dist.get_rank(), world, device)
+    return Dist(dist.get_rank(), world, torch.device("cuda", local_rank) if cuda else torch.device("cpu"))
 
 
 # --- one model through one set of tables
@@ -359,7 +374,7 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
     bad data. Blocks until done; collective across all workers under ``torchrun``
     (``d`` from ``init_distributed()``; the caller owns the process group).
     """
-    d = d or init_distributed()
+    d = d or init_distributed(config.device)
     data = open_data(config)
     batch_size = config.batch_size or (
         1024 if data.source == "synthetic" else auto_batch_size(data.train_rows, d.world)
@@ -530,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print("trainer: no shard addresses: pass --addresses (ps-launch sets TRAINER_ADDRESSES), "
               "or run `python -m deploy.train` with the same flags, which starts local shards", file=sys.stderr)  # fmt: skip
         raise SystemExit(2)
-    d = init_distributed()
+    d = init_distributed(config.device)
     try:
         metrics = train(config, config.addresses, d)
     finally:

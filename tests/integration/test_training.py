@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from deploy.train import run
 from worker.trainer import TrainerConfig
@@ -25,9 +26,11 @@ def launch(tmp_path: Path, *args: str, timeout_s: float = 300) -> subprocess.Com
 
 def test_two_worker_ddp_through_ps_launch(tmp_path: Path) -> None:
     out = tmp_path / "run"
+    # Each worker needs a GPU of its own; with fewer than two, both train on CPU (gloo).
+    device = "auto" if torch.cuda.device_count() >= 2 else "cpu"
     result = launch(tmp_path, "--shards", "2", "--workers", "2", "--", "python", "examples/train_dlrm.py",
                     "--train-samples", "24000", "--eval-samples", "4000", "--batch-size", "512",
-                    "--progress", "false", "--output-dir", str(out))  # fmt: skip
+                    "--progress", "false", "--device", device, "--output-dir", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     digests = metrics["dense_digests"]
@@ -41,6 +44,15 @@ def test_two_worker_ddp_through_ps_launch(tmp_path: Path) -> None:
     assert len(manifest["features"]) == 2 * 26  # each feature, and its first-order weight
     assert all(rows > 0 for rows in manifest["shard_rows"])  # both shards hold rows
     assert "AUC" in result.stdout
+
+
+@pytest.mark.gpu
+def test_more_workers_than_gpus_is_a_clear_error(tmp_path: Path) -> None:
+    workers = str(torch.cuda.device_count() + 1)
+    result = launch(tmp_path, "--shards", "1", "--workers", workers, "--", "python", "examples/train_dlrm.py",
+                    "--train-samples", "4000", "--eval-samples", "1000", "--progress", "false", timeout_s=180)  # fmt: skip
+    assert result.returncode != 0
+    assert "needs a GPU of its own" in result.stderr and "--device cpu" in result.stderr, result.stderr[-3000:]
 
 
 def test_parity_pipelined_auc_matches_sync(tmp_path: Path) -> None:

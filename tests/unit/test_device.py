@@ -1,0 +1,35 @@
+"""Where the trainer puts the dense tower: ``--device`` and ``init_distributed``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.trainer import TrainerConfig, init_distributed
+
+
+def test_an_unknown_device_names_the_field() -> None:
+    with pytest.raises(ValueError, match="device='gpu'"):
+        TrainerConfig(device="gpu")
+    with pytest.raises(ValueError, match="device='tpu'"):
+        init_distributed("tpu")
+
+
+def test_cpu_is_always_there() -> None:
+    assert init_distributed("cpu").device == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_without_cuda() -> None:
+    assert init_distributed("auto").device == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        init_distributed("cuda")
+
+
+@pytest.mark.gpu
+def test_each_local_worker_takes_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert init_distributed("auto").device == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count()))
+    with pytest.raises(RuntimeError, match="needs a GPU of its own.*--device cpu"):
+        init_distributed("cuda")
+    assert init_distributed("cpu").device == torch.device("cpu")  # what the message offers works
