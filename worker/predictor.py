@@ -14,13 +14,14 @@ Given a run directory (``worker.export``) and anything with ``lookup_many`` (a
    (``F.embedding_bag``), one call of the exported dense program, and
    ``worker.export.probabilities`` (sigmoid).
 
-Each program call is padded to a multiple of ``PAD_ROWS`` rows (copies of the last row,
-whose scores are dropped). On CPU the matrix kernels give a row the same bits at any
-such batch size, while below 8 rows they take other paths; ``probabilities`` does not
-depend on positions either. So a candidate's score does not depend on which requests it
-was batched with, and equals the training evaluation's (``worker.trainer.predict``) for
-the same raw values when that evaluated them in batches of a multiple of 8 rows (its
-batches are, but for the last one).
+Each program call is padded (copies of the last row, whose scores are dropped) to a
+multiple of ``PAD_ROWS`` rows and to at least ``MIN_ROWS``. On CPU the matrix kernels give
+a row the same bits at any such batch size, while small ones take other paths: below 8
+rows with one BLAS, below 16 with MKL on AVX-512 (seen on a 16-core Xeon), hence the
+margin. ``probabilities`` does not depend on positions either. So a candidate's score
+does not depend on which requests it was batched with, and equals the training
+evaluation's (``worker.trainer.predict``) for the same raw values when that evaluated
+them in such batches (its batches are, but for the last one).
 
 Example (``rows`` is a ``PSClient`` or any ``RowSource``):
     p = Predictor.load("runs/latest", rows)
@@ -46,9 +47,10 @@ from worker.export import KeyFeature, ServingModel, load_model, probabilities
 from worker.fields import bucket_keys, dense_values, parse_numbers
 from worker.request import Column, InvalidRequest, ValueType, columns_of
 
-__all__ = ["PAD_ROWS", "Encoded", "Predictor", "RowSource"]
+__all__ = ["MIN_ROWS", "PAD_ROWS", "Encoded", "Predictor", "RowSource"]
 
 PAD_ROWS = 8
+MIN_ROWS = 64  # ~0.1 ms more than 8 rows for DLRM's tower on one core
 I64 = npt.NDArray[np.int64]
 F32 = npt.NDArray[np.float32]
 F64 = npt.NDArray[np.float64]
@@ -173,7 +175,7 @@ class Predictor:
             return [np.empty(0, np.float32) for _ in batches]
         keys = np.concatenate([b.keys for b in batches], axis=1) if len(batches) > 1 else batches[0].keys
         dense = np.concatenate([b.dense for b in batches]) if len(batches) > 1 else batches[0].dense
-        if pad := -n % PAD_ROWS:
+        if pad := max(MIN_ROWS - n, -n % PAD_ROWS):
             keys = np.concatenate([keys, np.repeat(keys[:, -1:], pad, axis=1)], axis=1)
             dense = np.concatenate([dense, np.repeat(dense[-1:], pad, axis=0)])
         rows_n = n + pad

@@ -56,7 +56,7 @@ from protos.servers import listen, server_security, settle_heap, stop_on_signals
 from protos.tls import channel_credentials, open_channel
 from worker.config import parse_config
 from worker.export import load_model
-from worker.predictor import PAD_ROWS, Encoded, Predictor
+from worker.predictor import MIN_ROWS, Encoded, Predictor
 from worker.request import Column, InvalidRequest, decode_request, encode_request, request_of
 
 __all__ = ["SERVICE_NAME", "InferConfig", "InferServer", "PredictClient", "PredictError", "build_server", "main"]
@@ -378,8 +378,8 @@ def _warm_up(predictor: Predictor) -> None:
     columns |= dict.fromkeys(m.dense, Column.of(["1"]))  # the text path of dense values
     predictor.encode(*decode_request(request_of(1, {}, columns)))  # read-only arrays, as requests bring
     with torch.no_grad():
-        pooled = {name: torch.zeros(PAD_ROWS, m.dims[table]) for name, table, _, _ in m.embeddings}
-        m.program(torch.zeros(PAD_ROWS, len(m.dense)), pooled)
+        pooled = {name: torch.zeros(MIN_ROWS, m.dims[table]) for name, table, _, _ in m.embeddings}
+        m.program(torch.zeros(MIN_ROWS, len(m.dense)), pooled)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
