@@ -33,7 +33,11 @@ TorchRec is not a pyproject extra: its metadata requires ``fbgemm-gpu`` (the CUD
 ``torchmetrics==1.0.3``, which pip would resolve. Install it without resolving, into the venv:
 ``pip install --no-deps -c constraints.txt torchrec==1.9.2 fbgemm-gpu-cpu==1.8.0 tensordict pyvers
 cloudpickle pyre-extensions typing-inspect``.
-Usage: ``python benchmarks/bench_training.py [--quick] [--steps N]`` -> ``benchmarks/results/training.{json,png}``.
+On a machine with more cores, ``--worker-cpus 0-1 --shard-cpus 2-5`` pins this process (every
+variant, TorchRec's included, and torch's threads, which default to the worker's cores) and the
+shards to CPUs of their own: the deployment a parameter server exists for, shards beside the worker.
+Usage: ``python benchmarks/bench_training.py [--quick] [--steps N] [--worker-cpus L --shard-cpus L]``
+-> ``benchmarks/results/training.{json,png}``.
 """
 
 from __future__ import annotations
@@ -429,13 +433,34 @@ def chart(res: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(quick: bool, steps: int | None) -> None:
+def cpu_list(text: str) -> set[int]:
+    """``"0-1,4"`` -> ``{0, 1, 4}`` (the notation of ``taskset -c``)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of ``pid`` to ``cpus``; threads it starts later inherit the mask."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+def main(
+    quick: bool, steps: int | None, worker_cpus: set[int] | None = None, shard_cpus: set[int] | None = None
+) -> None:
+    if worker_cpus:
+        pin(os.getpid(), worker_cpus)
+        torch.set_num_threads(len(worker_cpus))
     steps = steps or (60 if quick else 400)
     rounds, warmup, quiet_budget, max_round_s = (3, 5, [10.0], 4.0) if quick else (5, 10, [60.0], 8.0)
     per_round = max(1, steps // rounds)
     t_start = time.perf_counter()
     torchrec, status = load_torchrec()
-    machine: dict[str, Any] = {"nproc": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+    machine: dict[str, Any] = {"nproc": len(os.sched_getaffinity(0)), "worker_cpus": sorted(worker_cpus or []),
+               "shard_cpus": sorted(shard_cpus or []), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
                "torch": torch.__version__, "numpy": np.__version__, "platform": platform.platform(), "git": git_state()}  # fmt: skip
     res: dict[str, Any] = {"quick": quick, "warmup_steps": warmup, "timed_steps": per_round * rounds, "rounds": rounds,
                            "batch": BATCH, "dim": DIM, "rows": ROWS, "machine": machine, "loadavg_start": os.getloadavg(),
@@ -446,6 +471,9 @@ def main(quick: bool, steps: int | None) -> None:
     res["datagen_ms_per_batch"] = 1e3 * gen_s
     closers: list[Callable[[], None]] = []
     with LocalCluster(SHARDS) as cluster:
+        if shard_cpus:
+            for s in cluster.shards:
+                pin(s.proc.pid, shard_cpus)
         try:
             # Ours runs with the thread count the trainer picks when its shards share the
             # machine (deploy.train); the torch default is shown beside it.
@@ -499,5 +527,7 @@ if __name__ == "__main__":
     p.add_argument(
         "--steps", type=int, help="timed steps per variant, split over the rounds (default 400; 60 with --quick)"
     )
+    p.add_argument("--worker-cpus", type=cpu_list, help="CPUs of this process, e.g. 0-1 (default: all it may use)")
+    p.add_argument("--shard-cpus", type=cpu_list, help="CPUs of the shards, e.g. 2-5 (default: the worker's)")
     a = p.parse_args()
-    main(a.quick, a.steps)
+    main(a.quick, a.steps, a.worker_cpus, a.shard_cpus)
