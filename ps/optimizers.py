@@ -89,6 +89,8 @@ import numpy.typing as npt
 from numba.core import types as nbtypes
 from numba.extending import intrinsic
 
+from ps.prefetch import prefetch
+
 __all__ = [
     "OptimizerKind",
     "OptimizerParams",
@@ -403,6 +405,13 @@ _fma = cast(Callable[[np.float32, np.float32, np.float32], np.float32], intrinsi
 # with 2-D indexing LLVM cannot prove that the loads and stores of one row don't overlap and
 # leaves the inner loop scalar (5x slower for Adam).
 
+# Rows are updated in the order the push lists them, which no hardware prefetcher can guess:
+# each kernel asks for the first cache line of the param (and state) row _AHEAD pushes on
+# while it updates this one, so the misses of several rows overlap; the core's own prefetcher
+# brings the rest of a row once its first line is asked for. A hint only: same bits. Written
+# out in each loop: from a helper numba inlines, the gain was lost (measured).
+_AHEAD = 8
+
 
 @_kernel
 def _fill_rows(state: npt.NDArray[np.float32], slots: npt.NDArray[np.integer[Any]], fill: np.float32) -> None:
@@ -420,7 +429,10 @@ def _sgd(
     use_wd: bool,
 ) -> None:
     dim = values.shape[1]
-    for i in range(slots.shape[0]):
+    n = slots.shape[0]
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch(values, slots[i + _AHEAD])
         param = values[slots[i]]
         grad = grads[i]
         for j in range(dim):
@@ -443,7 +455,11 @@ def _adagrad(
     eps: np.float32,
 ) -> None:
     dim = values.shape[1]
-    for i in range(slots.shape[0]):
+    n = slots.shape[0]
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch(values, slots[i + _AHEAD])
+            prefetch(state, slots[i + _AHEAD])
         s = slots[i]
         param = values[s]
         state_sum = state[s]
@@ -487,7 +503,11 @@ def _adam(
     # step counts, so memoize the per-step factors for this call. 0 means "not computed yet":
     # -lr/bc1 is never 0 because lr > 0 and 0 < bc1 <= 1.
     memo = np.zeros((_ADAM_MEMO_STEPS, 2), dtype=np.float32)
-    for i in range(slots.shape[0]):
+    n = slots.shape[0]
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch(values, slots[i + _AHEAD])
+            prefetch(state, slots[i + _AHEAD])
         s = slots[i]
         param = values[s]
         row = state[s]
@@ -543,7 +563,11 @@ def _ftrl(
     # digits that matter near the sparsity threshold. The state is still stored as float32.
     is_sqrt = power == 0.5
     two_l2 = 2.0 * l2
-    for i in range(slots.shape[0]):
+    n = slots.shape[0]
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch(values, slots[i + _AHEAD])
+            prefetch(state, slots[i + _AHEAD])
         s = slots[i]
         param = values[s]
         row = state[s]
