@@ -445,12 +445,17 @@ def cpu_list(text: str) -> set[int]:
 def pin(pid: int, cpus: set[int]) -> None:
     """Pin every thread of ``pid`` to ``cpus``; threads it starts later inherit the mask."""
     for tid in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(tid), cpus)
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass  # the thread ended since the listing
 
 
 def main(
     quick: bool, steps: int | None, worker_cpus: set[int] | None = None, shard_cpus: set[int] | None = None
 ) -> None:
+    if worker_cpus and shard_cpus and worker_cpus & shard_cpus:
+        raise SystemExit(f"--worker-cpus and --shard-cpus share CPUs {sorted(worker_cpus & shard_cpus)}")
     if worker_cpus:
         pin(os.getpid(), worker_cpus)
         torch.set_num_threads(len(worker_cpus))
@@ -480,7 +485,7 @@ def main(
             policy, default = threads_beside_local_shards(), torch.get_num_threads()
             variants = [ours("pipelined", cluster, closers, threads=policy), ours("sync", cluster, closers, threads=policy),
                         ours("pipelined", cluster, closers, threads=default,
-                             label=f"ours pipelined, {default} threads (torch default)"), in_process()]  # fmt: skip
+                             label=f"ours pipelined, {default} threads ({'every worker CPU' if worker_cpus else 'torch default'})"), in_process()]  # fmt: skip
             if torchrec is not None:
                 variants.append(torchrec_fused(torchrec))
             variants.append(dense_alone(policy))

@@ -429,9 +429,9 @@ def _sgd(
     use_wd: bool,
 ) -> None:
     dim = values.shape[1]
-    n = slots.shape[0]
-    for i in range(n):
-        if i + _AHEAD < n:
+    count = slots.shape[0]
+    for i in range(count):
+        if i + _AHEAD < count:
             prefetch(values, slots[i + _AHEAD])
         param = values[slots[i]]
         grad = grads[i]
@@ -455,9 +455,9 @@ def _adagrad(
     eps: np.float32,
 ) -> None:
     dim = values.shape[1]
-    n = slots.shape[0]
-    for i in range(n):
-        if i + _AHEAD < n:
+    count = slots.shape[0]
+    for i in range(count):
+        if i + _AHEAD < count:
             prefetch(values, slots[i + _AHEAD])
             prefetch(state, slots[i + _AHEAD])
         s = slots[i]
@@ -503,9 +503,9 @@ def _adam(
     # step counts, so memoize the per-step factors for this call. 0 means "not computed yet":
     # -lr/bc1 is never 0 because lr > 0 and 0 < bc1 <= 1.
     memo = np.zeros((_ADAM_MEMO_STEPS, 2), dtype=np.float32)
-    n = slots.shape[0]
-    for i in range(n):
-        if i + _AHEAD < n:
+    count = slots.shape[0]
+    for i in range(count):
+        if i + _AHEAD < count:
             prefetch(values, slots[i + _AHEAD])
             prefetch(state, slots[i + _AHEAD])
         s = slots[i]
@@ -563,9 +563,9 @@ def _ftrl(
     # digits that matter near the sparsity threshold. The state is still stored as float32.
     is_sqrt = power == 0.5
     two_l2 = 2.0 * l2
-    n = slots.shape[0]
-    for i in range(n):
-        if i + _AHEAD < n:
+    count = slots.shape[0]
+    for i in range(count):
+        if i + _AHEAD < count:
             prefetch(values, slots[i + _AHEAD])
             prefetch(state, slots[i + _AHEAD])
         s = slots[i]

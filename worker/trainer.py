@@ -128,10 +128,10 @@ def init_distributed(device: str = "auto") -> Dist:
             f"{gpus} worker{'s' if gpus > 1 else ''} per machine (ps-launch --workers {gpus}), or train on CPU "
             "(--device cpu)"
         )
+    if cuda:
+        torch.cuda.set_device(local_rank)  # streams and allocations that name no device land there
     if world == 1:
         return Dist(device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"))
-    if cuda:
-        torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     return Dist(dist.get_rank(), world, torch.device("cuda", local_rank) if cuda else torch.device("cpu"))

@@ -26,6 +26,16 @@ def test_without_cuda() -> None:
         init_distributed("cuda")
 
 
+def test_more_local_workers_than_gpus_is_refused_before_cuda_is_touched(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a one-GPU machine, as torch would report it
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(
+        RuntimeError, match=r"LOCAL_RANK=1 needs a GPU of its own, but this machine has 1.*--device cpu"
+    ):
+        init_distributed("auto")
+    assert init_distributed("cpu").device == torch.device("cpu")
+
+
 @pytest.mark.gpu
 def test_each_local_worker_takes_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert init_distributed("auto").device == torch.device("cuda", 0)

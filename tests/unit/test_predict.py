@@ -30,7 +30,7 @@ from worker.data import ColumnSchema, feature_seed, load_click_log, rare_key
 from worker.export import ServingModel, describe_data, load_model, probabilities, serving_manifest
 from worker.fields import dense_values
 from worker.models import DLRM
-from worker.predictor import MIN_ROWS, Encoded, Predictor
+from worker.predictor import MIN_ROWS, PAD_ROWS, Encoded, Predictor
 from worker.request import Column, InvalidRequest, columns_of, decode_request, encode_request
 from worker.serving import Batcher, InferConfig, _Gate, _Refused, main
 from worker.synthetic import synthetic_criteo
@@ -108,7 +108,7 @@ def reference(run: Path, rows: MemoryRows, lo: int, hi: int) -> npt.NDArray[np.f
             weight = torch.from_numpy(rows.lookup_many({table: keys})[table])
             pooled[name] = F.embedding_bag(torch.arange(len(keys)), weight, torch.arange(len(keys)), mode="sum")
     # At the predictor's smallest call: smaller matrices may take other kernel paths (other bits).
-    pad = MIN_ROWS - (hi - lo)
+    pad = max(MIN_ROWS - (hi - lo), -(hi - lo) % PAD_ROWS)
     dense = torch.cat([batch.dense, batch.dense[-1:].expand(pad, -1)])
     pooled = {name: torch.cat([t, t[-1:].expand(pad, -1)]) for name, t in pooled.items()}
     with torch.no_grad():
