@@ -50,8 +50,9 @@ def _shards(config: TrainerConfig, d: Dist) -> Iterator[list[str]]:
     if error:
         raise RuntimeError(error)
     log.info("started %d local shards: %s", config.num_shards, ",".join(addresses))
+    threads = torch.get_num_threads()
     if "OMP_NUM_THREADS" not in os.environ:  # an explicit setting (torchrun sets 1) wins
-        torch.set_num_threads(min(torch.get_num_threads(), threads_beside_local_shards()))
+        torch.set_num_threads(min(threads, threads_beside_local_shards()))
     ok = False
     try:
         yield addresses
@@ -63,6 +64,10 @@ def _shards(config: TrainerConfig, d: Dist) -> Iterator[list[str]]:
             dist.barrier()
         if cluster is not None:
             cluster.stop()
+        # Back to the caller's count once the shards are gone: a program that trains in
+        # process and then serves or evaluates computes as it did before (float results
+        # of matrix kernels may differ in the last bit between thread counts).
+        torch.set_num_threads(threads)
 
 
 def run(config: TrainerConfig) -> dict[str, Any]:

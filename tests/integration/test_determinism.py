@@ -77,3 +77,16 @@ def test_two_runs_with_one_seed_give_the_same_model(tmp_path: Path, mode: str) -
     b = run(TrainerConfig(output_dir=tmp_path / "b", **common))
     assert a["dense_digests"] == b["dense_digests"]
     assert a["final"]["auc"] == b["final"]["auc"] and a["final"]["logloss"] == b["final"]["logloss"]
+
+
+def test_a_run_in_process_gives_back_torch_threads(tmp_path: Path) -> None:
+    """Local shards take cores from the trainer's torch threads for the run; afterwards the
+    process computes with its own count again (an evaluation or a model served in the same
+    process would otherwise differ in the last bit from one at the usual count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(64)  # more than any machine has beside its local shards
+    try:
+        run(TrainerConfig(output_dir=tmp_path, train_samples=2_000, eval_samples=500, progress=False))
+        assert torch.get_num_threads() == 64
+    finally:
+        torch.set_num_threads(before)
