@@ -8,8 +8,9 @@ kills gives the AUC to compare against. Each kill picks a shard at random (the s
 printed) and times the restart: from the SIGKILL until the shard's address answers a
 health check again, which ``ps-launch --restart-shards`` must make happen within 3 s.
 
-A plain run kills a shard 3 times, ~1.5 s apart; ``pytest -m slow`` runs the long
-version (10 kills, one every ~15 s).
+A plain run kills a shard 3 times in ~60 steps; ``pytest -m slow`` runs the long version
+(10 kills in ~4,400 steps). Kills are spread over the run by the steps it has done, not by
+the clock, so a faster machine cannot finish training before the last one.
 """
 
 from __future__ import annotations
@@ -43,8 +44,25 @@ WORKER = Path(__file__).with_name("recording_worker.py")
 MAX_RESTART_S = 3.0  # from SIGKILL to the shard answering again on its address
 
 
-def _pushes(client: PSClient) -> int:
-    return sum(t["pushes"] for s in client.stats() for t in s["tables"])
+BATCH = 1024
+
+
+class _Steps:
+    """Training steps done, as the shards count them: a step is one push request to each
+    shard, and ``Stats.version`` counts those since the shard (re)started; a killed shard's
+    last count is carried over its restart."""
+
+    def __init__(self, client: PSClient) -> None:
+        self.client = client
+        self.carried = [0] * client.num_shards
+        self.seen = [0] * client.num_shards
+
+    def __call__(self) -> int:
+        self.seen = [int(s["version"]) for s in self.client.stats()]
+        return max(c + v for c, v in zip(self.carried, self.seen))
+
+    def killed(self, shard: int) -> None:
+        self.carried[shard] += self.seen[shard]
 
 
 def _dead(pid: int) -> bool:
@@ -75,16 +93,43 @@ def _restart_s(address: str, pid: int, killed_at: float, timeout_s: float = 60.0
     return time.monotonic() - killed_at
 
 
-def _train(tmp: Path, *, samples: int, kills: int, gap_s: float, seed: int = 0) -> dict[str, Any]:
+class _Lives:
+    """When each shard last started and how many of its deaths in a row came soon after a
+    start: ps-launch gives a shard up after 3 deaths in a row each within 5 s of starting
+    (a crash loop), so the kills here never make a third (counting 6 s, to be safe)."""
+
+    SOON_S, GIVE_UP_AFTER = 6.0, 3
+
+    def __init__(self, started: float) -> None:
+        self.started = [started, started]
+        self.soon = [0, 0]
+
+    def killable(self) -> list[int]:
+        now = time.monotonic()
+        return [s for s in range(2) if self.soon[s] < self.GIVE_UP_AFTER - 1 or now - self.started[s] >= self.SOON_S]
+
+    def killed(self, shard: int, at: float, back: float) -> None:
+        self.soon[shard] = self.soon[shard] + 1 if at - self.started[shard] < self.SOON_S else 0
+        self.started[shard] = back
+
+
+def _kill_steps(total: int, kills: int, rng: random.Random) -> list[int]:
+    """The steps after which to kill: spread over the first 90% of ``total``, each moved by
+    up to ±20% of the spacing."""
+    spacing = 0.8 * total / max(kills, 1)
+    return [max(1, int(0.1 * total + spacing * (i + rng.uniform(-0.2, 0.2)))) for i in range(kills)]
+
+
+def _train(tmp: Path, *, samples: int, kills: int, seed: int = 0) -> dict[str, Any]:
     """One pipelined DLRM run under ps-launch (2 shards, every-push); ``kills`` kill -9s of a
-    random shard (``random.Random(seed)``), one every ``gap_s`` ±20%, each timed until the
-    shard answers again."""
+    random shard (``random.Random(seed)``) spread over the run's steps, each timed until
+    the shard answers again."""
     launch_dir, data_dir, out = tmp / "launch", tmp / "data", tmp / "run"
     record = tmp / "pushes.pkl"
     command = [sys.executable, "-m", "deploy.launch", "--shards", "2", "--data-dir", str(launch_dir),
                f"--shard-arg=--data-dir={data_dir}/shard-{{shard}}", "--shard-arg=--durability=every-push",
                "--", "python", str(WORKER), "--mode", "pipelined", "--train-samples", str(samples),
-               "--eval-samples", "10000", "--batch-size", "1024", "--progress", "false", "--seed", "3",
+               "--eval-samples", "10000", "--batch-size", str(BATCH), "--progress", "false", "--seed", "3",
                "--output-dir", str(out)]  # fmt: skip
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, RECORD_PUSHES=str(record))
@@ -100,19 +145,21 @@ def _train(tmp: Path, *, samples: int, kills: int, gap_s: float, seed: int = 0) 
             time.sleep(0.1)
         addresses = [f"127.0.0.1:{(launch_dir / f'port.{i}').read_text().strip()}" for i in range(2)]
         with PSClient(addresses, ClientConfig(deadline_s=60, tune_malloc=False)) as watcher:
-            while kills and proc.poll() is None and _pushes(watcher) < 30:
-                time.sleep(0.1)  # training is under way
-        next_kill = time.monotonic()
-        for _ in range(kills):
-            next_kill += gap_s * rng.uniform(0.8, 1.2)
-            time.sleep(max(0.0, next_kill - time.monotonic()))
-            shard = rng.randrange(2)
-            pid = shard_pid(launch_dir, shard)
-            if proc.poll() is not None or pid is None:
-                break
-            os.kill(pid, signal.SIGKILL)
-            killed_at = time.monotonic()
-            killed.append((shard, pid, _restart_s(addresses[shard], pid, killed_at)))
+            steps = _Steps(watcher)
+            lives = _Lives(time.monotonic())
+            for step in _kill_steps(-(-samples // BATCH), kills, rng):
+                while proc.poll() is None and (steps() < step or not lives.killable()):
+                    time.sleep(0.02)
+                shard = rng.choice(lives.killable())
+                pid = shard_pid(launch_dir, shard)
+                if proc.poll() is not None or pid is None:
+                    break
+                steps()
+                os.kill(pid, signal.SIGKILL)
+                steps.killed(shard)
+                killed_at = time.monotonic()
+                killed.append((shard, pid, _restart_s(addresses[shard], pid, killed_at)))
+                lives.killed(shard, killed_at, killed_at + killed[-1][2])
         code = proc.wait(timeout=1800)
     finally:
         if proc.poll() is None:
@@ -162,13 +209,12 @@ def _compare_rows(tmp: Path, run: dict[str, Any]) -> tuple[int, int, int]:
 
 @pytest.mark.slow
 def test_training_rides_through_shard_kills(tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    # A plain run: 3 kills in ~60 steps (~30 s on 2 cores); `pytest -m slow`: 10 kills, one
-    # every ~15 s (up to 180 s for all 10), in a run long enough for all of them with room to
-    # spare (~18,000 samples/s on 2 cores, so ~4 minutes; the recorded pushes take ~3 GB).
-    samples, kills, gap_s = (4_500_000, 10, 15.0) if long_run(request.config) else (60_000, 3, 1.5)
+    # A plain run: 3 kills in ~60 steps (10-30 s on 2 cores); `pytest -m slow`: 10 kills in
+    # ~4,400 steps (~4 minutes at ~18,000 samples/s; the recorded pushes take ~3 GB).
+    samples, kills = (4_500_000, 10) if long_run(request.config) else (60_000, 3)
     seed = random.randrange(1 << 32)
-    faulty = _train(tmp_path / "faulty", samples=samples, kills=kills, gap_s=gap_s, seed=seed)
-    clean = _train(tmp_path / "clean", samples=samples, kills=0, gap_s=0)
+    faulty = _train(tmp_path / "faulty", samples=samples, kills=kills, seed=seed)
+    clean = _train(tmp_path / "clean", samples=samples, kills=0)
     pushes, rows, differ = _compare_rows(tmp_path, faulty)
     auc_faulty, auc_clean = faulty["metrics"]["final"]["auc"], clean["metrics"]["final"]["auc"]
     restarts = faulty["text"].count("restarting it on the same address")
