@@ -6,8 +6,8 @@ The kernels are numba-compiled (released GIL). The plan for one table's keys:
    its unique key (``inverse``), so only one row per distinct key crosses the wire;
 2. ``group``: the unique keys ordered shard by shard (``order``) with the slice
    bounds of each shard (``bounds``), so one request per shard carries its keys;
-3. ``scatter_rows``: each shard's answer rows copied to every input position that
-   asked for them, in the caller's order.
+3. ``fill_rows``: each shard's answer rows copied to every input position that asked
+   for them, in the caller's order (``slots`` of the plan say where each one is).
 
 Example:
     >>> unique, inverse = dedup(np.array([5, 7, 5]))
@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from protos.hashing import shard_buckets
 
-__all__ = ["dedup", "group", "plan_keys", "scatter_rows", "sum_duplicates"]
+__all__ = ["dedup", "fill_rows", "group", "plan_keys", "scatter_rows", "sum_duplicates"]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -93,26 +93,32 @@ def group(shards: npt.NDArray[np.int32], num_shards: int) -> tuple[npt.NDArray[n
 @numba.njit(nogil=True, cache=True)
 def _plan(keys: npt.NDArray[np.int64], num_shards: int, table_keys: npt.NDArray[np.int64],
           table_ids: npt.NDArray[np.int64], unique: npt.NDArray[np.int64], inverse: npt.NDArray[np.int64],
-          shards: npt.NDArray[np.int32], order: npt.NDArray[np.int64], bounds: npt.NDArray[np.int64]) -> int:  # fmt: skip
+          shards: npt.NDArray[np.int32], order: npt.NDArray[np.int64], bounds: npt.NDArray[np.int64],
+          slots: npt.NDArray[np.int64]) -> int:  # fmt: skip
     m = _dedup(keys, table_keys, table_ids, unique, inverse)
     if num_shards > 1:
         shard_buckets(unique[:m], num_shards, shards[:m])
     _counting_sort(shards[:m], num_shards, order[:m], bounds)
+    rank = table_keys  # free again: where each unique key stands in the routed order
+    for k in range(m):
+        rank[order[k]] = k
+    for i in range(keys.shape[0]):
+        slots[i] = rank[inverse[i]]
     return m
 
 
-def plan_keys(
-    keys: npt.NDArray[np.int64], num_shards: int
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+def plan_keys(keys: npt.NDArray[np.int64], num_shards: int) -> tuple[npt.NDArray[np.int64], ...]:
     """``dedup`` then ``group(shard_of(unique))`` in one compiled call: ``(unique, inverse,
-    order, bounds)``. A lookup of a few thousand keys spends more on each call from Python
-    than on its keys, so the three steps share one."""
+    order, bounds, slots)``, where ``slots[i]`` is the place of ``keys[i]``'s unique key in
+    the routed order (``order[slots[i]] == inverse[i]``): answers, concatenated shard by
+    shard, hold ``keys[i]``'s row at ``slots[i]``. A lookup of a few thousand keys spends
+    more on each call from Python than on its keys, so the steps share one."""
     keys = np.ascontiguousarray(keys, dtype=np.int64)
     n = keys.shape[0]
-    unique, inverse, order = np.empty_like(keys), np.empty_like(keys), np.empty_like(keys)
+    unique, inverse, order, slots = (np.empty_like(keys) for _ in range(4))
     bounds = np.zeros(num_shards + 1, dtype=np.int64)
-    m = _plan(keys, num_shards, *_hash_table(n), unique, inverse, np.zeros(n, dtype=np.int32), order, bounds)
-    return unique[:m], inverse, order[:m], bounds
+    m = _plan(keys, num_shards, *_hash_table(n), unique, inverse, np.zeros(n, dtype=np.int32), order, bounds, slots)
+    return unique[:m], inverse, order[:m], bounds, slots
 
 
 @numba.njit(nogil=True, cache=True)
@@ -134,6 +140,25 @@ def scatter_rows(
 ) -> None:
     """``out[positions[i]] = rows[src[i]]`` for every i (rows may be a read-only view)."""
     _scatter(out, rows, positions, src)
+
+
+@numba.njit(nogil=True, cache=True)
+def _fill(out: npt.NDArray[np.float32], rows: npt.NDArray[np.float32], slots: npt.NDArray[np.int64],
+          start: int) -> None:  # fmt: skip
+    dim, n = out.shape[1], rows.shape[0]
+    for i in range(slots.shape[0]):
+        r = slots[i] - start
+        if 0 <= r < n:
+            for j in range(dim):
+                out[i, j] = rows[r, j]
+
+
+def fill_rows(out: npt.NDArray[np.float32], rows: npt.NDArray[np.float32], slots: npt.NDArray[np.int64],
+              start: int) -> None:  # fmt: skip
+    """``out[i] = rows[slots[i] - start]`` for every i whose slot falls in ``rows``: one
+    answer's rows (routed-order places ``start..start+len(rows)``) copied to every input
+    position that asked for them, duplicates included (rows may be a read-only view)."""
+    _fill(out, rows, slots, start)
 
 
 @numba.njit(nogil=True, cache=True)

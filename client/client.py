@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf.message import DecodeError
 
-from client.batching import scatter_rows, sum_duplicates
+from client.batching import fill_rows, sum_duplicates
 from client.config import ClientConfig, TableConfig
 from client.errors import InternalServerError, InvalidRequestError, TableNotFoundError
 from client.replicas import ReplicaSet, normalize_addresses
@@ -352,51 +352,33 @@ class PSClient:
         batches = pack(plans, self.num_shards, lambda p: p.dim * itemsize + 8, self.config.max_message_bytes)
         flat = [req for shard_reqs in batches for req in shard_reqs]
         encoded = [
-            (
-                s,
-                pb.LookupRequest(
-                    entries=[
-                        pb.LookupEntry(table=x.plan.table, keys=wire.encode_keys(x.keys), dtype=self._dtype)
-                        for x in parts
-                    ],
-                    num_shards=self.num_shards,
-                    shard=s,
-                ).SerializeToString(),
-            )
+            (s, wire.encode_lookup_request([(x.plan.table, x.keys) for x in parts], self._dtype, self.num_shards, s))
             for s, parts in flat
         ]
         replies = self._send("Lookup", encoded, budget, degrade=degrade)
-        # Rows of tables with duplicate keys land in a unique-row buffer first, then fan out.
-        unique_rows = {
-            p.table: np.empty((p.unique.shape[0], p.dim), dtype=np.float32) for p in plans if p.has_duplicates
-        }
         degraded = []
         for (s, parts), reply in zip(flat, replies):
             if reply is None:
                 degraded.append(s)
-            else:
-                with self._reply("Lookup", s, reply.endpoint):
-                    decoded = wire.decode_lookup_response(reply.data)
-                    if len(decoded) != len(parts):
-                        raise wire.WireFormatError(f"{len(decoded)} results for {len(parts)} tables")
-            for k, part in enumerate(parts):
-                target = unique_rows.get(part.plan.table, results[part.plan.table])
-                if reply is None:
-                    target[part.positions] = 0.0  # the table's default row
-                    continue
-                with self._reply("Lookup", s, reply.endpoint):
-                    res = decoded[k]
-                    rows = wire.decode_rows(
-                        res.rows, len(part), part.plan.dim, res.dtype, f"results[{part.plan.table!r}]"
-                    )
-                if self.num_shards == 1:
-                    # One shard: the routing order is the identity, so a block copy will do.
+                for part in parts:  # the table's default row
+                    zeros = np.zeros((len(part), part.plan.dim), dtype=np.float32)
+                    fill_rows(results[part.plan.table], zeros, part.plan.slots, part.start)
+                continue
+            with self._reply("Lookup", s, reply.endpoint):
+                decoded = wire.decode_lookup_response(reply.data)
+                if len(decoded) != len(parts):
+                    raise wire.WireFormatError(f"{len(decoded)} results for {len(parts)} tables")
+                answers = [
+                    wire.decode_rows(r.rows, len(part), part.plan.dim, r.dtype, f"results[{part.plan.table!r}]")
+                    for r, part in zip(decoded, parts)
+                ]
+            for part, rows in zip(parts, answers):
+                target = results[part.plan.table]
+                if self.num_shards == 1 and not part.plan.has_duplicates:
+                    # One shard, no repeats: the routing order is the identity, a block copy will do.
                     np.copyto(target[part.start : part.stop], rows)
                 else:
-                    scatter_rows(target, rows, part.positions, np.arange(len(part), dtype=np.int64))
-        for p in plans:
-            if p.has_duplicates:
-                np.take(unique_rows[p.table], p.inverse, axis=0, out=results[p.table])
+                    fill_rows(target, rows, part.plan.slots, part.start)
         return results, degraded
 
     # -- push -----------------------------------------------------------------------

@@ -29,7 +29,7 @@ import logging
 import queue
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -140,8 +140,12 @@ class _Exchange:
     def run(self) -> list[Answer | None]:
         try:
             lean = self.hedge_after_s is None
+            # The last first attempt is made on this thread, which would only wait for it
+            # otherwise (not when degrading: a failure meanwhile should still be retried).
+            here = getattr(self.transport, "call_here", None) if lean and not self.degrade else None
+            last = len(self.requests) - 1
             for i in range(len(self.requests)):
-                self._send(i, notify=not lean)
+                self._send(i, notify=not lean, here=here if i == last else None)
             if lean and self._wait_in_turn():
                 return [r.answer for r in self.requests]
             while not all(r.done for r in self.requests):
@@ -217,7 +221,7 @@ class _Exchange:
         when_done(call, lambda: self.finished.put((i, aid)))
 
     # -- attempts -------------------------------------------------------------------
-    def _send(self, i: int, hedge: bool = False, notify: bool = True) -> None:
+    def _send(self, i: int, hedge: bool = False, notify: bool = True, here: Callable[..., Call] | None = None) -> None:
         r = self.requests[i]
         busy = {a.pick.endpoint for a in r.inflight.values()}
         if r.pinned is not None:
@@ -231,7 +235,7 @@ class _Exchange:
         remaining = self.deadline - time.monotonic()
         timeout = max(0.001, min(remaining, self.config.attempt_timeout_s or remaining))
         try:
-            call = self.transport.call(pick.endpoint, self.method, r.data, timeout)
+            call = (here or self.transport.call)(pick.endpoint, self.method, r.data, timeout)
         except BaseException:
             self.replicas.release(pick, NEUTRAL)
             raise

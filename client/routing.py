@@ -39,6 +39,7 @@ class TablePlan:
     inverse: npt.NDArray[np.int64]
     order: npt.NDArray[np.int64]
     bounds: npt.NDArray[np.int64]
+    slots: npt.NDArray[np.int64]  # per key, its unique key's place in ``order`` (``plan_keys``)
 
     @property
     def has_duplicates(self) -> bool:
@@ -50,8 +51,10 @@ class TablePlan:
         if not self.has_duplicates:
             return self
         m = self.unique.shape[0]
+        rank = np.empty(m, dtype=np.int64)
+        rank[self.order] = np.arange(m, dtype=np.int64)
         return TablePlan(self.table, self.dim, self.unique, self.unique, np.arange(m, dtype=np.int64),
-                         self.order, self.bounds)  # fmt: skip
+                         self.order, self.bounds, rank)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,7 @@ def plan_table(table: str, keys: npt.NDArray[np.int64], dim: int, num_shards: in
     """Dedup ``keys`` and group the unique ones by shard."""
     if num_shards < 1:
         raise ValueError(f"num_shards={num_shards}: must be >= 1")
-    unique, inverse, order, bounds = plan_keys(keys, num_shards)
-    return TablePlan(table, dim, keys, unique, inverse, order, bounds)
+    return TablePlan(table, dim, keys, *plan_keys(keys, num_shards))
 
 
 def pack(

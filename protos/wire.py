@@ -20,7 +20,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,22 @@ import numpy.typing as npt
 
 from protos import ps_pb2 as pb
 from protos.buffers import alloc_bytes, tune_malloc
+from protos.pbwire import (
+    MAX_DEPTH,
+    WireFormatError,
+    check_range,
+    fields,
+    int32,
+    int_field,
+    len_field,
+    read_length,
+    read_varint,
+    str_field,
+    submessage_depth,
+    text,
+    uint32,
+    varint,
+)
 
 __all__ = [
     "BFLOAT16",
@@ -45,6 +62,7 @@ __all__ = [
     "decode_lookup_response",
     "decode_push_request",
     "decode_rows",
+    "encode_lookup_request",
     "dtype_itemsize",
     "dtype_name",
     "encode_keys",
@@ -63,15 +81,6 @@ _F32 = np.dtype("<f4")
 _F16 = np.dtype("<f2")
 _U16 = np.dtype("<u2")
 _I64 = np.dtype("<i8")
-_U64_MASK = (1 << 64) - 1
-_MAX_FIELD_NO = (1 << 29) - 1
-# protobuf's default recursion limit: a message may nest this many sub-messages and
-# groups (unknown ones included) below it; deeper input is rejected.
-_MAX_DEPTH = 100
-
-
-class WireFormatError(ValueError):
-    """A field's bytes cannot be decoded; the message names the field."""
 
 
 class InvalidKeys(WireFormatError, TypeError):
@@ -202,169 +211,6 @@ def decode_rows(buf: bytes | memoryview, n: int, dim: int, dtype: int, field: st
 # tests/unit/test_wire_differential.py fuzzes the decoders against it.
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _check_range(name: str, value: int, bits: int) -> None:
-    if not 0 <= value < 1 << bits:
-        raise ValueError(f"{name}={value}: out of range for a uint{bits} field")
-
-
-def _len_field(field_no: int, payload_len: int) -> bytes:
-    return _varint(field_no << 3 | 2) + _varint(payload_len)
-
-
-def _str_field(field_no: int, value: str | bytes) -> bytes:
-    raw = value.encode("utf-8") if isinstance(value, str) else value
-    return _len_field(field_no, len(raw)) + raw if raw else b""
-
-
-def _int_field(field_no: int, value: int) -> bytes:
-    return _varint(field_no << 3) + _varint(value) if value else b""
-
-
-def _read_varint(buf: bytes, pos: int, end: int, field: str) -> tuple[int, int]:
-    """A varint of at most 10 bytes; bits above 64 are dropped, as protobuf does."""
-    value, pos = _read_varint_unmasked(buf, pos, end, field)
-    return value & _U64_MASK, pos
-
-
-def _read_varint_unmasked(buf: bytes, pos: int, end: int, field: str) -> tuple[int, int]:
-    result, shift = 0, 0
-    while True:
-        if pos >= end or shift > 63:
-            raise WireFormatError(f"{field}: truncated or overlong varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-
-
-def _read_length(buf: bytes, pos: int, end: int, field: str, field_no: int) -> tuple[int, int]:
-    """The length of a LEN field: a varint whose value fits in 31 bits, as protobuf
-    requires (one whose value overflows 64 bits must not wrap to a small length)."""
-    length, pos = _read_varint_unmasked(buf, pos, end, field)
-    if length >= 1 << 31:
-        raise WireFormatError(f"{field}: field {field_no} has an impossible length ({length})")
-    return length, pos
-
-
-def _read_tag(buf: bytes, pos: int, end: int, field: str) -> tuple[int, int, int]:
-    """``(field_no, wire_type, pos after the tag)``. A tag is a varint of at most 5 bytes
-    whose field number is in [1, 2**29 - 1]; protobuf rejects anything else."""
-    value, shift = 0, 0
-    while True:
-        if pos >= end or shift > 28:
-            raise WireFormatError(f"{field}: truncated or overlong tag")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            break
-        shift += 7
-    field_no = value >> 3
-    if not 1 <= field_no <= _MAX_FIELD_NO:
-        raise WireFormatError(f"{field}: field number {field_no} not in [1, 2**29 - 1]")
-    return field_no, value & 7, pos
-
-
-def _skip_scalar(buf: bytes, pos: int, end: int, field_no: int, wire_type: int, field: str) -> int:
-    """Position after the value of a varint, fixed64, LEN or fixed32 field at ``pos``."""
-    if wire_type == 0:
-        return _read_varint(buf, pos, end, field)[1]
-    if wire_type == 2:
-        length, pos = _read_length(buf, pos, end, field, field_no)
-        if length > end - pos:
-            raise WireFormatError(f"{field}: field {field_no} runs past the end of the message")
-        return pos + length
-    if wire_type in (1, 5):
-        pos += 8 if wire_type == 1 else 4
-        if pos > end:
-            raise WireFormatError(f"{field}: truncated fixed-width field {field_no}")
-        return pos
-    if wire_type == 4:
-        raise WireFormatError(f"{field}: end-group tag of field {field_no} without a start-group tag")
-    raise WireFormatError(f"{field}: invalid wire type {wire_type} for field {field_no}")
-
-
-def _skip_group(buf: bytes, pos: int, end: int, group_no: int, depth: int, field: str) -> int:
-    """Position after the group of field ``group_no`` whose start tag ends at ``pos``: its
-    fields are skipped (nested groups too) up to the matching end-group tag. ``depth``:
-    nesting levels left below the message the group is in (each group takes one)."""
-    open_groups = [group_no]
-    while open_groups:
-        if len(open_groups) > depth:
-            raise WireFormatError(f"{field}: groups and messages nested deeper than {_MAX_DEPTH} levels")
-        if pos >= end:
-            raise WireFormatError(f"{field}: group {open_groups[-1]} has no end-group tag")
-        field_no, wire_type, pos = _read_tag(buf, pos, end, field)
-        if wire_type == 3:
-            open_groups.append(field_no)
-        elif wire_type == 4:
-            if field_no != open_groups[-1]:
-                raise WireFormatError(f"{field}: end-group tag of field {field_no} closes group {open_groups[-1]}")
-            open_groups.pop()
-        else:
-            pos = _skip_scalar(buf, pos, end, field_no, wire_type, field)
-    return pos
-
-
-def _fields(buf: bytes, start: int, end: int, field: str, depth: int) -> Iterator[tuple[int, int, int, int]]:
-    """Yield ``(field_no, wire_type, a, b)`` of the varint and LEN fields of the message in
-    ``buf[start:end]``: varints as ``(value, 0)``, LEN as ``(start, end)``. Fixed-width
-    fields and groups are skipped. ``depth``: nesting levels left below this message
-    (protobuf's recursion limit counts sub-messages and groups alike)."""
-    pos = start
-    while pos < end:
-        field_no, wire_type, pos = _read_tag(buf, pos, end, field)
-        if wire_type == 0:
-            value, pos = _read_varint(buf, pos, end, field)
-            yield field_no, 0, value, 0
-        elif wire_type == 2:
-            length, pos = _read_length(buf, pos, end, field, field_no)
-            if length > end - pos:
-                raise WireFormatError(f"{field}: field {field_no} runs past the end of the message")
-            yield field_no, 2, pos, pos + length
-            pos += length
-        elif wire_type == 3:
-            pos = _skip_group(buf, pos, end, field_no, depth, field)
-        else:
-            pos = _skip_scalar(buf, pos, end, field_no, wire_type, field)
-
-
-def _submessage_depth(depth: int, field: str) -> int:
-    """Nesting levels left inside a sub-message of a message with ``depth`` left."""
-    if depth - 1 < 0:
-        raise WireFormatError(f"{field}: groups and messages nested deeper than {_MAX_DEPTH} levels")
-    return depth - 1
-
-
-def _uint32(value: int) -> int:
-    """A varint read into a uint32 field: protobuf keeps the low 32 bits."""
-    return value & 0xFFFFFFFF
-
-
-def _int32(value: int) -> int:
-    """A varint read into an int32 or enum field: the low 32 bits, two's complement."""
-    value &= 0xFFFFFFFF
-    return value - (1 << 32) if value >> 31 else value
-
-
-def _text(buf: bytes, start: int, end: int, field: str) -> str:
-    try:
-        return buf[start:end].decode("utf-8")
-    except UnicodeDecodeError:
-        raise WireFormatError(f"{field}: not valid UTF-8") from None
-
-
 @dataclass(frozen=True)
 class LookupResultView:
     """One decoded ``LookupResult``; ``rows`` is a read-only view into the message bytes."""
@@ -393,12 +239,12 @@ class LookupResponseWriter:
         parts: list[tuple[bytes, int, int, bytes]] = []
         total = 0
         for table, n, dim, dtype in results:
-            _check_range("dim", dim, 32)
+            check_range("dim", dim, 32)
             size = n * dim * dtype_itemsize(dtype)
-            head = _str_field(1, table) + (_len_field(2, size) if size else b"")
-            tail = _int_field(3, dtype) + _int_field(4, dim)
+            head = str_field(1, table) + (len_field(2, size) if size else b"")
+            tail = int_field(3, dtype) + int_field(4, dim)
             body = len(head) + size + len(tail)
-            head = _len_field(1, body) + head
+            head = len_field(1, body) + head
             parts.append((head, size, dim, tail))
             total += len(head) + size + len(tail)
         self._data, buf = alloc_bytes(total)
@@ -427,6 +273,36 @@ class LookupResponseWriter:
         return self._data
 
 
+def encode_lookup_request(entries: Sequence[tuple[str, npt.NDArray[np.int64]]], dtype: int, num_shards: int,
+                          shard: int | None = None) -> bytes:  # fmt: skip
+    """``LookupRequest`` bytes for ``(table, keys)`` entries (int64 keys), rows asked in ``dtype``.
+
+    What protobuf writes for the same message, without building one: a lookup of a few
+    thousand keys spent as long building and serializing protobuf objects as on its keys.
+    Raises ``ValueError`` for an integer outside its field's range (as protobuf does),
+    ``WireFormatError`` for an unknown ``dtype``.
+    """
+    check_range("num_shards", num_shards, 32)
+    dtype_itemsize(dtype)
+    tail = int_field(3, dtype)
+    pieces: list[bytes] = []
+    for table, keys in entries:
+        raw = np.ascontiguousarray(keys, dtype=_I64).tobytes()
+        head = _table_field(table) + (len_field(2, len(raw)) if raw else b"")
+        pieces += [len_field(1, len(head) + len(raw) + len(tail)) + head, raw, tail]
+    pieces.append(int_field(2, num_shards))
+    if shard is not None:  # explicit presence: written even when 0
+        check_range("shard", shard, 32)
+        pieces.append(varint(3 << 3) + varint(shard))
+    return b"".join(pieces)
+
+
+@functools.lru_cache(maxsize=1024)
+def _table_field(table: str) -> bytes:
+    """Field 1 (``table``) of an entry: a client names the same few tables on every call."""
+    return str_field(1, table)
+
+
 def decode_lookup_response(data: bytes) -> list[LookupResultView]:
     """Parse ``LookupResponse`` bytes without copying the rows.
 
@@ -434,22 +310,61 @@ def decode_lookup_response(data: bytes) -> list[LookupResultView]:
     groups skipped, the last of a repeated scalar winning, integers truncated to the
     field's width); raises ``WireFormatError`` where protobuf raises ``DecodeError``.
     """
+    try:
+        fast = _decode_lookup_as_written(data)
+    except WireFormatError:
+        fast = None  # the general reader names what is wrong
+    return fast if fast is not None else _decode_lookup_response(data)
+
+
+def _decode_lookup_as_written(data: bytes) -> list[LookupResultView] | None:
+    """``decode_lookup_response`` for the layout ``LookupResponseWriter`` writes (each field
+    once, in number order), without a generator per message; None for any other layout."""
+    view, end, pos = memoryview(data), len(data), 0
+    results: list[LookupResultView] = []
+    while pos < end:
+        if data[pos] != 0x0A:
+            return None
+        length, pos = read_length(data, pos + 1, end, "LookupResponse", 1)
+        stop = pos + length
+        if stop > end:
+            return None
+        table, rows, dtype, dim = "", view[0:0], 0, 0
+        if pos < stop and data[pos] == 0x0A:
+            length, pos = read_length(data, pos + 1, stop, "table", 1)
+            table, pos = text(data, pos, pos + length, "table"), pos + length
+        if pos < stop and data[pos] == 0x12:
+            length, pos = read_length(data, pos + 1, stop, "rows", 2)
+            rows, pos = view[pos : pos + length], pos + length
+        if pos < stop and data[pos] == 0x18:
+            value, pos = read_varint(data, pos + 1, stop, "dtype")
+            dtype = int32(value)
+        if pos < stop and data[pos] == 0x20:
+            value, pos = read_varint(data, pos + 1, stop, "dim")
+            dim = uint32(value)
+        if pos != stop:
+            return None
+        results.append(LookupResultView(table, rows, dtype, dim))
+    return results
+
+
+def _decode_lookup_response(data: bytes) -> list[LookupResultView]:
     view = memoryview(data)
     results: list[LookupResultView] = []
-    for field_no, wire_type, a, b in _fields(data, 0, len(data), "LookupResponse", _MAX_DEPTH):
+    for field_no, wire_type, a, b in fields(data, 0, len(data), "LookupResponse", MAX_DEPTH):
         if field_no != 1 or wire_type != 2:
             continue
         name = f"results[{len(results)}]"
         table, rows, dtype, dim = "", view[0:0], 0, 0
-        for f, wt, x, y in _fields(data, a, b, name, _submessage_depth(_MAX_DEPTH, name)):
+        for f, wt, x, y in fields(data, a, b, name, submessage_depth(MAX_DEPTH, name)):
             if f == 1 and wt == 2:
-                table = _text(data, x, y, f"{name}.table")
+                table = text(data, x, y, f"{name}.table")
             elif f == 2 and wt == 2:
                 rows = view[x:y]
             elif f == 3 and wt == 0:
-                dtype = _int32(x)
+                dtype = int32(x)
             elif f == 4 and wt == 0:
-                dim = _uint32(x)
+                dim = uint32(x)
         results.append(LookupResultView(table, rows, dtype, dim))
     return results
 
@@ -484,28 +399,28 @@ def decode_push_request(data: bytes) -> PushRequestView:
     entries: list[PushEntryView] = []
     num_shards, client_id, seq = 0, "", 0
     shard: int | None = None
-    for field_no, wire_type, a, b in _fields(data, 0, len(data), "PushRequest", _MAX_DEPTH):
+    for field_no, wire_type, a, b in fields(data, 0, len(data), "PushRequest", MAX_DEPTH):
         if field_no == 1 and wire_type == 2:
             name = f"entries[{len(entries)}]"
             table, keys, grads, dtype = "", view[0:0], view[0:0], 0
-            for f, wt, x, y in _fields(data, a, b, name, _submessage_depth(_MAX_DEPTH, name)):
+            for f, wt, x, y in fields(data, a, b, name, submessage_depth(MAX_DEPTH, name)):
                 if f == 1 and wt == 2:
-                    table = _text(data, x, y, f"{name}.table")
+                    table = text(data, x, y, f"{name}.table")
                 elif f == 2 and wt == 2:
                     keys = view[x:y]
                 elif f == 3 and wt == 2:
                     grads = view[x:y]
                 elif f == 4 and wt == 0:
-                    dtype = _int32(x)
+                    dtype = int32(x)
             entries.append(PushEntryView(table, keys, grads, dtype))
         elif field_no == 2 and wire_type == 0:
-            num_shards = _uint32(a)
+            num_shards = uint32(a)
         elif field_no == 3 and wire_type == 2:
-            client_id = _text(data, a, b, "client_id")
+            client_id = text(data, a, b, "client_id")
         elif field_no == 4 and wire_type == 0:
             seq = a
         elif field_no == 5 and wire_type == 0:
-            shard = _uint32(a)
+            shard = uint32(a)
     return PushRequestView(entries, num_shards, client_id, seq, shard)
 
 
@@ -521,10 +436,10 @@ def encode_push_request(
     ``grads`` are float32 ``[n, dim]`` and are converted to ``dtype`` on the way.
     Raises ``ValueError`` for an integer outside its field's range (as protobuf does).
     """
-    _check_range("num_shards", num_shards, 32)
-    _check_range("seq", seq, 64)
+    check_range("num_shards", num_shards, 32)
+    check_range("seq", seq, 64)
     if shard is not None:
-        _check_range("shard", shard, 32)
+        check_range("shard", shard, 32)
     pieces: list[bytes | npt.NDArray[np.generic]] = []
     for i, (table, keys, grads, dtype) in enumerate(entries):
         dtype_itemsize(dtype, f"entries[{i}].dtype")
@@ -535,14 +450,14 @@ def encode_push_request(
             g = np.ascontiguousarray(grads, dtype=_F16)
         else:
             g = _float32_to_bfloat16(np.asarray(grads, dtype=_F32))
-        head = _str_field(1, table) + (_len_field(2, k.nbytes) if k.nbytes else b"")
-        mid = _len_field(3, g.nbytes) if g.nbytes else b""
-        tail = _int_field(4, dtype)
+        head = str_field(1, table) + (len_field(2, k.nbytes) if k.nbytes else b"")
+        mid = len_field(3, g.nbytes) if g.nbytes else b""
+        tail = int_field(4, dtype)
         body = len(head) + k.nbytes + len(mid) + g.nbytes + len(tail)
-        pieces += [_len_field(1, body) + head, k, mid, g, tail]
-    trailer = _int_field(2, num_shards) + _str_field(3, client_id) + _int_field(4, seq)
+        pieces += [len_field(1, body) + head, k, mid, g, tail]
+    trailer = int_field(2, num_shards) + str_field(3, client_id) + int_field(4, seq)
     if shard is not None:  # explicit presence: written even when 0
-        trailer += _varint(5 << 3) + _varint(shard)
+        trailer += varint(5 << 3) + varint(shard)
     pieces.append(trailer)
     total = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in pieces)
     data, buf = alloc_bytes(total)
