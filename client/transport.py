@@ -156,7 +156,10 @@ class _FinishedCall:
 
     def result(self, timeout_s: float | None = None) -> bytes:
         if self._error is not None:
-            raise self._error
+            try:
+                raise self._error
+            finally:
+                del self  # as in _PooledCall.result: the error's traceback must not keep the call
         return self._value
 
     def cancel(self) -> bool:
