@@ -70,6 +70,8 @@ class LoopHealth:
         self._lock = threading.Lock()
         self._failing: dict[str, LoopFailure] = {}
         self._listeners: list[Callable[[bool], None]] = []
+        self._telling = threading.Lock()  # listeners hear changes one at a time, in order
+        self._told = True
 
     @property
     def healthy(self) -> bool:
@@ -113,7 +115,7 @@ class LoopHealth:
             else:
                 log.error("background loop %s failing", loop, exc_info=exc)
         if was_healthy:
-            self._tell(False)
+            self._tell()
 
     def succeeded(self, loop: str) -> None:
         """Record that a run of ``loop`` succeeded: it is no longer failing."""
@@ -129,11 +131,18 @@ class LoopHealth:
             time.time() - old.first_failure_unix_s,
         )
         if healthy:
-            self._tell(True)
+            self._tell()
 
-    def _tell(self, healthy: bool) -> None:
-        for listener in list(self._listeners):
-            listener(healthy)
+    def _tell(self) -> None:
+        # The state is read again under the telling lock: a failure and a recovery racing on
+        # two loops' threads cannot leave the listeners with the older of the two.
+        with self._telling:
+            healthy = self.healthy
+            if healthy == self._told:
+                return
+            self._told = healthy
+            for listener in list(self._listeners):
+                listener(healthy)
 
 
 class RateWindow:

@@ -9,6 +9,7 @@ delete and its storage recovery cannot reopen, until the test lets go.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -63,6 +64,29 @@ def test_a_loop_fails_in_a_row_and_clears_on_success(caplog: pytest.LogCaptureFi
     assert "background loop ttl-sweep recovered after 1 failed runs" in caplog.text
 
 
+def test_listeners_end_on_the_state_when_loops_fail_and_recover_at_once() -> None:
+    health = LoopHealth()
+    heard: list[bool] = []
+    health.on_change(heard.append)
+
+    def flap(loop: str) -> None:
+        for _ in range(2000):
+            health.failed(loop, StorageFailed("disk full"))
+            health.succeeded(loop)
+
+    threads = [threading.Thread(target=flap, args=(loop,)) for loop in (EVICTOR, TTL_SWEEP, STORAGE_RECOVERY)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    health.failed(EVICTOR, StorageFailed("disk full"))
+    assert heard[-1] is False and not health.healthy
+    # Alternating, starting from a failure: never two of the same in a row.
+    assert heard[0] is False and all(a != b for a, b in zip(heard, heard[1:]))
+    health.succeeded(EVICTOR)
+    assert heard[-1] is True
+
+
 def test_rates_are_per_second_over_the_window() -> None:
     rates = RateWindow(window_s=10.0)
     assert rates.rates("t", 2) == (0.0, 0.0)
@@ -105,8 +129,8 @@ def test_a_failing_ttl_sweep_shows_in_stats_and_health_until_it_recovers(shard: 
     finally:
         blocker.release()
     # Storage recovers; the sweep runs at once, deletes the rows and clears its record.
-    wait_for(lambda: shard.health.healthy)
-    assert heard == [False, True] and shard.writable and list(shard.stats().failing_loops) == []
+    wait_for(lambda: heard == [False, True])  # heard just after `healthy` turns
+    assert shard.health.healthy and shard.writable and list(shard.stats().failing_loops) == []
     assert len(shard.table("t")) == 0 and shard.table("t").counters.rows_expired == len(KEYS)
 
 
