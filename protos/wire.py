@@ -236,28 +236,28 @@ class LookupResponseWriter:
     """
 
     def __init__(self, results: Sequence[tuple[str, int, int, int]]) -> None:
-        parts: list[tuple[bytes, int, int, bytes]] = []
+        framed: list[tuple[bytes, int, bytes]] = []
         total = 0
         for table, n, dim, dtype in results:
-            check_range("dim", dim, 32)
-            size = n * dim * dtype_itemsize(dtype)
-            head = str_field(1, table) + (len_field(2, size) if size else b"")
-            tail = int_field(3, dtype) + int_field(4, dim)
+            name, itemsize, tail = _result_frame(table, dim, dtype)
+            size = n * dim * itemsize
+            head = name + (_ROWS_TAG + varint(size) if size else b"")
             body = len(head) + size + len(tail)
-            head = len_field(1, body) + head
-            parts.append((head, size, dim, tail))
+            head = _RESULT_TAG + varint(body) + head
+            framed.append((head, size, tail))
             total += len(head) + size + len(tail)
         self._data, buf = alloc_bytes(total)
+        raw = buf.data  # the frames are written through a memoryview: cheaper than array slices
         self._rows: list[npt.NDArray[np.uint8]] = []
         self._shapes: list[tuple[int, int, int]] = []
         pos = 0
-        for (head, size, dim, tail), (_, n, _, dtype) in zip(parts, results):
-            buf[pos : pos + len(head)] = np.frombuffer(head, dtype=np.uint8)
+        for (head, size, tail), (_, n, dim, dtype) in zip(framed, results):
+            raw[pos : pos + len(head)] = head
             pos += len(head)
             self._rows.append(buf[pos : pos + size])
             self._shapes.append((n, dim, dtype))
             pos += size
-            buf[pos : pos + len(tail)] = np.frombuffer(tail, dtype=np.uint8)
+            raw[pos : pos + len(tail)] = tail
             pos += len(tail)
 
     def rows(self, i: int) -> npt.NDArray[np.generic]:
@@ -295,6 +295,18 @@ def encode_lookup_request(entries: Sequence[tuple[str, npt.NDArray[np.int64]]], 
         check_range("shard", shard, 32)
         pieces.append(varint(3 << 3) + varint(shard))
     return b"".join(pieces)
+
+
+_RESULT_TAG = varint(1 << 3 | 2)  # LookupResponse.results
+_ROWS_TAG = varint(2 << 3 | 2)  # LookupResult.rows
+
+
+@functools.lru_cache(maxsize=1024)
+def _result_frame(table: str, dim: int, dtype: int) -> tuple[bytes, int, bytes]:
+    """``(table field, itemsize, dtype and dim fields)`` of a ``LookupResult``: a shard
+    answers the same few tables on every call. Raises for a ``dim`` or ``dtype`` out of range."""
+    check_range("dim", dim, 32)
+    return str_field(1, table), dtype_itemsize(dtype), int_field(3, dtype) + int_field(4, dim)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -30,20 +30,25 @@ class ReadWriteLock:
         self._readers = 0
         self._writing = False
         self._writers_waiting = 0
+        # One object for every reader (it holds no state of its own): a lookup takes the
+        # lock on each call, and a generator-based context manager cost as much again.
+        self._reading = _Reading(self)
 
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[None]:
+    def reading(self) -> _Reading:
+        """A context manager: hold the lock as one of its readers."""
+        return self._reading
+
+    def _enter_reading(self) -> None:
         with self._cond:
             while self._writing or self._writers_waiting:
                 self._cond.wait()
             self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if not self._readers:
-                    self._cond.notify_all()
+
+    def _exit_reading(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if not self._readers:
+                self._cond.notify_all()
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -61,3 +66,16 @@ class ReadWriteLock:
             with self._cond:
                 self._writing = False
                 self._cond.notify_all()
+
+
+class _Reading:
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: ReadWriteLock) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        self._lock._enter_reading()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock._exit_reading()
