@@ -35,7 +35,16 @@ from dataclasses import dataclass, replace
 
 from ps.errors import ShardError
 
-__all__ = ["EVICTOR", "INTERVAL_FLUSH", "STORAGE_RECOVERY", "TTL_SWEEP", "LoopFailure", "LoopHealth", "RateWindow"]
+__all__ = [
+    "EVICTOR",
+    "INTERVAL_FLUSH",
+    "STORAGE_RECOVERY",
+    "TTL_SWEEP",
+    "Listeners",
+    "LoopFailure",
+    "LoopHealth",
+    "RateWindow",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +68,33 @@ class LoopFailure:
     last_failure_unix_s: float
 
 
+class Listeners:
+    """Callbacks told a yes/no state (``state()``, True at first) each time it changes.
+
+    ``tell()`` after each change: the state is read again under a lock of its own and a
+    repeat is skipped, so two changes racing on two threads (a failure, a recovery) cannot
+    leave the listeners with the older of the two. Listeners run on the telling thread.
+    """
+
+    def __init__(self, state: Callable[[], bool]) -> None:
+        self._state = state
+        self._listeners: list[Callable[[bool], None]] = []
+        self._lock = threading.Lock()
+        self._told = True
+
+    def add(self, listener: Callable[[bool], None]) -> None:
+        self._listeners.append(listener)
+
+    def tell(self) -> None:
+        with self._lock:
+            state = self._state()
+            if state == self._told:
+                return
+            self._told = state
+            for listener in list(self._listeners):
+                listener(state)
+
+
 class LoopHealth:
     """Which background loops are failing now (see the module docstring). Thread-safe.
 
@@ -69,9 +105,7 @@ class LoopHealth:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._failing: dict[str, LoopFailure] = {}
-        self._listeners: list[Callable[[bool], None]] = []
-        self._telling = threading.Lock()  # listeners hear changes one at a time, in order
-        self._told = True
+        self._listeners = Listeners(lambda: self.healthy)
 
     @property
     def healthy(self) -> bool:
@@ -85,7 +119,7 @@ class LoopHealth:
 
     def on_change(self, listener: Callable[[bool], None]) -> None:
         """Call ``listener(healthy)`` whenever the shard goes from no loop failing to some, or back."""
-        self._listeners.append(listener)
+        self._listeners.add(listener)
 
     @contextlib.contextmanager
     def run(self, loop: str) -> Iterator[None]:
@@ -115,7 +149,7 @@ class LoopHealth:
             else:
                 log.error("background loop %s failing", loop, exc_info=exc)
         if was_healthy:
-            self._tell()
+            self._listeners.tell()
 
     def succeeded(self, loop: str) -> None:
         """Record that a run of ``loop`` succeeded: it is no longer failing."""
@@ -131,18 +165,7 @@ class LoopHealth:
             time.time() - old.first_failure_unix_s,
         )
         if healthy:
-            self._tell()
-
-    def _tell(self) -> None:
-        # The state is read again under the telling lock: a failure and a recovery racing on
-        # two loops' threads cannot leave the listeners with the older of the two.
-        with self._telling:
-            healthy = self.healthy
-            if healthy == self._told:
-                return
-            self._told = healthy
-            for listener in list(self._listeners):
-                listener(healthy)
+            self._listeners.tell()
 
 
 class RateWindow:

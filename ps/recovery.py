@@ -31,11 +31,11 @@ Example:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from ps.background import Listeners
 from ps.rescue import StopReport
 from ps.storage import StorageFailed
 
@@ -65,13 +65,11 @@ class StorageHealth:
         self._failed_at = 0.0
         self._retry_at = 0.0
         self._retry_delay_s = _RETRY_FIRST_S
-        self._listeners: list[Callable[[bool], None]] = []
-        self._telling = threading.Lock()  # listeners hear changes one at a time, in order
-        self._told = True
+        self._listeners = Listeners(lambda: self.writable)
 
     def on_change(self, listener: Callable[[bool], None]) -> None:
         """Call ``listener(writable)`` when the shard starts or stops accepting writes."""
-        self._listeners.append(listener)
+        self._listeners.add(listener)
 
     def check(self) -> None:
         """Raise ``StorageFailed`` (UNAVAILABLE) while the data directory refuses writes."""
@@ -101,7 +99,7 @@ class StorageHealth:
         self._retry_delay_s = _RETRY_FIRST_S
         self._retry_at = self._failed_at + _RETRY_FIRST_S
         log.error("storage failed, refusing writes (reads continue); retrying in the background: %s", error)
-        self._tell()
+        self._listeners.tell()
 
     def retry_due(self, now: float) -> bool:
         """True when the shard is read-only and its next recovery try is due (monotonic ``now``)."""
@@ -130,7 +128,7 @@ class StorageHealth:
             time.monotonic() - self._failed_at,
             written,
         )
-        self._tell()
+        self._listeners.tell()
 
     def final_write(
         self,
@@ -176,14 +174,3 @@ class StorageHealth:
             )  # fmt: skip
             time.sleep(min(delay, left))  # the last try is at the end of the grace period
             delay = min(2 * delay, _RETRY_MAX_S)
-
-    def _tell(self) -> None:
-        # ``writable`` is read again under the telling lock: a failure racing a recovery on
-        # another thread cannot leave the listeners with the older of the two.
-        with self._telling:
-            writable = self.writable
-            if writable == self._told:
-                return
-            self._told = writable
-            for listener in list(self._listeners):
-                listener(writable)
