@@ -8,8 +8,8 @@
   (4 rows of saturating uint8 counters: fixed memory whatever the key space).
 * Recency is kept per row as a uint32 ``tick``: eighths of a second since
   2025-01-01 UTC (wraps in 2042). ``now_tick`` reads the clock.
-* ``eviction_histogram`` and ``select_victims`` pick the rows to move out of RAM
-  straight from a table's key index, in two passes and without sorting, by one of two
+* ``scan_ranks`` and ``select_victims`` pick the rows to move out of RAM straight
+  from a table's key index, in one pass and without sorting, by one of two
   policies (``Eviction``). ``"lru"``: the least recently used rows. ``"lfu"`` (the
   default): the rows looked up least often, their counts halving for every
   ``LFU_HALF_LIFE_S`` they sit idle, the least recently used first among equals; rows
@@ -35,6 +35,7 @@ from typing import Literal
 import numba
 import numpy as np
 import numpy.typing as npt
+from numba.cpython.unsafe.numbers import leading_zeros
 
 __all__ = [
     "TICKS_PER_S",
@@ -43,8 +44,9 @@ __all__ = [
     "EVICTIONS",
     "LFU_HALF_LIFE_S",
     "Eviction",
-    "eviction_histogram",
+    "EvictionScan",
     "now_tick",
+    "scan_ranks",
     "select_victims",
     "tick_to_unix",
     "unchanged_ranks",
@@ -201,95 +203,110 @@ def _rank(now: np.uint32, last_access: np.uint32, frequency: np.uint32, lfu: boo
         return age
     if age == 0:
         return np.int64(0)  # touched in this tick: in use
-    count = np.int64(frequency) >> min(age // _HALF_LIFE_TICKS, np.int64(40))
-    return 1 + (_FREQ_LEVELS - 1 - min(count, np.int64(_FREQ_LEVELS - 1))) * _AGE_LEVELS + _log2(age)
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _log2(age: np.int64) -> np.int64:
-    """floor(log2(age)) for age in [1, 2**16), without a loop (data-dependent trip counts
-    mispredict: the eviction passes ran 2.5x slower with one)."""
-    bits = np.int64(0)
-    for step in (8, 4, 2, 1):
-        up = np.int64(age >= np.int64(1) << step) * step
-        age >>= up
-        bits += up
-    return bits
+    # Unsigned division by the constant, and floor(log2(age)) from the leading zeros (age
+    # >= 1): no sign fix-ups and no loop, 1.5x faster per row than the signed forms.
+    halvings = min(np.uint64(age) // np.uint64(_HALF_LIFE_TICKS), np.uint64(40))
+    count = np.int64(np.uint64(frequency) >> halvings)
+    log2_age = np.int64(63) - np.int64(leading_zeros(np.uint64(age)))  # type: ignore[call-arg]  # numba intrinsic
+    return 1 + (_FREQ_LEVELS - 1 - min(count, np.int64(_FREQ_LEVELS - 1))) * _AGE_LEVELS + log2_age
 
 
 @numba.njit(nogil=True, cache=True)
-def _rank_histogram(
+def _rank_all(
     tslots: npt.NDArray[np.int32],
     last_access: npt.NDArray[np.uint32],
     frequency: npt.NDArray[np.uint32],
     now: np.uint32,
     lfu: bool,
+    ranks: npt.NDArray[np.int32],
     hist: npt.NDArray[np.int64],
 ) -> None:
     top = hist.shape[0] - 1
     rows = np.uint32(last_access.shape[0])
+    # The live buckets first, without a branch (about 40% of buckets are live: a branch
+    # on it mispredicts and stalls the random reads of the row columns behind it).
+    live = np.empty(tslots.shape[0], np.int32)
+    n = np.int64(0)
     for i in range(tslots.shape[0]):
-        s = tslots[i]
+        live[n] = i
         # One unsigned compare: an empty bucket (-1), or a slot handed out after the
         # caller's snapshot of the arrays.
-        if np.uint32(s) >= rows:
-            continue
-        hist[_rank(now, last_access[s], frequency[s], lfu, top)] += 1
+        n += np.uint32(tslots[i]) < rows
+    ranks[:] = -1
+    for j in range(n):
+        i = live[j]
+        s = tslots[i]
+        r = _rank(now, last_access[s], frequency[s], lfu, top)
+        ranks[i] = r
+        hist[r] += 1
 
 
-def eviction_histogram(
+@numba.njit(nogil=True, cache=True)
+def _pick(ranks: npt.NDArray[np.int32], min_rank: int, quota_at_min: int, out: npt.NDArray[np.int64]) -> int:
+    n = 0
+    for i in range(ranks.shape[0]):
+        rank = ranks[i]
+        if rank > min_rank or (rank == min_rank and quota_at_min > 0):
+            if rank == min_rank:
+                quota_at_min -= 1
+            if n == out.shape[0]:
+                break
+            out[n] = i
+            n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class EvictionScan:
+    """Every row's eviction rank, from one pass over a key index (``scan_ranks``).
+
+    ``hist[r]`` rows go after every row of a higher rank (under ``"lru"`` the rank is the
+    age in ticks; the last bin collects every older row). ``ranks`` holds one rank per
+    bucket of ``index_slots`` (-1: empty), so ``victims`` picks rows without ranking
+    them again: a table passes the scan on to ``select_victims`` while its index is still
+    these arrays.
+    """
+
+    index_slots: npt.NDArray[np.int32]
+    ranks: npt.NDArray[np.int32]
+    hist: npt.NDArray[np.int64]
+
+    def victims(
+        self, index_keys: npt.NDArray[np.int64], count: int
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int64]]:
+        """The first ``count`` rows in this scan's order, as ``(keys, slots, ranks)`` read
+        from the index's buckets now (see ``select_victims``)."""
+        hist = self.hist
+        count = int(min(count, hist.sum()))
+        if count <= 0:
+            return np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int64)
+        from_top = np.cumsum(hist[::-1])
+        j = int(np.searchsorted(from_top, count))  # first bin (from the top) reaching count
+        min_rank = hist.shape[0] - 1 - j
+        above = int(from_top[j - 1]) if j > 0 else 0
+        picked = np.empty(count, np.int64)
+        picked = picked[: _pick(self.ranks, min_rank, count - above, picked)]
+        return index_keys[picked], self.index_slots[picked], self.ranks[picked].astype(np.int64)
+
+
+def scan_ranks(
     index_slots: npt.NDArray[np.int32],
     last_access: npt.NDArray[np.uint32],
     frequency: npt.NDArray[np.uint32],
     now: np.uint32,
     policy: Eviction,
-) -> npt.NDArray[np.int64]:
-    """Rows per eviction rank over the live buckets of a key index: ``hist[r]`` rows go
-    after every row of a higher rank. Under ``"lru"`` the rank is the age in ticks (the
-    last bin collects every older row)."""
+) -> EvictionScan:
+    """Rank the live buckets of a key index for eviction under ``policy``."""
     hist = np.zeros(_RANK_BINS, dtype=np.int64)
-    _rank_histogram(index_slots, last_access, frequency, now, _lfu(policy), hist)
-    return hist
+    ranks = np.empty(index_slots.shape[0], np.int32)
+    _rank_all(index_slots, last_access, frequency, now, _lfu(policy), ranks, hist)
+    return EvictionScan(index_slots, ranks, hist)
 
 
 def _lfu(policy: Eviction) -> bool:
     if policy not in EVICTIONS:
         raise ValueError(f"eviction={policy!r}: must be one of {', '.join(EVICTIONS)}")
     return policy == "lfu"
-
-
-@numba.njit(nogil=True, cache=True)
-def _select(
-    tkeys: npt.NDArray[np.int64],
-    tslots: npt.NDArray[np.int32],
-    last_access: npt.NDArray[np.uint32],
-    frequency: npt.NDArray[np.uint32],
-    now: np.uint32,
-    lfu: bool,
-    min_rank: int,
-    quota_at_min: int,
-    top: int,
-    out_keys: npt.NDArray[np.int64],
-    out_slots: npt.NDArray[np.int32],
-    out_ranks: npt.NDArray[np.int64],
-) -> int:
-    n = 0
-    rows = np.uint32(last_access.shape[0])
-    for i in range(tslots.shape[0]):
-        s = tslots[i]
-        if np.uint32(s) >= rows:  # see _rank_histogram
-            continue
-        rank = _rank(now, last_access[s], frequency[s], lfu, top)
-        if rank > min_rank or (rank == min_rank and quota_at_min > 0):
-            if rank == min_rank:
-                quota_at_min -= 1
-            if n == out_keys.shape[0]:
-                break  # rows changed under a scan outside the table lock: enough found
-            out_keys[n] = tkeys[i]
-            out_slots[n] = s
-            out_ranks[n] = rank
-            n += 1
-    return n
 
 
 def select_victims(
@@ -300,30 +317,17 @@ def select_victims(
     now: np.uint32,
     count: int,
     policy: Eviction,
-    hist: npt.NDArray[np.int64] | None = None,
+    scan: EvictionScan | None = None,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int64]]:
     """The first ``count`` rows in ``policy``'s eviction order as ``(keys, slots, ranks)``:
-    every row above a cut-off rank, plus just enough rows of exactly that rank. ``hist`` is
-    this index's ``eviction_histogram`` if the caller already has it. The arrays may change
-    during the scan (a table scans outside its lock): ``unchanged_ranks`` then tells which
-    victims nothing used meanwhile."""
-    lfu = _lfu(policy)
-    if hist is None:
-        hist = eviction_histogram(index_slots, last_access, frequency, now, policy)
-    count = int(min(count, hist.sum()))
-    if count <= 0:
-        return np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int64)
-    from_top = np.cumsum(hist[::-1])
-    j = int(np.searchsorted(from_top, count))  # first bin (from the top) reaching count
-    min_rank = hist.shape[0] - 1 - j
-    above = int(from_top[j - 1]) if j > 0 else 0
-    out_keys = np.empty(count, np.int64)
-    out_slots = np.empty(count, np.int32)
-    out_ranks = np.empty(count, np.int64)
-    top = hist.shape[0] - 1
-    n = _select(index_keys, index_slots, last_access, frequency, now, lfu, min_rank, count - above, top, out_keys,
-                out_slots, out_ranks)  # fmt: skip
-    return out_keys[:n], out_slots[:n], out_ranks[:n]
+    every row above a cut-off rank, plus just enough rows of exactly that rank. ``scan``:
+    ``scan_ranks`` of these arrays, if the caller already has it (one of other arrays, an
+    index that has grown since, is not used). The arrays may change after the ranks were
+    taken (a table scans outside its lock): ``unchanged_ranks`` then tells which victims
+    nothing used meanwhile."""
+    if scan is None or scan.index_slots is not index_slots:
+        scan = scan_ranks(index_slots, last_access, frequency, now, policy)
+    return scan.victims(index_keys, count)
 
 
 @numba.njit(nogil=True, cache=True)

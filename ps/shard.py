@@ -395,20 +395,20 @@ class Shard:
             if need <= 0 or not self.writable:
                 return 0
             now = now_tick()
-            hists = [t.eviction_histogram(now, self.eviction) for t in tables]
+            scans = [t.eviction_scan(now, self.eviction) for t in tables]
             weights = [t.bytes_per_row for t in tables]
-            by_rank = sum((h * w for h, w in zip(hists, weights, strict=True)), np.zeros_like(hists[0]))
+            by_rank = sum((s.hist * w for s, w in zip(scans, weights, strict=True)), np.zeros_like(scans[0].hist))
             from_top = np.cumsum(by_rank[::-1])
             j = min(int(np.searchsorted(from_top, need)), by_rank.shape[0] - 1)
             cutoff = by_rank.shape[0] - 1 - j  # evict every row ranked above this ...
             above = int(from_top[j - 1]) if j > 0 else 0
             share = (need - above) / by_rank[cutoff] if by_rank[cutoff] else 0.0  # ... and this share of it
             moved = 0
-            for t, h in zip(tables, hists, strict=True):
+            for t, scan in zip(tables, scans, strict=True):
+                h = scan.hist
                 count = int(h[cutoff + 1 :].sum()) + math.ceil(h[cutoff] * min(1.0, share))
-                if count:
-                    # Ranks only fall meanwhile (rows used again), so h still bounds the victims.
-                    moved += self._guard(t.evict, count, now, h, self.eviction)
+                if count:  # ranks only fall meanwhile (rows used again): the scan bounds the victims
+                    moved += self._guard(t.evict, count, now, scan, self.eviction)
             return moved
 
     def flush(self, metadata: bool = True) -> int:

@@ -30,9 +30,9 @@ from ps.lifecycle import (
     Admission,
     Eviction,
     Lifecycle,
-    eviction_histogram,
     expired_keys,
     now_tick,
+    scan_ranks,
     select_victims,
     tick_to_unix,
     unchanged_ranks,
@@ -197,7 +197,7 @@ def test_lru_histogram_counts_live_rows_by_modular_age() -> None:
     now = np.uint32(5)
     la = np.array([5, 4, 4, 2**32 - 3, 5 - 70000 + 2**32, 7], dtype=np.uint32)
     _, slots = index_arrays(la)
-    hist = eviction_histogram(slots, la, never_looked_up(la), now, "lru")
+    hist = scan_ranks(slots, la, never_looked_up(la), now, "lru").hist
     assert hist.sum() == la.shape[0]
     assert hist[1] == 2 and hist[8] == 1  # 2**32-3 is 8 ticks before 5
     # a row touched after the caller read the clock is among the youngest, not the oldest
@@ -222,17 +222,27 @@ def test_lru_takes_exactly_count_oldest_rows(count: int) -> None:
         assert ages[vs].min() >= ages[rest].max()
 
 
-def test_select_victims_accepts_a_precomputed_histogram() -> None:
+def test_select_victims_picks_from_a_scan_of_the_same_buckets() -> None:
     la = np.arange(50, dtype=np.uint32)
     keys, slots = index_arrays(la)
     now = np.uint32(100)
-    hist = eviction_histogram(slots, la, never_looked_up(la), now, "lru")
-    _, vs, _ = select_victims(keys, slots, la, never_looked_up(la), now, 10, "lru", hist=hist)
+    scan = scan_ranks(slots, la, never_looked_up(la), now, "lru")
+    _, vs, _ = select_victims(keys, slots, la, never_looked_up(la), now, 10, "lru", scan)
     assert sorted(vs.tolist()) == list(range(10))
     # LFU, equal counts: ages by power of two, so any 10 of those 64 ticks old or more (slots 0-36).
-    hist = eviction_histogram(slots, la, never_looked_up(la), now, "lfu")
-    _, vs, _ = select_victims(keys, slots, la, never_looked_up(la), now, 10, "lfu", hist=hist)
+    scan = scan_ranks(slots, la, never_looked_up(la), now, "lfu")
+    _, vs, _ = select_victims(keys, slots, la, never_looked_up(la), now, 10, "lfu", scan)
     assert vs.shape[0] == 10 and vs.max() <= 36
+    # The scan's ranks are used as they were: rows touched since it are still picked (the
+    # caller checks victims with unchanged_ranks) ...
+    scan = scan_ranks(slots, la, never_looked_up(la), now, "lru")
+    touched = la.copy()
+    touched[:10] = now
+    _, vs, _ = select_victims(keys, slots, touched, never_looked_up(la), now, 10, "lru", scan)
+    assert sorted(vs.tolist()) == list(range(10))
+    # ... but a scan of other buckets (an index that has grown since) is not: they rank again.
+    _, vs, _ = select_victims(keys, slots.copy(), touched, never_looked_up(la), now, 10, "lru", scan)
+    assert sorted(vs.tolist()) == list(range(10, 20))
 
 
 @pytest.mark.parametrize("count", [0, 1, 17, 50, 99, 100])
@@ -274,6 +284,32 @@ def test_lfu_keeps_rows_in_use_and_forgets_counts_of_idle_rows() -> None:
     assert vs.tolist() == [3]
 
 
+def reference_lfu_rank(now: int, last_access: int, frequency: int) -> int:
+    """The LFU rank as the module docstring states it, in plain integers."""
+    age = (now - last_access) % 2**32
+    age = 0 if age >= 2**31 else min(age, 2**16 - 1)  # touched after `now`: the youngest
+    if age == 0:
+        return 0
+    count = min(frequency >> min(age // (LFU_HALF_LIFE_S * TICKS_PER_S), 40), 4094)
+    return 1 + (4094 - count) * 16 + age.bit_length() - 1
+
+
+def test_lfu_ranks_match_the_stated_formula() -> None:
+    rng = np.random.default_rng(8)
+    n = 20_000
+    now = np.uint32(7)  # most rows were touched before the clock wrapped
+    ages = np.concatenate([rng.integers(0, 1 << 17, n), [0, 1, 2, 3, 4800, 4800 * 41, 2**31 - 1, 2**31, 2**32 - 1]])
+    la = (np.int64(now) - ages).astype(np.uint32)
+    freq = np.concatenate([rng.integers(0, 1 << 13, n // 2), rng.integers(0, 2**32, n - n // 2), [2**32 - 1] * 9])
+    freq = freq.astype(np.uint32)
+    _, slots = index_arrays(la, holes=1)
+    scan = scan_ranks(slots, la, freq, now, "lfu")
+    live = slots >= 0
+    want = [reference_lfu_rank(int(now), int(la[s]), int(freq[s])) for s in slots[live]]
+    assert scan.ranks[live].tolist() == want and (scan.ranks[~live] == -1).all()
+    assert scan.hist.sum() == la.shape[0] and (np.bincount(want, minlength=1 << 16) == scan.hist).all()
+
+
 @pytest.mark.parametrize("policy", ["lfu", "lru"])
 def test_victims_used_after_the_scan_are_told_apart(policy: Eviction) -> None:
     rng = np.random.default_rng(4)
@@ -302,7 +338,7 @@ def test_victim_scans_skip_slots_beyond_the_arrays_they_were_given() -> None:
     slots = np.concatenate([slots, np.array([4, 1 << 30], np.int32)])
     keys = np.concatenate([keys, np.array([1004, 1005], np.int64)])
     now = np.uint32(100)
-    assert eviction_histogram(slots, la, la, now, "lfu").sum() == 4
+    assert scan_ranks(slots, la, la, now, "lfu").hist.sum() == 4
     vk, vs, _ = select_victims(keys, slots, la, la, now, 10, "lfu")
     assert sorted(vs.tolist()) == [0, 1, 2, 3] and sorted(vk.tolist()) == [1000, 1001, 1002, 1003]
 
