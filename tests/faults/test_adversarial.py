@@ -87,6 +87,11 @@ from worker.trainer import TrainerConfig, train
 
 CALL_TIMEOUT_S = 10.0
 RSS_GROWTH_MAX = 0.05
+# The training shard stores what the fuzz creates (tables: column families with their own
+# memtables and table readers; checkpoints): its RSS steps up by a few MiB when those land,
+# 3.1-5.1% over four runs of one seed. A leak of 20 kB per request (the size of the one
+# this fuzz found) would add about 10% over a plain run's 900 requests after the warm-up.
+TRAIN_RSS_GROWTH_MAX = 0.08
 WARM_UP_SHARE = 0.4  # RSS settles over the first requests (allocator arenas, gRPC buffers)
 # Defects this fuzz found. Fixed (set a flag to True to fuzz a build that still has it):
 # ps-infer let gRPC decode Predict requests, so bytes that did not decode were answered INTERNAL
@@ -448,7 +453,8 @@ def test_adversarial_requests_get_proper_statuses_and_change_nothing(
     assert not any(state["rows differing"].values()), state
     assert not any(state["follower rows differing"].values()), state
     for t, g in growth.items():
-        assert g <= RSS_GROWTH_MAX, f"{t}: RSS grew {g:.1%} after the warm-up ({rss[t]})"
+        bound = TRAIN_RSS_GROWTH_MAX if t == "train" else RSS_GROWTH_MAX
+        assert g <= bound, f"{t}: RSS grew {g:.1%} after the warm-up ({rss[t]})"
     for proc in (servers.train.proc, servers.serve.proc, servers.infer.proc):
         assert proc.poll() is None
 
