@@ -55,6 +55,7 @@ __all__ = [
 TICKS_PER_S = 8
 _EPOCH_UNIX = 1735689600  # 2025-01-01T00:00:00Z
 _RANK_BINS = 1 << 16  # LRU: ages above ~2.3 hours share the last bin
+_LIVE_CHUNK = 4096  # buckets an eviction scan lists the live ones of, then ranks
 
 Eviction = Literal["lfu", "lru"]
 EVICTIONS: tuple[Eviction, ...] = ("lfu", "lru")
@@ -218,35 +219,44 @@ def _rank_all(
     frequency: npt.NDArray[np.uint32],
     now: np.uint32,
     lfu: bool,
-    ranks: npt.NDArray[np.int32],
+    ranks: npt.NDArray[np.uint16],
     hist: npt.NDArray[np.int64],
 ) -> None:
     top = hist.shape[0] - 1
     rows = np.uint32(last_access.shape[0])
-    # The live buckets first, without a branch (about 40% of buckets are live: a branch
-    # on it mispredicts and stalls the random reads of the row columns behind it).
-    live = np.empty(tslots.shape[0], np.int32)
-    n = np.int64(0)
-    for i in range(tslots.shape[0]):
-        live[n] = i
-        # One unsigned compare: an empty bucket (-1), or a slot handed out after the
-        # caller's snapshot of the arrays.
-        n += np.uint32(tslots[i]) < rows
-    ranks[:] = -1
-    for j in range(n):
-        i = live[j]
-        s = tslots[i]
-        r = _rank(now, last_access[s], frequency[s], lfu, top)
-        ranks[i] = r
-        hist[r] += 1
+    # Each chunk's live buckets are listed first, without a branch (about 40% of buckets
+    # are live: a branch on it mispredicts and stalls the random reads of the row columns).
+    live = np.empty(_LIVE_CHUNK, np.int64)
+    for start in range(0, tslots.shape[0], _LIVE_CHUNK):
+        n = np.int64(0)
+        for i in range(start, min(start + _LIVE_CHUNK, tslots.shape[0])):
+            ranks[i] = 0
+            live[n] = i
+            # One unsigned compare: an empty bucket (-1), or a slot handed out after the
+            # caller's snapshot of the arrays.
+            n += np.uint32(tslots[i]) < rows
+        for j in range(n):
+            i = live[j]
+            s = tslots[i]
+            r = _rank(now, last_access[s], frequency[s], lfu, top)
+            ranks[i] = r
+            hist[r] += 1
 
 
 @numba.njit(nogil=True, cache=True)
-def _pick(ranks: npt.NDArray[np.int32], min_rank: int, quota_at_min: int, out: npt.NDArray[np.int64]) -> int:
+def _pick(
+    ranks: npt.NDArray[np.uint16],
+    tslots: npt.NDArray[np.int32],
+    min_rank: int,
+    quota_at_min: int,
+    out: npt.NDArray[np.int64],
+) -> int:
     n = 0
     for i in range(ranks.shape[0]):
-        rank = ranks[i]
+        rank = np.int64(ranks[i])
         if rank > min_rank or (rank == min_rank and quota_at_min > 0):
+            if rank == 0 and tslots[i] < 0:
+                continue  # an empty bucket (ranked 0, as rows in use are)
             if rank == min_rank:
                 quota_at_min -= 1
             if n == out.shape[0]:
@@ -262,13 +272,13 @@ class EvictionScan:
 
     ``hist[r]`` rows go after every row of a higher rank (under ``"lru"`` the rank is the
     age in ticks; the last bin collects every older row). ``ranks`` holds one rank per
-    bucket of ``index_slots`` (-1: empty), so ``victims`` picks rows without ranking
-    them again: a table passes the scan on to ``select_victims`` while its index is still
-    these arrays.
+    bucket of ``index_slots`` (2 bytes; 0 for an empty one), so ``victims`` picks rows
+    without ranking them again: a table passes the scan on to ``select_victims`` while
+    its index is still these arrays.
     """
 
     index_slots: npt.NDArray[np.int32]
-    ranks: npt.NDArray[np.int32]
+    ranks: npt.NDArray[np.uint16]
     hist: npt.NDArray[np.int64]
 
     def victims(
@@ -285,7 +295,7 @@ class EvictionScan:
         min_rank = hist.shape[0] - 1 - j
         above = int(from_top[j - 1]) if j > 0 else 0
         picked = np.empty(count, np.int64)
-        picked = picked[: _pick(self.ranks, min_rank, count - above, picked)]
+        picked = picked[: _pick(self.ranks, self.index_slots, min_rank, count - above, picked)]
         return index_keys[picked], self.index_slots[picked], self.ranks[picked].astype(np.int64)
 
 
@@ -298,7 +308,7 @@ def scan_ranks(
 ) -> EvictionScan:
     """Rank the live buckets of a key index for eviction under ``policy``."""
     hist = np.zeros(_RANK_BINS, dtype=np.int64)
-    ranks = np.empty(index_slots.shape[0], np.int32)
+    ranks = np.empty(index_slots.shape[0], np.uint16)
     _rank_all(index_slots, last_access, frequency, now, _lfu(policy), ranks, hist)
     return EvictionScan(index_slots, ranks, hist)
 

@@ -306,7 +306,7 @@ def test_lfu_ranks_match_the_stated_formula() -> None:
     scan = scan_ranks(slots, la, freq, now, "lfu")
     live = slots >= 0
     want = [reference_lfu_rank(int(now), int(la[s]), int(freq[s])) for s in slots[live]]
-    assert scan.ranks[live].tolist() == want and (scan.ranks[~live] == -1).all()
+    assert scan.ranks[live].tolist() == want and (scan.ranks[~live] == 0).all()
     assert scan.hist.sum() == la.shape[0] and (np.bincount(want, minlength=1 << 16) == scan.hist).all()
 
 
@@ -328,6 +328,20 @@ def test_victims_used_after_the_scan_are_told_apart(policy: Eviction) -> None:
     unused = unchanged_ranks(np.where(np.arange(50) == 2, -1, vs), ranks, la, freq, now, policy)
     assert not unused[0] and not unused[2]
     assert unused[1] == (policy == "lru") and unused[3:].all()
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_rows_in_use_go_last_and_empty_buckets_never(policy: Eviction) -> None:
+    # Empty buckets rank 0 in a scan, as rows touched in this tick do: asked for more
+    # rows than are idle, selection takes rows in use, never an empty bucket.
+    now = np.uint32(100)
+    la = np.full(20, now, np.uint32)
+    la[:5] = now - 3  # 5 idle rows, 15 in use
+    keys, slots = index_arrays(la)
+    vk, vs, ranks = select_victims(keys, slots, la, never_looked_up(la), now, 12, policy)
+    assert vs.shape[0] == 12 and (vs >= 0).all() and (vk == 1000 + vs).all()
+    assert set(range(5)) <= set(vs.tolist()) and (ranks[vs >= 5] == 0).all()
+    assert select_victims(keys, slots, la, never_looked_up(la), now, 99, policy)[1].shape[0] == 20
 
 
 def test_victim_scans_skip_slots_beyond_the_arrays_they_were_given() -> None:
