@@ -83,12 +83,18 @@ def test_adagrad_pushes_match_torch(addresses: list[str]) -> None:
         keys = random_keys(n)
         weight = torch.nn.Parameter(torch.from_numpy(ps.lookup("emb", keys).copy()))
         opt = torch.optim.Adagrad([weight], lr=0.1, initial_accumulator_value=0.1)
+        pushed: list[tuple[np.ndarray, np.ndarray]] = []
         for _ in range(5):
             grads = RNG.standard_normal((n, dim)).astype(np.float32)
+            before = grads.copy()  # the reference never shares the buffer the client was given
             ps.push("emb", keys, grads)
+            pushed.append((grads, before))
             opt.zero_grad()
-            weight.grad = torch.from_numpy(grads)
+            weight.grad = torch.from_numpy(before)
             opt.step()
+        # A push leaves the caller's gradients as they were, during the call and after it.
+        for given, copy in pushed:
+            np.testing.assert_array_equal(given, copy)
         # torch's float32 sqrt is not correctly rounded (up to ~0.75 ulp, see
         # tests/unit/test_optimizers.py), so the rows can differ in the last bit.
         np.testing.assert_allclose(ps.lookup("emb", keys), weight.detach().numpy(), rtol=1e-6, atol=1e-7)
