@@ -347,7 +347,23 @@ def report(res: dict[str, Any]) -> str:
         ("    of which transport + gRPC (the rest)", b["push_rpc_wait"] - b["server_push"], push_total),
     ]:
         lines.append(f"  {label:<50}{v:7.2f}  {100 * v / of:5.1f}%")
+    f = res["floors"]
+    lines += ["", "Serial floor: the ceiling's call plus the work the op cannot skip, from the breakdown above:"]
+    for op in ("lookup", "push"):
+        lines.append(f"  {op.capitalize()}: {f[op]['ms']:.2f} ms -> {f[op]['ratio']:.2f}x the ceiling with none of it "
+                     f"overlapped; measured {t[f'{op}_ratio']:.2f}x ({t[f'{op}_ratio'] / f[op]['ratio']:.0%} of that)")  # fmt: skip
     return "\n".join(lines)
+
+
+def floors(res: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """What one call at a time can reach if nothing overlaps: the ceiling's RPC plus the work no
+    lookup (dedup, probe and gather, copy into the caller's rows) or push (dedup, encode, the
+    optimizer on the shard) can skip, each as measured in this run's breakdown."""
+    b, t = res["breakdown_ms"], res["summary"]["tuned"]
+    ceiling = {op: t[f"ceiling_{op}"]["p50_ms"] for op in ("lookup", "push")}
+    work = {"lookup": b["plan"] + b["encode"] + b["server_lookup"] + b["decode_scatter"],
+            "push": b["push_encode"] + b["server_push"]}  # fmt: skip
+    return {op: {"ms": ceiling[op] + work[op], "ratio": ceiling[op] / (ceiling[op] + work[op])} for op in ceiling}
 
 
 def chart(res: dict[str, Any], path: Path) -> None:
@@ -410,6 +426,7 @@ def main(quick: bool) -> None:
     res["breakdown_s"] = runs["tuned"].pop("breakdown_s")
     res["breakdown_ms"] = {k: 1e3 * statistics.median(v) for k, v in res["breakdown_s"].items()}
     res["runs"], res["summary"] = runs, {mode: summarize(run) for mode, run in runs.items()}
+    res["floors"] = floors(res)
     res["loadavg_end"], res["wall_s"] = os.getloadavg(), time.perf_counter() - t_start
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "foundation.json").write_text(json.dumps(res, indent=1, default=str))
