@@ -276,6 +276,9 @@ def report(res: dict[str, Any]) -> str:
     lines.append(f"   best ratio any design doing this I/O could reach here: {r_ms / (r_ms + io):.2f}x if the I/O overlaps "
                  f"nothing, {r_ms / (r_ms + io / f['cores']):.2f}x if spread perfectly over {f['cores']:.0f} cores; "
                  f"the tier: {r_ms / tier['step_ms']:.2f}x")  # fmt: skip
+    lines.append(f"   a Python thread beside that I/O (on another thread) stalls {f['python_stalled_beside_read']:.0%} of the "
+                 f"time during the reads, {f['python_stalled_beside_write']:.0%} during the writes: a rocksdict write "
+                 "holds the GIL, so it cannot overlap the shard's request handling")  # fmt: skip
     lines.append("")
     lines.append("2. Per-row lookup cost vs rows stored (10% resident, dim 8 SGD, Zipf lookups)")
     lines.append(f"{'rows':>12}{'resident':>11}{'us/row':>9}{'hit rate':>10}{'vs first':>10}{'restart ready s':>17}")

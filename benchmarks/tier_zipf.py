@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -250,7 +251,36 @@ def io_floor(n: int, reads: int, writes: int, steps: int, tmp: Path) -> dict[str
             batch.put(k, v)
         db.write(batch)
         write_s += time.perf_counter() - t0
+    # Can this I/O overlap the shard's Python work (request handling, gRPC)? Only while it
+    # runs without the GIL: a Python loop beside it stalls when it does not.
+    reads_of = [keys[np.sort(rng.choice(n, reads, replace=False))].tolist() for _ in range(steps // 4)]
+    batches = []
+    for _ in range(steps // 4):
+        batch = rocksdict.WriteBatch(raw_mode=True)
+        for k, v in zip(keys[np.sort(rng.choice(n, writes, replace=False))].tolist(), values, strict=False):
+            batch.put(k, v)
+        batches.append(batch)
+    get, write = db.get, db.write
+    read_stall = python_stalled_beside(lambda: [get(w) for w in reads_of])
+    write_stall = python_stalled_beside(lambda: [write(b) for b in batches])
     db.close()
     del db
     shutil.rmtree(path, ignore_errors=True)
-    return {"read_ms": 1e3 * read_s / steps, "write_ms": 1e3 * write_s / steps, "cores": float(os.cpu_count() or 1)}
+    return {"read_ms": 1e3 * read_s / steps, "write_ms": 1e3 * write_s / steps, "cores": float(os.cpu_count() or 1),
+            "python_stalled_beside_read": read_stall, "python_stalled_beside_write": write_stall}  # fmt: skip
+
+
+def python_stalled_beside(work: Callable[[], object]) -> float:
+    """Share of the time a Python loop is stalled (no iteration for over 0.5 ms) while
+    ``work`` runs on another thread: near 0 when ``work`` releases the GIL and a core is
+    free, near the share of time inside ``work``'s calls when those hold the GIL."""
+    other = threading.Thread(target=work)
+    stalled, t0 = 0.0, time.perf_counter()
+    last = t0
+    other.start()
+    while other.is_alive():
+        now = time.perf_counter()
+        if now - last > 5e-4:
+            stalled += now - last
+        last = now
+    return stalled / (time.perf_counter() - t0)
