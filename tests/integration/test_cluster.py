@@ -92,7 +92,7 @@ def test_adagrad_pushes_match_torch(addresses: list[str]) -> None:
             opt.zero_grad()
             weight.grad = torch.from_numpy(before)
             opt.step()
-        # A push leaves the caller's gradients as they were, during the call and after it.
+        # A push leaves the caller's gradients as they were (checked after the last push returned).
         for given, copy in pushed:
             np.testing.assert_array_equal(given, copy)
         # torch's float32 sqrt is not correctly rounded (up to ~0.75 ulp, see
