@@ -62,14 +62,16 @@ def _gather(
     last_access: npt.NDArray[np.uint32],
     frequency: npt.NDArray[np.uint32],
     now: np.uint32,
+    touch: bool,
 ) -> None:
     dim = values.shape[1]
     n = slots.shape[0]
     for i in range(n):
         if i + _AHEAD < n and slots[i + _AHEAD] >= 0:
             prefetch(values, slots[i + _AHEAD])
-            prefetch(last_access, slots[i + _AHEAD])
-            prefetch(frequency, slots[i + _AHEAD])
+            if touch:
+                prefetch(last_access, slots[i + _AHEAD])
+                prefetch(frequency, slots[i + _AHEAD])
         s = slots[i]
         row = out[i]  # 1-D row views: the copy loop vectorizes
         if s < 0:
@@ -79,9 +81,10 @@ def _gather(
         src = values[s]
         for j in range(dim):
             row[j] = src[j]
-        last_access[s] = now
-        if frequency[s] != _FREQ_MAX:
-            frequency[s] += np.uint32(1)
+        if touch:
+            last_access[s] = now
+            if frequency[s] != _FREQ_MAX:
+                frequency[s] += np.uint32(1)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -169,12 +172,15 @@ class RamTier:
         """Slot of each key, -1 where it has no resident row."""
         return self.index.lookup(keys)
 
-    def gather(self, slots: npt.NDArray[np.int32], out: npt.NDArray[np.float32], now: np.uint32) -> None:
+    def gather(
+        self, slots: npt.NDArray[np.int32], out: npt.NDArray[np.float32], now: np.uint32, touch: bool = True
+    ) -> None:
         """Copy the rows at ``slots`` into ``out`` (zeros where a slot is -1), marking them
-        used at ``now``. ``out`` must be C-contiguous float32 ``[len(slots), dim]``: the
-        kernel does not bounds-check."""
+        used at ``now`` unless ``touch`` is False (their last use and use count stay as
+        they were). ``out`` must be C-contiguous float32 ``[len(slots), dim]``: the kernel
+        does not bounds-check."""
         a = self.arena
-        _gather(a.values, slots, out, a.last_access, a.frequency, now)
+        _gather(a.values, slots, out, a.last_access, a.frequency, now, touch)
 
     @property
     def admits_all(self) -> bool:

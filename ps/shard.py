@@ -285,11 +285,10 @@ class Shard:
         response sized first, then each table's rows are gathered straight into it.
 
         Training mode creates the rows of missing keys; serving mode reads them as zeros
-        and stores nothing. Raises ``ShuttingDown``, ``ShardMismatch``, ``InvalidRequest``
-        or ``WireFormatError`` (naming the entry and field), ``UnknownTable``,
-        ``RequestTooLarge`` (a response over ``max_response_bytes``); ``StorageFailed``
-        when rows on disk cannot be read.
-        """
+        and stores nothing, not even when a row was used unless a memory budget evicts by
+        it. Raises ``ShuttingDown``, ``ShardMismatch``, ``InvalidRequest`` or
+        ``WireFormatError`` (naming the entry and field), ``UnknownTable``, ``RequestTooLarge``
+        (a response over ``max_response_bytes``); ``StorageFailed`` if disk reads fail."""
         self.check_request(request.num_shards, request.shard if request.HasField("shard") else None)
         # A serving shard's rows change only in whole batches (and its tables may be
         # swapped for a checkpoint's): it answers under the lock those changes take.
@@ -313,13 +312,14 @@ class Shard:
             )
         writer = wire.LookupResponseWriter([(t.spec.name, k.shape[0], t.dim, dt) for t, k, dt in plan])
         create = self._mode == "train"
+        touch = create or self.memory_budget_bytes > 0  # TTLs expire rows in training mode only
         created: list[tuple[str, npt.NDArray[np.int64]]] = []
         for i, (table, keys, dtype) in enumerate(plan):
             out, before = writer.rows(i), table.counters.rows_created
             if dtype == wire.FLOAT32:
-                table.lookup(keys, cast("npt.NDArray[np.float32]", out), create=create)
+                table.lookup(keys, cast("npt.NDArray[np.float32]", out), create=create, touch=touch)
             else:
-                out[:] = wire.rows_to_dtype(table.lookup(keys, create=create), dtype)
+                out[:] = wire.rows_to_dtype(table.lookup(keys, create=create, touch=touch), dtype)
             if table.counters.rows_created != before:  # new rows: followers must see them too
                 created.append((table.spec.name, keys.copy()))
         if created:

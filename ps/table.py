@@ -7,17 +7,17 @@ Both are batch operations compiled with numba: no Python loop or object per key.
 
 A table is composed of two halves that it calls while holding its lock: a ``RamTier``
 (``ps.ram``: key index, arena, admission counters) and, with a data directory, a
-``DiskTier`` (``ps.tier``: the table's RocksDB column family). With a disk the RAM
-half is the hot part of a larger table: ``evict`` moves rows (by default the least
-often looked up, see ``ps.lifecycle``), values and optimizer state, to disk; a lookup or push that misses RAM reads them back
-with one multi-get before anything else happens, so a key once created is never
-re-initialised. What reaches disk, and when, follows the shard's durability mode:
-with ``every_push`` a push is written (rows + its ledger entry, one batch) before it
-is applied in RAM; otherwise changed rows stay dirty until ``flush`` or ``evict``
-writes them. Every write of the table carries its ledger entries, copied under the
-same lock hold as its rows, so no row on disk reflects a push the ledger on disk does
-not know about. Eviction and the interval flush write their copies with the table
-lock released (the three steps of a spill, see ``ps.tier``).
+``DiskTier`` (``ps.tier``: the table's RocksDB column family). With a disk the RAM half
+is the hot part of a larger table: ``evict`` moves rows (by default the least often
+looked up, see ``ps.lifecycle``), values and optimizer state, to disk; a lookup or push
+that misses RAM reads them back with one multi-get before anything else happens, so a
+key once created is never re-initialised. What reaches disk, and when, follows the
+shard's durability mode: with ``every_push`` a push is written (rows + its ledger entry,
+one batch) before it is applied in RAM; otherwise changed rows stay dirty until
+``flush`` or ``evict`` writes them. Every write of the table carries its ledger entries,
+copied under the same lock hold as its rows, so no row on disk reflects a push the
+ledger on disk does not know about. Eviction and the interval flush write their copies
+with the table lock released (the three steps of a spill, see ``ps.tier``).
 
 The table's ``Lifecycle`` adds admission (rows only for keys seen often enough),
 TTL expiry (``expire``) and deletion of rare rows instead of spilling them.
@@ -29,7 +29,6 @@ lock, the disk's write lock; across tables, in name order (``held``).
 
 Example:
     >>> from ps.config import TableSpec
-from ps.counters import TableCounters
     >>> t = Table(TableSpec("user", dim=4, seed=1))
     >>> rows = t.lookup(np.array([10, 11, 10]))
     >>> bool((rows[0] == rows[2]).all()), len(t)
@@ -153,14 +152,15 @@ class Table:
     # -- lookup and push -------------------------------------------------------------
 
     def lookup(
-        self, keys: npt.ArrayLike, out: npt.NDArray[np.float32] | None = None, create: bool = True
+        self, keys: npt.ArrayLike, out: npt.NDArray[np.float32] | None = None, create: bool = True, touch: bool = True
     ) -> npt.NDArray[np.float32]:
         """Rows of ``keys`` in order, written into ``out`` (``[len(keys), dim]`` float32) or a new array.
 
         With ``create`` (training), missing keys get their initial rows stored (once
         admitted; until then they read as their initial rows and nothing is stored);
         without it (serving), missing keys read as the table's ``serving_default`` (zeros,
-        or their initial rows) and nothing is stored. Raises
+        or their initial rows) and nothing is stored. ``touch=False`` leaves the rows'
+        last use and use count as they were (nothing that reads them runs). Raises
         ``InvalidKeys`` for keys that are not a 1-D integer array, ``ValueError`` for a
         wrong ``out``; ``StorageFailed`` if rows on disk cannot be read.
         """
@@ -175,7 +175,7 @@ class Table:
         now = now_tick()
         with self._lock:
             slots = self._resolve(keys, now, create=create, sighting=True)
-            self._ram.gather(slots, out, now)
+            self._ram.gather(slots, out, now, touch)
             if (not self._ram.admits_all) if create else self.spec.serving_default == "initial":
                 absent = np.flatnonzero(slots < 0)  # read as their initial rows, not stored
                 if absent.size:

@@ -394,6 +394,28 @@ def test_serving_shard_reads_missing_keys_as_zeros_and_refuses_pushes(tmp_path: 
         shard.shutdown()
 
 
+@pytest.mark.parametrize("budget", [0, 1 << 30])
+def test_serving_lookups_count_row_use_only_for_a_memory_budget(tmp_path: Path, budget: int) -> None:
+    # Eviction ranks rows by their use; a serving shard with no budget evicts nothing and
+    # leaves those counters alone (two fewer cache misses per row looked up).
+    trained = Shard(0, 1, Storage(tmp_path, shard=0, num_shards=1))
+    trained.create_table(TableSpec("t", 3, seed=4))
+    known = lookup_rows(trained, "t", [1, 2])
+    trained.shutdown()
+
+    shard = Shard(0, 1, Storage(tmp_path, shard=0, num_shards=1), memory_budget_bytes=budget, mode="serve")
+    try:
+        lookup_rows(shard, "t", [1, 2])  # read back from disk into RAM
+        ram = shard.table("t")._ram
+        slots = ram.slots(np.array([1, 2]))
+        before = ram.arena.frequency[slots].copy()
+        np.testing.assert_array_equal(lookup_rows(shard, "t", [1, 2, 1]), known[[0, 1, 0]])
+        expected = before + np.array([2, 1], np.uint32) if budget else before
+        np.testing.assert_array_equal(ram.arena.frequency[slots], expected)
+    finally:
+        shard.shutdown()
+
+
 def test_hit_rate_of_a_shard_without_storage_is_one() -> None:
     shard = Shard(0, 1)
     shard.create_table(TableSpec("t", 2))
