@@ -197,6 +197,7 @@ def _raw(name: str, addresses: list[str], method: str, bodies: list[list[bytes]]
 def floor(addresses: list[str], work: Workload) -> System:
     """The ceiling plus the work no lookup can skip (``serving_floor``)."""
     client, reqs = FloorClient(addresses, DIM, OPTIONS, max(CONCURRENCY) * SHARDS), work.requests
+    client.checked(work.keys, work.rows, reqs[0])
     return Threaded("floor", lambda i: client.lookup(reqs[i % len(reqs)]), client.close)
 
 
@@ -375,10 +376,8 @@ def lookup_part(setup: Setup, procs: Processes) -> dict[str, Any]:
     owner = shard_of(keys, SHARDS)
     for i in range(SHARDS):
         write_rows(root / f"floor-{i}.npz", keys[owner == i], rows[owner == i])
-    floor_cmd = [sys.executable, str(Path(__file__).with_name("serving_floor.py"))]
-    floors = [
-        procs.child([*floor_cmd, f"--rows={root / f'floor-{i}.npz'}"], root / f"floor-{i}") for i in range(SHARDS)
-    ]
+    floor_cmd = [sys.executable, str(Path(__file__).with_name("serving_floor.py")), "--rows"]
+    floors = [procs.child([*floor_cmd, str(root / f"floor-{i}.npz")], root / f"floor-{i}") for i in range(SHARDS)]
     floor_pids = procs.pids[before + len(echo_pids) :]
     redis_ports = [procs.redis(root / f"redis-{i}") for i in range(SHARDS)]
     redis_pids = procs.pids[before + len(echo_pids) + len(floor_pids) :]

@@ -79,6 +79,16 @@ class FloorClient:
             fill_rows(out, np.frombuffer(answer, _F32).reshape(-1, self._dim), slots, int(bounds[s]))
         return out
 
+    def checked(self, keys: npt.NDArray[np.int64], rows: npt.NDArray[np.float32],
+                request: npt.NDArray[np.int64]) -> FloorClient:  # fmt: skip
+        """This client, once ``request``'s rows came back as ``rows[i]`` is ``keys[i]``'s;
+        raises ``RuntimeError`` otherwise (a floor that skipped the work would measure nothing)."""
+        order = np.argsort(keys)
+        expected = rows[order[np.searchsorted(keys, request, sorter=order)]]
+        if not np.array_equal(self.lookup(request), expected):
+            raise RuntimeError("the floor servers return other rows than the table holds")
+        return self
+
     def close(self) -> None:
         self._stubs.close()
 
