@@ -160,7 +160,7 @@ class Table:
         admitted; until then they read as their initial rows and nothing is stored);
         without it (serving), missing keys read as the table's ``serving_default`` (zeros,
         or their initial rows) and nothing is stored. ``touch=False`` leaves the rows'
-        last use and use count as they were (nothing that reads them runs). Raises
+        last use and use count as they were (for callers whose shard never reads them). Raises
         ``InvalidKeys`` for keys that are not a 1-D integer array, ``ValueError`` for a
         wrong ``out``; ``StorageFailed`` if rows on disk cannot be read.
         """
