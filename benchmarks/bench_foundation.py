@@ -25,7 +25,6 @@ import gc
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,11 +42,12 @@ import numpy.typing as npt
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # headlines, beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # headlines and serving_floor, beside this file
 
 from headlines import FOUNDATION_GOALS as GOALS  # noqa: E402
 from headlines import FOUNDATION_MEMORY_OVER_BYTES as OVER_BYTES  # noqa: E402
 from headlines import FOUNDATION_READY_S as READY_S  # noqa: E402
+from serving_floor import serve_raw  # noqa: E402
 
 from client import ClientConfig, GrpcTransport, PSClient  # noqa: E402
 from client.batching import scatter_rows  # noqa: E402
@@ -112,16 +112,9 @@ def echo_server(port_file: Path) -> None:
     tune_malloc()
     response = np.random.default_rng(0).bytes(LOOKUP_BYTES)
     push_reply = pb.PushResponse(applied=True, rows_updated=ROWS).SerializeToString()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[*OPTIONS, ("grpc.so_reuseport", 0)])
-    handlers = {"Lookup": grpc.unary_unary_rpc_method_handler(lambda req, ctx: response),
-                "Push": grpc.unary_unary_rpc_method_handler(lambda req, ctx: push_reply)}  # fmt: skip
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ECHO_SERVICE, handlers),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    port_file.with_suffix(".tmp").write_text(f"{port}\n")
-    port_file.with_suffix(".tmp").replace(port_file)  # atomically, as ps-server does
-    while True:
-        signal.pause()  # until SIGTERM ends the process (default action)
+    serve_raw(
+        ECHO_SERVICE, {"Lookup": lambda req, ctx: response, "Push": lambda req, ctx: push_reply}, port_file, OPTIONS
+    )
 
 
 def memory_child(n: int) -> dict[str, Any]:

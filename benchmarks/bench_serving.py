@@ -78,7 +78,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # serving_parts, beside this file
 
-from serving_floor import FloorClient, RawStubs, serve_method, write_rows  # noqa: E402
+from serving_floor import FloorClient, RawStubs, serve_raw, write_rows  # noqa: E402
 from serving_parts import (  # noqa: E402
     CONCURRENCY,
     DIM,
@@ -346,7 +346,7 @@ def echo_server(port_file: Path) -> None:
     """The ceiling: a request of n keys (8 B each) gets 256 * n prebuilt bytes back."""
     tune_malloc()  # as ps-server does
     response = np.random.default_rng(0).bytes(KEYS * ROW_BYTES)
-    serve_method(f"/{ECHO_SERVICE}/Lookup", lambda req, ctx: response[: len(req) // 8 * ROW_BYTES], port_file, OPTIONS)
+    serve_raw(ECHO_SERVICE, {"Lookup": lambda req, ctx: response[: len(req) // 8 * ROW_BYTES]}, port_file, OPTIONS)
 
 
 # -- part 1 ------------------------------------------------------------------------------

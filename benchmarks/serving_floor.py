@@ -99,7 +99,7 @@ def write_rows(path: Path, keys: npt.NDArray[np.int64], rows: npt.NDArray[np.flo
 
 
 def serve(rows_file: Path, port_file: Path, options: list[tuple[str, int]]) -> None:
-    """Hold ``rows_file``'s rows and answer ``FLOOR_METHOD`` (``serve_method``)."""
+    """Hold ``rows_file``'s rows and answer ``FLOOR_METHOD`` (``serve_raw``)."""
     tune_malloc()  # as ps-server does
     with np.load(rows_file) as data:
         keys, rows = data["keys"], data["rows"]
@@ -118,17 +118,18 @@ def serve(rows_file: Path, port_file: Path, options: list[tuple[str, int]]) -> N
         ram.gather(ram.slots(asked), buf.view(_F32).reshape(-1, dim), now, touch=False)
         return data
 
-    serve_method(FLOOR_METHOD, lookup, port_file, options)
+    service, name = FLOOR_METHOD.strip("/").split("/")
+    serve_raw(service, {name: lookup}, port_file, options)
 
 
-def serve_method(method: str, fn: Callable[[bytes, grpc.ServicerContext], bytes], port_file: Path,
-                 options: list[tuple[str, int]]) -> None:  # fmt: skip
-    """Answer the raw-bytes unary ``method`` ("/service/name") with ``fn`` on 127.0.0.1 (a
-    free port, written to ``port_file``) from 8 threads, until SIGTERM."""
+def serve_raw(service: str, methods: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]], port_file: Path,
+              options: list[tuple[str, int]]) -> None:  # fmt: skip
+    """Answer ``service``'s raw-bytes unary ``methods`` (name -> handler) on 127.0.0.1 (a free
+    port, written to ``port_file``) from 8 threads, until SIGTERM. The benchmarks' ceilings
+    and the floor are all served this way."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[*options, ("grpc.so_reuseport", 0)])
-    service, name = method.strip("/").split("/")
-    handler = grpc.unary_unary_rpc_method_handler(fn)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {name: handler}),))
+    handlers = {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     port_file.with_suffix(".tmp").write_text(f"{port}\n")
