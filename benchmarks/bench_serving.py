@@ -441,7 +441,7 @@ def lookup_part(setup: Setup, procs: Processes) -> dict[str, Any]:
                 for k, name, base in (("floor_vs_ceiling", "floor", "ceiling"), ("ours_vs_floor", "ours", "floor"))
             }
             for c in CONCURRENCY
-        },  # fmt: skip
+        },
     }
 
 

@@ -285,7 +285,7 @@ class Shard:
         response sized first, then each table's rows are gathered straight into it.
 
         Training mode creates the rows of missing keys; serving mode reads them as zeros
-        and stores nothing, not even when a row was used unless a memory budget evicts by
+        and stores nothing, and notes a row's use only where a memory budget evicts by
         it. Raises ``ShuttingDown``, ``ShardMismatch``, ``InvalidRequest`` or
         ``WireFormatError`` (naming the entry and field), ``UnknownTable``, ``RequestTooLarge``
         (a response over ``max_response_bytes``); ``StorageFailed`` if disk reads fail."""
