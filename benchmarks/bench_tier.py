@@ -122,8 +122,14 @@ def lookup_cost(n: int, warmup: int, steps: int, tmp: Path) -> dict[str, Any]:
         for start in range(0, n, chunk):
             keys = zipf.keys[start : start + chunk]
             batch = storage.batch()
-            rows.put(batch, keys, values[: keys.shape[0]], np.empty((keys.shape[0], 0), np.float32),
-                     stamp[: keys.shape[0]], stamp[: keys.shape[0]])  # fmt: skip
+            rows.put(
+                batch,
+                keys,
+                values[: keys.shape[0]],
+                np.empty((keys.shape[0], 0), np.float32),
+                stamp[: keys.shape[0]],
+                stamp[: keys.shape[0]],
+            )
             storage.commit(batch)
         write_s = time.perf_counter() - t0
         # Measure the steady state of a long-running shard, not the compactions that a
@@ -247,11 +253,15 @@ def io_vs_raw(n: int, tmp: Path) -> dict[str, Any]:
 def report(res: dict[str, Any]) -> str:
     lines = [""]
     z = res["zipf_part"]
-    for part, title in (("served", "1a. Zipf(1.05) lookup+push through gRPC: ps-server process + PSClient"),
-                        ("zipf", "1b. The same on the shard's own code, in process (no transport)")):  # fmt: skip
+    for part, title in (
+        ("served", "1a. Zipf(1.05) lookup+push through gRPC: ps-server process + PSClient"),
+        ("zipf", "1b. The same on the shard's own code, in process (no transport)"),
+    ):
         lines.append(f"{title}; dim 16 Adagrad, batch of {BATCH} draws deduplicated, median of {res['repeats']} runs")
-        lines.append(f"{'mode':<36}{'rows':>11}{'rows/s':>12}{'ratio':>8}{'hit rate':>10}{'faults/step':>13}"
-                     f"{'writes/step':>13}{'step ms':>9}")  # fmt: skip
+        lines.append(
+            f"{'mode':<36}{'rows':>11}{'rows/s':>12}{'ratio':>8}{'hit rate':>10}{'faults/step':>13}"
+            f"{'writes/step':>13}{'step ms':>9}"
+        )
         ram = z[part][0]["rows_per_s"]
         for r in z[part]:
             lines.append(
@@ -261,24 +271,32 @@ def report(res: dict[str, Any]) -> str:
         tier, hit = z[part][1]["rows_per_s"] / ram, z[part][1]["ram_hit_rate"]
         curve = ", ".join(f"{h:.2f}" for h in z[part][1].get("warmup_hit_rates", []))
         lines.append(f"   hit rate of the budget-10% (interval:5) run while warming up, per 100 steps: {curve}")
-        lines.append(f"   budget-10% (interval:5) / all-RAM = {tier:.2f}x (goal >= {TIER_GOAL}x: "
-                     f"{'PASS' if tier >= TIER_GOAL else 'FAIL'}); hit rate {hit:.3f} (goal >= {HIT_RATE_GOAL}: "
-                     f"{'PASS' if hit >= HIT_RATE_GOAL else 'FAIL'})")  # fmt: skip
+        lines.append(
+            f"   budget-10% (interval:5) / all-RAM = {tier:.2f}x (goal >= {TIER_GOAL}x: "
+            f"{'PASS' if tier >= TIER_GOAL else 'FAIL'}); hit rate {hit:.3f} (goal >= {HIT_RATE_GOAL}: "
+            f"{'PASS' if hit >= HIT_RATE_GOAL else 'FAIL'})"
+        )
         lines.append("")
     f, ram, tier = z["floor"], z["served"][0], z["served"][1]
     io = f["read_ms"] + f["write_ms"]
-    lines.append(f"1c. Raw rocksdict I/O of one gRPC tier step ({tier['faulted_in_per_step']:,.0f} rows read by one multi-get, "
-                 f"{tier['spilled_per_step']:,.0f} spilled rows written by one batch), single thread")  # fmt: skip
+    lines.append(
+        f"1c. Raw rocksdict I/O of one gRPC tier step ({tier['faulted_in_per_step']:,.0f} rows read by one multi-get, "
+        f"{tier['spilled_per_step']:,.0f} spilled rows written by one batch), single thread"
+    )
     r_ms = ram["step_ms"]
     lines.append(
         f"   read {f['read_ms']:.2f} ms + write {f['write_ms']:.2f} ms = {io:.2f} ms a step; all-RAM step {r_ms:.2f} ms"
     )
-    lines.append(f"   best ratio any design doing this I/O could reach here: {r_ms / (r_ms + io):.2f}x if the I/O overlaps "
-                 f"nothing, {r_ms / (r_ms + io / f['cores']):.2f}x if spread perfectly over {f['cores']:.0f} cores; "
-                 f"the tier: {r_ms / tier['step_ms']:.2f}x")  # fmt: skip
-    lines.append(f"   a Python thread beside that I/O (on another thread) stalls {f['python_stalled_beside_read']:.0%} of the "
-                 f"time during the reads, {f['python_stalled_beside_write']:.0%} during the writes: a rocksdict write "
-                 "holds the GIL, so it cannot overlap the shard's request handling")  # fmt: skip
+    lines.append(
+        f"   best ratio any design doing this I/O could reach here: {r_ms / (r_ms + io):.2f}x if the I/O overlaps "
+        f"nothing, {r_ms / (r_ms + io / f['cores']):.2f}x if spread perfectly over {f['cores']:.0f} cores; "
+        f"the tier: {r_ms / tier['step_ms']:.2f}x"
+    )
+    lines.append(
+        f"   a Python thread beside that I/O (on another thread) stalls {f['python_stalled_beside_read']:.0%} of the "
+        f"time during the reads, {f['python_stalled_beside_write']:.0%} during the writes: a rocksdict write "
+        "holds the GIL, so it cannot overlap the shard's request handling"
+    )
     lines.append("")
     lines.append("2. Per-row lookup cost vs rows stored (10% resident, dim 8 SGD, Zipf lookups)")
     lines.append(f"{'rows':>12}{'resident':>11}{'us/row':>9}{'hit rate':>10}{'vs first':>10}{'restart ready s':>17}")
@@ -292,8 +310,10 @@ def report(res: dict[str, Any]) -> str:
     spread = max(costs) / min(costs) - 1
     mid = (max(costs) + min(costs)) / 2
     within = max(abs(c - mid) / mid for c in costs)
-    lines.append(f"   goal: flat within +-25%: max/min - 1 = {spread:.0%}, +-{within:.0%} around the middle "
-                 f"{'PASS' if within <= 0.25 else 'FAIL'}")  # fmt: skip
+    lines.append(
+        f"   goal: flat within +-25%: max/min - 1 = {spread:.0%}, +-{within:.0%} around the middle "
+        f"{'PASS' if within <= 0.25 else 'FAIL'}"
+    )
     io = res["io"]
     lines.append("")
     lines.append(f"3. RocksDB I/O, {io['rows']:,} rows of {io['record_bytes']} B: tier vs raw rocksdict")
@@ -314,8 +334,12 @@ def chart(res: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    labels = {None: "all RAM", "interval:5": "10%, LFU\ninterval:5", "interval:5/lru": "10%, LRU\ninterval:5",
-              "every-push": "10%, LFU\nevery-push"}  # fmt: skip
+    labels = {
+        None: "all RAM",
+        "interval:5": "10%, LFU\ninterval:5",
+        "interval:5/lru": "10%, LRU\ninterval:5",
+        "every-push": "10%, LFU\nevery-push",
+    }
     modes = [labels[m] for m in MODES]
     x = np.arange(len(modes))
     for off, part, label in ((-0.2, "served", "gRPC ps-server"), (0.2, "zipf", "in process")):
@@ -399,7 +423,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument("--only", choices=["zipf", "scale", "io"], help="run one part (its own JSON file)")
-    parser.add_argument("--warmup", type=int, metavar="STEPS",
-                        help="Zipf steps before timing (default 600: LFU's hit rate climbs that long)")  # fmt: skip
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        metavar="STEPS",
+        help="Zipf steps before timing (default 600: LFU's hit rate climbs that long)",
+    )
     args = parser.parse_args()
     main(args.quick, args.only, args.warmup)

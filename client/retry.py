@@ -325,8 +325,12 @@ class _Exchange:
         r.tried.clear()
         if not self.warned:
             self.warned = True
-            log.warning("%s: retrying for up to %.1f s: %s", self.method, self.deadline - time.monotonic(),
-                        convert(exc, r.shard, self.transport.address(attempt.pick.endpoint)))  # fmt: skip
+            log.warning(
+                "%s: retrying for up to %.1f s: %s",
+                self.method,
+                self.deadline - time.monotonic(),
+                convert(exc, r.shard, self.transport.address(attempt.pick.endpoint)),
+            )
         r.retry_at = min(self.deadline, time.monotonic() + backoff_s(r.backoffs, self.config))
         r.backoffs += 1
 

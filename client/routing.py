@@ -53,8 +53,9 @@ class TablePlan:
         m = self.unique.shape[0]
         rank = np.empty(m, dtype=np.int64)
         rank[self.order] = np.arange(m, dtype=np.int64)
-        return TablePlan(self.table, self.dim, self.unique, self.unique, np.arange(m, dtype=np.int64),
-                         self.order, self.bounds, rank)  # fmt: skip
+        return TablePlan(
+            self.table, self.dim, self.unique, self.unique, np.arange(m, dtype=np.int64), self.order, self.bounds, rank
+        )
 
 
 @dataclass(frozen=True)

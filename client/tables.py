@@ -27,8 +27,11 @@ _INITIALIZERS = {k.lower(): v for k, v in pb.InitializerSpec.Kind.items() if v}
 _OPT_FIELDS = [f for f in pb.OptimizerSpec.DESCRIPTOR.fields_by_name if f != "kind"]
 _INIT_FIELDS = [f for f in pb.InitializerSpec.DESCRIPTOR.fields_by_name if f != "kind"]
 _LIFECYCLE_FIELDS: dict[str, Any] = {
-    "admit_after": int, "admit_probability": float, "ttl_seconds": float, "evict_below_frequency": int,
-}  # fmt: skip
+    "admit_after": int,
+    "admit_probability": float,
+    "ttl_seconds": float,
+    "evict_below_frequency": int,
+}
 
 
 _SERVING_DEFAULTS = {k.lower(): v for k, v in pb.ServingDefault.items() if v}

@@ -79,8 +79,19 @@ class _PooledCall:
     be cancelled once running: it ends at its timeout.
     """
 
-    __slots__ = ("_stub", "_request", "_kwargs", "_done", "_started", "_finished", "_cancelled", "_value", "_error",
-                 "_callbacks", "_release")  # fmt: skip
+    __slots__ = (
+        "_stub",
+        "_request",
+        "_kwargs",
+        "_done",
+        "_started",
+        "_finished",
+        "_cancelled",
+        "_value",
+        "_error",
+        "_callbacks",
+        "_release",
+    )
 
     def __init__(self, stub: Any, request: bytes, kwargs: dict[str, Any], release: Callable[[], None]) -> None:
         self._stub, self._request, self._kwargs, self._release = stub, request, kwargs, release

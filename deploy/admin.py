@@ -95,8 +95,13 @@ CLIENT_OPTIONS: dict[str, Any] = {}
 ``--tls-ca``/``--tls-cert``/``--tls-key``/``--token-file``; unset ones come from the
 ``PS_CLIENT_*`` environment, see ``ClientConfig``)."""
 
-HEALTH_SERVICES = ("", "ps.v1.ParameterServer", "ps.v1.ParameterServer.Writes", "ps.v1.ParameterServer.Background",
-                   "ps.v1.ParameterServer.Follow")  # fmt: skip
+HEALTH_SERVICES = (
+    "",
+    "ps.v1.ParameterServer",
+    "ps.v1.ParameterServer.Writes",
+    "ps.v1.ParameterServer.Background",
+    "ps.v1.ParameterServer.Follow",
+)
 
 
 @contextlib.contextmanager
@@ -240,8 +245,13 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
         if s["mode"] == "serve":  # where the rows come from, and how fresh they are
             lag = f" lag={f['lag_versions']}v/{f['lag_s']:.2f}s" + ("" if f["connected"] else f" DOWN: {f['error']}")
             where = {"follow": f"following {f['leader']}{lag}", "checkpoint": f"pinned to {f['checkpoint']}"}
-            lines.append((shard, f"[{s['address']} serve, version {s['version']}: {where.get(f['source'], 'data dir')}]",
-                          *[""] * 7))  # fmt: skip
+            lines.append(
+                (
+                    shard,
+                    f"[{s['address']} serve, version {s['version']}: {where.get(f['source'], 'data dir')}]",
+                    *[""] * 7,
+                )
+            )
         durability = s["durability"] or "ram-only"
         writable = "yes" if s["writable"] else f"NO: {s['storage_error']}"
         if not s["tables"]:
@@ -258,7 +268,7 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
                     f"{t['bytes_per_resident_row']:.0f}",
                     durability,
                     writable,
-                )  # fmt: skip
+                )
             )
     widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in lines)
@@ -270,8 +280,9 @@ def cluster_tables(addresses: Sequence[str | Sequence[str]], timeout_s: float = 
         return [dataclasses.asdict(t) for _, t in sorted(client.tables().items())]
 
 
-def create_table(addresses: Sequence[str | Sequence[str]], name: str, dim: int, options: dict[str, Any],
-                 timeout_s: float = 30.0) -> dict[str, Any]:  # fmt: skip
+def create_table(
+    addresses: Sequence[str | Sequence[str]], name: str, dim: int, options: dict[str, Any], timeout_s: float = 30.0
+) -> dict[str, Any]:
     """Create ``name`` on every shard (``PSClient.create_table``); the table as created."""
     with _cluster(addresses, timeout_s) as client:
         try:
@@ -383,8 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-ca", help="PEM CA of the shards' certificates: connect with TLS")
     sec.add_argument("--tls-cert", help="PEM client certificate, for shards that require mutual TLS")
     sec.add_argument("--tls-key", help="PEM key of --tls-cert")
-    sec.add_argument("--token-file", help="file holding the bearer token (admin for create-table, checkpoint, "
-                     "serve-from)")  # fmt: skip
+    sec.add_argument(
+        "--token-file", help="file holding the bearer token (admin for create-table, checkpoint, serve-from)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # --json may also come after the command; the subcommand's copy leaves an earlier one alone.
     json_after = argparse.ArgumentParser(add_help=False)

@@ -55,12 +55,21 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--shards", type=int, default=2, help="shard processes to start (default 2)")
     parser.add_argument("--workers", type=int, default=1, help="worker processes per torchrun (default 1)")
-    parser.add_argument("--shard-arg", action="append", default=[], help="extra ps-server flag, repeatable; {shard} becomes the shard index, e.g. "
-                        "--shard-arg=--data-dir=/var/ps/shard-{shard} --shard-arg=--memory-budget-bytes=4000000000")  # fmt: skip
+    parser.add_argument(
+        "--shard-arg",
+        action="append",
+        default=[],
+        help="extra ps-server flag, repeatable; {shard} becomes the shard index, e.g. "
+        "--shard-arg=--data-dir=/var/ps/shard-{shard} --shard-arg=--memory-budget-bytes=4000000000",
+    )
     parser.add_argument("--data-dir", type=Path, default=None, help="shard logs and port files (default: a temp dir)")
-    parser.add_argument("--restart-shards", action=argparse.BooleanOptionalAction, default=None,
-                        help="restart a dead shard on the same address and data dir (default: on when a "
-                        "--shard-arg gives --data-dir; without one a restarted shard would be empty)")  # fmt: skip
+    parser.add_argument(
+        "--restart-shards",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="restart a dead shard on the same address and data dir (default: on when a "
+        "--shard-arg gives --data-dir; without one a restarted shard would be empty)",
+    )
     split = list(argv).index("--") if "--" in argv else len(argv)
     if split == len(argv) and not {"-h", "--help"} & set(argv):
         parser.error("missing '-- COMMAND': e.g. ps-launch --shards 2 -- python examples/train_dlrm.py")
@@ -126,8 +135,13 @@ def _revive(cluster: LocalCluster, shard: ShardProcess, policy: RestartPolicy) -
     """Restart ``shard`` until it serves; False once the policy gives up (log tail printed)."""
     reason = _describe_exit(shard.proc.returncode)
     while policy.died(shard.index):
-        log.warning("shard %d (%s, pid %d) died with %s; restarting it on the same address and data dir",
-                    shard.index, shard.address, shard.proc.pid, reason)  # fmt: skip
+        log.warning(
+            "shard %d (%s, pid %d) died with %s; restarting it on the same address and data dir",
+            shard.index,
+            shard.address,
+            shard.proc.pid,
+            reason,
+        )
         t0 = time.monotonic()
         try:
             new = cluster.restart(shard.index)
@@ -144,9 +158,16 @@ def _revive(cluster: LocalCluster, shard: ShardProcess, policy: RestartPolicy) -
             time.monotonic() - t0,
         )
         return True
-    log.error("shard %d (%s) failed %d times in a row within %.0f s of starting (last: %s); giving up. Its log (%s):\n%s",
-              shard.index, shard.address, policy.max_fast_failures, policy.fast_s, reason, shard.log,
-              shard.log_tail())  # fmt: skip
+    log.error(
+        "shard %d (%s) failed %d times in a row within %.0f s of starting (last: %s); giving up. Its log (%s):\n%s",
+        shard.index,
+        shard.address,
+        policy.max_fast_failures,
+        policy.fast_s,
+        reason,
+        shard.log,
+        shard.log_tail(),
+    )
     return False
 
 
@@ -177,15 +198,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         policy = RestartPolicy()
         for s in cluster.shards:
             policy.started(s.index)
-        log.info("shards up: %s (restart on failure: %s)", ",".join(cluster.addresses),
-                 "on" if args.restart_shards else "off")  # fmt: skip
+        log.info(
+            "shards up: %s (restart on failure: %s)",
+            ",".join(cluster.addresses),
+            "on" if args.restart_shards else "off",
+        )
         env = dict(os.environ, TRAINER_ADDRESSES=",".join(cluster.addresses))
         # The shards share this machine: leave them a core. torchrun sets no thread count for a
         # single worker, and torch's spinning OpenMP threads on every core starve the shards
         # (2 cores, DLRM: 1.2K samples/s with 2 torch threads against 11.8K with 1).
         env.setdefault("OMP_NUM_THREADS", str(threads_beside_local_shards(args.workers)))
-        workers = subprocess.Popen(_torchrun(args.workers, command), env=env, start_new_session=True,
-                                   preexec_fn=die_with_parent)  # fmt: skip
+        workers = subprocess.Popen(
+            _torchrun(args.workers, command), env=env, start_new_session=True, preexec_fn=die_with_parent
+        )
         while True:
             interrupt.check()
             code = workers.poll()
@@ -207,9 +232,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
             if dead:
                 for s in dead:
-                    log.error("shard %d died with %s; stopping the workers (restarts are off: --no-restart-shards, "
-                              "or no --data-dir, so it would come back empty). "
-                              "Its log (%s):\n%s", s.index, _describe_exit(s.proc.returncode), s.log, s.log_tail())  # fmt: skip
+                    log.error(
+                        "shard %d died with %s; stopping the workers (restarts are off: --no-restart-shards, "
+                        "or no --data-dir, so it would come back empty). "
+                        "Its log (%s):\n%s",
+                        s.index,
+                        _describe_exit(s.proc.returncode),
+                        s.log,
+                        s.log_tail(),
+                    )
                     reported.add(s.index)
                 _stop(workers)
                 status = 1
@@ -254,8 +285,13 @@ def _stop_cluster(cluster: LocalCluster, reported: set[int], status: int) -> int
     except ShardStartError:
         for s in unreported:
             if s.proc.returncode not in (0, None):
-                log.error("shard %d exited with %s at shutdown. Its log (%s):\n%s", s.index,
-                          _describe_exit(s.proc.returncode), s.log, s.log_tail())  # fmt: skip
+                log.error(
+                    "shard %d exited with %s at shutdown. Its log (%s):\n%s",
+                    s.index,
+                    _describe_exit(s.proc.returncode),
+                    s.log,
+                    s.log_tail(),
+                )
         return status or 1
     return status
 

@@ -114,7 +114,7 @@ def start_shard(
                 f"--listen={listen}",
                 f"--port-file={port_file}",
                 *(a.replace("{shard}", str(index)) for a in extra_args),
-            ],  # fmt: skip
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=root,
@@ -201,8 +201,9 @@ class LocalCluster:
         if old.proc.poll() is None:
             raise ShardStartError(f"shard {index} (pid {old.proc.pid}) is still running")
         assert self.root is not None
-        self.shards[index] = start_shard(index, self.num_shards, self.root, *self._args(index), timeout_s=timeout_s,
-                                         listen=old.address)  # fmt: skip
+        self.shards[index] = start_shard(
+            index, self.num_shards, self.root, *self._args(index), timeout_s=timeout_s, listen=old.address
+        )
         return self.shards[index]
 
     def stop(self) -> None:

@@ -169,8 +169,9 @@ def _reshard_into(src: Path, manifest: dict[str, Any], m: int, out: Path, chunk_
                     for j in np.flatnonzero(np.diff(bounds)).tolist():
                         sel = order[bounds[j] : bounds[j + 1]]
                         batch = targets[j].batch()
-                        outs[j].put(batch, keys[sel], rec.values[sel], rec.state[sel], rec.last_access[sel],
-                                    rec.frequency[sel])  # fmt: skip
+                        outs[j].put(
+                            batch, keys[sel], rec.values[sel], rec.state[sel], rec.last_access[sel], rec.frequency[sel]
+                        )
                         targets[j].commit(batch)
                         rows[j][name] += int(sel.shape[0])
             log.info("resharded table=%s rows=%d", name, sum(r[name] for r in rows))

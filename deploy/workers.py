@@ -37,8 +37,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = _first_line(failure.message) if os.path.isfile(failure.error_file) else ""
         how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with status {code}"
         others = len(exc.failures) - 1
-        print(f"ps-launch: worker rank {rank} (pid {failure.pid}) {how}" + (f": {message}" if message else "")
-              + (f" ({others} other workers failed too)" if others > 0 else ""), file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"ps-launch: worker rank {rank} (pid {failure.pid}) {how}"
+            + (f": {message}" if message else "")
+            + (f" ({others} other workers failed too)" if others > 0 else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         return code or 1
     return 0
 

@@ -67,23 +67,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = Path(tmp)
         trainers = LocalCluster(2, root / "train", extra_args=(f"--data-dir={root / 'train' / 'data-{shard}'}",))
         with trainers, LocalCluster(2, root / "serve", follow=trainers.addresses) as servers:
-            print(f"training shards {','.join(trainers.addresses)}; serving shards (following) "
-                  f"{','.join(servers.addresses)}", flush=True)  # fmt: skip
+            print(
+                f"training shards {','.join(trainers.addresses)}; serving shards (following) "
+                f"{','.join(servers.addresses)}",
+                flush=True,
+            )
             metrics = train(dataclasses.replace(config, addresses=tuple(trainers.addresses)), trainers.addresses)
             run = Path(metrics["output_dir"])
-            print(f"trained: AUC {metrics['final']['auc']:.4f} on {int(metrics['final']['samples'])} held-out samples; "
-                  f"model exported to {run}", flush=True)  # fmt: skip
+            print(
+                f"trained: AUC {metrics['final']['auc']:.4f} on {int(metrics['final']['samples'])} held-out samples; "
+                f"model exported to {run}",
+                flush=True,
+            )
             with PSClient(trainers.addresses) as train_client, PSClient(servers.addresses) as serve_client:
                 lag = [s["follow"]["lag_versions"] for s in serve_client.stats()]
                 started = time.monotonic()
                 while not caught_up(train_client, serve_client):
                     time.sleep(0.01)
-                print(f"serving shards caught up: {lag} versions behind when training ended, "
-                      f"{1000 * (time.monotonic() - started):.0f} ms to catch up", flush=True)  # fmt: skip
+                print(
+                    f"serving shards caught up: {lag} versions behind when training ended, "
+                    f"{1000 * (time.monotonic() - started):.0f} ms to catch up",
+                    flush=True,
+                )
 
                 port_file = root / "ps-infer.port"
-                infer = subprocess.Popen([sys.executable, "-m", "worker.serving", "--model", str(run),
-                                          "--ps", ",".join(servers.addresses), "--port-file", str(port_file)])  # fmt: skip
+                infer = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "worker.serving",
+                        "--model",
+                        str(run),
+                        "--ps",
+                        ",".join(servers.addresses),
+                        "--port-file",
+                        str(port_file),
+                    ]
+                )
                 try:
                     while not port_file.exists():
                         if infer.poll() is not None:
@@ -100,8 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     infer.terminate()  # SIGTERM: finishes calls in progress, exits 0
                     infer.wait(30)
     best = np.argsort(-scores)[:5]
-    print(f"ps-infer at {address} scored {len(scores)} candidates in {took:.1f} ms "
-          f"(model {run}); best: " + ", ".join(f"{names[i]} {scores[i]:.4f}" for i in best))  # fmt: skip
+    print(
+        f"ps-infer at {address} scored {len(scores)} candidates in {took:.1f} ms "
+        f"(model {run}); best: " + ", ".join(f"{names[i]} {scores[i]:.4f}" for i in best)
+    )
     same = np.array_equal(scores, local)
     print(f"scores equal the in-process model's to the bit: {same}")
     return 0 if same and infer.returncode == 0 else 1

@@ -34,8 +34,11 @@ from protos.auth import Tokens, allows, bearer_token
 
 __all__ = ["OPEN_SERVICES", "Guard", "RpcMetrics", "serve_metrics"]
 
-OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
-                 "/grpc.reflection.v1.ServerReflection/")  # fmt: skip
+OPEN_SERVICES = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -53,13 +56,23 @@ class RpcMetrics:
         from prometheus_client import Gauge, Histogram
 
         self.registry = registry
-        self.duration = Histogram(f"{prefix}_rpc_seconds", "Time to answer a call, by method and status code",
-                                  ["method", "code"], registry=registry, buckets=LATENCY_BUCKETS_S)  # fmt: skip
-        self.calls = PCounter(f"{prefix}_rpcs", "Calls answered, by method and status code", ["method", "code"],
-                              registry=registry)  # fmt: skip
+        self.duration = Histogram(
+            f"{prefix}_rpc_seconds",
+            "Time to answer a call, by method and status code",
+            ["method", "code"],
+            registry=registry,
+            buckets=LATENCY_BUCKETS_S,
+        )
+        self.calls = PCounter(
+            f"{prefix}_rpcs", "Calls answered, by method and status code", ["method", "code"], registry=registry
+        )
         self.in_flight = Gauge(f"{prefix}_rpcs_in_flight", "Calls being handled now", registry=registry)
-        self.rejected = PCounter(f"{prefix}_rpcs_rejected", "Calls refused before any work, by method and reason",
-                                 ["method", "reason"], registry=registry)  # fmt: skip
+        self.rejected = PCounter(
+            f"{prefix}_rpcs_rejected",
+            "Calls refused before any work, by method and reason",
+            ["method", "reason"],
+            registry=registry,
+        )
 
     def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self.duration.labels(method, code.name).observe(seconds)
@@ -192,15 +205,21 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
         method = _method_name(full)
         token = bearer_token(metadata)
         if not token:
-            return (grpc.StatusCode.UNAUTHENTICATED, "no_token",
-                    f"{method} refused: no bearer token; send 'authorization: Bearer TOKEN' metadata")  # fmt: skip
+            return (
+                grpc.StatusCode.UNAUTHENTICATED,
+                "no_token",
+                f"{method} refused: no bearer token; send 'authorization: Bearer TOKEN' metadata",
+            )
         role = self.tokens.role_of(token)
         if role is None:
             return grpc.StatusCode.UNAUTHENTICATED, "bad_token", f"{method} refused: unknown token"
         needed = self.roles.get(full, "admin")
         if not allows(role, needed):
-            return (grpc.StatusCode.PERMISSION_DENIED, "role",
-                    f"{method} refused: needs a {needed} token, this one is {role}")  # fmt: skip
+            return (
+                grpc.StatusCode.PERMISSION_DENIED,
+                "role",
+                f"{method} refused: needs a {needed} token, this one is {role}",
+            )
         return None
 
     # -- running a call -----------------------------------------------------------------
@@ -243,11 +262,18 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
         peer = context.peer()
         reason = self._take(streaming, peer)
         if reason is not None:
-            limit = {"in_flight": (self.max_in_flight, f"{self.who} is handling {self.max_in_flight} calls "
-                                                       f"({self.limits_flag}={self.max_in_flight})"),
-                     "per_peer": (self.max_per_peer, f"this client already has {self.max_per_peer} calls in "
-                                                     f"flight on {self.who} (its share of {self.limits_flag})"),
-                     "streams": (self.max_streams, f"{self.who} has {self.max_streams} streams open")}[reason]  # fmt: skip
+            limit = {
+                "in_flight": (
+                    self.max_in_flight,
+                    f"{self.who} is handling {self.max_in_flight} calls ({self.limits_flag}={self.max_in_flight})",
+                ),
+                "per_peer": (
+                    self.max_per_peer,
+                    f"this client already has {self.max_per_peer} calls in "
+                    f"flight on {self.who} (its share of {self.limits_flag})",
+                ),
+                "streams": (self.max_streams, f"{self.who} has {self.max_streams} streams open"),
+            }[reason]
             if self.metrics is not None:
                 self.metrics.reject(method, reason, grpc.StatusCode.RESOURCE_EXHAUSTED)
             context.set_trailing_metadata((OVERLOADED,))

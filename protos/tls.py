@@ -38,12 +38,14 @@ def server_credentials(cert: PathLike, key: PathLike, client_ca: PathLike | None
     chain = _read(cert, "--tls-cert")
     private = _read(key, "--tls-key")
     roots = _read(client_ca, "--tls-client-ca") if client_ca else None
-    return grpc.ssl_server_credentials([(private, chain)], root_certificates=roots,
-                                       require_client_auth=roots is not None)  # fmt: skip
+    return grpc.ssl_server_credentials(
+        [(private, chain)], root_certificates=roots, require_client_auth=roots is not None
+    )
 
 
-def channel_credentials(ca: PathLike | None, cert: PathLike | None = None,
-                        key: PathLike | None = None) -> grpc.ChannelCredentials:  # fmt: skip
+def channel_credentials(
+    ca: PathLike | None, cert: PathLike | None = None, key: PathLike | None = None
+) -> grpc.ChannelCredentials:
     """Credentials of a TLS channel trusting ``ca`` (None: the system's roots), presenting
     ``cert``/``key`` when both are given (mutual TLS)."""
     if (cert is None) != (key is None):

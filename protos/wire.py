@@ -273,8 +273,9 @@ class LookupResponseWriter:
         return self._data
 
 
-def encode_lookup_request(entries: Sequence[tuple[str, npt.NDArray[np.int64]]], dtype: int, num_shards: int,
-                          shard: int | None = None) -> bytes:  # fmt: skip
+def encode_lookup_request(
+    entries: Sequence[tuple[str, npt.NDArray[np.int64]]], dtype: int, num_shards: int, shard: int | None = None
+) -> bytes:
     """``LookupRequest`` bytes for ``(table, keys)`` entries (int64 keys), rows asked in ``dtype``.
 
     What protobuf writes for the same message, without building one: a lookup of a few

@@ -114,13 +114,16 @@ class ServerConfig:
         default=4_000_000,
         metadata={"help": "keys one Lookup or Push may carry (all tables); more get RESOURCE_EXHAUSTED"},
     )
-    max_tables: int = field(default=256, metadata={"help": "tables this shard may hold; CreateTable beyond it "
-                                                           "gets RESOURCE_EXHAUSTED"})  # fmt: skip
+    max_tables: int = field(
+        default=256, metadata={"help": "tables this shard may hold; CreateTable beyond it gets RESOURCE_EXHAUSTED"}
+    )
     metrics_port: int | None = field(
         default=None,
-        metadata={"help": "serve Prometheus metrics at http://HOST:PORT/metrics (HOST of --listen); "
-                          "0 picks a free port (logged)"},
-    )  # fmt: skip
+        metadata={
+            "help": "serve Prometheus metrics at http://HOST:PORT/metrics (HOST of --listen); "
+            "0 picks a free port (logged)"
+        },
+    )
     tls_cert: Path | None = field(default=None, metadata={"help": "PEM certificate chain: serve TLS (with --tls-key)"})
     tls_key: Path | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
     tls_client_ca: Path | None = field(
@@ -128,9 +131,11 @@ class ServerConfig:
     )
     auth_token_file: Path | None = field(
         default=None,
-        metadata={"help": "file of 'ROLE TOKEN' lines (ROLE: read, write or admin): calls need "
-                          "'authorization: Bearer TOKEN' metadata; health checks need none"},
-    )  # fmt: skip
+        metadata={
+            "help": "file of 'ROLE TOKEN' lines (ROLE: read, write or admin): calls need "
+            "'authorization: Bearer TOKEN' metadata; health checks need none"
+        },
+    )
     client_tls_ca: Path | None = field(
         default=None, metadata={"help": "--follow over TLS: PEM CA that signed the training shard's certificate"}
     )
@@ -265,9 +270,20 @@ class ServerConfig:
             raise ConfigError("memory_budget_bytes needs data_dir: rows over the budget are moved to RocksDB there")
         if self.restore_from is not None and self.data_dir is None:
             raise ConfigError("restore_from needs data_dir: the checkpoint is copied into it")
-        for name in ("data_dir", "checkpoint_root", "restore_from", "port_file", "tls_cert", "tls_key",
-                     "tls_client_ca", "auth_token_file", "client_tls_ca", "client_tls_cert", "client_tls_key",
-                     "client_token_file"):  # fmt: skip
+        for name in (
+            "data_dir",
+            "checkpoint_root",
+            "restore_from",
+            "port_file",
+            "tls_cert",
+            "tls_key",
+            "tls_client_ca",
+            "auth_token_file",
+            "client_tls_ca",
+            "client_tls_cert",
+            "client_tls_key",
+            "client_token_file",
+        ):
             value = getattr(self, name)
             if value is not None and "\0" in str(value):
                 raise ConfigError(f"{name}={str(value)!r}: contains a NUL byte")
@@ -332,8 +348,17 @@ class TableSpec:
 
 _INIT_FIELDS = ("low", "high", "mean", "std", "value")
 _OPT_FIELDS = (
-    "lr", "weight_decay", "eps", "initial_accumulator_value", "beta1", "beta2", "l1", "l2", "lr_power", "beta",
-)  # fmt: skip
+    "lr",
+    "weight_decay",
+    "eps",
+    "initial_accumulator_value",
+    "beta1",
+    "beta2",
+    "l1",
+    "l2",
+    "lr_power",
+    "beta",
+)
 
 
 def spec_from_proto(msg: pb.TableSpec) -> TableSpec:

@@ -122,11 +122,18 @@ class Source:
 
     def status(self) -> pb.FollowStatus:
         return pb.FollowStatus(
-            source=self.kind, leader=self.leader or "", checkpoint=str(self.pinned or ""),
-            connected=self.connected, applied_version=self.applied_version, leader_version=self.leader_version,
-            lag_versions=self.lag_versions(), lag_s=self.lag_s(),
-            snapshots=self.snapshots, batches=self.batches, error=self.error if not self.connected else "",
-        )  # fmt: skip
+            source=self.kind,
+            leader=self.leader or "",
+            checkpoint=str(self.pinned or ""),
+            connected=self.connected,
+            applied_version=self.applied_version,
+            leader_version=self.leader_version,
+            lag_versions=self.lag_versions(),
+            lag_s=self.lag_s(),
+            snapshots=self.snapshots,
+            batches=self.batches,
+            error=self.error if not self.connected else "",
+        )
 
     # -- following -------------------------------------------------------------------------
 
@@ -162,8 +169,12 @@ class Source:
                 self._resume.wait()
                 if self._stop.is_set():
                     break
-                request = pb.FollowRequest(history=self.history, version=self.applied_version,
-                                           shard=self.shard.index, num_shards=self.shard.num_shards)  # fmt: skip
+                request = pb.FollowRequest(
+                    history=self.history,
+                    version=self.applied_version,
+                    shard=self.shard.index,
+                    num_shards=self.shard.num_shards,
+                )
                 try:
                     self._call = follow(request, metadata=self.metadata)
                     for batch in self._call:

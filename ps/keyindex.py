@@ -282,9 +282,19 @@ class KeyIndex:
         start = 0
         while start < arr.size:
             start, self._n_free, self._high_water, self._size, status = _insert_batch(
-                self._keys, self._slots, arr, start, out, created, self._free,
-                self._n_free, self._high_water, self._size, self._max_size, self._max_slots,
-            )  # fmt: skip
+                self._keys,
+                self._slots,
+                arr,
+                start,
+                out,
+                created,
+                self._free,
+                self._n_free,
+                self._high_water,
+                self._size,
+                self._max_size,
+                self._max_slots,
+            )
             if status == _NEED_GROW:
                 self._grow()
             elif status == _OUT_OF_SLOTS:

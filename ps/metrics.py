@@ -52,8 +52,9 @@ class ShardCollector(Collector):
             "ps_table_rows", "Rows held, by table and tier (ram or disk)", labels=["table", "tier"]
         )
         mem = GaugeMetricFamily("ps_table_memory_bytes", "RAM held by a table's rows and index", labels=["table"])
-        hit = GaugeMetricFamily("ps_table_ram_hit_ratio", "Share of looked-up existing rows found in RAM",
-                                labels=["table"])  # fmt: skip
+        hit = GaugeMetricFamily(
+            "ps_table_ram_hit_ratio", "Share of looked-up existing rows found in RAM", labels=["table"]
+        )
         totals = {f: CounterMetricFamily(f"ps_table_{name}", text, labels=["table"]) for f, name, text in _TABLE_TOTALS}
         for t in s.tables:
             rows.add_metric([t.name, "ram"], t.resident_rows)
@@ -64,26 +65,37 @@ class ShardCollector(Collector):
                 family.add_metric([t.name], getattr(t, f))
         yield from (rows, mem, hit, *totals.values())
         yield GaugeMetricFamily("ps_tables", "Tables held", value=len(s.tables))
-        yield CounterMetricFamily("ps_push_duplicates", "Pushes answered from the exactly-once ledger "
-                                  "(a retry of one already applied)", value=s.duplicate_pushes)  # fmt: skip
+        yield CounterMetricFamily(
+            "ps_push_duplicates",
+            "Pushes answered from the exactly-once ledger (a retry of one already applied)",
+            value=s.duplicate_pushes,
+        )
         yield GaugeMetricFamily("ps_resident_bytes", "RAM held by rows of every table", value=s.resident_bytes)
-        yield GaugeMetricFamily("ps_memory_budget_bytes", "--memory-budget-bytes (0: no limit)",
-                                value=s.memory_budget_bytes)  # fmt: skip
-        yield CounterMetricFamily("ps_storage_errors", "Data-dir writes or reads that failed",
-                                  value=self._shard.storage_errors)  # fmt: skip
+        yield GaugeMetricFamily(
+            "ps_memory_budget_bytes", "--memory-budget-bytes (0: no limit)", value=s.memory_budget_bytes
+        )
+        yield CounterMetricFamily(
+            "ps_storage_errors", "Data-dir writes or reads that failed", value=self._shard.storage_errors
+        )
         yield GaugeMetricFamily("ps_writable", "1 while the shard accepts writes", value=int(s.writable))
-        yield GaugeMetricFamily("ps_background_loops_failing", "Background loops failing now",
-                                value=len(s.failing_loops))  # fmt: skip
+        yield GaugeMetricFamily(
+            "ps_background_loops_failing", "Background loops failing now", value=len(s.failing_loops)
+        )
         yield GaugeMetricFamily("ps_version", "Changes applied (training) or served (following)", value=s.version)
         yield GaugeMetricFamily("ps_uptime_seconds", "Seconds since the shard started", value=s.uptime_s)
         if s.HasField("follow"):
             follow = s.follow
-            yield GaugeMetricFamily("ps_follow_lag_versions", "Versions the training shard is ahead",
-                                    value=follow.lag_versions)  # fmt: skip
-            yield GaugeMetricFamily("ps_follow_lag_seconds", "Age of the oldest training-shard change not "
-                                    "applied yet (0: caught up)", value=follow.lag_s)  # fmt: skip
-            yield GaugeMetricFamily("ps_follow_connected", "1 while the change stream is open",
-                                    value=int(follow.connected))  # fmt: skip
+            yield GaugeMetricFamily(
+                "ps_follow_lag_versions", "Versions the training shard is ahead", value=follow.lag_versions
+            )
+            yield GaugeMetricFamily(
+                "ps_follow_lag_seconds",
+                "Age of the oldest training-shard change not applied yet (0: caught up)",
+                value=follow.lag_s,
+            )
+            yield GaugeMetricFamily(
+                "ps_follow_connected", "1 while the change stream is open", value=int(follow.connected)
+            )
             yield CounterMetricFamily("ps_follow_snapshots", "Full snapshots received", value=follow.snapshots)
 
 

@@ -170,7 +170,11 @@ class StorageHealth:
                 return rescue(error)
             log.warning(
                 "final flush failed, %d rows changed by acknowledged pushes are only in RAM; retrying in %.1f s "
-                "(grace period ends in %.1f s): %s", unwritten, min(delay, left), left, error,
-            )  # fmt: skip
+                "(grace period ends in %.1f s): %s",
+                unwritten,
+                min(delay, left),
+                left,
+                error,
+            )
             time.sleep(min(delay, left))  # the last try is at the end of the grace period
             delay = min(2 * delay, _RETRY_MAX_S)

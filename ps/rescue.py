@@ -168,14 +168,22 @@ def save_rescue(
         log.error(
             "stopped with %d rows (changed by acknowledged pushes, or new) that data dir %s did not take (%s). They "
             "are saved in %s: once the disk is fixed, start this shard with --data-dir %s --restore-from %s",
-            rows, data_dir, error, place, data_dir, place,
-        )  # fmt: skip
+            rows,
+            data_dir,
+            error,
+            place,
+            data_dir,
+            place,
+        )
         return StopReport(error=error, unpersisted_rows=rows, rescue_path=place)
     log.error(
         "stopped with %d rows (changed by acknowledged pushes, or new) that could be written neither to data dir "
         "%s (%s) nor to a rescue dump (%s): they are LOST; the data dir holds the state of its last durable point",
-        rows, data_dir, error, "; ".join(failures),
-    )  # fmt: skip
+        rows,
+        data_dir,
+        error,
+        "; ".join(failures),
+    )
     return StopReport(error=error, unpersisted_rows=rows, rescue_failures=failures)
 
 

@@ -59,11 +59,19 @@ interval flush, TTL sweep, storage recovery) is failing; ``Stats.failing_loops``
 SPARE_THREADS = 8
 """Handler threads beyond ``--threads``: refusals and health checks never wait for a busy one."""
 
-ROLES = {f"/{SERVICE_NAME}/{m}": role for m, role in [
-    ("Lookup", "read"), ("ListTables", "read"), ("Stats", "read"), ("Follow", "read"),
-    ("Push", "write"),
-    ("CreateTable", "admin"), ("Checkpoint", "admin"), ("ServeFrom", "admin"),
-]}  # fmt: skip
+ROLES = {
+    f"/{SERVICE_NAME}/{m}": role
+    for m, role in [
+        ("Lookup", "read"),
+        ("ListTables", "read"),
+        ("Stats", "read"),
+        ("Follow", "read"),
+        ("Push", "write"),
+        ("CreateTable", "admin"),
+        ("Checkpoint", "admin"),
+        ("ServeFrom", "admin"),
+    ]
+}
 """The token role each method needs (see ``protos.auth``)."""
 
 log = logging.getLogger(__name__)
@@ -112,8 +120,9 @@ def open_shard(config: ServerConfig) -> Shard:
     shard = _open_shard(config)
     shard.changes = ChangeLog(config.follow_history_keys)
     if config.mode == "serve":
-        shard.source = Source(shard, config.follow, max_message_bytes=config.max_message_bytes,
-                              **_leader_credentials(config))  # fmt: skip
+        shard.source = Source(
+            shard, config.follow, max_message_bytes=config.max_message_bytes, **_leader_credentials(config)
+        )
     return shard
 
 
@@ -140,8 +149,15 @@ def _open_shard(config: ServerConfig) -> Shard:
             storage = Storage(config.data_dir, shard=config.shard, num_shards=config.num_shards, read_only=True)
         except DataDirError as exc:
             raise RuntimeError(f"--data-dir {config.data_dir} (served read-only): {exc}") from None
-        shard = Shard(config.shard, config.num_shards, storage, Durability("checkpoint-only"),
-                      config.memory_budget_bytes, config.checkpoint_root, mode=mode)  # fmt: skip
+        shard = Shard(
+            config.shard,
+            config.num_shards,
+            storage,
+            Durability("checkpoint-only"),
+            config.memory_budget_bytes,
+            config.checkpoint_root,
+            mode=mode,
+        )
         if not shard.tables():
             log.warning("%s holds no tables: every lookup will get NOT_FOUND", config.data_dir)
         return shard
@@ -178,8 +194,7 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     Raises ``RuntimeError`` naming the address when it cannot be bound, or the data
     directory when it cannot be used.
     """
-    tokens, credentials = server_security(config.tls_cert, config.tls_key, config.tls_client_ca,
-                                          config.auth_token_file)  # fmt: skip
+    tokens, credentials = server_security(config.tls_cert, config.tls_key, config.tls_client_ca, config.auth_token_file)
     shard = shard or open_shard(config)
     shard.limits = Limits(config.max_tables, config.max_keys_per_request)
     shard.eviction = cast(Eviction, config.eviction)
@@ -243,8 +258,12 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
         shard.source.start()
         follow_health = listener(FOLLOW_HEALTH_SERVICE)
         follow_health(False)
-        threading.Thread(target=_watch_follower, args=(shard.source, follow_health, ps_server._stopped),
-                         name="ps-follow-health", daemon=True).start()  # fmt: skip
+        threading.Thread(
+            target=_watch_follower,
+            args=(shard.source, follow_health, ps_server._stopped),
+            name="ps-follow-health",
+            daemon=True,
+        ).start()
     return ps_server
 
 

@@ -437,9 +437,13 @@ class Shard:
                 path = next_version_path(require_root(self.checkpoint_root, self.index).resolve())
             target = resolve_checkpoint_path(self.checkpoint_root, str(path), self.index)
             manifest = write_checkpoint(
-                target, self.tables(), self.storage, shard=self.index, num_shards=self.num_shards,
+                target,
+                self.tables(),
+                self.storage,
+                shard=self.index,
+                num_shards=self.num_shards,
                 data_dir_failed=lambda exc: self._storage_health.failed(str(exc)),
-            )  # fmt: skip
+            )
             if self.storage is not None:
                 self.last_durable = manifest["created_unix_s"]
             return target, manifest
@@ -575,9 +579,12 @@ class Shard:
         try:
             data = self.storage.path.absolute()
             return self._storage_health.final_write(
-                grace_s, reopen=self._reopen_if_refusing, flush=self.flush, at_risk=self._at_risk,
+                grace_s,
+                reopen=self._reopen_if_refusing,
+                flush=self.flush,
+                at_risk=self._at_risk,
                 rescue=lambda error: self._rescue(data, error),
-            )  # fmt: skip
+            )
         finally:
             self.storage.close()
 

@@ -91,9 +91,12 @@ def _delta(
             k = keys[name][start : start + step]
             found, values = table.peek(k)
             delta = pb.TableDelta(
-                table=name, keys=wire.encode_keys(k[found]), rows=values[found].tobytes(), dim=table.dim,
+                table=name,
+                keys=wire.encode_keys(k[found]),
+                rows=values[found].tobytes(),
+                dim=table.dim,
                 deleted_keys=wire.encode_keys(k[~found]),
-            )  # fmt: skip
+            )
             if parts and size + k.shape[0] * (8 + 4 * table.dim) > limit:
                 yield pb.FollowBatch(history=history, version=before, leader_version=version, specs=specs, deltas=parts)
                 parts, size = [], 0
@@ -110,18 +113,29 @@ def _snapshot(shard: Shard, limit: int) -> Generator[pb.FollowBatch, None, int]:
     log = shard.changes
     version, unix_s = log.version, time.time()
     specs = _specs(shard)
-    yield pb.FollowBatch(history=log.history, version=version, leader_version=version, specs=specs,
-                         snapshot_begin=True, in_snapshot=True)  # fmt: skip
+    yield pb.FollowBatch(
+        history=log.history, version=version, leader_version=version, specs=specs, snapshot_begin=True, in_snapshot=True
+    )
     for table in shard.tables():
         keys, values, _ = table.export()
         step = max(1, limit // (8 + 4 * table.dim))
         for start in range(0, keys.shape[0], step):
             delta = pb.TableDelta(
-                table=table.spec.name, keys=wire.encode_keys(keys[start : start + step]),
-                rows=values[start : start + step].tobytes(), dim=table.dim,
-            )  # fmt: skip
-            yield pb.FollowBatch(history=log.history, version=version, leader_version=log.version,
-                                 deltas=[delta], in_snapshot=True)  # fmt: skip
-    yield pb.FollowBatch(history=log.history, version=version, leader_version=log.version, version_unix_s=unix_s,
-                         specs=specs, snapshot_end=True, in_snapshot=True)  # fmt: skip
+                table=table.spec.name,
+                keys=wire.encode_keys(keys[start : start + step]),
+                rows=values[start : start + step].tobytes(),
+                dim=table.dim,
+            )
+            yield pb.FollowBatch(
+                history=log.history, version=version, leader_version=log.version, deltas=[delta], in_snapshot=True
+            )
+    yield pb.FollowBatch(
+        history=log.history,
+        version=version,
+        leader_version=log.version,
+        version_unix_s=unix_s,
+        specs=specs,
+        snapshot_end=True,
+        in_snapshot=True,
+    )
     return version

@@ -98,9 +98,19 @@ class Spill:
         a = ram.arena
         w = slots[write]
         spill = cls(
-            keys, slots, write, delete, a.values[w], a.state[w], a.last_access[w], a.frequency[w],
-            a.last_access[slots], a.frequency[slots], [c for c, _ in ledger], ledger,
-        )  # fmt: skip
+            keys,
+            slots,
+            write,
+            delete,
+            a.values[w],
+            a.state[w],
+            a.last_access[w],
+            a.frequency[w],
+            a.last_access[slots],
+            a.frequency[slots],
+            [c for c, _ in ledger],
+            ledger,
+        )
         a.dirty[slots[write | delete]] = WRITING
         return spill
 
@@ -175,9 +185,13 @@ class DiskTier:
                 rows.delete(batch, spill.keys[spill.delete])
             end = start + SPILL_CHUNK
             rows.put(
-                batch, keys[start:end], spill.values[start:end], spill.state[start:end],
-                spill.last_access[start:end], spill.frequency[start:end],
-            )  # fmt: skip
+                batch,
+                keys[start:end],
+                spill.values[start:end],
+                spill.state[start:end],
+                spill.last_access[start:end],
+                spill.frequency[start:end],
+            )
             storage.commit(batch)
 
     def write_held(

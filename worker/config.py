@@ -20,8 +20,14 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 __all__ = [
-    "SCHEMA_NAMES", "EmbeddingTableConfig", "FeatureConfig", "Pooling", "TrainerConfig", "check_features", "parse_config",
-]  # fmt: skip
+    "SCHEMA_NAMES",
+    "EmbeddingTableConfig",
+    "FeatureConfig",
+    "Pooling",
+    "TrainerConfig",
+    "check_features",
+    "parse_config",
+]
 
 Pooling = Literal["sum", "mean", "none"]
 _C = TypeVar("_C")
@@ -152,7 +158,7 @@ class TrainerConfig:
     progress: bool = field(
         default=True, metadata=_help("show progress on rank 0 (a bar on a terminal, else a line every 10 s)")
     )
-    log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))  # fmt: skip
+    log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
 
     def __post_init__(self) -> None:
         checks = [
@@ -165,15 +171,19 @@ class TrainerConfig:
             (self.num_shards >= 1, f"num_shards={self.num_shards}: must be >= 1"),
             (self.admit_after >= 1 and self.min_count >= 1, "admit_after and min_count must be >= 1"),
             (0 < self.train_fraction < 1, f"train_fraction={self.train_fraction}: must be in (0, 1)"),
-            (self.data == "synthetic" or Path(self.data).is_file(), f"data={self.data!r}: not 'synthetic' and no such file"),
-        ]  # fmt: skip
+            (
+                self.data == "synthetic" or Path(self.data).is_file(),
+                f"data={self.data!r}: not 'synthetic' and no such file",
+            ),
+        ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
 
 
-def parse_config(cls: type[_C], argv: Sequence[str], environ: Mapping[str, str], prefix: str, prog: str,
-                 description: str = "") -> _C:  # fmt: skip
+def parse_config(
+    cls: type[_C], argv: Sequence[str], environ: Mapping[str, str], prefix: str, prog: str, description: str = ""
+) -> _C:
     """Fill the frozen dataclass ``cls`` from flags, ``{prefix}*`` variables and ``--config`` (TOML/JSON).
 
     Each field ``name`` is ``--name-with-dashes``, ``{prefix}NAME`` and ``name`` in the file;
@@ -184,16 +194,26 @@ def parse_config(cls: type[_C], argv: Sequence[str], environ: Mapping[str, str],
     """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    where = textwrap.fill(f"Every flag is also {prefix}<NAME> in the environment or a key of the --config file; "
-                          "flags win over the environment, which wins over the file.", 79)  # fmt: skip
-    parser = argparse.ArgumentParser(prog=prog, argument_default=argparse.SUPPRESS,
-                                     description=f"{description}\n\n{where}" if description else where,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    where = textwrap.fill(
+        f"Every flag is also {prefix}<NAME> in the environment or a key of the --config file; "
+        "flags win over the environment, which wins over the file.",
+        79,
+    )
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        argument_default=argparse.SUPPRESS,
+        description=f"{description}\n\n{where}" if description else where,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", type=Path, help="TOML or JSON file of settings")
     for name, f in fields.items():
         default = f.default if f.default is not dataclasses.MISSING else None
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=name.upper(),
-                            help=f"{f.metadata.get('help', '').replace('%', '%%')} (default: {default}; env {prefix}{name.upper()})")  # fmt: skip
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            metavar=name.upper(),
+            help=f"{f.metadata.get('help', '').replace('%', '%%')} (default: {default}; env {prefix}{name.upper()})",
+        )
     args = vars(parser.parse_args(list(argv)))
     values: dict[str, Any] = {}
     path = args.pop("config", None)

@@ -36,9 +36,20 @@ from worker.jagged import JaggedIds
 from worker.metrics import auc, logloss
 
 __all__ = [
-    "Batch", "ClickLog", "ColumnSchema", "SchemaColumns", "auc", "feature_seed", "hash_strings", "load_click_log",
-    "logloss", "rare_key", "raw_columns", "read_click_log", "schema_columns",
-]  # fmt: skip
+    "Batch",
+    "ClickLog",
+    "ColumnSchema",
+    "SchemaColumns",
+    "auc",
+    "feature_seed",
+    "hash_strings",
+    "load_click_log",
+    "logloss",
+    "rare_key",
+    "raw_columns",
+    "read_click_log",
+    "schema_columns",
+]
 
 _MASK64 = (1 << 64) - 1
 
@@ -165,17 +176,38 @@ class ColumnSchema:
         """Avazu CTR: csv with header, label ``click``, every other column categorical
         except ``id`` (unique per row) and ``hour`` (``YYMMDDHH``: as a raw id every hour
         is new, so a held-out hour never hits a trained row)."""
-        cat = ["C1", "banner_pos", "site_id", "site_domain", "site_category", "app_id", "app_domain",
-               "app_category", "device_id", "device_ip", "device_model", "device_type", "device_conn_type",
-               *(f"C{i}" for i in range(14, 22))]  # fmt: skip
+        cat = [
+            "C1",
+            "banner_pos",
+            "site_id",
+            "site_domain",
+            "site_category",
+            "app_id",
+            "app_domain",
+            "app_category",
+            "device_id",
+            "device_ip",
+            "device_model",
+            "device_type",
+            "device_conn_type",
+            *(f"C{i}" for i in range(14, 22)),
+        ]
         return cls("click", (), cat, sep=",", header=True, log_transform=False)
 
     @classmethod
     def movielens(cls) -> ColumnSchema:
         """MovieLens ``u.data``: ``user_id, item_id, rating, timestamp``, tab-separated, no
         header; positive when rating >= 4; rows in time order (``load_click_log`` only)."""
-        return cls("rating", (), ["user_id", "item_id"], sep="\t", names=["user_id", "item_id", "rating", "timestamp"],
-                   log_transform=False, label_threshold=4.0, order_by="timestamp")  # fmt: skip
+        return cls(
+            "rating",
+            (),
+            ["user_id", "item_id"],
+            sep="\t",
+            names=["user_id", "item_id", "rating", "timestamp"],
+            log_transform=False,
+            label_threshold=4.0,
+            order_by="timestamp",
+        )
 
 
 @dataclass(frozen=True)
@@ -222,11 +254,18 @@ def _layout(schema: ColumnSchema, header: list[str] | None, first_line: bytes) -
         raise ValueError(f"seeds for unknown features {sorted(unknown)}; features are {list(features)}")
     key_seeds = [seeds.get(f, feature_seed(f)) & _MASK64 for f in features]
     return _Layout(
-        nfields, tuple(names if names is not None else (f"column {i}" for i in range(nfields))),
-        np.array(cols[:1], np.int64), np.array(dense, np.int64), np.array(cat, np.int64), np.array(order, np.int64),
-        features, np.array([fnv_basis(k) for k in key_seeds[: len(cat)]], np.uint64),
-        tuple(key_seeds[len(cat) :]), tuple(dense_names), tuple(key_seeds),
-    )  # fmt: skip
+        nfields,
+        tuple(names if names is not None else (f"column {i}" for i in range(nfields))),
+        np.array(cols[:1], np.int64),
+        np.array(dense, np.int64),
+        np.array(cat, np.int64),
+        np.array(order, np.int64),
+        features,
+        np.array([fnv_basis(k) for k in key_seeds[: len(cat)]], np.uint64),
+        tuple(key_seeds[len(cat) :]),
+        tuple(dense_names),
+        tuple(key_seeds),
+    )
 
 
 def _header(f: BinaryIO, schema: ColumnSchema, where: str) -> list[str] | None:
@@ -320,8 +359,10 @@ def _parse_lines(
         out, empty, bad = parse_numbers(buf, starts, ends, cols)
         if bad.shape[0]:
             i, c = bad[0]
-            raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[cols[c]]!r} "
-                             f"(field {cols[c] + 1}): {field(i, cols[c])[:100]!r} is not a finite number")  # fmt: skip
+            raise ValueError(
+                f"{where}:{first_line_no + i}: column {lay.names[cols[c]]!r} "
+                f"(field {cols[c] + 1}): {field(i, cols[c])[:100]!r} is not a finite number"
+            )
         return out, empty
 
     labels, missing = numbers(lay.label)
@@ -335,8 +376,10 @@ def _parse_lines(
         labels = (labels >= schema.label_threshold).astype(np.float64)
     if wrong.size:
         i = int(wrong[0])
-        raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[col]!r} "
-                         f"(field {col + 1}): label {field(i, col)[:100]!r}, {expected}")  # fmt: skip
+        raise ValueError(
+            f"{where}:{first_line_no + i}: column {lay.names[col]!r} "
+            f"(field {col + 1}): label {field(i, col)[:100]!r}, {expected}"
+        )
     raw, empty = numbers(lay.dense)  # empty -> 0 already
     keys = np.empty((len(lay.features), n), np.uint64)
     hash_fields(buf, starts, ends, lay.cat, lay.bases, keys)
@@ -347,8 +390,7 @@ def _parse_lines(
         values, empty_order = numbers(lay.order)
         if empty_order.any():
             i = int(np.flatnonzero(empty_order[:, 0])[0])
-            raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[lay.order[0]]!r} "
-                             f"(order_by) is empty")  # fmt: skip
+            raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[lay.order[0]]!r} (order_by) is empty")
         order = values[:, 0]
     return _Rows(labels[:, 0].astype(np.float32), dense_values(raw, schema.log_transform), keys.view(np.int64), order)
 
@@ -357,8 +399,12 @@ def _concat(parts: Sequence[_Rows]) -> _Rows:
     if len(parts) == 1:
         return parts[0]
     orders = [p.order for p in parts if p.order is not None]
-    return _Rows(np.concatenate([p.labels for p in parts]), np.concatenate([p.dense for p in parts]),
-                 np.concatenate([p.keys for p in parts], axis=1), np.concatenate(orders) if orders else None)  # fmt: skip
+    return _Rows(
+        np.concatenate([p.labels for p in parts]),
+        np.concatenate([p.dense for p in parts]),
+        np.concatenate([p.keys for p in parts], axis=1),
+        np.concatenate(orders) if orders else None,
+    )
 
 
 def _take(rows: _Rows, lo: int, hi: int) -> _Rows:
@@ -367,8 +413,9 @@ def _take(rows: _Rows, lo: int, hi: int) -> _Rows:
     )
 
 
-def _read_rows(path: str | os.PathLike[str], schema: ColumnSchema, skip: int, limit: int | None,
-               chunk_bytes: int) -> Iterator[tuple[_Layout, _Rows]]:  # fmt: skip
+def _read_rows(
+    path: str | os.PathLike[str], schema: ColumnSchema, skip: int, limit: int | None, chunk_bytes: int
+) -> Iterator[tuple[_Layout, _Rows]]:
     """Parsed rows of ``path``, one chunk at a time (see ``read_click_log``)."""
     where = os.fspath(path)
     with open(path, "rb") as f:

@@ -25,8 +25,18 @@ from worker.config import TrainerConfig
 from worker.data import Batch, ClickLog, ColumnSchema, load_click_log, read_click_log
 from worker.synthetic import synthetic_criteo
 
-__all__ = ["EVAL_BATCH_SIZE", "IN_MEMORY_BYTES", "RunData", "SCHEMAS", "auto_batch_size", "count_lines", "epoch_batches", "eval_batches",
-           "open_data", "steps_per_epoch"]  # fmt: skip
+__all__ = [
+    "EVAL_BATCH_SIZE",
+    "IN_MEMORY_BYTES",
+    "RunData",
+    "SCHEMAS",
+    "auto_batch_size",
+    "count_lines",
+    "epoch_batches",
+    "eval_batches",
+    "open_data",
+    "steps_per_epoch",
+]
 
 SCHEMAS = {"criteo": ColumnSchema.criteo, "avazu": ColumnSchema.avazu, "movielens": ColumnSchema.movielens}
 IN_MEMORY_BYTES = 256 << 20  # click logs up to this size are read whole (ordered, several epochs)
@@ -93,13 +103,21 @@ def steps_per_epoch(rows: int, batch_size: int, world: int) -> int:
     return math.ceil(rows / batch_size) // world
 
 
-def epoch_batches(config: TrainerConfig, rank: int, world: int, data: RunData, batch_size: int, epoch: int,
-                   rows: ClickLog | None = None) -> Iterator[Batch]:  # fmt: skip
+def epoch_batches(
+    config: TrainerConfig,
+    rank: int,
+    world: int,
+    data: RunData,
+    batch_size: int,
+    epoch: int,
+    rows: ClickLog | None = None,
+) -> Iterator[Batch]:
     """This worker's batches of one epoch over ``rows`` (default: all training rows)."""
     if data.source == "synthetic":
         steps = steps_per_epoch(config.train_samples, batch_size, world)
-        stream = synthetic_criteo(config.train_samples, batch_size, seed=config.seed + 1000 * epoch, rank=rank,
-                                  world_size=world)  # fmt: skip
+        stream = synthetic_criteo(
+            config.train_samples, batch_size, seed=config.seed + 1000 * epoch, rank=rank, world_size=world
+        )
         return itertools.islice(stream, steps)
     if data.path is not None:
         schema = SCHEMAS[config.schema]()

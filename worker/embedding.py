@@ -119,8 +119,15 @@ class DistributedEmbedding(torch.nn.Module):
     def create_tables(self) -> None:
         """Create every table on the shards (idempotent; forward does it on first use)."""
         for t in self.tables.values():
-            self.client.create_table(t.name, t.dim, optimizer=t.optimizer, initializer=t.initializer, seed=t.seed,
-                                     serving_default=t.serving_default, **dict(t.params))  # fmt: skip
+            self.client.create_table(
+                t.name,
+                t.dim,
+                optimizer=t.optimizer,
+                initializer=t.initializer,
+                seed=t.seed,
+                serving_default=t.serving_default,
+                **dict(t.params),
+            )
         self._created = True
 
     def prefetch(self, batch: Mapping[str, JaggedIds]) -> None:
@@ -190,8 +197,9 @@ class DistributedEmbedding(torch.nn.Module):
         weakref.finalize(sink, self._pipeline.settle, step)
         if self._fused(batch):
             sums, outputs = pooled.result() if pooled is not None else (self._sums(batch, plan), None)
-            return dict(zip(self.features, pool_and_push([rows[t] for t in names], sums, sink, self._anchor,
-                                                         pooled=outputs)))  # fmt: skip
+            return dict(
+                zip(self.features, pool_and_push([rows[t] for t in names], sums, sink, self._anchor, pooled=outputs))
+            )
         tensors = [torch.from_numpy(rows[t]).to(self.device, non_blocking=True) for t in names]
         tensors = list(rows_with_push(tensors, sink))
         return self._pool_all(batch, plan, dict(zip(names, tensors)))
@@ -202,11 +210,13 @@ class DistributedEmbedding(torch.nn.Module):
 
     def _sums(self, batch: Mapping[str, JaggedIds], plan: _Plan) -> list[SumFeature]:
         position = {t: i for i, t in enumerate(plan.unique)}
-        return [SumFeature(position[f.table], plan.index[n], _host_ids(batch[n].offsets))
-                for n, f in self.features.items()]  # fmt: skip
+        return [
+            SumFeature(position[f.table], plan.index[n], _host_ids(batch[n].offsets)) for n, f in self.features.items()
+        ]
 
-    def _pool_sums(self, batch: Mapping[str, JaggedIds], plan: Future[_Plan],
-                   out: Future[_Pooled], lookup: Future[Rows]) -> None:  # fmt: skip
+    def _pool_sums(
+        self, batch: Mapping[str, JaggedIds], plan: Future[_Plan], out: Future[_Pooled], lookup: Future[Rows]
+    ) -> None:
         """On the lookup thread, once ``lookup`` is done: the features and their sums, into ``out``."""
         try:
             rows, p = lookup.result(), plan.result()
@@ -218,8 +228,10 @@ class DistributedEmbedding(torch.nn.Module):
     def _pool_all(
         self, batch: Mapping[str, JaggedIds], plan: _Plan, by_table: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        return {name: self._pool(name, batch[name], by_table[f.table], plan.index[name])
-                for name, f in self.features.items()}  # fmt: skip
+        return {
+            name: self._pool(name, batch[name], by_table[f.table], plan.index[name])
+            for name, f in self.features.items()
+        }
 
     def push_latency(self) -> dict[str, float]:
         """Acknowledged pushes so far: how many, and their mean and max latency in seconds."""
@@ -284,14 +296,18 @@ class DistributedEmbedding(torch.nn.Module):
         offsets = ids.offsets.to(self.device)
         return F.embedding_bag(index, rows, offsets[:-1], mode=pooling, per_sample_weights=weights)
 
-    def _push(self, step: int, names: list[str], unique: list[TablePlan],
-              grads: TableGrads | Callable[[], TableGrads]) -> None:  # fmt: skip
+    def _push(
+        self, step: int, names: list[str], unique: list[TablePlan], grads: TableGrads | Callable[[], TableGrads]
+    ) -> None:
         """Push ``grads`` (per table, or a function the push thread calls for them)."""
 
         def updates() -> Updates:
             found = grads() if callable(grads) else grads
-            return {t: (keys, g.detach().to("cpu", torch.float32).contiguous().numpy())
-                    for t, keys, g in zip(names, unique, found) if g is not None}  # fmt: skip
+            return {
+                t: (keys, g.detach().to("cpu", torch.float32).contiguous().numpy())
+                for t, keys, g in zip(names, unique, found)
+                if g is not None
+            }
 
         self._pipeline.push(step, updates if callable(grads) else updates(), wait=self.mode == "sync")
 
@@ -306,8 +322,7 @@ class _PushSink:
 
     __slots__ = ("module", "step", "names", "unique", "__weakref__")
 
-    def __init__(self, module: DistributedEmbedding, step: int, names: list[str],
-                 unique: list[TablePlan]) -> None:  # fmt: skip
+    def __init__(self, module: DistributedEmbedding, step: int, names: list[str], unique: list[TablePlan]) -> None:
         self.module, self.step, self.names, self.unique = module, step, names, unique
 
     def __call__(self, grads: TableGrads | Callable[[], TableGrads]) -> None:

@@ -58,8 +58,17 @@ from worker.dataset import SCHEMAS
 from worker.fields import MISSING_BUCKET
 from worker.request import ValueType
 
-__all__ = ["FORMAT_VERSION", "PROGRAM_FILE", "KeyFeature", "ServingModel", "describe_data", "export_program",
-           "load_model", "probabilities", "serving_manifest"]  # fmt: skip
+__all__ = [
+    "FORMAT_VERSION",
+    "PROGRAM_FILE",
+    "KeyFeature",
+    "ServingModel",
+    "describe_data",
+    "export_program",
+    "load_model",
+    "probabilities",
+    "serving_manifest",
+]
 
 FORMAT_VERSION = 1
 PROGRAM_FILE = "model.pt2"
@@ -84,8 +93,10 @@ def describe_data(source: str, data_path: str | Path, features: Sequence[str], n
         cols = schema_columns(data_path, schema)
         values, log_transform = "string", schema.log_transform
     if [*cols.categorical, *cols.buckets] != list(features) or len(cols.dense) != num_dense:
-        raise ValueError(f"{source}: schema gives features {[*cols.categorical, *cols.buckets]} and "
-                         f"{len(cols.dense)} dense columns; the batches have {list(features)} and {num_dense}")  # fmt: skip
+        raise ValueError(
+            f"{source}: schema gives features {[*cols.categorical, *cols.buckets]} and "
+            f"{len(cols.dense)} dense columns; the batches have {list(features)} and {num_dense}"
+        )
     buckets = dict(zip(cols.dense, cols.buckets))
     return {
         "source": source,
@@ -112,9 +123,15 @@ def export_program(model: torch.nn.Module, num_dense: int, dims: Mapping[str, in
     torch.export.save(program, path)
 
 
-def serving_manifest(model: torch.nn.Module, out: Path, tables: Sequence[EmbeddingTableConfig],
-                     features: Sequence[FeatureConfig], num_dense: int, schema: dict[str, Any],
-                     wide_suffix: str | None) -> dict[str, Any]:  # fmt: skip
+def serving_manifest(
+    model: torch.nn.Module,
+    out: Path,
+    tables: Sequence[EmbeddingTableConfig],
+    features: Sequence[FeatureConfig],
+    num_dense: int,
+    schema: dict[str, Any],
+    wide_suffix: str | None,
+) -> dict[str, Any]:
     """Export ``model`` to ``out/model.pt2``; returns the manifest entries serving needs
     beyond the trainer's own (``program``, ``schema``, each feature's ``keys``)."""
     started = time.perf_counter()
@@ -127,13 +144,18 @@ def serving_manifest(model: torch.nn.Module, out: Path, tables: Sequence[Embeddi
     return {
         "format_version": FORMAT_VERSION,
         "run": out.resolve().name,
-        "program": {"file": PROGRAM_FILE, "dense": [d["column"] for d in schema["dense"]],
-                    "embeddings": [f.name for f in features], "output": "logits [batch]",
-                    "export_s": round(time.perf_counter() - started, 3)},
-        "features": [{"name": f.name, "table": f.table, "pooling": f.pooling, "keys": keys_of(f.name)}
-                     for f in features],
+        "program": {
+            "file": PROGRAM_FILE,
+            "dense": [d["column"] for d in schema["dense"]],
+            "embeddings": [f.name for f in features],
+            "output": "logits [batch]",
+            "export_s": round(time.perf_counter() - started, 3),
+        },
+        "features": [
+            {"name": f.name, "table": f.table, "pooling": f.pooling, "keys": keys_of(f.name)} for f in features
+        ],
         "schema": schema,
-    }  # fmt: skip
+    }
 
 
 def probabilities(logits: torch.Tensor) -> torch.Tensor:
@@ -210,8 +232,10 @@ def load_model(run_dir: str | Path) -> ServingModel:
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: {exc}") from None
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format_version {manifest.get('format_version')!r}, this predictor reads "
-                         f"{FORMAT_VERSION} (runs trained before models were exported have none: train again)")  # fmt: skip
+        raise ValueError(
+            f"{path}: format_version {manifest.get('format_version')!r}, this predictor reads "
+            f"{FORMAT_VERSION} (runs trained before models were exported have none: train again)"
+        )
     try:
         return _parse(run_dir, manifest)
     except (KeyError, TypeError, OSError, RuntimeError) as exc:
@@ -231,12 +255,17 @@ def _parse(run_dir: Path, manifest: dict[str, Any]) -> ServingModel:
         return KeyFeature(name, column, hashing, int(seed), vocab.get(name), int(rare_keys.get(name, 0)))
 
     keys = [key_feature(c["column"], c["column"], c["values"], c["seed"]) for c in schema["categorical"]]
-    keys += [key_feature(d["bucket_feature"], d["column"], "bucket", d["bucket_seed"])
-             for d in schema["dense"] if d["bucket_feature"]]  # fmt: skip
+    keys += [
+        key_feature(d["bucket_feature"], d["column"], "bucket", d["bucket_seed"])
+        for d in schema["dense"]
+        if d["bucket_feature"]
+    ]
     position = {k.name: i for i, k in enumerate(keys)}
     by_name = {f["name"]: f for f in manifest["features"]}
-    embeddings = tuple((n, by_name[n]["table"], by_name[n]["pooling"], position[by_name[n]["keys"]])
-                       for n in manifest["program"]["embeddings"])  # fmt: skip
+    embeddings = tuple(
+        (n, by_name[n]["table"], by_name[n]["pooling"], position[by_name[n]["keys"]])
+        for n in manifest["program"]["embeddings"]
+    )
     dims = {t["name"]: int(t["dim"]) for t in manifest["tables"]}
     program = torch.export.load(run_dir / manifest["program"]["file"]).module()
     return ServingModel(

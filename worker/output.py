@@ -74,8 +74,15 @@ class ProgressLines:
 
     def _line(self, now: float) -> None:
         self.last, self.shown = now, self.n
-        log.info("%s step=%d/%d (%d%%) %s elapsed_s=%.0f", self.desc, self.n, self.total, 100 * self.n // self.total,
-                 self.postfix, now - self.started)  # fmt: skip
+        log.info(
+            "%s step=%d/%d (%d%%) %s elapsed_s=%.0f",
+            self.desc,
+            self.n,
+            self.total,
+            100 * self.n // self.total,
+            self.postfix,
+            now - self.started,
+        )
 
 
 def progress(enabled: bool, total: int, desc: str) -> Any:

@@ -70,8 +70,14 @@ def _scatter(grad: Any, index: Any, offsets: Any, out: Any) -> None:  # pragma: 
 
 class _PoolAndPush(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, rows: list[npt.NDArray[np.float32]], features: list[SumFeature],
-                sink: GradSink, pooled: list[npt.NDArray[np.float32]] | None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def forward(
+        ctx: Any,
+        anchor: torch.Tensor,
+        rows: list[npt.NDArray[np.float32]],
+        features: list[SumFeature],
+        sink: GradSink,
+        pooled: list[npt.NDArray[np.float32]] | None,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.rows_shapes, ctx.features, ctx.sink = [r.shape for r in rows], features, sink
         ctx.set_materialize_grads(False)  # an unused feature's gradient stays None: nothing to add
         return tuple(torch.from_numpy(p) for p in (pooled if pooled is not None else sum_pool(rows, features)))
@@ -109,9 +115,14 @@ def sum_pool(rows: Sequence[npt.NDArray[np.float32]], features: Sequence[SumFeat
     return out
 
 
-def pool_and_push(rows: Sequence[npt.NDArray[np.float32]], features: Sequence[SumFeature], sink: GradSink,
-                  anchor: torch.Tensor, *, pooled: list[npt.NDArray[np.float32]] | None = None
-                  ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def pool_and_push(
+    rows: Sequence[npt.NDArray[np.float32]],
+    features: Sequence[SumFeature],
+    sink: GradSink,
+    anchor: torch.Tensor,
+    *,
+    pooled: list[npt.NDArray[np.float32]] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Per feature, ``[batch, dim]`` sums of its rows (CPU, float32). ``rows[t]`` is table ``t``'s
     ``[n, dim]`` looked-up rows. ``anchor`` is any tensor that requires grad: it ties the
     outputs into the graph (and gets no gradient), so ``sink`` runs in backward. ``sink``

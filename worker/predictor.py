@@ -122,8 +122,10 @@ class Predictor:
                 if name in where:
                     raise InvalidRequest(f"{field}: also in {where[name]} (each feature goes in one of them)")
                 if col.type not in accepts[name]:
-                    raise InvalidRequest(f"{field}: {col.type} values, the model takes {' or '.join(accepts[name])} "
-                                         "for this feature (as in its training data)")  # fmt: skip
+                    raise InvalidRequest(
+                        f"{field}: {col.type} values, the model takes {' or '.join(accepts[name])} "
+                        "for this feature (as in its training data)"
+                    )
                 if len(col) != count:
                     what = "one value (it applies to every candidate)" if part == "context" else f"num_candidates={n}"
                     raise InvalidRequest(f"{field}: {len(col)} values, expected {what}")
@@ -150,7 +152,9 @@ class Predictor:
         starts, ends = col.ranges()
         out = np.empty((1, len(col)), np.uint64)
         buf = col.values if col.values.shape[0] else np.zeros(1, np.uint8)
-        hash_fields(buf, starts[:, None], ends[:, None], np.zeros(1, np.int64), np.array([self._bases[k.name]], np.uint64), out)  # fmt: skip
+        hash_fields(
+            buf, starts[:, None], ends[:, None], np.zeros(1, np.int64), np.array([self._bases[k.name]], np.uint64), out
+        )
         keys: I64 = out[0].view(np.int64)
         return keys
 
@@ -201,7 +205,9 @@ class Predictor:
         bounds = np.cumsum([0, *sizes])
         return [scores[lo:hi].copy() for lo, hi in zip(bounds[:-1], bounds[1:])]
 
-    def predict(self, context: Mapping[str, Any] | None, candidates: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> F32:  # fmt: skip
+    def predict(
+        self, context: Mapping[str, Any] | None, candidates: Sequence[Mapping[str, Any]] | Mapping[str, Any]
+    ) -> F32:
         """Scores for Python values (as ``worker.request.columns_of`` takes them): ``encode`` + ``score``."""
         return self.score([self.encode(*columns_of(context, candidates))])[0]
 

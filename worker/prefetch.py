@@ -100,8 +100,9 @@ class SparsePipeline:
                 self._discarded.add(future)
                 self._cond.notify_all()
 
-    def _lookup(self, step: int | None, keys: Keys | Callable[[], Keys], holder: list[Future[Rows]],
-                sees_all: bool) -> Rows:  # fmt: skip
+    def _lookup(
+        self, step: int | None, keys: Keys | Callable[[], Keys], holder: list[Future[Rows]], sees_all: bool
+    ) -> Rows:
         if callable(keys):
             keys = keys()  # while the pushes this lookup waits for are still going
         with self._cond:

@@ -29,8 +29,10 @@ __all__ = ["Column", "InvalidRequest", "ValueType", "columns_of", "decode_reques
 ValueType = Literal["string", "int64", "float64"]
 
 _WIRE_TYPES: dict[int, ValueType] = {
-    pb.VALUE_TYPE_STRING: "string", pb.VALUE_TYPE_INT64: "int64", pb.VALUE_TYPE_FLOAT64: "float64",
-}  # fmt: skip
+    pb.VALUE_TYPE_STRING: "string",
+    pb.VALUE_TYPE_INT64: "int64",
+    pb.VALUE_TYPE_FLOAT64: "float64",
+}
 _TYPE_CODES = {v: k for k, v in _WIRE_TYPES.items()}
 _MASK64 = (1 << 64) - 1
 
@@ -90,8 +92,10 @@ class Column:
             return cls("int64", np.array([int(v) & _MASK64 for v in items], dtype=np.uint64).view(np.int64))
         if kinds <= {"int", "float", "none"}:
             return cls("float64", np.array([np.nan if v is None else float(v) for v in items], dtype=np.float64))
-        raise TypeError(f"{field}: values of types {sorted(kinds)}; a column holds only strings/bytes, "
-                        "only integers, or only numbers (None: missing)")  # fmt: skip
+        raise TypeError(
+            f"{field}: values of types {sorted(kinds)}; a column holds only strings/bytes, "
+            "only integers, or only numbers (None: missing)"
+        )
 
 
 def _kind(v: Any) -> str:
@@ -139,7 +143,9 @@ def columns_of(
         names = list(rows[0]) if rows else []
         for i, row in enumerate(rows):
             if set(row) != set(names):
-                raise ValueError(f"candidates[{i}]: features {sorted(row)}, expected those of candidates[0]: {sorted(names)}")  # fmt: skip
+                raise ValueError(
+                    f"candidates[{i}]: features {sorted(row)}, expected those of candidates[0]: {sorted(names)}"
+                )
         columns = {name: Column.of([row[name] for row in rows], f"candidates[{name!r}]") for name in names}
     for name, c in columns.items():
         if len(c) != n:
@@ -159,7 +165,9 @@ def encode_request(
     return request_of(*columns_of(context, candidates))
 
 
-def request_of(num_candidates: int, context: Mapping[str, Column], candidates: Mapping[str, Column]) -> pb.PredictRequest:  # fmt: skip
+def request_of(
+    num_candidates: int, context: Mapping[str, Column], candidates: Mapping[str, Column]
+) -> pb.PredictRequest:
     """A ``PredictRequest`` of ready columns, as given (the predictor checks names, types and counts).
 
     >>> request_of(2, {}, {"item": Column.of([3, 4])}).candidates[0].values == np.array([3, 4], "<i8").tobytes()

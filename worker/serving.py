@@ -112,14 +112,16 @@ class InferConfig:
             (self.max_candidates >= 1, f"max_candidates={self.max_candidates}: must be >= 1"),
             (self.max_concurrent >= 1, f"max_concurrent={self.max_concurrent}: must be >= 1"),
             (self.batch_wait_ms >= 0, f"batch_wait_ms={self.batch_wait_ms}: must be >= 0"),
-            (self.max_batch_rows >= self.max_candidates,
-             f"max_batch_rows={self.max_batch_rows}: must be >= max_candidates={self.max_candidates}"),
+            (
+                self.max_batch_rows >= self.max_candidates,
+                f"max_batch_rows={self.max_batch_rows}: must be >= max_candidates={self.max_candidates}",
+            ),
             (self.deadline_s > 0 and self.grace_s >= 0, "deadline_s must be > 0 and grace_s >= 0"),
             (self.threads >= 0, f"threads={self.threads}: must be >= 0"),
             ((self.tls_cert is None) == (self.tls_key is None), "tls_cert and tls_key go together: give both"),
             (self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca needs tls_cert and tls_key"),
             (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port: must be in [0, 65535]"),
-        ]  # fmt: skip
+        ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
@@ -151,8 +153,10 @@ class _Gate:
     def enter(self) -> None:
         with self._lock:
             if self.in_flight >= self._limit:
-                raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{self._limit} requests in progress (--max-concurrent): retry later or elsewhere")  # fmt: skip
+                raise _Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self._limit} requests in progress (--max-concurrent): retry later or elsewhere",
+                )
             self.in_flight += 1
             self.encoding += 1
 
@@ -179,8 +183,15 @@ class Batcher:
     and stops the thread.
     """
 
-    def __init__(self, predictor: Predictor, *, wait_s: float, max_rows: int, encoding: Callable[[], int],
-                 observe: Callable[[int], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        predictor: Predictor,
+        *,
+        wait_s: float,
+        max_rows: int,
+        encoding: Callable[[], int],
+        observe: Callable[[int], None] | None = None,
+    ) -> None:
         self._predictor, self._wait_s, self._max_rows, self._encoding = predictor, wait_s, max_rows, encoding
         self._observe = observe  # told the candidates of each micro-batch
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
@@ -293,7 +304,9 @@ def _status_boundary(context: grpc.ServicerContext) -> Iterator[None]:
 class InferServer:
     """A started predictor: ``port`` is the bound port; ``stop()`` drains it."""
 
-    def __init__(self, server: grpc.Server, port: int, batcher: Batcher, health_servicer: health.HealthServicer) -> None:  # fmt: skip
+    def __init__(
+        self, server: grpc.Server, port: int, batcher: Batcher, health_servicer: health.HealthServicer
+    ) -> None:
         self.server, self.port, self._batcher, self._health = server, port, batcher, health_servicer
         self.metrics_port: int | None = None
         self.metrics_server: Any = None
@@ -315,19 +328,27 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
 
     Raises ``RuntimeError`` naming the address when it cannot be bound.
     """
-    tokens, credentials = server_security(config.tls_cert, config.tls_key, config.tls_client_ca,
-                                          config.auth_token_file)  # fmt: skip
+    tokens, credentials = server_security(config.tls_cert, config.tls_key, config.tls_client_ca, config.auth_token_file)
     registry = metrics = observe = None
     if config.metrics_port is not None:
         from prometheus_client import CollectorRegistry, Histogram
 
         registry = CollectorRegistry(auto_describe=False)
         metrics = RpcMetrics("ps_infer", registry)
-        observe = Histogram("ps_infer_batch_candidates", "Candidates scored per micro-batch (model call)",
-                            registry=registry, buckets=(1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)).observe  # fmt: skip
+        observe = Histogram(
+            "ps_infer_batch_candidates",
+            "Candidates scored per micro-batch (model call)",
+            registry=registry,
+            buckets=(1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000),
+        ).observe
     gate = _Gate(config.max_concurrent)
-    batcher = Batcher(predictor, wait_s=config.batch_wait_ms / 1000, max_rows=config.max_batch_rows,
-                      encoding=lambda: gate.encoding, observe=observe)  # fmt: skip
+    batcher = Batcher(
+        predictor,
+        wait_s=config.batch_wait_ms / 1000,
+        max_rows=config.max_batch_rows,
+        encoding=lambda: gate.encoding,
+        observe=observe,
+    )
     threads = config.max_concurrent + _SPARE_THREADS
     # Admission is the gate's (--max-concurrent); the guard checks tokens and keeps metrics.
     guard = Guard("ps-infer", {f"/{SERVICE_NAME}/Predict": "read"}, tokens=tokens, metrics=metrics)
@@ -363,8 +384,10 @@ def _check_tables(predictor: Predictor, client: PSClient, addresses: str) -> Non
     found = client.tables()
     for table, dim in predictor.model.dims.items():
         if table not in found:
-            raise RuntimeError(f"table {table!r} is not on the shards at {addresses} (they hold "
-                               f"{', '.join(sorted(found)) or 'no tables'}): is --ps the cluster this run trained?")  # fmt: skip
+            raise RuntimeError(
+                f"table {table!r} is not on the shards at {addresses} (they hold "
+                f"{', '.join(sorted(found)) or 'no tables'}): is --ps the cluster this run trained?"
+            )
         if found[table].dim != dim:
             raise RuntimeError(f"table {table!r}: dim {found[table].dim} on the shards, {dim} in the model")
 
@@ -384,16 +407,20 @@ def _warm_up(predictor: Predictor) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ps-infer`` console script."""
-    description = ("Serve a trained model's Predict over gRPC: raw feature values in, scores out, hashed "
-                   "and looked up on the shards exactly as in training.")  # fmt: skip
+    description = (
+        "Serve a trained model's Predict over gRPC: raw feature values in, scores out, hashed "
+        "and looked up on the shards exactly as in training."
+    )
     try:
-        config = parse_config(InferConfig, sys.argv[1:] if argv is None else argv, os.environ, ENV_PREFIX, "ps-infer",
-                              description)  # fmt: skip
+        config = parse_config(
+            InferConfig, sys.argv[1:] if argv is None else argv, os.environ, ENV_PREFIX, "ps-infer", description
+        )
     except ValueError as exc:
         print(f"ps-infer: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=config.log_level.upper(), format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s"
+    )
     log.info("starting %s", " ".join(f"{k}={v}" for k, v in vars(config).items()))
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -444,8 +471,16 @@ class PredictClient:
     ``ps-infer``; the token is sent as ``authorization: Bearer`` metadata.
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 10.0, token: str | None = None, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float = 10.0,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
         self.address, self.timeout_s = address, timeout_s
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert and tls_key go together (mutual TLS): give both or neither")
@@ -455,8 +490,13 @@ class PredictClient:
         self._stub: Any = None
         self._lock = threading.Lock()
 
-    def predict(self, context: Mapping[str, Any] | None, candidates: Sequence[Mapping[str, Any]] | Mapping[str, Any],
-                *, timeout_s: float | None = None) -> F32:  # fmt: skip
+    def predict(
+        self,
+        context: Mapping[str, Any] | None,
+        candidates: Sequence[Mapping[str, Any]] | Mapping[str, Any],
+        *,
+        timeout_s: float | None = None,
+    ) -> F32:
         """Scores of ``candidates`` (rows, or columns), in order, each with the ``context`` values."""
         return self.call(encode_request(context, candidates), timeout_s=timeout_s)
 

@@ -28,9 +28,33 @@ _MASK64 = (1 << 64) - 1
 
 
 CRITEO_VOCAB_SIZES: tuple[int, ...] = (
-    1460, 583, 1_000_000, 1_000_000, 305, 24, 12517, 633, 3, 93145, 5683, 1_000_000, 3194,
-    27, 14992, 1_000_000, 10, 5652, 2173, 4, 1_000_000, 18, 15, 286181, 105, 142572,
-)  # fmt: skip
+    1460,
+    583,
+    1_000_000,
+    1_000_000,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    1_000_000,
+    3194,
+    27,
+    14992,
+    1_000_000,
+    10,
+    5652,
+    2173,
+    4,
+    1_000_000,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+)
 """Criteo Kaggle's cardinality of C1..C26, capped at 1e6."""
 
 _SHARE_PAIR, _SHARE_DENSE = 0.15, 0.10  # of the logit variance; the rest is per-feature weights
@@ -72,8 +96,15 @@ class _Planted:
 
 
 @functools.lru_cache(maxsize=8)
-def _planted(model_seed: int, vocab: tuple[int, ...], alpha: float, num_dense: int, logit_std: float,
-             positive_rate: float, pair: tuple[int, int] | None) -> _Planted:  # fmt: skip
+def _planted(
+    model_seed: int,
+    vocab: tuple[int, ...],
+    alpha: float,
+    num_dense: int,
+    logit_std: float,
+    positive_rate: float,
+    pair: tuple[int, int] | None,
+) -> _Planted:
     """Scales chosen from exact moments under the Zipf law, so the logit has std
     ``logit_std`` and a centred mean whatever the seed draws for the head ids."""
     root = mix64(model_seed & _MASK64)
@@ -103,8 +134,20 @@ def _planted(model_seed: int, vocab: tuple[int, ...], alpha: float, num_dense: i
         lo, hi = (b, hi) if rate < positive_rate else (lo, b)
     sigma = logit_std * math.sqrt((1 - share_pair - share_dense) / max(var, 1e-12))  # 1e-12: all vocabs of size 1
     dense_coef = v / np.sqrt(((x - dense_mean[:, None]) ** 2) @ _GRID_P)
-    return _Planted(cdfs, salts[: len(vocab)], tuple(means), sigma, pair, salts[-2], pair_mean, pair_sigma, mu,
-                    dense_mean, dense_coef, (lo + hi) / 2)  # fmt: skip
+    return _Planted(
+        cdfs,
+        salts[: len(vocab)],
+        tuple(means),
+        sigma,
+        pair,
+        salts[-2],
+        pair_mean,
+        pair_sigma,
+        mu,
+        dense_mean,
+        dense_coef,
+        (lo + hi) / 2,
+    )
 
 
 def _pair_normal(a: npt.ArrayLike, b: npt.ArrayLike, salt: int) -> F64:
@@ -163,10 +206,17 @@ def synthetic_criteo(
     """
     if num_samples < 0 or batch_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"num_samples={num_samples}, batch_size={batch_size}, rank={rank}, world_size={world_size}")
-    if (not vocab_sizes or min(vocab_sizes) < 1 or num_dense < 0 or min(zipf_alpha, logit_std) <= 0
-            or not 0 < positive_rate < 1):  # fmt: skip
-        raise ValueError(f"vocab_sizes={vocab_sizes}, num_dense={num_dense}, zipf_alpha={zipf_alpha}, "
-                         f"logit_std={logit_std}, positive_rate={positive_rate}: out of range")  # fmt: skip
+    if (
+        not vocab_sizes
+        or min(vocab_sizes) < 1
+        or num_dense < 0
+        or min(zipf_alpha, logit_std) <= 0
+        or not 0 < positive_rate < 1
+    ):
+        raise ValueError(
+            f"vocab_sizes={vocab_sizes}, num_dense={num_dense}, zipf_alpha={zipf_alpha}, "
+            f"logit_std={logit_std}, positive_rate={positive_rate}: out of range"
+        )
     if interaction is not None:
         i, j = interaction
         if i == j or not (0 <= i < len(vocab_sizes) and 0 <= j < len(vocab_sizes)):

@@ -163,27 +163,49 @@ def _inputs(sparse: Mapping[str, JaggedIds], features: Sequence[str]) -> dict[st
 class _Pass:
     """A model, its tables (named ``prefix + feature``) and the step loop, kept across epochs."""
 
-    def __init__(self, config: TrainerConfig, d: Dist, client: PSClient, features: list[str], num_dense: int,
-                 prefix: str = "") -> None:  # fmt: skip
+    def __init__(
+        self, config: TrainerConfig, d: Dist, client: PSClient, features: list[str], num_dense: int, prefix: str = ""
+    ) -> None:
         self.config, self.d = config, d
         lifecycle = {"admit_after": float(config.admit_after)} if config.admit_after > 1 else {}
         decay = {"weight_decay": config.sparse_weight_decay} if config.sparse_weight_decay else {}
         # One table holds every feature's rows: keys are hashed with a seed per feature, so
         # they never collide, and a step's lookup is one entry per table, not per feature
         # (at small batches the per-table work, not the bytes, bounds the step time).
-        self.tables = [EmbeddingTableConfig(prefix + "embedding", config.dim, config.sparse_optimizer,
-                                            seed=2 * config.seed, params={"lr": config.sparse_lr, **decay, **lifecycle})]  # fmt: skip
+        self.tables = [
+            EmbeddingTableConfig(
+                prefix + "embedding",
+                config.dim,
+                config.sparse_optimizer,
+                seed=2 * config.seed,
+                params={"lr": config.sparse_lr, **decay, **lifecycle},
+            )
+        ]
         self.features = [FeatureConfig(f, prefix + "embedding") for f in features]
         wide = [f + WIDE for f in features] if config.wide else []
         if wide:
-            self.tables.append(EmbeddingTableConfig(prefix + "wide", 1, config.sparse_optimizer, "zeros",
-                                                    seed=2 * config.seed + 1, params={"lr": config.wide_lr, **lifecycle}))  # fmt: skip
+            self.tables.append(
+                EmbeddingTableConfig(
+                    prefix + "wide",
+                    1,
+                    config.sparse_optimizer,
+                    "zeros",
+                    seed=2 * config.seed + 1,
+                    params={"lr": config.wide_lr, **lifecycle},
+                )
+            )
             self.features += [FeatureConfig(w, prefix + "wide") for w in wide]
         torch.manual_seed(config.seed)  # the probe and the real model start alike
         model_cls = DLRM if config.model == "dlrm" else DeepFM
         self.model: torch.nn.Module = model_cls(num_dense, features, config.dim, wide=wide).to(d.device)
-        self.emb = DistributedEmbedding(self.tables, self.features, client, mode=config.mode,  # type: ignore[arg-type]
-                                        staleness=config.staleness, device=d.device)  # fmt: skip
+        self.emb = DistributedEmbedding(
+            self.tables,
+            self.features,
+            client,
+            mode=config.mode,  # type: ignore[arg-type]
+            staleness=config.staleness,
+            device=d.device,
+        )
         if d.rank == 0:
             self.emb.create_tables()
         if d.world > 1:
@@ -225,7 +247,7 @@ class _Pass:
             for k, a, b in zip(
                 ("data", "lookup", "forward", "backward", "step"), (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)
             ):
-                self.phases[k] += b - a  # fmt: skip
+                self.phases[k] += b - a
             self.steps += 1
             self.samples += cur.batch_size
             self.losses.append(float(loss.detach()))
@@ -248,10 +270,17 @@ class _Pass:
     def _log_progress(self, train_s: float) -> None:
         """One progress line: throughput, time waiting for rows, push latency."""
         push = self.emb.push_latency()
-        log.info("progress step=%d samples_per_s=%.0f lookup_wait_s=%.3f pushes=%d push_mean_ms=%.1f "
-                 "push_max_ms=%.1f loss_last_20=%.4f", self.steps, self.samples * self.d.world / max(1e-9, train_s),
-                 self.phases["lookup"], push["pushes"], 1e3 * push["push_mean_s"], 1e3 * push["push_max_s"],
-                 sum(self.losses[-20:]) / max(1, len(self.losses[-20:])))  # fmt: skip
+        log.info(
+            "progress step=%d samples_per_s=%.0f lookup_wait_s=%.3f pushes=%d push_mean_ms=%.1f "
+            "push_max_ms=%.1f loss_last_20=%.4f",
+            self.steps,
+            self.samples * self.d.world / max(1e-9, train_s),
+            self.phases["lookup"],
+            push["pushes"],
+            1e3 * push["push_mean_s"],
+            1e3 * push["push_max_s"],
+            sum(self.losses[-20:]) / max(1, len(self.losses[-20:])),
+        )
 
     def evaluate(self, batches: Sequence[Batch]) -> dict[str, float]:
         return evaluate(self.emb, self.model, batches, self.d.device)
@@ -265,10 +294,16 @@ class _Pass:
 
     def stats(self) -> dict[str, Any]:
         recent = self.losses[-20:]
-        return {"steps": self.steps, "worker_samples": self.samples, "train_s": self.train_s,
-                "samples_per_s": self.samples * self.d.world / max(1e-9, self.train_s), "phases_s": self.phases,
-                "lookup_wait_s": self.phases["lookup"], **self.emb.push_latency(),
-                "mean_loss_last_20": sum(recent) / max(1, len(recent))}  # fmt: skip
+        return {
+            "steps": self.steps,
+            "worker_samples": self.samples,
+            "train_s": self.train_s,
+            "samples_per_s": self.samples * self.d.world / max(1e-9, self.train_s),
+            "phases_s": self.phases,
+            "lookup_wait_s": self.phases["lookup"],
+            **self.emb.push_latency(),
+            "mean_loss_last_20": sum(recent) / max(1, len(recent)),
+        }
 
 
 def predict(
@@ -305,8 +340,15 @@ def _scores(y: torch.Tensor, p: torch.Tensor) -> dict[str, float]:
     return {"auc": auc(y, p), "logloss": logloss(y, p), "samples": float(len(y))}
 
 
-def _choose_epochs(config: TrainerConfig, d: Dist, client: PSClient, data: RunData, batch_size: int,
-                   features: list[str], num_dense: int) -> tuple[int, dict[str, Any]]:  # fmt: skip
+def _choose_epochs(
+    config: TrainerConfig,
+    d: Dist,
+    client: PSClient,
+    data: RunData,
+    batch_size: int,
+    features: list[str],
+    num_dense: int,
+) -> tuple[int, dict[str, Any]]:
     """Train a probe (tables ``probe.*``) on the training rows but their tail; the best epoch count on the tail."""
     n_val = int(data.train_rows * VALIDATION_FRACTION)
     fit, val = data.split(data.train_rows - n_val, data.train_rows, config.min_count)
@@ -389,9 +431,16 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
     resolved = dataclasses.replace(config, batch_size=batch_size, epochs=config.epochs or 1, output_dir=out)
     if d.rank == 0:
         _log_config(config, resolved, data, d, choose)
-    metrics: dict[str, Any] = {"config": {k: str(v) for k, v in dataclasses.asdict(resolved).items()},
-                               "data": {"source": data.source, "train_rows": data.train_rows, "eval_rows": data.eval_rows,
-                                        "features": len(features), "dense": num_dense}}  # fmt: skip
+    metrics: dict[str, Any] = {
+        "config": {k: str(v) for k, v in dataclasses.asdict(resolved).items()},
+        "data": {
+            "source": data.source,
+            "train_rows": data.train_rows,
+            "eval_rows": data.eval_rows,
+            "features": len(features),
+            "dense": num_dense,
+        },
+    }
 
     with PSClient(addresses) as client:
         epochs = config.epochs or 1
@@ -399,9 +448,12 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
             epochs, metrics["epoch_choice"] = _choose_epochs(config, d, client, data, batch_size, features, num_dense)
             metrics["config"]["epochs"] = str(epochs)
             if d.rank == 0:
-                log.info("epochs=%d chosen on the last %d training rows (validation logloss per epoch: %s)", epochs,
-                         metrics["epoch_choice"]["validation_rows"],
-                         " ".join(f"{h['logloss']:.4f}" for h in metrics["epoch_choice"]["history"]))  # fmt: skip
+                log.info(
+                    "epochs=%d chosen on the last %d training rows (validation logloss per epoch: %s)",
+                    epochs,
+                    metrics["epoch_choice"]["validation_rows"],
+                    " ".join(f"{h['logloss']:.4f}" for h in metrics["epoch_choice"]["history"]),
+                )
         run = _Pass(config, d, client, features, num_dense)
         bar = progress(
             config.progress and d.rank == 0, epochs * steps_per_epoch(data.train_rows, batch_size, d.world), "training"
@@ -425,8 +477,14 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
     if out is not None:
         metrics["output_dir"] = str(out)
         _save(config, out, run, data, features, num_dense, list(addresses), shard_stats, metrics, probs)
-        log.info("final AUC %.4f logloss %.4f (%d eval samples), %.0f samples/s; wrote %s", final["auc"],
-                 final["logloss"], final["samples"], metrics["samples_per_s"], out)  # fmt: skip
+        log.info(
+            "final AUC %.4f logloss %.4f (%d eval samples), %.0f samples/s; wrote %s",
+            final["auc"],
+            final["logloss"],
+            final["samples"],
+            metrics["samples_per_s"],
+            out,
+        )
     return metrics
 
 
@@ -444,8 +502,9 @@ def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d
     if config.batch_size == 0:
         shown["batch_size"] = f"{resolved.batch_size}(auto)"
     if config.epochs == 0:
-        shown["epochs"] = (f"auto(probe_on_last_{int(data.train_rows * VALIDATION_FRACTION)}_training_rows)" if choose
-                           else "1(auto)")  # fmt: skip
+        shown["epochs"] = (
+            f"auto(probe_on_last_{int(data.train_rows * VALIDATION_FRACTION)}_training_rows)" if choose else "1(auto)"
+        )
     shown["workers"] = d.world
     log.info("config %s", " ".join(f"{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in shown.items()))
 
@@ -453,29 +512,45 @@ def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d
 # --- output: run directory, progress, files
 
 
-def _save(config: TrainerConfig, out: Path, run: _Pass, data: RunData, features: list[str], num_dense: int,
-          addresses: list[str], shard_stats: list[dict[str, Any]], metrics: dict[str, Any],
-          probs: torch.Tensor) -> None:  # fmt: skip
+def _save(
+    config: TrainerConfig,
+    out: Path,
+    run: _Pass,
+    data: RunData,
+    features: list[str],
+    num_dense: int,
+    addresses: list[str],
+    shard_stats: list[dict[str, Any]],
+    metrics: dict[str, Any],
+    probs: torch.Tensor,
+) -> None:
     """The run directory: dense weights, the exported model and its manifest (``worker.export``),
     metrics, and the final evaluation's predicted probabilities in row order (``predictions.npy``)."""
     torch.save({k: v.detach().cpu() for k, v in run.model.state_dict().items()}, out / "dense.pt")
     np.save(out / "predictions.npy", probs.numpy().astype(np.float32))
     schema = describe_data(data.source, config.data, features, num_dense)
     manifest = {
-        "model": config.model, "dim": config.dim, "num_dense": num_dense, "num_shards": len(addresses),
+        "model": config.model,
+        "dim": config.dim,
+        "num_dense": num_dense,
+        "num_shards": len(addresses),
         "tables": [dataclasses.asdict(t) | {"params": dict(t.params)} for t in run.tables],
         "features": [dataclasses.asdict(f) for f in run.features],
         "wide_suffix": WIDE if config.wide else None,
         "shard_rows": [sum(t["rows"] for t in s["tables"]) for s in shard_stats],
-    }  # fmt: skip
+    }
     if data.rows is not None and config.min_count > 1:
         # Serving must send keys outside the training vocabulary to the rare row, as training did.
         vocabulary = data.rows[: data.train_rows].frequent_keys(config.min_count)
         np.savez_compressed(out / "vocabulary.npz", **vocabulary)  # type: ignore[arg-type]
-        manifest["rare_values"] = {"min_count": config.min_count, "vocabulary": "vocabulary.npz",
-                                   "rare_keys": {f: rare_key(f) for f in vocabulary}}  # fmt: skip
-    manifest |= serving_manifest(run.model, out, run.tables, run.features, num_dense, schema,
-                                 WIDE if config.wide else None)  # fmt: skip
+        manifest["rare_values"] = {
+            "min_count": config.min_count,
+            "vocabulary": "vocabulary.npz",
+            "rare_keys": {f: rare_key(f) for f in vocabulary},
+        }
+    manifest |= serving_manifest(
+        run.model, out, run.tables, run.features, num_dense, schema, WIDE if config.wide else None
+    )
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
 
@@ -485,19 +560,25 @@ def _save(config: TrainerConfig, out: Path, run: _Pass, data: RunData, features:
 
 def _description(local_shards: bool) -> str:
     if local_shards:
-        what = ("Train DLRM or DeepFM with embeddings on parameter-server shards. With no --addresses, "
-                "--num-shards shard processes are started on 127.0.0.1 for the run and stopped after it; "
-                "with --addresses (or TRAINER_ADDRESSES) the run uses those shards. Under torchrun every "
-                "worker trains on its share of the data.")  # fmt: skip
+        what = (
+            "Train DLRM or DeepFM with embeddings on parameter-server shards. With no --addresses, "
+            "--num-shards shard processes are started on 127.0.0.1 for the run and stopped after it; "
+            "with --addresses (or TRAINER_ADDRESSES) the run uses those shards. Under torchrun every "
+            "worker trains on its share of the data."
+        )
     else:
-        what = ("Train DLRM or DeepFM against running parameter-server shards: --addresses (or "
-                "TRAINER_ADDRESSES, which ps-launch sets) is required, and --num-shards is ignored. "
-                "To have shards started for you, run `python -m deploy.train` (or examples/train_dlrm.py) "
-                "with the same flags.")  # fmt: skip
-    data = ("--data synthetic (the default) trains on a generated Criteo-like stream; a file path trains on the "
-            "first --train-fraction of its rows (per --schema) and reports AUC and logloss on the rest. The "
-            "dense model, manifest and metrics go to --output-dir (default runs/<UTC time>/, with runs/latest "
-            "pointing at the newest).")  # fmt: skip
+        what = (
+            "Train DLRM or DeepFM against running parameter-server shards: --addresses (or "
+            "TRAINER_ADDRESSES, which ps-launch sets) is required, and --num-shards is ignored. "
+            "To have shards started for you, run `python -m deploy.train` (or examples/train_dlrm.py) "
+            "with the same flags."
+        )
+    data = (
+        "--data synthetic (the default) trains on a generated Criteo-like stream; a file path trains on the "
+        "first --train-fraction of its rows (per --schema) and reports AUC and logloss on the rest. The "
+        "dense model, manifest and metrics go to --output-dir (default runs/<UTC time>/, with runs/latest "
+        "pointing at the newest)."
+    )
     return textwrap.fill(what, 79) + "\n\n" + textwrap.fill(data, 79)
 
 
@@ -516,13 +597,23 @@ def parse(argv: Sequence[str] | None = None, *, local_shards: bool = True) -> Tr
     (``python -m worker.trainer``); ``--help`` describes what the caller does.
     """
     try:
-        config = parse_config(TrainerConfig, sys.argv[1:] if argv is None else argv, os.environ, ENV_PREFIX, _prog(),
-                              _description(local_shards))  # fmt: skip
+        config = parse_config(
+            TrainerConfig,
+            sys.argv[1:] if argv is None else argv,
+            os.environ,
+            ENV_PREFIX,
+            _prog(),
+            _description(local_shards),
+        )
     except ValueError as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    logging.basicConfig(level=config.log_level.upper(), format="ts=%(asctime)s level=%(levelname)s rank=" +
-                        os.environ.get("RANK", "0") + " logger=%(name)s msg=%(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="ts=%(asctime)s level=%(levelname)s rank="
+        + os.environ.get("RANK", "0")
+        + " logger=%(name)s msg=%(message)s",
+    )
     return config
 
 
@@ -530,8 +621,10 @@ def report(metrics: dict[str, Any]) -> None:
     """Print the final line: AUC, logloss, throughput, where the run went (rank 0 only has the final metrics)."""
     if metrics.get("final"):
         f = metrics["final"]
-        print(f"AUC {f['auc']:.4f}  logloss {f['logloss']:.4f}  ({int(f['samples'])} held-out samples, "
-              f"{metrics['samples_per_s']:,.0f} samples/s)  -> {metrics.get('output_dir', '?')}")  # fmt: skip
+        print(
+            f"AUC {f['auc']:.4f}  logloss {f['logloss']:.4f}  ({int(f['samples'])} held-out samples, "
+            f"{metrics['samples_per_s']:,.0f} samples/s)  -> {metrics.get('output_dir', '?')}"
+        )
 
 
 @record  # under torchrun, the error reaches ps-launch's one-line summary of a failed worker
@@ -542,8 +635,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """
     config = parse(argv, local_shards=False)
     if not config.addresses:
-        print("trainer: no shard addresses: pass --addresses (ps-launch sets TRAINER_ADDRESSES), "
-              "or run `python -m deploy.train` with the same flags, which starts local shards", file=sys.stderr)  # fmt: skip
+        print(
+            "trainer: no shard addresses: pass --addresses (ps-launch sets TRAINER_ADDRESSES), "
+            "or run `python -m deploy.train` with the same flags, which starts local shards",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     d = init_distributed(config.device)
     try:

@@ -64,14 +64,19 @@ class Case:
 
 
 def lookup_request(table: str, keys: np.ndarray[Any, Any], **kw: Any) -> bytes:
-    return pb.LookupRequest(entries=[pb.LookupEntry(table=table, keys=keys.astype("<i8").tobytes(), **kw)],
-                            num_shards=1, shard=0).SerializeToString()  # fmt: skip
+    return pb.LookupRequest(
+        entries=[pb.LookupEntry(table=table, keys=keys.astype("<i8").tobytes(), **kw)], num_shards=1, shard=0
+    ).SerializeToString()
 
 
 def push_request(entries: list[tuple[str, bytes, bytes, int]], client_id: str, seq: int, **kw: Any) -> bytes:
     kw = {"num_shards": 1, "shard": 0, **kw}
-    return pb.PushRequest(entries=[pb.PushEntry(table=t, keys=k, grads=g, dtype=d) for t, k, g, d in entries],  # type: ignore[arg-type]
-                          client_id=client_id, seq=seq, **kw).SerializeToString()  # fmt: skip
+    return pb.PushRequest(
+        entries=[pb.PushEntry(table=t, keys=k, grads=g, dtype=d) for t, k, g, d in entries],  # type: ignore[arg-type]
+        client_id=client_id,
+        seq=seq,
+        **kw,
+    ).SerializeToString()
 
 
 class Generator:
@@ -132,8 +137,12 @@ class Generator:
             service = "ps.v1.Predictor" if target == "infer" else "ps.v1.ParameterServer"
             return health_pb2.HealthCheckRequest(service=str(self.rng.choice(["", service]))).SerializeToString()
         if method == REFLECTION:
-            return (reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString(),
-                    reflection_pb2.ServerReflectionRequest(file_containing_symbol="grpc.health.v1.Health").SerializeToString())  # fmt: skip
+            return (
+                reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString(),
+                reflection_pb2.ServerReflectionRequest(
+                    file_containing_symbol="grpc.health.v1.Health"
+                ).SerializeToString(),
+            )
         return self.valid_shard(method.removeprefix(PS), target)
 
     # targeted bad requests -------------------------------------------------------------
@@ -145,15 +154,43 @@ class Generator:
             choices = [
                 ("unknown-table", lambda: lookup_request("nope", self.keys())),
                 ("empty-table", lambda: lookup_request("", self.keys())),
-                ("keys-not-int64", lambda: pb.LookupRequest(entries=[pb.LookupEntry(table="emb", keys=r.bytes(int(r.choice([1, 7, 9, 15]))))]).SerializeToString()),
+                (
+                    "keys-not-int64",
+                    lambda: pb.LookupRequest(
+                        entries=[pb.LookupEntry(table="emb", keys=r.bytes(int(r.choice([1, 7, 9, 15]))))]
+                    ).SerializeToString(),
+                ),
                 ("bad-dtype", lambda: lookup_request("emb", self.keys(), dtype=int(r.choice([4, 99, -1])))),
-                ("wrong-num-shards", lambda: pb.LookupRequest(entries=[pb.LookupEntry(table="emb", keys=self.keys().tobytes())], num_shards=int(r.choice([2, 3, (1 << 32) - 1]))).SerializeToString()),
-                ("wrong-shard", lambda: pb.LookupRequest(entries=[pb.LookupEntry(table="emb", keys=self.keys().tobytes())], shard=int(r.choice([1, 7, (1 << 32) - 1]))).SerializeToString()),
+                (
+                    "wrong-num-shards",
+                    lambda: pb.LookupRequest(
+                        entries=[pb.LookupEntry(table="emb", keys=self.keys().tobytes())],
+                        num_shards=int(r.choice([2, 3, (1 << 32) - 1])),
+                    ).SerializeToString(),
+                ),
+                (
+                    "wrong-shard",
+                    lambda: pb.LookupRequest(
+                        entries=[pb.LookupEntry(table="emb", keys=self.keys().tobytes())],
+                        shard=int(r.choice([1, 7, (1 << 32) - 1])),
+                    ).SerializeToString(),
+                ),
                 ("response-too-large", lambda: lookup_request("emb", np.arange(100_000))),
-                ("many-entries", lambda: pb.LookupRequest(entries=[pb.LookupEntry(table=str(r.choice(["emb", "nope"])), keys=self.keys().tobytes()) for _ in range(2000)]).SerializeToString()),
-                ("huge-key-values", lambda: lookup_request("count", np.array([-(1 << 63), (1 << 63) - 1, 0, -1], np.int64))),
+                (
+                    "many-entries",
+                    lambda: pb.LookupRequest(
+                        entries=[
+                            pb.LookupEntry(table=str(r.choice(["emb", "nope"])), keys=self.keys().tobytes())
+                            for _ in range(2000)
+                        ]
+                    ).SerializeToString(),
+                ),
+                (
+                    "huge-key-values",
+                    lambda: lookup_request("count", np.array([-(1 << 63), (1 << 63) - 1, 0, -1], np.int64)),
+                ),
                 ("valid", lambda: self.valid_shard("Lookup", target)),
-            ]  # fmt: skip
+            ]
         elif name == "Push":
             k4 = lambda: np.unique(self.keys(4)).astype("<i8").tobytes()  # noqa: E731
 
@@ -184,19 +221,32 @@ class Generator:
                 ("inf-grad", lambda: entry("count", 4, float(r.choice([np.inf, -np.inf])))),
                 ("f16-inf-grad", lambda: entry("emb", 8, float("inf"), "<f2", 2)),
                 ("bf16-nan-grad", bf16_nan),
-                ("grads-off-by-one", lambda: push_request([("emb", k4(), r.bytes(4 * 8 * 4 + int(r.choice([-1, 1, 3]))), 1)], "fuzz", 1)),
+                (
+                    "grads-off-by-one",
+                    lambda: push_request([("emb", k4(), r.bytes(4 * 8 * 4 + int(r.choice([-1, 1, 3]))), 1)], "fuzz", 1),
+                ),
                 ("keys-not-int64", lambda: push_request([("emb", r.bytes(12), r.bytes(48), 1)], "fuzz", 1)),
                 ("bad-dtype", lambda: entry("emb", 8, None, "<f4", int(r.choice([4, 77, -3])))),
                 ("unknown-table", lambda: entry("nope", 8)),
                 ("empty-table", lambda: entry("", 8)),
                 ("wrong-num-shards", lambda: push_request([("emb", *keys_grads(8), 1)], "fuzz", 1, num_shards=2)),
-                ("wrong-shard", lambda: push_request([("emb", *keys_grads(8), 1)], "fuzz", 1, shard=int(r.choice([1, 9])))),
-                ("one-bad-entry-of-two", lambda: push_request([("count", *keys_grads(4), 1), ("emb", *keys_grads(8, float("nan")), 1)], "fuzz", 10**9 + self.seq)),
+                (
+                    "wrong-shard",
+                    lambda: push_request([("emb", *keys_grads(8), 1)], "fuzz", 1, shard=int(r.choice([1, 9]))),
+                ),
+                (
+                    "one-bad-entry-of-two",
+                    lambda: push_request(
+                        [("count", *keys_grads(4), 1), ("emb", *keys_grads(8, float("nan")), 1)],
+                        "fuzz",
+                        10**9 + self.seq,
+                    ),
+                ),
                 ("max-seq", lambda: push_request([("count", *keys_grads(4), 1)], "fuzz-max", (1 << 64) - 1)),
                 ("no-seq", lambda: push_request([("count", *keys_grads(4), 1)], "", 0)),
                 ("replayed-seq", lambda: push_request([("count", *keys_grads(4), 1)], "fuzz", max(1, self.seq))),
                 ("valid", self.valid_push),
-            ]  # fmt: skip
+            ]
         elif name == "CreateTable":
 
             def spec(**kw: Any) -> bytes:
@@ -210,53 +260,97 @@ class Generator:
                 ("bad-name", lambda: spec(name=str(r.choice(["", "bad name!", "x" * 129, "é", "a\x00b", "../x"])))),
                 ("nan-lr", lambda: spec(optimizer=pb.OptimizerSpec(kind=pb.OptimizerSpec.ADAGRAD, lr=bad_float()))),
                 ("negative-lr", lambda: spec(optimizer=pb.OptimizerSpec(lr=-1.0))),
-                ("nan-init", lambda: spec(initializer=pb.InitializerSpec(kind=pb.InitializerSpec.UNIFORM, high=bad_float()))),
+                (
+                    "nan-init",
+                    lambda: spec(initializer=pb.InitializerSpec(kind=pb.InitializerSpec.UNIFORM, high=bad_float())),
+                ),
                 ("bad-kinds", lambda: spec(optimizer=pb.OptimizerSpec(kind=int(r.choice([5, 99, -1]))))),  # type: ignore[arg-type]
                 ("bad-dtype", lambda: spec(dtype=int(r.choice([2, 3, 9])))),  # type: ignore[arg-type]
                 ("bad-lifecycle", lambda: spec(lifecycle=pb.Lifecycle(admit_after=256, ttl_seconds=-1.0))),
-                ("bad-admit-probability", lambda: spec(lifecycle=pb.Lifecycle(admit_probability=float(r.choice([0.0, 1.5, np.nan]))))),
+                (
+                    "bad-admit-probability",
+                    lambda: spec(lifecycle=pb.Lifecycle(admit_probability=float(r.choice([0.0, 1.5, np.nan])))),
+                ),
                 ("exists-other-dim", lambda: spec(name="emb", dim=16)),
                 ("valid-again", lambda: self.servers.creates[0]),
-            ]  # fmt: skip
+            ]
         elif name == "Checkpoint":
             choices = [
-                ("dot-dot", lambda: pb.CheckpointRequest(path=str(r.choice(["../x", "a/../../b", ".."]))).SerializeToString()),
-                ("outside-root", lambda: pb.CheckpointRequest(path=str(r.choice(["/tmp/fz-outside", "/etc/ps-x", "/"]))).SerializeToString()),
+                (
+                    "dot-dot",
+                    lambda: pb.CheckpointRequest(path=str(r.choice(["../x", "a/../../b", ".."]))).SerializeToString(),
+                ),
+                (
+                    "outside-root",
+                    lambda: pb.CheckpointRequest(
+                        path=str(r.choice(["/tmp/fz-outside", "/etc/ps-x", "/"]))
+                    ).SerializeToString(),
+                ),
                 ("nul", lambda: pb.CheckpointRequest(path="a\x00b").SerializeToString()),
                 ("too-long", lambda: pb.CheckpointRequest(path="x" * int(r.choice([300, 5000]))).SerializeToString()),
                 ("exists", lambda: pb.CheckpointRequest(path="000001").SerializeToString()),
                 ("valid", lambda: self.valid_shard("Checkpoint", target)),
-            ]  # fmt: skip
+            ]
         elif name == "Follow":
             choices = [
-                ("wrong-shard", lambda: pb.FollowRequest(shard=int(r.choice([1, 5])), num_shards=int(r.choice([1, 2]))).SerializeToString()),
+                (
+                    "wrong-shard",
+                    lambda: pb.FollowRequest(
+                        shard=int(r.choice([1, 5])), num_shards=int(r.choice([1, 2]))
+                    ).SerializeToString(),
+                ),
                 ("no-shard-count", lambda: pb.FollowRequest().SerializeToString()),
                 ("valid", lambda: self.valid_shard("Follow", target)),
-            ]  # fmt: skip
+            ]
         elif name == "ServeFrom":
             choices = [
                 ("dot-dot", lambda: pb.ServeFromRequest(checkpoint="../../x").SerializeToString()),
                 ("outside-root", lambda: pb.ServeFromRequest(checkpoint="/etc").SerializeToString()),
                 ("nul", lambda: pb.ServeFromRequest(checkpoint="1\x000").SerializeToString()),
-                ("missing", lambda: pb.ServeFromRequest(checkpoint=str(r.choice(["nope", "999999", "0"]))).SerializeToString()),
+                (
+                    "missing",
+                    lambda: pb.ServeFromRequest(checkpoint=str(r.choice(["nope", "999999", "0"]))).SerializeToString(),
+                ),
                 ("valid", lambda: self.valid_shard("ServeFrom", target)),
-            ]  # fmt: skip
+            ]
         elif name == "Predict":
             choices = list(self.predict_targeted())
         elif method.startswith(HEALTH):
             choices = [
-                ("unknown-service", lambda: health_pb2.HealthCheckRequest(service=str(r.choice(["nope", "x" * 10000, "ps.v1"]))).SerializeToString()),
+                (
+                    "unknown-service",
+                    lambda: health_pb2.HealthCheckRequest(
+                        service=str(r.choice(["nope", "x" * 10000, "ps.v1"]))
+                    ).SerializeToString(),
+                ),
                 ("valid", lambda: self.valid(target, method)),  # type: ignore[return-value]
-            ]  # fmt: skip
+            ]
         elif method == REFLECTION:
             ask = reflection_pb2.ServerReflectionRequest
             choices = [
-                ("bad-file", lambda: (ask(file_by_filename=str(r.choice(["../../etc/passwd", "", "x" * 5000]))).SerializeToString(),)),
-                ("bad-symbol", lambda: (ask(file_containing_symbol=str(r.choice(["nope.Nope", "", "."]))).SerializeToString(),)),
-                ("bad-extension", lambda: (ask(file_containing_extension=reflection_pb2.ExtensionRequest(containing_type="x", extension_number=-5)).SerializeToString(),)),
+                (
+                    "bad-file",
+                    lambda: (
+                        ask(file_by_filename=str(r.choice(["../../etc/passwd", "", "x" * 5000]))).SerializeToString(),
+                    ),
+                ),
+                (
+                    "bad-symbol",
+                    lambda: (ask(file_containing_symbol=str(r.choice(["nope.Nope", "", "."]))).SerializeToString(),),
+                ),
+                (
+                    "bad-extension",
+                    lambda: (
+                        ask(
+                            file_containing_extension=reflection_pb2.ExtensionRequest(
+                                containing_type="x", extension_number=-5
+                            )
+                        ).SerializeToString(),
+                    ),
+                ),
                 ("many-questions", lambda: tuple(ask(list_services="").SerializeToString() for _ in range(50))),
                 ("valid", lambda: self.valid(target, method)),
-            ]  # fmt: skip
+            ]
         else:  # ListTables, Stats: no fields, so any well-formed bytes are valid
             choices = [("unknown-fields", lambda: mut.tag(7, 2) + mut.varint(5) + b"hello" + mut.tag(9, 0) + b"\x01")]
         how, make = choices[int(r.integers(0, len(choices)))]
@@ -284,20 +378,57 @@ class Generator:
             return msg.SerializeToString()
 
         return [
-            ("num-candidates", lambda: request(lambda ctx, cand: int(r.choice([(1 << 32) - 1, MAX_CANDIDATES + 1, 10**6])))),
+            (
+                "num-candidates",
+                lambda: request(lambda ctx, cand: int(r.choice([(1 << 32) - 1, MAX_CANDIDATES + 1, 10**6]))),
+            ),
             ("zero-candidates", lambda: ipb.PredictRequest(num_candidates=0).SerializeToString()),
             ("unknown-feature", lambda: request(lambda ctx, cand: cand.update(nope=Column.of(np.zeros(4, np.int64))))),
             ("missing-feature", lambda: request(lambda ctx, cand: cand.pop(num) and None)),
             ("feature-twice", lambda: request(lambda ctx, cand: ctx.update({num: Column.of([1.0])}))),
-            ("wrong-type", lambda: request(lambda ctx, cand: cand.update({cat: Column.of(["a", "b", "c", "d"] if wrong == "string" else np.arange(4))}))),
-            ("wrong-count", lambda: request(lambda ctx, cand: cand.update({num: Column.of(np.ones(int(r.choice([1, 3, 5]))))}))),
-            ("inf-dense", lambda: request(lambda ctx, cand: cand.update({num: Column.of(np.array([1.0, np.inf, 2.0, -np.inf]))}))),
+            (
+                "wrong-type",
+                lambda: request(
+                    lambda ctx, cand: cand.update(
+                        {cat: Column.of(["a", "b", "c", "d"] if wrong == "string" else np.arange(4))}
+                    )
+                ),
+            ),
+            (
+                "wrong-count",
+                lambda: request(lambda ctx, cand: cand.update({num: Column.of(np.ones(int(r.choice([1, 3, 5]))))})),
+            ),
+            (
+                "inf-dense",
+                lambda: request(lambda ctx, cand: cand.update({num: Column.of(np.array([1.0, np.inf, 2.0, -np.inf]))})),
+            ),
             ("text-dense", lambda: request(lambda ctx, cand: cand.update({num: Column.of(["1", "x", "", "2"])}))),
             ("bad-byte-lengths", wrong_bytes),
-            ("bad-string-lengths", lambda: ipb.PredictRequest(num_candidates=2, candidates=[ipb.Column(name=num, type=ipb.VALUE_TYPE_STRING, values=b"12", lengths=np.array([[1, 2], [-1, 3], [1, 0]][int(r.integers(0, 3))], "<i4").tobytes()[: int(r.choice([4, 8, 5]))])]).SerializeToString()),
-            ("unknown-type", lambda: ipb.PredictRequest(num_candidates=1, candidates=[ipb.Column(name=num, type=int(r.choice([0, 4, 99])), values=b"\x00" * 8)]).SerializeToString()),  # type: ignore[arg-type]
+            (
+                "bad-string-lengths",
+                lambda: ipb.PredictRequest(
+                    num_candidates=2,
+                    candidates=[
+                        ipb.Column(
+                            name=num,
+                            type=ipb.VALUE_TYPE_STRING,
+                            values=b"12",
+                            lengths=np.array([[1, 2], [-1, 3], [1, 0]][int(r.integers(0, 3))], "<i4").tobytes()[
+                                : int(r.choice([4, 8, 5]))
+                            ],
+                        )
+                    ],
+                ).SerializeToString(),
+            ),
+            (
+                "unknown-type",
+                lambda: ipb.PredictRequest(
+                    num_candidates=1,
+                    candidates=[ipb.Column(name=num, type=int(r.choice([0, 4, 99])), values=b"\x00" * 8)],
+                ).SerializeToString(),
+            ),  # type: ignore[arg-type]
             ("valid", self.valid_predict),
-        ]  # fmt: skip
+        ]
 
     # one case ----------------------------------------------------------------------------
     def case(self, target: str, method: str) -> Case:
@@ -312,8 +443,11 @@ class Generator:
         base = self.valid(target, method)
         if roll < 0.5:
             how = "bitflip"
-            payload = (tuple(mut.flip_bits(r, p) if r.random() < 0.5 else p for p in base) if isinstance(base, tuple)
-                       else mut.flip_bits(r, base))  # fmt: skip
+            payload = (
+                tuple(mut.flip_bits(r, p) if r.random() < 0.5 else p for p in base)
+                if isinstance(base, tuple)
+                else mut.flip_bits(r, base)
+            )
         elif roll < 0.6:
             how, payload = "truncate" if r.random() < 0.5 else "append-junk", base
             change = mut.truncate if how == "truncate" else mut.append_junk

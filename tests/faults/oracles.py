@@ -168,8 +168,18 @@ def _push(model: ShardModel, m: pb.PushRequest, data: bytes) -> Verdict:
 
 
 _INIT_FLOATS = ("low", "high", "mean", "std", "value")
-_OPT_FLOATS = ("lr", "weight_decay", "eps", "initial_accumulator_value", "beta1", "beta2", "l1", "l2", "lr_power",
-               "beta")  # fmt: skip
+_OPT_FLOATS = (
+    "lr",
+    "weight_decay",
+    "eps",
+    "initial_accumulator_value",
+    "beta1",
+    "beta2",
+    "l1",
+    "l2",
+    "lr_power",
+    "beta",
+)
 
 
 def _create(model: ShardModel, m: pb.CreateTableRequest, data: bytes) -> Verdict:
@@ -346,8 +356,9 @@ def _column(c: ipb.Column, count: int, accepts: tuple[str, ...], dense: bool) ->
     return None, True
 
 
-def predict_verdict(accepts: Mapping[str, tuple[str, ...]], dense: Iterable[str], max_candidates: int,
-                    data: bytes) -> Verdict:  # fmt: skip
+def predict_verdict(
+    accepts: Mapping[str, tuple[str, ...]], dense: Iterable[str], max_candidates: int, data: bytes
+) -> Verdict:
     """``Predict`` of ``data`` on a model whose raw columns take ``accepts`` (dense ones: ``dense``)."""
     m = _decode(ipb.PredictRequest, data)
     if m is None:

@@ -117,10 +117,22 @@ GRACE_S = 1  # the servers' --grace-s
 def _start_infer(run: Path, addresses: list[str], root: Path) -> Infer:
     port_file, log = root / "infer.port", root / "infer.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.serving", f"--model={run}", f"--ps={','.join(addresses)}",
-                                 "--listen=127.0.0.1:0", f"--port-file={port_file}",
-                                 f"--max-candidates={MAX_CANDIDATES}", f"--grace-s={GRACE_S}"],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "worker.serving",
+                f"--model={run}",
+                f"--ps={','.join(addresses)}",
+                "--listen=127.0.0.1:0",
+                f"--port-file={port_file}",
+                f"--max-candidates={MAX_CANDIDATES}",
+                f"--grace-s={GRACE_S}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
     deadline = time.monotonic() + 120
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -130,8 +142,9 @@ def _start_infer(run: Path, addresses: list[str], root: Path) -> Infer:
     model = load_model(run)
     accepts: dict[str, tuple[str, ...]] = {c: (t,) for c, t in model.categorical.items()}
     accepts |= dict.fromkeys(model.dense, ("float64", "int64", "string"))
-    return Infer(proc, f"127.0.0.1:{port_file.read_text().strip()}", log, accepts, tuple(model.dense),
-                 dict(model.categorical))  # fmt: skip
+    return Infer(
+        proc, f"127.0.0.1:{port_file.read_text().strip()}", log, accepts, tuple(model.dense), dict(model.categorical)
+    )
 
 
 def _stop_infer(infer: Infer) -> None:
@@ -155,15 +168,25 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     root = tmp_path_factory.mktemp("adversarial")
     limit = f"--max-message-bytes={SHARD_LIMIT_BYTES}"
     grace = f"--grace-s={GRACE_S}"
-    train_shard = start_shard(0, 1, root / "train", f"--data-dir={root / 'train' / 'data'}", limit, grace,
-                              f"--max-tables={MAX_TABLES}")  # fmt: skip
+    train_shard = start_shard(
+        0, 1, root / "train", f"--data-dir={root / 'train' / 'data'}", limit, grace, f"--max-tables={MAX_TABLES}"
+    )
     checkpoints = root / "train" / "data" / "checkpoints"
     twin = InProcessTransport([Shard(0, 1)], max_message_bytes=SHARD_LIMIT_BYTES)
     twin.start()
     creates = [
-        pb.CreateTableRequest(spec=pb.TableSpec(name="emb", dim=8, optimizer=pb.OptimizerSpec(kind=pb.OptimizerSpec.ADAGRAD, lr=0.1))).SerializeToString(),
-        pb.CreateTableRequest(spec=pb.TableSpec(name="count", dim=4, initializer=pb.InitializerSpec(kind=pb.InitializerSpec.ZEROS), optimizer=pb.OptimizerSpec(lr=1.0))).SerializeToString(),
-    ]  # fmt: skip
+        pb.CreateTableRequest(
+            spec=pb.TableSpec(name="emb", dim=8, optimizer=pb.OptimizerSpec(kind=pb.OptimizerSpec.ADAGRAD, lr=0.1))
+        ).SerializeToString(),
+        pb.CreateTableRequest(
+            spec=pb.TableSpec(
+                name="count",
+                dim=4,
+                initializer=pb.InitializerSpec(kind=pb.InitializerSpec.ZEROS),
+                optimizer=pb.OptimizerSpec(lr=1.0),
+            )
+        ).SerializeToString(),
+    ]
     for request in creates:
         _raw(train_shard.address, PS + "CreateTable", request)
         twin.call(0, "CreateTable", request, 10).result()
@@ -174,18 +197,29 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         twin.call(0, "Push", push, 10).result()
     # Checkpoint version 1: something for ServeFrom to pin.
     _raw(train_shard.address, PS + "Checkpoint", pb.CheckpointRequest().SerializeToString())
-    serve_shard = start_shard(0, 1, root / "serve", "--mode=serve", f"--follow={train_shard.address}",
-                              f"--checkpoint-root={checkpoints}", limit, grace)  # fmt: skip
+    serve_shard = start_shard(
+        0,
+        1,
+        root / "serve",
+        "--mode=serve",
+        f"--follow={train_shard.address}",
+        f"--checkpoint-root={checkpoints}",
+        limit,
+        grace,
+    )
     tables = {"emb": 8, "count": 4}
     cluster = LocalCluster(2, root=root / "infer-shards").start()
     infer: Infer | None = None
     try:
         run = root / "run"
-        train(TrainerConfig(train_samples=2048, eval_samples=256, batch_size=512, progress=False, output_dir=run),
-              cluster.addresses)  # fmt: skip
+        train(
+            TrainerConfig(train_samples=2048, eval_samples=256, batch_size=512, progress=False, output_dir=run),
+            cluster.addresses,
+        )
         infer = _start_infer(run, cluster.addresses, root)
-        train_model = ShardModel("train", dict(tables), SHARD_LIMIT_BYTES, checkpoints, creates=set(creates),
-                                 max_tables=MAX_TABLES)  # fmt: skip
+        train_model = ShardModel(
+            "train", dict(tables), SHARD_LIMIT_BYTES, checkpoints, creates=set(creates), max_tables=MAX_TABLES
+        )
         serve_model = ShardModel("serve", dict(tables), SHARD_LIMIT_BYTES, checkpoints)
         yield Servers(train_shard, serve_shard, infer, train_model, serve_model, twin, creates)
     finally:
@@ -225,13 +259,17 @@ def _send(channel: grpc.Channel, case: Case) -> tuple[str, str]:
     try:
         if case.method == REFLECTION:
             assert isinstance(case.payload, tuple)
-            answers = list(channel.stream_stream(case.method, None, None)(iter(case.payload), timeout=CALL_TIMEOUT_S,
-                                                                           metadata=metadata))  # fmt: skip
+            answers = list(
+                channel.stream_stream(case.method, None, None)(
+                    iter(case.payload), timeout=CALL_TIMEOUT_S, metadata=metadata
+                )
+            )
             return ("OK", "") if len(answers) == len(case.payload) else ("OK", f"{len(answers)} answers")
         assert isinstance(case.payload, bytes)
         if case.method in STREAMS:
-            call = channel.unary_stream(case.method, None, None)(case.payload, timeout=CALL_TIMEOUT_S,
-                                                                 metadata=metadata)  # fmt: skip
+            call = channel.unary_stream(case.method, None, None)(
+                case.payload, timeout=CALL_TIMEOUT_S, metadata=metadata
+            )
             try:
                 next(call)  # type: ignore[call-overload]
             except StopIteration:
@@ -263,8 +301,11 @@ def _verdict(servers: Servers, case: Case) -> Verdict:
             verdict = shard_verdict(model, case.method.removeprefix(PS), case.payload)
             overflow = case.method == PS + "Push" and _OVERFLOWING_VARINT.search(case.payload) is not None
             if PUSH_OVERFLOWING_VARINT_ACCEPTED and overflow and verdict.why == "does not decode":
-                verdict = Verdict(None, verdict.codes | {"OK", "FAILED_PRECONDITION", "NOT_FOUND"},
-                                  "a varint over 64 bits (known defect: accepted)")  # fmt: skip
+                verdict = Verdict(
+                    None,
+                    verdict.codes | {"OK", "FAILED_PRECONDITION", "NOT_FOUND"},
+                    "a varint over 64 bits (known defect: accepted)",
+                )
     if case.how == "oversized":
         verdict = Verdict(False, frozenset({"RESOURCE_EXHAUSTED"}), "over the message limit")
     meta = case.metadata
@@ -407,16 +448,19 @@ def _compare_state(servers: Servers, run: Run) -> dict[str, Any]:
             break
         assert time.monotonic() < deadline, f"the serving shard did not catch up: {follow}"
         time.sleep(0.1)
-    follower_differ = {t: int((_rows(servers.serve.address, t, k) != _rows(servers.train.address, t, k)).any(axis=1).sum())
-                       for t, k in keys.items()}  # fmt: skip
+    follower_differ = {
+        t: int((_rows(servers.serve.address, t, k) != _rows(servers.train.address, t, k)).any(axis=1).sum())
+        for t, k in keys.items()
+    }
     return {
-        "specs equal": sorted(s.SerializeToString() for s in real_specs) == sorted(s.SerializeToString() for s in twin_specs),
+        "specs equal": sorted(s.SerializeToString() for s in real_specs)
+        == sorted(s.SerializeToString() for s in twin_specs),
         "tables": len(real_specs),
         "counts": (counts(real_stats), counts(twin_stats)),
         "rows compared": rows,
         "rows differing": differ,
         "follower rows differing": follower_differ,
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.slow
@@ -436,14 +480,18 @@ def test_adversarial_requests_get_proper_statuses_and_change_nothing(
     print(f"\nseed {seed}: {total} requests in {seconds:.0f} s; verdicts {dict(verdicts)}; statuses {dict(codes)}")
     print(f"by method {dict(sorted(by_target.items()))}")
     print(f"by kind {dict(Counter(r.case.how for r in run.results).most_common())}")
-    print("RSS MiB (after warm-up -> end): " + ", ".join(
-        f"{t} {b / 2**20:.1f} -> {a / 2**20:.1f} ({growth[t]:+.2%})" for t, (b, a) in rss.items()))  # fmt: skip
+    print(
+        "RSS MiB (after warm-up -> end): "
+        + ", ".join(f"{t} {b / 2**20:.1f} -> {a / 2**20:.1f} ({growth[t]:+.2%})" for t, (b, a) in rss.items())
+    )
     print(f"RSS MiB after each tenth of the requests: {run.rss_trace}")
     print(f"state: {state}; twin refused {len(run.twin_refused)} accepted requests")
     for result, problem in run.violations[:30]:
         c = result.case
-        print(f"VIOLATION {problem}: {c.target} {c.method} {c.how} (oracle: {result.verdict.why}) -> {result.code} "
-              f"{result.details[:200]!r}; payload {_hex(c.payload)}")  # fmt: skip
+        print(
+            f"VIOLATION {problem}: {c.target} {c.method} {c.how} (oracle: {result.verdict.why}) -> {result.code} "
+            f"{result.details[:200]!r}; payload {_hex(c.payload)}"
+        )
     assert not run.violations, f"{len(run.violations)} requests got a wrong status (seed {seed}; see above)"
     assert not run.twin_refused, [(r.case.method, _hex(r.case.payload)) for r in run.twin_refused[:5]]
     assert verdicts["valid"] > total // 10 and verdicts["invalid"] > total // 3, verdicts
@@ -470,7 +518,14 @@ def test_push_with_an_overflowing_length_varint_is_refused(tmp_path: Path) -> No
     shard = start_shard(0, 1, tmp_path)
     try:
         with grpc.insecure_channel(shard.address) as channel:
-            create = pb.CreateTableRequest(spec=pb.TableSpec(name="count", dim=4, initializer=pb.InitializerSpec(kind=pb.InitializerSpec.ZEROS), optimizer=pb.OptimizerSpec(lr=1.0)))  # fmt: skip
+            create = pb.CreateTableRequest(
+                spec=pb.TableSpec(
+                    name="count",
+                    dim=4,
+                    initializer=pb.InitializerSpec(kind=pb.InitializerSpec.ZEROS),
+                    optimizer=pb.OptimizerSpec(lr=1.0),
+                )
+            )
             channel.unary_unary(PS + "CreateTable", None, None)(create.SerializeToString(), timeout=10)
             try:
                 channel.unary_unary(PS + "Push", None, None)(push + tail, timeout=10)
@@ -502,8 +557,10 @@ def test_undecodable_requests_to_grpc_services_leak_nothing(tmp_path: Path, meth
         code = shard.proc.wait(GRACE_S + 30)
         stop_s = time.monotonic() - started
     growth = (rss[1] - rss[0]) / rss[0]
-    print(f"{method}: 1,300 calls sending b'\\xff': {dict(codes)}; RSS after 300 {rss[0] / 2**20:.1f} MiB, "
-          f"after 1,000 more {rss[1] / 2**20:.1f} MiB ({growth:+.1%}); SIGTERM: exit {code} in {stop_s:.1f} s")  # fmt: skip
+    print(
+        f"{method}: 1,300 calls sending b'\\xff': {dict(codes)}; RSS after 300 {rss[0] / 2**20:.1f} MiB, "
+        f"after 1,000 more {rss[1] / 2**20:.1f} MiB ({growth:+.1%}); SIGTERM: exit {code} in {stop_s:.1f} s"
+    )
     assert len(codes) == 1 and next(iter(codes)).startswith("INVALID_ARGUMENT grpc."), codes
     assert "does not decode" in next(iter(codes)) and code == 0
     assert growth <= RSS_GROWTH_MAX and stop_s < GRACE_S + 2, (growth, stop_s)

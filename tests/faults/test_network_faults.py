@@ -128,8 +128,9 @@ def test_calls_end_in_time_and_pushes_apply_once_through_a_faulty_network(
     long = long_run(request.config)
     seed = random.randrange(1 << 32)
     rng = random.Random(seed)
-    config = ClientConfig(deadline_s=DEADLINE_S, attempt_timeout_s=ATTEMPT_S, backoff_initial_s=0.02,
-                          backoff_max_s=0.2, tune_malloc=False)  # fmt: skip
+    config = ClientConfig(
+        deadline_s=DEADLINE_S, attempt_timeout_s=ATTEMPT_S, backoff_initial_s=0.02, backoff_max_s=0.2, tune_malloc=False
+    )
     with FaultProxy(shard.address) as proxy, PSClient([proxy.address], config) as client:
         client.create_table(TABLE, DIM, optimizer="sgd", initializer="zeros", lr=1.0)  # same spec: learns the dim
         caller = Caller(client)
@@ -165,10 +166,12 @@ def test_calls_end_in_time_and_pushes_apply_once_through_a_faulty_network(
         by_phase.setdefault(o.phase, Counter())[o.code] += 1
     slowest = max(o.seconds for o in outcomes)
     acked = [o.push for o in outcomes if o.push is not None and o.code == "OK"]
-    print(f"seed {seed}, cycles {cycles}: calls {len(outcomes)}, by phase {({k: dict(v) for k, v in by_phase.items()})}, "
-          f"slowest call {slowest:.2f} s (deadline {DEADLINE_S} s), pushes {caller.pushes} (acknowledged {len(acked)}), "
-          f"rows compared {rows.shape[0] * KEYS_PER_PUSH}, times applied {dict(Counter(applied.astype(int).tolist()))}, "
-          f"duplicates skipped by the shard {duplicates}, proxy {counters}")  # fmt: skip
+    print(
+        f"seed {seed}, cycles {cycles}: calls {len(outcomes)}, by phase { ({k: dict(v) for k, v in by_phase.items()}) }, "
+        f"slowest call {slowest:.2f} s (deadline {DEADLINE_S} s), pushes {caller.pushes} (acknowledged {len(acked)}), "
+        f"rows compared {rows.shape[0] * KEYS_PER_PUSH}, times applied {dict(Counter(applied.astype(int).tolist()))}, "
+        f"duplicates skipped by the shard {duplicates}, proxy {counters}"
+    )
 
     late = [o for o in outcomes if o.seconds > DEADLINE_S + SLACK_S]
     assert not late, f"calls that outlived their deadline of {DEADLINE_S} s: {late[:5]}"

@@ -126,11 +126,34 @@ def _train(tmp: Path, *, samples: int, kills: int, seed: int = 0) -> dict[str, A
     the shard answers again."""
     launch_dir, data_dir, out = tmp / "launch", tmp / "data", tmp / "run"
     record = tmp / "pushes.pkl"
-    command = [sys.executable, "-m", "deploy.launch", "--shards", "2", "--data-dir", str(launch_dir),
-               f"--shard-arg=--data-dir={data_dir}/shard-{{shard}}", "--shard-arg=--durability=every-push",
-               "--", "python", str(WORKER), "--mode", "pipelined", "--train-samples", str(samples),
-               "--eval-samples", "10000", "--batch-size", str(BATCH), "--progress", "false", "--seed", "3",
-               "--output-dir", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "deploy.launch",
+        "--shards",
+        "2",
+        "--data-dir",
+        str(launch_dir),
+        f"--shard-arg=--data-dir={data_dir}/shard-{{shard}}",
+        "--shard-arg=--durability=every-push",
+        "--",
+        "python",
+        str(WORKER),
+        "--mode",
+        "pipelined",
+        "--train-samples",
+        str(samples),
+        "--eval-samples",
+        "10000",
+        "--batch-size",
+        str(BATCH),
+        "--progress",
+        "false",
+        "--seed",
+        "3",
+        "--output-dir",
+        str(out),
+    ]
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, RECORD_PUSHES=str(record))
     log = (tmp / "launch.log").open("w")
@@ -171,15 +194,24 @@ def _train(tmp: Path, *, samples: int, kills: int, seed: int = 0) -> dict[str, A
     metrics = json.loads((out / "metrics.json").read_text())
     with record.open("rb") as f:
         pushes = pickle.load(f)
-    return {"metrics": metrics, "log": pushes, "killed": killed, "text": text, "data_dir": data_dir,
-            "seconds": time.monotonic() - started}  # fmt: skip
+    return {
+        "metrics": metrics,
+        "log": pushes,
+        "killed": killed,
+        "text": text,
+        "data_dir": data_dir,
+        "seconds": time.monotonic() - started,
+    }
 
 
 def _compare_rows(tmp: Path, run: dict[str, Any]) -> tuple[int, int, int]:
     """(pushes replayed, rows compared, rows that differ) between the restarted cluster and the twin."""
     log = run["log"]
-    twin = PSClient(["inproc:0", "inproc:1"], ClientConfig(tune_malloc=False),
-                    transport=InProcessTransport([Shard(0, 2), Shard(1, 2)]))  # fmt: skip
+    twin = PSClient(
+        ["inproc:0", "inproc:1"],
+        ClientConfig(tune_malloc=False),
+        transport=InProcessTransport([Shard(0, 2), Shard(1, 2)]),
+    )
     keys: dict[str, set[int]] = {}
     with twin:
         for name, dim, options in log["tables"]:
@@ -219,10 +251,12 @@ def test_training_rides_through_shard_kills(tmp_path: Path, request: pytest.Fixt
     auc_faulty, auc_clean = faulty["metrics"]["final"]["auc"], clean["metrics"]["final"]["auc"]
     restarts = faulty["text"].count("restarting it on the same address")
     restart_s = [r for _, _, r in faulty["killed"]]
-    print(f"seed {seed}: kills {len(faulty['killed'])} (shards {[s for s, _, _ in faulty['killed']]}), "
-          f"restarts {restarts}, restart s {[round(r, 2) for r in restart_s]} (max {max(restart_s, default=0):.2f}), "
-          f"acknowledged pushes {pushes}, rows compared {rows}, rows differing {differ}, AUC with kills "
-          f"{auc_faulty:.4f}, without {auc_clean:.4f}, run s {faulty['seconds']:.0f} / {clean['seconds']:.0f}")  # fmt: skip
+    print(
+        f"seed {seed}: kills {len(faulty['killed'])} (shards {[s for s, _, _ in faulty['killed']]}), "
+        f"restarts {restarts}, restart s {[round(r, 2) for r in restart_s]} (max {max(restart_s, default=0):.2f}), "
+        f"acknowledged pushes {pushes}, rows compared {rows}, rows differing {differ}, AUC with kills "
+        f"{auc_faulty:.4f}, without {auc_clean:.4f}, run s {faulty['seconds']:.0f} / {clean['seconds']:.0f}"
+    )
     assert len(faulty["killed"]) == kills, "training ended before every kill: raise the sample count"
     assert restarts == kills, faulty["text"][-3000:]
     assert max(restart_s) <= MAX_RESTART_S, f"restart times {restart_s} (seed {seed}): over {MAX_RESTART_S} s"

@@ -41,8 +41,11 @@ from tests.profiles import long_run
 
 TABLE, DIM, KEYS_PER_PUSH = "count", 8, 4
 PATH = "/ps.v1.ParameterServer/"
-CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
-                   ("grpc.max_reconnect_backoff_ms", 200)]  # fmt: skip
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 200),
+]
 
 
 @dataclass(frozen=True)
@@ -124,8 +127,9 @@ def raw_load(address: str, load: Load, client_id: str) -> None:
                     load.refused.append(keys)
                 else:
                     load.client_errors.append(f"raw push {client_id}/{seq}: {first}, then {code} for 30 s")
-            probe = pb.LookupRequest(entries=[pb.LookupEntry(table=TABLE, keys=wire.encode_keys(keys))], num_shards=1,
-                                     shard=0).SerializeToString()  # fmt: skip
+            probe = pb.LookupRequest(
+                entries=[pb.LookupEntry(table=TABLE, keys=wire.encode_keys(keys))], num_shards=1, shard=0
+            ).SerializeToString()
             _attempt(load, "Lookup", lookup, probe)
             if code != "OK":
                 time.sleep(0.02)
@@ -194,12 +198,14 @@ def test_sigterm_under_load_exits_0_and_loses_nothing(tmp_path: Path, request: p
     codes = Counter(a.code for a in load.attempts)
     spanning = Counter(f"{a.method} {a.code}" for a in load.attempts if spans(a))
     refusals = Counter(a.details.splitlines()[0][:80] for a in load.attempts if a.code != "OK")
-    print(f"rounds {rounds}: stop s {[round(s, 2) for s in stop_s]}, restart s {[round(s, 2) for s in restart_s]}, "
-          f"client calls {load.client_calls} (failed {len(load.client_errors)}), raw attempts {dict(codes)}, "
-          f"in flight across a SIGTERM {dict(spanning)}, refusals {dict(refusals)}, "
-          f"pushes acknowledged {acked.shape[0] // KEYS_PER_PUSH} (raw ones resent {load.resent}), refused {refused.shape[0] // KEYS_PER_PUSH}, "
-          f"rows compared {rows.shape[0]}, acknowledged rows not applied once {int((applied_acked != 1).sum())}, "
-          f"refused rows applied {int((applied_refused != 0).sum())}")  # fmt: skip
+    print(
+        f"rounds {rounds}: stop s {[round(s, 2) for s in stop_s]}, restart s {[round(s, 2) for s in restart_s]}, "
+        f"client calls {load.client_calls} (failed {len(load.client_errors)}), raw attempts {dict(codes)}, "
+        f"in flight across a SIGTERM {dict(spanning)}, refusals {dict(refusals)}, "
+        f"pushes acknowledged {acked.shape[0] // KEYS_PER_PUSH} (raw ones resent {load.resent}), refused {refused.shape[0] // KEYS_PER_PUSH}, "
+        f"rows compared {rows.shape[0]}, acknowledged rows not applied once {int((applied_acked != 1).sum())}, "
+        f"refused rows applied {int((applied_refused != 0).sum())}"
+    )
     assert not load.client_errors, load.client_errors[:5]
     retryable = {"OK", "UNAVAILABLE", "CANCELLED"}  # what PSClient retries (pushes: with the same seq)
     assert set(codes) <= retryable, [a for a in load.attempts if a.code not in retryable][:10]

@@ -43,8 +43,9 @@ def test_connection_churn_soak(tmp_path: Path, request: pytest.FixtureRequest) -
     shard = start_shard(0, 1, tmp_path, f"--data-dir={tmp_path / 'data'}", "--follow-history-keys=50000")
     rng = np.random.default_rng(7)
     acknowledged = rounds = abandoned = 0
-    lookup_body = pb.LookupRequest(entries=[pb.LookupEntry(table="t", keys=np.arange(KEYS).tobytes())],
-                                   num_shards=1, shard=0).SerializeToString()  # fmt: skip
+    lookup_body = pb.LookupRequest(
+        entries=[pb.LookupEntry(table="t", keys=np.arange(KEYS).tobytes())], num_shards=1, shard=0
+    ).SerializeToString()
     try:
         with PSClient([shard.address]) as setup:
             setup.create_table("t", dim=DIM)
@@ -78,9 +79,11 @@ def test_connection_churn_soak(tmp_path: Path, request: pytest.FixtureRequest) -
         with PSClient([shard.address]) as check:
             pushed_keys = check.stats()[0]["tables"][0]["pushes"]
         growth = rss_end / rss_after_warm_up - 1
-        print(f"soak {seconds:.0f} s: {rounds} rounds, {acknowledged} acknowledged pushes, {abandoned} abandoned "
-              f"channels; RSS after warm-up {rss_after_warm_up / 2**20:.1f} MiB -> {rss_end / 2**20:.1f} MiB "
-              f"({growth:+.2%})")  # fmt: skip
+        print(
+            f"soak {seconds:.0f} s: {rounds} rounds, {acknowledged} acknowledged pushes, {abandoned} abandoned "
+            f"channels; RSS after warm-up {rss_after_warm_up / 2**20:.1f} MiB -> {rss_end / 2**20:.1f} MiB "
+            f"({growth:+.2%})"
+        )
         assert pushed_keys == 256 * acknowledged  # every acknowledged push applied once, none lost
         assert growth <= RSS_GROWTH_MAX, f"shard RSS grew {growth:.1%} after the warm-up"
     finally:

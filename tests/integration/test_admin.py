@@ -87,8 +87,12 @@ def read_checkpoint(ckpt: Path) -> tuple[dict[str, Rows], int]:
         keys = np.concatenate([p.keys for p in ps])
         order = np.argsort(keys, kind="stable")
         assert np.unique(keys).shape == keys.shape, f"{ckpt}: table {table} has a key on two shards"
-        tables[table] = Rows(*(np.concatenate([getattr(p, f) for p in ps])[order]
-                               for f in ("keys", "values", "state", "last_access", "frequency")))  # fmt: skip
+        tables[table] = Rows(
+            *(
+                np.concatenate([getattr(p, f) for p in ps])[order]
+                for f in ("keys", "values", "state", "last_access", "frequency")
+            )
+        )
         assert manifest["rows"][table] == keys.shape[0], f"{ckpt}: manifest row count of {table}"
     return tables, ledgers
 
@@ -121,17 +125,25 @@ def test_checkpoint_reshard_and_restore(tmp_path: Path) -> None:
     shards: list[RunningShard] = []
     try:
         for i in range(2):
-            shards.append(start_shard(i, 2, tmp_path, f"--data-dir={tmp_path / f'data{i}'}",
-                                      f"--memory-budget-bytes={BUDGET_BYTES}",
-                                      f"--checkpoint-root={tmp_path / 'ckpts'}"))  # fmt: skip
+            shards.append(
+                start_shard(
+                    i,
+                    2,
+                    tmp_path,
+                    f"--data-dir={tmp_path / f'data{i}'}",
+                    f"--memory-budget-bytes={BUDGET_BYTES}",
+                    f"--checkpoint-root={tmp_path / 'ckpts'}",
+                )
+            )
         addresses = [s.address for s in shards]
         keys = train(addresses, rng)
         before = lookup_all(addresses, keys)
 
         # The shards write only under their checkpoint root: --out elsewhere is refused by
         # every shard, says which root to configure, and leaves nothing behind.
-        outside = ps_admin("checkpoint", "--addresses", ",".join(addresses), "--out", tmp_path / "elsewhere",
-                           cwd=tmp_path)  # fmt: skip
+        outside = ps_admin(
+            "checkpoint", "--addresses", ",".join(addresses), "--out", tmp_path / "elsewhere", cwd=tmp_path
+        )
         assert outside.returncode == 1, outside.stderr
         assert f"checkpoint root {tmp_path / 'ckpts'}" in outside.stderr and "--checkpoint-root" in outside.stderr
         assert addresses[0] in outside.stderr and addresses[1] in outside.stderr
@@ -150,8 +162,9 @@ def test_checkpoint_reshard_and_restore(tmp_path: Path) -> None:
         # Errors a person can act on.
         again = ps_admin("checkpoint", "--addresses", ",".join(addresses), "--out", ckpt2, cwd=tmp_path)
         assert again.returncode == 1 and "exists" in again.stderr and "new directory" in again.stderr
-        swapped = ps_admin("checkpoint", "--addresses", ",".join(addresses[::-1]), "--out", tmp_path / "x",
-                           cwd=tmp_path)  # fmt: skip
+        swapped = ps_admin(
+            "checkpoint", "--addresses", ",".join(addresses[::-1]), "--out", tmp_path / "x", cwd=tmp_path
+        )
         assert swapped.returncode == 1 and addresses[1] in swapped.stderr and "shard order" in swapped.stderr
         assert not (tmp_path / "x").exists()
         partial = ps_admin("checkpoint", "--addresses", addresses[0], "--out", tmp_path / "x", cwd=tmp_path)
@@ -173,8 +186,9 @@ def test_checkpoint_reshard_and_restore(tmp_path: Path) -> None:
     assert (original["item"].state[:, -1] >= 1).any(), "Adam step counts should have been pushed"
 
     ckpt3, back2 = tmp_path / "ckpt3", tmp_path / "back2"
-    out = ok(ps_admin("reshard", "--from", ckpt2, "--to-shards", "3", "--out", ckpt3, "--chunk-rows", "500",
-                      cwd=tmp_path))  # fmt: skip
+    out = ok(
+        ps_admin("reshard", "--from", ckpt2, "--to-shards", "3", "--out", ckpt3, "--chunk-rows", "500", cwd=tmp_path)
+    )
     assert "push ledgers were not carried over" in out
     ok(ps_admin("reshard", "--from", ckpt3, "--to-shards", "2", "--out", back2, cwd=tmp_path))
     manifest3 = json.loads((ckpt3 / "manifest.json").read_text())
@@ -199,8 +213,15 @@ def test_checkpoint_reshard_and_restore(tmp_path: Path) -> None:
     restored: list[RunningShard] = []
     try:
         for j in range(3):
-            restored.append(start_shard(j, 3, tmp_path / "r3", f"--data-dir={tmp_path / f'new{j}'}",
-                                        f"--restore-from={ckpt3 / f'shard-{j:05d}-of-00003'}"))  # fmt: skip
+            restored.append(
+                start_shard(
+                    j,
+                    3,
+                    tmp_path / "r3",
+                    f"--data-dir={tmp_path / f'new{j}'}",
+                    f"--restore-from={ckpt3 / f'shard-{j:05d}-of-00003'}",
+                )
+            )
         after = lookup_all([s.address for s in restored], keys)
         for table in keys:
             assert np.array_equal(after[table].view(np.uint32), before[table].view(np.uint32)), table
@@ -211,13 +232,13 @@ def test_checkpoint_reshard_and_restore(tmp_path: Path) -> None:
 
 def test_bad_arguments_and_checkpoints(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
-    missing = ps_admin("reshard", "--from", tmp_path / "empty", "--to-shards", "2", "--out", tmp_path / "o",
-                       cwd=tmp_path)  # fmt: skip
+    missing = ps_admin(
+        "reshard", "--from", tmp_path / "empty", "--to-shards", "2", "--out", tmp_path / "o", cwd=tmp_path
+    )
     assert missing.returncode == 1 and "no manifest.json" in missing.stderr and "incomplete" in missing.stderr
     assert not (tmp_path / "o").exists()
 
-    zero = ps_admin("reshard", "--from", tmp_path / "empty", "--to-shards", "0", "--out", tmp_path / "o",
-                    cwd=tmp_path)  # fmt: skip
+    zero = ps_admin("reshard", "--from", tmp_path / "empty", "--to-shards", "0", "--out", tmp_path / "o", cwd=tmp_path)
     assert zero.returncode == 2 and "--to-shards" in zero.stderr and ">= 1" in zero.stderr
 
     bad_address = ps_admin("checkpoint", "--addresses", "localhost", "--out", tmp_path / "o", cwd=tmp_path)
@@ -242,16 +263,43 @@ def test_tables_create_table_health_and_json_with_a_token(tmp_path: Path) -> Non
     addresses = ",".join(s.address for s in shards)
     try:
         as_admin = ("--token-file", tmp_path / "admin.token")
-        created = json.loads(ok(ps_admin("--json", *as_admin, "create-table", "--addresses", addresses,
-                                         "--name", "items", "--dim", "8", "optimizer=adagrad", "lr=0.05", cwd=tmp_path)))  # fmt: skip
+        created = json.loads(
+            ok(
+                ps_admin(
+                    "--json",
+                    *as_admin,
+                    "create-table",
+                    "--addresses",
+                    addresses,
+                    "--name",
+                    "items",
+                    "--dim",
+                    "8",
+                    "optimizer=adagrad",
+                    "lr=0.05",
+                    cwd=tmp_path,
+                )
+            )
+        )
         assert (created["name"], created["dim"], created["optimizer"]) == ("items", 8, "adagrad")
-        denied = ps_admin("--token-file", tmp_path / "read.token", "create-table", "--addresses", addresses,
-                          "--name", "other", "--dim", "4", cwd=tmp_path)  # fmt: skip
+        denied = ps_admin(
+            "--token-file",
+            tmp_path / "read.token",
+            "create-table",
+            "--addresses",
+            addresses,
+            "--name",
+            "other",
+            "--dim",
+            "4",
+            cwd=tmp_path,
+        )
         assert denied.returncode == 1 and "needs a admin token" in denied.stderr and read_token not in denied.stderr
         no_token = ps_admin("tables", "--addresses", addresses, cwd=tmp_path)
         assert no_token.returncode == 1 and "no bearer token" in no_token.stderr
-        assert "items: dim 8, optimizer adagrad" in ok(ps_admin(*as_admin, "tables", "--addresses", addresses,
-                                                                cwd=tmp_path))  # fmt: skip
+        assert "items: dim 8, optimizer adagrad" in ok(
+            ps_admin(*as_admin, "tables", "--addresses", addresses, cwd=tmp_path)
+        )
         tables = json.loads(ok(ps_admin("--json", *as_admin, "tables", "--addresses", addresses, cwd=tmp_path)))
         assert [t["name"] for t in tables] == ["items"]
         stats = json.loads(ok(ps_admin("--json", *as_admin, "stats", "--addresses", addresses, cwd=tmp_path)))

@@ -23,8 +23,12 @@ def test_concurrent_pushes_and_lookups_lose_nothing(addresses: list[str]) -> Non
         with PSClient(addresses) as ps:
             fresh = np.arange(1000 + 100 * t, 1300 + 100 * t, dtype=np.int64)
             for i in range(pushes):
-                ps.push_many({"shared": (hot, np.ones((20, dim), np.float32)),
-                              "other": (fresh[i::pushes], np.full((len(fresh[i::pushes]), dim), 0.5, np.float32))})  # fmt: skip
+                ps.push_many(
+                    {
+                        "shared": (hot, np.ones((20, dim), np.float32)),
+                        "other": (fresh[i::pushes], np.full((len(fresh[i::pushes]), dim), 0.5, np.float32)),
+                    }
+                )
                 ps.lookup_many({"shared": hot, "other": fresh})
             return ps.lookup("other", fresh)
 

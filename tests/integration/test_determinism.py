@@ -29,8 +29,10 @@ VOCAB, DIM, BATCH, STEPS = 30, 4, 32, 24
 def train_with_jitter(addresses: list[str], mode: str, jitter_seed: int, table: str) -> tuple[np.ndarray, list[float]]:
     """A small model trained for STEPS steps; lookups and pushes are delayed at random (by ``jitter_seed``)."""
     rng = np.random.default_rng(0)
-    batches = [{"f": JaggedIds.from_lengths(torch.from_numpy(rng.integers(0, VOCAB, 2 * BATCH)), torch.full((BATCH,), 2))}
-               for _ in range(STEPS)]  # fmt: skip
+    batches = [
+        {"f": JaggedIds.from_lengths(torch.from_numpy(rng.integers(0, VOCAB, 2 * BATCH)), torch.full((BATCH,), 2))}
+        for _ in range(STEPS)
+    ]
     labels = [torch.from_numpy(rng.integers(0, 2, BATCH).astype(np.float32)) for _ in range(STEPS)]
     delays = random.Random(jitter_seed)
     with PSClient(addresses) as client:

@@ -188,8 +188,10 @@ def test_disk_fills_then_frees_and_nothing_acknowledged_is_lost(
 
     shard = start(procs, tmp_path, *args)
     lost, extra = lost_and_extra(row_counts(shard.address), acked)
-    print(f"\n{mode}: {before_space} pushes acknowledged before space returned, {len(acked)} in all; writable "
-          f"again {recovered_s:.1f}s after space returned; after SIGTERM + restart {lost} row updates lost, {extra} extra")  # fmt: skip
+    print(
+        f"\n{mode}: {before_space} pushes acknowledged before space returned, {len(acked)} in all; writable "
+        f"again {recovered_s:.1f}s after space returned; after SIGTERM + restart {lost} row updates lost, {extra} extra"
+    )
     assert (lost, extra) == (0, 0), f"{mode}: {lost} acknowledged row updates lost, {extra} applied twice"
     with Pusher(shard.address, table=TABLE, dim=DIM) as pusher:
         again = [p for p in acked[-8:] if pusher.push(*p, keys_of(*p))]
@@ -229,8 +231,10 @@ def test_stop_on_a_full_disk_saves_a_rescue_dump_and_restore_recovers_every_push
 
     shard = start(procs, tmp_path, *args, f"--restore-from={dump}")
     lost, extra = lost_and_extra(row_counts(shard.address), acked)
-    print(f"\n{mode}: {len(acked)} pushes acknowledged, stopped on a full disk (exit {code} after {took:.1f}s, "
-          f"dump {dump.name}); after --restore-from {lost} row updates lost, {extra} extra")  # fmt: skip
+    print(
+        f"\n{mode}: {len(acked)} pushes acknowledged, stopped on a full disk (exit {code} after {took:.1f}s, "
+        f"dump {dump.name}); after --restore-from {lost} row updates lost, {extra} extra"
+    )
     assert (lost, extra) == (0, 0), f"{mode}: {lost} acknowledged row updates lost, {extra} applied twice"
     with Pusher(shard.address, table=TABLE, dim=DIM) as pusher:
         assert not [p for p in acked[-8:] if pusher.push(*p, keys_of(*p))], "acknowledged pushes applied again"

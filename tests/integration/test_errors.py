@@ -62,21 +62,49 @@ KEYS2 = np.array([1, 2], dtype="<i8").tobytes()
 ROWS2 = np.ones((2, 8), dtype="<f4").tobytes()
 
 BAD_REQUESTS = [
-    ("Lookup", pb.LookupRequest(entries=[pb.LookupEntry(table="nope", keys=KEYS2)]).SerializeToString(),
-     grpc.StatusCode.NOT_FOUND, "table 'nope' does not exist"),
+    (
+        "Lookup",
+        pb.LookupRequest(entries=[pb.LookupEntry(table="nope", keys=KEYS2)]).SerializeToString(),
+        grpc.StatusCode.NOT_FOUND,
+        "table 'nope' does not exist",
+    ),
     ("Push", push_bytes("nope", KEYS2, ROWS2), grpc.StatusCode.NOT_FOUND, "'nope'"),
-    ("Lookup", pb.LookupRequest(entries=[pb.LookupEntry(table="emb", keys=b"\x01" * 12)]).SerializeToString(),
-     grpc.StatusCode.INVALID_ARGUMENT, "entries[0].keys (table 'emb'): 12 bytes is not a multiple of 8"),
-    ("Lookup", pb.LookupRequest(entries=[pb.LookupEntry(table="emb", keys=KEYS2, dtype=9)]).SerializeToString(),
-     grpc.StatusCode.INVALID_ARGUMENT, "entries[0].dtype: unknown dtype 9"),
-    ("Lookup", pb.LookupRequest(entries=[pb.LookupEntry(table="", keys=KEYS2)]).SerializeToString(),
-     grpc.StatusCode.INVALID_ARGUMENT, "entries[0].table: table name is empty"),
-    ("Push", push_bytes(keys=KEYS2, grads=ROWS2[:-4]), grpc.StatusCode.INVALID_ARGUMENT,
-     "entries[0] (table 'emb').grads: 60 bytes, expected 64"),
-    ("Push", push_bytes(keys=KEYS2, grads=np.ones((2, 4), "<f4").tobytes()), grpc.StatusCode.INVALID_ARGUMENT,
-     "expected 64 (2 keys x dim 8"),
-    ("Push", push_bytes(keys=KEYS2, grads=np.full((2, 8), np.nan, "<f4").tobytes()), grpc.StatusCode.INVALID_ARGUMENT,
-     "table 'emb': grads[0][0] is nan"),
+    (
+        "Lookup",
+        pb.LookupRequest(entries=[pb.LookupEntry(table="emb", keys=b"\x01" * 12)]).SerializeToString(),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "entries[0].keys (table 'emb'): 12 bytes is not a multiple of 8",
+    ),
+    (
+        "Lookup",
+        pb.LookupRequest(entries=[pb.LookupEntry(table="emb", keys=KEYS2, dtype=9)]).SerializeToString(),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "entries[0].dtype: unknown dtype 9",
+    ),
+    (
+        "Lookup",
+        pb.LookupRequest(entries=[pb.LookupEntry(table="", keys=KEYS2)]).SerializeToString(),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "entries[0].table: table name is empty",
+    ),
+    (
+        "Push",
+        push_bytes(keys=KEYS2, grads=ROWS2[:-4]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "entries[0] (table 'emb').grads: 60 bytes, expected 64",
+    ),
+    (
+        "Push",
+        push_bytes(keys=KEYS2, grads=np.ones((2, 4), "<f4").tobytes()),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "expected 64 (2 keys x dim 8",
+    ),
+    (
+        "Push",
+        push_bytes(keys=KEYS2, grads=np.full((2, 8), np.nan, "<f4").tobytes()),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "table 'emb': grads[0][0] is nan",
+    ),
     ("Push", push_bytes(keys=KEYS2, grads=ROWS2, dtype=7), grpc.StatusCode.INVALID_ARGUMENT, "unknown dtype 7"),
     ("Push", b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "malformed request"),
     ("Lookup", b"\x0a\xff\xff\xff\x0f", grpc.StatusCode.INVALID_ARGUMENT, "malformed request"),
@@ -86,25 +114,65 @@ BAD_REQUESTS = [
     ("ListTables", b"\x08", grpc.StatusCode.INVALID_ARGUMENT, "ListTables: malformed request"),
     ("ListTables", b"\x0b", grpc.StatusCode.INVALID_ARGUMENT, "ListTables: malformed request"),
     ("Checkpoint", b"\x0a\x05ab", grpc.StatusCode.INVALID_ARGUMENT, "Checkpoint: malformed request"),
-    ("Checkpoint", pb.CheckpointRequest(path="ck").SerializeToString(), grpc.StatusCode.FAILED_PRECONDITION,
-     "has no checkpoint root: start it with --checkpoint-root"),
-    ("Lookup", pb.LookupRequest(entries=[pb.LookupEntry(table="emb", keys=KEYS2)], num_shards=3).SerializeToString(),
-     grpc.StatusCode.FAILED_PRECONDITION, "routed for num_shards=3"),
-    ("Push", push_bytes(keys=KEYS2, grads=ROWS2, shard=1), grpc.StatusCode.FAILED_PRECONDITION,
-     "request for shard 1 reached shard 0"),
-    ("Lookup", pb.LookupRequest(entries=[pb.LookupEntry(table="emb", keys=np.arange(40_000, dtype="<i8").tobytes())]).SerializeToString(),
-     grpc.StatusCode.RESOURCE_EXHAUSTED, "over this shard's max_message_bytes=1048576"),
-    ("Push", push_bytes(keys=np.arange(40_000, dtype="<i8").tobytes(), grads=np.ones((40_000, 8), "<f4").tobytes()),
-     grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
-    ("CreateTable", pb.CreateTableRequest(spec=pb.TableSpec(name="z", dim=0)).SerializeToString(),
-     grpc.StatusCode.INVALID_ARGUMENT, "table 'z': dim=0"),
-    ("CreateTable", pb.CreateTableRequest(spec=pb.TableSpec(name="z", dim=4, optimizer=pb.OptimizerSpec(lr=-1))).SerializeToString(),
-     grpc.StatusCode.INVALID_ARGUMENT, "optimizer.lr=-1.0: must be > 0"),
-    ("CreateTable", pb.CreateTableRequest(spec=pb.TableSpec(name="bad name!", dim=4)).SerializeToString(),
-     grpc.StatusCode.INVALID_ARGUMENT, "table name 'bad name!'"),
-    ("CreateTable", pb.CreateTableRequest(spec=pb.TableSpec(name="emb", dim=16)).SerializeToString(),
-     grpc.StatusCode.ALREADY_EXISTS, "dim: 8 != 16"),
-]  # fmt: skip
+    (
+        "Checkpoint",
+        pb.CheckpointRequest(path="ck").SerializeToString(),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "has no checkpoint root: start it with --checkpoint-root",
+    ),
+    (
+        "Lookup",
+        pb.LookupRequest(entries=[pb.LookupEntry(table="emb", keys=KEYS2)], num_shards=3).SerializeToString(),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "routed for num_shards=3",
+    ),
+    (
+        "Push",
+        push_bytes(keys=KEYS2, grads=ROWS2, shard=1),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "request for shard 1 reached shard 0",
+    ),
+    (
+        "Lookup",
+        pb.LookupRequest(
+            entries=[pb.LookupEntry(table="emb", keys=np.arange(40_000, dtype="<i8").tobytes())]
+        ).SerializeToString(),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "over this shard's max_message_bytes=1048576",
+    ),
+    (
+        "Push",
+        push_bytes(keys=np.arange(40_000, dtype="<i8").tobytes(), grads=np.ones((40_000, 8), "<f4").tobytes()),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "",
+    ),
+    (
+        "CreateTable",
+        pb.CreateTableRequest(spec=pb.TableSpec(name="z", dim=0)).SerializeToString(),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "table 'z': dim=0",
+    ),
+    (
+        "CreateTable",
+        pb.CreateTableRequest(
+            spec=pb.TableSpec(name="z", dim=4, optimizer=pb.OptimizerSpec(lr=-1))
+        ).SerializeToString(),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "optimizer.lr=-1.0: must be > 0",
+    ),
+    (
+        "CreateTable",
+        pb.CreateTableRequest(spec=pb.TableSpec(name="bad name!", dim=4)).SerializeToString(),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "table name 'bad name!'",
+    ),
+    (
+        "CreateTable",
+        pb.CreateTableRequest(spec=pb.TableSpec(name="emb", dim=16)).SerializeToString(),
+        grpc.StatusCode.ALREADY_EXISTS,
+        "dim: 8 != 16",
+    ),
+]
 
 
 def test_every_bad_input_gets_its_status_and_the_shard_keeps_serving(shard: RunningShard) -> None:

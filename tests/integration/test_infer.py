@@ -71,10 +71,21 @@ def start_infer(trained: Trained, root: Path, name: str, *extra: str) -> Infer:
     """A real ``ps-infer`` process on 127.0.0.1 port 0; returns once it wrote its port file."""
     port_file, log = root / f"{name}.port", root / f"{name}.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.serving", f"--model={trained.run}",
-                                 f"--ps={','.join(trained.addresses)}", "--listen=127.0.0.1:0",
-                                 f"--port-file={port_file}", *extra],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "worker.serving",
+                f"--model={trained.run}",
+                f"--ps={','.join(trained.addresses)}",
+                "--listen=127.0.0.1:0",
+                f"--port-file={port_file}",
+                *extra,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
     deadline = time.monotonic() + 120
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -100,8 +111,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
     """A DLRM trained for a few seconds on generated data, against two real shards that stay up."""
     root = tmp_path_factory.mktemp("infer")
     with LocalCluster(2, root=root / "shards") as cluster:
-        config = TrainerConfig(train_samples=4096, eval_samples=512, batch_size=512, progress=False,
-                               output_dir=root / "run")  # fmt: skip
+        config = TrainerConfig(
+            train_samples=4096, eval_samples=512, batch_size=512, progress=False, output_dir=root / "run"
+        )
         train(config, cluster.addresses)
         yield Trained(cluster.addresses, root / "run", [s.proc.pid for s in cluster.shards])
 
@@ -123,12 +135,15 @@ def raw_rows(n: int, seed: int) -> tuple[dict[str, npt.NDArray[np.int64]], dict[
     return ids, counts
 
 
-def in_process(trained: Trained, ids: Mapping[str, npt.NDArray[np.int64]],
-               counts: Mapping[str, npt.NDArray[np.float64]]) -> F32:  # fmt: skip
+def in_process(
+    trained: Trained, ids: Mapping[str, npt.NDArray[np.int64]], counts: Mapping[str, npt.NDArray[np.float64]]
+) -> F32:
     """The trained model in this process, on the keys and dense values the generator would make."""
     manifest = json.loads((trained.run / "manifest.json").read_text())
-    tables = [EmbeddingTableConfig(t["name"], t["dim"], t["optimizer"], t["initializer"], t["seed"], t["params"])
-              for t in manifest["tables"]]  # fmt: skip
+    tables = [
+        EmbeddingTableConfig(t["name"], t["dim"], t["optimizer"], t["initializer"], t["seed"], t["params"])
+        for t in manifest["tables"]
+    ]
     features = [FeatureConfig(f["name"], f["table"], f["pooling"]) for f in manifest["features"]]
     model = DLRM(len(DENSE), CAT, manifest["dim"], wide=[c + ".wide" for c in CAT])
     model.load_state_dict(torch.load(trained.run / "dense.pt"))
@@ -146,8 +161,9 @@ def in_process(trained: Trained, ids: Mapping[str, npt.NDArray[np.int64]],
     return out
 
 
-def requests_of(ids: Mapping[str, Any], counts: Mapping[str, Any], sizes: list[int],
-                context: tuple[str, ...] = ("C1", "I1")) -> list[tuple[dict[str, Any], dict[str, Any]]]:  # fmt: skip
+def requests_of(
+    ids: Mapping[str, Any], counts: Mapping[str, Any], sizes: list[int], context: tuple[str, ...] = ("C1", "I1")
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """Split rows into requests of ``sizes``; the ``context`` columns become one value per request."""
     out = []
     lo = 0
@@ -158,8 +174,9 @@ def requests_of(ids: Mapping[str, Any], counts: Mapping[str, Any], sizes: list[i
     return out
 
 
-def with_shared_context(ids: dict[str, Any], counts: dict[str, Any], sizes: list[int],
-                        context: tuple[str, ...] = ("C1", "I1")) -> None:  # fmt: skip
+def with_shared_context(
+    ids: dict[str, Any], counts: dict[str, Any], sizes: list[int], context: tuple[str, ...] = ("C1", "I1")
+) -> None:
     """Make the ``context`` columns constant within each request's rows (in place)."""
     lo = 0
     for n in sizes:
@@ -221,8 +238,9 @@ def test_bad_requests_get_invalid_argument_naming_the_field(infer: Infer, change
 
 def test_wire_level_errors_and_too_many_candidates(infer: Infer) -> None:
     with PredictClient(infer.address) as client:
-        bad_lengths = pb.Column(name="C2", type=pb.VALUE_TYPE_STRING, values=b"abc",
-                                lengths=np.array([1, 1], "<i4").tobytes())  # fmt: skip
+        bad_lengths = pb.Column(
+            name="C2", type=pb.VALUE_TYPE_STRING, values=b"abc", lengths=np.array([1, 1], "<i4").tobytes()
+        )
         with pytest.raises(PredictError, match=r"candidates\['C2'\].lengths: add up to 2 bytes") as info:
             client.call(pb.PredictRequest(num_candidates=2, candidates=[bad_lengths]))
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -358,8 +376,14 @@ def test_criteo_raw_text_fields_score_as_the_trainers_evaluation(tmp_path: Path)
     (tmp_path / "head.txt").write_text("\n".join(lines) + "\n")
     run = tmp_path / "run"
     with LocalCluster(2, root=tmp_path / "shards") as cluster:
-        config = TrainerConfig(data=str(tmp_path / "head.txt"), schema="criteo", epochs=1, train_fraction=0.8,
-                               progress=False, output_dir=run)  # fmt: skip
+        config = TrainerConfig(
+            data=str(tmp_path / "head.txt"),
+            schema="criteo",
+            epochs=1,
+            train_fraction=0.8,
+            progress=False,
+            output_dir=run,
+        )
         train(config, cluster.addresses)
         expected = np.load(run / "predictions.npy")  # the final evaluation's, rows 1600..1999 in order
         infer = start_infer(Trained(cluster.addresses, run), tmp_path, "criteo")
@@ -384,9 +408,15 @@ def test_tokens_tls_and_metrics(trained: Trained, tmp_path: Path) -> None:
     ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
     token = "predict-token-0123456789"
     (tmp_path / "tokens").write_text(f"read {token}\n")
-    secured = start_infer(trained, tmp_path, "secured", f"--auth-token-file={tmp_path / 'tokens'}",
-                          f"--tls-cert={tmp_path / 'server.pem'}", f"--tls-key={tmp_path / 'server.key'}",
-                          "--metrics-port=0")  # fmt: skip
+    secured = start_infer(
+        trained,
+        tmp_path,
+        "secured",
+        f"--auth-token-file={tmp_path / 'tokens'}",
+        f"--tls-cert={tmp_path / 'server.pem'}",
+        f"--tls-key={tmp_path / 'server.key'}",
+        "--metrics-port=0",
+    )
     try:
         ids, counts = raw_rows(5, seed=9)
         ((ctx, cand),) = requests_of(ids, counts, [5])

@@ -29,8 +29,13 @@ def test_help_exits_0_and_documents_restarts() -> None:
 
 
 def test_exit_status_is_the_workers(tmp_path: Path) -> None:
-    result = subprocess.run(_launch("--shards", "1", "--data-dir", str(tmp_path), "--", "python", "-c",
-                                    "raise SystemExit(3)"), cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        _launch("--shards", "1", "--data-dir", str(tmp_path), "--", "python", "-c", "raise SystemExit(3)"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 3, result.stderr[-2000:]
     assert "workers exited with status 3" in result.stderr
     assert "ps-launch: worker rank 0 (pid" in result.stderr and "exited with status 3" in result.stderr
@@ -38,8 +43,13 @@ def test_exit_status_is_the_workers(tmp_path: Path) -> None:
 
 def test_workers_get_one_thread_per_spare_core_and_a_signal_is_128_plus(tmp_path: Path) -> None:
     code = "import os, signal; print('threads', os.environ['OMP_NUM_THREADS'], flush=True); os.kill(os.getpid(), signal.SIGKILL)"
-    result = subprocess.run(_launch("--shards", "1", "--data-dir", str(tmp_path), "--", "python", "-c", code),
-                            cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        _launch("--shards", "1", "--data-dir", str(tmp_path), "--", "python", "-c", code),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 128 + 9, result.stderr[-2000:]
     assert f"threads {threads_beside_local_shards(1)}" in result.stdout
     assert "was killed by SIGKILL" in result.stderr
@@ -70,9 +80,23 @@ def test_restart_policy_gives_up_only_on_repeated_fast_failures() -> None:
 
 def test_a_crash_looping_shard_ends_the_run_with_its_log_once(tmp_path: Path) -> None:
     launch_dir, data = tmp_path / "launch", tmp_path / "data"
-    proc = subprocess.Popen(_launch("--shards", "2", "--data-dir", str(launch_dir), f"--shard-arg=--data-dir={data}/{{shard}}",
-                                    "--", "python", "-c", "import time; time.sleep(300)"),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        _launch(
+            "--shards",
+            "2",
+            "--data-dir",
+            str(launch_dir),
+            f"--shard-arg=--data-dir={data}/{{shard}}",
+            "--",
+            "python",
+            "-c",
+            "import time; time.sleep(300)",
+        ),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         kills = 0

@@ -149,8 +149,12 @@ def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
 
     shard = start_shard(0, 1, tmp_path / "mtls", *tls, f"--tls-client-ca={tmp_path / 'ca.pem'}")
     try:
-        mutual = ClientConfig(tls_ca=str(tmp_path / "ca.pem"), tls_cert=str(tmp_path / "client.pem"),
-                              tls_key=str(tmp_path / "client.key"), **quick)  # fmt: skip
+        mutual = ClientConfig(
+            tls_ca=str(tmp_path / "ca.pem"),
+            tls_cert=str(tmp_path / "client.pem"),
+            tls_key=str(tmp_path / "client.key"),
+            **quick,
+        )
         with PSClient([shard.address], mutual) as c:
             c.create_table("t", dim=4)
         with PSClient([shard.address], ClientConfig(tls_ca=str(tmp_path / "ca.pem"), **quick)) as c:
@@ -187,8 +191,9 @@ def test_past_threads_calls_are_refused_fast_and_the_client_retries(tmp_path: Pa
         with PSClient([shard.address]) as client:
             client.create_table("a", dim=16)
             client.lookup("a", keys)  # creates the rows: later lookups only read (~20 MB answers)
-            body = pb.LookupRequest(entries=[pb.LookupEntry(table="a", keys=keys.tobytes())],
-                                    num_shards=1, shard=0).SerializeToString()  # fmt: skip
+            body = pb.LookupRequest(
+                entries=[pb.LookupEntry(table="a", keys=keys.tobytes())], num_shards=1, shard=0
+            ).SerializeToString()
             outcomes: list[tuple[str, float, bool]] = []
             lock = threading.Lock()
 

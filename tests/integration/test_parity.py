@@ -78,15 +78,21 @@ def local_embeddings(weights: dict[str, torch.nn.Parameter], batch: dict[str, Ja
         ("sgd", {"lr": 0.5}, lambda p: torch.optim.SGD(p, lr=0.5), 0.0),
         # Adagrad: torch's float32 sqrt is off by up to ~0.75 ulp (see test_optimizers.py), so
         # rows may differ in the last bit and the dense weights by the same relative amount.
-        ("adagrad", {"lr": 0.3, "initial_accumulator_value": 0.1},
-         lambda p: torch.optim.Adagrad(p, lr=0.3, initial_accumulator_value=0.1), 2e-6),
+        (
+            "adagrad",
+            {"lr": 0.3, "initial_accumulator_value": 0.1},
+            lambda p: torch.optim.Adagrad(p, lr=0.3, initial_accumulator_value=0.1),
+            2e-6,
+        ),
     ],
-)  # fmt: skip
+)
 def test_parity_sync_training_matches_local_embedding_bag(
     addresses: list[str], optimizer: str, params: dict[str, float], torch_opt: Any, rtol: float
 ) -> None:
-    tables = [EmbeddingTableConfig("a", DIM, optimizer, seed=1, params=params),
-              EmbeddingTableConfig("b", DIM, optimizer, seed=2, params=params)]  # fmt: skip
+    tables = [
+        EmbeddingTableConfig("a", DIM, optimizer, seed=1, params=params),
+        EmbeddingTableConfig("b", DIM, optimizer, seed=2, params=params),
+    ]
     batches = make_batches(7)
     labels = [torch.from_numpy(np.random.default_rng(s).integers(0, 2, BATCH).astype(np.float32)) for s in range(STEPS)]
 
@@ -106,8 +112,10 @@ def test_parity_sync_training_matches_local_embedding_bag(
 
     torch.manual_seed(0)
     twin = Tower()
-    weights = {t.name: torch.nn.Parameter(torch.from_numpy(initial_rows(InitializerParams(), t.seed, keys, DIM)))
-               for t in tables}  # fmt: skip
+    weights = {
+        t.name: torch.nn.Parameter(torch.from_numpy(initial_rows(InitializerParams(), t.seed, keys, DIM)))
+        for t in tables
+    }
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
     sparse_opt = torch_opt(list(weights.values()))
     for batch, y in zip(batches, labels):

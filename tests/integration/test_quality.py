@@ -57,7 +57,9 @@ def test_example_beats_hashed_logistic_regression(
     runpy.run_path(str(REPO / "examples" / f"train_{model}.py"), run_name="__main__")
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     final, config = metrics["final"], metrics["config"]
-    print(f"{model} on {schema}: AUC {final['auc']:.4f} (hashed LR {baseline}), logloss {final['logloss']:.4f}, "
-          f"batch {config['batch_size']}, epochs {config['epochs']}")  # fmt: skip
+    print(
+        f"{model} on {schema}: AUC {final['auc']:.4f} (hashed LR {baseline}), logloss {final['logloss']:.4f}, "
+        f"batch {config['batch_size']}, epochs {config['epochs']}"
+    )
     assert final["samples"] == eval_rows  # the baseline's split: the last 20% of the rows
     assert final["auc"] >= baseline, f"{model} on {schema}: AUC {final['auc']:.4f} < hashed LR {baseline}"

@@ -30,8 +30,7 @@ KEYS = np.arange(-500, 1500, 7, dtype=np.int64)
 
 def start_replica(root: Path, index: int = 0, num_shards: int = 1, listen: str = "127.0.0.1:0") -> RunningShard:
     """Shard ``index`` of ``num_shards`` with its own data dir under ``root`` (a restart keeps its tables)."""
-    return start_shard(index, num_shards, root, f"--data-dir={root / 'data'}", "--durability=every-push",
-                       listen=listen)  # fmt: skip
+    return start_shard(index, num_shards, root, f"--data-dir={root / 'data'}", "--durability=every-push", listen=listen)
 
 
 def create_table(addresses: list[str]) -> None:

@@ -20,17 +20,41 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def launch(tmp_path: Path, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "deploy.launch", "--data-dir", str(tmp_path / "shards"), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.launch", "--data-dir", str(tmp_path / "shards"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def test_two_worker_ddp_through_ps_launch(tmp_path: Path) -> None:
     out = tmp_path / "run"
     # Each worker needs a GPU of its own; with fewer than two, both train on CPU (gloo).
     device = "auto" if torch.cuda.device_count() >= 2 else "cpu"
-    result = launch(tmp_path, "--shards", "2", "--workers", "2", "--", "python", "examples/train_dlrm.py",
-                    "--train-samples", "24000", "--eval-samples", "4000", "--batch-size", "512",
-                    "--progress", "false", "--device", device, "--output-dir", str(out))  # fmt: skip
+    result = launch(
+        tmp_path,
+        "--shards",
+        "2",
+        "--workers",
+        "2",
+        "--",
+        "python",
+        "examples/train_dlrm.py",
+        "--train-samples",
+        "24000",
+        "--eval-samples",
+        "4000",
+        "--batch-size",
+        "512",
+        "--progress",
+        "false",
+        "--device",
+        device,
+        "--output-dir",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     digests = metrics["dense_digests"]
@@ -49,8 +73,23 @@ def test_two_worker_ddp_through_ps_launch(tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_more_workers_than_gpus_is_a_clear_error(tmp_path: Path) -> None:
     workers = str(torch.cuda.device_count() + 1)
-    result = launch(tmp_path, "--shards", "1", "--workers", workers, "--", "python", "examples/train_dlrm.py",
-                    "--train-samples", "4000", "--eval-samples", "1000", "--progress", "false", timeout_s=180)  # fmt: skip
+    result = launch(
+        tmp_path,
+        "--shards",
+        "1",
+        "--workers",
+        workers,
+        "--",
+        "python",
+        "examples/train_dlrm.py",
+        "--train-samples",
+        "4000",
+        "--eval-samples",
+        "1000",
+        "--progress",
+        "false",
+        timeout_s=180,
+    )
     assert result.returncode != 0
     assert "needs a GPU of its own" in result.stderr and "--device cpu" in result.stderr, result.stderr[-3000:]
 
@@ -93,10 +132,26 @@ def test_ps_launch_needs_a_command(tmp_path: Path) -> None:
 @pytest.mark.parametrize("when", ["training", "starting shards"])
 def test_sigterm_to_ps_launch_stops_shards_and_workers(tmp_path: Path, when: str) -> None:
     # Started the way a shell starts a background job (`ps-launch ... &`): SIGINT ignored.
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.launch", "--data-dir", str(tmp_path / "shards"), "--shards", "2",
-                             "--", "python", "-c", "import time; time.sleep(300)"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.launch",
+            "--data-dir",
+            str(tmp_path / "shards"),
+            "--shards",
+            "2",
+            "--",
+            "python",
+            "-c",
+            "import time; time.sleep(300)",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     assert proc.stderr is not None
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
@@ -119,9 +174,24 @@ def test_sigterm_to_ps_launch_stops_shards_and_workers(tmp_path: Path, when: str
 
 
 def test_killed_ps_launch_leaves_nothing_behind(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.launch", "--data-dir", str(tmp_path / "shards"), "--shards", "2",
-                             "--", "python", "-c", "import time; time.sleep(300)"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "deploy.launch",
+            "--data-dir",
+            str(tmp_path / "shards"),
+            "--shards",
+            "2",
+            "--",
+            "python",
+            "-c",
+            "import time; time.sleep(300)",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while not (tmp_path / "shards" / "port.1").exists() and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -56,8 +56,14 @@ def find_resource(resources: list[Resource], kind: str, name: str) -> Resource:
 
 # Strategic merge: lists of these fields merge item by item on the key (as the API's patch
 # strategy says); other lists are replaced, and a null deletes the field.
-_MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-               "volumeMounts": "mountPath", "ports": "containerPort"}  # fmt: skip
+_MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "ports": "containerPort",
+}
 
 
 def _merge(base: dict[str, Any], patch: dict[str, Any]) -> None:
@@ -121,8 +127,17 @@ def _apply_patches(resources: list[Resource], base: Path, patches: list[dict[str
             _merge(find_resource(resources, patch["kind"], patch["metadata"]["name"]), patch)
 
 
-KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "images", "replicas", "configMapGenerator",
-                      "replacements", "components", "patches"}  # fmt: skip
+KUSTOMIZATION_KEYS = {
+    "apiVersion",
+    "kind",
+    "resources",
+    "images",
+    "replicas",
+    "configMapGenerator",
+    "replacements",
+    "components",
+    "patches",
+}
 
 
 def build(directory: Path, edit: Callable[[dict[str, Any]], None] | None = None) -> list[Resource]:

@@ -138,8 +138,13 @@ def test_a_failing_evictor_shows_in_health(tmp_path: Path) -> None:
     probe = Shard(0, 1)
     probe.create_table(TableSpec("t", 4))
     per_row = probe.table("t").bytes_per_row
-    shard = Shard(0, 1, Storage(tmp_path / "data", shard=0, num_shards=1), Durability.parse("checkpoint-only"),
-                  memory_budget_bytes=100 * per_row)  # fmt: skip
+    shard = Shard(
+        0,
+        1,
+        Storage(tmp_path / "data", shard=0, num_shards=1),
+        Durability.parse("checkpoint-only"),
+        memory_budget_bytes=100 * per_row,
+    )
     try:
         shard.create_table(TableSpec("t", 4))
         shard.table("t").lookup(np.arange(98))  # above the evictor's high water, within the budget

@@ -452,9 +452,12 @@ def test_every_error_carries_its_code_when_raised_client_side(cls: type[PSError]
 
 @pytest.mark.parametrize(
     ("cls", "code"),
-    [*[e for e in ERRORS if e[1] not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)],
-     (InternalServerError, grpc.StatusCode.UNKNOWN), (InternalServerError, grpc.StatusCode.DATA_LOSS)],
-)  # fmt: skip
+    [
+        *[e for e in ERRORS if e[1] not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)],
+        (InternalServerError, grpc.StatusCode.UNKNOWN),
+        (InternalServerError, grpc.StatusCode.DATA_LOSS),
+    ],
+)
 def test_status_from_a_shard_maps_to_its_error(
     ps: PSClient, transport: InProcessTransport, cls: type[PSError], code: grpc.StatusCode
 ) -> None:
@@ -472,23 +475,45 @@ def test_status_from_a_shard_maps_to_its_error(
 
 def test_create_table_options_reach_every_shard(ps: PSClient, shards: list[Shard]) -> None:
     config = ps.create_table(
-        "emb", 6, optimizer="AdaGrad", initializer="normal", seed=2**64 - 1,
-        lr=0.05, eps=1e-6, initial_accumulator_value=0.1, mean=0.5, std=0.2,
-    )  # fmt: skip
+        "emb",
+        6,
+        optimizer="AdaGrad",
+        initializer="normal",
+        seed=2**64 - 1,
+        lr=0.05,
+        eps=1e-6,
+        initial_accumulator_value=0.1,
+        mean=0.5,
+        std=0.2,
+    )
 
     expected = TableSpec(
-        "emb", 6,
+        "emb",
+        6,
         initializer=InitializerParams(InitializerKind.NORMAL, mean=0.5, std=0.2),
         optimizer=OptimizerParams(OptimizerKind.ADAGRAD, lr=0.05, eps=1e-6, initial_accumulator_value=0.1),
         seed=2**64 - 1,
-    )  # fmt: skip
+    )
     assert [s.table("emb").spec for s in shards] == [expected] * N
     assert (config.name, config.dim, config.seed) == ("emb", 6, 2**64 - 1)
     assert (config.optimizer, config.initializer) == ("adagrad", "normal")
     assert config.optimizer_params["lr"] == 0.05 and config.optimizer_params["beta1"] == 0.9  # default filled
     assert config.initializer_params["std"] == 0.2 and config.initializer_params["low"] == -0.05
-    assert ps.create_table("emb", 6, optimizer="adagrad", initializer="normal", seed=2**64 - 1,
-                           lr=0.05, eps=1e-6, initial_accumulator_value=0.1, mean=0.5, std=0.2) == config  # fmt: skip
+    assert (
+        ps.create_table(
+            "emb",
+            6,
+            optimizer="adagrad",
+            initializer="normal",
+            seed=2**64 - 1,
+            lr=0.05,
+            eps=1e-6,
+            initial_accumulator_value=0.1,
+            mean=0.5,
+            std=0.2,
+        )
+        == config
+    )
 
 
 def test_create_table_defaults(ps: PSClient, shards: list[Shard]) -> None:

@@ -31,20 +31,48 @@ def spec() -> pb.TableSpec:
 
 def test_a_follower_resyncing_to_a_restarted_leader_reports_itself_behind() -> None:
     source = Source(Shard(0, 1, mode="serve"), leader="127.0.0.1:1")  # never started: batches are fed by hand
-    source._apply(pb.FollowBatch(history="A", version=40, leader_version=40, specs=[spec()], deltas=[delta([1], 1.0)],
-                                 snapshot_begin=True, snapshot_end=True, in_snapshot=True))  # fmt: skip
+    source._apply(
+        pb.FollowBatch(
+            history="A",
+            version=40,
+            leader_version=40,
+            specs=[spec()],
+            deltas=[delta([1], 1.0)],
+            snapshot_begin=True,
+            snapshot_end=True,
+            in_snapshot=True,
+        )
+    )
     assert (source.history, source.applied_version, source.status().lag_versions, source.lag_s()) == ("A", 40, 0, 0.0)
 
     # The leader restarted: history B, versions from 0. Its snapshot comes in two messages.
-    source._apply(pb.FollowBatch(history="B", version=3, leader_version=3, specs=[spec()], deltas=[delta([1], 2.0)],
-                                 snapshot_begin=True, in_snapshot=True))  # fmt: skip
+    source._apply(
+        pb.FollowBatch(
+            history="B",
+            version=3,
+            leader_version=3,
+            specs=[spec()],
+            deltas=[delta([1], 2.0)],
+            snapshot_begin=True,
+            in_snapshot=True,
+        )
+    )
     time.sleep(0.01)
     status = source.status()
     assert status.lag_versions >= 1 and status.lag_s > 0, status  # serving history A's rows: behind
     assert source.history == "A" and source.shard.table("t").lookup(np.array([1]))[0, 0] == 1.0
 
-    source._apply(pb.FollowBatch(history="B", version=3, leader_version=3, specs=[spec()], deltas=[delta([2], 2.0)],
-                                 snapshot_end=True, in_snapshot=True))  # fmt: skip
+    source._apply(
+        pb.FollowBatch(
+            history="B",
+            version=3,
+            leader_version=3,
+            specs=[spec()],
+            deltas=[delta([2], 2.0)],
+            snapshot_end=True,
+            in_snapshot=True,
+        )
+    )
     assert (source.history, source.applied_version, source.status().lag_versions, source.lag_s()) == ("B", 3, 0, 0.0)
     assert source.shard.table("t").lookup(np.array([1, 2]))[:, 0].tolist() == [2.0, 2.0]
 
@@ -56,8 +84,17 @@ def test_a_follower_resyncing_to_a_restarted_leader_reports_itself_behind() -> N
 
     # A snapshot of the same history (the follower fell out of the leader's change log): the
     # versions compare, and the lag is the gap to the leader while the snapshot comes in.
-    source._apply(pb.FollowBatch(history="B", version=15, leader_version=15, specs=[spec()], deltas=[delta([2], 4.0)],
-                                 snapshot_begin=True, in_snapshot=True))  # fmt: skip
+    source._apply(
+        pb.FollowBatch(
+            history="B",
+            version=15,
+            leader_version=15,
+            specs=[spec()],
+            deltas=[delta([2], 4.0)],
+            snapshot_begin=True,
+            in_snapshot=True,
+        )
+    )
     status = source.status()
     assert (status.applied_version, status.leader_version, status.lag_versions) == (5, 15, 10)
     source._apply(pb.FollowBatch(history="B", version=15, leader_version=15, snapshot_end=True, in_snapshot=True))

@@ -89,7 +89,9 @@ def test_every_yaml_file_is_built_or_an_example() -> None:
     k = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     used = {K8S / "kustomization.yaml", K8S / "secrets.example.yaml"} | {K8S / r for r in k["resources"]}
     tls = K8S / "tls"
-    used |= {tls / "kustomization.yaml"} | {tls / p["path"] for p in yaml.safe_load((tls / "kustomization.yaml").read_text())["patches"]}  # fmt: skip
+    used |= {tls / "kustomization.yaml"} | {
+        tls / p["path"] for p in yaml.safe_load((tls / "kustomization.yaml").read_text())["patches"]
+    }
     files = set(K8S.rglob("*.yaml")) | set(K8S.rglob("*.yml"))
     assert files == used, f"not built and not an example: {sorted(map(str, files - used))}"
     assert k.get("components") is None, "TLS is off by default: the Secrets must exist first"
@@ -206,7 +208,9 @@ def test_services_select_their_pods_and_ports(resources: list[Resource]) -> None
         if s["kind"] == "PodDisruptionBudget":
             assert s["spec"]["maxUnavailable"] == 1
             continue
-        declared = {n: p for c in chosen[0]["spec"]["template"]["spec"]["containers"] for n, p in container_ports(c).items()}  # fmt: skip
+        declared = {
+            n: p for c in chosen[0]["spec"]["template"]["spec"]["containers"] for n, p in container_ports(c).items()
+        }
         for sp in s["spec"]["ports"]:
             target = sp.get("targetPort", sp["port"])
             assert target in declared or target in declared.values(), f"{s['metadata']['name']}: no port {target}"
@@ -285,10 +289,17 @@ def _sanitize(name: str) -> str:
 
 def scrape_targets(pod: Pod, c: dict[str, Any], relabel: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Prometheus' pod discovery (one target per declared container port) and relabelling."""
-    meta = {"__meta_kubernetes_namespace": NS, "__meta_kubernetes_pod_name": pod.name,
-            "__meta_kubernetes_pod_ip": "10.1.2.3", "__meta_kubernetes_pod_phase": "Running",
-            "__meta_kubernetes_pod_container_name": c["name"], "__meta_kubernetes_pod_container_init": "false",
-            "__metrics_path__": "/metrics", "__scheme__": "http", "job": "embedding-ps"}  # fmt: skip
+    meta = {
+        "__meta_kubernetes_namespace": NS,
+        "__meta_kubernetes_pod_name": pod.name,
+        "__meta_kubernetes_pod_ip": "10.1.2.3",
+        "__meta_kubernetes_pod_phase": "Running",
+        "__meta_kubernetes_pod_container_name": c["name"],
+        "__meta_kubernetes_pod_container_init": "false",
+        "__metrics_path__": "/metrics",
+        "__scheme__": "http",
+        "job": "embedding-ps",
+    }
     for k, v in pod.labels.items():
         meta[f"__meta_kubernetes_pod_label_{_sanitize(k)}"] = v
         meta[f"__meta_kubernetes_pod_labelpresent_{_sanitize(k)}"] = "true"
@@ -298,9 +309,11 @@ def scrape_targets(pod: Pod, c: dict[str, Any], relabel: list[dict[str, Any]]) -
     for port in c.get("ports", []) or [None]:
         labels = dict(meta, __address__="10.1.2.3")
         if port is not None:
-            labels |= {"__address__": f"10.1.2.3:{port['containerPort']}",
-                       "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
-                       "__meta_kubernetes_pod_container_port_number": str(port["containerPort"])}  # fmt: skip
+            labels |= {
+                "__address__": f"10.1.2.3:{port['containerPort']}",
+                "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+                "__meta_kubernetes_pod_container_port_number": str(port["containerPort"]),
+            }
         result = _relabel(labels, relabel)
         if result is not None:
             out.append(result)
@@ -342,8 +355,12 @@ def exposed_metrics(monkeypatch: pytest.MonkeyPatch) -> set[str]:
                 kind = makers.get(func.removesuffix("MetricFamily"))
                 if kind and isinstance(node.args[0].value, str):
                     families.append((node.args[0].value.removesuffix("_total"), kind))
-    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",),
-                "summary": ("", "_sum", "_count")}  # fmt: skip
+    suffixes = {
+        "histogram": ("_bucket", "_sum", "_count"),
+        "counter": ("_total",),
+        "gauge": ("",),
+        "summary": ("", "_sum", "_count"),
+    }
     return {name + s for name, kind in families for s in suffixes.get(kind, ("",))}
 
 
@@ -420,8 +437,16 @@ def test_ps_infer_serves_what_training_writes(procs: list[Proc]) -> None:
 
 def test_tls_files_come_from_mounted_secrets(procs: list[Proc]) -> None:
     examples = {s["metadata"]["name"]: s for s in load_resources(K8S / "secrets.example.yaml")}
-    settings = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file", "client_tls_ca", "client_tls_cert",
-                "client_tls_key", "client_token_file")  # fmt: skip
+    settings = (
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+        "auth_token_file",
+        "client_tls_ca",
+        "client_tls_cert",
+        "client_tls_key",
+        "client_token_file",
+    )
     for p in procs:
         files = [getattr(p.config, s) for s in settings if getattr(p.config, s, None) is not None]
         files += list(p.client_env.values())
@@ -430,7 +455,9 @@ def test_tls_files_come_from_mounted_secrets(procs: list[Proc]) -> None:
             assert mount.get("readOnly") is True, f"{p.pod.name}: {mount['mountPath']} must be read-only"
             secret = volume["secret"]
             rel = str(PurePosixPath(f).relative_to(mount["mountPath"]))
-            keys = {i["path"]: i["key"] for i in secret.get("items", [])} or {k: k for k in examples[secret["secretName"]]["stringData"]}  # fmt: skip
+            keys = {i["path"]: i["key"] for i in secret.get("items", [])} or {
+                k: k for k in examples[secret["secretName"]]["stringData"]
+            }
             assert rel in keys and keys[rel] in examples[secret["secretName"]]["stringData"], f"{p.pod.name}: {f}"
 
 
@@ -478,8 +505,12 @@ def test_dockerfile_installs_with_the_constraints() -> None:
     lines, args = _dockerfile()
     assert lines[0] == "FROM python:3.11-slim"
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    steps = [shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), step))
-             for line in lines if line.startswith("RUN ") for step in line[4:].split("&&")]  # fmt: skip
+    steps = [
+        shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), step))
+        for line in lines
+        if line.startswith("RUN ")
+        for step in line[4:].split("&&")
+    ]
     pip = [words for words in steps if words[:2] == ["pip", "install"]]
     assert any(words[-1] == "." for words in pip), "the project itself is installed with `pip install ... .`"
     for words in pip:
@@ -496,7 +527,9 @@ def test_dockerfile_installs_with_the_constraints() -> None:
 def test_dockerfile_starts_every_entry_point(resources: list[Resource]) -> None:
     lines, _ = _dockerfile()
     scripts = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"])
-    torch_scripts = {e.name for e in importlib.metadata.distribution("torch").entry_points if e.group == "console_scripts"}  # fmt: skip
+    torch_scripts = {
+        e.name for e in importlib.metadata.distribution("torch").entry_points if e.group == "console_scripts"
+    }
     checked = set()
     for line in lines:
         if line.startswith("RUN ") and "--help" in line:

@@ -18,8 +18,11 @@ def feature(table: int, num_rows: int, lengths: list[int], rng: np.random.Genera
 
 def test_sums_and_gradients_match_embedding_bag() -> None:
     rng = np.random.default_rng(0)
-    rows = [rng.standard_normal((50, 16)).astype(np.float32), rng.standard_normal((7, 16)).astype(np.float32),
-            rng.standard_normal((3, 16)).astype(np.float32)]  # fmt: skip
+    rows = [
+        rng.standard_normal((50, 16)).astype(np.float32),
+        rng.standard_normal((7, 16)).astype(np.float32),
+        rng.standard_normal((3, 16)).astype(np.float32),
+    ]
     feats = [
         feature(0, 50, [1] * 64, rng),  # one id per sample, each row many times
         feature(1, 7, [0, 3, 1, 0, 5, 2, 0] * 9 + [0], rng),  # empty bags, several ids per bag
@@ -31,8 +34,10 @@ def test_sums_and_gradients_match_embedding_bag() -> None:
     ours = pool_and_push(rows, feats, pushed.append, anchor)
 
     leaves = [torch.from_numpy(r.copy()).requires_grad_() for r in rows]
-    ref = [F.embedding_bag(torch.from_numpy(f.index), leaves[f.table], torch.from_numpy(f.offsets[:-1]), mode="sum")
-           for f in feats]  # fmt: skip
+    ref = [
+        F.embedding_bag(torch.from_numpy(f.index), leaves[f.table], torch.from_numpy(f.offsets[:-1]), mode="sum")
+        for f in feats
+    ]
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
@@ -54,6 +59,10 @@ def test_no_backward_no_push() -> None:
     rng = np.random.default_rng(1)
     pushed: list[object] = []
     with torch.no_grad():
-        (out,) = pool_and_push([np.ones((4, 2), np.float32)], [feature(0, 4, [2, 2], rng)], pushed.append,
-                               torch.zeros((), requires_grad=True))  # fmt: skip
+        (out,) = pool_and_push(
+            [np.ones((4, 2), np.float32)],
+            [feature(0, 4, [2, 2], rng)],
+            pushed.append,
+            torch.zeros((), requires_grad=True),
+        )
     assert out.tolist() == [[2.0, 2.0], [2.0, 2.0]] and not out.requires_grad and pushed == []

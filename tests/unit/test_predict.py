@@ -63,8 +63,10 @@ def criteo_lines(n: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
     lines = []
     for _ in range(n):
-        ints = [("" if rng.random() < 0.2 else str(int(rng.integers(-2, 3)) if j == 1 else int(rng.lognormal(2, 2))))
-                for j in range(13)]  # fmt: skip
+        ints = [
+            ("" if rng.random() < 0.2 else str(int(rng.integers(-2, 3)) if j == 1 else int(rng.lognormal(2, 2))))
+            for j in range(13)
+        ]
         cats = ["" if rng.random() < 0.1 else f"{int(rng.integers(0, 4)) * 0x1F3A5B7:08x}" for _ in range(26)]
         lines.append("\t".join([str(int(rng.integers(0, 2))), *ints, *cats]))
     return lines
@@ -86,9 +88,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     vocabulary = log[:12].frequent_keys(2)
     np.savez_compressed(out / "vocabulary.npz", **vocabulary)  # type: ignore[arg-type]
     manifest: dict[str, Any] = {
-        "rare_values": {"min_count": 2, "vocabulary": "vocabulary.npz", "rare_keys": {f: rare_key(f) for f in vocabulary}},
+        "rare_values": {
+            "min_count": 2,
+            "vocabulary": "vocabulary.npz",
+            "rare_keys": {f: rare_key(f) for f in vocabulary},
+        },
         "tables": [{"name": t.name, "dim": t.dim} for t in tables],
-    }  # fmt: skip
+    }
     schema = describe_data("criteo", out / "log.txt", KEY_FEATURES, 13)
     manifest |= serving_manifest(model, out, tables, features, 13, schema, ".wide")
     (out / "manifest.json").write_text(json.dumps(manifest))

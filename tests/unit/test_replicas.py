@@ -126,8 +126,9 @@ def test_config_defaults_and_eject_bounds() -> None:
 
 
 def replica_set(n: int = 2, eject_after: int = 3) -> ReplicaSet:
-    return ReplicaSet([[f"h:{i + 1}" for i in range(n)]], eject_after_failures=eject_after, eject_s=1.0,
-                      eject_max_s=4.0)  # fmt: skip
+    return ReplicaSet(
+        [[f"h:{i + 1}" for i in range(n)]], eject_after_failures=eject_after, eject_s=1.0, eject_max_s=4.0
+    )
 
 
 def states(rs: ReplicaSet, now: float) -> list[str]:
@@ -319,8 +320,11 @@ def test_writes_to_a_replicated_shard_are_refused_before_any_rpc(ps: PSClient, t
         lambda: ps.create_table("u", DIM),
         lambda: ps.checkpoint(),
     ):
-        with pytest.raises(InvalidRequestError, match=r"shard 0 has 2 replicas \(inproc:0\|inproc:1\); replicas are "
-                           "read-only serving copies: push to the training shard they follow") as info:  # fmt: skip
+        with pytest.raises(
+            InvalidRequestError,
+            match=r"shard 0 has 2 replicas \(inproc:0\|inproc:1\); replicas are "
+            "read-only serving copies: push to the training shard they follow",
+        ) as info:
             write()
         assert info.value.shard == 0
     assert not [c for c in transport.calls if c[1] != "ListTables"]
@@ -348,8 +352,11 @@ def test_per_call_deadline_and_degrade(transport: _Replicas) -> None:
     t.hanging = {1}
     with PSClient(["inproc:0", "inproc:1"], FAST, transport=t) as ps:
         started = time.monotonic()
-        with pytest.raises(DeadlineExceededError, match=r"shard 1 \(inproc:1\): Lookup got no answer before "
-                           r"deadline_s=0.2 passed") as info:  # fmt: skip
+        with pytest.raises(
+            DeadlineExceededError,
+            match=r"shard 1 \(inproc:1\): Lookup got no answer before "
+            r"deadline_s=0.2 passed",
+        ) as info:
             ps.lookup("t", KEYS, deadline_s=0.2)
         assert info.value.shard == 1 and 0.15 < time.monotonic() - started < 1.5
         started = time.monotonic()
@@ -396,8 +403,9 @@ def test_retries_without_another_replica_back_off_until_the_deadline(two: list[S
 
 def test_an_ejected_replica_is_probed_with_a_copy_of_a_read_and_comes_back(two: list[Shard]) -> None:
     transport = _Replicas(two)
-    config = ClientConfig(eject_s=0.05, eject_max_s=1.0, backoff_initial_s=0.001, backoff_max_s=0.002,
-                          tune_malloc=False)  # fmt: skip
+    config = ClientConfig(
+        eject_s=0.05, eject_max_s=1.0, backoff_initial_s=0.001, backoff_max_s=0.002, tune_malloc=False
+    )
     with PSClient([["inproc:0", "inproc:1"]], config, transport=transport) as ps:
         transport.fail_next("Lookup", grpc.StatusCode.UNAVAILABLE, times=3, shard=0)
         for _ in range(6):  # reads alternate: three of these reach replica 0

@@ -180,9 +180,13 @@ def test_when_no_place_takes_the_dump_the_report_says_the_rows_are_lost(shard: S
     push(shard, 1)
     (tmp_path / "file").write_text("not a directory")
     report = save_rescue(
-        shard.tables(), [tmp_path / "file" / "a", tmp_path / "file" / "b"], shard=0, num_shards=1,
-        data_dir=tmp_path / "data", error="disk full",
-    )  # fmt: skip
+        shard.tables(),
+        [tmp_path / "file" / "a", tmp_path / "file" / "b"],
+        shard=0,
+        num_shards=1,
+        data_dir=tmp_path / "data",
+        error="disk full",
+    )
     assert report.lost and report.unpersisted_rows == 100 and len(report.rescue_failures) == 2
     assert all("Not a directory" in f for f in report.rescue_failures)
 
@@ -193,8 +197,13 @@ def test_a_push_whose_spill_fails_is_still_acknowledged(tmp_path: Path) -> None:
     probe = Shard(0, 1)
     probe.create_table(SPEC)
     per_row = probe.table("t").bytes_per_row
-    shard = Shard(0, 1, Storage(tmp_path / "data", shard=0, num_shards=1), Durability.parse("checkpoint-only"),
-                  memory_budget_bytes=60 * per_row)  # fmt: skip
+    shard = Shard(
+        0,
+        1,
+        Storage(tmp_path / "data", shard=0, num_shards=1),
+        Durability.parse("checkpoint-only"),
+        memory_budget_bytes=60 * per_row,
+    )
     shard.create_table(SPEC)
     push(shard, 1, KEYS[:50])
     refuse_writes(shard.storage)  # type: ignore[arg-type]

@@ -45,8 +45,9 @@ def test_runs_get_their_own_directory_and_latest_follows(tmp_path: Path, monkeyp
     assert [p.name for p in Path("runs").iterdir() if p.name.startswith(".")] == []  # no temporary link left
 
 
-def test_an_old_latest_directory_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_an_old_latest_directory_is_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "latest").mkdir(parents=True)
     (tmp_path / "runs" / "latest" / "metrics.json").write_text("{}")
@@ -90,8 +91,16 @@ def test_the_config_line_says_what_was_used(tmp_path: Path, caplog: pytest.LogCa
     with caplog.at_level(logging.INFO, logger="worker.trainer"):
         _log_config(config, resolved, data, Dist(), choose=False)
     line = caplog.records[-1].getMessage()
-    for part in ("schema=movielens", "train_rows=800", "eval_rows=200", "batch_size=32(auto)", "epochs=1(auto)",
-                 "rows_from=memory", "workers=1", f"output_dir={tmp_path / 'out'}"):  # fmt: skip
+    for part in (
+        "schema=movielens",
+        "train_rows=800",
+        "eval_rows=200",
+        "batch_size=32(auto)",
+        "epochs=1(auto)",
+        "rows_from=memory",
+        "workers=1",
+        f"output_dir={tmp_path / 'out'}",
+    ):
         assert part in line.split(), (part, line)
     assert "train_samples" not in line  # synthetic-only settings are left out
 

@@ -219,11 +219,12 @@ def test_create_table_with_other_spec_names_every_difference() -> None:
     shard = Shard(0, 1)
     shard.create_table(TableSpec("t", 4))
     other = TableSpec(
-        "t", 8,
+        "t",
+        8,
         initializer=InitializerParams(low=-1.0),
         optimizer=OptimizerParams(OptimizerKind.ADAGRAD, lr=0.5),
         seed=3,
-    )  # fmt: skip
+    )
 
     with pytest.raises(TableExists) as info:
         shard.create_table(other)

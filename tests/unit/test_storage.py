@@ -372,8 +372,15 @@ def test_ledger_encode_decode_load_round_trip() -> None:
     restored.load("w0", ledger.encode("w0"))
     assert restored.encode("w0") == ledger.encode("w0")
     assert [is_fresh(restored, "w0", s) for s in (1, 2, 3, 4, 5, 6, 9, 2**63 + 7)] == [
-        False, False, True, True, False, True, False, False,
-    ]  # fmt: skip
+        False,
+        False,
+        True,
+        True,
+        False,
+        True,
+        False,
+        False,
+    ]
     with pytest.raises(ValueError, match="empty"):
         PushLedger.decode(b"")
 

@@ -299,9 +299,12 @@ def test_growth_through_many_doublings_keeps_every_row() -> None:
 
 def test_concurrent_pushes_and_lookups_match_a_sequential_run() -> None:
     spec = TableSpec(
-        "t", DIM, initializer=InitializerParams(low=-1.0, high=1.0),
-        optimizer=OptimizerParams(OptimizerKind.SGD, lr=1.0), seed=77,
-    )  # fmt: skip
+        "t",
+        DIM,
+        initializer=InitializerParams(low=-1.0, high=1.0),
+        optimizer=OptimizerParams(OptimizerKind.SGD, lr=1.0),
+        seed=77,
+    )
     t = Table(spec, initial_capacity=4)  # lookups force growth while pushes run
     hot = np.arange(10, dtype=np.int64)
     threads_n, pushes_n = 4, 50

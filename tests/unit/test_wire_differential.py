@@ -30,8 +30,26 @@ from protos.wire import (
 )
 
 MAX_FIELD_NO = 2**29 - 1
-FIELD_NUMBERS = [1, 2, 3, 4, 5, 6, 7, 15, 16, 2047, 2048, 2**21, MAX_FIELD_NO - 1, MAX_FIELD_NO,
-                 MAX_FIELD_NO + 1, 2**30, 2**32 - 1, 2**32]  # fmt: skip
+FIELD_NUMBERS = [
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    7,
+    15,
+    16,
+    2047,
+    2048,
+    2**21,
+    MAX_FIELD_NO - 1,
+    MAX_FIELD_NO,
+    MAX_FIELD_NO + 1,
+    2**30,
+    2**32 - 1,
+    2**32,
+]
 
 
 def varint(value: int, pad: int = 0) -> bytes:
@@ -299,8 +317,12 @@ entry_st = st.tuples(st.text(max_size=5), st.lists(st.integers(-(2**63), 2**63 -
 
 
 @settings(max_examples=200, deadline=None)
-@given(entries=st.lists(entry_st, max_size=4), dtype=st.sampled_from([0, 1, 2, 3]),
-       num_shards=st.sampled_from([0, 1, 2, 2**32 - 1]), shard=st.sampled_from([None, 0, 1, 2**32 - 1]))  # fmt: skip
+@given(
+    entries=st.lists(entry_st, max_size=4),
+    dtype=st.sampled_from([0, 1, 2, 3]),
+    num_shards=st.sampled_from([0, 1, 2, 2**32 - 1]),
+    shard=st.sampled_from([None, 0, 1, 2**32 - 1]),
+)
 def test_lookup_request_encoder_writes_what_protobuf_writes(
     entries: list[tuple[str, list[int]]], dtype: int, num_shards: int, shard: int | None
 ) -> None:
@@ -325,9 +347,11 @@ def test_lookup_request_encoder_refuses_what_protobuf_refuses(kwargs: dict[str, 
 
 
 @settings(max_examples=300, deadline=None)
-@given(results=st.lists(st.tuples(st.text(max_size=4), st.integers(0, 3), st.integers(0, 3)), max_size=3),
-       cuts=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), max_size=3),
-       truncate=st.integers(0, 400))  # fmt: skip
+@given(
+    results=st.lists(st.tuples(st.text(max_size=4), st.integers(0, 3), st.integers(0, 3)), max_size=3),
+    cuts=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), max_size=3),
+    truncate=st.integers(0, 400),
+)
 def test_written_responses_damaged_anywhere_decode_as_protobuf_decodes_them(
     results: list[tuple[str, int, int]], cuts: list[tuple[int, int]], truncate: int
 ) -> None:
