@@ -145,17 +145,17 @@ def lookup_cost(n: int, warmup: int, steps: int, tmp: Path) -> dict[str, Any]:
     fill = int(0.85 * budget / table.bytes_per_row)
     for start in range(0, fill, 1 << 16):
         table.lookup(zipf.keys[start : min(fill, start + (1 << 16))])
-        shard.after_request()
+        shard.budget.after_request()
     for _ in range(warmup):
         table.lookup(zipf.batch(BATCH))
-        shard.after_request()
+        shard.budget.after_request()
     c0 = dict(vars(table.counters))
     looked = 0
     t0 = time.perf_counter()
     for _ in range(steps):
         keys = zipf.batch(BATCH)
         table.lookup(keys)
-        shard.after_request()
+        shard.budget.after_request()
         looked += keys.shape[0]
     elapsed = time.perf_counter() - t0
     c1 = dict(vars(table.counters))

@@ -149,20 +149,20 @@ def in_process(work: Workload, mode: str | None, tmp: Path) -> dict[str, Any]:
         shard = Shard(0, 1)
     else:
         durability, eviction = split_mode(mode)
-        shard = Shard(0, 1, Storage(data_dir, shard=0, num_shards=1), Durability.parse(durability), budget_for(work.n))
-        shard.eviction = eviction
+        storage = Storage(data_dir, shard=0, num_shards=1)
+        shard = Shard(0, 1, storage, Durability.parse(durability), budget_for(work.n), eviction=eviction)
     shard.create_table(spec)
     table = shard.table("t")
     shard.start()
     for start in range(0, work.n, 1 << 16):
         table.lookup(work.keys[start : start + (1 << 16)])
-        shard.after_request()
+        shard.budget.after_request()
 
     def step(seq: int, keys: npt.NDArray[np.int64]) -> None:
         table.lookup(keys)
-        shard.after_request()
+        shard.budget.after_request()
         table.push(keys, work.grads[: keys.shape[0]], client_id="bench", seq=seq)
-        shard.after_request()
+        shard.budget.after_request()
 
     warmup = _warm_up(work, step, lambda: dict(vars(table.counters)))
     c0 = dict(vars(table.counters))

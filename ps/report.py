@@ -4,52 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
 
 from protos import ps_pb2 as pb
-from ps.background import LoopHealth, RateWindow
-from ps.changes import ChangeLog
-from ps.table import Table
+from ps.shard import Shard
 
-__all__ = ["RowSource", "ShardView", "shard_stats"]
+__all__ = ["shard_stats"]
 
 
-class RowSource(Protocol):
-    """Where a serving shard's rows come from (``ps.follow.Source``), as ``Stats`` sees it."""
-
-    applied_version: int
-
-    def status(self) -> pb.FollowStatus: ...
-
-
-class ShardView(Protocol):
-    """What ``shard_stats`` reads of a ``ps.shard.Shard``."""
-
-    index: int
-    num_shards: int
-    started: float
-    last_durable: float
-    memory_budget_bytes: int
-    storage: Any
-    durability: Any
-    health: LoopHealth
-    rates: RateWindow
-    changes: ChangeLog
-    source: RowSource | None
-
-    @property
-    def mode(self) -> str: ...
-    @property
-    def writable(self) -> bool: ...
-    @property
-    def storage_error(self) -> str: ...
-    def tables(self) -> Sequence[Table]: ...
-    def duplicate_pushes(self) -> int: ...
-    def resident_bytes(self) -> int: ...
-
-
-def shard_stats(shard: ShardView) -> pb.StatsResponse:
+def shard_stats(shard: Shard) -> pb.StatsResponse:
     """Counters of ``shard`` and of every table, the background loops failing now, and
     (a serving shard) where its rows come from."""
     tables = []

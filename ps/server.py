@@ -142,25 +142,31 @@ def _leader_credentials(config: ServerConfig) -> dict[str, Any]:
 
 def _open_shard(config: ServerConfig) -> Shard:
     mode: Mode = "serve" if config.mode == "serve" else "train"
+
+    def shard(storage: Storage | None, durability: Durability, memory_budget_bytes: int) -> Shard:
+        return Shard(
+            config.shard,
+            config.num_shards,
+            storage,
+            durability,
+            memory_budget_bytes,
+            config.checkpoint_root,
+            mode=mode,
+            eviction=cast(Eviction, config.eviction),
+            limits=Limits(config.max_tables, config.max_keys_per_request),
+        )
+
     if config.data_dir is None:
-        return Shard(config.shard, config.num_shards, checkpoint_root=config.checkpoint_root, mode=mode)
+        return shard(None, Durability.parse(config.durability), 0)
     if config.mode == "serve" and config.follow is None:  # serve the rows there as they are
         try:
             storage = Storage(config.data_dir, shard=config.shard, num_shards=config.num_shards, read_only=True)
         except DataDirError as exc:
             raise RuntimeError(f"--data-dir {config.data_dir} (served read-only): {exc}") from None
-        shard = Shard(
-            config.shard,
-            config.num_shards,
-            storage,
-            Durability("checkpoint-only"),
-            config.memory_budget_bytes,
-            config.checkpoint_root,
-            mode=mode,
-        )
-        if not shard.tables():
+        served = shard(storage, Durability("checkpoint-only"), config.memory_budget_bytes)
+        if not served.tables():
             log.warning("%s holds no tables: every lookup will get NOT_FOUND", config.data_dir)
-        return shard
+        return served
     rescue = config.restore_from is not None and is_rescue_dump(config.restore_from)
     try:
         if config.restore_from is not None and not rescue:
@@ -177,15 +183,7 @@ def _open_shard(config: ServerConfig) -> Shard:
         except (DataDirError, StorageFailed) as exc:
             storage.close()
             raise RuntimeError(f"--restore-from {config.restore_from}: {exc}") from None
-    return Shard(
-        config.shard,
-        config.num_shards,
-        storage,
-        Durability.parse(config.durability),
-        config.memory_budget_bytes,
-        config.checkpoint_root,
-        mode=mode,
-    )
+    return shard(storage, Durability.parse(config.durability), config.memory_budget_bytes)
 
 
 def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
@@ -196,8 +194,6 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     """
     tokens, credentials = server_security(config.tls_cert, config.tls_key, config.tls_client_ca, config.auth_token_file)
     shard = shard or open_shard(config)
-    shard.limits = Limits(config.max_tables, config.max_keys_per_request)
-    shard.eviction = cast(Eviction, config.eviction)
     registry = metrics = None
     if config.metrics_port is not None:
         from ps.metrics import shard_registry

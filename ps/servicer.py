@@ -28,6 +28,7 @@ from protos import wire
 from ps.config import spec_from_proto, spec_to_proto
 from ps.errors import ShardError
 from ps.follow import serve_from
+from ps.report import shard_stats
 from ps.shard import Shard
 from ps.stream import follow_batches
 
@@ -121,7 +122,7 @@ class Servicer:
     def Stats(self, request: bytes, context: grpc.ServicerContext) -> pb.StatsResponse:
         with status_boundary(context, "Stats"):
             pb.StatsRequest.FromString(request)  # no fields, but bytes that do not decode are refused
-            return self._shard.stats()
+            return shard_stats(self._shard)
         raise AssertionError("unreachable: status_boundary aborts")
 
     def Checkpoint(self, request: bytes, context: grpc.ServicerContext) -> pb.CheckpointResponse:

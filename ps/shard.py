@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -47,7 +46,8 @@ import numpy.typing as npt
 from protos import ps_pb2 as pb
 from protos import wire
 from ps import optimizers
-from ps.background import EVICTOR, INTERVAL_FLUSH, STORAGE_RECOVERY, TTL_SWEEP, LoopHealth, RateWindow
+from ps.background import LoopHealth, RateWindow
+from ps.budget import MemoryBudget
 from ps.changes import ChangeLog
 from ps.checkpoint import next_version_path, require_root, resolve_checkpoint_path, write_checkpoint
 from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
@@ -61,26 +61,31 @@ from ps.errors import (
     WrongMode,
 )
 from ps.ledger import PushLedger
-from ps.lifecycle import Eviction, now_tick
+from ps.lifecycle import Eviction
 from ps.limits import Limits
+from ps.maintenance import Maintenance
 from ps.recovery import StorageHealth
-from ps.report import RowSource, shard_stats
 from ps.rescue import StopReport, save_rescue
 from ps.rwlock import ReadWriteLock
 from ps.storage import Storage, StorageFailed
 from ps.table import Table, held_tables
 
-__all__ = ["MODES", "Mode", "PushLedger", "Shard", "StopReport"]
+__all__ = ["MODES", "Mode", "PushLedger", "RowSource", "Shard", "StopReport"]
 
 log = logging.getLogger(__name__)
 
+
+class RowSource(Protocol):
+    """Where a serving shard's rows come from (``ps.follow.Source``), as ``Stats`` and
+    health see it."""
+
+    applied_version: int
+
+    def status(self) -> pb.FollowStatus: ...
+
+
 Mode = Literal["train", "serve"]
 MODES: tuple[Mode, ...] = ("train", "serve")
-
-# Above _HIGH_WATER of the budget the evictor thread spills rows down to _LOW_WATER, in
-# the background; a request that finds the budget itself exceeded waits for it.
-_HIGH_WATER = 0.97
-_LOW_WATER = 0.92
 
 # What a Lookup response may need beyond its rows (table names, field headers).
 _RESPONSE_OVERHEAD_BYTES = 4096
@@ -93,7 +98,9 @@ class Shard:
 
     ``storage``: the opened data directory (tables stored there are recreated at
     once; their rows come back from disk when first used). ``memory_budget_bytes``
-    (needs storage): resident bytes above which rows are spilled; 0 = no limit.
+    (needs storage): resident bytes above which rows are spilled, in ``eviction``
+    order; 0 = no limit (``ps.budget``). ``limits``: what one request and the shard
+    may hold (``ps.limits``).
     ``checkpoint_root``: the only directory checkpoints may be written under (see
     ``ps.checkpoint``); default ``<data dir>/checkpoints``, none without storage.
     ``mode``: ``"train"`` or ``"serve"`` (see the module docstring).
@@ -109,6 +116,8 @@ class Shard:
         checkpoint_root: Path | None = None,
         *,
         mode: Mode = "train",
+        eviction: Eviction = "lfu",
+        limits: Limits | None = None,
     ) -> None:
         if not 0 <= index < num_shards:
             raise ValueError(f"shard={index}: not in [0, num_shards={num_shards})")
@@ -116,12 +125,13 @@ class Shard:
             raise ValueError("memory_budget_bytes needs storage to spill rows to")
         self.index = index
         self.num_shards = num_shards
-        self.limits = Limits()  # --max-tables, --max-keys-per-request
-        self.eviction: Eviction = "lfu"  # --eviction
+        self.limits = limits or Limits()
         self.mode = mode
         self.storage = storage
         self.durability = durability
-        self.memory_budget_bytes = memory_budget_bytes
+        self.budget = MemoryBudget(
+            memory_budget_bytes, eviction, tables=self.tables, guard=self._guard, writable=lambda: self.writable
+        )
         # The one place the default root is decided: next to the data, where a
         # checkpoint is hard links; none without a data dir (checkpoints are refused).
         if checkpoint_root is None and storage is not None:
@@ -133,19 +143,26 @@ class Shard:
         self._storage_health = StorageHealth(index)
         self._tables: dict[str, Table] = {}
         self._lock = threading.Lock()
-        self._evict_lock = threading.Lock()
         self._checkpoint_lock = threading.Lock()
         self._closing = False
         self.rates = RateWindow()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._evictor: threading.Thread | None = None
-        self._wake_evictor = threading.Event()
+        self._maintenance = Maintenance(
+            f"ps-shard{index}-maint",
+            tables=self.tables,
+            rates=self.rates,
+            health=self.health,
+            storage=self._storage_health if storage is not None else None,
+            recover=self._recover,
+            flush=lambda: self.flush(metadata=False),
+            expire=self.expire,
+            sweep_ttls=lambda: self.writable and self._mode == "train",
+            flush_interval_s=durability.interval_s if durability.kind == "interval" and storage is not None else None,
+        )
         self.changes = ChangeLog()  # a training shard's versions, for serving shards that follow it
         # A serving shard's lookups read under it, together; whatever swaps or changes its
         # rows (``ps.follow``) writes under it, so a lookup sees a change batch whole or not at all.
         self.serve_lock = ReadWriteLock()
-        self.source: RowSource | None = None  # a serving shard's source of rows: in stats() and health
+        self.source: RowSource | None = None  # a serving shard's source of rows: in Stats and health
         if storage is not None:
             for name, blob in sorted(storage.specs().items()):
                 self._tables[name] = self._new_table(spec_from_proto(pb.TableSpec.FromString(blob)))
@@ -163,6 +180,11 @@ class Shard:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
         self._mode = mode
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        """Resident bytes above which rows are spilled (``budget``); 0 = no limit."""
+        return self.budget.limit_bytes
 
     @property
     def writable(self) -> bool:
@@ -312,7 +334,7 @@ class Shard:
             )
         writer = wire.LookupResponseWriter([(t.spec.name, k.shape[0], t.dim, dt) for t, k, dt in plan])
         create = self._mode == "train"
-        touch = create or self.memory_budget_bytes > 0  # TTLs expire rows in training mode only
+        touch = create or self.budget.limit_bytes > 0  # TTLs expire rows in training mode only
         created: list[tuple[str, npt.NDArray[np.int64]]] = []
         for i, (table, keys, dtype) in enumerate(plan):
             out, before = writer.rows(i), table.counters.rows_created
@@ -324,7 +346,7 @@ class Shard:
                 created.append((table.spec.name, keys.copy()))
         if created:
             self.changes.record(created)
-        self.after_request()
+        self.budget.after_request()
         return writer.finish()
 
     def push(self, request: wire.PushRequestView) -> tuple[bool, int]:
@@ -357,59 +379,17 @@ class Shard:
             self.changes.record(changed)
         if self.durability.kind == "every-push" and self.storage is not None:
             self.last_durable = time.time()
-        self.after_request()
+        self.budget.after_request()
         return applied, rows
-
-    def after_request(self) -> None:
-        """Keep the tables within the memory budget: wake the evictor thread as they near
-        it; spill here, or wait for the evictor, beyond it (``lookup`` and ``push`` call it).
-        Never raises ``StorageFailed``: the request it follows was applied (and must be
-        acknowledged); a spill that fails turns the shard read-only for the next ones."""
-        if not (self.memory_budget_bytes and self.writable):
-            return
-        used = self.resident_bytes()
-        if used > self.memory_budget_bytes:
-            with contextlib.suppress(StorageFailed):  # recorded by _guard
-                self.enforce_budget()
-        elif used > _HIGH_WATER * self.memory_budget_bytes and self._evictor is not None:
-            self._wake_evictor.set()
-
-    def stats(self) -> pb.StatsResponse:
-        return shard_stats(self)  # counters of the shard and every table, failing loops, source
 
     def duplicate_pushes(self) -> int:  # pushes skipped as applied before
         return sum(t.ledger.duplicates for t in self.tables())
 
     def resident_bytes(self) -> int:
         """What the memory budget is compared with: every table's ``resident_bytes``."""
-        return sum(t.resident_bytes() for t in self.tables())
+        return self.budget.resident_bytes()
 
     # -- storage -------------------------------------------------------------------------
-
-    def enforce_budget(self) -> int:
-        """Spill rows in ``eviction`` order, across tables, down to ``_LOW_WATER`` of the
-        budget; returns rows moved. One thread at a time (others wait, then see what is left)."""
-        with self._evict_lock:
-            tables = self.tables()
-            need = self.resident_bytes() - int(_LOW_WATER * self.memory_budget_bytes)
-            if need <= 0 or not self.writable:
-                return 0
-            now = now_tick()
-            scans = [t.eviction_scan(now, self.eviction) for t in tables]
-            weights = [t.bytes_per_row for t in tables]
-            by_rank = sum((s.hist * w for s, w in zip(scans, weights, strict=True)), np.zeros_like(scans[0].hist))
-            from_top = np.cumsum(by_rank[::-1])
-            j = min(int(np.searchsorted(from_top, need)), by_rank.shape[0] - 1)
-            cutoff = by_rank.shape[0] - 1 - j  # evict every row ranked above this ...
-            above = int(from_top[j - 1]) if j > 0 else 0
-            share = (need - above) / by_rank[cutoff] if by_rank[cutoff] else 0.0  # ... and this share of it
-            moved = 0
-            for t, scan in zip(tables, scans, strict=True):
-                h = scan.hist
-                count = int(h[cutoff + 1 :].sum()) + math.ceil(h[cutoff] * min(1.0, share))
-                if count:  # ranks only fall meanwhile (rows used again): the scan bounds the victims
-                    moved += self._guard(t.evict, count, now, scan, self.eviction)
-            return moved
 
     def flush(self, metadata: bool = True) -> int:
         """Write every table's dirty rows and ledger; returns rows written.
@@ -501,54 +481,10 @@ class Shard:
     # -- background work -----------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the maintenance thread (interval flushes, TTL sweeps, storage recovery,
-        rate samples) and, with a memory budget, the evictor thread."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._maintain, name=f"ps-shard{self.index}-maint", daemon=True)
-            self._thread.start()
-        if self._evictor is None and self.memory_budget_bytes:
-            self._evictor = threading.Thread(target=self._evict_loop, name=f"ps-shard{self.index}-evict", daemon=True)
-            self._evictor.start()
-
-    def _evict_loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake_evictor.wait(0.5)
-            self._wake_evictor.clear()
-            if self._stop.is_set() or not self.writable:
-                continue
-            with self.health.run(EVICTOR):
-                if self.resident_bytes() > _HIGH_WATER * self.memory_budget_bytes:
-                    self.enforce_budget()
-
-    def _maintain(self) -> None:
-        last_flush = last_ttl = time.monotonic()
-        while not self._stop.wait(0.25):
-            now = time.monotonic()
-            self.rates.sample(
-                now, {t.spec.name: (t.counters.rows_spilled, t.counters.rows_faulted_in) for t in self.tables()}
-            )
-            if self.storage is not None and not self.writable:
-                if self._storage_health.retry_due(now):
-                    with self.health.run(STORAGE_RECOVERY):
-                        self._recover()
-                    if self.writable:  # run the other loops now: a failure of theirs clears at once
-                        last_flush = last_ttl = -math.inf
-                continue
-            interval = self.durability.kind == "interval" and self.storage is not None
-            if interval and now - last_flush >= self.durability.interval_s:
-                last_flush = now
-                with self.health.run(INTERVAL_FLUSH):
-                    self.flush(metadata=False)
-            ttls = [t.spec.lifecycle.ttl_seconds for t in self.tables() if t.spec.lifecycle.ttl_seconds]
-            if (
-                ttls
-                and now - last_ttl >= max(0.5, min(60.0, min(ttls) / 4))
-                and self.writable
-                and self._mode == "train"
-            ):
-                last_ttl = now
-                with self.health.run(TTL_SWEEP):
-                    self.expire()
+        """Start the maintenance thread (``ps.maintenance``) and, with a memory budget,
+        the evictor thread (``ps.budget``)."""
+        self._maintenance.start()
+        self.budget.start(self.health, f"ps-shard{self.index}-evict")
 
     def close(self) -> None:
         """Refuse new requests from now on (in-flight ones finish)."""
@@ -569,11 +505,8 @@ class Shard:
         says what happened; blocks for up to ``grace_s`` plus the dump's write.
         """
         self._closing = True
-        self._stop.set()
-        self._wake_evictor.set()
-        for thread in (self._thread, self._evictor):
-            if thread is not None:
-                thread.join(timeout=30)
+        self._maintenance.stop()
+        self.budget.stop()
         if self.storage is None:
             return StopReport()
         try:

@@ -20,6 +20,7 @@ import pytest
 from ps.background import EVICTOR, STORAGE_RECOVERY, TTL_SWEEP, LoopHealth, RateWindow
 from ps.config import Durability, TableSpec
 from ps.lifecycle import Lifecycle
+from ps.report import shard_stats
 from ps.shard import Shard
 from ps.storage import Storage, StorageFailed
 from tests.unit.test_rescue import Blocker, refuse_writes
@@ -121,7 +122,7 @@ def test_a_failing_ttl_sweep_shows_in_stats_and_health_until_it_recovers(shard: 
         shard.start()  # the sweep runs every 0.5 s: the rows expire and cannot be deleted
         wait_for(lambda: {f.loop for f in shard.health.failing()} == {TTL_SWEEP, STORAGE_RECOVERY})
         assert heard == [False] and not shard.writable
-        stats = shard.stats()
+        stats = shard_stats(shard)
         failing = {f.loop: f for f in stats.failing_loops}
         assert "storage write failed" in failing[TTL_SWEEP].error and failing[TTL_SWEEP].failures == 1
         assert failing[STORAGE_RECOVERY].failures >= 1 and failing[STORAGE_RECOVERY].last_failure_unix_s > 0
@@ -130,7 +131,7 @@ def test_a_failing_ttl_sweep_shows_in_stats_and_health_until_it_recovers(shard: 
         blocker.release()
     # Storage recovers; the sweep runs at once, deletes the rows and clears its record.
     wait_for(lambda: heard == [False, True])  # heard just after `healthy` turns
-    assert shard.health.healthy and shard.writable and list(shard.stats().failing_loops) == []
+    assert shard.health.healthy and shard.writable and list(shard_stats(shard).failing_loops) == []
     assert len(shard.table("t")) == 0 and shard.table("t").counters.rows_expired == len(KEYS)
 
 

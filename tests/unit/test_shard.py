@@ -17,6 +17,7 @@ from ps.config import TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import InvalidRequest, RequestTooLarge, ShardMismatch, ShuttingDown, TableExists, UnknownTable, WrongMode
 from ps.initializers import InitializerParams
 from ps.optimizers import OptimizerKind, OptimizerParams
+from ps.report import shard_stats
 from ps.shard import PushLedger, Shard
 from ps.storage import Storage
 from tests.fakes import lookup_rows, push_request
@@ -390,7 +391,7 @@ def test_serving_shard_reads_missing_keys_as_zeros_and_refuses_pushes(tmp_path: 
             shard.create_table(TableSpec("u", 3))
         with pytest.raises(WrongMode, match=r"Checkpoint refused: .*mode=serve"):
             shard.checkpoint("c1")
-        assert shard.stats().mode == "serve" and t.counters.pushes == 0 and shard.specs() == [t.spec]
+        assert shard_stats(shard).mode == "serve" and t.counters.pushes == 0 and shard.specs() == [t.spec]
     finally:
         shard.shutdown()
 
@@ -421,10 +422,10 @@ def test_hit_rate_of_a_shard_without_storage_is_one() -> None:
     shard = Shard(0, 1)
     shard.create_table(TableSpec("t", 2))
     lookup_rows(shard, "t", [1, 2, 3, 3])  # new rows: neither hits nor misses
-    (stats,) = shard.stats().tables
+    (stats,) = shard_stats(shard).tables
     assert (stats.ram_hits, stats.ram_misses, stats.ram_hit_rate, stats.rows_created) == (0, 0, 1.0, 3)
     lookup_rows(shard, "t", [1, 2, 3, 4])
-    (stats,) = shard.stats().tables
+    (stats,) = shard_stats(shard).tables
     assert (stats.ram_hits, stats.ram_misses, stats.ram_hit_rate, stats.rows_created) == (3, 0, 1.0, 4)
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-import ps.shard
+import ps.budget
 import ps.table
 from protos import ps_pb2 as pb
 from ps.checkpoint import copy_checkpoint
@@ -29,7 +29,7 @@ from tests.unit.test_tier import I64, SGD, Clock, assert_same_bits, grads_for, k
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    for module in (ps.table, ps.shard):
+    for module in (ps.table, ps.budget):
         monkeypatch.setattr(module, "now_tick", c)
     return c
 

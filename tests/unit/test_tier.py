@@ -19,9 +19,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+import ps.budget
 import ps.lifecycle
-import ps.shard
 import ps.table
+from ps.budget import LOW_WATER
 from ps.config import Durability, TableSpec
 from ps.initializers import initial_rows
 from ps.ledger import PushLedger
@@ -52,7 +53,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    for module in (ps.table, ps.shard):
+    for module in (ps.table, ps.budget):
         monkeypatch.setattr(module, "now_tick", c)
     return c
 
@@ -459,8 +460,7 @@ def test_evict_keeps_rows_used_while_it_scanned_outside_the_lock(
 
 
 def test_lru_budget_spills_the_oldest_rows_across_tables(storage: Storage, clock: Clock) -> None:
-    shard = Shard(0, 1, storage, Durability.parse("checkpoint-only"), memory_budget_bytes=1 << 40)
-    shard.eviction = "lru"
+    shard = Shard(0, 1, storage, Durability.parse("checkpoint-only"), memory_budget_bytes=1 << 40, eviction="lru")
     shard.create_table(TableSpec("a", 4))
     shard.create_table(TableSpec("b", 32, optimizer=OptimizerParams(OptimizerKind.ADAGRAD)))
     a, b = shard.table("a"), shard.table("b")
@@ -475,16 +475,16 @@ def test_lru_budget_spills_the_oldest_rows_across_tables(storage: Storage, clock
     total = shard.resident_bytes()
     assert total == 100 * a.bytes_per_row + 100 * b.bytes_per_row
     low = 70 * b.bytes_per_row + b.bytes_per_row // 2
-    shard.memory_budget_bytes = int(low / ps.shard._LOW_WATER) + 1
-    low = int(ps.shard._LOW_WATER * shard.memory_budget_bytes)
+    shard.budget.limit_bytes = int(low / LOW_WATER) + 1
+    low = int(LOW_WATER * shard.budget.limit_bytes)
     need = total - low
     b_out = -(-(need - 100 * a.bytes_per_row) // b.bytes_per_row)
     assert 0 < b_out < 100
 
-    assert shard.enforce_budget() == 100 + b_out
+    assert shard.budget.enforce() == 100 + b_out
     assert len(a) == 0 and len(b) == 100 - b_out
     assert low - b.bytes_per_row < shard.resident_bytes() <= low
-    assert shard.enforce_budget() == 0  # under the budget: nothing to do
+    assert shard.budget.enforce() == 0  # under the budget: nothing to do
     assert resident(b, kb[b_out:]) == 100 - b_out  # the most recent rows stayed
     assert resident(b, kb[:b_out]) == 0  # the oldest left (and are faulted back now)
     assert_same_bits(b.lookup(kb, create=False), values_b)  # kb is sorted, like exported()
@@ -492,7 +492,7 @@ def test_lru_budget_spills_the_oldest_rows_across_tables(storage: Storage, clock
 
 def test_lfu_budget_spills_the_least_looked_up_rows_across_tables(storage: Storage, clock: Clock) -> None:
     shard = Shard(0, 1, storage, Durability.parse("checkpoint-only"), memory_budget_bytes=1 << 40)
-    assert shard.eviction == "lfu"  # the default
+    assert shard.budget.eviction == "lfu"  # the default
     shard.create_table(TableSpec("a", 4))
     shard.create_table(TableSpec("b", 4))
     a, b = shard.table("a"), shard.table("b")
@@ -507,8 +507,8 @@ def test_lfu_budget_spills_the_least_looked_up_rows_across_tables(storage: Stora
         b.lookup(hot_b)  # ... but 10 of them 3
     clock.advance(1)
     values_a, values_b = exported(a)[1], exported(b)[1]
-    shard.memory_budget_bytes = int(70 * a.bytes_per_row / ps.shard._LOW_WATER) + 1
-    assert shard.enforce_budget() == 130
+    shard.budget.limit_bytes = int(70 * a.bytes_per_row / LOW_WATER) + 1
+    assert shard.budget.enforce() == 130
     # Out went the rows looked up once: the cold half of a, then 80 of b's 90 (of those
     # equally rare, the older first); in stayed the hot rows of a (old as they are) and of b.
     assert resident(a, hot_a) == 50 and resident(a, ka[1::2]) == 0
@@ -520,7 +520,7 @@ def test_lfu_budget_spills_the_least_looked_up_rows_across_tables(storage: Stora
 def test_pushes_keep_the_shard_within_its_budget(storage: Storage, clock: Clock) -> None:
     shard = Shard(0, 1, storage, memory_budget_bytes=1)
     shard.create_table(TableSpec("a", 8))
-    shard.memory_budget_bytes = 50 * shard.table("a").bytes_per_row
+    shard.budget.limit_bytes = 50 * shard.table("a").bytes_per_row
     t = shard.table("a")
     for step in range(1, 6):
         keys = np.arange(step * 100, step * 100 + 40, dtype=np.int64)
@@ -559,6 +559,6 @@ def test_storage_failure_makes_the_shard_read_only_once(tmp_path: Path, clock: C
             shard.create_table(TableSpec("other", 2))
         assert heard == [False]
         assert_same_bits(t.lookup(keys), values)  # reads keep working (faulted in from disk)
-        assert shard.enforce_budget() == 0
+        assert shard.budget.enforce() == 0
     finally:
         ro.close()

@@ -168,7 +168,7 @@ def test_checkpoints_taken_during_background_eviction_are_consistent_cuts(tmp_pa
     t = shard.table("t")
     for start in range(0, len(POOL), 100):
         t.lookup(POOL[start : start + 100])
-        shard.after_request()
+        shard.budget.after_request()
     shard.start()
     stream = pushes(seed=4)
     cuts: list[Path] = []

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-import ps.shard
+import ps.budget
 import ps.table
 from ps.config import Durability, TableSpec
 from ps.lifecycle import TICKS_PER_S, Lifecycle
@@ -30,7 +30,7 @@ from tests.unit.tier_model import LIFECYCLE_SPECS, LONG, MODES, SHORT, SPECS, Cl
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
-    for module in (ps.table, ps.shard):
+    for module in (ps.table, ps.budget):
         monkeypatch.setattr(module, "now_tick", clock)
     return clock
 

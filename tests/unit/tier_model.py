@@ -393,7 +393,7 @@ class TierMachine(RuleBasedStateMachine):
         shard = self._live()
         before = self._before()
         got = shard.table(name).lookup(np.array(keys, np.int64))
-        shard.after_request()
+        shard.budget.after_request()
         m = self.model[name]
         rows = [self._ensure(name, k) for k in keys]
         for k in keys:  # every occurrence counts, duplicates too
@@ -411,7 +411,7 @@ class TierMachine(RuleBasedStateMachine):
         shard = self._live()
         before = self._before()
         got = shard.table(name).lookup(np.array(keys, np.int64), create=False)
-        shard.after_request()
+        shard.budget.after_request()
         m, dim = self.model[name], self.specs[name].dim
         expected = np.zeros((len(keys), dim), np.float32)
         for i, k in enumerate(keys):
