@@ -23,9 +23,10 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["fnv_basis", "hash_fields", "hash_strings", "shard_buckets"]
+from protos.keys import mix64
 
-_MASK64 = (1 << 64) - 1
+__all__ = ["fnv_basis", "hash_fields", "hash_strings", "mix64_step", "shard_buckets"]
+
 _FNV_OFFSET = 0xCBF29CE484222325
 _FNV_PRIME = np.uint64(0x100000001B3)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)  # the splitmix64 finalizer's constants, as in protos.keys.mix64
@@ -37,12 +38,19 @@ U64 = npt.NDArray[np.uint64]
 U8 = npt.NDArray[np.uint8]
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def mix64_step(z: np.uint64) -> np.uint64:
+    """``protos.keys.mix64`` of one uint64, inside numba kernels: the one compiled copy of
+    the splitmix64 finalizer that the key hashes, shard routing, row initializers, the key
+    index and the admission sketch all call."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
 def fnv_basis(seed: int) -> int:
     """FNV-1a offset basis of the table with ``seed``: ``0xCBF29CE484222325 ^ mix64(seed)``."""
-    s = seed & _MASK64
-    s = ((s ^ (s >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    s = ((s ^ (s >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return _FNV_OFFSET ^ (s ^ (s >> 31))
+    return _FNV_OFFSET ^ mix64(seed)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -59,9 +67,7 @@ def hash_fields(buf: U8, starts: I64, ends: I64, cols: I64, bases: U64, out: U64
             h = basis
             for p in range(starts[i, col], ends[i, col]):
                 h = (h ^ np.uint64(buf[p])) * _FNV_PRIME
-            h = (h ^ (h >> np.uint64(30))) * _MIX1
-            h = (h ^ (h >> np.uint64(27))) * _MIX2
-            out[c, i] = h ^ (h >> np.uint64(31))
+            out[c, i] = mix64_step(h)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -71,10 +77,7 @@ def _jump(key: np.int64, num_buckets: int, steps: int) -> int:
     loop ends after a data-dependent number of rounds, and a branch on it mispredicts about
     every other key (2.5x slower at 2 buckets). Rare keys that need more rounds finish in
     the plain loop."""
-    k = np.uint64(key)
-    k = (k ^ (k >> np.uint64(30))) * _MIX1
-    k = (k ^ (k >> np.uint64(27))) * _MIX2
-    k = k ^ (k >> np.uint64(31))
+    k = mix64_step(np.uint64(key))
     b, j = -1, 0
     for _ in range(steps):
         active = j < num_buckets

@@ -33,6 +33,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
+from protos.hashing import mix64_step
 from protos.keys import mix64
 
 __all__ = ["InitializerKind", "InitializerParams", "fill_initial_rows", "initial_rows"]
@@ -75,13 +76,6 @@ class InitializerParams:
             raise ValueError(f"initializer.std={self.std}: must be >= 0")
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def _mix64(z: np.uint64) -> np.uint64:
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
-
 @numba.njit(nogil=True, cache=True)
 def _fill(
     out: npt.NDArray[np.float32],
@@ -96,15 +90,15 @@ def _fill(
     scale = 1.0 / 9007199254740992.0  # 2**-53
     for i in range(keys.shape[0]):
         r = rows[i]
-        base = _mix64(keys[i] ^ seed_mix)
+        base = mix64_step(keys[i] ^ seed_mix)
         if kind == 1:
             for j in range(dim):
-                w = _mix64(base + np.uint64(j + 1) * _GOLDEN)
+                w = mix64_step(base + np.uint64(j + 1) * _GOLDEN)
                 out[r, j] = np.float32(a + (b - a) * (float(w >> np.uint64(11)) * scale))
         elif kind == 2:
             for j in range(0, dim, 2):
-                w0 = _mix64(base + np.uint64(j + 1) * _GOLDEN)
-                w1 = _mix64(base + np.uint64(j + 2) * _GOLDEN)
+                w0 = mix64_step(base + np.uint64(j + 1) * _GOLDEN)
+                w1 = mix64_step(base + np.uint64(j + 2) * _GOLDEN)
                 u0 = float(w0 >> np.uint64(11)) * scale
                 u1 = float(w1 >> np.uint64(11)) * scale
                 radius = math.sqrt(-2.0 * math.log(1.0 - u0))

@@ -14,6 +14,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
+from protos.hashing import mix64_step
 from protos.wire import as_keys
 from ps.prefetch import prefetch
 
@@ -26,9 +27,6 @@ MAX_SLOTS = 2**31 - 1
 # so every key on one shard shares structure in mix64's bits; a differently keyed mixer keeps
 # that structure out of the bucket position.
 _SEED = np.uint64(0x9E3779B97F4A7C15)
-_MUL1 = np.uint64(0xBF58476D1CE4E5B9)
-_MUL2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 # Kernel status codes, returned to Python so that raising and growing stay out of numba.
 _DONE, _NEED_GROW, _OUT_OF_SLOTS = 0, 1, 2
@@ -36,11 +34,7 @@ _DONE, _NEED_GROW, _OUT_OF_SLOTS = 0, 1, 2
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _home(key: np.int64, mask: int) -> np.int64:
-    z = np.uint64(key) ^ _SEED
-    z = (z ^ (z >> _S30)) * _MUL1
-    z = (z ^ (z >> _S27)) * _MUL2
-    z = z ^ (z >> _S31)
-    return np.int64(z & np.uint64(mask))
+    return np.int64(mix64_step(np.uint64(key) ^ _SEED) & np.uint64(mask))
 
 
 # Keys probed ahead: a probe of a large index misses cache, and prefetching the home

@@ -37,6 +37,8 @@ import numpy as np
 import numpy.typing as npt
 from numba.cpython.unsafe.numbers import leading_zeros
 
+from protos.hashing import mix64_step
+
 __all__ = [
     "TICKS_PER_S",
     "Admission",
@@ -104,16 +106,11 @@ class Lifecycle:
 
 
 _SKETCH_ROWS = 4
-_MUL = np.uint64(0xBF58476D1CE4E5B9)
-_MUL2 = np.uint64(0x94D049BB133111EB)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _hash(key: np.int64, salt: np.uint64) -> np.uint64:
-    z = np.uint64(key) ^ salt
-    z = (z ^ (z >> np.uint64(31))) * _MUL
-    z = (z ^ (z >> np.uint64(29))) * _MUL2
-    return z ^ (z >> np.uint64(32))
+    return mix64_step(np.uint64(key) ^ salt)
 
 
 @numba.njit(nogil=True, cache=True)
