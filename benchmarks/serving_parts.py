@@ -324,8 +324,8 @@ def infer_requests(run_dir: Path, n: int, seed: int = 7) -> list[bytes]:
     every column a candidate column: integer ids drawn Zipf(1.05) over Criteo's vocab sizes, as the
     synthetic training stream draws them (so most rows exist), and lognormal counts for the dense
     columns. With 26 categorical columns that is the 2,600 keys of the lookup part."""
+    from protos.columns import encode_request
     from worker.export import load_model
-    from worker.request import encode_request
     from worker.synthetic import CRITEO_VOCAB_SIZES
 
     model = load_model(run_dir)
@@ -352,8 +352,8 @@ def in_process_predictor(run_dir: Path, rows: Any) -> Callable[[bytes], Any]:
     (anything with ``PSClient.lookup_many``), as a function of a serialized ``PredictRequest``
     returning its scores: what ps-infer does for one request, without gRPC and micro-batching."""
     from protos import infer_pb2
+    from protos.columns import decode_request
     from worker.predictor import Predictor
-    from worker.request import decode_request
 
     predictor = Predictor.load(run_dir, rows)
 

@@ -17,6 +17,7 @@ from client.errors import (
     TableNotFoundError,
     UnauthenticatedError,
 )
+from client.predict import PredictClient, PredictError
 from client.replicas import parse_addresses
 from client.routing import TablePlan
 from client.transport import GrpcTransport, Transport
@@ -32,6 +33,8 @@ __all__ = [
     "PSError",
     "PermissionDeniedError",
     "PreconditionError",
+    "PredictClient",
+    "PredictError",
     "PushResult",
     "ResourceExhaustedError",
     "ShardUnavailableError",

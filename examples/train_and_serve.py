@@ -29,12 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from client import PSClient
+from client import PredictClient, PSClient
 from deploy import LocalCluster
 from worker.data import raw_columns
 from worker.dataset import SCHEMAS
 from worker.predictor import Predictor
-from worker.serving import PredictClient
 from worker.trainer import parse, train
 
 CANDIDATES = 100

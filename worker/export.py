@@ -52,11 +52,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from protos.columns import ValueType
 from worker.config import EmbeddingTableConfig, FeatureConfig
 from worker.data import SchemaColumns, feature_seed, schema_columns
 from worker.dataset import SCHEMAS
 from worker.fields import MISSING_BUCKET
-from worker.request import ValueType
 
 __all__ = [
     "FORMAT_VERSION",

@@ -41,11 +41,11 @@ import torch
 import torch.nn.functional as F
 
 from client.batching import dedup
+from protos.columns import Column, InvalidRequest, ValueType, columns_of
 from protos.hashing import fnv_basis, hash_fields
 from protos.keys import hash_features
 from worker.export import KeyFeature, ServingModel, load_model, probabilities
 from worker.fields import bucket_keys, dense_values, parse_numbers
-from worker.request import Column, InvalidRequest, ValueType, columns_of
 
 __all__ = ["MIN_ROWS", "PAD_ROWS", "Encoded", "Predictor", "RowSource"]
 
@@ -208,7 +208,7 @@ class Predictor:
     def predict(
         self, context: Mapping[str, Any] | None, candidates: Sequence[Mapping[str, Any]] | Mapping[str, Any]
     ) -> F32:
-        """Scores for Python values (as ``worker.request.columns_of`` takes them): ``encode`` + ``score``."""
+        """Scores for Python values (as ``protos.columns.columns_of`` takes them): ``encode`` + ``score``."""
         return self.score([self.encode(*columns_of(context, candidates))])[0]
 
 

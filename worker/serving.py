@@ -1,4 +1,4 @@
-"""``ps-infer``: serve a trained model's ``Predict`` (``protos/infer.proto``) over gRPC, and its Python client.
+"""``ps-infer``: serve a trained model's ``Predict`` (``protos/infer.proto``) over gRPC.
 
 ``ps-infer --model runs/latest --ps HOST:PORT,HOST:PORT`` loads the run's exported
 model and manifest (``worker.export``), checks that the shards hold its tables, and
@@ -20,7 +20,7 @@ serves ``ps.v1.Predictor`` with gRPC health and reflection:
 Exit codes: 0 stopped cleanly; 1 cannot start (the run cannot be served, the shards lack
 its tables, the address is taken: the message says which); 2 a bad setting.
 
-Example (a client; the README starts a predictor):
+Example (a client, ``client.PredictClient``, which needs no torch; the README starts a predictor):
     with PredictClient("127.0.0.1:50070") as predictor:
         scores = predictor.predict(context={"C1": 3}, candidates=[{"C2": 5, ...}, {"C2": 8, ...}])
 """
@@ -34,7 +34,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,17 +49,14 @@ from grpc_health.v1 import health
 
 from client import ClientConfig, PSClient, PSError, parse_addresses
 from protos import infer_pb2 as pb
-from protos import infer_pb2_grpc
-from protos.auth import bearer_metadata
+from protos.columns import Column, InvalidRequest, decode_request, request_of
 from protos.guard import Guard, RpcMetrics, serve_metrics
 from protos.servers import listen, server_security, settle_heap, stop_on_signals, write_port_file
-from protos.tls import channel_credentials, open_channel
 from worker.config import parse_config
 from worker.export import load_model
 from worker.predictor import MIN_ROWS, Encoded, Predictor
-from worker.request import Column, InvalidRequest, decode_request, encode_request, request_of
 
-__all__ = ["SERVICE_NAME", "InferConfig", "InferServer", "PredictClient", "PredictError", "build_server", "main"]
+__all__ = ["SERVICE_NAME", "InferConfig", "InferServer", "build_server", "main"]
 
 SERVICE_NAME = "ps.v1.Predictor"
 ENV_PREFIX = "INFER_"
@@ -450,83 +447,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # --- client
-
-
-class PredictError(Exception):
-    """A ``Predict`` call failed: ``code`` is the gRPC status (see protos/infer.proto), the message the server's."""
-
-    def __init__(self, message: str, code: grpc.StatusCode) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class PredictClient:
-    """A client of one ``ps-infer``: ``predict(context, candidates)`` returns float32 scores.
-
-    Values are as in the training data (see ``worker.request.columns_of`` for the forms
-    ``candidates`` may take). The constructor does no I/O; the channel opens on first
-    use. Thread-safe; ``predict`` blocks and raises ``PredictError`` (``.code``) when the
-    call fails, ``TypeError``/``ValueError`` for values no request can carry.
-    ``token``, ``tls_ca`` (TLS), ``tls_cert``/``tls_key`` (mutual TLS) reach a secured
-    ``ps-infer``; the token is sent as ``authorization: Bearer`` metadata.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        timeout_s: float = 10.0,
-        token: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-    ) -> None:
-        self.address, self.timeout_s = address, timeout_s
-        if (tls_cert is None) != (tls_key is None):
-            raise ValueError("tls_cert and tls_key go together (mutual TLS): give both or neither")
-        self._metadata = bearer_metadata(token)
-        self._credentials = channel_credentials(tls_ca, tls_cert, tls_key) if tls_ca or tls_cert else None
-        self._channel: grpc.Channel | None = None
-        self._stub: Any = None
-        self._lock = threading.Lock()
-
-    def predict(
-        self,
-        context: Mapping[str, Any] | None,
-        candidates: Sequence[Mapping[str, Any]] | Mapping[str, Any],
-        *,
-        timeout_s: float | None = None,
-    ) -> F32:
-        """Scores of ``candidates`` (rows, or columns), in order, each with the ``context`` values."""
-        return self.call(encode_request(context, candidates), timeout_s=timeout_s)
-
-    def call(self, request: pb.PredictRequest, *, timeout_s: float | None = None) -> F32:
-        """Send a ready ``PredictRequest``; its scores as float32."""
-        stub = self._open()
-        try:
-            reply = stub.Predict(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise PredictError(f"{self.address}: {exc.details()}", exc.code()) from None
-        return np.frombuffer(reply.scores, dtype="<f4").astype(np.float32)
-
-    def _open(self) -> Any:
-        with self._lock:
-            if self._stub is None:
-                self._channel = open_channel(self.address, self._credentials, [])
-                self._stub = infer_pb2_grpc.PredictorStub(self._channel)  # type: ignore[no-untyped-call]
-            return self._stub
-
-    def close(self) -> None:
-        with self._lock:
-            if self._channel is not None:
-                self._channel.close()
-            self._channel, self._stub = None, None
-
-    def __enter__(self) -> PredictClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from protos import infer_pb2 as ipb
 from protos import ps_pb2 as pb
+from protos.columns import Column, request_of
 from tests.fakes import InProcessTransport
 from tests.faults import mutations as mut
 from tests.faults.oracles import (
     ShardModel,
 )
 from tests.integration.shards import RunningShard
-from worker.request import Column, request_of
 
 PS, HEALTH = "/ps.v1.ParameterServer/", "/grpc.health.v1.Health/"
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"

@@ -30,17 +30,16 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from client import PSClient
+from client import PredictClient, PredictError, PSClient
 from deploy.local import LocalCluster
 from protos import infer_pb2 as pb
+from protos.columns import Column, columns_of, encode_request, request_of
 from protos.keys import hash_features
 from worker.config import EmbeddingTableConfig, FeatureConfig
 from worker.data import Batch, feature_seed
 from worker.embedding import DistributedEmbedding
 from worker.jagged import JaggedIds
 from worker.models import DLRM
-from worker.request import Column, columns_of, encode_request, request_of
-from worker.serving import PredictClient, PredictError
 from worker.trainer import TrainerConfig, predict, train
 
 REPO = Path(__file__).resolve().parents[2]

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from protos import infer_pb2 as pb
+from protos.columns import Column, InvalidRequest, columns_of, decode_request, encode_request
 from protos.keys import hash_features, mix64
 from worker.config import EmbeddingTableConfig, FeatureConfig
 from worker.data import ColumnSchema, feature_seed, load_click_log, rare_key
@@ -31,7 +32,6 @@ from worker.export import ServingModel, describe_data, load_model, probabilities
 from worker.fields import dense_values
 from worker.models import DLRM
 from worker.predictor import MIN_ROWS, PAD_ROWS, Encoded, Predictor
-from worker.request import Column, InvalidRequest, columns_of, decode_request, encode_request
 from worker.serving import Batcher, InferConfig, _Gate, _Refused, main
 from worker.synthetic import synthetic_criteo
 
