@@ -21,6 +21,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from protos.logs import configure_logging
 from protos.servers import settle_heap, stop_on_signals, write_port_file
 from protos.wire import tune_malloc
 from ps.config import ConfigError, ServerConfig, load_config
@@ -40,10 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ps-server: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s",
-    )
+    configure_logging(config.log_level)
     tune_malloc()
     # Past a file-size limit (RLIMIT_FSIZE) a write should fail with EFBIG, which the
     # storage layer reports, rather than kill the process with SIGXFSZ.

@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import re
-import tomllib
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from protos import ps_pb2 as pb
-from protos import wire
+from protos import settings, wire
+from protos.settings import ConfigError
 from ps.errors import InvalidRequest
 from ps.initializers import InitializerKind, InitializerParams
 from ps.lifecycle import EVICTIONS, LFU_HALF_LIFE_S, Lifecycle
@@ -38,10 +36,6 @@ __all__ = ["ConfigError", "Durability", "ServerConfig", "TableSpec", "load_confi
 ENV_PREFIX = "PS_"
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 MAX_DIM = 65536
-
-
-class ConfigError(ValueError):
-    """A setting is unknown or has a bad value; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -418,101 +412,19 @@ def _show(value: Any) -> str:
     return getattr(value, "name", None) or repr(value)
 
 
-def _fields() -> dict[str, tuple[dataclasses.Field[Any], Any]]:
-    hints = typing.get_type_hints(ServerConfig)
-    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(ServerConfig)}
-
-
-def _convert(name: str, hint: Any, raw: Any, source: str) -> Any:
-    optional = type(None) in typing.get_args(hint)
-    target = ([a for a in typing.get_args(hint) if a is not type(None)] or [hint])[0]
-    if raw is None or (optional and raw == ""):
-        if optional:
-            return None
-        raise ConfigError(f"{source}: {name} needs a {target.__name__} value, got {raw!r}")
-    try:
-        if target is int:
-            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                raise ValueError
-            return int(raw, 0) if isinstance(raw, str) else int(raw)
-        if target is float:
-            return float(raw)
-        if target is Path:
-            return Path(str(raw))
-        return str(raw)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{source}: {raw!r} is not a valid {target.__name__} for {name}") from None
-
-
-def _read_file(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"--config {path}: {exc.strerror}") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"--config {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a table of settings at the top level")
-    return data
+_DESCRIPTION = "One shard of the embedding parameter server."
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``ps-server`` argument parser; one flag per ``ServerConfig`` field plus ``--config``."""
-    parser = argparse.ArgumentParser(
-        prog="ps-server",
-        description=(
-            "One shard of the embedding parameter server. Every flag can also be set by the "
-            f"environment variable {ENV_PREFIX}<FLAG_NAME> (e.g. --num-shards -> {ENV_PREFIX}NUM_SHARDS) "
-            "or by a key in the --config file (num_shards = 2). Precedence: defaults < config file "
-            "< environment < flags."
-        ),
-        argument_default=argparse.SUPPRESS,
-    )
-    parser.add_argument("--config", type=Path, help="TOML (or .json) file of settings")
-    for name, (f, _hint) in _fields().items():
-        default = f.default
-        parser.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            metavar=name.upper(),
-            help=f"{f.metadata.get('help', '')} (default: {default}; env {ENV_PREFIX}{name.upper()})",
-        )
-    return parser
+    return settings.build_parser(ServerConfig, ENV_PREFIX, "ps-server", _DESCRIPTION)
 
 
 def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> ServerConfig:
-    """Build a ``ServerConfig`` from flags, ``PS_*`` variables and an optional config file.
+    """Build a ``ServerConfig`` from flags, ``PS_*`` variables and an optional config file
+    (``protos.settings``).
 
     Raises ``ConfigError`` naming the setting for unknown names and bad values;
     ``SystemExit`` for ``--help`` and unparsable flags (argparse's behaviour).
     """
-    fields = _fields()
-    args = vars(build_parser().parse_args(list(argv)))
-    values: dict[str, Any] = {}
-
-    config_path = args.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
-    if config_path:
-        path = Path(config_path)
-        for key, raw in _read_file(path).items():
-            if key not in fields:
-                raise ConfigError(f"--config {path}: unknown setting {key!r}; valid: {', '.join(fields)}")
-            values[key] = _convert(key, fields[key][1], raw, f"--config {path}")
-
-    for var, raw in environ.items():
-        if not var.startswith(ENV_PREFIX) or var == ENV_PREFIX + "CONFIG":
-            continue
-        key = var[len(ENV_PREFIX) :].lower()
-        if key not in fields:
-            valid = ", ".join(ENV_PREFIX + n.upper() for n in [*fields, "config"])
-            raise ConfigError(f"environment: unknown variable {var}; valid: {valid}")
-        values[key] = _convert(key, fields[key][1], raw, f"environment {var}")
-
-    for key, raw in args.items():
-        values[key] = _convert(key, fields[key][1], raw, "--" + key.replace("_", "-"))
-
-    try:
-        return ServerConfig(**values)
-    except TypeError as exc:
-        raise ConfigError(str(exc)) from None
+    return settings.load_settings(ServerConfig, argv, environ, ENV_PREFIX, "ps-server", _DESCRIPTION)

@@ -8,16 +8,10 @@ Example:
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import textwrap
-import tomllib
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 __all__ = [
     "SCHEMA_NAMES",
@@ -26,11 +20,9 @@ __all__ = [
     "Pooling",
     "TrainerConfig",
     "check_features",
-    "parse_config",
 ]
 
 Pooling = Literal["sum", "mean", "none"]
-_C = TypeVar("_C")
 
 
 @dataclass(frozen=True)
@@ -179,94 +171,3 @@ class TrainerConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-
-
-def parse_config(
-    cls: type[_C], argv: Sequence[str], environ: Mapping[str, str], prefix: str, prog: str, description: str = ""
-) -> _C:
-    """Fill the frozen dataclass ``cls`` from flags, ``{prefix}*`` variables and ``--config`` (TOML/JSON).
-
-    Each field ``name`` is ``--name-with-dashes``, ``{prefix}NAME`` and ``name`` in the file;
-    precedence defaults < file < environment < flags. Unknown file keys or ``{prefix}*``
-    variables raise ``ValueError`` listing the valid names; ``--help`` prints ``description``
-    and lists every field with its help text (field metadata ``help``). Tuples are
-    comma-separated; an empty value of an optional (``X | None``) field is None.
-    """
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    where = textwrap.fill(
-        f"Every flag is also {prefix}<NAME> in the environment or a key of the --config file; "
-        "flags win over the environment, which wins over the file.",
-        79,
-    )
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        argument_default=argparse.SUPPRESS,
-        description=f"{description}\n\n{where}" if description else where,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--config", type=Path, help="TOML or JSON file of settings")
-    for name, f in fields.items():
-        default = f.default if f.default is not dataclasses.MISSING else None
-        parser.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            metavar=name.upper(),
-            help=f"{f.metadata.get('help', '').replace('%', '%%')} (default: {default}; env {prefix}{name.upper()})",
-        )
-    args = vars(parser.parse_args(list(argv)))
-    values: dict[str, Any] = {}
-    path = args.pop("config", None)
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ValueError(f"--config {path}: {exc.strerror}") from None
-        data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
-        for key, raw in data.items():
-            if key not in fields:
-                raise ValueError(f"--config {path}: unknown setting {key!r}; valid: {', '.join(fields)}")
-            values[key] = _convert(key, hints[key], raw)
-    for var, raw in environ.items():
-        if var.startswith(prefix):
-            key = var[len(prefix) :].lower()
-            if key not in fields:
-                raise ValueError(
-                    f"environment: unknown variable {var}; valid: {', '.join(prefix + n.upper() for n in fields)}"
-                )
-            values[key] = _convert(key, hints[key], raw)
-    for key, raw in args.items():
-        values[key] = _convert(key, hints[key], raw)
-    return cls(**values)
-
-
-def _convert(name: str, hint: Any, raw: Any) -> Any:
-    args = typing.get_args(hint)
-    if type(None) in args:  # X | None
-        if raw is None or (isinstance(raw, str) and not raw.strip()):
-            return None
-        hint = next(a for a in args if a is not type(None))
-    target = typing.get_origin(hint) or hint
-    try:
-        if target is tuple:
-            items = raw.split(",") if isinstance(raw, str) else list(raw)
-            return tuple(str(x).strip() for x in items if str(x).strip())
-        if target is bool:
-            if isinstance(raw, bool):
-                return raw
-            if str(raw).lower() in ("1", "true", "yes", "on"):
-                return True
-            if str(raw).lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if target is int:
-            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                raise ValueError
-            return int(raw)
-        if target is float:
-            return float(raw)
-        if target is Path:
-            return Path(str(raw))
-        return str(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: {raw!r} is not a valid {getattr(target, '__name__', target)}") from None

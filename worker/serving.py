@@ -52,7 +52,7 @@ from protos import infer_pb2 as pb
 from protos.columns import Column, InvalidRequest, decode_request, request_of
 from protos.guard import Guard, RpcMetrics, serve_metrics
 from protos.servers import listen, server_security, settle_heap, stop_on_signals, write_port_file
-from worker.config import parse_config
+from protos.settings import load_settings
 from worker.export import load_model
 from worker.predictor import MIN_ROWS, Encoded, Predictor
 
@@ -409,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "and looked up on the shards exactly as in training."
     )
     try:
-        config = parse_config(
+        config = load_settings(
             InferConfig, sys.argv[1:] if argv is None else argv, os.environ, ENV_PREFIX, "ps-infer", description
         )
     except ValueError as exc:

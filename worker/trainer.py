@@ -58,7 +58,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
 from client import PSClient
-from worker.config import EmbeddingTableConfig, FeatureConfig, TrainerConfig, parse_config
+from protos.logs import configure_logging
+from protos.settings import load_settings
+from worker.config import EmbeddingTableConfig, FeatureConfig, TrainerConfig
 from worker.data import Batch, auc, logloss, rare_key
 from worker.dataset import (
     EVAL_BATCH_SIZE,
@@ -597,7 +599,7 @@ def parse(argv: Sequence[str] | None = None, *, local_shards: bool = True) -> Tr
     (``python -m worker.trainer``); ``--help`` describes what the caller does.
     """
     try:
-        config = parse_config(
+        config = load_settings(
             TrainerConfig,
             sys.argv[1:] if argv is None else argv,
             os.environ,
@@ -608,12 +610,7 @@ def parse(argv: Sequence[str] | None = None, *, local_shards: bool = True) -> Tr
     except ValueError as exc:
         print(f"trainer: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="ts=%(asctime)s level=%(levelname)s rank="
-        + os.environ.get("RANK", "0")
-        + " logger=%(name)s msg=%(message)s",
-    )
+    configure_logging(config.log_level, rank=os.environ.get("RANK", "0"))
     return config
 
 

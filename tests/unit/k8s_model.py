@@ -24,8 +24,9 @@ import yaml
 from torch.distributed.run import get_args_parser as torchrun_parser
 
 from client import ClientConfig
+from protos.settings import load_settings
 from ps.config import build_parser, load_config
-from worker.config import TrainerConfig, parse_config
+from worker.config import TrainerConfig
 from worker.serving import ENV_PREFIX as INFER_PREFIX
 from worker.serving import InferConfig
 from worker.trainer import ENV_PREFIX as TRAINER_PREFIX
@@ -287,12 +288,12 @@ def parse_process(p: Proc, monkeypatch: pytest.MonkeyPatch) -> None:
         p.program, p.config = "ps-server", load_config(args, p.env)  # unknown PS_* variables raise
         return
     if exe == "ps-infer":
-        p.program, p.config = "ps-infer", parse_config(InferConfig, args, p.env, INFER_PREFIX, "ps-infer")
+        p.program, p.config = "ps-infer", load_settings(InferConfig, args, p.env, INFER_PREFIX, "ps-infer")
     elif exe == "torchrun":
         p.torchrun = torchrun_parser().parse_args(args)
         assert p.torchrun.module and p.torchrun.training_script == "deploy.train", p.argv
         script = p.torchrun.training_script_args
-        p.program, p.config = "trainer", parse_config(TrainerConfig, script, p.env, TRAINER_PREFIX, "deploy.train")
+        p.program, p.config = "trainer", load_settings(TrainerConfig, script, p.env, TRAINER_PREFIX, "deploy.train")
     elif exe == "sh" and p.init:
         p.program = "sh"
         return

@@ -260,3 +260,42 @@ def test_table_spec_differences() -> None:
         "seed",
     ]
     assert [d.split(":")[0] for d in other.differences(base)] == [d.split(":")[0] for d in diffs]
+
+
+# -- one loader for every command ---------------------------------------------------------
+
+
+def _commands() -> list[tuple[str, type, str]]:
+    from worker.config import TrainerConfig
+    from worker.serving import ENV_PREFIX as INFER_PREFIX
+    from worker.serving import InferConfig
+    from worker.trainer import ENV_PREFIX as TRAINER_PREFIX
+
+    return [
+        ("ps-server", ServerConfig, "PS_"),
+        ("ps-infer", InferConfig, INFER_PREFIX),
+        ("trainer", TrainerConfig, TRAINER_PREFIX),
+    ]
+
+
+@pytest.mark.parametrize("command", ["ps-server", "ps-infer", "trainer"])
+def test_every_command_reports_a_config_file_that_does_not_parse(command: str, tmp_path: Path) -> None:
+    from protos.settings import load_settings
+
+    (prog, cls, prefix) = next(c for c in _commands() if c[0] == command)
+    bad = write(tmp_path / "bad.toml", "threads = = 2\n")
+    with pytest.raises(ConfigError, match=rf"--config {re.escape(str(bad))}: "):
+        load_settings(cls, [f"--config={bad}"], {}, prefix, prog)
+    with pytest.raises(ConfigError, match=rf"--config {re.escape(str(bad))}: "):  # named by the environment
+        load_settings(cls, [], {prefix + "CONFIG": str(bad)}, prefix, prog)
+
+
+@pytest.mark.parametrize("command", ["ps-server", "ps-infer", "trainer"])
+def test_every_command_names_where_a_bad_value_came_from(command: str) -> None:
+    from protos.settings import load_settings
+
+    (prog, cls, prefix) = next(c for c in _commands() if c[0] == command)
+    field = next(f.name for f in dataclasses.fields(cls) if f.type in ("int", int))
+    var = prefix + field.upper()
+    with pytest.raises(ConfigError, match=rf"environment {var}: 'many' is not a valid int for {field}"):
+        load_settings(cls, [], {var: "many"}, prefix, prog)

@@ -8,8 +8,8 @@ TLS component. Every resource is validated against the Kubernetes API schema (st
 fields are errors). Then each pod is expanded as the cluster would run it (ordinal, pod-index
 label, downward API, ``$(VAR)`` references) and each container's command line and environment go
 through the real parser of its program: ``ps.config.load_config`` for ps-server,
-``parse_config(InferConfig)`` for ps-infer, torch's own torchrun parser and
-``parse_config(TrainerConfig)`` for the trainer, and ``ClientConfig`` for the ``PS_CLIENT_*``
+``load_settings(InferConfig)`` for ps-infer, torch's own torchrun parser and
+``load_settings(TrainerConfig)`` for the trainer, and ``ClientConfig`` for the ``PS_CLIENT_*``
 settings. The wiring checks read those parsed configs: a renamed flag, or a shard count changed
 in one place only, fails here rather than in a cluster. (For both variants the builder's output
 was compared with ``kubectl kustomize`` 5.5's and is the same.)
