@@ -40,7 +40,7 @@ float32 rows), drawn at random from the rows the table holds. Each part runs alo
    categorical values, plus 13 dense) from a model a short synthetic training run exported,
    served from 2 serving shards, against ``worker.predictor.Predictor`` in this process over the
    same rows held in RAM (no network): p50/p99 and requests/s at concurrency 1 and 8. Goal:
-   ps-infer's requests/s >= 0.5x the in-process predictor's. See ``serving_parts.infer_part``;
+   ps-infer's requests/s >= 0.5x the in-process predictor's. See ``serving_infer.infer_part``;
    skipped while ``worker.serving`` is missing.
 3. ``freshness``: 2 training shards, each followed by a ``--mode serve --follow`` shard. A marker
    row is pushed to the training shard; the time from the push's acknowledgement to the
@@ -79,6 +79,8 @@ sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # serving_parts, beside this file
 
 from serving_floor import FloorClient, RawStubs, serve_raw, write_rows  # noqa: E402
+from serving_freshness import freshness_part, train_load  # noqa: E402
+from serving_infer import infer_part  # noqa: E402
 from serving_parts import (  # noqa: E402
     CONCURRENCY,
     DIM,
@@ -86,14 +88,12 @@ from serving_parts import (  # noqa: E402
     SHARDS,
     Processes,
     Setup,
-    freshness_part,
-    infer_part,
+    chart,
     process_cpu_s,
     ps_server_help,
     report,
     run_threads,
     summarize,
-    train_load,
 )
 
 from client import PSClient  # noqa: E402
@@ -492,51 +492,6 @@ def goals(cells: dict[str, dict[str, dict[str, float]]]) -> list[dict[str, Any]]
 
 
 # -- output ------------------------------------------------------------------------------
-
-
-def chart(res: dict[str, Any], path: Path) -> None:
-    """p50/p99 bars (requests/s above them) per system and concurrency: one panel per lookup
-    concurrency, one for infer and one for freshness where those parts ran."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # here only: measuring does not need it
-
-    panels: list[tuple[str, list[tuple[str, dict[str, Any]]]]] = []
-    if "lookup" in res:
-        cells = res["lookup"]["cells"]
-        for c in map(str, CONCURRENCY):
-            title = f"lookup {KEYS:,} keys x dim {DIM}, 2 servers, concurrency {c}"
-            panels.append((title, [(name, by_c[c]) for name, by_c in cells.items()]))
-    if "cells" in res.get("infer", {}):
-        bars = [(f"{name}\nc={c}", x) for name, by_c in res["infer"]["cells"].items() for c, x in by_c.items()]
-        panels.append(("ps-infer vs in-process predictor, Predict of 100 candidates", bars))
-    if "idle" in res.get("freshness", {}):
-        f = res["freshness"]
-        panels.append(("push ack -> visible on follower (lag)", [("idle", f["idle"]), ("under load", f["under_load"])]))
-    if not panels:
-        return
-    cols = min(2, len(panels))
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.2 * rows), squeeze=False)
-    for ax in axes.flat[len(panels) :]:
-        ax.set_visible(False)
-    for ax, (title, bars) in zip(axes.flat, panels):
-        x = np.arange(len(bars))
-        p50, p99 = [b["p50_ms"] for _, b in bars], [b["p99_ms"] for _, b in bars]
-        ax.bar(x - 0.2, p50, 0.4, label="p50")
-        ax.bar(x + 0.2, p99, 0.4, label="p99")
-        for i, (_, b) in enumerate(bars):
-            if "requests_per_s" in b:
-                ax.annotate(
-                    f"{b['requests_per_s']:.0f}/s", (i, max(p50[i], p99[i])), ha="center", va="bottom", fontsize=8
-                )
-        ax.set_xticks(x, [name for name, _ in bars], fontsize=8)
-        ax.set(ylabel="ms", title=title)
-        ax.title.set_fontsize(9)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def machine() -> dict[str, Any]:

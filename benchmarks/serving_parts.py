@@ -1,4 +1,4 @@
-"""The serving benchmark's processes, timing loop, and its ``infer`` and ``freshness`` parts.
+"""The serving benchmark's processes, timing loop, printed report and chart.
 
 ``bench_serving.py`` runs these; see its docstring for what each part measures. Here:
 
@@ -6,27 +6,21 @@
   ``ps-infer``, the training load), stopped when the part ends, on an exception, on Ctrl-C
   and on SIGTERM; each child also gets SIGTERM if the benchmark dies (``die_with_parent``).
 * ``run_threads``: ``concurrency`` client threads, each its own request loop, for a time.
-* ``infer_part``: ``ps-infer`` end to end against an in-process predictor holding the same
-  rows in RAM (``worker.predictor.Predictor`` over ``RamRows``). Skipped while
-  ``worker.serving`` is missing.
-* ``report``: the printed tables of every part's results.
-* ``freshness_part``: push-acknowledged to visible-on-the-follower lag; skipped while
-  ``ps-server`` has no ``--follow``.
+* ``report``, ``chart``: the printed tables of every part's results, and their chart.
+
+The ``infer`` part is in ``serving_infer.py``, the ``freshness`` part in ``serving_freshness.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -38,7 +32,6 @@ import numpy.typing as npt
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from client import PSClient  # noqa: E402
 from deploy.local import ShardProcess, die_with_parent, start_shard, stop_shard  # noqa: E402
 
 DIM, SHARDS, FEATURES, CANDIDATES = 64, 2, 26, 100
@@ -256,389 +249,6 @@ def summarize(latencies: list[float], wall: float) -> dict[str, float]:
     }
 
 
-# -- part 2: ps-infer ----------------------------------------------------------------------
-
-
-class RamRows:
-    """Rows held in this process, answering ``lookup_many`` as a serving cluster would
-    (a key it does not hold reads as zeros). Built by ``RecordingClient.ram_rows``."""
-
-    def __init__(self, rows: Mapping[str, tuple[Keys, Rows]], tables: Any) -> None:
-        self._tables = tables
-        self._rows: dict[str, tuple[Keys, Rows]] = {}
-        for name, (keys, values) in rows.items():
-            order = np.argsort(keys, kind="stable")
-            padded = np.vstack([values[order], np.zeros((1, values.shape[1]), np.float32)])  # last: the zero row
-            self._rows[name] = (keys[order], padded)
-
-    def tables(self) -> Any:
-        return self._tables
-
-    def lookup_many(
-        self, requests: Mapping[str, npt.ArrayLike], *, out: Mapping[str, Rows] | None = None, **_: Any
-    ) -> dict[str, Rows]:
-        found = {}
-        for name, k in requests.items():
-            keys, rows = self._rows[name]
-            q = np.asarray(k, np.int64)
-            idx = np.minimum(np.searchsorted(keys, q), len(keys) - 1)
-            idx[keys[idx] != q] = len(keys)
-            target = (out or {}).get(name)
-            found[name] = rows[idx] if target is None else np.take(rows, idx, axis=0, out=target)
-        return found
-
-    def lookup(self, table: str, keys: npt.ArrayLike, **kw: Any) -> Rows:
-        return self.lookup_many({table: keys}, **kw)[table]
-
-
-class RecordingClient:
-    """A ``PSClient`` that also keeps every (table, key, row) its lookups returned."""
-
-    def __init__(self, client: PSClient) -> None:
-        self._client = client
-        self.seen: dict[str, dict[int, Rows]] = {}
-        self.keys_per_call: list[int] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)  # anything else the predictor calls: the real client's
-
-    def lookup_many(self, requests: Mapping[str, npt.ArrayLike], **kw: Any) -> dict[str, Rows]:
-        got = self._client.lookup_many(requests, **kw)
-        self.keys_per_call.append(sum(len(np.asarray(k)) for k in requests.values()))
-        for name, keys in requests.items():
-            seen = self.seen.setdefault(name, {})
-            for k, row in zip(np.asarray(keys, np.int64).tolist(), got[name]):
-                seen[k] = row.copy()
-        return got
-
-    def lookup(self, table: str, keys: npt.ArrayLike, **kw: Any) -> Rows:
-        return self.lookup_many({table: keys}, **kw)[table]
-
-    def ram_rows(self) -> RamRows:
-        rows = {n: (np.fromiter(s, np.int64, len(s)), np.stack(list(s.values()))) for n, s in self.seen.items() if s}
-        return RamRows(rows, self._client.tables())
-
-
-def infer_requests(run_dir: Path, n: int, seed: int = 7) -> list[bytes]:
-    """``n`` serialized ``PredictRequest``s of ``CANDIDATES`` candidates for the model in ``run_dir``,
-    every column a candidate column: integer ids drawn Zipf(1.05) over Criteo's vocab sizes, as the
-    synthetic training stream draws them (so most rows exist), and lognormal counts for the dense
-    columns. With 26 categorical columns that is the 2,600 keys of the lookup part."""
-    from protos.columns import encode_request
-    from worker.export import load_model
-    from worker.synthetic import CRITEO_VOCAB_SIZES
-
-    model = load_model(run_dir)
-    rng = np.random.default_rng(seed)
-    cdfs = {}
-    for i, (column, kind) in enumerate(model.categorical.items()):
-        if kind != "int64":
-            raise ValueError(f"column {column!r} takes {kind} values: this part sends the synthetic data's int64 ids")
-        c = np.cumsum(np.arange(1, CRITEO_VOCAB_SIZES[i % 26] + 1, dtype=np.float64) ** -1.05)
-        cdfs[column] = c / c[-1]
-    out = []
-    for _ in range(n):
-        columns: dict[str, Any] = {
-            name: np.minimum(np.searchsorted(cdf, rng.random(CANDIDATES), side="right"), len(cdf) - 1).astype(np.int64)
-            for name, cdf in cdfs.items()
-        }
-        columns |= {name: np.floor(rng.lognormal(1.0, 1.2, CANDIDATES)) for name in model.dense}
-        out.append(encode_request({}, columns).SerializeToString())
-    return out
-
-
-def in_process_predictor(run_dir: Path, rows: Any) -> Callable[[bytes], Any]:
-    """``worker.predictor.Predictor`` of the model in ``run_dir`` reading rows from ``rows``
-    (anything with ``PSClient.lookup_many``), as a function of a serialized ``PredictRequest``
-    returning its scores: what ps-infer does for one request, without gRPC and micro-batching."""
-    from protos import infer_pb2
-    from protos.columns import decode_request
-    from worker.predictor import Predictor
-
-    predictor = Predictor.load(run_dir, rows)
-
-    def predict(body: bytes) -> Rows:
-        request = decode_request(infer_pb2.PredictRequest.FromString(body))
-        return predictor.score([predictor.encode(*request)])[0]
-
-    return predict
-
-
-def infer_part(setup: Setup, procs: Processes) -> dict[str, Any]:
-    """``ps-infer`` end to end vs an in-process predictor holding the same rows in RAM.
-
-    A short synthetic DLRM training run (dim 64, 26 categorical and 13 dense columns) on 2
-    training shards with data dirs; the shards stopped and their data dirs served
-    (``--mode serve``); ``ps-infer --model RUN --ps A,B`` on them (its defaults: micro-batching,
-    torch's default threads). The in-process predictor is ``worker.predictor.Predictor`` (the
-    one ps-infer runs) over a ``RamRows`` of every row the requests touch, recorded through the
-    serving shards once, so both score with the same rows (checked). Requests are serialized
-    before timing; ps-infer is called through a gRPC stub with identity serializers, the
-    in-process predictor on the bytes (parse, encode, score: what ps-infer does per request).
-    Both at concurrency 1 and 8 (threads). Goal: ps-infer requests/s >= 0.5x in-process at
-    each concurrency.
-    """
-    for module in ("worker.serving", "worker.predictor"):
-        if importlib.util.find_spec(module) is None:
-            return {"skipped": f"ps-infer not available (no {module})"}
-    import grpc
-
-    from protos import infer_pb2
-
-    root = setup.tmp / "infer"
-    data_args = ("--data-dir=" + str(root / "data-{shard}"),)
-    train = [procs.shard(i, SHARDS, root, *data_args) for i in range(SHARDS)]
-    run_dir, samples = root / "run", 8_192 if setup.quick else 100_000
-    print(f"infer: training DLRM dim {DIM} on {samples:,} synthetic samples for a model to serve ...", file=sys.stderr)
-    cmd = [
-        sys.executable,
-        "-m",
-        "worker.trainer",
-        "--addresses",
-        ",".join(s.address for s in train),
-        "--dim",
-        str(DIM),
-        "--train-samples",
-        str(samples),
-        "--eval-samples",
-        "4096",
-        "--epochs",
-        "1",
-        "--output-dir",
-        str(run_dir),
-        "--progress",
-        "false",
-    ]
-    if procs.wait(procs.popen(cmd, root / "trainer.log"), 1200) != 0:
-        raise RuntimeError(f"trainer failed:\n{(root / 'trainer.log').read_text(errors='replace')[-3000:]}")
-    for s in train:
-        procs.stop_shard(s)
-    shards = [procs.shard(i, SHARDS, root, "--mode=serve", *data_args) for i in range(SHARDS)]
-    addresses = [s.address for s in shards]
-    infer_addr = procs.child(
-        [
-            sys.executable,
-            "-m",
-            "worker.serving",
-            "--model",
-            str(run_dir),
-            "--ps",
-            ",".join(addresses),
-            "--listen",
-            "127.0.0.1:0",
-        ],
-        root / "ps-infer",
-    )
-    requests = infer_requests(run_dir, 16 if setup.quick else 64)
-    with PSClient(addresses) as client:
-        recorder = RecordingClient(client)
-        recording = in_process_predictor(run_dir, recorder)
-        expected = [np.asarray(recording(r), np.float32) for r in requests]
-        in_process = in_process_predictor(run_dir, recorder.ram_rows())
-    channel = grpc.insecure_channel(infer_addr)
-    stub = channel.unary_unary("/ps.v1.Predictor/Predict", None, None)
-
-    def remote(body: bytes) -> Any:
-        return np.frombuffer(infer_pb2.PredictResponse.FromString(stub(body, timeout=30)).scores, np.float32)
-
-    try:
-        for name, predict in (("ps-infer", remote), ("in-process", in_process)):
-            if not np.allclose(np.asarray(predict(requests[0]), np.float32), expected[0], rtol=1e-4, atol=1e-5):
-                raise RuntimeError(f"{name} scores request 0 differently from the predictor reading the shards")
-        systems = {"ps-infer": remote, "in-process": in_process}
-        cells: dict[str, dict[str, dict[str, float]]] = {name: {} for name in systems}
-        for c in CONCURRENCY:
-            for name, predict in systems.items():
-                run_threads(lambda i, p=predict: p(requests[i % len(requests)]), c, setup.warmup_s)
-                lat, wall = run_threads(lambda i, p=predict: p(requests[i % len(requests)]), c, setup.seconds)
-                cells[name][str(c)] = summarize(lat, wall)
-    finally:
-        channel.close()
-    goals = []
-    for c in map(str, CONCURRENCY):
-        ratio = cells["ps-infer"][c]["requests_per_s"] / cells["in-process"][c]["requests_per_s"]
-        goals.append(
-            {
-                "goal": f"ps-infer requests/s vs in-process, concurrency {c}",
-                "ratio": ratio,
-                "target": f">= {INFER_GOAL}x",
-                "pass": ratio >= INFER_GOAL,
-            }
-        )
-    keys = float(np.mean(recorder.keys_per_call))
-    lines = [
-        f"Predict of {CANDIDATES} candidates x {FEATURES} features (dim {DIM}), 2 serving shards; "
-        f"{keys:.0f} distinct keys looked up per request on average (Zipf ids repeat)"
-    ]
-    for name, by_c in cells.items():
-        for c, x in by_c.items():
-            lines.append(
-                f"  {name:<11} concurrency {c}: p50 {x['p50_ms']:.2f} ms, p99 {x['p99_ms']:.2f} ms, "
-                f"{x['requests_per_s']:.0f} requests/s"
-            )
-    lines += [f"  {g['goal']}: {g['ratio']:.2f}x (target {g['target']}): {g['pass']}" for g in goals]
-    return {
-        "cells": cells,
-        "goals": goals,
-        "train_samples": samples,
-        "distinct_keys_per_request": keys,
-        "report": lines,
-    }
-
-
-# -- part 3: freshness ---------------------------------------------------------------------
-
-
-def train_load(addresses: list[str], rows: int, out: Path) -> None:
-    """The training load (a child process): push ``LOAD_BATCH``-key batches of ``LOAD_TABLE`` as
-    fast as the shards take them until SIGTERM; then write what it did to ``out``."""
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    rng = np.random.default_rng(11)
-    grads = (rng.standard_normal((LOAD_BATCH, DIM)) * 1e-3).astype(np.float32)
-    pushes, t0 = 0, time.perf_counter()
-    with PSClient(addresses) as client:
-        while not stop.is_set():
-            client.push(LOAD_TABLE, rng.integers(0, rows, LOAD_BATCH), grads)
-            pushes += 1
-    wall = time.perf_counter() - t0
-    out.write_text(
-        json.dumps(
-            {"pushes": pushes, "seconds": wall, "pushes_per_s": pushes / wall, "keys_per_s": pushes * LOAD_BATCH / wall}
-        )
-    )
-
-
-def wait_following(addresses: list[str], timeout_s: float = 120.0) -> None:
-    """Until every follower's stream is connected and it holds ``MARKER_TABLE``."""
-    deadline = time.monotonic() + timeout_s
-    with PSClient(addresses) as client:
-        while True:
-            stats = client.stats()
-            if all(s["follow"]["connected"] and MARKER_TABLE in {t["name"] for t in s["tables"]} for s in stats):
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"followers not following after {timeout_s} s: {[s['follow'] for s in stats]}")
-            time.sleep(0.1)
-
-
-def lag_samples(leader: PSClient, follower: PSClient, first: int, n: int, timeout_s: float = 30.0) -> dict[str, Any]:
-    """``n`` samples: push marker value v (a new key each) to the training shards; from the ack,
-    look the key up on the followers until it reads v (zeros init, SGD lr 1, grad -v)."""
-    rng = np.random.default_rng(first)
-    lags, polls, timeouts = [], [], 0
-    for v in range(first, first + n):
-        key = np.array([(1 << 40) + v], np.int64)
-        leader.push(MARKER_TABLE, key, np.full((1, DIM), -float(v), np.float32))
-        acked = time.perf_counter()
-        count = 0
-        while True:
-            row = follower.lookup(MARKER_TABLE, key)
-            count += 1
-            now = time.perf_counter()
-            if row[0, 0] == v:
-                lags.append(now - acked)
-                polls.append((now - acked) / count)
-                break
-            if now - acked > timeout_s:
-                timeouts += 1
-                break
-        time.sleep(rng.uniform(0, 0.02))  # spread samples over the follower's batch cadence
-    ms = 1e3 * np.asarray(lags or [np.nan])
-    return {
-        "samples": len(lags),
-        "timeouts": timeouts,
-        "p50_ms": float(np.percentile(ms, 50)),
-        "p99_ms": float(np.percentile(ms, 99)),
-        "max_ms": float(ms.max()),
-        "poll_interval_ms": 1e3 * float(np.median(polls)) if polls else None,
-    }
-
-
-def freshness_part(setup: Setup, procs: Processes) -> dict[str, Any]:
-    """Lag from a push's acknowledgement to the row on a ``--follow`` serving shard; idle and
-    under a training load (a separate process pushing as fast as the shards take it)."""
-    if "--follow" not in ps_server_help():
-        return {"skipped": "ps-server has no --follow yet"}
-    root = setup.tmp / "freshness"
-    train = [
-        procs.shard(i, SHARDS, root / "train", "--data-dir=" + str(root / "train" / "data-{shard}"))
-        for i in range(SHARDS)
-    ]
-    leaders = [s.address for s in train]
-    with PSClient(leaders) as c:
-        c.create_table(LOAD_TABLE, DIM, optimizer="adagrad")
-        c.create_table(MARKER_TABLE, DIM, optimizer="sgd", initializer="zeros", lr=1.0)
-    followers = [
-        procs.shard(i, SHARDS, root / "serve", "--mode=serve", f"--follow={leaders[i]}").address for i in range(SHARDS)
-    ]
-    wait_following(followers)
-    idle_n, load_n = (10, 30) if setup.quick else (50, 300)
-    print(f"freshness: {idle_n} markers idle, then {load_n} under a training load ...", file=sys.stderr)
-    load_out = root / "load.json"
-    with PSClient(leaders) as leader, PSClient(followers) as follower:
-        # Warm-up: a shard's first lookup and a channel's first call cost ~0.2 s; touch every shard first.
-        warm = np.arange(64, dtype=np.int64) + (1 << 41)
-        leader.push(MARKER_TABLE, warm, np.ones((len(warm), DIM), np.float32))
-        follower.lookup(MARKER_TABLE, warm)
-        lag_samples(leader, follower, 1, 2)
-        idle = lag_samples(leader, follower, 3, idle_n)
-        load = procs.popen(
-            [
-                sys.executable,
-                str(BENCH),
-                "--train-load",
-                "--addresses",
-                ",".join(leaders),
-                "--rows",
-                str(setup.rows),
-                "--out",
-                str(load_out),
-            ],
-            root / "load.log",
-        )
-        time.sleep(1.0)  # the load is under way (its imports done, pushes flowing)
-        loaded = lag_samples(leader, follower, 3 + idle_n, load_n)
-        follow_stats = [s["follow"] for s in follower.stats()]
-        if procs.stop(load) != 0 or not load_out.exists():
-            raise RuntimeError(f"training load failed:\n{(root / 'load.log').read_text(errors='replace')[-3000:]}")
-    load_stats = json.loads(load_out.read_text())
-    lines = [
-        "push acknowledged -> row visible on the --follow shard (polled by lookups), 2 training shards "
-        "each followed by one"
-    ]
-    for name, x in (("idle", idle), ("under training load", loaded)):
-        lines.append(
-            f"  {name}: p50 {x['p50_ms']:.1f} ms, p99 {x['p99_ms']:.1f} ms, max {x['max_ms']:.1f} ms "
-            f"({x['samples']} samples, {x['timeouts']} timeouts; a poll every "
-            f"{x['poll_interval_ms'] or 0:.2f} ms)"
-        )
-    ok = loaded["p99_ms"] <= 1e3 * FRESHNESS_GOAL_S and not loaded["timeouts"]
-    goal = {
-        "goal": "p99 lag under training load",
-        "value_ms": loaded["p99_ms"],
-        "target": f"<= {FRESHNESS_GOAL_S:g} s, no timeouts",
-        "pass": ok,
-    }
-    lines.append(f"  goal: p99 lag under training load {loaded['p99_ms']:.1f} ms (target {goal['target']}): {ok}")
-    lines.append(
-        f"  training load: {load_stats['pushes_per_s']:.1f} pushes/s of {LOAD_BATCH:,} keys x dim {DIM} "
-        f"({load_stats['keys_per_s'] / 1e3:.0f}K keys/s)"
-    )
-    lines.append(
-        "  the followers' own lag (Stats) once, under the load: "
-        + ", ".join(f"{f['lag_versions']} versions / {f['lag_s']:.3f} s" for f in follow_stats)
-    )
-    return {
-        "idle": idle,
-        "under_load": loaded,
-        "load": load_stats,
-        "follow_stats": follow_stats,
-        "goals": [goal],
-        "report": lines,
-    }
-
-
 # -- the printed report ----------------------------------------------------------------------
 
 
@@ -686,3 +296,48 @@ def report(res: dict[str, Any]) -> str:
             lines += [f"{part}: {line}" for line in res[part].get("report", [f"skipped: {res[part].get('skipped')}"])]
             lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def chart(res: dict[str, Any], path: Path) -> None:
+    """p50/p99 bars (requests/s above them) per system and concurrency: one panel per lookup
+    concurrency, one for infer and one for freshness where those parts ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # here only: measuring does not need it
+
+    panels: list[tuple[str, list[tuple[str, dict[str, Any]]]]] = []
+    if "lookup" in res:
+        cells = res["lookup"]["cells"]
+        for c in map(str, CONCURRENCY):
+            title = f"lookup {KEYS:,} keys x dim {DIM}, 2 servers, concurrency {c}"
+            panels.append((title, [(name, by_c[c]) for name, by_c in cells.items()]))
+    if "cells" in res.get("infer", {}):
+        bars = [(f"{name}\nc={c}", x) for name, by_c in res["infer"]["cells"].items() for c, x in by_c.items()]
+        panels.append(("ps-infer vs in-process predictor, Predict of 100 candidates", bars))
+    if "idle" in res.get("freshness", {}):
+        f = res["freshness"]
+        panels.append(("push ack -> visible on follower (lag)", [("idle", f["idle"]), ("under load", f["under_load"])]))
+    if not panels:
+        return
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (title, bars) in zip(axes.flat, panels):
+        x = np.arange(len(bars))
+        p50, p99 = [b["p50_ms"] for _, b in bars], [b["p99_ms"] for _, b in bars]
+        ax.bar(x - 0.2, p50, 0.4, label="p50")
+        ax.bar(x + 0.2, p99, 0.4, label="p99")
+        for i, (_, b) in enumerate(bars):
+            if "requests_per_s" in b:
+                ax.annotate(
+                    f"{b['requests_per_s']:.0f}/s", (i, max(p50[i], p99[i])), ha="center", va="bottom", fontsize=8
+                )
+        ax.set_xticks(x, [name for name, _ in bars], fontsize=8)
+        ax.set(ylabel="ms", title=title)
+        ax.title.set_fontsize(9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
