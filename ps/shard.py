@@ -280,22 +280,25 @@ class Shard:
 
     # -- requests ------------------------------------------------------------------------
 
-    def lookup(self, request: pb.LookupRequest, max_response_bytes: int) -> bytes:
+    def lookup(self, request: pb.LookupRequest, max_response_bytes: int, *, read_only: bool = False) -> bytes:
         """The encoded ``LookupResponse`` to ``request``: every entry is checked and the
         response sized first, then each table's rows are gathered straight into it.
 
-        Training mode creates the rows of missing keys; serving mode reads them as zeros
-        and stores nothing, and notes a row's use only where a memory budget evicts by
-        it. Raises ``ShuttingDown``, ``ShardMismatch``, ``InvalidRequest`` or
+        Training mode creates the rows of missing keys; serving mode reads them as their
+        table's default (zeros, or their initial rows) and stores nothing, and notes a
+        row's use only where a memory budget evicts by it. ``read_only`` (a caller with
+        a read token) makes a training shard read as serving mode does, noting no use:
+        it creates, counts and streams to followers nothing. Raises ``ShuttingDown``,
+        ``ShardMismatch``, ``InvalidRequest`` or
         ``WireFormatError`` (naming the entry and field), ``UnknownTable``, ``RequestTooLarge``
         (a response over ``max_response_bytes``); ``StorageFailed`` if disk reads fail."""
         self.check_request(request.num_shards, request.shard if request.HasField("shard") else None)
         # A serving shard's rows change only in whole batches (and its tables may be
         # swapped for a checkpoint's): it answers under the lock those changes take.
         with self.serve_lock.reading() if self._mode != "train" else contextlib.nullcontext():
-            return self._lookup(request, max_response_bytes)
+            return self._lookup(request, max_response_bytes, read_only)
 
-    def _lookup(self, request: pb.LookupRequest, max_response_bytes: int) -> bytes:
+    def _lookup(self, request: pb.LookupRequest, max_response_bytes: int, read_only: bool = False) -> bytes:
         self.limits.check_keys("Lookup", (len(e.keys) // 8 for e in request.entries))
         plan: list[tuple[Table, npt.NDArray[np.int64], int]] = []
         total = 0
@@ -311,8 +314,10 @@ class Shard:
                 f"{max_response_bytes}: send fewer keys per request"
             )
         writer = wire.LookupResponseWriter([(t.spec.name, k.shape[0], t.dim, dt) for t, k, dt in plan])
-        create = self._mode == "train"
-        touch = create or self.memory_budget_bytes > 0  # TTLs expire rows in training mode only
+        train = self._mode == "train"
+        create = train and not read_only
+        # TTLs expire rows in training mode only, where a read-only caller changes no row's rank.
+        touch = create or (not train and self.memory_budget_bytes > 0)
         created: list[tuple[str, npt.NDArray[np.int64]]] = []
         for i, (table, keys, dtype) in enumerate(plan):
             out, before = writer.rows(i), table.counters.rows_created
