@@ -16,6 +16,7 @@ from client.errors import (
     TableExistsError,
     TableNotFoundError,
     UnauthenticatedError,
+    WrongShardError,
 )
 from client.replicas import parse_addresses
 from client.routing import TablePlan
@@ -41,5 +42,6 @@ __all__ = [
     "TablePlan",
     "Transport",
     "UnauthenticatedError",
+    "WrongShardError",
     "parse_addresses",
 ]

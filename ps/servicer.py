@@ -45,6 +45,8 @@ def status_boundary(context: grpc.ServicerContext, method: str) -> Iterator[None
     try:
         yield
     except ShardError as exc:
+        if exc.trailing_metadata:
+            context.set_trailing_metadata(exc.trailing_metadata)
         context.abort(exc.code, str(exc))
     except (wire.WireFormatError, DecodeError) as exc:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: malformed request: {exc}")

@@ -63,6 +63,7 @@ from ps.errors import (
 from ps.ledger import PushLedger
 from ps.lifecycle import Eviction, now_tick
 from ps.limits import Limits
+from ps.ownership import check_owned
 from ps.recovery import StorageHealth
 from ps.report import RowSource, shard_stats
 from ps.rescue import StopReport, save_rescue
@@ -289,7 +290,7 @@ class Shard:
         row's use only where a memory budget evicts by it. ``read_only`` (a caller with
         a read token) makes a training shard read as serving mode does, noting no use:
         it creates, counts and streams to followers nothing. Raises ``ShuttingDown``,
-        ``ShardMismatch``, ``InvalidRequest`` or
+        ``ShardMismatch`` (``WrongShard`` for a key this shard does not own), ``InvalidRequest`` or
         ``WireFormatError`` (naming the entry and field), ``UnknownTable``, ``RequestTooLarge``
         (a response over ``max_response_bytes``); ``StorageFailed`` if disk reads fail."""
         self.check_request(request.num_shards, request.shard if request.HasField("shard") else None)
@@ -313,6 +314,7 @@ class Shard:
                 f"Lookup response would be {total} bytes, over this shard's max_message_bytes="
                 f"{max_response_bytes}: send fewer keys per request"
             )
+        check_owned("Lookup", [(t.spec.name, k) for t, k, _ in plan], index=self.index, num_shards=self.num_shards)
         writer = wire.LookupResponseWriter([(t.spec.name, k.shape[0], t.dim, dt) for t, k, dt in plan])
         train = self._mode == "train"
         create = train and not read_only
@@ -336,7 +338,8 @@ class Shard:
         """Apply ``request`` once per ``(client_id, seq)`` and table; returns (applied
         anywhere, distinct rows updated). Every entry is checked before any is applied.
 
-        Raises ``ShuttingDown``, ``ShardMismatch``, ``WrongMode`` (serving mode),
+        Raises ``ShuttingDown``, ``ShardMismatch`` (``WrongShard`` for a key this shard
+        does not own), ``WrongMode`` (serving mode),
         ``StorageFailed`` (storage failed: nothing applied), ``InvalidRequest`` or
         ``WireFormatError`` (naming the entry and field), ``UnknownTable``.
         """
@@ -351,6 +354,7 @@ class Shard:
             grads = wire.decode_rows(entry.grads, keys.shape[0], table.dim, entry.dtype, f"{field}.grads")
             table.validate_grads(keys, grads)
             batch.append((table, keys, grads))
+        check_owned("Push", [(t.spec.name, k) for t, k, _ in batch], index=self.index, num_shards=self.num_shards)
         applied, rows = False, 0
         changed = []
         for table, keys, grads in batch:
