@@ -3,7 +3,10 @@ tokens, TLS and mutual TLS, and admission control (calls in flight, tables, keys
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -206,6 +209,37 @@ def test_read_token_lookup_on_a_training_shard_creates_and_streams_nothing(tmp_p
         for s in (follower, leader):
             if s is not None:
                 stop_shard(s)
+
+
+def test_trainer_runs_with_a_write_token_and_says_in_one_line_what_a_read_token_lacks(tmp_path: Path) -> None:
+    tokens = {"read": "r" * 20, "write": "w" * 20}
+    (tmp_path / "tokens").write_text("".join(f"{role} {t}\n" for role, t in tokens.items()))
+    shard = start_shard(0, 1, tmp_path / "shard", f"--auth-token-file={tmp_path / 'tokens'}")
+    try:
+
+        def train(role: str) -> subprocess.CompletedProcess[str]:
+            (tmp_path / f"{role}.token").write_text(tokens[role])
+            flags = ["--train-samples=2000", "--eval-samples=500", "--progress=false", "--log-level=WARNING"]
+            return subprocess.run(
+                [sys.executable, "-m", "worker.trainer", f"--addresses={shard.address}", *flags],
+                env={**os.environ, "PS_CLIENT_TOKEN_FILE": str(tmp_path / f"{role}.token")},
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+
+        refused = train("read")
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.splitlines() == [
+            f"trainer: shard 0 ({shard.address}): CreateTable refused: needs a write token, this one is read "
+            "(a trainer needs a write token: point PS_CLIENT_TOKEN_FILE at a file holding one)"
+        ]
+        trained = train("write")  # creates its tables, looks rows up, pushes
+        assert trained.returncode == 0, trained.stderr[-3000:]
+        assert "AUC" in trained.stdout
+    finally:
+        stop_shard(shard)
 
 
 @pytest.fixture(scope="module")
