@@ -10,7 +10,7 @@ Every error is a ``PSError`` carrying ``.code`` (the ``grpc.StatusCode``) and
 | NOT_FOUND           | TableNotFoundError        | no                    |
 | ALREADY_EXISTS      | TableExistsError          | no                    |
 | FAILED_PRECONDITION | PreconditionError         | no                    |
-|   ... ps-wrong-shard | WrongShardError (a PreconditionError) | no      |
+| FAILED_PRECONDITION marked ps-wrong-shard (a key the shard does not own) | WrongShardError (a PreconditionError; ``.owner``) | no |
 | RESOURCE_EXHAUSTED  | ResourceExhaustedError    | only marked ps-overloaded (a shard's call limit) |
 | UNAUTHENTICATED     | UnauthenticatedError      | no                    |
 | PERMISSION_DENIED   | PermissionDeniedError     | no                    |
