@@ -16,6 +16,7 @@ from client.errors import (
     TableExistsError,
     TableNotFoundError,
     UnauthenticatedError,
+    WrongShardError,
 )
 from client.predict import PredictClient, PredictError
 from client.replicas import parse_addresses
@@ -44,5 +45,6 @@ __all__ = [
     "TablePlan",
     "Transport",
     "UnauthenticatedError",
+    "WrongShardError",
     "parse_addresses",
 ]

@@ -10,6 +10,7 @@ Every error is a ``PSError`` carrying ``.code`` (the ``grpc.StatusCode``) and
 | NOT_FOUND           | TableNotFoundError        | no                    |
 | ALREADY_EXISTS      | TableExistsError          | no                    |
 | FAILED_PRECONDITION | PreconditionError         | no                    |
+| FAILED_PRECONDITION marked ps-wrong-shard (a key the shard does not own) | WrongShardError (a PreconditionError; ``.owner``) | no |
 | RESOURCE_EXHAUSTED  | ResourceExhaustedError    | only marked ps-overloaded (a shard's call limit) |
 | UNAUTHENTICATED     | UnauthenticatedError      | no                    |
 | PERMISSION_DENIED   | PermissionDeniedError     | no                    |
@@ -22,10 +23,13 @@ Every error is a ``PSError`` carrying ``.code`` (the ``grpc.StatusCode``) and
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
+
+from protos.wire import WRONG_SHARD_METADATA
 
 __all__ = [
     "DeadlineExceededError",
@@ -38,6 +42,7 @@ __all__ = [
     "TableExistsError",
     "TableNotFoundError",
     "PermissionDeniedError",
+    "WrongShardError",
     "UnauthenticatedError",
     "error_for",
     "rpc_errors",
@@ -57,6 +62,12 @@ class PSError(Exception):
         super().__init__(message)
         self.code = code or self.default_code
         self.shard = shard
+
+    def reworded(self, message: str) -> PSError:
+        """A copy of this error (same class and attributes) with ``message``."""
+        clone = copy.copy(self)
+        clone.args = (message,)
+        return clone
 
 
 class InvalidRequestError(PSError, ValueError):
@@ -84,6 +95,23 @@ class PreconditionError(PSError):
     """The cluster refused the call in its state (address list mismatch, read-only shard)."""
 
     default_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class WrongShardError(PreconditionError):
+    """A shard was sent keys it does not own (an address list in the wrong order, or a
+    cluster that changed size); it applied nothing. ``owner`` is the shard that owns the
+    key the message names, or None if the shard did not say."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: grpc.StatusCode | None = None,
+        shard: int | None = None,
+        owner: int | None = None,
+    ):
+        super().__init__(message, code=code, shard=shard)
+        self.owner = owner
 
 
 class ResourceExhaustedError(PSError):
@@ -148,15 +176,19 @@ OVERLOADED = ("ps-overloaded", "1")
 one that refuses a request too large (never retried)."""
 
 
+def _trailing(exc: grpc.RpcError) -> tuple[tuple[str, Any], ...]:
+    metadata: Any = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else ()
+    return tuple((m[0], m[1]) for m in metadata or ())
+
+
 def is_retryable(exc: grpc.RpcError) -> bool:
     """Whether a failed attempt may be retried: a RETRYABLE status or an overload refusal."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     if code in RETRYABLE:
         return True
-    if code != grpc.StatusCode.RESOURCE_EXHAUSTED or not hasattr(exc, "trailing_metadata"):
+    if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return False
-    metadata: Any = exc.trailing_metadata() or ()
-    return any((m[0], m[1]) == OVERLOADED for m in metadata)
+    return OVERLOADED in _trailing(exc)
 
 
 def error_for(code: grpc.StatusCode) -> type[PSError]:
@@ -169,6 +201,12 @@ def convert(exc: grpc.RpcError, shard: int | None, address: str = "") -> PSError
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     where = f"shard {shard}" + (f" ({address})" if address else "") if shard is not None else "cluster"
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        owner = next((str(v) for k, v in _trailing(exc) if k == WRONG_SHARD_METADATA), None)
+        if owner is not None:
+            return WrongShardError(
+                f"{where}: {details}", code=code, shard=shard, owner=int(owner) if owner.isdigit() else None
+            )
     return error_for(code)(f"{where}: {details}", code=code, shard=shard)
 
 

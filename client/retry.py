@@ -343,7 +343,7 @@ class _Exchange:
         if why is not None:
             raise self._gave_up([i, *others], why) from r.error
         err = convert(r.error, r.shard, self.transport.address(r.error_endpoint))
-        raise type(err)(f"{err}{self._also(others)}", code=err.code, shard=err.shard) from r.error
+        raise err.reworded(f"{err}{self._also(others)}") from r.error
 
     def _expire(self) -> None:
         late = [i for i, r in enumerate(self.requests) if not r.done]
@@ -390,7 +390,8 @@ class _Exchange:
                 shard=r.shard,
             )
         err = convert(r.error, r.shard, self._where(r))
-        return type(err)(f"{err} (gave up after {tries} attempts, {why}){also}", code=err.code, shard=r.shard)
+        err.shard = r.shard
+        return err.reworded(f"{err} (gave up after {tries} attempts, {why}){also}")
 
     def _also(self, others: Sequence[int]) -> str:
         """``; shard 1 (ADDRESS) failed too: STATUS: first line`` for each other failing request."""

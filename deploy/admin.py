@@ -26,7 +26,7 @@ every tool) and reads checkpoints offline with ``ps.storage``.
 
 Every command prints text, or JSON with ``--json``. ``--tls-ca``/``--tls-cert``/
 ``--tls-key``/``--token-file`` (default: the ``PS_CLIENT_*`` environment) reach secured
-shards; creating tables, checkpoints and pins need an admin token.
+shards; creating tables needs a write token, checkpoints and pins an admin token.
 
 Start shard ``j`` of a checkpoint with
 ``ps-server --shard j --num-shards M --data-dir NEW --restore-from DIR/shard-...``.
@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-cert", help="PEM client certificate, for shards that require mutual TLS")
     sec.add_argument("--tls-key", help="PEM key of --tls-cert")
     sec.add_argument(
-        "--token-file", help="file holding the bearer token (admin for create-table, checkpoint, serve-from)"
+        "--token-file", help="file holding the bearer token (write for create-table; admin for checkpoint, serve-from)"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # --json may also come after the command; the subcommand's copy leaves an earlier one alone.

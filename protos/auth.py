@@ -1,19 +1,24 @@
 """Bearer tokens: who may call what, for ``ps-server`` and ``ps-infer``.
 
 A token file holds one token per line as ``ROLE TOKEN`` (blank lines and ``#`` comments
-are skipped). Roles, each allowing what the one before it does:
+are skipped); a token has at least 16 characters (``MIN_TOKEN_CHARS``) and appears once
+in the file. Roles, each allowing what the one before it does:
 
-* ``read``: look rows up, list tables, stats, follow a training shard, predict;
-* ``write``: also push gradients (what a trainer needs);
-* ``admin``: also create tables, checkpoint, pin serving shards (``ServeFrom``).
+* ``read``: look rows up without creating any (a key without a row reads as its
+  table's default, as on a serving shard), list tables, stats, follow a training
+  shard, predict;
+* ``write``: what a trainer needs: also look up rows creating the missing ones, push
+  gradients, and create tables (an identical existing one is accepted as is; another
+  spec under the same name is refused);
+* ``admin``: also checkpoint and pin serving shards (``ServeFrom``).
 
 Calls carry ``authorization: Bearer TOKEN`` metadata. Tokens are compared in constant
 time (``hmac.compare_digest``) against every known token, so the time taken says nothing
 about how much of a token matched. Health checks and reflection need no token.
 
 Example:
-    >>> tokens = Tokens.parse("read r-123\\nadmin a-456\\n", "tokens.txt")
-    >>> tokens.role_of("r-123"), tokens.role_of("nope")
+    >>> tokens = Tokens.parse("read r-0123456789abcdef\\nadmin a-0123456789abcdef\\n", "tokens.txt")
+    >>> tokens.role_of("r-0123456789abcdef"), tokens.role_of("nope")
     ('read', None)
     >>> allows("read", "write")
     False
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "MIN_TOKEN_CHARS",
     "ROLES",
     "AuthError",
     "Tokens",
@@ -37,6 +43,7 @@ __all__ = [
 ]
 
 ROLES = ("read", "write", "admin")
+MIN_TOKEN_CHARS = 16
 HEADER = "authorization"
 
 
@@ -61,7 +68,12 @@ class Tokens:
 
     @classmethod
     def parse(cls, text: str, source: str) -> Tokens:
-        entries = []
+        """The tokens of a token file's ``text`` (``source`` names it in errors). Raises
+        ``AuthError`` naming the line (never the token) for a malformed line, a token
+        shorter than ``MIN_TOKEN_CHARS``, a token given twice (whatever its roles: which
+        one was meant cannot be told), or no token at all."""
+        entries: list[tuple[bytes, str]] = []
+        lines: list[int] = []
         for n, line in enumerate(text.splitlines(), 1):
             line = line.strip()
             if not line or line.startswith("#"):
@@ -69,9 +81,20 @@ class Tokens:
             parts = line.split()
             if len(parts) != 2 or parts[0] not in ROLES:
                 raise AuthError(f"{source} line {n}: expected 'ROLE TOKEN' with ROLE one of {', '.join(ROLES)}")
-            if len(parts[1]) < 16:
-                raise AuthError(f"{source} line {n}: token too short (at least 16 characters)")
-            entries.append((parts[1].encode(), parts[0]))
+            token, role = parts[1].encode(), parts[0]
+            if len(parts[1]) < MIN_TOKEN_CHARS:
+                raise AuthError(
+                    f"{source} line {n}: {role} token has {len(parts[1])} characters, "
+                    f"a token needs at least {MIN_TOKEN_CHARS}"
+                )
+            for (known, known_role), m in zip(entries, lines, strict=True):
+                if hmac.compare_digest(known, token):
+                    raise AuthError(
+                        f"{source} line {n}: the {role} token of this line is already on line {m} "
+                        f"(as {known_role}); give each token once, with one role"
+                    )
+            entries.append((token, role))
+            lines.append(n)
         if not entries:
             raise AuthError(f"{source}: no tokens")
         return cls(tuple(entries))

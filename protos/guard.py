@@ -5,6 +5,8 @@ In order, for each call to a guarded service (health checks and reflection pass 
 
 1. **Token** (when the server has a token file, see ``protos.auth``): none or an unknown
    one gets UNAUTHENTICATED; a role below what the method needs gets PERMISSION_DENIED.
+   A method may have a read-only twin that a caller without a ``write`` token runs
+   instead (``Lookup`` that creates no rows).
 2. **Admission**: at most ``max_in_flight`` calls run at once; one more gets
    RESOURCE_EXHAUSTED marked ``ps-overloaded`` at once (the server keeps spare handler
    threads, so a refusal never waits behind the calls that run). One peer (connection)
@@ -131,7 +133,9 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
     """The interceptor described in the module docstring.
 
     ``roles`` maps a full method name (``/ps.v1.ParameterServer/Push``) to the role it
-    needs; a guarded method missing from it needs ``admin``. ``who`` names the server in
+    needs; a guarded method missing from it needs ``admin``. ``read_only`` maps a full
+    method name to the handler that a caller whose token does not allow ``write`` runs
+    instead of the method's own (same serializers). ``who`` names the server in
     refusals (e.g. ``shard 0``). ``limits_flag`` is the flag named when a call is refused
     for the in-flight limit. Response streams (``Follow``) are long-lived: they do not
     count against ``max_in_flight`` but against ``max_streams`` of their own.
@@ -148,6 +152,7 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
         roles: Mapping[str, str],
         *,
         tokens: Tokens | None = None,
+        read_only: Mapping[str, grpc.RpcMethodHandler] | None = None,  # type: ignore[type-arg]
         max_in_flight: int = 0,
         max_per_peer: int = 0,
         max_streams: int = 0,
@@ -157,6 +162,7 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
         self.who, self.roles, self.tokens, self.metrics = who, dict(roles), tokens, metrics
         self.max_in_flight, self.max_per_peer, self.limits_flag = max_in_flight, max_per_peer, limits_flag
         self.max_streams = max_streams
+        self.read_only = dict(read_only or {})
         self._lock = threading.Lock()
         self._in_flight = 0
         self._streams = 0
@@ -183,25 +189,29 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
         if handler is None or full.startswith(OPEN_SERVICES):
             return handler
         method = _method_name(full)
-        refusal = self._check_token(full, details.invocation_metadata)
+        refusal, role = self._check_token(full, details.invocation_metadata)
         if refusal is not None:
             code, reason, message = refusal
             if self.metrics is not None:
                 self.metrics.reject(method, reason, code)
             return _refuse(handler, code, message)
+        key = full
+        if role is not None and full in self.read_only and not allows(role, "write"):
+            handler, key = self.read_only[full], full + " (read-only)"
         if handler.request_streaming:
             return handler  # no client-streaming methods here: not counted
         # Each call asks again; a method's handler is the same object every time, so it
         # is wrapped once (a wrap per call cost as much as the rest of this method).
-        cached = self._wrapped.get(full)
+        cached = self._wrapped.get(key)
         if cached is None or cached[0] is not handler:
-            cached = self._wrapped[full] = (handler, self._wrap(handler, method))
+            cached = self._wrapped[key] = (handler, self._wrap(handler, method))
         return cached[1]
 
     # -- the checks -------------------------------------------------------------------
-    def _check_token(self, full: str, metadata: Any) -> tuple[grpc.StatusCode, str, str] | None:
+    def _check_token(self, full: str, metadata: Any) -> tuple[tuple[grpc.StatusCode, str, str] | None, str | None]:
+        """(the refusal of the call or None, the caller's role or None without tokens)."""
         if self.tokens is None:
-            return None
+            return None, None
         method = _method_name(full)
         token = bearer_token(metadata)
         if not token:
@@ -209,18 +219,19 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 grpc.StatusCode.UNAUTHENTICATED,
                 "no_token",
                 f"{method} refused: no bearer token; send 'authorization: Bearer TOKEN' metadata",
-            )
+            ), None
         role = self.tokens.role_of(token)
         if role is None:
-            return grpc.StatusCode.UNAUTHENTICATED, "bad_token", f"{method} refused: unknown token"
+            return (grpc.StatusCode.UNAUTHENTICATED, "bad_token", f"{method} refused: unknown token"), None
         needed = self.roles.get(full, "admin")
         if not allows(role, needed):
+            article = "an" if needed[0] in "aeiou" else "a"
             return (
                 grpc.StatusCode.PERMISSION_DENIED,
                 "role",
-                f"{method} refused: needs a {needed} token, this one is {role}",
-            )
-        return None
+                f"{method} refused: needs {article} {needed} token, this one is {role}",
+            ), role
+        return None, role
 
     # -- running a call -----------------------------------------------------------------
     def _take(self, streaming: bool, peer: str) -> str | None:

@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from protos.keys import mix64
 
-__all__ = ["fnv_basis", "hash_fields", "hash_strings", "mix64_step", "shard_buckets"]
+__all__ = ["count_misrouted", "fnv_basis", "hash_fields", "hash_strings", "mix64_step", "shard_buckets"]
 
 _FNV_OFFSET = 0xCBF29CE484222325
 _FNV_PRIME = np.uint64(0x100000001B3)
@@ -100,6 +100,20 @@ def shard_buckets(keys: I64, num_buckets: int, out: npt.NDArray[np.int32]) -> No
     steps = int(np.log(num_buckets)) + 2  # jump hash takes about ln(n) + 1 rounds
     for i in range(keys.shape[0]):
         out[i] = _jump(keys[i], num_buckets, steps)
+
+
+@numba.njit(nogil=True, cache=True)
+def count_misrouted(keys: I64, num_buckets: int, bucket: int) -> tuple[int, int]:
+    """(how many keys have ``jump_hash(mix64(key), num_buckets) != bucket``, the index of the
+    first of them or -1): a shard's ownership check, in one pass that writes nothing."""
+    steps = int(np.log(num_buckets)) + 2
+    count, first = 0, -1
+    for i in range(keys.shape[0]):
+        if _jump(keys[i], num_buckets, steps) != bucket:
+            if first < 0:
+                first = i
+            count += 1
+    return count, first
 
 
 def hash_strings(values: Sequence[str | bytes], seed: int) -> I64:

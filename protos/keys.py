@@ -12,7 +12,8 @@ the test vectors in ``tests/unit/test_keys.py``.
 
 * ``jump_hash(key, n)``: jump consistent hash (Lamping & Veach, 2014). Growing a
   cluster from n to n+1 shards moves only about 1/(n+1) of the keys.
-* ``shard_of(key, n) = jump_hash(mix64(key), n)``.
+* ``shard_of(key, n) = jump_hash(mix64(key), n)``; ``misrouted(keys, n, shard)`` counts
+  the keys that shard does not own (a shard checks every request with it).
 * ``hash_feature(value, seed)``: raw feature values to keys. Bytes (``str`` is
   UTF-8 encoded first) are hashed with 64-bit FNV-1a whose offset basis is XORed with
   ``mix64(seed)``, then finalized with ``mix64``; integers with
@@ -35,7 +36,7 @@ from typing import overload
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["hash_feature", "hash_features", "jump_hash", "mix64", "shard_of"]
+__all__ = ["hash_feature", "hash_features", "jump_hash", "misrouted", "mix64", "shard_of"]
 
 _MASK64 = (1 << 64) - 1
 _JUMP_MULT = 2862933555777941757
@@ -109,6 +110,28 @@ def shard_of(keys: npt.ArrayLike, num_shards: int) -> npt.NDArray[np.int32]:
 
         shard_buckets(k, num_shards, out)
     return out
+
+
+def misrouted(keys: npt.NDArray[np.int64], num_shards: int, shard: int) -> tuple[int, int]:
+    """(how many of ``keys`` shard ``shard`` of ``num_shards`` does not own, the index of the
+    first of them or -1 when it owns them all): ``shard_of(keys, num_shards) != shard`` in
+    one pass, without the array ``shard_of`` returns.
+
+    ``keys`` is an int64 array (bit patterns, as decoded from the wire). Raises
+    ``ValueError`` unless ``0 <= shard < num_shards``.
+
+    Example:
+        >>> misrouted(np.array([1, 2, 3], dtype=np.int64), 4, 0)
+        (1, 1)
+    """
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard={shard}: not in [0, num_shards={num_shards})")
+    if num_shards == 1 or keys.shape[0] == 0:
+        return 0, -1
+    from protos.hashing import count_misrouted  # numba: loaded on the first multi-shard check
+
+    count, first = count_misrouted(keys, num_shards, shard)
+    return int(count), int(first)
 
 
 def hash_feature(value: str | bytes | int, seed: int) -> int:

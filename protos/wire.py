@@ -55,6 +55,7 @@ __all__ = [
     "LookupResultView",
     "PushEntryView",
     "PushRequestView",
+    "WRONG_SHARD_METADATA",
     "WireFormatError",
     "alloc_bytes",
     "as_keys",
@@ -75,6 +76,11 @@ __all__ = [
 FLOAT32: int = pb.FLOAT32
 FLOAT16: int = pb.FLOAT16
 BFLOAT16: int = pb.BFLOAT16
+
+WRONG_SHARD_METADATA = "ps-wrong-shard"
+"""Trailing metadata key of a FAILED_PRECONDITION refusing keys the shard does not own;
+its value is the index of the shard that owns the key the message names, so a client
+tells this refusal from the others without parsing the message."""
 
 _ITEMSIZE: dict[int, int] = {pb.DTYPE_UNSPECIFIED: 4, pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
 _F32 = np.dtype("<f4")

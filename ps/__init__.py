@@ -18,6 +18,7 @@ from ps.errors import (
     TableExists,
     UnknownTable,
     WrongMode,
+    WrongShard,
 )
 from ps.initializers import InitializerKind, InitializerParams
 from ps.optimizers import OptimizerKind, OptimizerParams
@@ -45,6 +46,7 @@ __all__ = [
     "TableSpec",
     "UnknownTable",
     "WrongMode",
+    "WrongShard",
     "build_server",
     "load_config",
 ]

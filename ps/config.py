@@ -126,8 +126,10 @@ class ServerConfig:
     auth_token_file: Path | None = field(
         default=None,
         metadata={
-            "help": "file of 'ROLE TOKEN' lines (ROLE: read, write or admin): calls need "
-            "'authorization: Bearer TOKEN' metadata; health checks need none"
+            "help": "file of 'ROLE TOKEN' lines, each token at least 16 characters and listed once; calls need "
+            "'authorization: Bearer TOKEN' metadata; health checks need none. ROLE: read (look up without "
+            "creating rows, list tables, stats, follow), write (what a trainer needs: also create rows and "
+            "tables, push) or admin (also checkpoint, serve-from)"
         },
     )
     client_tls_ca: Path | None = field(

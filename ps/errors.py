@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import grpc
 
+from protos.wire import WRONG_SHARD_METADATA
+
 __all__ = [
     "InvalidRequest",
     "NotConfigured",
@@ -20,6 +22,7 @@ __all__ = [
     "TableExists",
     "UnknownTable",
     "WrongMode",
+    "WrongShard",
 ]
 
 
@@ -27,6 +30,7 @@ class ShardError(Exception):
     """Base of every error a shard reports on purpose; ``code`` is its gRPC status."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    trailing_metadata: tuple[tuple[str, str], ...] = ()  # sent with the status
 
 
 class InvalidRequest(ShardError):
@@ -63,6 +67,16 @@ class ShardMismatch(ShardError):
     """The client routed keys for a different number of shards."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class WrongShard(ShardMismatch):
+    """The request holds keys this shard does not own (``protos.keys.shard_of``); nothing
+    of it was applied. ``owner`` is the shard of the key the message names."""
+
+    def __init__(self, message: str, owner: int) -> None:
+        super().__init__(message)
+        self.owner = owner
+        self.trailing_metadata = ((WRONG_SHARD_METADATA, str(owner)),)
 
 
 class OutOfCapacity(ShardError):

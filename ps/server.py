@@ -67,12 +67,13 @@ ROLES = {
         ("Stats", "read"),
         ("Follow", "read"),
         ("Push", "write"),
-        ("CreateTable", "admin"),
+        ("CreateTable", "write"),
         ("Checkpoint", "admin"),
         ("ServeFrom", "admin"),
     ]
 }
-"""The token role each method needs (see ``protos.auth``)."""
+"""The token role each method needs (see ``protos.auth``). A Lookup with a read token
+creates no rows (``Servicer.read_only_handlers``)."""
 
 log = logging.getLogger(__name__)
 
@@ -200,10 +201,12 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
 
         registry = shard_registry(shard)
         metrics = RpcMetrics("ps", registry)
+    servicer = Servicer(shard, config.max_message_bytes)
     guard = Guard(
         f"shard {config.shard}",
         ROLES,
         tokens=tokens,
+        read_only=servicer.read_only_handlers(),
         max_in_flight=config.threads,
         max_per_peer=config.max_calls_per_client or max(1, config.threads * 3 // 4),
         max_streams=config.max_follow_streams,
@@ -222,7 +225,7 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    server.add_generic_rpc_handlers((Servicer(shard, config.max_message_bytes).handler(),))
+    server.add_generic_rpc_handlers((servicer.handler(),))
     try:
         port, health_servicer = listen(server, config.listen, [SERVICE_NAME], credentials)
     except RuntimeError:

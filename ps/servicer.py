@@ -6,7 +6,8 @@ else becomes INTERNAL with the traceback in the shard's log. Requests are decode
 inside the handler (the registered deserializers pass bytes through) so that even
 undecodable bytes get a status a person can act on.
 
-``Lookup`` answers with the bytes ``Shard.lookup`` gathered the rows into, and
+``Lookup`` answers with the bytes ``Shard.lookup`` gathered the rows into (``read_only_handlers``
+gives its twin for callers with a read token: it creates no rows), and
 ``Push`` hands the shard views of the gradients in the request bytes (see
 ``protos.wire``): rows are never copied on their way between the wire and a table.
 """
@@ -45,6 +46,8 @@ def status_boundary(context: grpc.ServicerContext, method: str) -> Iterator[None
     try:
         yield
     except ShardError as exc:
+        if exc.trailing_metadata:
+            context.set_trailing_metadata(exc.trailing_metadata)
         context.abort(exc.code, str(exc))
     except (wire.WireFormatError, DecodeError) as exc:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: malformed request: {exc}")
@@ -53,6 +56,16 @@ def status_boundary(context: grpc.ServicerContext, method: str) -> Iterator[None
         incident = uuid.uuid4().hex[:12]
         log.exception("unhandled error in %s (incident %s)", method, incident)
         context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error, incident {incident} in the shard log")
+
+
+def _unary(fn: Callable[[bytes, grpc.ServicerContext], Any], encode: bool) -> grpc.RpcMethodHandler:  # type: ignore[type-arg]
+    """A unary handler of ``fn``, which takes the request's raw bytes (decoded inside its
+    status boundary) and returns a message (``encode``) or the response bytes."""
+    return grpc.unary_unary_rpc_method_handler(
+        fn,
+        request_deserializer=None,
+        response_serializer=(lambda m: m.SerializeToString()) if encode else None,
+    )
 
 
 class Servicer:
@@ -68,29 +81,26 @@ class Servicer:
 
     def handler(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
         """The generic handler to register with a ``grpc.Server``."""
-
-        def unary(fn: Callable[[bytes, grpc.ServicerContext], Any], encode: bool) -> grpc.RpcMethodHandler:  # type: ignore[type-arg]
-            return grpc.unary_unary_rpc_method_handler(
-                fn,
-                request_deserializer=None,  # raw bytes; decoded inside the status boundary
-                response_serializer=(lambda m: m.SerializeToString()) if encode else None,
-            )
-
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
-                "CreateTable": unary(self.CreateTable, True),
-                "ListTables": unary(self.ListTables, True),
-                "Lookup": unary(self.Lookup, False),
-                "Push": unary(self.Push, True),
-                "Stats": unary(self.Stats, True),
-                "Checkpoint": unary(self.Checkpoint, True),
+                "CreateTable": _unary(self.CreateTable, True),
+                "ListTables": _unary(self.ListTables, True),
+                "Lookup": _unary(self.Lookup, False),
+                "Push": _unary(self.Push, True),
+                "Stats": _unary(self.Stats, True),
+                "Checkpoint": _unary(self.Checkpoint, True),
                 "Follow": grpc.unary_stream_rpc_method_handler(
                     self.Follow, request_deserializer=None, response_serializer=lambda m: m.SerializeToString()
                 ),
-                "ServeFrom": unary(self.ServeFrom, True),
+                "ServeFrom": _unary(self.ServeFrom, True),
             },
         )
+
+    def read_only_handlers(self) -> dict[str, grpc.RpcMethodHandler]:  # type: ignore[type-arg]
+        """What a caller whose token does not allow writes runs instead, by full method
+        name (``protos.guard.Guard``'s ``read_only``): a Lookup that creates no rows."""
+        return {f"/{SERVICE_NAME}/Lookup": _unary(self.LookupReadOnly, False)}
 
     def CreateTable(self, request: bytes, context: grpc.ServicerContext) -> pb.CreateTableResponse:
         with status_boundary(context, "CreateTable"):
@@ -111,6 +121,11 @@ class Servicer:
         with status_boundary(context, "Lookup"):
             # The shard gathers the rows straight into the encoded response.
             return self._shard.lookup(pb.LookupRequest.FromString(request), self._max_bytes)
+        raise AssertionError("unreachable: status_boundary aborts")
+
+    def LookupReadOnly(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        with status_boundary(context, "Lookup"):
+            return self._shard.lookup(pb.LookupRequest.FromString(request), self._max_bytes, read_only=True)
         raise AssertionError("unreachable: status_boundary aborts")
 
     def Push(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:

@@ -64,6 +64,7 @@ from ps.ledger import PushLedger
 from ps.lifecycle import Eviction
 from ps.limits import Limits
 from ps.maintenance import Maintenance
+from ps.ownership import check_owned
 from ps.recovery import StorageHealth
 from ps.rescue import StopReport, save_rescue
 from ps.rwlock import ReadWriteLock
@@ -302,22 +303,25 @@ class Shard:
 
     # -- requests ------------------------------------------------------------------------
 
-    def lookup(self, request: pb.LookupRequest, max_response_bytes: int) -> bytes:
+    def lookup(self, request: pb.LookupRequest, max_response_bytes: int, *, read_only: bool = False) -> bytes:
         """The encoded ``LookupResponse`` to ``request``: every entry is checked and the
         response sized first, then each table's rows are gathered straight into it.
 
-        Training mode creates the rows of missing keys; serving mode reads them as zeros
-        and stores nothing, and notes a row's use only where a memory budget evicts by
-        it. Raises ``ShuttingDown``, ``ShardMismatch``, ``InvalidRequest`` or
+        Training mode creates the rows of missing keys; serving mode reads them as their
+        table's default (zeros, or their initial rows) and stores nothing, and notes a
+        row's use only where a memory budget evicts by it. ``read_only`` (a caller with
+        a read token) makes a training shard read as serving mode does, noting no use:
+        it creates, counts and streams to followers nothing. Raises ``ShuttingDown``,
+        ``ShardMismatch`` (``WrongShard`` for a key this shard does not own), ``InvalidRequest`` or
         ``WireFormatError`` (naming the entry and field), ``UnknownTable``, ``RequestTooLarge``
         (a response over ``max_response_bytes``); ``StorageFailed`` if disk reads fail."""
         self.check_request(request.num_shards, request.shard if request.HasField("shard") else None)
         # A serving shard's rows change only in whole batches (and its tables may be
         # swapped for a checkpoint's): it answers under the lock those changes take.
         with self.serve_lock.reading() if self._mode != "train" else contextlib.nullcontext():
-            return self._lookup(request, max_response_bytes)
+            return self._lookup(request, max_response_bytes, read_only)
 
-    def _lookup(self, request: pb.LookupRequest, max_response_bytes: int) -> bytes:
+    def _lookup(self, request: pb.LookupRequest, max_response_bytes: int, read_only: bool = False) -> bytes:
         self.limits.check_keys("Lookup", (len(e.keys) // 8 for e in request.entries))
         plan: list[tuple[Table, npt.NDArray[np.int64], int]] = []
         total = 0
@@ -332,9 +336,12 @@ class Shard:
                 f"Lookup response would be {total} bytes, over this shard's max_message_bytes="
                 f"{max_response_bytes}: send fewer keys per request"
             )
+        check_owned("Lookup", [(t.spec.name, k) for t, k, _ in plan], index=self.index, num_shards=self.num_shards)
         writer = wire.LookupResponseWriter([(t.spec.name, k.shape[0], t.dim, dt) for t, k, dt in plan])
-        create = self._mode == "train"
-        touch = create or self.budget.limit_bytes > 0  # TTLs expire rows in training mode only
+        train = self._mode == "train"
+        create = train and not read_only
+        # TTLs expire rows in training mode only, where a read-only caller changes no row's rank.
+        touch = create or (not train and self.budget.limit_bytes > 0)
         created: list[tuple[str, npt.NDArray[np.int64]]] = []
         for i, (table, keys, dtype) in enumerate(plan):
             out, before = writer.rows(i), table.counters.rows_created
@@ -353,7 +360,8 @@ class Shard:
         """Apply ``request`` once per ``(client_id, seq)`` and table; returns (applied
         anywhere, distinct rows updated). Every entry is checked before any is applied.
 
-        Raises ``ShuttingDown``, ``ShardMismatch``, ``WrongMode`` (serving mode),
+        Raises ``ShuttingDown``, ``ShardMismatch`` (``WrongShard`` for a key this shard
+        does not own), ``WrongMode`` (serving mode),
         ``StorageFailed`` (storage failed: nothing applied), ``InvalidRequest`` or
         ``WireFormatError`` (naming the entry and field), ``UnknownTable``.
         """
@@ -368,6 +376,7 @@ class Shard:
             grads = wire.decode_rows(entry.grads, keys.shape[0], table.dim, entry.dtype, f"{field}.grads")
             table.validate_grads(keys, grads)
             batch.append((table, keys, grads))
+        check_owned("Push", [(t.spec.name, k) for t, k, _ in batch], index=self.index, num_shards=self.num_shards)
         applied, rows = False, 0
         changed = []
         for table, keys, grads in batch:

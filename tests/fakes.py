@@ -64,12 +64,16 @@ def lookup_rows(shard: Shard, table: str, keys: npt.ArrayLike, dtype: int = wire
 
 
 class FakeRpcError(grpc.RpcError):
-    """A failed RPC as a gRPC future reports it: ``code()`` and ``details()``."""
+    """A failed RPC as a gRPC future reports it: ``code()``, ``details()``, ``trailing_metadata()``."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(f"{code.name}: {details}")
         self._code = code
         self._details = details
+        self._trailing = trailing
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailing
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -79,10 +83,17 @@ class FakeRpcError(grpc.RpcError):
 
 
 class _Context:
-    """The one part of ``grpc.ServicerContext`` the servicer uses: ``abort`` raises."""
+    """The parts of ``grpc.ServicerContext`` the servicer uses: ``abort`` raises, with
+    the trailing metadata set before it."""
+
+    def __init__(self) -> None:
+        self._trailing: tuple[tuple[str, str], ...] = ()
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._trailing = tuple(metadata)
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise FakeRpcError(code, details)
+        raise FakeRpcError(code, details, self._trailing)
 
 
 class _DoneCall:

@@ -99,7 +99,11 @@ class InferConfig:
         default=None, metadata=_help("PEM CA: callers must present a certificate it signed (mutual TLS)")
     )
     auth_token_file: Path | None = field(
-        default=None, metadata=_help("file of 'ROLE TOKEN' lines: Predict needs a read token or better")
+        default=None,
+        metadata=_help(
+            "file of 'ROLE TOKEN' lines, each token at least 16 characters and listed once: "
+            "Predict needs a read token or better"
+        ),
     )
 
     def __post_init__(self) -> None:

@@ -36,6 +36,7 @@ in the last digits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -57,7 +58,7 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
-from client import PSClient
+from client import PermissionDeniedError, PSClient, UnauthenticatedError
 from protos.logs import configure_logging
 from protos.settings import load_settings
 from worker.config import EmbeddingTableConfig, FeatureConfig, TrainerConfig
@@ -82,6 +83,7 @@ __all__ = [
     "TrainerConfig",
     "dense_adam",
     "evaluate",
+    "exit_on_token_refusal",
     "init_distributed",
     "main",
     "parse",
@@ -624,6 +626,21 @@ def report(metrics: dict[str, Any]) -> None:
         )
 
 
+@contextlib.contextmanager
+def exit_on_token_refusal() -> Iterator[None]:
+    """Turn a token the shards refuse (none, unknown, or a role below ``write``) into one
+    line on stderr that names the role a trainer needs, and exit status 2, instead of a
+    traceback."""
+    try:
+        yield
+    except (UnauthenticatedError, PermissionDeniedError) as exc:
+        print(
+            f"trainer: {exc} (a trainer needs a write token: point PS_CLIENT_TOKEN_FILE at a file holding one)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+
+
 @record  # under torchrun, the error reaches ps-launch's one-line summary of a failed worker
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """``python -m worker.trainer``: train against running shards (``--addresses`` or ``TRAINER_ADDRESSES``).
@@ -640,7 +657,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit(2)
     d = init_distributed(config.device)
     try:
-        metrics = train(config, config.addresses, d)
+        with exit_on_token_refusal():
+            metrics = train(config, config.addresses, d)
     finally:
         if d.world > 1:
             dist.destroy_process_group()

@@ -294,7 +294,11 @@ def test_tables_create_table_health_and_json_with_a_token(tmp_path: Path) -> Non
             "4",
             cwd=tmp_path,
         )
-        assert denied.returncode == 1 and "needs a admin token" in denied.stderr and read_token not in denied.stderr
+        assert (
+            denied.returncode == 1
+            and "CreateTable refused: needs a write token, this one is read" in denied.stderr
+            and read_token not in denied.stderr
+        )
         no_token = ps_admin("tables", "--addresses", addresses, cwd=tmp_path)
         assert no_token.returncode == 1 and "no bearer token" in no_token.stderr
         assert "items: dim 8, optimizer adagrad" in ok(

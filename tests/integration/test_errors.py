@@ -24,8 +24,11 @@ from client import (
     ShardUnavailableError,
     TableExistsError,
     TableNotFoundError,
+    WrongShardError,
 )
+from client.errors import convert
 from protos import ps_pb2 as pb
+from protos.keys import shard_of
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 
 PATH = "/ps.v1.ParameterServer/"
@@ -275,6 +278,40 @@ def test_client_raises_one_exception_tree(shard: RunningShard) -> None:
     with PSClient([shard.address], ClientConfig(max_message_bytes=4 << 20)) as big:
         with pytest.raises(ResourceExhaustedError):
             big.lookup("emb", np.arange(100_000))  # the shard's limit is 1 MiB
+
+
+def test_keys_of_another_shard_are_refused_naming_their_owner(tmp_path: Path) -> None:
+    shards = [start_shard(i, 2, tmp_path) for i in range(2)]
+    try:
+        with PSClient([s.address for s in shards]) as ps:
+            ps.create_table("emb", 8)
+        keys = np.arange(50, dtype=np.int64)
+        theirs = keys[shard_of(keys, 2) == 1]  # shard 1's keys, sent to shard 0
+        lookup = pb.LookupRequest(
+            entries=[pb.LookupEntry(table="emb", keys=np.concatenate([keys[:1], theirs]).astype("<i8").tobytes())]
+        )
+        grads = np.ones((theirs.size, 8), "<f4").tobytes()
+        for method, request in [
+            ("Lookup", lookup.SerializeToString()),
+            ("Push", push_bytes(keys=theirs.astype("<i8").tobytes(), grads=grads, num_shards=2, shard=0)),
+        ]:
+            with grpc.insecure_channel(shards[0].address) as channel:
+                with pytest.raises(grpc.RpcError) as info:
+                    channel.unary_unary(PATH + method, None, None)(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert info.value.details() == (
+                f"{method} refused: key {theirs[0]} (table 'emb') belongs to shard 1 of 2, not shard 0; "
+                f"{theirs.size} of {theirs.size + (method == 'Lookup')} keys in this request are not this shard's: "
+                "route keys with protos.keys.shard_of and the cluster's address list"
+            )
+            err = convert(info.value, 0, shards[0].address)
+            assert isinstance(err, WrongShardError) and isinstance(err, PreconditionError) and err.owner == 1
+        with PSClient([shards[0].address], ClientConfig(deadline_s=10)) as one:
+            (stats,) = one.stats()  # nothing of either request was applied
+        assert stats["tables"][0]["rows"] == 0 and stats["version"] == 0
+    finally:
+        for s in shards:
+            stop_shard(s)
 
 
 def test_unreachable_shard_is_retried_then_reported(tmp_path: Path) -> None:

@@ -3,7 +3,10 @@ tokens, TLS and mutual TLS, and admission control (calls in flight, tables, keys
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -94,9 +97,16 @@ def test_tokens_by_role_and_health_without_one(tmp_path: Path) -> None:
         with client("x" * 20) as c, pytest.raises(PSError) as exc:
             c.tables()
         assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED and "x" * 20 not in str(exc.value)
-        with client(tokens["write"]) as c, pytest.raises(PermissionDeniedError) as exc:
+        with client(tokens["read"]) as c, pytest.raises(PermissionDeniedError) as exc:
             c.create_table("t", dim=4)
-        assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED and "needs a admin token" in str(exc.value)
+        assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert "CreateTable refused: needs a write token, this one is read" in str(exc.value)
+        with client(tokens["write"]) as c:  # what a trainer needs: its tables, new or identical
+            c.create_table("t", dim=4)
+            c.create_table("t", dim=4)
+        with client(tokens["write"]) as c, pytest.raises(PermissionDeniedError) as exc:
+            c.checkpoint()
+        assert "needs an admin token, this one is write" in str(exc.value)
         with client(tokens["admin"]) as c:
             c.create_table("t", dim=4)
         with client(tokens["read"]) as c:
@@ -119,6 +129,117 @@ def test_bad_token_file_stops_start_with_a_clear_error(tmp_path: Path) -> None:
     token_file.write_text("root secret-secret-secret\n")
     with pytest.raises(pytest.fail.Exception, match="line 1: expected 'ROLE TOKEN'"):
         start_shard(0, 1, tmp_path, f"--auth-token-file={token_file}", timeout_s=20)
+
+
+@pytest.mark.parametrize("second_role", ["admin", "read"])
+def test_token_listed_twice_stops_start_naming_both_lines(tmp_path: Path, second_role: str) -> None:
+    token = "the-same-token-0123456789"
+    token_file = tmp_path / "tokens"
+    token_file.write_text(f"read {token}\n# ops\nwrite other-token-0123456789\n{second_role} {token}\n")
+    with pytest.raises(pytest.fail.Exception) as exc:
+        start_shard(0, 1, tmp_path, f"--auth-token-file={token_file}", timeout_s=20)
+    message = str(exc.value)
+    assert f"line 4: the {second_role} token of this line is already on line 1 (as read)" in message
+    assert token not in message and token not in (tmp_path / "shard.0.log").read_text()
+
+
+def test_short_token_stops_start_naming_the_minimum(tmp_path: Path) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text("write short-token\n")
+    with pytest.raises(pytest.fail.Exception, match="line 1: write token has 11 characters, a token needs at least 16"):
+        start_shard(0, 1, tmp_path, f"--auth-token-file={token_file}", timeout_s=20)
+
+
+def test_read_token_lookup_on_a_training_shard_creates_and_streams_nothing(tmp_path: Path) -> None:
+    tokens = {"read": "r" * 20, "write": "w" * 20, "admin": "a" * 20}
+    token_file = tmp_path / "tokens"
+    token_file.write_text("".join(f"{role} {t}\n" for role, t in tokens.items()))
+    (tmp_path / "read.token").write_text(tokens["read"])
+    leader = start_shard(0, 1, tmp_path / "train", f"--auth-token-file={token_file}")
+    follower = None
+    try:
+        quick = {"deadline_s": 10.0, "max_attempts": 1}
+        with PSClient([leader.address], ClientConfig(token=tokens["admin"], **quick)) as writer:
+            writer.create_table("zeros", dim=4)
+            writer.create_table("init", dim=4, serving_default="initial")
+            writer.lookup("zeros", np.arange(10))  # ten rows exist
+            writer.push("zeros", np.arange(10), np.ones((10, 4), np.float32))
+            existing = writer.lookup("zeros", np.arange(10))
+            initial = writer.lookup("init", np.array([0]))  # a row of the table 'init' exists, the first
+        follower = start_shard(
+            0,
+            1,
+            tmp_path / "serve",
+            "--mode=serve",
+            f"--follow={leader.address}",
+            f"--client-token-file={tmp_path / 'read.token'}",
+        )
+
+        def stats(address: str) -> dict:  # type: ignore[type-arg]
+            with PSClient([address], ClientConfig(token=tokens["read"], **quick)) as c:
+                return c.stats()[0]
+
+        deadline = time.monotonic() + 20
+        while stats(follower.address)["follow"]["applied_version"] < stats(leader.address)["version"]:
+            assert time.monotonic() < deadline, "the follower never caught up"
+            time.sleep(0.05)
+        before = stats(leader.address)
+        new_keys = np.arange(1000, 6000)
+        with PSClient([leader.address], ClientConfig(token=tokens["read"], **quick)) as reader:
+            rows = reader.lookup("zeros", np.concatenate([np.arange(10), new_keys]))
+            init_rows = reader.lookup("init", np.array([0, 7]))
+        np.testing.assert_array_equal(rows[:10], existing)
+        assert not rows[10:].any(), "keys without a row read as the table's serving default, zeros"
+        np.testing.assert_array_equal(init_rows[0], initial[0])
+        assert init_rows[1].any(), "serving_default=initial: the row the key would start with"
+        after = stats(leader.address)
+        assert after["version"] == before["version"], "a read lookup changed nothing a follower would get"
+        assert (
+            {t["name"]: (t["rows"], t["rows_created"]) for t in after["tables"]}
+            == {t["name"]: (t["rows"], t["rows_created"]) for t in before["tables"]}
+            == {"init": (1, 1), "zeros": (10, 10)}
+        )
+        time.sleep(0.5)  # anything streamed would have arrived by now
+        assert sum(t["rows"] for t in stats(follower.address)["tables"]) == 11
+        # The same lookup with a write token creates the rows, as a trainer's does.
+        with PSClient([leader.address], ClientConfig(token=tokens["write"], **quick)) as writer:
+            writer.lookup("zeros", new_keys)
+        assert stats(leader.address)["version"] > before["version"]
+    finally:
+        for s in (follower, leader):
+            if s is not None:
+                stop_shard(s)
+
+
+def test_trainer_runs_with_a_write_token_and_says_in_one_line_what_a_read_token_lacks(tmp_path: Path) -> None:
+    tokens = {"read": "r" * 20, "write": "w" * 20}
+    (tmp_path / "tokens").write_text("".join(f"{role} {t}\n" for role, t in tokens.items()))
+    shard = start_shard(0, 1, tmp_path / "shard", f"--auth-token-file={tmp_path / 'tokens'}")
+    try:
+
+        def train(role: str) -> subprocess.CompletedProcess[str]:
+            (tmp_path / f"{role}.token").write_text(tokens[role])
+            flags = ["--train-samples=2000", "--eval-samples=500", "--progress=false", "--log-level=WARNING"]
+            return subprocess.run(
+                [sys.executable, "-m", "worker.trainer", f"--addresses={shard.address}", *flags],
+                env={**os.environ, "PS_CLIENT_TOKEN_FILE": str(tmp_path / f"{role}.token")},
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+
+        refused = train("read")
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.splitlines() == [
+            f"trainer: shard 0 ({shard.address}): CreateTable refused: needs a write token, this one is read "
+            "(a trainer needs a write token: point PS_CLIENT_TOKEN_FILE at a file holding one)"
+        ]
+        trained = train("write")  # creates its tables, looks rows up, pushes
+        assert trained.returncode == 0, trained.stderr[-3000:]
+        assert "AUC" in trained.stdout
+    finally:
+        stop_shard(shard)
 
 
 @pytest.fixture(scope="module")

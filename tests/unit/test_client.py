@@ -28,14 +28,15 @@ from client import (
     ShardUnavailableError,
     TableExistsError,
     TableNotFoundError,
+    WrongShardError,
 )
-from client.errors import error_for
+from client.errors import convert, error_for
 from protos.keys import shard_of
 from ps.config import TableSpec
 from ps.initializers import InitializerKind, InitializerParams, initial_rows
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.shard import Shard
-from tests.fakes import InProcessTransport
+from tests.fakes import FakeRpcError, InProcessTransport
 
 F32 = npt.NDArray[np.float32]
 N = 3
@@ -468,6 +469,20 @@ def test_status_from_a_shard_maps_to_its_error(
     assert info.value.code == code and info.value.shard == 0  # the original code is kept
     assert isinstance(info.value.__cause__, grpc.RpcError)
     assert transport.count("Lookup", 0) == 1
+
+
+def test_keys_a_shard_does_not_own_are_a_wrong_shard_error_naming_the_owner() -> None:
+    refusal = FakeRpcError(
+        grpc.StatusCode.FAILED_PRECONDITION, "Lookup refused: key 7 ... belongs to shard 1", (("ps-wrong-shard", "1"),)
+    )
+    err = convert(refusal, 0, "h:1")
+    assert type(err) is WrongShardError and isinstance(err, PreconditionError)
+    assert (err.owner, err.shard, err.code) == (1, 0, grpc.StatusCode.FAILED_PRECONDITION)
+    assert str(err) == "shard 0 (h:1): Lookup refused: key 7 ... belongs to shard 1"
+    again = err.reworded(f"{err} (gave up)")  # how the retry loop adds to a message: the owner stays
+    assert type(again) is WrongShardError and again.owner == 1 and str(again).endswith("(gave up)")
+    other = convert(FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "read-only"), 0)
+    assert type(other) is PreconditionError
 
 
 # -- create_table ---------------------------------------------------------------------

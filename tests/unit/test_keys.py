@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from protos.keys import hash_feature, hash_features, jump_hash, mix64, shard_of
+from protos.keys import hash_feature, hash_features, jump_hash, misrouted, mix64, shard_of
 
 M64 = (1 << 64) - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -277,3 +277,17 @@ def test_hash_feature_rejects_unsupported_types(value: object) -> None:
 def test_hash_features_rejects_float_arrays() -> None:
     with pytest.raises(TypeError):
         hash_features(np.array([1.2, 1.7]), 0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000])
+def test_misrouted_counts_the_keys_shard_of_sends_elsewhere(n: int) -> None:
+    keys = np.random.default_rng(n).integers(-(2**63), 2**63 - 1, size=5000, dtype=np.int64)
+    owners = shard_of(keys, n)
+    for shard in {0, n // 2, n - 1}:
+        wrong = np.flatnonzero(owners != shard)
+        assert misrouted(keys, n, shard) == (wrong.size, int(wrong[0]) if wrong.size else -1)
+        mine = np.frombuffer(keys[owners == shard].tobytes(), "<i8")  # read-only, as decoded from the wire
+        assert misrouted(mine, n, shard) == (0, -1)
+    assert misrouted(np.zeros(0, np.int64), n, 0) == (0, -1)
+    with pytest.raises(ValueError, match=rf"shard={n}: not in \[0, num_shards={n}\)"):
+        misrouted(keys, n, n)

@@ -13,8 +13,18 @@ import pytest
 
 from protos import ps_pb2 as pb
 from protos import wire
+from protos.keys import shard_of
 from ps.config import TableSpec, spec_from_proto, spec_to_proto
-from ps.errors import InvalidRequest, RequestTooLarge, ShardMismatch, ShuttingDown, TableExists, UnknownTable, WrongMode
+from ps.errors import (
+    InvalidRequest,
+    RequestTooLarge,
+    ShardMismatch,
+    ShuttingDown,
+    TableExists,
+    UnknownTable,
+    WrongMode,
+    WrongShard,
+)
 from ps.initializers import InitializerParams
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.report import shard_stats
@@ -442,3 +452,59 @@ def test_serving_default_initial_reads_the_row_training_would_create() -> None:
     t = serving.table("t")
     assert len(t) == 0 and t.counters.rows_created == 0 and t.counters.lookups_not_admitted == 0
     assert spec_from_proto(spec_to_proto(spec)) == spec
+
+
+# -- Shard: keys it does not own, read-only callers ---------------------------------------
+
+
+def test_shard_refuses_a_request_with_keys_it_does_not_own_before_applying_any() -> None:
+    keys = np.arange(100, dtype=np.int64)
+    owners = shard_of(keys, 3)
+    mine, theirs = keys[owners == 1], keys[owners != 1]
+    shard = Shard(1, 3)
+    shard.create_table(TableSpec("a", 4))
+    shard.create_table(TableSpec("b", 4))
+    mixed = np.concatenate([mine[:5], theirs[:7]])
+    request = lookup_request(("a", mine.tolist(), 1), ("b", mixed.tolist(), 1))
+    with pytest.raises(WrongShard) as info:
+        shard.lookup(request, max_response_bytes=1 << 20)
+    first = int(theirs[0])
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and isinstance(info.value, ShardMismatch)
+    assert info.value.owner == int(owners[first]) and info.value.trailing_metadata == (
+        ("ps-wrong-shard", str(owners[first])),
+    )
+    assert str(info.value) == (
+        f"Lookup refused: key {first} (table 'b') belongs to shard {owners[first]} of 3, not shard 1; "
+        f"7 of {mine.size + 12} keys in this request are not this shard's: route keys with "
+        "protos.keys.shard_of and the cluster's address list"
+    )
+    assert len(shard.table("a")) == len(shard.table("b")) == 0 and shard.changes.version == 0
+    grads = np.ones((mixed.size, 4), np.float32)
+    with pytest.raises(WrongShard, match=r"Push refused: key \d+ \(table 'b'\) belongs to shard [02] of 3"):
+        shard.push(push_request([("a", mine, np.ones((mine.size, 4), np.float32)), ("b", mixed, grads)], "w", 1))
+    assert len(shard.table("a")) == 0 and shard.changes.version == 0
+    shard.push(push_request([("a", mine, np.ones((mine.size, 4), np.float32))], "w", 1))  # its own keys: fine
+    assert len(shard.table("a")) == mine.size
+    shard.mode = "serve"  # a serving shard (a follower holds its leader's index) checks the same
+    with pytest.raises(WrongShard, match="belongs to shard"):
+        shard.lookup(lookup_request(("a", theirs[:1].tolist(), 1)), max_response_bytes=1 << 20)
+
+
+def test_read_only_lookup_on_a_training_shard_creates_counts_and_records_nothing() -> None:
+    shard = Shard(0, 1)
+    shard.create_table(TableSpec("z", 4))
+    shard.create_table(TableSpec("i", 4, serving_default="initial"))
+    existing = lookup_rows(shard, "z", [1, 2])
+    version, table = shard.changes.version, shard.table("z")
+    request = lookup_request(("z", [1, 2, 3, 4], 1), ("i", [5], 1))
+    z, i = wire.decode_lookup_response(shard.lookup(request, max_response_bytes=1 << 20, read_only=True))
+    rows = wire.decode_rows(z.rows, 4, 4, wire.FLOAT32, "z")
+    np.testing.assert_array_equal(rows[:2], existing)
+    assert not rows[2:].any()
+    initial = Shard(0, 1)
+    initial.create_table(TableSpec("i", 4, serving_default="initial"))
+    np.testing.assert_array_equal(wire.decode_rows(i.rows, 1, 4, wire.FLOAT32, "i"), lookup_rows(initial, "i", [5]))
+    assert (len(table), table.counters.rows_created, len(shard.table("i"))) == (2, 2, 0)
+    assert shard.changes.version == version  # nothing for followers
+    lookup_rows(shard, "z", [3])  # a writer's lookup still creates
+    assert len(table) == 3 and shard.changes.version > version
