@@ -18,26 +18,39 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import grpc
+import numpy as np
+import numpy.typing as npt
 from google.protobuf.message import DecodeError
 
 from protos import ps_pb2 as pb
 from protos import wire
 from ps.config import spec_from_proto, spec_to_proto
-from ps.errors import ShardError
+from ps.errors import RequestTooLarge, ShardError
 from ps.follow import serve_from
 from ps.report import shard_stats
-from ps.shard import Shard
+from ps.shard import LookupBatch, PushBatch, Route, Shard
 from ps.stream import follow_batches
 
-__all__ = ["SERVICE_NAME", "Servicer", "spec_from_proto", "spec_to_proto", "status_boundary"]
+__all__ = [
+    "SERVICE_NAME",
+    "Servicer",
+    "lookup_response",
+    "push_batch",
+    "spec_from_proto",
+    "spec_to_proto",
+    "status_boundary",
+]
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+# What a Lookup response may need beyond its rows (table names, field headers).
+_RESPONSE_OVERHEAD_BYTES = 4096
 
 
 @contextlib.contextmanager
@@ -119,18 +132,17 @@ class Servicer:
 
     def Lookup(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         with status_boundary(context, "Lookup"):
-            # The shard gathers the rows straight into the encoded response.
-            return self._shard.lookup(pb.LookupRequest.FromString(request), self._max_bytes)
+            return lookup_response(self._shard, pb.LookupRequest.FromString(request), self._max_bytes)
         raise AssertionError("unreachable: status_boundary aborts")
 
     def LookupReadOnly(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         with status_boundary(context, "Lookup"):
-            return self._shard.lookup(pb.LookupRequest.FromString(request), self._max_bytes, read_only=True)
+            return lookup_response(self._shard, pb.LookupRequest.FromString(request), self._max_bytes, read_only=True)
         raise AssertionError("unreachable: status_boundary aborts")
 
     def Push(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:
         with status_boundary(context, "Push"):
-            applied, rows = self._shard.push(wire.decode_push_request(request))
+            applied, rows = self._shard.push(push_batch(self._shard, wire.decode_push_request(request)))
             return pb.PushResponse(applied=applied, rows_updated=rows)
         raise AssertionError("unreachable: status_boundary aborts")
 
@@ -158,3 +170,72 @@ class Servicer:
                 status=serve_from(self._shard, pb.ServeFromRequest.FromString(request).checkpoint)
             )
         raise AssertionError("unreachable: status_boundary aborts")
+
+
+# -- the codec of the two requests that carry rows -------------------------------------------
+
+
+def lookup_response(
+    shard: Shard, request: pb.LookupRequest, max_response_bytes: int, *, read_only: bool = False
+) -> bytes:
+    """The encoded ``LookupResponse`` of ``shard`` to ``request``: the keys are decoded
+    (naming the entry and field of bad ones), the response is sized once the shard knows
+    each table's dim (``RequestTooLarge`` over ``max_response_bytes``), and the shard
+    gathers float32 rows straight into it; a 16-bit dtype is converted in place after."""
+    route = Route(request.num_shards, request.shard if request.HasField("shard") else None)
+    shard.check_request(route)  # a shard that is stopping or misaddressed says so first
+    entries, dtypes = [], []
+    for i, entry in enumerate(request.entries):
+        keys = wire.decode_keys(entry.keys, f"entries[{i}].keys (table {entry.table!r})")
+        dtype = entry.dtype or wire.FLOAT32
+        wire.dtype_itemsize(dtype, f"entries[{i}].dtype")
+        entries.append((entry.table, keys))
+        dtypes.append(dtype)
+    writer: wire.LookupResponseWriter | None = None
+    staged: list[tuple[int, npt.NDArray[np.float32]]] = []
+
+    def response_rows(dims: Sequence[int]) -> list[npt.NDArray[np.float32]]:
+        nonlocal writer
+        layout = [(name, k.shape[0], dim, dt) for (name, k), dim, dt in zip(entries, dims, dtypes, strict=True)]
+        total = sum(n * dim * wire.dtype_itemsize(dt) for _, n, dim, dt in layout)
+        if total > max_response_bytes - _RESPONSE_OVERHEAD_BYTES:
+            raise RequestTooLarge(
+                f"Lookup response would be {total} bytes, over this shard's max_message_bytes="
+                f"{max_response_bytes}: send fewer keys per request"
+            )
+        writer = wire.LookupResponseWriter(layout)
+        out = []
+        for i, (_, n, dim, dt) in enumerate(layout):
+            if dt == wire.FLOAT32:
+                out.append(cast("npt.NDArray[np.float32]", writer.rows(i)))
+            else:  # gathered as float32, converted below
+                staged.append((i, np.empty((n, dim), dtype=np.float32)))
+                out.append(staged[-1][1])
+        return out
+
+    shard.lookup(LookupBatch(entries, route), response_rows, read_only=read_only)
+    if writer is None:  # no entries: the shard asked for no buffer
+        writer = wire.LookupResponseWriter([])
+    for i, rows in staged:
+        writer.rows(i)[:] = wire.rows_to_dtype(rows, dtypes[i])
+    return writer.finish()
+
+
+def push_batch(shard: Shard, request: wire.PushRequestView) -> PushBatch:
+    """``request``'s entries decoded for ``shard``: gradients as float32 ``[len(keys), dim]``
+    of each entry's table. Raises what ``Shard.push`` would for a shard that is stopping,
+    misaddressed or read-only (first, as it checks), ``UnknownTable``, ``WireFormatError``
+    naming the entry and field."""
+    route = Route(request.num_shards, request.shard)
+    shard.check_request(route)
+    shard.check_writable()
+    entries = []
+    for i, entry in enumerate(request.entries):
+        shard.check_table_field(entry.table, f"entries[{i}].table")
+        field = f"entries[{i}] (table {entry.table!r})"
+        keys = wire.decode_keys(entry.keys, f"{field}.keys")
+        grads = wire.decode_rows(
+            entry.grads, keys.shape[0], shard.table(entry.table).dim, entry.dtype, f"{field}.grads"
+        )
+        entries.append((entry.table, keys, grads))
+    return PushBatch(entries, request.client_id, request.seq, route)

@@ -24,9 +24,11 @@ Example:
     >>> shard = Shard(index=0, num_shards=1)
     >>> shard.create_table(TableSpec("item", dim=8))
     True
-    >>> request = pb.LookupRequest(entries=[pb.LookupEntry(table="item", keys=wire.encode_keys([3, 4]))])
-    >>> wire.decode_lookup_response(shard.lookup(request, max_response_bytes=1 << 20))[0].dim
-    8
+    >>> import numpy as np
+    >>> rows = np.zeros((2, 8), dtype=np.float32)
+    >>> shard.lookup(LookupBatch([("item", np.array([3, 4]))]), lambda dims: [rows])
+    >>> bool(rows.any())  # the two new rows' initial values
+    True
 """
 
 from __future__ import annotations
@@ -36,15 +38,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from protos import ps_pb2 as pb
-from protos import wire
 from ps import optimizers
 from ps.background import LoopHealth, RateWindow
 from ps.budget import MemoryBudget
@@ -53,7 +55,6 @@ from ps.checkpoint import next_version_path, require_root, resolve_checkpoint_pa
 from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import (
     InvalidRequest,
-    RequestTooLarge,
     ShardMismatch,
     ShuttingDown,
     TableExists,
@@ -71,9 +72,37 @@ from ps.rwlock import ReadWriteLock
 from ps.storage import Storage, StorageFailed
 from ps.table import Table, held_tables
 
-__all__ = ["MODES", "Mode", "PushLedger", "RowSource", "Shard", "StopReport"]
+__all__ = ["MODES", "LookupBatch", "Mode", "PushBatch", "PushLedger", "Route", "RowSource", "Shard", "StopReport"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a client sent a request: the cluster size it planned with (0: not checked)
+    and the shard it meant (None: not checked)."""
+
+    num_shards: int = 0
+    shard: int | None = None
+
+
+@dataclass(frozen=True)
+class LookupBatch:
+    """A decoded Lookup: ``(table, keys)`` per entry."""
+
+    entries: Sequence[tuple[str, npt.NDArray[np.int64]]]
+    route: Route = Route()
+
+
+@dataclass(frozen=True)
+class PushBatch:
+    """A decoded Push: ``(table, keys, grads)`` per entry, float32 ``[len(keys), dim]``
+    gradients (not yet checked against the table), applied once per ``(client_id, seq)``."""
+
+    entries: Sequence[tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float32]]]
+    client_id: str = ""
+    seq: int = 0
+    route: Route = Route()
 
 
 class RowSource(Protocol):
@@ -87,9 +116,6 @@ class RowSource(Protocol):
 
 Mode = Literal["train", "serve"]
 MODES: tuple[Mode, ...] = ("train", "serve")
-
-# What a Lookup response may need beyond its rows (table names, field headers).
-_RESPONSE_OVERHEAD_BYTES = 4096
 
 _DEFAULT_DURABILITY = Durability("interval", 5.0)
 
@@ -263,8 +289,9 @@ class Shard:
         """The spec of every table, sorted by name."""
         return [t.spec for t in self.tables()]
 
-    def check_request(self, num_shards: int, shard: int | None = None) -> None:
-        """Raise unless a request routed for ``num_shards`` shards (to ``shard``) may run here now."""
+    def check_request(self, route: Route = Route()) -> None:
+        """Raise unless a request sent along ``route`` may run here now."""
+        num_shards, shard = route.num_shards, route.shard
         if self._closing:
             raise ShuttingDown(f"shard {self.index} is shutting down")
         if shard is not None and shard != self.index:
@@ -303,84 +330,79 @@ class Shard:
 
     # -- requests ------------------------------------------------------------------------
 
-    def lookup(self, request: pb.LookupRequest, max_response_bytes: int, *, read_only: bool = False) -> bytes:
-        """The encoded ``LookupResponse`` to ``request``: every entry is checked and the
-        response sized first, then each table's rows are gathered straight into it.
+    def lookup(
+        self,
+        batch: LookupBatch,
+        out: Callable[[Sequence[int]], Sequence[npt.NDArray[np.float32]]],
+        *,
+        read_only: bool = False,
+    ) -> None:
+        """Gather the rows of ``batch`` into the arrays ``out(dims)`` returns. ``out`` is
+        called once, after the route, key counts and tables are checked, with each entry's
+        table dim, and returns one writable float32 ``[len(keys), dim]`` array per entry
+        (the caller's response buffer; it may raise, e.g. ``RequestTooLarge``); then every
+        key's owner is checked, and only then are rows created and gathered into them.
 
         Training mode creates the rows of missing keys; serving mode reads them as their
         table's default (zeros, or their initial rows) and stores nothing, and notes a
         row's use only where a memory budget evicts by it. ``read_only`` (a caller with
         a read token) makes a training shard read as serving mode does, noting no use:
         it creates, counts and streams to followers nothing. Raises ``ShuttingDown``,
-        ``ShardMismatch`` (``WrongShard`` for a key this shard does not own), ``InvalidRequest`` or
-        ``WireFormatError`` (naming the entry and field), ``UnknownTable``, ``RequestTooLarge``
-        (a response over ``max_response_bytes``); ``StorageFailed`` if disk reads fail."""
-        self.check_request(request.num_shards, request.shard if request.HasField("shard") else None)
+        ``ShardMismatch`` (``WrongShard`` for a key this shard does not own),
+        ``InvalidRequest`` (naming the entry and field), ``UnknownTable``; ``StorageFailed``
+        if disk reads fail."""
+        self.check_request(batch.route)
         # A serving shard's rows change only in whole batches (and its tables may be
         # swapped for a checkpoint's): it answers under the lock those changes take.
         with self.serve_lock.reading() if self._mode != "train" else contextlib.nullcontext():
-            return self._lookup(request, max_response_bytes, read_only)
+            self._lookup(batch, out, read_only)
 
-    def _lookup(self, request: pb.LookupRequest, max_response_bytes: int, read_only: bool = False) -> bytes:
-        self.limits.check_keys("Lookup", (len(e.keys) // 8 for e in request.entries))
-        plan: list[tuple[Table, npt.NDArray[np.int64], int]] = []
-        total = 0
-        for i, entry in enumerate(request.entries):
-            table = self._entry_table(entry.table, i)
-            keys = wire.decode_keys(entry.keys, f"entries[{i}].keys (table {entry.table!r})")
-            dtype = entry.dtype or wire.FLOAT32
-            total += keys.shape[0] * table.dim * wire.dtype_itemsize(dtype, f"entries[{i}].dtype")
-            plan.append((table, keys, dtype))
-        if total > max_response_bytes - _RESPONSE_OVERHEAD_BYTES:
-            raise RequestTooLarge(
-                f"Lookup response would be {total} bytes, over this shard's max_message_bytes="
-                f"{max_response_bytes}: send fewer keys per request"
-            )
-        check_owned("Lookup", [(t.spec.name, k) for t, k, _ in plan], index=self.index, num_shards=self.num_shards)
-        writer = wire.LookupResponseWriter([(t.spec.name, k.shape[0], t.dim, dt) for t, k, dt in plan])
+    def _lookup(
+        self,
+        batch: LookupBatch,
+        out: Callable[[Sequence[int]], Sequence[npt.NDArray[np.float32]]],
+        read_only: bool,
+    ) -> None:
+        self.limits.check_keys("Lookup", (k.shape[0] for _, k in batch.entries))
+        tables = [self._entry_table(name, i) for i, (name, _) in enumerate(batch.entries)]
+        rows = out([t.dim for t in tables])
+        check_owned("Lookup", batch.entries, index=self.index, num_shards=self.num_shards)
         train = self._mode == "train"
         create = train and not read_only
         # TTLs expire rows in training mode only, where a read-only caller changes no row's rank.
         touch = create or (not train and self.budget.limit_bytes > 0)
         created: list[tuple[str, npt.NDArray[np.int64]]] = []
-        for i, (table, keys, dtype) in enumerate(plan):
-            out, before = writer.rows(i), table.counters.rows_created
-            if dtype == wire.FLOAT32:
-                table.lookup(keys, cast("npt.NDArray[np.float32]", out), create=create, touch=touch)
-            else:
-                out[:] = wire.rows_to_dtype(table.lookup(keys, create=create, touch=touch), dtype)
+        for table, (_, keys), target in zip(tables, batch.entries, rows, strict=True):
+            before = table.counters.rows_created
+            table.lookup(keys, target, create=create, touch=touch)
             if table.counters.rows_created != before:  # new rows: followers must see them too
                 created.append((table.spec.name, keys.copy()))
         if created:
             self.changes.record(created)
         self.budget.after_request()
-        return writer.finish()
 
-    def push(self, request: wire.PushRequestView) -> tuple[bool, int]:
-        """Apply ``request`` once per ``(client_id, seq)`` and table; returns (applied
-        anywhere, distinct rows updated). Every entry is checked before any is applied.
+    def push(self, batch: PushBatch) -> tuple[bool, int]:
+        """Apply ``batch`` once per ``(client_id, seq)`` and table; returns (applied
+        anywhere, distinct rows updated). Every entry is checked (gradient shapes, NaN
+        and Inf: the one place a request's gradients are validated) before any is applied.
 
         Raises ``ShuttingDown``, ``ShardMismatch`` (``WrongShard`` for a key this shard
-        does not own), ``WrongMode`` (serving mode),
-        ``StorageFailed`` (storage failed: nothing applied), ``InvalidRequest`` or
-        ``WireFormatError`` (naming the entry and field), ``UnknownTable``.
+        does not own), ``WrongMode`` (serving mode), ``StorageFailed`` (storage failed:
+        nothing applied), ``InvalidRequest`` (naming the entry and field), ``UnknownTable``.
         """
-        self.check_request(request.num_shards, request.shard)
+        self.check_request(batch.route)
         self.check_writable()
-        self.limits.check_keys("Push", (len(e.keys) // 8 for e in request.entries))
-        batch = []
-        for i, entry in enumerate(request.entries):
-            table = self._entry_table(entry.table, i)
-            field = f"entries[{i}] (table {entry.table!r})"
-            keys = wire.decode_keys(entry.keys, f"{field}.keys")
-            grads = wire.decode_rows(entry.grads, keys.shape[0], table.dim, entry.dtype, f"{field}.grads")
+        self.limits.check_keys("Push", (k.shape[0] for _, k, _ in batch.entries))
+        tables = []
+        for i, (name, keys, grads) in enumerate(batch.entries):
+            table = self._entry_table(name, i)
             table.validate_grads(keys, grads)
-            batch.append((table, keys, grads))
-        check_owned("Push", [(t.spec.name, k) for t, k, _ in batch], index=self.index, num_shards=self.num_shards)
+            tables.append(table)
+        check_owned("Push", [(n, k) for n, k, _ in batch.entries], index=self.index, num_shards=self.num_shards)
         applied, rows = False, 0
         changed = []
-        for table, keys, grads in batch:
-            n = self._guard(table.push, keys, grads, client_id=request.client_id, seq=request.seq, check=False)
+        for table, (_, keys, grads) in zip(tables, batch.entries, strict=True):
+            n = self._guard(table.push, keys, grads, client_id=batch.client_id, seq=batch.seq, check=False)
             if n is not None:
                 applied, rows = True, rows + n
                 changed.append((table.spec.name, keys.copy()))  # a copy: the view would keep the request
@@ -419,7 +441,7 @@ class Shard:
         written (a failure to write the data dir itself also makes the shard read-only
         until its writes succeed again).
         """
-        self.check_request(0)
+        self.check_request()
         self.check_mode("Checkpoint")
         with self._checkpoint_lock:
             if path is None or str(path) == "":

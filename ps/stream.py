@@ -45,7 +45,7 @@ def follow_batches(
     Raises ``WrongMode`` on a serving shard (followers follow training shards) and
     ``ShardMismatch`` when the follower's shard index or cluster size differ.
     """
-    shard.check_request(0)
+    shard.check_request()
     if shard.mode != "train":
         raise WrongMode(f"Follow refused: shard {shard.index} is a serving shard; follow its training shard")
     if (request.shard, request.num_shards) != (shard.index, shard.num_shards):

@@ -39,25 +39,25 @@ from google.protobuf.message import Message
 
 from protos import ps_pb2 as pb
 from protos import wire
-from ps.servicer import Servicer
-from ps.shard import Shard
+from ps.servicer import Servicer, lookup_response
+from ps.shard import PushBatch, Route, Shard
 
 __all__ = ["FakeRpcError", "InProcessTransport", "lookup_rows", "push_request"]
 
 
 def push_request(
     entries: Sequence[tuple[str, npt.ArrayLike, npt.ArrayLike]], client_id: str = "", seq: int = 0, num_shards: int = 0
-) -> wire.PushRequestView:
-    """What ``Shard.push`` takes, for ``(table, keys, grads)`` entries (float32 on the wire),
-    as the servicer decodes it from the bytes a client sends."""
-    encoded = [(t, np.asarray(k, np.int64), np.asarray(g, np.float32), wire.FLOAT32) for t, k, g in entries]
-    return wire.decode_push_request(wire.encode_push_request(encoded, num_shards, client_id, seq))
+) -> PushBatch:
+    """What ``Shard.push`` takes, for ``(table, keys, grads)`` entries: the arrays as the
+    servicer decodes them (int64 keys, float32 gradients)."""
+    decoded = [(t, np.asarray(k, np.int64).reshape(-1), np.asarray(g, np.float32)) for t, k, g in entries]
+    return PushBatch(decoded, client_id, seq, Route(num_shards))
 
 
 def lookup_rows(shard: Shard, table: str, keys: npt.ArrayLike, dtype: int = wire.FLOAT32) -> npt.NDArray[np.float32]:
     """Rows of ``keys`` in ``table`` through ``Shard.lookup`` (one entry), as float32."""
     request = pb.LookupRequest(entries=[pb.LookupEntry(table=table, keys=wire.encode_keys(keys), dtype=dtype)])  # type: ignore[arg-type]
-    (result,) = wire.decode_lookup_response(shard.lookup(request, max_response_bytes=64 << 20))
+    (result,) = wire.decode_lookup_response(lookup_response(shard, request, 64 << 20))
     return wire.decode_rows(
         result.rows, len(result.rows) // (result.dim * wire.dtype_itemsize(dtype)), result.dim, dtype, "rows"
     )

@@ -28,7 +28,8 @@ from ps.errors import (
 from ps.initializers import InitializerParams
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.report import shard_stats
-from ps.shard import PushLedger, Shard
+from ps.servicer import lookup_response
+from ps.shard import PushLedger, Route, Shard
 from ps.storage import Storage
 from tests.fakes import lookup_rows, push_request
 
@@ -270,31 +271,31 @@ def test_unknown_table_lists_existing_tables() -> None:
 
 def test_check_request_accepts_matching_or_unset_routing() -> None:
     shard = Shard(1, 3)
-    shard.check_request(3, 1)
-    shard.check_request(3)
-    shard.check_request(0)  # 0 and None skip the checks
+    shard.check_request(Route(3, 1))
+    shard.check_request(Route(3))
+    shard.check_request(Route(0))  # 0 and None skip the checks
 
 
 def test_check_request_rejects_wrong_cluster_size() -> None:
     shard = Shard(1, 3)
     with pytest.raises(ShardMismatch, match=r"num_shards=2.*cluster of 3") as info:
-        shard.check_request(2, 1)
+        shard.check_request(Route(2, 1))
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_check_request_rejects_wrong_shard() -> None:
     shard = Shard(1, 3)
     with pytest.raises(ShardMismatch, match=r"request for shard 2 reached shard 1"):
-        shard.check_request(3, 2)
+        shard.check_request(Route(3, 2))
     with pytest.raises(ShardMismatch):
-        shard.check_request(0, 0)
+        shard.check_request(Route(0, 0))
 
 
 def test_closed_shard_refuses_requests() -> None:
     shard = Shard(0, 2)
     shard.close()
     with pytest.raises(ShuttingDown, match="shard 0 is shutting down") as info:
-        shard.check_request(2, 0)
+        shard.check_request(Route(2, 0))
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
 
 
@@ -328,7 +329,7 @@ def test_lookup_gathers_every_entry_into_one_response_in_its_dtype() -> None:
     shard.create_table(TableSpec("a", 4, seed=1))
     shard.create_table(TableSpec("b", 3, seed=2))
     request = lookup_request(("a", [5, 6, 5], wire.FLOAT32), ("b", [7], wire.FLOAT16), ("a", [], wire.FLOAT32))
-    results = wire.decode_lookup_response(shard.lookup(request, max_response_bytes=1 << 20))
+    results = wire.decode_lookup_response(lookup_response(shard, request, 1 << 20))
     assert [(r.table, r.dim, r.dtype) for r in results] == [
         ("a", 4, wire.FLOAT32),
         ("b", 3, wire.FLOAT16),
@@ -356,10 +357,10 @@ def test_lookup_checks_every_entry_before_it_creates_a_row() -> None:
     ]
     for request, error, message in bad:
         with pytest.raises(error, match=message):
-            shard.lookup(request, max_response_bytes=4608)
+            lookup_response(shard, request, 4608)
     raw = pb.LookupRequest(entries=[pb.LookupEntry(table="a", keys=b"\x01" * 12)])
     with pytest.raises(wire.InvalidKeys, match=r"entries\[0\]\.keys \(table 'a'\): 12 bytes is not a multiple of 8"):
-        shard.lookup(raw, max_response_bytes=4608)
+        lookup_response(shard, raw, 4608)
     assert len(shard.table("a")) == 0 and shard.table("a").counters.lookups == 0
 
 
@@ -467,7 +468,7 @@ def test_shard_refuses_a_request_with_keys_it_does_not_own_before_applying_any()
     mixed = np.concatenate([mine[:5], theirs[:7]])
     request = lookup_request(("a", mine.tolist(), 1), ("b", mixed.tolist(), 1))
     with pytest.raises(WrongShard) as info:
-        shard.lookup(request, max_response_bytes=1 << 20)
+        lookup_response(shard, request, 1 << 20)
     first = int(theirs[0])
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and isinstance(info.value, ShardMismatch)
     assert info.value.owner == int(owners[first]) and info.value.trailing_metadata == (
@@ -487,7 +488,7 @@ def test_shard_refuses_a_request_with_keys_it_does_not_own_before_applying_any()
     assert len(shard.table("a")) == mine.size
     shard.mode = "serve"  # a serving shard (a follower holds its leader's index) checks the same
     with pytest.raises(WrongShard, match="belongs to shard"):
-        shard.lookup(lookup_request(("a", theirs[:1].tolist(), 1)), max_response_bytes=1 << 20)
+        lookup_response(shard, lookup_request(("a", theirs[:1].tolist(), 1)), 1 << 20)
 
 
 def test_read_only_lookup_on_a_training_shard_creates_counts_and_records_nothing() -> None:
@@ -497,7 +498,7 @@ def test_read_only_lookup_on_a_training_shard_creates_counts_and_records_nothing
     existing = lookup_rows(shard, "z", [1, 2])
     version, table = shard.changes.version, shard.table("z")
     request = lookup_request(("z", [1, 2, 3, 4], 1), ("i", [5], 1))
-    z, i = wire.decode_lookup_response(shard.lookup(request, max_response_bytes=1 << 20, read_only=True))
+    z, i = wire.decode_lookup_response(lookup_response(shard, request, 1 << 20, read_only=True))
     rows = wire.decode_rows(z.rows, 4, 4, wire.FLOAT32, "z")
     np.testing.assert_array_equal(rows[:2], existing)
     assert not rows[2:].any()
