@@ -558,15 +558,15 @@ def _save(
 # --- command line
 
 
-def _description(local_shards: bool) -> str:
-    if local_shards:
+def _description(local_shards: bool, what: str | None = None) -> str:
+    if what is None and local_shards:
         what = (
             "Train DLRM or DeepFM with embeddings on parameter-server shards. With no --addresses, "
             "--num-shards shard processes are started on 127.0.0.1 for the run and stopped after it; "
             "with --addresses (or TRAINER_ADDRESSES) the run uses those shards. Under torchrun every "
             "worker trains on its share of the data."
         )
-    else:
+    elif what is None:
         what = (
             "Train DLRM or DeepFM against running parameter-server shards: --addresses (or "
             "TRAINER_ADDRESSES, which ps-launch sets) is required, and --num-shards is ignored. "
@@ -589,12 +589,16 @@ def _prog() -> str:
     return f"python {sys.argv[0]}" if sys.argv and sys.argv[0] else "trainer"
 
 
-def parse(argv: Sequence[str] | None = None, *, local_shards: bool = True) -> TrainerConfig:
+def parse(
+    argv: Sequence[str] | None = None, *, local_shards: bool = True, description: str | None = None
+) -> TrainerConfig:
     """The ``TrainerConfig`` from flags, ``TRAINER_*`` variables and ``--config``; exits 2 on a bad setting.
 
     Configures logging (key=value lines). ``local_shards`` says whether the caller
     starts shards when no addresses are given (``deploy.train``) or requires them
-    (``python -m worker.trainer``); ``--help`` describes what the caller does.
+    (``python -m worker.trainer``); ``--help`` describes what the caller does. A caller
+    that uses the shard flags its own way says so in ``description`` (the first paragraph
+    of ``--help``).
     """
     try:
         config = parse_config(
@@ -603,7 +607,7 @@ def parse(argv: Sequence[str] | None = None, *, local_shards: bool = True) -> Tr
             os.environ,
             ENV_PREFIX,
             _prog(),
-            _description(local_shards),
+            _description(local_shards, description),
         )
     except ValueError as exc:
         print(f"trainer: {exc}", file=sys.stderr)

@@ -4,6 +4,8 @@ count, run directories and ``runs/latest``, progress lines, the config line, ``-
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -137,3 +139,18 @@ def test_an_empty_output_dir_means_the_default(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("TRAINER_OUTPUT_DIR", "")
     assert parse([]).output_dir is None
     assert parse(["--output-dir", "x/y"]).output_dir == Path("x/y")
+
+
+def test_train_and_serve_help_says_it_starts_its_own_shards() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    example = str(repo / "examples" / "train_and_serve.py")
+    shown = subprocess.run([sys.executable, example, "--help"], capture_output=True, text=True, cwd=repo, timeout=120)
+    text = " ".join(shown.stdout.split())
+    assert shown.returncode == 0, shown.stderr
+    assert "is required" not in text and "is ignored" not in text, text
+    assert "--num-shards training shards and as many serving shards are started" in text
+    refused = subprocess.run(
+        [sys.executable, example, "--addresses", "127.0.0.1:1"], capture_output=True, text=True, cwd=repo, timeout=120
+    )
+    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0, refused.stderr
+    assert "starts its own shards" in refused.stderr and "Traceback" not in refused.stderr
