@@ -342,8 +342,10 @@ class _Exchange:
         others = [j for j, o in enumerate(self.requests) if j != i and o.error is not None and o.answer is None]
         if why is not None:
             raise self._gave_up([i, *others], why) from r.error
-        err = convert(r.error, r.shard, self.transport.address(r.error_endpoint))
-        raise type(err)(f"{err}{self._also(others)}", code=err.code, shard=err.shard) from r.error
+        err = convert(r.error, r.shard, self.transport.address(r.error_endpoint), self._tls())
+        raise type(err)(
+            f"{err}{self._also(others)}{_hinted(err)}", code=err.code, shard=err.shard, hint=err.hint
+        ) from r.error
 
     def _expire(self) -> None:
         late = [i for i, r in enumerate(self.requests) if not r.done]
@@ -389,8 +391,18 @@ class _Exchange:
                 code=grpc.StatusCode.DEADLINE_EXCEEDED,
                 shard=r.shard,
             )
-        err = convert(r.error, r.shard, self._where(r))
-        return type(err)(f"{err} (gave up after {tries} attempts, {why}){also}", code=err.code, shard=r.shard)
+        err = convert(r.error, r.shard, self._where(r), self._tls())
+        return type(err)(
+            f"{err} (gave up after {tries} attempts, {why}){also}{_hinted(err)}",
+            code=err.code,
+            shard=r.shard,
+            hint=err.hint,
+        )
+
+    def _tls(self) -> bool | None:
+        """Whether the transport speaks TLS, if it says (``GrpcTransport.tls``)."""
+        tls = getattr(self.transport, "tls", None)
+        return tls if isinstance(tls, bool) else None
 
     def _also(self, others: Sequence[int]) -> str:
         """``; shard 1 (ADDRESS) failed too: STATUS: first line`` for each other failing request."""
@@ -405,3 +417,8 @@ class _Exchange:
             )
             parts.append(f"; shard {r.shard} ({self._where(r)}) failed too: {what}")
         return "".join(parts)
+
+
+def _hinted(err: PSError) -> str:
+    """``: HINT`` ending the message of an error that knows what to do, else ""."""
+    return f": {err.hint}" if err.hint else ""

@@ -116,7 +116,7 @@ def _cluster(addresses: Sequence[str | Sequence[str]], timeout_s: float) -> Iter
         with PSClient(addresses, config) as client:
             yield client
     except PSError as exc:
-        if isinstance(exc, ShardUnavailableError):
+        if isinstance(exc, ShardUnavailableError) and not exc.hint:
             raise AdminError(f"{exc}: cannot reach the shard: is it running, and is the address right?") from None
         if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
             raise AdminError(f"{exc}: raise --timeout-s, or check the shard's log") from None

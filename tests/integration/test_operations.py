@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import ClientConfig, PermissionDeniedError, PSClient, PSError, UnauthenticatedError
 from protos import ps_pb2 as pb
 from tests.integration.shards import RunningShard, start_shard, stop_shard
+from tests.integration.test_admin import ps_admin
 
 LOOKUP = "/ps.v1.ParameterServer/Lookup"
 FOLLOW = "/ps.v1.ParameterServer/Follow"
@@ -142,10 +143,22 @@ def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
         with PSClient([shard.address], ClientConfig(tls_ca=str(tmp_path / "ca.pem"), **quick)) as c:
             c.create_table("t", dim=4)
             assert c.lookup("t", np.arange(3)).shape == (3, 4)
-        with PSClient([shard.address], ClientConfig(**quick)) as c, pytest.raises(PSError):
+        with PSClient([shard.address], ClientConfig(**quick)) as c, pytest.raises(PSError) as plain:
             c.tables()  # plain text to a TLS port
+        assert f"the server at {shard.address} expects TLS: pass --tls-ca" in str(plain.value)
+        admin = ps_admin("stats", "--addresses", shard.address, cwd=tmp_path)
+        assert admin.returncode == 1 and admin.stderr.count("\n") == 1, admin.stderr
+        assert "expects TLS: pass --tls-ca" in admin.stderr and "is it running" not in admin.stderr
     finally:
         stop_shard(shard)
+
+    plain_shard = start_shard(0, 1, tmp_path / "plain")
+    try:
+        with PSClient([plain_shard.address], ClientConfig(tls_ca=str(tmp_path / "ca.pem"), **quick)) as c:
+            with pytest.raises(PSError, match=f"the server at {plain_shard.address} does not use TLS"):
+                c.tables()  # TLS to a plain-text port
+    finally:
+        stop_shard(plain_shard)
 
     shard = start_shard(0, 1, tmp_path / "mtls", *tls, f"--tls-client-ca={tmp_path / 'ca.pem'}")
     try:
