@@ -253,7 +253,10 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
                 )
             )
         durability = s["durability"] or "ram-only"
-        writable = "yes" if s["writable"] else f"NO: {s['storage_error']}"
+        if s["mode"] == "serve":
+            writable = "read-only (serve)" + (f"; storage NO: {s['storage_error']}" if s["storage_error"] else "")
+        else:
+            writable = "yes" if s["writable"] else f"NO: {s['storage_error']}"
         if not s["tables"]:
             lines.append((shard, "-", "0", "0", "0", "-", "-", durability, writable))
         for t in s["tables"]:

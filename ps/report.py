@@ -84,7 +84,7 @@ def shard_stats(shard: ShardView) -> pb.StatsResponse:
         memory_budget_bytes=shard.memory_budget_bytes,
         resident_bytes=shard.resident_bytes(),
         durability=str(shard.durability) if stored else "",
-        writable=shard.writable,
+        writable=shard.writable and shard.mode == "train",  # a serving shard refuses pushes by mode
         storage_error=shard.storage_error,
         last_durable_unix_s=shard.last_durable if stored else 0.0,
         failing_loops=[pb.LoopFailure(**dataclasses.asdict(f)) for f in shard.health.failing()],
