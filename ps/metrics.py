@@ -77,7 +77,11 @@ class ShardCollector(Collector):
         yield CounterMetricFamily(
             "ps_storage_errors", "Data-dir writes or reads that failed", value=self._shard.storage_errors
         )
-        yield GaugeMetricFamily("ps_writable", "1 while the shard accepts writes", value=int(s.writable))
+        yield GaugeMetricFamily(
+            "ps_writable",
+            "1 while the data dir takes writes (0: storage failed; a serving shard refuses pushes by mode either way)",
+            value=int(self._shard.writable),
+        )
         yield GaugeMetricFamily(
             "ps_background_loops_failing", "Background loops failing now", value=len(s.failing_loops)
         )

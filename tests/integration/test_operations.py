@@ -53,6 +53,17 @@ def shard_with_metrics(tmp_path: Path) -> Iterator[RunningShard]:
     stop_shard(shard)
 
 
+def test_every_labelled_counter_exists_at_zero_before_it_fires(shard_with_metrics: RunningShard) -> None:
+    # rate() needs a sample before the first increment, or it misses the first burst.
+    m = _scrape(_metrics_port(shard_with_metrics))
+    for method in ("Lookup", "Push", "CreateTable", "Stats", "Follow"):
+        for reason in ("in_flight", "per_peer", "streams"):
+            assert m[f'ps_rpcs_rejected_total{{method="{method}",reason="{reason}"}}'] == 0
+        for code in ("OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION"):
+            assert m[f'ps_rpcs_total{{code="{code}",method="{method}"}}'] == 0
+    assert not any("no_token" in k for k in m)  # no token file: no token refusals to expect
+
+
 def test_metrics_count_calls_rows_and_refusals(shard_with_metrics: RunningShard) -> None:
     port = _metrics_port(shard_with_metrics)
     with PSClient([shard_with_metrics.address]) as client:
@@ -281,3 +292,14 @@ def test_follow_streams_do_not_take_the_call_slots(tmp_path: Path) -> None:
                 s.cancel()
     finally:
         stop_shard(shard)
+
+
+def test_ps_infer_call_counters_start_at_zero() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from protos.guard import Guard, RpcMetrics
+
+    registry = CollectorRegistry(auto_describe=False)
+    Guard("ps-infer", {"/ps.v1.Predictor/Predict": "read"}, metrics=RpcMetrics("ps_infer", registry))
+    for code in ("OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNAVAILABLE"):
+        assert registry.get_sample_value("ps_infer_rpcs_total", {"method": "Predict", "code": code}) == 0
