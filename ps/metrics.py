@@ -49,7 +49,14 @@ class ShardCollector(Collector):
     def collect(self) -> Iterator[Any]:
         s = shard_stats(self._shard)
         rows = GaugeMetricFamily(
-            "ps_table_rows", "Rows held, by table and tier (ram or disk)", labels=["table", "tier"]
+            "ps_table_rows",
+            "Rows held, by table and tier (ram or disk; disk is approximate where ps_table_rows_estimated is 1)",
+            labels=["table", "tier"],
+        )
+        estimated = GaugeMetricFamily(
+            "ps_table_rows_estimated",
+            "1 when the table's disk row count started from RocksDB's estimate (reopened from disk)",
+            labels=["table"],
         )
         mem = GaugeMetricFamily("ps_table_memory_bytes", "RAM held by a table's rows and index", labels=["table"])
         hit = GaugeMetricFamily(
@@ -59,11 +66,12 @@ class ShardCollector(Collector):
         for t in s.tables:
             rows.add_metric([t.name, "ram"], t.resident_rows)
             rows.add_metric([t.name, "disk"], t.spilled_rows)
+            estimated.add_metric([t.name], int(t.rows_estimated))
             mem.add_metric([t.name], t.memory_bytes)
             hit.add_metric([t.name], t.ram_hit_rate)
             for f, family in totals.items():
                 family.add_metric([t.name], getattr(t, f))
-        yield from (rows, mem, hit, *totals.values())
+        yield from (rows, estimated, mem, hit, *totals.values())
         yield GaugeMetricFamily("ps_tables", "Tables held", value=len(s.tables))
         yield CounterMetricFamily(
             "ps_push_duplicates",
