@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from deploy.local import LocalCluster, threads_beside_local_shards
-from worker.trainer import Dist, TrainerConfig, init_distributed, parse, report, train
+from worker.trainer import Dist, TrainerConfig, init_distributed, parse, report, run_or_explain, train
 
 __all__ = ["main", "run"]
 
@@ -84,7 +84,8 @@ def run(config: TrainerConfig) -> dict[str, Any]:
 @record  # under torchrun, the error reaches ps-launch's one-line summary of a failed worker
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Entry point: the trainer's flags (``python -m worker.trainer --help``)."""
-    metrics = run(parse(sys.argv[1:] if argv is None else argv))
+    config = parse(sys.argv[1:] if argv is None else argv)
+    metrics = run_or_explain(lambda: run(config), config, "train")
     report(metrics)
     return metrics
 

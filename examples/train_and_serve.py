@@ -35,7 +35,7 @@ from worker.data import raw_columns
 from worker.dataset import SCHEMAS
 from worker.predictor import Predictor
 from worker.serving import PredictClient
-from worker.trainer import parse, train
+from worker.trainer import parse, run_or_explain, train
 
 CANDIDATES = 100
 
@@ -84,7 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{','.join(servers.addresses)}",
                 flush=True,
             )
-            metrics = train(dataclasses.replace(config, addresses=tuple(trainers.addresses)), trainers.addresses)
+            trained = dataclasses.replace(config, addresses=tuple(trainers.addresses))
+            metrics = run_or_explain(lambda: train(trained, trainers.addresses), config, "train_and_serve")
             run = Path(metrics["output_dir"])
             print(
                 f"trained: AUC {metrics['final']['auc']:.4f} on {int(metrics['final']['samples'])} held-out samples; "
