@@ -88,7 +88,9 @@ class ShardCollector(Collector):
         yield GaugeMetricFamily(
             "ps_writable",
             "1 while the data dir takes writes (0: storage failed; a serving shard refuses pushes by mode either way)",
-            value=int(self._shard.writable),
+            # Stats.writable is false on a serving shard by mode; its storage is healthy
+            # while it names no storage error.
+            value=int(s.writable or (s.mode != "train" and not s.storage_error)),
         )
         yield GaugeMetricFamily(
             "ps_background_loops_failing", "Background loops failing now", value=len(s.failing_loops)
