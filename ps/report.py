@@ -62,7 +62,7 @@ def shard_stats(shard: ShardView) -> pb.StatsResponse:
                 name=t.spec.name,
                 dim=t.dim,
                 rows=resident + t.spilled,
-                rows_estimated=t.rows_estimated,
+                rows_estimated=t.disk is not None and t.disk.estimated,
                 memory_bytes=t.memory_bytes(),
                 resident_rows=resident,
                 spilled_rows=t.spilled,

@@ -107,7 +107,6 @@ class Table:
         self.counters = TableCounters()
         self.ledger = PushLedger()
         self.spilled = 0  # rows only on disk (estimated after a restart)
-        self.rows_estimated = False  # whether ``spilled`` started from RocksDB's estimate
         self._lock = threading.Lock()
         self._spill_lock = threading.Lock()  # one spill of this table at a time
         self._ram = RamTier(spec, initial_capacity)
@@ -116,8 +115,6 @@ class Table:
         self._keys_field = f"table {spec.name!r}: keys"
         if self._disk is not None:
             self.spilled = self._disk.estimate_rows()
-            # Counted exactly from here on, but from an estimate (exact only after a compaction).
-            self.rows_estimated = self.spilled > 0
             for client_id, data in self._disk.ledgers().items():
                 self.ledger.load(client_id, data)
 
