@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import socket
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,6 +48,7 @@ __all__ = [
     "UnauthenticatedError",
     "error_for",
     "rpc_errors",
+    "tls_hint",
 ]
 
 
@@ -53,15 +56,18 @@ class PSError(Exception):
     """Base of all client errors: ``code`` is the gRPC status, ``shard`` the shard index or None.
 
     ``code`` defaults to the class's own status, so errors found by the client itself
-    (before any RPC) carry the same code a shard would have sent.
+    (before any RPC) carry the same code a shard would have sent. ``hint`` is what to do,
+    when the client could tell (it is also the end of the message): e.g. the address
+    answers TLS and the client spoke plain text.
     """
 
     default_code = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, shard: int | None = None):
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None, shard: int | None = None, hint: str = ""):
         super().__init__(message)
         self.code = code or self.default_code
         self.shard = shard
+        self.hint = hint
 
     def reworded(self, message: str) -> PSError:
         """A copy of this error (same class and attributes) with ``message``."""
@@ -196,8 +202,13 @@ def error_for(code: grpc.StatusCode) -> type[PSError]:
     return _BY_CODE.get(code, InternalServerError)
 
 
-def convert(exc: grpc.RpcError, shard: int | None, address: str = "") -> PSError:
-    """A ``PSError`` for a failed RPC, its message prefixed with the shard and address."""
+def convert(exc: grpc.RpcError, shard: int | None, address: str = "", tls: bool | None = None) -> PSError:
+    """A ``PSError`` for a failed RPC, its message prefixed with the shard and address.
+
+    With ``tls`` (whether the channel used TLS) known, a connection that failed because
+    one side speaks TLS and the other does not gets a hint saying so (``tls_hint``: it may
+    connect to ``address`` once, so pass ``tls`` only for the error a caller will see).
+    """
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     where = f"shard {shard}" + (f" ({address})" if address else "") if shard is not None else "cluster"
@@ -207,7 +218,55 @@ def convert(exc: grpc.RpcError, shard: int | None, address: str = "") -> PSError
             return WrongShardError(
                 f"{where}: {details}", code=code, shard=shard, owner=int(owner) if owner.isdigit() else None
             )
-    return error_for(code)(f"{where}: {details}", code=code, shard=shard)
+    hint = tls_hint(code, str(details), address, tls) if tls is not None and address else ""
+    return error_for(code)(f"{where}: {details}", code=code, shard=shard, hint=hint)
+
+
+def tls_hint(code: grpc.StatusCode, details: str, address: str, tls: bool) -> str:
+    """What to do when a connection to ``address`` failed over TLS on one side only, else "".
+
+    A plain-text channel to a TLS port fails with "Socket closed", as a shard that went
+    away would: the address is then asked for a TLS handshake (one connection, at most
+    ``PROBE_TIMEOUT_S``) to tell the two apart. A TLS channel to a plain-text port fails
+    its handshake with WRONG_VERSION_NUMBER, and one to a certificate the CA did not sign
+    with CERTIFICATE_VERIFY_FAILED; both say so in ``details``.
+    """
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return ""
+    if tls:
+        if "WRONG_VERSION_NUMBER" in details:
+            return f"the server at {address} does not use TLS: connect without --tls-ca (PS_CLIENT_TLS_CA)"
+        if "CERTIFICATE_VERIFY_FAILED" in details:
+            return (
+                f"the certificate of the server at {address} is not signed by --tls-ca (PS_CLIENT_TLS_CA), or "
+                "does not name that address: pass the CA that signed it"
+            )
+        return ""
+    if "Socket closed" in details and _answers_tls(address):
+        return f"the server at {address} expects TLS: pass --tls-ca CA.pem (or set PS_CLIENT_TLS_CA)"
+    return ""
+
+
+PROBE_TIMEOUT_S = 1.0
+
+
+def _answers_tls(address: str) -> bool:
+    """Whether ``HOST:PORT`` completes a TLS handshake (the certificate is not checked)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return False  # a resolver name (dns:///...) or a unix socket: no probe
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with (
+            socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S) as sock,
+            context.wrap_socket(sock, server_hostname=None),
+        ):
+            return True
+    except (OSError, ValueError):  # ssl.SSLError is an OSError: a plain-text server, or none
+        return False
 
 
 @contextlib.contextmanager

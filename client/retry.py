@@ -342,8 +342,8 @@ class _Exchange:
         others = [j for j, o in enumerate(self.requests) if j != i and o.error is not None and o.answer is None]
         if why is not None:
             raise self._gave_up([i, *others], why) from r.error
-        err = convert(r.error, r.shard, self.transport.address(r.error_endpoint))
-        raise err.reworded(f"{err}{self._also(others)}") from r.error
+        err = convert(r.error, r.shard, self.transport.address(r.error_endpoint), self._tls())
+        raise err.reworded(f"{err}{self._also(others)}{_hinted(err)}") from r.error
 
     def _expire(self) -> None:
         late = [i for i, r in enumerate(self.requests) if not r.done]
@@ -389,9 +389,14 @@ class _Exchange:
                 code=grpc.StatusCode.DEADLINE_EXCEEDED,
                 shard=r.shard,
             )
-        err = convert(r.error, r.shard, self._where(r))
+        err = convert(r.error, r.shard, self._where(r), self._tls())
         err.shard = r.shard
-        return err.reworded(f"{err} (gave up after {tries} attempts, {why}){also}")
+        return err.reworded(f"{err} (gave up after {tries} attempts, {why}){also}{_hinted(err)}")
+
+    def _tls(self) -> bool | None:
+        """Whether the transport speaks TLS, if it says (``GrpcTransport.tls``)."""
+        tls = getattr(self.transport, "tls", None)
+        return tls if isinstance(tls, bool) else None
 
     def _also(self, others: Sequence[int]) -> str:
         """``; shard 1 (ADDRESS) failed too: STATUS: first line`` for each other failing request."""
@@ -406,3 +411,8 @@ class _Exchange:
             )
             parts.append(f"; shard {r.shard} ({self._where(r)}) failed too: {what}")
         return "".join(parts)
+
+
+def _hinted(err: PSError) -> str:
+    """``: HINT`` ending the message of an error that knows what to do, else ""."""
+    return f": {err.hint}" if err.hint else ""

@@ -311,6 +311,11 @@ class GrpcTransport:
     def address(self, endpoint: int) -> str:
         return self._addresses[endpoint]
 
+    @property
+    def tls(self) -> bool:
+        """Whether the channels use TLS (errors say so when a server disagrees)."""
+        return self._credentials is not None
+
     def call(self, endpoint: int, method: str, request: bytes, timeout_s: float) -> Call:
         stub = self._stub(endpoint, method)
         kwargs = {"timeout": timeout_s, "metadata": self._metadata}

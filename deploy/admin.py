@@ -116,7 +116,7 @@ def _cluster(addresses: Sequence[str | Sequence[str]], timeout_s: float) -> Iter
         with PSClient(addresses, config) as client:
             yield client
     except PSError as exc:
-        if isinstance(exc, ShardUnavailableError):
+        if isinstance(exc, ShardUnavailableError) and not exc.hint:
             raise AdminError(f"{exc}: cannot reach the shard: is it running, and is the address right?") from None
         if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
             raise AdminError(f"{exc}: raise --timeout-s, or check the shard's log") from None
@@ -239,6 +239,7 @@ def cluster_stats(addresses: Sequence[str | Sequence[str]], timeout_s: float = 1
 def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
     header = ("shard", "table", "rows", "resident", "spilled", "hit_rate", "bytes/row", "durability", "writable")
     lines: list[tuple[str, ...]] = [header]
+    estimated = False
     for s in stats:
         shard = f"{s['shard']}/{s['num_shards']}"
         f = s["follow"]
@@ -253,17 +254,22 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
                 )
             )
         durability = s["durability"] or "ram-only"
-        writable = "yes" if s["writable"] else f"NO: {s['storage_error']}"
+        if s["mode"] == "serve":
+            writable = "read-only (serve)" + (f"; storage NO: {s['storage_error']}" if s["storage_error"] else "")
+        else:
+            writable = "yes" if s["writable"] else f"NO: {s['storage_error']}"
         if not s["tables"]:
             lines.append((shard, "-", "0", "0", "0", "-", "-", durability, writable))
         for t in s["tables"]:
+            about = "~" if t["rows_estimated"] else ""  # RocksDB's estimate: see the note below
+            estimated = estimated or bool(about)
             lines.append(
                 (
                     shard,
                     t["name"],
-                    str(t["rows"]),
+                    f"{about}{t['rows']}",
                     str(t["resident_rows"]),
-                    str(t["spilled_rows"]),
+                    f"{about}{t['spilled_rows']}",
                     f"{t['ram_hit_rate']:.3f}",
                     f"{t['bytes_per_resident_row']:.0f}",
                     durability,
@@ -271,7 +277,13 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
                 )
             )
     widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+    table = "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+    if estimated:
+        table += (
+            "\n~ about: the table was reopened from disk, and its rows there are RocksDB's estimate "
+            "(shards holding the same keys may differ)"
+        )
+    return table
 
 
 def cluster_tables(addresses: Sequence[str | Sequence[str]], timeout_s: float = 10.0) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from deploy.local import LocalCluster, threads_beside_local_shards
-from worker.trainer import Dist, TrainerConfig, exit_on_token_refusal, init_distributed, parse, report, train
+from worker.trainer import Dist, TrainerConfig, init_distributed, parse, report, run_or_explain, train
 
 __all__ = ["main", "run"]
 
@@ -85,8 +85,7 @@ def run(config: TrainerConfig) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Entry point: the trainer's flags (``python -m worker.trainer --help``)."""
     config = parse(sys.argv[1:] if argv is None else argv)
-    with exit_on_token_refusal():
-        metrics = run(config)
+    metrics = run_or_explain(lambda: run(config), config, "train")
     report(metrics)
     return metrics
 

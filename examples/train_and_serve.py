@@ -4,7 +4,7 @@
     python examples/train_and_serve.py --data ../shared/data/criteo_kaggle_train_head10k.txt
     python examples/train_and_serve.py --data ../shared/data/avazu_train_head10k.csv --schema avazu
 
-1. starts 2 training shards (data dirs in a temporary directory) and 2 serving shards
+1. starts --num-shards (default 2) training shards (data dirs in a temporary directory) and as many serving shards
    (``--mode serve --follow``) that stream every change of their training shard;
 2. trains DLRM on the training shards (every trainer flag works here: ``--model deepfm``,
    ``--train-samples``...); the run, with its exported model, goes to runs/<UTC time>/;
@@ -34,7 +34,7 @@ from deploy import LocalCluster
 from worker.data import raw_columns
 from worker.dataset import SCHEMAS
 from worker.predictor import Predictor
-from worker.trainer import parse, train
+from worker.trainer import parse, run_or_explain, train
 
 CANDIDATES = 100
 
@@ -60,18 +60,31 @@ def request(config: Any, train_rows: int) -> tuple[dict[str, Any], dict[str, Any
     return {}, columns, [f"row {train_rows + i}" for i in range(n)]
 
 
+WHAT = (
+    "Train a model, serve it from following shards and score one request with ps-infer, all on this "
+    "machine: --num-shards training shards and as many serving shards are started on 127.0.0.1 and "
+    "stopped at the end (--addresses is not taken: this example starts its own shards). Every other "
+    "trainer flag works as in examples/train_dlrm.py."
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse(sys.argv[1:] if argv is None else argv, local_shards=False)
+    config = parse(sys.argv[1:] if argv is None else argv, local_shards=False, description=WHAT)
+    if config.addresses:
+        print("train_and_serve: --addresses is not taken: this example starts its own shards", file=sys.stderr)
+        return 2
+    n = config.num_shards
     with tempfile.TemporaryDirectory(prefix="ps-train-and-serve-") as tmp:
         root = Path(tmp)
-        trainers = LocalCluster(2, root / "train", extra_args=(f"--data-dir={root / 'train' / 'data-{shard}'}",))
-        with trainers, LocalCluster(2, root / "serve", follow=trainers.addresses) as servers:
+        trainers = LocalCluster(n, root / "train", extra_args=(f"--data-dir={root / 'train' / 'data-{shard}'}",))
+        with trainers, LocalCluster(n, root / "serve", follow=trainers.addresses) as servers:
             print(
                 f"training shards {','.join(trainers.addresses)}; serving shards (following) "
                 f"{','.join(servers.addresses)}",
                 flush=True,
             )
-            metrics = train(dataclasses.replace(config, addresses=tuple(trainers.addresses)), trainers.addresses)
+            trained = dataclasses.replace(config, addresses=tuple(trainers.addresses))
+            metrics = run_or_explain(lambda: train(trained, trainers.addresses), config, "train_and_serve")
             run = Path(metrics["output_dir"])
             print(
                 f"trained: AUC {metrics['final']['auc']:.4f} on {int(metrics['final']['samples'])} held-out samples; "

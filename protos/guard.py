@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -42,6 +42,22 @@ OPEN_SERVICES = (
     "/grpc.reflection.v1.ServerReflection/",
 )
 log = logging.getLogger(__name__)
+CODES = (
+    grpc.StatusCode.OK,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNAUTHENTICATED,
+)
+"""The status codes a guarded server answers with (``RpcMetrics`` counts each from 0)."""
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -75,6 +91,17 @@ class RpcMetrics:
             ["method", "reason"],
             registry=registry,
         )
+
+    def start_at_zero(self, methods: Iterable[str], reasons: Iterable[str]) -> None:
+        """Create the call and refusal counters of ``methods`` at 0 for every status code in
+        ``CODES`` and every refusal ``reasons``: a series that first appears with its first
+        increment has no earlier sample, so ``rate()`` misses that whole first burst."""
+        reasons = tuple(reasons)
+        for method in methods:
+            for code in CODES:
+                self.calls.labels(method, code.name)
+            for reason in reasons:
+                self.rejected.labels(method, reason)
 
     def observe(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
         self.duration.labels(method, code.name).observe(seconds)
@@ -168,6 +195,20 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
         self._streams = 0
         self._per_peer: Counter[str] = Counter()
         self._wrapped: dict[str, tuple[Any, Any]] = {}  # method -> (handler, its wrapped handler)
+        if metrics is not None:
+            reasons = [
+                reason
+                for reason, on in (
+                    ("no_token", tokens is not None),
+                    ("bad_token", tokens is not None),
+                    ("role", tokens is not None),
+                    ("in_flight", max_in_flight > 0),
+                    ("per_peer", max_per_peer > 0),
+                    ("streams", max_streams > 0),
+                )
+                if on
+            ]
+            metrics.start_at_zero(sorted({_method_name(full) for full in self.roles}), reasons)
 
     @property
     def in_flight(self) -> int:

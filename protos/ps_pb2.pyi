@@ -230,7 +230,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "dim", "rows", "memory_bytes", "lookups", "pushes", "rows_created", "resident_rows", "spilled_rows", "bytes_per_resident_row", "ram_hits", "ram_misses", "ram_hit_rate", "rows_spilled", "rows_faulted_in", "spill_rows_per_s", "fault_in_rows_per_s", "lookups_not_admitted", "pushes_dropped", "rows_expired", "rows_evicted_rare", "admission_bytes", "rows_written")
+    __slots__ = ("name", "dim", "rows", "memory_bytes", "lookups", "pushes", "rows_created", "resident_rows", "spilled_rows", "bytes_per_resident_row", "ram_hits", "ram_misses", "ram_hit_rate", "rows_spilled", "rows_faulted_in", "spill_rows_per_s", "fault_in_rows_per_s", "lookups_not_admitted", "pushes_dropped", "rows_expired", "rows_evicted_rare", "admission_bytes", "rows_written", "rows_estimated")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +254,7 @@ class TableStats(_message.Message):
     ROWS_EVICTED_RARE_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROWS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    ROWS_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     rows: int
@@ -277,7 +278,8 @@ class TableStats(_message.Message):
     rows_evicted_rare: int
     admission_bytes: int
     rows_written: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_created: _Optional[int] = ..., resident_rows: _Optional[int] = ..., spilled_rows: _Optional[int] = ..., bytes_per_resident_row: _Optional[float] = ..., ram_hits: _Optional[int] = ..., ram_misses: _Optional[int] = ..., ram_hit_rate: _Optional[float] = ..., rows_spilled: _Optional[int] = ..., rows_faulted_in: _Optional[int] = ..., spill_rows_per_s: _Optional[float] = ..., fault_in_rows_per_s: _Optional[float] = ..., lookups_not_admitted: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rows_expired: _Optional[int] = ..., rows_evicted_rare: _Optional[int] = ..., admission_bytes: _Optional[int] = ..., rows_written: _Optional[int] = ...) -> None: ...
+    rows_estimated: bool
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_created: _Optional[int] = ..., resident_rows: _Optional[int] = ..., spilled_rows: _Optional[int] = ..., bytes_per_resident_row: _Optional[float] = ..., ram_hits: _Optional[int] = ..., ram_misses: _Optional[int] = ..., ram_hit_rate: _Optional[float] = ..., rows_spilled: _Optional[int] = ..., rows_faulted_in: _Optional[int] = ..., spill_rows_per_s: _Optional[float] = ..., fault_in_rows_per_s: _Optional[float] = ..., lookups_not_admitted: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rows_expired: _Optional[int] = ..., rows_evicted_rare: _Optional[int] = ..., admission_bytes: _Optional[int] = ..., rows_written: _Optional[int] = ..., rows_estimated: _Optional[bool] = ...) -> None: ...
 
 class LoopFailure(_message.Message):
     __slots__ = ("loop", "error", "failures", "first_failure_unix_s", "last_failure_unix_s")

@@ -49,7 +49,14 @@ class ShardCollector(Collector):
     def collect(self) -> Iterator[Any]:
         s = shard_stats(self._shard)
         rows = GaugeMetricFamily(
-            "ps_table_rows", "Rows held, by table and tier (ram or disk)", labels=["table", "tier"]
+            "ps_table_rows",
+            "Rows held, by table and tier (ram or disk; disk is approximate where ps_table_rows_estimated is 1)",
+            labels=["table", "tier"],
+        )
+        estimated = GaugeMetricFamily(
+            "ps_table_rows_estimated",
+            "1 when the table's disk row count started from RocksDB's estimate (reopened from disk)",
+            labels=["table"],
         )
         mem = GaugeMetricFamily("ps_table_memory_bytes", "RAM held by a table's rows and index", labels=["table"])
         hit = GaugeMetricFamily(
@@ -59,11 +66,12 @@ class ShardCollector(Collector):
         for t in s.tables:
             rows.add_metric([t.name, "ram"], t.resident_rows)
             rows.add_metric([t.name, "disk"], t.spilled_rows)
+            estimated.add_metric([t.name], int(t.rows_estimated))
             mem.add_metric([t.name], t.memory_bytes)
             hit.add_metric([t.name], t.ram_hit_rate)
             for f, family in totals.items():
                 family.add_metric([t.name], getattr(t, f))
-        yield from (rows, mem, hit, *totals.values())
+        yield from (rows, estimated, mem, hit, *totals.values())
         yield GaugeMetricFamily("ps_tables", "Tables held", value=len(s.tables))
         yield CounterMetricFamily(
             "ps_push_duplicates",
@@ -77,7 +85,13 @@ class ShardCollector(Collector):
         yield CounterMetricFamily(
             "ps_storage_errors", "Data-dir writes or reads that failed", value=self._shard.storage_errors
         )
-        yield GaugeMetricFamily("ps_writable", "1 while the shard accepts writes", value=int(s.writable))
+        yield GaugeMetricFamily(
+            "ps_writable",
+            "1 while the data dir takes writes (0: storage failed; a serving shard refuses pushes by mode either way)",
+            # Stats.writable is false on a serving shard by mode; its storage is healthy
+            # while it names no storage error.
+            value=int(s.writable or (s.mode != "train" and not s.storage_error)),
+        )
         yield GaugeMetricFamily(
             "ps_background_loops_failing", "Background loops failing now", value=len(s.failing_loops)
         )

@@ -24,6 +24,7 @@ def shard_stats(shard: Shard) -> pb.StatsResponse:
                 name=t.spec.name,
                 dim=t.dim,
                 rows=resident + t.spilled,
+                rows_estimated=t.disk is not None and t.disk.estimated,
                 memory_bytes=t.memory_bytes(),
                 resident_rows=resident,
                 spilled_rows=t.spilled,
@@ -46,7 +47,7 @@ def shard_stats(shard: Shard) -> pb.StatsResponse:
         memory_budget_bytes=shard.memory_budget_bytes,
         resident_bytes=shard.resident_bytes(),
         durability=str(shard.durability) if stored else "",
-        writable=shard.writable,
+        writable=shard.writable and shard.mode == "train",  # a serving shard refuses pushes by mode
         storage_error=shard.storage_error,
         last_durable_unix_s=shard.last_durable if stored else 0.0,
         failing_loops=[pb.LoopFailure(**dataclasses.asdict(f)) for f in shard.health.failing()],

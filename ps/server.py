@@ -44,7 +44,8 @@ __all__ = [
 ]
 
 WRITE_HEALTH_SERVICE = SERVICE_NAME + ".Writes"
-"""Health service name that is NOT_SERVING while the shard refuses writes (storage failed)."""
+"""Health service name that is NOT_SERVING while a training shard refuses writes (storage
+failed). A serving shard (read-only by mode) does not have it: a check answers NOT_FOUND."""
 
 FOLLOW_HEALTH_SERVICE = SERVICE_NAME + ".Follow"
 """Health service name of a following serving shard: SERVING while its change stream is
@@ -231,7 +232,10 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     except RuntimeError:
         shard.shutdown()
         raise
-    for service in (WRITE_HEALTH_SERVICE, BACKGROUND_HEALTH_SERVICE):  # not services: reflection skips them
+    # Not services: reflection skips them. A serving shard takes no writes, so it has no
+    # write health at all (NOT_FOUND) rather than a SERVING one that says otherwise.
+    writes = shard.mode == "train"
+    for service in (WRITE_HEALTH_SERVICE, BACKGROUND_HEALTH_SERVICE) if writes else (BACKGROUND_HEALTH_SERVICE,):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     def listener(service: str) -> Callable[[bool], None]:
@@ -241,7 +245,8 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
 
         return set_status
 
-    shard.on_writable_change(listener(WRITE_HEALTH_SERVICE))
+    if writes:
+        shard.on_writable_change(listener(WRITE_HEALTH_SERVICE))
     shard.health.on_change(listener(BACKGROUND_HEALTH_SERVICE))
     shard.start()
     ps_server = PSServer(server, port, shard, health_servicer)

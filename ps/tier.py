@@ -153,10 +153,14 @@ class DiskTier:
         self.rows = rows
         self.storage = storage
         self.write_lock = threading.Lock()
+        self.estimated = False  # a table's row count started from estimate_rows(): it is approximate
 
     def estimate_rows(self) -> int:
-        """RocksDB's estimate of the rows stored (exact only after a compaction)."""
-        return self.rows.estimate_rows()
+        """RocksDB's estimate of the rows stored (exact only after a compaction); sets
+        ``estimated`` once it counts any (the table then counts from an estimate)."""
+        rows = self.rows.estimate_rows()
+        self.estimated = self.estimated or rows > 0
+        return rows
 
     def ledgers(self) -> dict[str, bytes]:
         """Every client's stored push-ledger entry for this table."""

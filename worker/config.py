@@ -95,6 +95,13 @@ class TrainerConfig:
         default="synthetic", metadata=_help("'synthetic' (Criteo-like, planted model) or a click-log path")
     )
     schema: str = field(default="criteo", metadata=_help("layout of a click-log file: criteo, avazu or movielens"))
+    bad_lines: str = field(
+        default="error",
+        metadata=_help(
+            "a malformed line in a click-log file: error (stop, naming its file and line) or skip (leave it out; "
+            "the count and the first line numbers are logged)"
+        ),
+    )
     model: str = field(default="dlrm", metadata=_help("dlrm or deepfm"))
     dim: int = field(default=16, metadata=_help("embedding dim of every feature's table"))
     batch_size: int = field(
@@ -157,6 +164,7 @@ class TrainerConfig:
             (self.model in ("dlrm", "deepfm"), f"model={self.model!r}: expected dlrm or deepfm"),
             (self.mode in ("sync", "pipelined"), f"mode={self.mode!r}: expected sync or pipelined"),
             (self.device in ("auto", "cpu", "cuda"), f"device={self.device!r}: expected auto, cpu or cuda"),
+            (self.bad_lines in ("error", "skip"), f"bad_lines={self.bad_lines!r}: expected error or skip"),
             (self.schema in SCHEMA_NAMES, f"schema={self.schema!r}: expected one of {', '.join(SCHEMA_NAMES)}"),
             (self.dim >= 1, f"dim={self.dim}: must be >= 1"),
             (self.batch_size >= 0 and self.epochs >= 0, "batch_size and epochs must be >= 0 (0: chosen for you)"),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO, cast
 
 import numba
@@ -36,8 +36,10 @@ from worker.jagged import JaggedIds
 from worker.metrics import auc, logloss
 
 __all__ = [
+    "BadLines",
     "Batch",
     "ClickLog",
+    "DataError",
     "ColumnSchema",
     "SchemaColumns",
     "auc",
@@ -57,6 +59,7 @@ F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 U8 = npt.NDArray[np.uint8]
+BOOL = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True)
@@ -87,29 +90,74 @@ def feature_seed(feature: str) -> int:
 
 
 @numba.njit(nogil=True, cache=True)
-def _split_fields(buf: U8, line_starts: I64, line_ends: I64, sep: int, starts: I64, ends: I64) -> int:
-    """Fills field ranges of every line; returns the first line with a wrong field count, or -1."""
+def _split_fields(buf: U8, line_starts: I64, line_ends: I64, sep: int, starts: I64, ends: I64, ok: BOOL) -> int:
+    """Fills field ranges of every line and clears ``ok`` of each line with a wrong field
+    count (its ranges are then undefined); returns the first such line, or -1."""
     nfields = starts.shape[1]
+    first = -1
     for i in range(line_starts.shape[0]):
         s, e = line_starts[i], line_ends[i]
         if e > s and buf[e - 1] == 13:  # CRLF files (the Avazu sample is one)
             e -= 1
         f = 0
+        good = True
         starts[i, 0] = s
         for p in range(s, e):
             if buf[p] == sep:
                 if f + 1 >= nfields:
-                    return i
+                    good = False
+                    break
                 ends[i, f] = p
                 f += 1
                 starts[i, f] = p + 1
-        if f + 1 != nfields:
-            return i
-        ends[i, f] = e
-    return -1
+        if good and f + 1 == nfields:
+            ends[i, f] = e
+        else:
+            ok[i] = False
+            if first < 0:
+                first = i
+    return first
 
 
 # --- delimited click logs
+
+
+class DataError(ValueError):
+    """A data file that does not read as its schema says. The message names the file and,
+    for one line, its 1-based number (``line``; 0 when it is about the file as a whole)."""
+
+    def __init__(self, message: str, path: str, line: int = 0) -> None:
+        super().__init__(message)
+        self.path, self.line = path, line
+
+
+@dataclass
+class BadLines:
+    """The malformed lines a reader skipped instead of raising ``DataError``: how many, and
+    the first ``KEEP`` line numbers (1-based). A line is counted once however often it is
+    read (every epoch reads it again). Not thread-safe: one per reader thread.
+
+    >>> bad = BadLines()
+    >>> bad.add(np.array([51, 7])); bad.add(np.array([7]))
+    >>> bad.count, bad.first, str(bad)
+    (2, [7, 51], '2 malformed lines skipped (first at lines 7, 51)')
+    """
+
+    KEEP = 5
+    count: int = 0
+    first: list[int] = field(default_factory=list)
+    _seen: I64 = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
+
+    def add(self, line_numbers: I64) -> None:
+        new = np.setdiff1d(np.asarray(line_numbers, np.int64), self._seen)
+        if new.size:
+            self._seen = np.union1d(self._seen, new)
+            self.count += int(new.size)
+            self.first = self._seen[: self.KEEP].tolist()
+
+    def __str__(self) -> str:
+        lines = ", ".join(map(str, self.first)) + (", ..." if self.count > len(self.first) else "")
+        return f"{self.count} malformed line{'s' if self.count != 1 else ''} skipped (first at line{'s' if self.count != 1 else ''} {lines})"
 
 
 @dataclass(frozen=True)
@@ -232,7 +280,8 @@ def _layout(schema: ColumnSchema, header: list[str] | None, first_line: bytes) -
     def index(col: str | int) -> int:
         if isinstance(col, str):
             if names is None or col not in names:
-                raise ValueError(f"column {col!r} not in {names or 'a file without header or names'}")
+                shown = repr(names)[:200] + ("..." if len(repr(names)) > 200 else "") if names else ""
+                raise ValueError(f"column {col!r} not in {shown or 'a file without header or names'}")
             return names.index(col)
         if not 0 <= col < nfields:
             raise ValueError(f"column index {col} out of range: rows have {nfields} fields")
@@ -273,7 +322,7 @@ def _header(f: BinaryIO, schema: ColumnSchema, where: str) -> list[str] | None:
         return None
     first = f.readline()
     if not first:
-        raise ValueError(f"{where}: empty file, expected a header line")
+        raise DataError(f"{where}: empty file, expected a header line", where)
     return first.decode("utf-8-sig").rstrip("\r\n").split(schema.sep)
 
 
@@ -341,27 +390,51 @@ class _Rows:
 
 
 def _parse_lines(
-    buf: U8, line_starts: I64, line_ends: I64, first_line_no: int, lay: _Layout, schema: ColumnSchema, where: str
+    buf: U8,
+    line_starts: I64,
+    line_ends: I64,
+    first_line_no: int,
+    lay: _Layout,
+    schema: ColumnSchema,
+    where: str,
+    skipped: BadLines | None = None,
 ) -> _Rows:
-    """The complete lines ``[line_starts, line_ends)`` of ``buf`` as ``_Rows``; raises ``ValueError``."""
+    """The complete lines ``[line_starts, line_ends)`` of ``buf`` as ``_Rows``. A malformed
+    line raises ``DataError``, or with ``skipped`` is left out and counted there."""
     n, sep = line_starts.shape[0], ord(schema.sep)
     starts, ends = np.empty((n, lay.nfields), np.int64), np.empty((n, lay.nfields), np.int64)
-    bad = _split_fields(buf, line_starts, line_ends, sep, starts, ends)
+    ok = np.ones(n, np.bool_)
+    line_nos = first_line_no + np.arange(n, dtype=np.int64)
+    bad = _split_fields(buf, line_starts, line_ends, sep, starts, ends, ok)
     if bad >= 0:
-        line = bytes(buf[line_starts[bad] : line_ends[bad]]).rstrip(b"\r")
-        got = line.count(bytes([sep])) + 1
-        raise ValueError(f"{where}:{first_line_no + bad}: {got} fields, expected {lay.nfields}: {line[:200]!r}")
+        if skipped is None:
+            line = bytes(buf[line_starts[bad] : line_ends[bad]]).rstrip(b"\r")
+            got = line.count(bytes([sep])) + 1
+            raise DataError(
+                f"{where}:{first_line_no + bad}: {got} fields, expected {lay.nfields}: {line[:200]!r}",
+                where,
+                first_line_no + bad,
+            )
+        skipped.add(line_nos[~ok])
+        starts, ends, line_nos = starts[ok], ends[ok], line_nos[ok]  # the bad lines' ranges are undefined
+    drop = np.zeros(line_nos.shape[0], np.bool_)
 
     def field(i: int, col: int) -> bytes:
         return bytes(buf[starts[i, col] : ends[i, col]])
+
+    def refuse(rows: I64, message: str) -> None:
+        """Raise for the first of ``rows`` (``message`` names it), or drop them all when skipping."""
+        if skipped is None:
+            raise DataError(f"{where}:{line_nos[rows[0]]}: {message}", where, int(line_nos[rows[0]]))
+        drop[rows] = True
 
     def numbers(cols: I64) -> tuple[F64, npt.NDArray[np.bool_]]:
         out, empty, bad = parse_numbers(buf, starts, ends, cols)
         if bad.shape[0]:
             i, c = bad[0]
-            raise ValueError(
-                f"{where}:{first_line_no + i}: column {lay.names[cols[c]]!r} "
-                f"(field {cols[c] + 1}): {field(i, cols[c])[:100]!r} is not a finite number"
+            refuse(
+                bad[:, 0],
+                f"column {lay.names[cols[c]]!r} (field {cols[c] + 1}): {field(i, cols[c])[:100]!r} is not a finite number",
             )
         return out, empty
 
@@ -376,22 +449,23 @@ def _parse_lines(
         labels = (labels >= schema.label_threshold).astype(np.float64)
     if wrong.size:
         i = int(wrong[0])
-        raise ValueError(
-            f"{where}:{first_line_no + i}: column {lay.names[col]!r} "
-            f"(field {col + 1}): label {field(i, col)[:100]!r}, {expected}"
-        )
+        refuse(wrong, f"column {lay.names[col]!r} (field {col + 1}): label {field(i, col)[:100]!r}, {expected}")
     raw, empty = numbers(lay.dense)  # empty -> 0 already
-    keys = np.empty((len(lay.features), n), np.uint64)
-    hash_fields(buf, starts, ends, lay.cat, lay.bases, keys)
-    for j, seed in enumerate(lay.bucket_seeds):
-        keys[lay.cat.shape[0] + j] = bucket_keys(raw[:, j], empty[:, j], seed).view(np.uint64)
     order = None
     if lay.order.shape[0]:
         values, empty_order = numbers(lay.order)
         if empty_order.any():
-            i = int(np.flatnonzero(empty_order[:, 0])[0])
-            raise ValueError(f"{where}:{first_line_no + i}: column {lay.names[lay.order[0]]!r} (order_by) is empty")
+            refuse(np.flatnonzero(empty_order[:, 0]), f"column {lay.names[lay.order[0]]!r} (order_by) is empty")
         order = values[:, 0]
+    if skipped is not None and drop.any():  # (without skipped, refuse() raised)
+        skipped.add(line_nos[drop])
+        keep = ~drop
+        starts, ends, labels, raw, empty = starts[keep], ends[keep], labels[keep], raw[keep], empty[keep]
+        order = None if order is None else order[keep]
+    keys = np.empty((len(lay.features), starts.shape[0]), np.uint64)
+    hash_fields(buf, starts, ends, lay.cat, lay.bases, keys)
+    for j, seed in enumerate(lay.bucket_seeds):
+        keys[lay.cat.shape[0] + j] = bucket_keys(raw[:, j], empty[:, j], seed).view(np.uint64)
     return _Rows(labels[:, 0].astype(np.float32), dense_values(raw, schema.log_transform), keys.view(np.int64), order)
 
 
@@ -414,9 +488,15 @@ def _take(rows: _Rows, lo: int, hi: int) -> _Rows:
 
 
 def _read_rows(
-    path: str | os.PathLike[str], schema: ColumnSchema, skip: int, limit: int | None, chunk_bytes: int
+    path: str | os.PathLike[str],
+    schema: ColumnSchema,
+    skip: int,
+    limit: int | None,
+    chunk_bytes: int,
+    bad_lines: BadLines | None = None,
 ) -> Iterator[tuple[_Layout, _Rows]]:
-    """Parsed rows of ``path``, one chunk at a time (see ``read_click_log``)."""
+    """Parsed rows of ``path``, one chunk at a time (see ``read_click_log``). ``skip`` and
+    ``limit`` count lines, skipped malformed ones included."""
     where = os.fspath(path)
     with open(path, "rb") as f:
         header = _header(f, schema, where)
@@ -445,8 +525,14 @@ def _read_rows(
             to_skip -= lo
             if hi > lo:
                 if lay is None:
-                    lay = _layout(schema, header, bytes(buf[line_starts[lo] : line_ends[lo]]))
-                yield lay, _parse_lines(buf, line_starts[lo:hi], line_ends[lo:hi], line_no + lo + 1, lay, schema, where)
+                    try:
+                        lay = _layout(schema, header, bytes(buf[line_starts[lo] : line_ends[lo]]))
+                    except ValueError as exc:
+                        raise DataError(f"{where}: {exc}", where) from None
+                rows = _parse_lines(
+                    buf, line_starts[lo:hi], line_ends[lo:hi], line_no + lo + 1, lay, schema, where, bad_lines
+                )
+                yield lay, rows
                 left = None if left is None else left - (hi - lo)
             line_no += line_ends.shape[0]
             if not block:
@@ -467,6 +553,7 @@ def read_click_log(
     limit: int | None = None,
     skip: int = 0,
     chunk_bytes: int = 1 << 20,
+    bad_lines: BadLines | None = None,
 ) -> Iterator[Batch]:
     """Stream ``Batch``es of ``batch_size`` rows (the last one may be smaller) from a file.
 
@@ -475,8 +562,10 @@ def read_click_log(
     batch of parsed rows. Lines end in ``\\n`` or ``\\r\\n``. The file is opened on the
     first ``next`` and closed when the iterator ends or is closed. Blocks while reading;
     one iterator per thread (the numba kernels release the GIL). A malformed row (wrong field
-    count, unparsable number, label other than 0/1, blank line) raises ``ValueError``
-    naming the file, the 1-based line number and the column; rows are never dropped.
+    count, unparsable number, label other than 0/1, blank line) raises ``DataError`` (a
+    ``ValueError``) naming the file, the 1-based line number and the column; with
+    ``bad_lines`` it is left out instead, and counted there (``skip`` and ``limit`` count
+    it as a row). Nothing else is ever dropped.
     A schema with ``order_by`` raises ``ValueError``: use ``load_click_log``.
 
     >>> import tempfile, pathlib
@@ -494,7 +583,7 @@ def read_click_log(
         )
     pending: list[_Rows] = []
     pending_n, features = 0, cast(tuple[str, ...], ())
-    for lay, rows in _read_rows(path, schema, skip, limit, chunk_bytes):
+    for lay, rows in _read_rows(path, schema, skip, limit, chunk_bytes, bad_lines):
         features = lay.features
         pending.append(rows)
         pending_n += len(rows)
@@ -585,19 +674,23 @@ def rare_key(feature: str) -> int:
     return hash_feature(b"\0rare", feature_seed(feature))
 
 
-def load_click_log(path: str | os.PathLike[str], schema: ColumnSchema, *, chunk_bytes: int = 1 << 22) -> ClickLog:
+def load_click_log(
+    path: str | os.PathLike[str], schema: ColumnSchema, *, chunk_bytes: int = 1 << 22, bad_lines: BadLines | None = None
+) -> ClickLog:
     """Read all of ``path`` into a ``ClickLog`` (sorted by ``schema.order_by``, stably, if set).
 
     Holds every row in memory (about 4 bytes per dense value and 8 per key); raises
-    ``ValueError`` as ``read_click_log`` does, and for a file without data rows.
+    ``DataError`` as ``read_click_log`` does (or skips into ``bad_lines``), and for a file
+    without data rows.
     """
     parts: list[_Rows] = []
     features: tuple[str, ...] = ()
-    for lay, rows in _read_rows(path, schema, 0, None, chunk_bytes):
+    for lay, rows in _read_rows(path, schema, 0, None, chunk_bytes, bad_lines):
         parts.append(rows)
         features = lay.features
-    if not parts:
-        raise ValueError(f"{os.fspath(path)}: no data rows")
+    if not parts or not sum(len(p) for p in parts):
+        skipped = f" ({bad_lines})" if bad_lines is not None and bad_lines.count else ""
+        raise DataError(f"{os.fspath(path)}: no data rows{skipped}", os.fspath(path))
     rows = _concat(parts)
     if rows.order is not None:
         idx = np.argsort(rows.order, kind="stable")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.config import TrainerConfig
-from worker.data import Batch, ClickLog, ColumnSchema, load_click_log, read_click_log
+from worker.data import BadLines, Batch, ClickLog, ColumnSchema, DataError, load_click_log, read_click_log
 from worker.synthetic import synthetic_criteo
 
 __all__ = [
@@ -55,6 +55,7 @@ class RunData:
     test: ClickLog | None = None
     rows: ClickLog | None = None  # in memory, as read: the probe splits the training rows again
     path: Path | None = None  # a streamed log
+    bad_lines: BadLines | None = None  # malformed lines left out (--bad-lines skip), over every read
 
     def split(self, n: int, end: int, min_count: int) -> tuple[ClickLog, ClickLog]:
         """Rows ``[0, n)`` and ``[n, end)`` of an in-memory log, rare keys counted in the first part."""
@@ -71,15 +72,32 @@ def open_data(config: TrainerConfig) -> RunData:
     if config.data == "synthetic":
         return RunData("synthetic", config.train_samples, config.eval_samples)
     schema, path = SCHEMAS[config.schema](), Path(config.data)
+    bad = BadLines() if config.bad_lines == "skip" else None
     if schema.order_by is not None or path.stat().st_size <= IN_MEMORY_BYTES:
-        rows = load_click_log(path, schema)
+        rows = load_click_log(path, schema, bad_lines=bad)
         n_train = int(len(rows) * config.train_fraction)
-        data = RunData(config.schema, n_train, len(rows) - n_train, rows=rows)
+        data = RunData(config.schema, n_train, len(rows) - n_train, rows=rows, bad_lines=bad)
         train, test = data.split(n_train, len(rows), config.min_count)
         return dataclasses.replace(data, train=train, test=test)
+    # Streamed: rows are lines (a skipped malformed line shortens the pass it is in).
     total = count_lines(path) - (1 if schema.header else 0)
     n_train = int(total * config.train_fraction)
-    return RunData(config.schema, n_train, total - n_train, path=path)
+    return RunData(config.schema, n_train, total - n_train, path=path, bad_lines=bad)
+
+
+def schemas_that_fit(path: str | Path, lines: int = 20) -> list[str]:
+    """The names in ``SCHEMAS`` under which the first ``lines`` data lines of ``path`` read
+    without a ``DataError`` (what to suggest when a file fails its ``--schema``)."""
+    fits = []
+    for name, make in SCHEMAS.items():
+        schema = dataclasses.replace(make(), order_by=None)  # the order is no matter here
+        try:
+            for _ in read_click_log(path, schema, lines, limit=lines):
+                pass
+        except DataError:
+            continue
+        fits.append(name)
+    return fits
 
 
 def count_lines(path: Path) -> int:
@@ -121,7 +139,7 @@ def epoch_batches(
         return itertools.islice(stream, steps)
     if data.path is not None:
         schema = SCHEMAS[config.schema]()
-        batches = read_click_log(data.path, schema, batch_size, limit=data.train_rows)
+        batches = read_click_log(data.path, schema, batch_size, limit=data.train_rows, bad_lines=data.bad_lines)
         return itertools.islice(
             itertools.islice(batches, rank, None, world), steps_per_epoch(data.train_rows, batch_size, world)
         )
@@ -138,7 +156,8 @@ def eval_batches(config: TrainerConfig, data: RunData, batch_size: int) -> list[
     if data.source == "synthetic":
         return list(synthetic_criteo(config.eval_samples, batch_size, seed=config.seed + 7_777_777))
     if data.path is not None:
-        return list(read_click_log(data.path, SCHEMAS[config.schema](), EVAL_BATCH_SIZE, skip=data.train_rows))
+        schema = SCHEMAS[config.schema]()
+        return list(read_click_log(data.path, schema, EVAL_BATCH_SIZE, skip=data.train_rows, bad_lines=data.bad_lines))
     if data.test is None:
         raise ValueError(f"{data.source}: no evaluation rows")
     return list(data.test.batches(EVAL_BATCH_SIZE))

@@ -36,7 +36,6 @@ in the last digits.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -46,10 +45,10 @@ import os
 import sys
 import textwrap
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -62,7 +61,7 @@ from client import PermissionDeniedError, PSClient, UnauthenticatedError
 from protos.logs import configure_logging
 from protos.settings import load_settings
 from worker.config import EmbeddingTableConfig, FeatureConfig, TrainerConfig
-from worker.data import Batch, auc, logloss, rare_key
+from worker.data import Batch, DataError, auc, logloss, rare_key
 from worker.dataset import (
     EVAL_BATCH_SIZE,
     RunData,
@@ -70,6 +69,7 @@ from worker.dataset import (
     epoch_batches,
     eval_batches,
     open_data,
+    schemas_that_fit,
     steps_per_epoch,
 )
 from worker.embedding import DistributedEmbedding
@@ -79,20 +79,23 @@ from worker.models import DLRM, DeepFM
 from worker.output import progress, run_dir
 
 __all__ = [
+    "DeviceError",
     "Dist",
     "TrainerConfig",
     "dense_adam",
     "evaluate",
-    "exit_on_token_refusal",
     "init_distributed",
     "main",
     "parse",
     "predict",
     "report",
+    "run_or_explain",
     "train",
+    "user_error",
 ]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 ENV_PREFIX = "TRAINER_"
 
 VALIDATION_FRACTION = 0.1  # of the training rows, to choose the epoch count on
@@ -112,6 +115,10 @@ class Dist:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
+class DeviceError(RuntimeError):
+    """``--device`` asks for what this machine does not have; the message says what to pass instead."""
+
+
 def init_distributed(device: str = "auto") -> Dist:
     """Join the torchrun job (gloo on CPU, nccl with CUDA) if there is one; idempotent.
 
@@ -124,10 +131,13 @@ def init_distributed(device: str = "auto") -> Dist:
     world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     gpus = torch.cuda.device_count() if device != "cpu" else 0
     if device == "cuda" and gpus == 0:
-        raise RuntimeError("device=cuda: torch sees no CUDA device (a CPU build of torch, or no GPU visible)")
+        raise DeviceError(
+            "--device cuda: torch sees no CUDA device (a CPU build of torch, or no GPU visible): "
+            "pass --device cpu, or --device auto to use a GPU when there is one"
+        )
     cuda = gpus > 0
     if cuda and local_rank >= gpus:
-        raise RuntimeError(
+        raise DeviceError(
             f"worker LOCAL_RANK={local_rank} needs a GPU of its own, but this machine has {gpus}: start at most "
             f"{gpus} worker{'s' if gpus > 1 else ''} per machine (ps-launch --workers {gpus}), or train on CPU "
             "(--device cpu)"
@@ -478,6 +488,10 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
             dist.all_gather_object(digests, _digest(run.model))
         shard_stats = client.stats() if d.rank == 0 else []
     metrics.update(run.stats(), evals=run.evals, final=final, dense_digests=digests)
+    if data.bad_lines is not None and data.bad_lines.count:
+        metrics["data"]["bad_lines"] = {"count": data.bad_lines.count, "first": data.bad_lines.first}
+        if d.rank == 0:
+            log.warning("%s: %s (--bad-lines skip)", config.data, data.bad_lines)
     if out is not None:
         metrics["output_dir"] = str(out)
         _save(config, out, run, data, features, num_dense, list(addresses), shard_stats, metrics, probs)
@@ -562,15 +576,15 @@ def _save(
 # --- command line
 
 
-def _description(local_shards: bool) -> str:
-    if local_shards:
+def _description(local_shards: bool, what: str | None = None) -> str:
+    if what is None and local_shards:
         what = (
             "Train DLRM or DeepFM with embeddings on parameter-server shards. With no --addresses, "
             "--num-shards shard processes are started on 127.0.0.1 for the run and stopped after it; "
             "with --addresses (or TRAINER_ADDRESSES) the run uses those shards. Under torchrun every "
             "worker trains on its share of the data."
         )
-    else:
+    elif what is None:
         what = (
             "Train DLRM or DeepFM against running parameter-server shards: --addresses (or "
             "TRAINER_ADDRESSES, which ps-launch sets) is required, and --num-shards is ignored. "
@@ -593,12 +607,16 @@ def _prog() -> str:
     return f"python {sys.argv[0]}" if sys.argv and sys.argv[0] else "trainer"
 
 
-def parse(argv: Sequence[str] | None = None, *, local_shards: bool = True) -> TrainerConfig:
+def parse(
+    argv: Sequence[str] | None = None, *, local_shards: bool = True, description: str | None = None
+) -> TrainerConfig:
     """The ``TrainerConfig`` from flags, ``TRAINER_*`` variables and ``--config``; exits 2 on a bad setting.
 
     Configures logging (key=value lines). ``local_shards`` says whether the caller
     starts shards when no addresses are given (``deploy.train``) or requires them
-    (``python -m worker.trainer``); ``--help`` describes what the caller does.
+    (``python -m worker.trainer``); ``--help`` describes what the caller does. A caller
+    that uses the shard flags its own way says so in ``description`` (the first paragraph
+    of ``--help``).
     """
     try:
         config = load_settings(
@@ -607,7 +625,7 @@ def parse(argv: Sequence[str] | None = None, *, local_shards: bool = True) -> Tr
             os.environ,
             ENV_PREFIX,
             _prog(),
-            _description(local_shards),
+            _description(local_shards, description),
         )
     except ValueError as exc:
         print(f"trainer: {exc}", file=sys.stderr)
@@ -626,19 +644,58 @@ def report(metrics: dict[str, Any]) -> None:
         )
 
 
-@contextlib.contextmanager
-def exit_on_token_refusal() -> Iterator[None]:
-    """Turn a token the shards refuse (none, unknown, or a role below ``write``) into one
-    line on stderr that names the role a trainer needs, and exit status 2, instead of a
-    traceback."""
+def user_error(exc: BaseException, config: TrainerConfig) -> str | None:
+    """One line saying what to do, for an error that is a mistake in how the run was asked
+    for (a data file that does not read as ``--schema``, a malformed line, ``--device cuda``
+    without CUDA, a path that may not be read or written); None for any other error, which
+    is a bug or a failure of the cluster and keeps its traceback."""
+    if isinstance(exc, DataError):
+        if exc.line <= 2:  # the file as a whole, or its first data line, fails: its layout may be another
+            others = [n for n in schemas_that_fit(exc.path) if n != config.schema]
+            if others:
+                detail = str(exc).removeprefix(exc.path).lstrip(":").strip()
+                detail = detail if len(detail) <= 120 else detail[:117] + "..."
+                where = f"line {detail}" if exc.line else detail
+                return (
+                    f"{exc.path} does not read as --schema {config.schema} ({where}); it reads as "
+                    f"--schema {others[0]}: pass --schema {others[0]}"
+                )
+            if exc.line == 0:
+                return f"{exc}: is --schema {config.schema} the layout of this file?"
+        if exc.line:
+            return (
+                f"{exc}: fix the line, or pass --bad-lines skip to leave malformed lines out (they are counted "
+                "and logged)"
+            )
+        return str(exc)
+    if isinstance(exc, DeviceError):
+        return str(exc)
+    if isinstance(exc, PermissionError):
+        what = exc.filename if exc.filename is not None else "a file or directory"
+        return f"permission denied: {what}: change its permissions, or pass another --data or --output-dir"
+    return None
+
+
+def run_or_explain(fn: Callable[[], _T], config: TrainerConfig, prog: str) -> _T:
+    """``fn()``; a user's mistake ends the process with one line on stderr instead of a
+    traceback: status 2 for a token the shards refuse (naming the role a trainer needs),
+    1 for the mistakes ``user_error`` knows."""
     try:
-        yield
+        return fn()
     except (UnauthenticatedError, PermissionDeniedError) as exc:
+        # Exit 2, as for any other bad setting: the token is one.
         print(
-            f"trainer: {exc} (a trainer needs a write token: point PS_CLIENT_TOKEN_FILE at a file holding one)",
+            f"{prog}: {exc} (a trainer needs a write token: point PS_CLIENT_TOKEN_FILE at a file holding one)",
             file=sys.stderr,
+            flush=True,
         )
         raise SystemExit(2) from None
+    except Exception as exc:
+        line = user_error(exc, config)
+        if line is None:
+            raise
+        print(f"{prog}: {line}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 @record  # under torchrun, the error reaches ps-launch's one-line summary of a failed worker
@@ -655,13 +712,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    d = init_distributed(config.device)
-    try:
-        with exit_on_token_refusal():
-            metrics = train(config, config.addresses, d)
-    finally:
-        if d.world > 1:
-            dist.destroy_process_group()
+
+    def run() -> dict[str, Any]:
+        d = init_distributed(config.device)
+        try:
+            return train(config, config.addresses, d)
+        finally:
+            if d.world > 1:
+                dist.destroy_process_group()
+
+    metrics = run_or_explain(run, config, "trainer")
     report(metrics)
     return metrics
 

@@ -283,3 +283,24 @@ def test_restart_serves_spilled_rows_bit_exactly(tmp_path: Path, procs: list[Run
     assert mismatched == 0, f"{mismatched} of {keys.shape[0]} rows differ after restart"
     assert table["rows_created"] == 0, f"{table['rows_created']} rows were re-initialised after restart: {table}"
     stop_shard(shard)
+
+
+def test_row_counts_read_back_from_disk_say_they_are_estimates(tmp_path: Path, procs: list[RunningShard]) -> None:
+    from tests.integration.test_admin import ps_admin
+
+    args = (f"--data-dir={tmp_path / 'data'}", "--durability=every-push")
+    shard = start(procs, tmp_path, *args)
+    with PSClient([shard.address]) as ps:
+        ps.create_table("t", 4, optimizer="sgd")
+        ps.push("t", np.arange(500), np.ones((500, 4), np.float32))
+        assert ps.stats()[0]["tables"][0]["rows_estimated"] is False  # counted as made: exact
+    assert "~" not in ps_admin("stats", "--addresses", shard.address, cwd=tmp_path).stdout
+    stop_shard(shard)
+
+    shard = start(procs, tmp_path, *args)
+    with PSClient([shard.address]) as ps:
+        assert ps.stats()[0]["tables"][0]["rows_estimated"] is True
+    printed = ps_admin("stats", "--addresses", shard.address, cwd=tmp_path).stdout
+    row = next(line for line in printed.splitlines() if line.startswith("0/1") and " t " in line)
+    assert row.split()[2].startswith("~") and "RocksDB's estimate" in printed, printed
+    stop_shard(shard)

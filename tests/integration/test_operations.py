@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import ClientConfig, PermissionDeniedError, PSClient, PSError, UnauthenticatedError
 from protos import ps_pb2 as pb
 from tests.integration.shards import RunningShard, start_shard, stop_shard
+from tests.integration.test_admin import ps_admin
 
 LOOKUP = "/ps.v1.ParameterServer/Lookup"
 FOLLOW = "/ps.v1.ParameterServer/Follow"
@@ -53,6 +54,17 @@ def shard_with_metrics(tmp_path: Path) -> Iterator[RunningShard]:
     shard = start_shard(0, 1, tmp_path, "--metrics-port=0", f"--data-dir={tmp_path / 'data'}")
     yield shard
     stop_shard(shard)
+
+
+def test_every_labelled_counter_exists_at_zero_before_it_fires(shard_with_metrics: RunningShard) -> None:
+    # rate() needs a sample before the first increment, or it misses the first burst.
+    m = _scrape(_metrics_port(shard_with_metrics))
+    for method in ("Lookup", "Push", "CreateTable", "Stats", "Follow"):
+        for reason in ("in_flight", "per_peer", "streams"):
+            assert m[f'ps_rpcs_rejected_total{{method="{method}",reason="{reason}"}}'] == 0
+        for code in ("OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION"):
+            assert m[f'ps_rpcs_total{{code="{code}",method="{method}"}}'] == 0
+    assert not any("no_token" in k for k in m)  # no token file: no token refusals to expect
 
 
 def test_metrics_count_calls_rows_and_refusals(shard_with_metrics: RunningShard) -> None:
@@ -263,10 +275,22 @@ def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
         with PSClient([shard.address], ClientConfig(tls_ca=str(tmp_path / "ca.pem"), **quick)) as c:
             c.create_table("t", dim=4)
             assert c.lookup("t", np.arange(3)).shape == (3, 4)
-        with PSClient([shard.address], ClientConfig(**quick)) as c, pytest.raises(PSError):
+        with PSClient([shard.address], ClientConfig(**quick)) as c, pytest.raises(PSError) as plain:
             c.tables()  # plain text to a TLS port
+        assert f"the server at {shard.address} expects TLS: pass --tls-ca" in str(plain.value)
+        admin = ps_admin("stats", "--addresses", shard.address, cwd=tmp_path)
+        assert admin.returncode == 1 and admin.stderr.count("\n") == 1, admin.stderr
+        assert "expects TLS: pass --tls-ca" in admin.stderr and "is it running" not in admin.stderr
     finally:
         stop_shard(shard)
+
+    plain_shard = start_shard(0, 1, tmp_path / "plain")
+    try:
+        with PSClient([plain_shard.address], ClientConfig(tls_ca=str(tmp_path / "ca.pem"), **quick)) as c:
+            with pytest.raises(PSError, match=f"the server at {plain_shard.address} does not use TLS"):
+                c.tables()  # TLS to a plain-text port
+    finally:
+        stop_shard(plain_shard)
 
     shard = start_shard(0, 1, tmp_path / "mtls", *tls, f"--tls-client-ca={tmp_path / 'ca.pem'}")
     try:
@@ -389,3 +413,14 @@ def test_follow_streams_do_not_take_the_call_slots(tmp_path: Path) -> None:
                 s.cancel()
     finally:
         stop_shard(shard)
+
+
+def test_ps_infer_call_counters_start_at_zero() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from protos.guard import Guard, RpcMetrics
+
+    registry = CollectorRegistry(auto_describe=False)
+    Guard("ps-infer", {"/ps.v1.Predictor/Predict": "read"}, metrics=RpcMetrics("ps_infer", registry))
+    for code in ("OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNAVAILABLE"):
+        assert registry.get_sample_value("ps_infer_rpcs_total", {"method": "Predict", "code": code}) == 0

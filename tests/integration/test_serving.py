@@ -244,3 +244,25 @@ def test_follow_health_tracks_the_stream(leader: RunningShard, tmp_path: Path) -
     s = stats(follower.address)["follow"]
     assert not s["connected"] and "UNAVAILABLE" in s["error"]
     stop_shard(follower)
+
+
+def test_a_serving_shard_says_it_is_read_only(leader: RunningShard, tmp_path: Path) -> None:
+    from tests.integration.test_admin import ps_admin
+
+    follower = follower_of(leader, tmp_path / "serve")
+    try:
+        assert stats(follower.address)["writable"] is False  # it refuses every push, by mode
+        assert stats(follower.address)["storage_error"] == ""
+        assert stats(leader.address)["writable"] is True
+        with grpc.insecure_channel(follower.address) as ch:
+            req = health_pb2.HealthCheckRequest(service="ps.v1.ParameterServer.Writes")
+            with pytest.raises(grpc.RpcError) as no_writes:
+                health_pb2_grpc.HealthStub(ch).Check(req, timeout=5)
+        assert no_writes.value.code() == grpc.StatusCode.NOT_FOUND  # a serving shard has no write service
+        printed = ps_admin("stats", "--addresses", follower.address, cwd=tmp_path)
+        assert printed.returncode == 0, printed.stderr
+        assert "read-only (serve)" in printed.stdout and " yes" not in printed.stdout, printed.stdout
+        health = ps_admin("health", "--addresses", follower.address, cwd=tmp_path)
+        assert "Writes" not in health.stdout, health.stdout
+    finally:
+        stop_shard(follower)

@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 
 from protos.keys import hash_feature, hash_features
 from worker.data import (
+    BadLines,
     Batch,
     ColumnSchema,
+    DataError,
     auc,
     feature_seed,
     hash_strings,
@@ -274,6 +276,33 @@ def test_malformed_rows_name_file_line_column(tmp_path: Path, line: str, message
         with pytest.raises(ValueError, match=r"bad\.tsv:3:"):
             list(read_click_log(p, schema, 1, skip=1, chunk_bytes=chunk_bytes))
     assert len(list(read_click_log(p, schema, 1, limit=1))) == 1  # stops before the bad row
+
+
+def test_bad_lines_skip_leaves_out_every_malformed_line_and_counts_it(tmp_path: Path) -> None:
+    bad = ["1\t2\tx\tq", "1\t2", "", "1\t2x\tq", "2\t2\tq", "\t2\tq", "0\tinf\tq"]
+    lines = ["y\tn\tc"]
+    for i in range(40):
+        lines.append(bad[i // 5] if i % 5 == 2 and i // 5 < len(bad) else f"{i % 2}\t{i}\tv{i}")
+    p = tmp_path / "bad.tsv"
+    p.write_text("\n".join(lines) + "\n")
+    schema = ColumnSchema("y", ["n"], ["c"], header=True, log_transform=False)
+    want = [i for i in range(40) if not (i % 5 == 2 and i // 5 < len(bad))]
+    with pytest.raises(DataError, match=r"bad\.tsv:4: 4 fields") as first:
+        list(read_click_log(p, schema, 8))
+    assert (first.value.path, first.value.line) == (str(p), 4)
+    for chunk_bytes in (5, 64, 1 << 20):
+        skipped = BadLines()
+        rows = list(read_click_log(p, schema, 8, chunk_bytes=chunk_bytes, bad_lines=skipped))
+        assert torch.cat([b.dense[:, 0] for b in rows]).tolist() == want, chunk_bytes
+        assert skipped.count == len(bad) and skipped.first == [4, 9, 14, 19, 24], chunk_bytes
+        assert str(skipped) == "7 malformed lines skipped (first at lines 4, 9, 14, 19, 24, ...)"
+    again = BadLines()
+    whole = load_click_log(p, schema, bad_lines=again)
+    load_click_log(p, schema, bad_lines=again)  # a second pass counts no line twice
+    assert len(whole) == len(want) and again.count == len(bad)
+    p.write_text("y\tn\tc\n1\t2\n")
+    with pytest.raises(DataError, match=r"no data rows \(1 malformed line skipped \(first at line 2\)\)"):
+        load_click_log(p, schema, bad_lines=BadLines())
 
 
 def test_label_threshold_order_by_and_the_whole_log(tmp_path: Path) -> None:

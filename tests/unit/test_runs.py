@@ -4,10 +4,14 @@ count, run directories and ``runs/latest``, progress lines, the config line, ``-
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from worker.config import TrainerConfig
 from worker.data import ClickLog, ColumnSchema, load_click_log, rare_key
@@ -137,3 +141,76 @@ def test_an_empty_output_dir_means_the_default(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("TRAINER_OUTPUT_DIR", "")
     assert parse([]).output_dir is None
     assert parse(["--output-dir", "x/y"]).output_dir == Path("x/y")
+
+
+def test_train_and_serve_help_says_it_starts_its_own_shards() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    example = str(repo / "examples" / "train_and_serve.py")
+    shown = subprocess.run([sys.executable, example, "--help"], capture_output=True, text=True, cwd=repo, timeout=120)
+    text = " ".join(shown.stdout.split())
+    assert shown.returncode == 0, shown.stderr
+    assert "is required" not in text and "is ignored" not in text, text
+    assert "--num-shards training shards and as many serving shards are started" in text
+    refused = subprocess.run(
+        [sys.executable, example, "--addresses", "127.0.0.1:1"], capture_output=True, text=True, cwd=repo, timeout=120
+    )
+    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0, refused.stderr
+    assert "starts its own shards" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def _trainer(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m worker.trainer`` against an address nothing listens on: each mistake here
+    is found before the first call to a shard."""
+    repo = Path(__file__).resolve().parents[2]
+    return subprocess.run(
+        [sys.executable, "-m", "worker.trainer", "--addresses", "127.0.0.1:1", "--progress", "false", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        timeout=180,
+    )
+
+
+def _one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "level=INFO" not in line]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    return errors[0]
+
+
+def test_a_file_of_another_schema_says_which_schema_to_pass(tmp_path: Path) -> None:
+    (tmp_path / "u.data").write_text(
+        "".join(f"{u}\t{i}\t{1 + (u + i) % 5}\t{880000000 + i}\n" for u in range(5) for i in range(8))
+    )
+    line = _one_line(_trainer(tmp_path, "--data", "u.data"))  # --schema criteo, the default
+    assert line.startswith("trainer: u.data does not read as --schema criteo (line 1: 4 fields, expected 40")
+    assert line.endswith("pass --schema movielens"), line
+
+
+def test_a_malformed_line_names_it_and_offers_bad_lines_skip(tmp_path: Path) -> None:
+    rows = [
+        f"{i % 2}\t" + "\t".join(str(i + j) for j in range(13)) + "\t" + "\t".join(f"{i * j:08x}" for j in range(26))
+        for i in range(60)
+    ]
+    rows[30] = "1\t2\t3"
+    (tmp_path / "log.txt").write_text("\n".join(rows) + "\n")
+    line = _one_line(_trainer(tmp_path, "--data", "log.txt"))
+    assert line.startswith("trainer: log.txt:31: 3 fields, expected 40") and "--bad-lines skip" in line, line
+    data = open_data(TrainerConfig(data=str(tmp_path / "log.txt"), bad_lines="skip", min_count=1))
+    assert data.bad_lines is not None and (data.bad_lines.count, data.bad_lines.first) == (1, [31])
+    assert data.train_rows + data.eval_rows == 59
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_says_to_pass_cpu(tmp_path: Path) -> None:
+    line = _one_line(_trainer(tmp_path, "--device", "cuda"))
+    assert "torch sees no CUDA device" in line and "pass --device cpu" in line, line
+
+
+def test_permission_denied_names_the_path(tmp_path: Path) -> None:
+    locked = Path("/sys/ps-trainer-run")  # not writable by anyone, root included
+    line = _one_line(
+        _trainer(tmp_path, "--train-samples", "2000", "--eval-samples", "100", "--output-dir", str(locked))
+    )
+    assert line.startswith(f"trainer: permission denied: {locked}") and "--output-dir" in line, line
