@@ -218,7 +218,7 @@ class Guard(grpc.ServerInterceptor):  # type: ignore[type-arg]
             return (
                 grpc.StatusCode.PERMISSION_DENIED,
                 "role",
-                f"{method} refused: needs a {needed} token, this one is {role}",
+                f"{method} refused: needs {'an' if needed[:1] in 'aeiou' else 'a'} {needed} token, this one is {role}",
             )
         return None
 

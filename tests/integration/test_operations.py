@@ -96,7 +96,7 @@ def test_tokens_by_role_and_health_without_one(tmp_path: Path) -> None:
         assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED and "x" * 20 not in str(exc.value)
         with client(tokens["write"]) as c, pytest.raises(PermissionDeniedError) as exc:
             c.create_table("t", dim=4)
-        assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED and "needs a admin token" in str(exc.value)
+        assert exc.value.code == grpc.StatusCode.PERMISSION_DENIED and "needs an admin token" in str(exc.value)
         with client(tokens["admin"]) as c:
             c.create_table("t", dim=4)
         with client(tokens["read"]) as c:
