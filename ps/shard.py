@@ -49,7 +49,7 @@ from protos import wire
 from ps import optimizers
 from ps.background import EVICTOR, INTERVAL_FLUSH, STORAGE_RECOVERY, TTL_SWEEP, LoopHealth, RateWindow
 from ps.changes import ChangeLog
-from ps.checkpoint import next_version_path, require_root, resolve_checkpoint_path, write_checkpoint
+from ps.checkpoint import next_version_path, part_name, require_root, resolve_checkpoint_path, write_checkpoint
 from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import (
     InvalidRequest,
@@ -420,9 +420,10 @@ class Shard:
         return written
 
     def checkpoint(self, path: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
-        """A consistent checkpoint of every table at ``path`` (under ``checkpoint_root``;
-        relative paths resolve under it; default: ``<root>/<next version>``); returns the
-        absolute path and the manifest written there (see ``ps.checkpoint``).
+        """A consistent checkpoint of every table: this shard's part of the checkpoint named
+        ``path`` (under ``checkpoint_root``; relative paths resolve under it; default:
+        ``<root>/<next version>``), written to ``path/shard-IIIII-of-NNNNN``; returns
+        the part's absolute path and the manifest written there (see ``ps.checkpoint``).
 
         Pushes wait (they are not refused) while it is taken. Raises ``ShuttingDown``,
         ``NotConfigured`` without a root, ``InvalidRequest`` for a path that is bad,
@@ -435,7 +436,8 @@ class Shard:
         with self._checkpoint_lock:
             if path is None or str(path) == "":
                 path = next_version_path(require_root(self.checkpoint_root, self.index).resolve())
-            target = resolve_checkpoint_path(self.checkpoint_root, str(path), self.index)
+            part = part_name(self.index, self.num_shards)
+            target = resolve_checkpoint_path(self.checkpoint_root, str(path), self.index, part=part)
             manifest = write_checkpoint(
                 target,
                 self.tables(),
@@ -443,6 +445,7 @@ class Shard:
                 shard=self.index,
                 num_shards=self.num_shards,
                 data_dir_failed=lambda exc: self._storage_health.failed(str(exc)),
+                name=target.parent.name,
             )
             if self.storage is not None:
                 self.last_durable = manifest["created_unix_s"]
