@@ -93,7 +93,7 @@ def _security(config: ClientConfig) -> dict[str, Any]:
 class PSClient:
     """A client of one cluster; ``addresses[i]`` is shard ``i``: ``"HOST:PORT"``, or a list
     of them for a shard served by several replicas (``parse_addresses`` reads
-    ``h:1|h:2,h:3`` from a command line).
+    ``h:1+h:2,h:3`` from a command line).
 
     Replicas are read-only serving copies: reads (``lookup``, ``tables``) go to one
     in-service replica per shard, the one with the fewest calls in flight; a retry goes

@@ -47,7 +47,7 @@ Cluster manifest (``DIR/manifest.json``)::
      "rows": {"table": rows}, "push_ledgers": "kept" | "dropped", ...}
 
 Example:
-    >>> parse_addresses("127.0.0.1:5000, 127.0.0.1:5001|127.0.0.1:5002")
+    >>> parse_addresses("127.0.0.1:5000, 127.0.0.1:5001+127.0.0.1:5002")
     [['127.0.0.1:5000'], ['127.0.0.1:5001', '127.0.0.1:5002']]
     >>> shard_dir_name(2, 3)
     'shard-00002-of-00003'
@@ -90,7 +90,7 @@ log = logging.getLogger(__name__)
 
 
 def parse_addresses(text: str) -> list[list[str]]:
-    """``HOST:PORT|HOST:PORT,HOST:PORT`` as replica lists, shard 0 first (``client.parse_addresses``).
+    """``HOST:PORT+HOST:PORT,HOST:PORT`` as replica lists, shard 0 first (``client.parse_addresses``).
     ``ValueError`` names a bad entry."""
     return client_parse_addresses(text)
 

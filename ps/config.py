@@ -194,9 +194,11 @@ class ServerConfig:
     checkpoint_root: Path | None = field(
         default=None,
         metadata={
-            "help": "the Checkpoint RPC writes only under this directory: relative paths resolve under it, "
-            "others must lie below it. Unset: DATA_DIR/checkpoints, and with no data dir checkpoints "
-            "are refused. A shard that stops with updates its disk refused leaves a rescue dump here"
+            "help": "the Checkpoint RPC writes only under this directory: a checkpoint NAME (relative: resolved "
+            "under it; absolute: must lie below it) gets this shard's part in NAME/shard-IIIII-of-NNNNN. Unset: "
+            "DATA_DIR/checkpoints, and with no data dir checkpoints are refused. A serving shard reads the "
+            "checkpoints serve-from names here: give it its training shard's root. A shard that stops with "
+            "updates its disk refused leaves a rescue dump here"
         },
     )
     mode: str = field(
