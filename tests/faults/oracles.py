@@ -273,7 +273,8 @@ def _serve_from(model: ShardModel, m: pb.ServeFromRequest, data: bytes) -> Verdi
         return _invalid(problems)
     name = f"{int(m.checkpoint):06d}" if m.checkpoint.isascii() and m.checkpoint.isdigit() else m.checkpoint
     target = model.checkpoint_root / name
-    if not ((target / "db").is_dir() and (target / "manifest.json").is_file()):
+    part = target / f"shard-{model.index:05d}-of-{model.num_shards:05d}"  # this shard's part of checkpoint `name`
+    if not any((t / "db").is_dir() and (t / "manifest.json").is_file() for t in (part, target)):
         return _invalid([(f"no checkpoint at {name[:60]!r}", ("INVALID_ARGUMENT", "NOT_FOUND"))])
     return _unsure("an existing checkpoint")
 
