@@ -208,8 +208,8 @@ def checkpoint_cluster(
                     "which each shard resolves under its own root"
                 )
             left = (
-                f"\nparts other shards wrote under {name!r} make an incomplete checkpoint: remove them, or "
-                "checkpoint again under a new name"
+                f"\nparts other shards wrote under {repr(name) if name else 'the new version number'} make an "
+                "incomplete checkpoint: remove them, or checkpoint again under a new name"
                 if n > 1
                 else ""
             )

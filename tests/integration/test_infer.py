@@ -477,9 +477,19 @@ def refused_start(trained: Trained, ps: str, tmp_path: Path, *, shell: bool = Fa
 
 
 def test_infer_refuses_to_start_on_one_shard_of_two(trained: Trained, tmp_path: Path) -> None:
-    # `--ps A|B,C` unquoted: bash pipes, and ps-infer gets `--ps A` alone.
     line = refused_start(trained, trained.addresses[0], tmp_path)
     assert "--ps names 1 shard" in line and "2 shards" in line, line
+    # The mistake itself: '|' between replicas, unquoted. bash pipes ps-infer's output into
+    # a command named after the rest of the list, and ps-infer gets shard 0 alone.
+    a, b = trained.addresses
+    command = (
+        f"{sys.executable} -m worker.serving --model={trained.run} --listen=127.0.0.1:0 --log-level=ERROR "
+        f"--ps {a}|127.0.0.1:1,{b}|127.0.0.1:2"
+    )
+    result = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=120)
+    refusals = [line for line in result.stderr.splitlines() if "ps-infer" in line or "level=ERROR" in line]
+    assert len(refusals) == 1 and "--ps names 1 shard" in refusals[0], result.stderr
+    assert "Traceback" not in result.stderr and "'|' works only quoted" in refusals[0]
 
 
 def test_infer_refuses_shards_given_out_of_order(trained: Trained, tmp_path: Path) -> None:
