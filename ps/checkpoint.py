@@ -62,6 +62,7 @@ from ps.table import Table, held_tables
 
 __all__ = [
     "MAX_PATH_BYTES",
+    "checkpoint_target",
     "copy_checkpoint",
     "next_version_path",
     "part_name",
@@ -126,6 +127,15 @@ def resolve_checkpoint_path(root: Path | None, requested: str, shard: int, *, pa
         if os.path.lexists(above) and not above.is_dir():
             raise InvalidRequest(f"Checkpoint: {above} is not a directory (in path {requested!r} under {where})")
     return target
+
+
+def checkpoint_target(root: Path | None, name: str | Path | None, shard: int, num_shards: int) -> Path:
+    """Where shard ``shard`` of ``num_shards`` writes its part of the checkpoint ``name``
+    (None or "": the root's next version number): ``resolve_checkpoint_path`` of ``name``
+    with ``part_name``. Raises as that does."""
+    if name is None or str(name) == "":
+        name = next_version_path(require_root(root, shard).resolve())
+    return resolve_checkpoint_path(root, str(name), shard, part=part_name(shard, num_shards))
 
 
 def resolve_existing_checkpoint(root: Path | None, requested: str, shard: int, num_shards: int) -> Path:

@@ -49,7 +49,7 @@ from protos import wire
 from ps import optimizers
 from ps.background import EVICTOR, INTERVAL_FLUSH, STORAGE_RECOVERY, TTL_SWEEP, LoopHealth, RateWindow
 from ps.changes import ChangeLog
-from ps.checkpoint import next_version_path, part_name, require_root, resolve_checkpoint_path, write_checkpoint
+from ps.checkpoint import checkpoint_target, write_checkpoint
 from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import (
     InvalidRequest,
@@ -421,9 +421,8 @@ class Shard:
 
     def checkpoint(self, path: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
         """A consistent checkpoint of every table: this shard's part of the checkpoint named
-        ``path`` (under ``checkpoint_root``; relative paths resolve under it; default:
-        ``<root>/<next version>``), written to ``path/shard-IIIII-of-NNNNN``; returns
-        the part's absolute path and the manifest written there (see ``ps.checkpoint``).
+        ``path`` (``ps.checkpoint.checkpoint_target``); returns the part's absolute path
+        and the manifest written there (see ``ps.checkpoint``).
 
         Pushes wait (they are not refused) while it is taken. Raises ``ShuttingDown``,
         ``NotConfigured`` without a root, ``InvalidRequest`` for a path that is bad,
@@ -434,10 +433,7 @@ class Shard:
         self.check_request(0)
         self.check_mode("Checkpoint")
         with self._checkpoint_lock:
-            if path is None or str(path) == "":
-                path = next_version_path(require_root(self.checkpoint_root, self.index).resolve())
-            part = part_name(self.index, self.num_shards)
-            target = resolve_checkpoint_path(self.checkpoint_root, str(path), self.index, part=part)
+            target = checkpoint_target(self.checkpoint_root, path, self.index, self.num_shards)
             manifest = write_checkpoint(
                 target,
                 self.tables(),
