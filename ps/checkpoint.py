@@ -147,7 +147,12 @@ def resolve_existing_checkpoint(root: Path | None, requested: str, shard: int, n
     Raises ``NotConfigured`` without a root, ``InvalidRequest`` naming the path when it
     is outside the root or holds no checkpoint of this shard, listing the names there.
     """
-    base = require_root(root, shard).resolve()
+    if root is None:
+        raise NotConfigured(
+            f"ServeFrom: shard {shard} has no checkpoint root: start it with --checkpoint-root set to its "
+            "training shard's (by default that shard's <data-dir>/checkpoints)"
+        )
+    base = root.resolve()
     if "\0" in requested or not requested:
         raise InvalidRequest(f"checkpoint {requested[:200]!r}: give a checkpoint name, number or a path under {base}")
     name = f"{int(requested):06d}" if requested.isdigit() else requested
@@ -164,7 +169,8 @@ def resolve_existing_checkpoint(root: Path | None, requested: str, shard: int, n
     raise InvalidRequest(
         f"checkpoint {requested!r}: {target} holds no checkpoint of shard {shard} of {num_shards} "
         f"({part_name(shard, num_shards)}/ with db/ and manifest.json); checkpoints under {base}: "
-        f"{', '.join(names[-20:]) or 'none'}"
+        f"{', '.join(names[-20:]) or 'none'} (a serving shard reads checkpoints under its --checkpoint-root: "
+        "its training shard's root, by default that shard's <data-dir>/checkpoints)"
     )
 
 

@@ -198,3 +198,10 @@ def test_a_checkpoint_name_holds_one_part_per_shard_and_each_shard_finds_its_own
         resolve_existing_checkpoint(root, "1", 1, 2)  # shard 1 wrote no part of 000001
     with pytest.raises(InvalidRequest, match="is a shard checkpoint already"):
         shards[0].checkpoint("v1/shard-00000-of-00002")
+
+
+def test_a_serving_shard_without_the_right_root_is_told_which_root_to_give(tmp_path: Path) -> None:
+    with pytest.raises(NotConfigured, match="ServeFrom: shard 1 has no checkpoint root.*training shard's"):
+        resolve_existing_checkpoint(None, "1", 1, 2)
+    with pytest.raises(InvalidRequest, match="its training shard's root"):
+        resolve_existing_checkpoint(tmp_path, "1", 1, 2)
