@@ -19,10 +19,11 @@ import dataclasses
 import itertools
 import json
 import math
+import posixpath
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, overload
@@ -92,7 +93,7 @@ def _security(config: ClientConfig) -> dict[str, Any]:
 class PSClient:
     """A client of one cluster; ``addresses[i]`` is shard ``i``: ``"HOST:PORT"``, or a list
     of them for a shard served by several replicas (``parse_addresses`` reads
-    ``h:1|h:2,h:3`` from a command line).
+    ``h:1+h:2,h:3`` from a command line).
 
     Replicas are read-only serving copies: reads (``lookup``, ``tables``) go to one
     in-service replica per shard, the one with the fewest calls in flight; a retry goes
@@ -235,36 +236,52 @@ class PSClient:
         Needs no I/O."""
         return self._replica_set.health()
 
-    def checkpoint(
-        self, paths: Sequence[str] | None = None, *, deadline_s: float | None = None
-    ) -> list[dict[str, Any]]:
-        """Have every shard write a checkpoint of itself, all in parallel; blocks until all are done.
+    def checkpoint(self, name: str | None = None, *, deadline_s: float | None = None) -> list[dict[str, Any]]:
+        """Have every shard write its part of the checkpoint ``name``; blocks until all are done.
 
-        ``paths[i]`` is the directory shard ``i`` creates (relative paths resolve under that
-        shard's ``--checkpoint-root``; None: the root's next version number). Returns, in
-        shard order, ``{"path": the directory written, "manifest": its manifest.json}``.
-        Not retried (a checkpoint whose answer was lost has still been written); raises
-        the first failing shard's ``PSError``, e.g. ``InvalidRequestError`` for a path
-        outside the shard's checkpoint root.
+        ``name`` is a directory under each shard's ``--checkpoint-root`` (relative: resolved
+        under it; absolute: must lie below it), and shard ``i`` of ``n`` writes
+        ``name/shard-{i:05d}-of-{n:05d}`` (see ``ps.checkpoint``). None: the next version
+        number, which shard 0 picks (its root's next one) and every other shard then takes,
+        so that the whole cluster's checkpoint has one name. The shards write in parallel
+        (after shard 0 when it picks the name). Returns, in shard order, ``{"name": the
+        checkpoint's name, "path": the part written, "manifest": its manifest.json}``;
+        ``name`` is what ``serve_from`` takes. Not retried (a checkpoint whose answer was
+        lost has still been written); raises the first failing shard's ``PSError``, e.g.
+        ``InvalidRequestError`` for a name outside a shard's checkpoint root.
+
+        Example (shards with ``--data-dir``): ``PSClient(addresses).checkpoint()[0]["name"]`` is ``"000001"``.
         """
-        if paths is not None and len(paths) != self.num_shards:
-            raise InvalidRequestError(f"paths: {len(paths)} given for {self.num_shards} shards")
-        requests = [
-            (s, pb.CheckpointRequest(path="" if paths is None else str(paths[s])).SerializeToString())
-            for s in range(self.num_shards)
-        ]
         budget = self._budget(deadline_s, dataclasses.replace(self.config, max_attempts=1))
+        out: list[dict[str, Any]] = []
+        first = 0
+        if name is None:
+            out += self._checkpoint([0], "", budget)
+            name, first = posixpath.basename(posixpath.dirname(out[0]["path"])), 1
+        else:
+            name = str(name)
+        out += self._checkpoint(range(first, self.num_shards), name, budget)
+        for entry in out:
+            entry["name"] = name
+        return out
+
+    def _checkpoint(self, shards: Iterable[int], name: str, budget: tuple[ClientConfig, float]) -> list[dict[str, Any]]:
+        body = pb.CheckpointRequest(path=name).SerializeToString()
+        requests = [(s, body) for s in shards]
+        if not requests:
+            return []
         replies = self._call("Checkpoint", requests, budget=budget)
         out = []
-        for s, answer in enumerate(replies):
+        for (s, _), answer in zip(requests, replies, strict=True):
             with self._reply("Checkpoint", s, answer.endpoint):
                 reply = pb.CheckpointResponse.FromString(answer.data)
                 out.append({"path": reply.path, "manifest": json.loads(reply.manifest_json or "{}")})
         return out
 
     def serve_from(self, checkpoint: str | None) -> list[dict[str, Any]]:
-        """Pin every serving replica to ``checkpoint`` (a version number such as ``"3"``, or
-        a path under each replica's ``--checkpoint-root``), or with None switch each back
+        """Pin every serving replica to ``checkpoint`` (the name ``checkpoint()`` returned, a
+        version number such as ``"3"``, or a path under each replica's ``--checkpoint-root``;
+        each replica serves its shard's part of it), or with None switch each back
         to its own source (its data dir, or the training shard it follows: it catches up).
 
         Returns each replica's ``FollowStatus`` as a dict with its ``"address"``, in the

@@ -20,7 +20,7 @@ Example:
     >>> first = rs.pick(0, now=0.0); rs.release(first, FAILED, now=0.0)
     >>> rs.pick(0, now=0.1).endpoint != first.endpoint   # h:1 is ejected until t=1.0
     True
-    >>> parse_addresses("h:1|h:2,h:3")
+    >>> parse_addresses("h:1+h:2,h:3")
     [['h:1', 'h:2'], ['h:3']]
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -46,6 +47,10 @@ FAILED: Outcome = "failed"  # a retryable failure, a missed deadline, or a hedge
 NEUTRAL: Outcome = "neutral"  # says nothing about the replica (cancelled, request rejected)
 
 
+REPLICA_SEPARATORS = re.compile(r"[+|]")
+"""Between the replicas of one shard: ``+``, which no address holds and no shell reads, or ``|``."""
+
+
 def _check_address(address: str, where: str) -> str:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
@@ -54,25 +59,28 @@ def _check_address(address: str, where: str) -> str:
 
 
 def parse_addresses(text: str) -> list[list[str]]:
-    """``HOST:PORT|HOST:PORT,HOST:PORT`` as replica lists, shard 0 first.
+    """``HOST:PORT+HOST:PORT,HOST:PORT`` as replica lists, shard 0 first.
 
-    Shards are separated by ``,``, the replicas of one shard by ``|``; spaces around
-    either are ignored. Raises ``InvalidRequestError`` (a ``ValueError``) naming the bad
+    Shards are separated by ``,``, the replicas of one shard by ``+`` (safe unquoted in a
+    shell) or ``|`` (the older form: a shell reads it as a pipe, so it must be quoted);
+    spaces around any of them are ignored. Raises ``InvalidRequestError`` (a ``ValueError``) naming the bad
     part: an empty shard or replica, a missing or bad port, an address given twice.
 
-    >>> parse_addresses("10.0.0.1:50051, 10.0.0.2:50051|10.0.0.3:50051")
+    >>> parse_addresses("10.0.0.1:50051, 10.0.0.2:50051+10.0.0.3:50051")
     [['10.0.0.1:50051'], ['10.0.0.2:50051', '10.0.0.3:50051']]
+    >>> parse_addresses("h:1|h:2")
+    [['h:1', 'h:2']]
     """
     if not text.strip():
         raise InvalidRequestError(
             "addresses: empty; expected HOST:PORT per shard in shard order, separated by ',', "
-            "with the replicas of one shard separated by '|' (e.g. h:1|h:2,h:3)"
+            "with the replicas of one shard separated by '+' (e.g. h:1+h:2,h:3)"
         )
     shards = []
     for i, item in enumerate(text.split(",")):
         if not item.strip():
             raise InvalidRequestError(f"addresses {text!r}: shard {i} is empty (two ',' in a row, or a trailing ',')")
-        replicas = [r.strip() for r in item.split("|")]
+        replicas = [r.strip() for r in REPLICA_SEPARATORS.split(item)]
         if not all(replicas):
             raise InvalidRequestError(f"addresses {text!r}: shard {i} ({item.strip()!r}) has an empty replica")
         shards.append([_check_address(r, f"addresses {text!r}: shard {i}") for r in replicas])

@@ -3,16 +3,19 @@
 It talks to shards through ``client.PSClient`` (one channel setup and one error tree for
 every tool) and reads checkpoints offline with ``ps.storage``.
 
-* ``ps-admin checkpoint --addresses A0,A1,... --out DIR``: every shard writes a
-  consistent checkpoint of itself to ``DIR/shard-{i:05d}-of-{n:05d}`` (the Checkpoint
-  RPC, all shards in parallel); then ``DIR/manifest.json`` (the cluster manifest) is
-  written, last and atomically. A ``DIR`` without ``manifest.json`` is incomplete.
-  Shards write ``DIR`` on their own filesystem, so it must be a path every shard and
-  ``ps-admin`` see alike (one machine, or a shared filesystem), and it must lie under
-  every shard's checkpoint root: start the shards with one ``--checkpoint-root ROOT``
-  on that filesystem and pass an ``--out`` below ``ROOT`` (the default root,
-  ``<data-dir>/checkpoints``, is a different directory on every shard). Each shard
-  checkpoints at its own instant: for one cut across the cluster, pause training first.
+* ``ps-admin checkpoint [--addresses A0,A1,...] [--out NAME]``: every shard writes its
+  part of the checkpoint NAME to ``NAME/shard-{i:05d}-of-{n:05d}`` under its own
+  ``--checkpoint-root`` (default ``<data-dir>/checkpoints``; the Checkpoint RPC, all
+  shards in parallel). A relative NAME is resolved under each shard's root, never
+  against ps-admin's working directory; an absolute one must lie under every shard's
+  root (shards sharing one root). Without ``--out``, NAME is the next version number
+  (``000001``, ...: shard 0 picks it, the others follow), as ``PSClient.checkpoint()``
+  names them. It prints NAME, which ``serve-from --checkpoint`` takes. When every part
+  lies in one directory ps-admin sees, ``NAME/manifest.json`` (the cluster manifest) is
+  written there, last and atomically: what ``reshard`` reads. Each shard checkpoints at
+  its own instant: for one cut across the cluster, pause training first.
+* ``ps-admin list --root ROOT [--root ROOT ...]``: offline, the checkpoints under
+  checkpoint roots this machine sees, with the shard parts found.
 * ``ps-admin reshard --from CKPT --to-shards M --out DIR``: offline, reads the cluster
   checkpoint ``CKPT`` (n shards) and writes a cluster checkpoint of ``M`` shards where
   every row, its optimizer state, ``last_access`` and ``frequency`` sit bit for bit on
@@ -21,8 +24,12 @@ every tool) and reads checkpoints offline with ``ps.storage``.
   start fresh.
 * ``ps-admin stats --addresses ...``: one line per shard and table from the Stats RPC.
 * ``ps-admin tables``, ``create-table --name N --dim D [optimizer=adagrad lr=0.05 ...]``,
-  ``health`` (every health service of every replica; exit 1 unless all serve), and
-  ``serve-from --checkpoint V | --unpin`` (pin serving shards, roll back).
+  ``health`` (every health service of every replica; exit 1 unless all serve),
+  ``serve-from --checkpoint NAME`` (pin serving shards to their part of a checkpoint:
+  roll back) and ``unpin`` (the same as ``serve-from --unpin``: back to their source).
+
+``--addresses`` defaults to ``$PS_ADDRESSES`` (``$SERVING_ADDRESSES`` for ``serve-from``
+and ``unpin``): ``,`` between shards in shard order, ``+`` between a shard's replicas.
 
 Every command prints text, or JSON with ``--json``. ``--tls-ca``/``--tls-cert``/
 ``--tls-key``/``--token-file`` (default: the ``PS_CLIENT_*`` environment) reach secured
@@ -40,7 +47,7 @@ Cluster manifest (``DIR/manifest.json``)::
      "rows": {"table": rows}, "push_ledgers": "kept" | "dropped", ...}
 
 Example:
-    >>> parse_addresses("127.0.0.1:5000, 127.0.0.1:5001|127.0.0.1:5002")
+    >>> parse_addresses("127.0.0.1:5000, 127.0.0.1:5001+127.0.0.1:5002")
     [['127.0.0.1:5000'], ['127.0.0.1:5001', '127.0.0.1:5002']]
     >>> shard_dir_name(2, 3)
     'shard-00002-of-00003'
@@ -53,6 +60,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -65,7 +73,7 @@ from client import ClientConfig, PSClient, PSError, ShardUnavailableError
 from client import parse_addresses as client_parse_addresses
 from deploy.reshard import SCAN_CHUNK_ROWS, AdminError, now_stamp, read_cluster_manifest, reshard, shard_dir_name
 from protos.tls import TLSError, channel_credentials, open_channel
-from ps.storage import FORMAT_VERSION, DataDirError, StorageFailed, write_manifest
+from ps.storage import FORMAT_VERSION, DataDirError, StorageFailed, read_manifest, write_manifest
 
 __all__ = [
     "AdminError",
@@ -82,7 +90,7 @@ log = logging.getLogger(__name__)
 
 
 def parse_addresses(text: str) -> list[list[str]]:
-    """``HOST:PORT|HOST:PORT,HOST:PORT`` as replica lists, shard 0 first (``client.parse_addresses``).
+    """``HOST:PORT+HOST:PORT,HOST:PORT`` as replica lists, shard 0 first (``client.parse_addresses``).
     ``ValueError`` names a bad entry."""
     return client_parse_addresses(text)
 
@@ -166,65 +174,142 @@ def _merge_tables(per_shard: Sequence[Sequence[dict[str, Any]]], where: Sequence
     return [merged[n] for n in sorted(merged)]
 
 
-def checkpoint_cluster(addresses: Sequence[str | Sequence[str]], out: Path, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Checkpoint every shard of the cluster at ``addresses`` (shard order) into ``out``.
+def checkpoint_cluster(
+    addresses: Sequence[str | Sequence[str]], out: str | Path | None = None, timeout_s: float = 600.0
+) -> dict[str, Any]:
+    """Checkpoint every shard of the cluster at ``addresses`` (shard order) as one checkpoint.
 
-    Blocks until every shard is done, then writes ``out/manifest.json`` and returns it.
-    ``out`` must not exist. Row counts are as the shards report them (exact in a shard
-    that has not restarted; RocksDB's estimate for rows spilled before a restart).
-    Raises ``AdminError`` (naming the address) when a shard is unreachable, out of
-    order or fails; ``out`` is then left without a manifest.
+    ``out`` is the checkpoint's name (``PSClient.checkpoint``): a directory each shard
+    creates under its own ``--checkpoint-root`` (relative: resolved there, never against
+    this process's working directory; absolute: must lie under every shard's root), in
+    which shard ``i`` writes its part ``shard-{i:05d}-of-{n:05d}``. None: the next version
+    number. Blocks until every shard is done. When every part lies in one directory this
+    process sees (shards sharing a root), the cluster manifest is written there, last and
+    atomically (what ``reshard`` reads). Returns the manifest, with ``name`` (what
+    ``serve-from`` takes), ``parts`` (each shard's directory) and ``manifest_path``
+    (None when the parts lie apart). Row counts are as the shards report them (exact in
+    a shard that has not restarted; RocksDB's estimate for rows spilled before a
+    restart). Raises ``AdminError`` (naming the address) when a shard is unreachable,
+    out of order or fails.
     """
-    out = Path(out).absolute()
-    if out.exists():
-        raise AdminError(f"--out {out} exists: choose a new directory (a checkpoint never overwrites one)")
+    name = None if out is None else str(out)
     n = len(addresses)
-    names = [shard_dir_name(i, n) for i in range(n)]
     with _cluster(addresses, timeout_s) as client:
         _check_order(client)
         where = client.addresses
         try:
-            out.mkdir(parents=True)
-        except OSError as exc:
-            raise AdminError(f"cannot create --out {out}: {exc.strerror}") from None
-        try:
-            replies = client.checkpoint([str(out / name) for name in names])
+            replies = client.checkpoint(name)
         except PSError as exc:
-            with contextlib.suppress(OSError):
-                out.rmdir()  # only if no shard wrote anything
-            left = f"{out} is incomplete (no manifest.json): remove it, then retry" if out.exists() else ""
-            if "checkpoint root" in str(exc):
-                left = (
-                    f"every shard must be started with a --checkpoint-root that contains --out {out} "
-                    f"(e.g. --checkpoint-root {out.parent}), on a filesystem ps-admin sees too\n{left}"
+            hint = ""
+            if "checkpoint root" in str(exc) and name is not None and Path(name).is_absolute():
+                hint = (
+                    f"\nan absolute --out must lie under every shard's --checkpoint-root; shards with roots of their "
+                    f"own (the default: <data-dir>/checkpoints) need a relative --out such as {Path(name).name}, "
+                    "which each shard resolves under its own root"
                 )
-            raise AdminError(f"{exc}\n{left}".rstrip()) from None
+            left = (
+                f"\nparts other shards wrote under {repr(name) if name else 'the new version number'} make an "
+                "incomplete checkpoint: remove them, or checkpoint again under a new name"
+                if n > 1
+                else ""
+            )
+            raise AdminError(f"{exc}{hint}{left}") from None
+    checkpoint_name = str(replies[0]["name"])
+    parts = [str(r["path"]) for r in replies]
     manifests = [r["manifest"] for r in replies]
-    try:
-        tables = _merge_tables([m.get("tables", []) for m in manifests], where)
-    except AdminError as exc:
-        raise AdminError(f"{exc}\n{out} was left without manifest.json: fix the table, then checkpoint again") from None
-    rows: dict[str, int] = {}
-    for m in manifests:
-        for table, count in (m.get("rows") or {}).items():
-            rows[table] = rows.get(table, 0) + int(count)
     created_unix_s, created = now_stamp()
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "kind": "cluster",
         "num_shards": n,
-        "shards": names,
+        "shards": [shard_dir_name(i, n) for i in range(n)],
         "addresses": list(addresses),
         "created_unix_s": created_unix_s,
         "created": created,
-        "tables": tables,
-        "rows": rows,
+        "tables": [],
+        "rows": {},
         "shard_rows": [m.get("rows") or {} for m in manifests],
         "push_ledgers": "kept",
     }
-    write_manifest(out, manifest)
-    log.info("cluster checkpoint written path=%s shards=%d", out, n)
-    return manifest
+    for m in manifests:
+        for table, count in (m.get("rows") or {}).items():
+            manifest["rows"][table] = manifest["rows"].get(table, 0) + int(count)
+    manifest["name"] = checkpoint_name
+    info: dict[str, Any] = {"parts": parts, "manifest_path": None}
+    try:
+        manifest["tables"] = _merge_tables([m.get("tables", []) for m in manifests], where)
+    except AdminError as exc:
+        raise AdminError(
+            f"{exc}\ncheckpoint {checkpoint_name} was left without manifest.json: fix the table, then checkpoint again"
+        ) from None
+    together = {str(Path(p).parent) for p in parts}
+    if len(together) == 1 and all(Path(p).is_dir() for p in parts):
+        root = Path(together.pop())
+        write_manifest(root, manifest)
+        info["manifest_path"] = str(root / "manifest.json")
+    log.info("cluster checkpoint written name=%s shards=%d", checkpoint_name, n)
+    return manifest | info
+
+
+def list_checkpoints(roots: Sequence[Path]) -> list[dict[str, Any]]:
+    """The checkpoints under ``roots`` (checkpoint roots this process sees), by name: for
+    each, the parts found (``shard``, ``num_shards``, ``path``, ``created``, ``rows``) and
+    the cluster manifest's path if there is one. A part is a directory with ``db/`` and
+    ``manifest.json``: ``NAME/shard-IIIII-of-NNNNN``, or ``NAME`` itself (older checkpoints).
+    Raises ``AdminError`` for a root that is not a directory."""
+    found: dict[str, dict[str, Any]] = {}
+    for root in roots:
+        if not root.is_dir():
+            raise AdminError(f"--root {root}: not a directory (a shard's --checkpoint-root, e.g. DATA_DIR/checkpoints)")
+        for entry in sorted(root.iterdir()):
+            if not entry.is_dir():
+                continue
+            dirs = [entry] if (entry / "db").is_dir() else sorted(entry.glob("shard-*-of-*"))
+            parts = []
+            for d in dirs:
+                try:
+                    m: dict[str, Any] = dict(read_manifest(d))
+                except (DataDirError, StorageFailed, OSError, ValueError):
+                    continue
+                rows = sum(int(v) for v in (m.get("rows") or {}).values())
+                parts.append(
+                    {
+                        "shard": m.get("shard"),
+                        "num_shards": m.get("num_shards"),
+                        "path": str(d),
+                        "created": m.get("created"),
+                        "rows": rows,
+                    }
+                )
+            if not parts:
+                continue
+            item = found.setdefault(entry.name, {"name": entry.name, "parts": [], "manifests": []})
+            item["parts"] += parts
+            if (entry / "manifest.json").is_file() and not (entry / "db").is_dir():
+                item["manifests"].append(str(entry / "manifest.json"))
+    out = []
+    for item in found.values():
+        item["parts"].sort(key=lambda p: (p["shard"] is None, p["shard"] or 0))
+        n = {p["num_shards"] for p in item["parts"]}
+        shards = {p["shard"] for p in item["parts"]}
+        item["complete"] = len(n) == 1 and shards == set(range(n.pop()))
+        out.append(item)
+    return out
+
+
+def _format_checkpoints(found: Sequence[dict[str, Any]]) -> str:
+    if not found:
+        return "no checkpoints"
+    lines = []
+    for c in found:
+        parts = c["parts"]
+        n = parts[0]["num_shards"]
+        shards = ",".join(str(p["shard"]) for p in parts)
+        state = "all shards" if c["complete"] else "INCOMPLETE"
+        created = max(str(p["created"]) for p in parts)
+        rows = sum(p["rows"] for p in parts)
+        lines.append(f"{c['name']}: shards {shards} of {n} ({state}), created {created}, {rows} rows")
+    return "\n".join(lines)
 
 
 # -- stats -------------------------------------------------------------------------------
@@ -394,11 +479,12 @@ def _addresses(text: str) -> list[list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``ps-admin`` argument parser (subcommands checkpoint, reshard, stats)."""
+    """The ``ps-admin`` argument parser (every subcommand; ``ps-admin --help`` lists them)."""
     parser = argparse.ArgumentParser(
         prog="ps-admin",
-        description="Operate on a parameter-server cluster: checkpoint it, reshard a checkpoint, show stats. "
-        "Exit codes: 0 done, 1 failed (stderr says what to do), 2 bad arguments.",
+        description="Operate on a parameter-server cluster and its checkpoints; each COMMAND is listed below "
+        "(ps-admin COMMAND --help for its flags). --addresses defaults to $PS_ADDRESSES ($SERVING_ADDRESSES for "
+        "serve-from). Exit codes: 0 done, 1 failed (stderr says what to do), 2 bad arguments.",
     )
     parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
@@ -420,23 +506,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser = add_parser  # type: ignore[method-assign]
 
-    addresses_help = "HOST:PORT of every shard, comma-separated, shard 0 first"
+    addresses_help = "HOST:PORT of every shard, ',' between shards, shard 0 first, '+' between the replicas of one"
+
+    def addresses(p: argparse.ArgumentParser, env: str = "PS_ADDRESSES") -> None:
+        default = os.environ.get(env) or None  # argparse parses a string default with type=
+        p.add_argument(
+            "--addresses",
+            required=default is None,
+            default=default,
+            type=_addresses,
+            help=f"{addresses_help} (default: ${env}{', unset' if default is None else ''})",
+        )
+
     ck = sub.add_parser(
         "checkpoint",
-        help="checkpoint every shard of a running cluster into one directory",
-        description="Every shard checkpoints itself into OUT/shard-IIIII-of-NNNNN (in parallel; pushes wait "
-        "while a shard's checkpoint is taken); then OUT/manifest.json is written. OUT must be a new "
-        "path that the shards and ps-admin see alike (same machine or a shared filesystem), under every "
-        "shard's --checkpoint-root. A directory without manifest.json is an incomplete checkpoint.",
+        help="checkpoint every shard of a running cluster as one named checkpoint",
+        description="Every shard writes its part of the checkpoint NAME to NAME/shard-IIIII-of-NNNNN under its "
+        "own --checkpoint-root (default <data-dir>/checkpoints), in parallel (pushes wait while a shard's part "
+        "is taken). It prints NAME: serve-from --checkpoint NAME serves it. When every part lies in one directory "
+        "ps-admin sees (shards sharing a --checkpoint-root), NAME/manifest.json is written there last "
+        "(reshard reads it).",
     )
-    ck.add_argument("--addresses", required=True, type=_addresses, help=addresses_help)
+    addresses(ck)
     ck.add_argument(
         "--out",
-        required=True,
-        type=Path,
-        help="directory to create for the checkpoint, under the shards' --checkpoint-root",
+        "--name",
+        dest="out",
+        default=None,
+        help="the checkpoint's name: a relative NAME is resolved under each shard's --checkpoint-root (not "
+        "against this directory); an absolute path must lie under every shard's root. Default: the next "
+        "version number (000001, 000002, ...)",
     )
     ck.add_argument("--timeout-s", type=_positive_seconds, default=600.0, help="per-shard limit (default 600)")
+
+    ls = sub.add_parser(
+        "list",
+        help="list the checkpoints under checkpoint roots this machine sees (offline)",
+        description="List the checkpoints under each ROOT (a shard's --checkpoint-root, e.g. "
+        "<data-dir>/checkpoints; give one --root per shard when each has its own): name, the shard parts found, "
+        "whether the cluster manifest is there, when, and rows.",
+    )
+    ls.add_argument("--root", action="append", required=True, type=Path, help="a checkpoint root; repeatable")
 
     rs = sub.add_parser(
         "reshard",
@@ -453,24 +563,35 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--chunk-rows", type=_at_least_one, default=SCAN_CHUNK_ROWS, help="rows read per step")
 
     st = sub.add_parser("stats", help="print rows, RAM tier and durability of every shard and table")
-    st.add_argument("--addresses", required=True, type=_addresses, help=addresses_help + "; '|' between replicas")
+    addresses(st)
     st.add_argument("--timeout-s", type=_positive_seconds, default=10.0, help="per-shard limit (default 10)")
 
     sf = sub.add_parser(
         "serve-from",
         help="pin serving shards to a checkpoint version (roll back), or back to their own source",
-        description="Serving shards (ps-server --mode serve) switch to serving the checkpoint CHECKPOINT (a "
-        "version number such as 3, or a path under each shard's --checkpoint-root) read-only; a follower "
-        "keeps its place meanwhile. --unpin switches them back: a follower catches up with its training shard.",
+        description="Serving shards (ps-server --mode serve) switch to serving their part of the checkpoint "
+        "CHECKPOINT (the NAME ps-admin checkpoint printed, a version number such as 3, or a path under each "
+        "shard's --checkpoint-root, which for a serving shard is its training shard's root) read-only; a "
+        "follower keeps its place meanwhile. --unpin switches them back: a follower catches up with its "
+        "training shard.",
     )
-    sf.add_argument("--addresses", required=True, type=_addresses, help=addresses_help + "; '|' between replicas")
+    addresses(sf, "SERVING_ADDRESSES")
     which = sf.add_mutually_exclusive_group(required=True)
-    which.add_argument("--checkpoint", help="checkpoint version or path to serve")
+    which.add_argument("--checkpoint", help="checkpoint name, version number or path to serve")
     which.add_argument("--unpin", action="store_true", help="serve the shards' own source again")
     sf.add_argument("--timeout-s", type=_positive_seconds, default=30.0, help="per-shard limit (default 30)")
 
+    up = sub.add_parser(
+        "unpin",
+        help="switch pinned serving shards back to their own source (serve-from --unpin)",
+        description="Serving shards pinned by serve-from serve their own source again: a follower catches up "
+        "with its training shard.",
+    )
+    addresses(up, "SERVING_ADDRESSES")
+    up.add_argument("--timeout-s", type=_positive_seconds, default=30.0, help="per-shard limit (default 30)")
+
     tb = sub.add_parser("tables", help="list the cluster's tables")
-    tb.add_argument("--addresses", required=True, type=_addresses, help=addresses_help + "; '|' between replicas")
+    addresses(tb)
     tb.add_argument("--timeout-s", type=_positive_seconds, default=10.0, help="per-shard limit (default 10)")
 
     ct = sub.add_parser(
@@ -481,14 +602,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(sgd, adagrad, adam, ftrl), initializer (uniform, normal, zeros, constant), seed, serving_default "
         "(zeros, initial) and numbers such as lr=0.05, ttl_seconds=86400, admit_after=2.",
     )
-    ct.add_argument("--addresses", required=True, type=_addresses, help=addresses_help)
+    addresses(ct)
     ct.add_argument("--name", required=True, help="table name")
     ct.add_argument("--dim", required=True, type=_at_least_one, help="row width")
     ct.add_argument("option", nargs="*", type=_table_option, help="NAME=VALUE settings of the table")
     ct.add_argument("--timeout-s", type=_positive_seconds, default=30.0, help="per-shard limit (default 30)")
 
     hc = sub.add_parser("health", help="gRPC health of every shard and replica (exit 1 unless all serve)")
-    hc.add_argument("--addresses", required=True, type=_addresses, help=addresses_help + "; '|' between replicas")
+    addresses(hc)
     hc.add_argument("--timeout-s", type=_positive_seconds, default=5.0, help="per-call limit (default 5)")
     return parser
 
@@ -518,8 +639,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(manifest, indent=2, sort_keys=True))
                 return 0
-            print(f"checkpoint of {manifest['num_shards']} shards written to {args.out.absolute()}")
+            print(f"checkpoint {manifest['name']} of {manifest['num_shards']} shards written:")
+            for i, part in enumerate(manifest["parts"]):
+                print(f"  shard {i}: {part}")
+            print(
+                f"  cluster manifest: {manifest['manifest_path']}"
+                if manifest["manifest_path"]
+                else "  no cluster manifest: the parts lie under different roots (reshard needs a shared root)"
+            )
             _print_rows(manifest)
+            print(f"serve it: ps-admin serve-from --addresses SERVING_SHARDS --checkpoint {manifest['name']}")
         elif args.command == "reshard":
             manifest = reshard(args.src, args.to_shards, args.out, args.chunk_rows)
             if args.json:
@@ -530,14 +659,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{args.out.absolute()} ({manifest['num_shards']} shards); push ledgers were not carried over"
             )
             _print_rows(manifest)
-        elif args.command == "serve-from":
+        elif args.command in ("serve-from", "unpin"):
+            unpin = args.command == "unpin" or args.unpin
             with _cluster(args.addresses, args.timeout_s) as client:
-                statuses = client.serve_from(None if args.unpin else args.checkpoint)
+                statuses = client.serve_from(None if unpin else args.checkpoint)
             if args.json:
                 print(json.dumps(statuses, indent=2, sort_keys=True))
                 return 0
             for st in statuses:
                 print(f"{st['address']}: serving {st['checkpoint'] or st['source']}, version {st['applied_version']}")
+        elif args.command == "list":
+            found = list_checkpoints(args.root)
+            print(json.dumps(found, indent=2, sort_keys=True) if args.json else _format_checkpoints(found))
         elif args.command == "tables":
             tables = cluster_tables(args.addresses, args.timeout_s)
             print(json.dumps(tables, indent=2, sort_keys=True) if args.json else _format_tables(tables))

@@ -38,8 +38,9 @@ examples:
   ps-launch --shards 2 --shard-arg=--data-dir=/var/ps/shard-{shard} --shard-arg=--durability=every-push \\
             -- python examples/train_dlrm.py
 
-Shard logs and port files go to --data-dir (a temp dir by default); a shard's log tail is
-printed once if it fails for good. The exit status is the workers'.
+Shard logs and port files go to --log-dir (a temp dir by default; --data-dir is its old
+name, and not where shards keep rows: that is --shard-arg=--data-dir=...); a shard's log
+tail is printed once if it fails for good. The exit status is the workers'.
 """
 
 
@@ -48,7 +49,7 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         prog="ps-launch",
         description="Start N shard processes on this machine, run W workers of COMMAND under torchrun with "
         "TRAINER_ADDRESSES set to the shards, and stop the shards when the workers end.",
-        usage="ps-launch [--shards N] [--workers W] [--shard-arg ARG ...] [--data-dir DIR] "
+        usage="ps-launch [--shards N] [--workers W] [--shard-arg ARG ...] [--log-dir DIR] "
         "[--[no-]restart-shards] -- COMMAND [ARGS ...]",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -62,7 +63,15 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         help="extra ps-server flag, repeatable; {shard} becomes the shard index, e.g. "
         "--shard-arg=--data-dir=/var/ps/shard-{shard} --shard-arg=--memory-budget-bytes=4000000000",
     )
-    parser.add_argument("--data-dir", type=Path, default=None, help="shard logs and port files (default: a temp dir)")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the shards' logs and port files go, not shard data (default: a temp dir); "
+        "give shards a data dir with --shard-arg=--data-dir=DIR/{shard}",
+    )
+    parser.add_argument("--data-dir", type=Path, default=None, dest="old_log_dir", help=argparse.SUPPRESS)
     parser.add_argument(
         "--restart-shards",
         action=argparse.BooleanOptionalAction,
@@ -79,6 +88,14 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("no COMMAND after '--'")
     if args.shards < 1 or args.workers < 1:
         parser.error("--shards and --workers must be >= 1")
+    if args.old_log_dir is not None:
+        print(
+            "ps-launch: warning: --data-dir is the old name of --log-dir (shard logs and port files, not shard "
+            "data; a shard's data dir is --shard-arg=--data-dir=DIR/{shard}): use --log-dir",
+            file=sys.stderr,
+        )
+        if args.log_dir is None:
+            args.log_dir = args.old_log_dir
     if args.restart_shards is None:
         args.restart_shards = any(a.startswith("--data-dir") for a in args.shard_arg)
     if command[0] in ("python", "python3"):
@@ -131,33 +148,52 @@ def _describe_exit(code: int | None) -> str:
     return f"status {code}"
 
 
-def _revive(cluster: LocalCluster, shard: ShardProcess, policy: RestartPolicy) -> bool:
-    """Restart ``shard`` until it serves; False once the policy gives up (log tail printed)."""
-    reason = _describe_exit(shard.proc.returncode)
-    while policy.died(shard.index):
-        log.warning(
-            "shard %d (%s, pid %d) died with %s; restarting it on the same address and data dir",
-            shard.index,
-            shard.address,
-            shard.proc.pid,
-            reason,
-        )
+def _revive(cluster: LocalCluster, dead: Sequence[ShardProcess], policy: RestartPolicy) -> list[int]:
+    """Restart every shard of ``dead`` until it serves, all of them together: each round
+    spawns every shard still down, then waits for all (``LocalCluster.restart_all``).
+    Returns the indices of those the policy gave up on (their log tails printed)."""
+    reasons = {s.index: _describe_exit(s.proc.returncode) for s in dead}
+    down = [s.index for s in dead]
+    lost: list[int] = []
+    while down:
+        again = []
+        for index in down:
+            shard = cluster.shards[index]
+            if not policy.died(index):
+                _give_up(shard, policy, reasons[index])
+                lost.append(index)
+                continue
+            log.warning(
+                "shard %d (%s, pid %d) died with %s; restarting it on the same address and data dir",
+                index,
+                shard.address,
+                shard.proc.pid,
+                reasons[index],
+            )
+            again.append(index)
+        if not again:
+            break
         t0 = time.monotonic()
-        try:
-            new = cluster.restart(shard.index)
-        except ShardStartError as exc:
-            reason = f"a failed restart ({str(exc).splitlines()[0]})"
-            policy.started(shard.index)  # a start that failed counts as a fast failure
-            continue
-        policy.started(shard.index)
-        log.info(
-            "shard %d is back on %s (pid %d) after %.1f s",
-            shard.index,
-            new.address,
-            new.proc.pid,
-            time.monotonic() - t0,
-        )
-        return True
+        results = cluster.restart_all(again)
+        down = []
+        for index in again:
+            policy.started(index)  # a start that failed counts as a fast failure too
+            result = results[index]
+            if isinstance(result, ShardStartError):
+                reasons[index] = f"a failed restart ({str(result).splitlines()[0]})"
+                down.append(index)
+                continue
+            log.info(
+                "shard %d is back on %s (pid %d) after %.1f s",
+                index,
+                result.address,
+                result.proc.pid,
+                time.monotonic() - t0,
+            )
+    return lost
+
+
+def _give_up(shard: ShardProcess, policy: RestartPolicy, reason: str) -> None:
     log.error(
         "shard %d (%s) failed %d times in a row within %.0f s of starting (last: %s); giving up. Its log (%s):\n%s",
         shard.index,
@@ -168,7 +204,6 @@ def _revive(cluster: LocalCluster, shard: ShardProcess, policy: RestartPolicy) -
         shard.log,
         shard.log_tail(),
     )
-    return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -181,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, interrupt)
-    cluster = LocalCluster(args.shards, args.data_dir, tuple(args.shard_arg))
+    cluster = LocalCluster(args.shards, args.log_dir, tuple(args.shard_arg))
     try:
         cluster.start()
         interrupt.check()
@@ -223,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
             dead = [s for s in cluster.shards if s.proc.poll() is not None]
             if dead and args.restart_shards:
-                lost = [s.index for s in dead if not _revive(cluster, s, policy)]
+                lost = _revive(cluster, dead, policy)
                 if not lost:
                     continue
                 reported.update(lost)  # _revive printed their log tails

@@ -98,6 +98,20 @@ def start_shard(
 
     Raises ``ShardStartError`` (with the log tail) if it exits or is not ready in ``timeout_s``.
     """
+    shard = spawn_shard(index, num_shards, root, *extra_args, in_child=in_child, listen=listen)
+    return await_shard(shard, root, timeout_s)
+
+
+def spawn_shard(
+    index: int,
+    num_shards: int,
+    root: Path,
+    *extra_args: str,
+    in_child: Callable[[], None] | None = None,
+    listen: str = "127.0.0.1:0",
+) -> ShardProcess:
+    """Start the process of shard ``index`` (``start_shard``'s arguments) without waiting for
+    it: ``await_shard`` waits. Several shards spawned first and awaited then start together."""
     root.mkdir(parents=True, exist_ok=True)
     port_file, log = root / f"port.{index}", root / f"shard.{index}.log"
     port_file.unlink(missing_ok=True)
@@ -121,13 +135,22 @@ def start_shard(
             env=env,
             preexec_fn=die_with_parent if in_child is None else _then(die_with_parent, in_child),
         )
-    shard = ShardProcess(index, "", proc, log)
+    return ShardProcess(index, "", proc, log)
+
+
+def await_shard(shard: ShardProcess, root: Path, timeout_s: float = 60.0) -> ShardProcess:
+    """Wait until the spawned ``shard`` (files under ``root``) serves; returns it with its address.
+
+    Raises ``ShardStartError`` (with the log tail) if it exits or is not ready in
+    ``timeout_s``; the process is killed then (also on an interrupt).
+    """
+    port_file, proc = root / f"port.{shard.index}", shard.proc
     deadline = time.monotonic() + timeout_s
     try:
         while not port_file.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 how = f"exit {proc.returncode}" if proc.returncode is not None else f"no port after {timeout_s:g} s"
-                raise ShardStartError(f"shard {index} did not start ({how}):\n{shard.log_tail()}")
+                raise ShardStartError(f"shard {shard.index} did not start ({how}):\n{shard.log_tail()}")
             time.sleep(0.05)
     except BaseException:  # also an interrupt: leave no shard behind
         proc.kill()
@@ -184,8 +207,11 @@ class LocalCluster:
             self._tmp = tempfile.TemporaryDirectory(prefix="ps-cluster-")
             self.root = Path(self._tmp.name)
         try:
+            # All spawned first, then awaited: the shards start together.
             for i in range(self.num_shards):
-                self.shards.append(start_shard(i, self.num_shards, self.root, *self._args(i)))
+                self.shards.append(spawn_shard(i, self.num_shards, self.root, *self._args(i)))
+            for shard in self.shards:
+                await_shard(shard, self.root)
         except BaseException:
             self._stop_quietly()
             if self._tmp is not None:
@@ -197,14 +223,37 @@ class LocalCluster:
     def restart(self, index: int, timeout_s: float = 60.0) -> ShardProcess:
         """Start shard ``index`` again, on its old address and with the same arguments (so
         the same data dir); the old process must have exited. Raises ``ShardStartError``."""
-        old = self.shards[index]
-        if old.proc.poll() is None:
-            raise ShardStartError(f"shard {index} (pid {old.proc.pid}) is still running")
+        result = self.restart_all([index], timeout_s)[index]
+        if isinstance(result, ShardStartError):
+            raise result
+        return result
+
+    def restart_all(self, indices: Sequence[int], timeout_s: float = 60.0) -> dict[int, ShardProcess | ShardStartError]:
+        """Start the shards ``indices`` again together (``restart``'s contract for each): every
+        process is spawned first, then each is awaited, so restarts overlap. Returns, per
+        index, the new shard or the ``ShardStartError`` saying why it did not come back."""
         assert self.root is not None
-        self.shards[index] = start_shard(
-            index, self.num_shards, self.root, *self._args(index), timeout_s=timeout_s, listen=old.address
-        )
-        return self.shards[index]
+        root = self.root
+        out: dict[int, ShardProcess | ShardStartError] = {}
+        spawned: list[ShardProcess] = []
+        for index in indices:
+            old = self.shards[index]
+            if old.proc.poll() is None:
+                out[index] = ShardStartError(f"shard {index} (pid {old.proc.pid}) is still running")
+                continue
+            spawned.append(spawn_shard(index, self.num_shards, root, *self._args(index), listen=old.address))
+        for shard in spawned:
+            try:
+                self.shards[shard.index] = out[shard.index] = await_shard(shard, root, timeout_s)
+            except ShardStartError as exc:
+                out[shard.index] = exc
+            except BaseException:
+                for other in spawned:  # an interrupt: leave no shard behind
+                    if other.proc.poll() is None:
+                        other.proc.kill()
+                        other.proc.wait()
+                raise
+        return out
 
     def stop(self) -> None:
         failures = []

@@ -22,6 +22,7 @@ from google.protobuf import json_format
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
 from ps import optimizers
+from ps.checkpoint import part_name
 from ps.config import TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import ShardError
 from ps.storage import FORMAT_VERSION, DataDirError, Storage, read_manifest, write_manifest
@@ -42,8 +43,8 @@ class AdminError(RuntimeError):
 
 
 def shard_dir_name(shard: int, num_shards: int) -> str:
-    """The directory of shard ``shard`` inside a cluster checkpoint."""
-    return f"shard-{shard:05d}-of-{num_shards:05d}"
+    """The directory of shard ``shard`` inside a cluster checkpoint (``ps.checkpoint.part_name``)."""
+    return part_name(shard, num_shards)
 
 
 def now_stamp() -> tuple[float, str]:

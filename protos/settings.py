@@ -34,7 +34,7 @@ import json
 import textwrap
 import tomllib
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -81,10 +81,13 @@ def load_settings(
     prefix: str,
     prog: str,
     description: str = "",
+    *,
+    others: Collection[str] = (),
 ) -> _C:
     """``cls`` filled from ``argv``, the ``{prefix}*`` variables of ``environ`` and a
-    ``--config`` file (see the module docstring). Raises ``ConfigError``; ``SystemExit``
-    for ``--help`` and unparsable flags."""
+    ``--config`` file (see the module docstring). ``others``: variables with the prefix
+    that belong to another command (one shell may export both), skipped rather than
+    refused. Raises ``ConfigError``; ``SystemExit`` for ``--help`` and unparsable flags."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     args = vars(build_parser(cls, prefix, prog, description).parse_args(list(argv)))
@@ -99,7 +102,7 @@ def load_settings(
             values[key] = _convert(key, hints[key], raw, f"--config {path}")
 
     for var, raw in environ.items():
-        if not var.startswith(prefix) or var == prefix + "CONFIG":
+        if not var.startswith(prefix) or var == prefix + "CONFIG" or var in others:
             continue
         key = var[len(prefix) :].lower()
         if key not in names:

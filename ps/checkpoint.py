@@ -5,6 +5,17 @@ directory, every table is held (``Table.held``) while its dirty rows and ledger 
 flushed and RocksDB takes a checkpoint (hard links) plus ``manifest.json``; without
 one, the tables' rows are written into a new data directory at the path.
 
+**Naming.** A checkpoint has a NAME, a directory under the checkpoint root (a relative
+path, resolved under the root, or an absolute one below it; a version number ``3`` is
+``000003``). Shard ``i`` of ``n`` writes its part to ``NAME/shard-{i:05d}-of-{n:05d}``
+(``part_name``), whether the shards share one root (then ``NAME`` holds every part, and
+``ps-admin checkpoint`` adds the cluster's ``NAME/manifest.json``) or each has its own
+(``<data-dir>/checkpoints`` by default). Without a NAME a shard takes the root's next
+version number (``next_version_path``). Every tool speaks NAME: ``PSClient.checkpoint``,
+``ps-admin checkpoint --out``, ``ps-admin serve-from --checkpoint`` and a serving
+shard's ``pin`` (``resolve_existing_checkpoint`` finds its part; a directory that is a
+shard checkpoint itself, as older versions wrote ``<root>/NNNNNN``, is served as is).
+
 A caller names a directory; the shard writes a RocksDB checkpoint there. Left
 unchecked, that is a remote "create a directory anywhere this process may write"
 primitive, so every requested path goes through ``resolve_checkpoint_path``:
@@ -51,8 +62,10 @@ from ps.table import Table, held_tables
 
 __all__ = [
     "MAX_PATH_BYTES",
+    "checkpoint_target",
     "copy_checkpoint",
     "next_version_path",
+    "part_name",
     "require_root",
     "resolve_checkpoint_path",
     "write_checkpoint",
@@ -64,8 +77,15 @@ MAX_PATH_BYTES = 4095  # PATH_MAX (4096) less the terminating NUL
 _MAX_NAME_BYTES = 255  # NAME_MAX
 
 
-def resolve_checkpoint_path(root: Path | None, requested: str, shard: int) -> Path:
-    """The absolute directory to write the checkpoint ``requested`` to (it does not exist yet).
+def part_name(shard: int, num_shards: int) -> str:
+    """The directory of shard ``shard``'s part inside a checkpoint: ``shard-00001-of-00004``."""
+    return f"shard-{shard:05d}-of-{num_shards:05d}"
+
+
+def resolve_checkpoint_path(root: Path | None, requested: str, shard: int, *, part: str | None = None) -> Path:
+    """The absolute directory to write the checkpoint ``requested`` to (it does not exist yet);
+    with ``part``, the directory ``part`` inside it (``requested`` may exist then: another
+    shard sharing the root wrote its part there, but it must not be a shard checkpoint).
 
     Raises ``NotConfigured`` when ``root`` is None, ``InvalidRequest`` (naming the root)
     for a path that is bad or not under it. Does not create anything.
@@ -94,6 +114,10 @@ def resolve_checkpoint_path(root: Path | None, requested: str, shard: int) -> Pa
             f"Checkpoint: path {requested!r} is not under {where}: give a relative path (resolved under the "
             "root) or an absolute one below it"
         )
+    if part is not None:
+        if (target / "db").is_dir():
+            raise InvalidRequest(f"Checkpoint: {target} is a shard checkpoint already: choose a new name under {where}")
+        target = target / part
     if len(os.fsencode(str(target))) > MAX_PATH_BYTES:
         raise InvalidRequest(f"Checkpoint: path {str(target)[:80]!r}... is over {MAX_PATH_BYTES} bytes under {where}")
     if os.path.lexists(target):
@@ -105,16 +129,32 @@ def resolve_checkpoint_path(root: Path | None, requested: str, shard: int) -> Pa
     return target
 
 
-def resolve_existing_checkpoint(root: Path | None, requested: str, shard: int) -> Path:
-    """The checkpoint directory ``requested`` names for reading: a version number
-    ("3" is ``000003``), a path relative to ``root``, or an absolute one below it.
+def checkpoint_target(root: Path | None, name: str | Path | None, shard: int, num_shards: int) -> Path:
+    """Where shard ``shard`` of ``num_shards`` writes its part of the checkpoint ``name``
+    (None or "": the root's next version number): ``resolve_checkpoint_path`` of ``name``
+    with ``part_name``. Raises as that does."""
+    if name is None or str(name) == "":
+        name = next_version_path(require_root(root, shard).resolve())
+    return resolve_checkpoint_path(root, str(name), shard, part=part_name(shard, num_shards))
+
+
+def resolve_existing_checkpoint(root: Path | None, requested: str, shard: int, num_shards: int) -> Path:
+    """This shard's part of the checkpoint ``requested``, for reading: a name under ``root``
+    (a version number "3" is ``000003``) or an absolute path below it, whose
+    ``part_name(shard, num_shards)`` holds the part; or a directory that is a shard
+    checkpoint itself (``db/`` and ``manifest.json``).
 
     Raises ``NotConfigured`` without a root, ``InvalidRequest`` naming the path when it
-    is outside the root or holds no checkpoint (``db/`` and ``manifest.json``).
+    is outside the root or holds no checkpoint of this shard, listing the names there.
     """
-    base = require_root(root, shard).resolve()
+    if root is None:
+        raise NotConfigured(
+            f"ServeFrom: shard {shard} has no checkpoint root: start it with --checkpoint-root set to its "
+            "training shard's (by default that shard's <data-dir>/checkpoints)"
+        )
+    base = root.resolve()
     if "\0" in requested or not requested:
-        raise InvalidRequest(f"checkpoint {requested[:200]!r}: give a version number or a path under {base}")
+        raise InvalidRequest(f"checkpoint {requested[:200]!r}: give a checkpoint name, number or a path under {base}")
     name = f"{int(requested):06d}" if requested.isdigit() else requested
     try:
         target = (base / name).resolve()
@@ -122,13 +162,16 @@ def resolve_existing_checkpoint(root: Path | None, requested: str, shard: int) -
         raise InvalidRequest(f"checkpoint {requested!r} cannot be resolved under {base}: {exc}") from None
     if not target.is_relative_to(base):
         raise InvalidRequest(f"checkpoint {requested!r} is not under this shard's checkpoint root {base}")
-    if not (target / "db").is_dir() or not (target / "manifest.json").is_file():
-        versions = sorted(p.name for p in base.glob("[0-9]*") if p.name.isdigit()) if base.is_dir() else []
-        raise InvalidRequest(
-            f"checkpoint {requested!r}: {target} holds no checkpoint (db/ and manifest.json); "
-            f"versions under {base}: {', '.join(versions) or 'none'}"
-        )
-    return target
+    for candidate in (target / part_name(shard, num_shards), target):
+        if (candidate / "db").is_dir() and (candidate / "manifest.json").is_file():
+            return candidate
+    names = sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+    raise InvalidRequest(
+        f"checkpoint {requested!r}: {target} holds no checkpoint of shard {shard} of {num_shards} "
+        f"({part_name(shard, num_shards)}/ with db/ and manifest.json); checkpoints under {base}: "
+        f"{', '.join(names[-20:]) or 'none'} (a serving shard reads checkpoints under its --checkpoint-root: "
+        "its training shard's root, by default that shard's <data-dir>/checkpoints)"
+    )
 
 
 def require_root(root: Path | None, shard: int) -> Path:
@@ -155,6 +198,7 @@ def write_checkpoint(
     shard: int,
     num_shards: int,
     data_dir_failed: Callable[[StorageFailed], None],
+    name: str | None = None,
 ) -> dict[str, Any]:
     """Write a consistent checkpoint of ``tables`` at ``path`` (from
     ``resolve_checkpoint_path``: absolute, not existing) and return its manifest.
@@ -164,13 +208,13 @@ def write_checkpoint(
     directory itself refused a write) before ``StorageFailed`` is raised. Without, the
     rows in RAM are written into a new data directory at ``path``. Raises
     ``StorageFailed`` when the checkpoint cannot be written; nothing is left at ``path``
-    then.
+    then. ``name``: the checkpoint's name, the manifest's ``version`` (default ``path.name``).
     """
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "shard": shard,
         "num_shards": num_shards,
-        "version": path.name,
+        "version": path.name if name is None else name,
         "created_unix_s": time.time(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "tables": [json_format.MessageToDict(spec_to_proto(t.spec)) for t in tables],

@@ -34,6 +34,9 @@ from ps.optimizers import OptimizerKind, OptimizerParams
 __all__ = ["ConfigError", "Durability", "ServerConfig", "TableSpec", "load_config", "spec_from_proto", "spec_to_proto"]
 
 ENV_PREFIX = "PS_"
+# What ``ps-admin`` reads (``--addresses``): a shell that exports it for ps-admin starts
+# ps-server with it too.
+ADMIN_VARIABLES = ("PS_ADDRESSES",)
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,128}")
 MAX_DIM = 65536
 
@@ -190,9 +193,11 @@ class ServerConfig:
     checkpoint_root: Path | None = field(
         default=None,
         metadata={
-            "help": "the Checkpoint RPC writes only under this directory: relative paths resolve under it, "
-            "others must lie below it. Unset: DATA_DIR/checkpoints, and with no data dir checkpoints "
-            "are refused. A shard that stops with updates its disk refused leaves a rescue dump here"
+            "help": "the Checkpoint RPC writes only under this directory: a checkpoint NAME (relative: resolved "
+            "under it; absolute: must lie below it) gets this shard's part in NAME/shard-IIIII-of-NNNNN. Unset: "
+            "DATA_DIR/checkpoints, and with no data dir checkpoints are refused. A serving shard reads the "
+            "checkpoints serve-from names here: give it its training shard's root. A shard that stops with "
+            "updates its disk refused leaves a rescue dump here"
         },
     )
     mode: str = field(
@@ -429,4 +434,6 @@ def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> ServerConfig
     Raises ``ConfigError`` naming the setting for unknown names and bad values;
     ``SystemExit`` for ``--help`` and unparsable flags (argparse's behaviour).
     """
-    return settings.load_settings(ServerConfig, argv, environ, ENV_PREFIX, "ps-server", _DESCRIPTION)
+    return settings.load_settings(
+        ServerConfig, argv, environ, ENV_PREFIX, "ps-server", _DESCRIPTION, others=ADMIN_VARIABLES
+    )

@@ -298,10 +298,13 @@ class Source:
     # -- pinning ---------------------------------------------------------------------------
 
     def pin(self, checkpoint: str) -> Path:
-        """Serve the checkpoint ``checkpoint`` (absolute, or under the shard's checkpoint
-        root) read-only from now on; returns its path. Raises ``InvalidRequest`` naming
+        """Serve this shard's part of the checkpoint ``checkpoint`` (a name or number under the
+        shard's checkpoint root, or an absolute path below it) read-only from now on;
+        returns the part's path. Raises ``InvalidRequest`` naming
         the path when it is not a checkpoint of this shard."""
-        path = resolve_existing_checkpoint(self.shard.checkpoint_root, checkpoint, self.shard.index)
+        path = resolve_existing_checkpoint(
+            self.shard.checkpoint_root, checkpoint, self.shard.index, self.shard.num_shards
+        )
         try:
             storage = Storage(path, shard=self.shard.index, num_shards=self.shard.num_shards, read_only=True)
         except DataDirError as exc:

@@ -51,7 +51,7 @@ from ps import optimizers
 from ps.background import LoopHealth, RateWindow
 from ps.budget import MemoryBudget
 from ps.changes import ChangeLog
-from ps.checkpoint import next_version_path, require_root, resolve_checkpoint_path, write_checkpoint
+from ps.checkpoint import checkpoint_target, write_checkpoint
 from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import (
     InvalidRequest,
@@ -431,9 +431,9 @@ class Shard:
         return written
 
     def checkpoint(self, path: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
-        """A consistent checkpoint of every table at ``path`` (under ``checkpoint_root``;
-        relative paths resolve under it; default: ``<root>/<next version>``); returns the
-        absolute path and the manifest written there (see ``ps.checkpoint``).
+        """A consistent checkpoint of every table: this shard's part of the checkpoint named
+        ``path`` (``ps.checkpoint.checkpoint_target``); returns the part's absolute path
+        and the manifest written there (see ``ps.checkpoint``).
 
         Pushes wait (they are not refused) while it is taken. Raises ``ShuttingDown``,
         ``NotConfigured`` without a root, ``InvalidRequest`` for a path that is bad,
@@ -444,9 +444,7 @@ class Shard:
         self.check_request()
         self.check_mode("Checkpoint")
         with self._checkpoint_lock:
-            if path is None or str(path) == "":
-                path = next_version_path(require_root(self.checkpoint_root, self.index).resolve())
-            target = resolve_checkpoint_path(self.checkpoint_root, str(path), self.index)
+            target = checkpoint_target(self.checkpoint_root, path, self.index, self.num_shards)
             manifest = write_checkpoint(
                 target,
                 self.tables(),
@@ -454,6 +452,7 @@ class Shard:
                 shard=self.index,
                 num_shards=self.num_shards,
                 data_dir_failed=lambda exc: self._storage_health.failed(str(exc)),
+                name=target.parent.name,
             )
             if self.storage is not None:
                 self.last_durable = manifest["created_unix_s"]

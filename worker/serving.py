@@ -1,8 +1,8 @@
 """``ps-infer``: serve a trained model's ``Predict`` (``protos/infer.proto``) over gRPC.
 
 ``ps-infer --model runs/latest --ps HOST:PORT,HOST:PORT`` loads the run's exported
-model and manifest (``worker.export``), checks that the shards hold its tables, and
-serves ``ps.v1.Predictor`` with gRPC health and reflection:
+model and manifest (``worker.export``), checks that the shards are the cluster it was
+trained on (shard count and order, tables, dims, seeds; ``_check_shards``), and serves ``ps.v1.Predictor`` with gRPC health and reflection:
 
 * each request is checked and hashed on its own gRPC thread (``Predictor.encode``); a
   single batcher thread then scores concurrent requests together: it takes what is
@@ -60,6 +60,7 @@ __all__ = ["SERVICE_NAME", "InferConfig", "InferServer", "build_server", "main"]
 
 SERVICE_NAME = "ps.v1.Predictor"
 ENV_PREFIX = "INFER_"
+_NO_DEADLINE_S = 10**6  # time_remaining() beyond this: the call has no deadline
 _SPARE_THREADS = 8  # gRPC threads beyond --max-concurrent: refusals and health checks never wait
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,11 @@ class InferConfig:
 
     model: Path | None = field(default=None, metadata=_help("run directory to serve (e.g. runs/latest); required"))
     ps: tuple[str, ...] = field(
-        default=(), metadata=_help("shard addresses in shard order, comma-separated (h:1|h:2 for replicas); required")
+        default=(),
+        metadata=_help(
+            "shard addresses in shard order, ',' between shards, '+' between the replicas of one "
+            "(h:1+h:2,h:3; '|' also works quoted); required"
+        ),
     )
     listen: str = field(default="127.0.0.1:0", metadata=_help("HOST:PORT to serve on (port 0: any free port)"))
     port_file: Path | None = field(default=None, metadata=_help("write the bound port here once serving"))
@@ -109,7 +114,10 @@ class InferConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.model is not None, "model: required (--model DIR, a run directory such as runs/latest)"),
-            (bool(self.ps), "ps: required (--ps HOST:PORT,HOST:PORT, the shards in shard order)"),
+            (
+                bool(self.ps),
+                "ps: required (--ps HOST:PORT,HOST:PORT, the shards in shard order; HOST:PORT+HOST:PORT for replicas)",
+            ),
             (self.max_candidates >= 1, f"max_candidates={self.max_candidates}: must be >= 1"),
             (self.max_concurrent >= 1, f"max_concurrent={self.max_concurrent}: must be >= 1"),
             (self.batch_wait_ms >= 0, f"batch_wait_ms={self.batch_wait_ms}: must be >= 0"),
@@ -270,11 +278,18 @@ class _Servicer:
                     encoded = self._predictor.encode(*decode_request(request))
                 finally:
                     self._gate.encoded()
-                scores = self._batcher.submit(encoded).result(timeout=context.time_remaining())
+                scores = self._batcher.submit(encoded).result(timeout=_time_left_s(context))
             finally:
                 self._gate.leave()
             return pb.PredictResponse(scores=scores.astype("<f4").tobytes(), model=self._run)
         raise AssertionError("unreachable: the status boundary aborts the call")
+
+
+def _time_left_s(context: grpc.ServicerContext) -> float | None:
+    """The call's time left, or None when it has no deadline (grpcurl's default, and many
+    Go and Java stubs'): gRPC then reports a huge number that no wait accepts as a timeout."""
+    left = context.time_remaining()
+    return None if left is None or left > _NO_DEADLINE_S else max(left, 0.0)
 
 
 @contextlib.contextmanager
@@ -380,17 +395,60 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
     return infer
 
 
-def _check_tables(predictor: Predictor, client: PSClient, addresses: str) -> None:
-    """Raise ``RuntimeError`` unless the shards hold every table of the model with its dim."""
-    found = client.tables()
-    for table, dim in predictor.model.dims.items():
-        if table not in found:
-            raise RuntimeError(
-                f"table {table!r} is not on the shards at {addresses} (they hold "
-                f"{', '.join(sorted(found)) or 'no tables'}): is --ps the cluster this run trained?"
+def _check_shards(predictor: Predictor, client: PSClient, ps: str) -> None:
+    """Raise ``RuntimeError`` (one line) unless the shards at ``ps`` are the cluster the
+    model was trained on, as far as they can tell: the shard count of the manifest, each
+    replica the shard of its place in ``--ps`` and of a cluster of that size, every table
+    of the model on every replica with its dim (and seed: rows nobody trained are made
+    from it), and rows on a shard where training left some. Any of these wrong, and
+    scores would be silently wrong (rows of other keys, defaults, another shard's keys).
+    """
+    manifest = predictor.model.manifest
+    n = client.num_shards
+    trained_on = manifest.get("num_shards")
+    if isinstance(trained_on, int) and trained_on != n:
+        raise RuntimeError(
+            f"--ps names {n} shard{'s' if n != 1 else ''} ({ps}), but the model was trained on {trained_on} shards: "
+            "give every shard in shard order, ',' between shards and '+' between the replicas of one "
+            "('|' works only quoted: a shell reads it as a pipe)"
+        )
+    problems: list[str] = []
+    shard_of = [i for i, replicas in enumerate(client.replicas) for _ in replicas]
+    stats = client.stats()
+    trained_rows = manifest.get("shard_rows") or []
+    for i, s in zip(shard_of, stats, strict=True):
+        where = s["address"]
+        if s["num_shards"] != n:
+            problems.append(f"{where} is shard {s['shard']} of {s['num_shards']}, but --ps names {n} shards")
+            continue
+        if s["shard"] != i:
+            problems.append(
+                f"{where} is shard {s['shard']}, but --ps gives it as shard {i}: list shards in shard order"
             )
-        if found[table].dim != dim:
-            raise RuntimeError(f"table {table!r}: dim {found[table].dim} on the shards, {dim} in the model")
+            continue
+        held = {t["name"]: t for t in s["tables"]}
+        for table, dim in predictor.model.dims.items():
+            if table not in held:
+                problems.append(
+                    f"table {table!r} is not on {where} (it holds {', '.join(sorted(held)) or 'no tables'})"
+                )
+            elif held[table]["dim"] != dim:
+                problems.append(f"table {table!r}: dim {held[table]['dim']} on the shards, {dim} in the model")
+        rows = sum(int(held[t]["rows"]) for t in predictor.model.dims if t in held)
+        if not problems and i < len(trained_rows) and trained_rows[i] and not rows:
+            problems.append(
+                f"{where} (shard {i}) holds no rows of the model's tables, training left {trained_rows[i]} there "
+                "(a serving shard still loading, or the shards of another run)"
+            )
+    if not problems:
+        found = client.tables()
+        seeds = {t["name"]: t.get("seed") for t in manifest.get("tables", [])}
+        for table, seed in seeds.items():
+            if table in found and isinstance(seed, int) and found[table].seed != seed:
+                problems.append(f"table {table!r}: seed {found[table].seed} on the shards, {seed} in the model")
+    if problems:
+        unique = list(dict.fromkeys(problems))
+        raise RuntimeError(f"the shards at --ps {ps} do not match the model: {'; '.join(unique)}")
 
 
 def _warm_up(predictor: Predictor) -> None:
@@ -429,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     client = PSClient(config.addresses(), ClientConfig(deadline_s=config.deadline_s))
     try:
         predictor = Predictor(load_model(config.model), client, max_candidates=config.max_candidates)
-        _check_tables(predictor, client, ",".join(config.ps))
+        _check_shards(predictor, client, ",".join(config.ps))
         _warm_up(predictor)
         server = build_server(config, predictor)
     except (ValueError, RuntimeError, PSError) as exc:

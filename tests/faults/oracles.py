@@ -222,8 +222,9 @@ def _create(model: ShardModel, m: pb.CreateTableRequest, data: bytes) -> Verdict
     return _unsure("a table spec (rules beyond the oracle's: optimizer ranges, table limit)")
 
 
-def _checkpoint_path(root: Path, path: str, new: bool) -> Problems:
-    """Problems of ``path`` as a checkpoint to write (``new``) or to read, under ``root``."""
+def _checkpoint_path(root: Path, path: str, new: bool, part: str = "") -> Problems:
+    """Problems of ``path`` as a checkpoint to write (``new``: the shard writes its ``part``
+    inside it, so ``path`` may exist as a plain directory) or to read, under ``root``."""
     problems: Problems = []
     if "\0" in path:
         problems.append(("path with a NUL byte", _IA))
@@ -236,14 +237,17 @@ def _checkpoint_path(root: Path, path: str, new: bool) -> Problems:
     elif path.startswith("/") and not Path(path).is_relative_to(root):
         problems.append(("absolute path outside the root", _IA))
     elif new and path and os.path.lexists(root / path):
-        problems.append(("path exists", _IA))
+        target = root / path
+        if not target.is_dir() or (target / "db").is_dir() or os.path.lexists(target / part):
+            problems.append(("path exists", _IA))
     return problems
 
 
 def _checkpoint(model: ShardModel, m: pb.CheckpointRequest, data: bytes) -> Verdict:
     if model.mode != "train":
         return _invalid([("Checkpoint on a serving shard", _FP)])
-    problems = _checkpoint_path(model.checkpoint_root, m.path, new=True)
+    part = f"shard-{model.index:05d}-of-{model.num_shards:05d}"
+    problems = _checkpoint_path(model.checkpoint_root, m.path, new=True, part=part)
     if problems:
         return _invalid(problems)
     if not m.path or re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", m.path) and m.path not in (".", ".."):
@@ -269,7 +273,8 @@ def _serve_from(model: ShardModel, m: pb.ServeFromRequest, data: bytes) -> Verdi
         return _invalid(problems)
     name = f"{int(m.checkpoint):06d}" if m.checkpoint.isascii() and m.checkpoint.isdigit() else m.checkpoint
     target = model.checkpoint_root / name
-    if not ((target / "db").is_dir() and (target / "manifest.json").is_file()):
+    part = target / f"shard-{model.index:05d}-of-{model.num_shards:05d}"  # this shard's part of checkpoint `name`
+    if not any((t / "db").is_dir() and (t / "manifest.json").is_file() for t in (part, target)):
         return _invalid([(f"no checkpoint at {name[:60]!r}", ("INVALID_ARGUMENT", "NOT_FOUND"))])
     return _unsure("an existing checkpoint")
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,11 +44,12 @@ class Rows:
             assert np.array_equal(mine.view(np.uint32), theirs.view(np.uint32)), f"{what}: {field} differs"
 
 
-def ps_admin(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run the installed ``ps-admin`` script (``python -m deploy.admin`` if it is not installed)."""
+def ps_admin(*args: str | Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the installed ``ps-admin`` script (``python -m deploy.admin`` if it is not installed),
+    with ``env`` added to an environment without any ``PS_`` variable."""
     script = Path(sys.executable).parent / "ps-admin"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "deploy.admin"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PS_")} | (env or {})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return subprocess.run(
         [*cmd, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False
@@ -250,8 +252,8 @@ def test_bad_arguments_and_checkpoints(tmp_path: Path) -> None:
     wrong = ps_admin("reshard", "--from", one_shard, "--to-shards", "2", "--out", tmp_path / "o", cwd=tmp_path)
     assert wrong.returncode == 1 and "one shard" in wrong.stderr
 
-    exists = ps_admin("checkpoint", "--addresses", "127.0.0.1:1", "--out", tmp_path / "empty", cwd=tmp_path)
-    assert exists.returncode == 1 and "exists" in exists.stderr
+    unreachable = ps_admin("checkpoint", "--addresses", "127.0.0.1:1", "--out", tmp_path / "empty", cwd=tmp_path)
+    assert unreachable.returncode == 1 and "cannot reach" in unreachable.stderr
 
 
 def test_tables_create_table_health_and_json_with_a_token(tmp_path: Path) -> None:
@@ -317,3 +319,74 @@ def test_tables_create_table_health_and_json_with_a_token(tmp_path: Path) -> Non
     down = ps_admin("health", "--addresses", addresses, "--timeout-s", "1", cwd=tmp_path)
     assert down.returncode == 1 and "NOT SERVING" in down.stdout
     stop_shard(shards[0])
+
+
+def test_checkpoint_list_serve_from_and_unpin_with_the_cli(tmp_path: Path) -> None:
+    """The documented rollback flow, with the console script only and default checkpoint roots."""
+    train_shards = [start_shard(i, 2, tmp_path / "t", f"--data-dir={tmp_path / f'train{i}'}") for i in range(2)]
+    train = [s.address for s in train_shards]
+    roots = [tmp_path / f"train{i}" / "checkpoints" for i in range(2)]  # the default: one per shard
+    serve_shards = [
+        start_shard(i, 2, tmp_path / "s", "--mode=serve", f"--follow={train[i]}", f"--checkpoint-root={roots[i]}")
+        for i in range(2)
+    ]
+    serve = [s.address for s in serve_shards]
+    env = {"PS_ADDRESSES": ",".join(train), "SERVING_ADDRESSES": ",".join(serve)}
+    keys = np.arange(200)
+    work = tmp_path / "elsewhere"  # ps-admin's working directory: no checkpoint lands here
+    work.mkdir()
+    try:
+        with PSClient(train) as trainer, PSClient(serve) as server:
+            trainer.create_table("item", 4, optimizer="sgd", lr=1.0)
+            trainer.push("item", keys, np.ones((200, 4), np.float32))
+            v1 = trainer.lookup("item", keys)
+
+            out = ok(ps_admin("checkpoint", cwd=work, env=env))  # --addresses from $PS_ADDRESSES
+            name = out.split()[1]
+            assert name == "000001" and "of 2 shards written" in out, out
+            assert f"--checkpoint {name}" in out and "different roots" in out
+            for i, root in enumerate(roots):
+                assert (root / name / f"shard-{i:05d}-of-00002" / "manifest.json").is_file()
+            named = ok(ps_admin("checkpoint", "--out", "nightly", cwd=work, env=env))
+            assert named.startswith("checkpoint nightly of 2 shards") and not (work / "nightly").exists()
+            assert (roots[1] / "nightly" / "shard-00001-of-00002").is_dir()
+            python_name = trainer.checkpoint()[0]["name"]  # Python names them the same way
+            assert python_name == "000002"
+
+            trainer.push("item", keys, np.ones((200, 4), np.float32))  # a bad update, say
+            latest = trainer.lookup("item", keys)
+            assert not np.array_equal(v1, latest)
+
+            listed = ok(ps_admin("list", "--root", roots[0], "--root", roots[1], cwd=work))
+            assert f"{name}: shards 0,1 of 2 (all shards)" in listed and "nightly: shards 0,1 of 2" in listed
+            assert "000002: shards 0,1 of 2 (all shards)" in listed
+
+            for which in (name, "1", "nightly", python_name):
+                pinned = ok(ps_admin("serve-from", "--checkpoint", which, cwd=work, env=env))
+                assert pinned.count("serving ") == 2 and str(roots[0]) in pinned, pinned
+                np.testing.assert_array_equal(server.lookup("item", keys), v1)
+            missing = ps_admin("serve-from", "--checkpoint", "7", cwd=work, env=env)
+            assert missing.returncode == 1 and "holds no checkpoint" in missing.stderr and name in missing.stderr
+
+            ok(ps_admin("unpin", cwd=work, env=env))
+            deadline = time.monotonic() + 30
+            while not np.array_equal(server.lookup("item", keys), latest):
+                assert time.monotonic() < deadline, "the serving shards did not follow the live rows again"
+                time.sleep(0.05)
+    finally:
+        for s in serve_shards + train_shards:
+            stop_shard(s)
+
+
+def test_help_lists_every_command_with_one_line_each(tmp_path: Path) -> None:
+    text = ok(ps_admin("--help", cwd=tmp_path))
+    commands = ["checkpoint", "list", "reshard", "stats", "serve-from", "unpin", "tables", "create-table", "health"]
+    for command in commands:
+        assert any(line.split()[:1] == [command] and len(line.split()) > 1 for line in text.splitlines()), (
+            command,
+            text,
+        )
+    words = " ".join(text.split())
+    assert "$PS_ADDRESSES" in words and "$SERVING_ADDRESSES" in words
+    unset = ps_admin("stats", cwd=tmp_path)  # no --addresses and no $PS_ADDRESSES
+    assert unset.returncode == 2 and "--addresses" in unset.stderr

@@ -234,14 +234,15 @@ def test_checkpoints_are_written_only_under_the_checkpoint_root(tmp_path: Path) 
         # Relative paths resolve under the root, not the working directory.
         code, details, written = checkpoint(s.address, "rel/one")
         assert code == grpc.StatusCode.OK, details
-        assert Path(written) == root / "rel" / "one" and (root / "rel" / "one" / "manifest.json").exists()
+        part = root / "rel" / "one" / "shard-00000-of-00001"  # the shard's part of the checkpoint "rel/one"
+        assert Path(written) == part and (part / "manifest.json").exists()
         code, details, _ = checkpoint(s.address, str(root / "rel" / "one"))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "exists" in details
         (root / "file").write_text("x")
         code, details, _ = checkpoint(s.address, "file/ck")
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "is not a directory" in details
         code, details, written = checkpoint(s.address, "")
-        assert code == grpc.StatusCode.OK and Path(written) == root / "000001", details
+        assert code == grpc.StatusCode.OK and Path(written) == root / "000001" / "shard-00000-of-00001", details
         with PSClient([s.address]) as ps:
             assert ps.stats()[0]["writable"] is True  # refusals never made the shard read-only
     finally:

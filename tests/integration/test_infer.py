@@ -437,3 +437,97 @@ def test_tokens_tls_and_metrics(trained: Trained, tmp_path: Path) -> None:
         assert token not in secured.log.read_text()
     finally:
         stop_infer(secured)
+
+
+def test_a_predict_without_a_deadline_is_answered(infer: Infer) -> None:
+    # grpcurl and many Go and Java stubs send no deadline; the call must not fail on its absence.
+    ids, counts = raw_rows(8, seed=10)
+    ((ctx, cand),) = requests_of(ids, counts, [8])
+    request = encode_request(ctx, cand)
+    with grpc.insecure_channel(infer.address) as channel:
+        predict = channel.unary_unary(
+            "/ps.v1.Predictor/Predict",
+            request_serializer=pb.PredictRequest.SerializeToString,
+            response_deserializer=pb.PredictResponse.FromString,
+        )
+        reply = predict(request)  # no timeout
+    with PredictClient(infer.address) as client:
+        expected = client.call(request)
+    np.testing.assert_array_equal(np.frombuffer(reply.scores, "<f4"), expected)
+
+
+def refused_start(trained: Trained, ps: str, tmp_path: Path, *, shell: bool = False) -> str:
+    """Run ps-infer with ``--ps ps`` (through bash, unquoted, when ``shell``); it must exit 1
+    with one line on stderr and no traceback. Returns that line."""
+    args = [sys.executable, "-m", "worker.serving", f"--model={trained.run}", "--listen=127.0.0.1:0"]
+    if shell:
+        command = " ".join([*args, "--ps", ps, "--log-level=ERROR", "2>&1"])
+        result = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=120)
+        output = result.stdout
+    else:
+        result = subprocess.run(
+            [*args, f"--ps={ps}", "--log-level=ERROR"], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        output = result.stderr
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert "Traceback" not in output, output
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+def test_infer_refuses_to_start_on_one_shard_of_two(trained: Trained, tmp_path: Path) -> None:
+    line = refused_start(trained, trained.addresses[0], tmp_path)
+    assert "--ps names 1 shard" in line and "2 shards" in line, line
+    # The mistake itself: '|' between replicas, unquoted. bash pipes ps-infer's output into
+    # a command named after the rest of the list, and ps-infer gets shard 0 alone.
+    a, b = trained.addresses
+    command = (
+        f"{sys.executable} -m worker.serving --model={trained.run} --listen=127.0.0.1:0 --log-level=ERROR "
+        f"--ps {a}|127.0.0.1:1,{b}|127.0.0.1:2"
+    )
+    result = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=120)
+    refusals = [line for line in result.stderr.splitlines() if "ps-infer" in line or "level=ERROR" in line]
+    assert len(refusals) == 1 and "--ps names 1 shard" in refusals[0], result.stderr
+    assert "Traceback" not in result.stderr and "'|' works only quoted" in refusals[0]
+
+
+def test_infer_refuses_shards_given_out_of_order(trained: Trained, tmp_path: Path) -> None:
+    line = refused_start(trained, ",".join(reversed(trained.addresses)), tmp_path)
+    assert f"{trained.addresses[1]} is shard 1" in line and "shard order" in line, line
+
+
+def test_infer_refuses_shards_of_another_cluster(trained: Trained, tmp_path: Path) -> None:
+    tables = json.loads((trained.run / "manifest.json").read_text())["tables"]
+    table = tables[0]
+    with LocalCluster(2, root=tmp_path / "other") as other, PSClient(other.addresses) as client:
+        client.create_table(table["name"], dim=8)
+        line = refused_start(trained, ",".join(other.addresses), tmp_path)
+        assert f"table {table['name']!r}: dim 8 on the shards, {table['dim']} in the model" in line, line
+    # The same table, but empty (the shards of another run, say): scores would be flat.
+    with LocalCluster(2, root=tmp_path / "empty") as other, PSClient(other.addresses) as client:
+        for t in tables:
+            client.create_table(t["name"], dim=t["dim"], seed=t["seed"])
+        line = refused_start(trained, ",".join(other.addresses), tmp_path)
+        assert "holds no rows of the model's tables" in line, line
+
+
+def test_plus_separates_replicas_unquoted_in_bash(trained: Trained, tmp_path: Path) -> None:
+    with LocalCluster(2, root=tmp_path / "f", follow=trained.addresses) as followers:
+        with PSClient(followers.addresses) as client:
+            deadline = time.monotonic() + 60
+            while any(s["follow"]["lag_versions"] or not s["follow"]["connected"] for s in client.stats()):
+                assert time.monotonic() < deadline, client.stats()
+                time.sleep(0.05)
+        # Replicas of shard 0 only: shard 1 is missing, so it must refuse naming the count,
+        # which proves bash passed the '+' list through as one argument.
+        ps = f"{trained.addresses[0]}+{followers.addresses[0]}"
+        line = refused_start(trained, ps, tmp_path, shell=True)
+        assert "--ps names 1 shard" in line, line
+        ps = f"{trained.addresses[0]}+{followers.addresses[0]},{trained.addresses[1]}+{followers.addresses[1]}"
+        served = start_infer(Trained([ps], trained.run), tmp_path, "plus")
+        try:
+            with PredictClient(served.address) as predictor:
+                ids, counts = raw_rows(4, seed=11)
+                assert predictor.predict(*requests_of(ids, counts, [4])[0]).shape == (4,)
+        finally:
+            stop_infer(served)

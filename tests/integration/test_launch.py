@@ -30,7 +30,7 @@ def test_help_exits_0_and_documents_restarts() -> None:
 
 def test_exit_status_is_the_workers(tmp_path: Path) -> None:
     result = subprocess.run(
-        _launch("--shards", "1", "--data-dir", str(tmp_path), "--", "python", "-c", "raise SystemExit(3)"),
+        _launch("--shards", "1", "--log-dir", str(tmp_path), "--", "python", "-c", "raise SystemExit(3)"),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -44,7 +44,7 @@ def test_exit_status_is_the_workers(tmp_path: Path) -> None:
 def test_workers_get_one_thread_per_spare_core_and_a_signal_is_128_plus(tmp_path: Path) -> None:
     code = "import os, signal; print('threads', os.environ['OMP_NUM_THREADS'], flush=True); os.kill(os.getpid(), signal.SIGKILL)"
     result = subprocess.run(
-        _launch("--shards", "1", "--data-dir", str(tmp_path), "--", "python", "-c", code),
+        _launch("--shards", "1", "--log-dir", str(tmp_path), "--", "python", "-c", code),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -84,7 +84,7 @@ def test_a_crash_looping_shard_ends_the_run_with_its_log_once(tmp_path: Path) ->
         _launch(
             "--shards",
             "2",
-            "--data-dir",
+            "--log-dir",
             str(launch_dir),
             f"--shard-arg=--data-dir={data}/{{shard}}",
             "--",
@@ -117,3 +117,71 @@ def test_a_crash_looping_shard_ends_the_run_with_its_log_once(tmp_path: Path) ->
     assert err.count("giving up") == 1 and err.count("Its log") == 1, err[-3000:]
     left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
     assert left == "", left
+
+
+def test_two_dead_shards_are_restarted_together(tmp_path: Path) -> None:
+    launch_dir, data = tmp_path / "launch", tmp_path / "data"
+    proc = subprocess.Popen(
+        _launch(
+            "--shards",
+            "2",
+            "--log-dir",
+            str(launch_dir),
+            f"--shard-arg=--data-dir={data}/{{shard}}",
+            "--",
+            "python",
+            "-c",
+            "import time; time.sleep(300)",
+        ),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        pids = [shard_pid(launch_dir, i) for i in range(2)]
+        while None in pids or not all((launch_dir / f"port.{i}").exists() for i in range(2)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+            pids = [shard_pid(launch_dir, i) for i in range(2)]
+        # Both die while ps-launch is stopped, so its next look finds both dead at once.
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            for pid in pids:
+                assert pid is not None
+                os.kill(pid, signal.SIGKILL)
+            while any(shard_pid(launch_dir, i) == pid for i, pid in enumerate(pids)):
+                time.sleep(0.01)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        back = [shard_pid(launch_dir, i) for i in range(2)]
+        while None in back or not all((launch_dir / f"port.{i}").exists() for i in range(2)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+            back = [shard_pid(launch_dir, i) for i in range(2)]
+        assert set(back).isdisjoint(pids)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    lines = err.splitlines()
+    restarting = [n for n, line in enumerate(lines) if "restarting it on the same address" in line]
+    returned = [n for n, line in enumerate(lines) if "is back on" in line]
+    assert len(restarting) == 2 and len(returned) == 2, err[-3000:]
+    assert max(restarting) < min(returned), err[-3000:]  # both were started before either was waited for
+
+
+def test_log_dir_is_named_for_what_it_holds_and_data_dir_still_works_with_a_warning(tmp_path: Path) -> None:
+    help_text = subprocess.run(_launch("--help"), cwd=REPO, capture_output=True, text=True, timeout=60).stdout
+    words = " ".join(help_text.split())  # as wrapped for any terminal width
+    assert "--log-dir DIR" in words and "not shard data" in words
+    result = subprocess.run(
+        _launch("--shards", "1", "--data-dir", str(tmp_path), "--", "python", "-c", "pass"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--data-dir is the old name of --log-dir" in result.stderr
+    assert (tmp_path / "shard.0.log").exists()

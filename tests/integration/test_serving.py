@@ -201,13 +201,15 @@ def test_pin_to_a_checkpoint_and_roll_forward_again(leader: RunningShard, tmp_pa
         train.create_table("item", DIM, optimizer="sgd", lr=1.0)
         train.push("item", keys, np.ones((100, DIM), np.float32))
         v1 = train.lookup("item", keys)
-        path = train.checkpoint()[0]["path"]
+        (written,) = train.checkpoint()
+        path = written["path"]
         train.push("item", keys, np.ones((100, DIM), np.float32))  # a bad update, say
         wait_caught_up(follower.address, leader.address)
         latest = train.lookup("item", keys)
         assert not np.array_equal(v1, latest)
 
-        status = serve.serve_from(Path(path).name)[0]  # roll back: "000001"
+        assert written["name"] == "000001"
+        status = serve.serve_from(written["name"])[0]  # roll back
         assert status["source"] == "checkpoint" and status["checkpoint"] == path
         np.testing.assert_array_equal(serve.lookup("item", keys), v1)
         train.push("item", keys[:5], np.ones((5, DIM), np.float32))  # followed on, not served

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def launch(tmp_path: Path, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "deploy.launch", "--data-dir", str(tmp_path / "shards"), *args],
+        [sys.executable, "-m", "deploy.launch", "--log-dir", str(tmp_path / "shards"), *args],
         cwd=REPO,
         capture_output=True,
         text=True,

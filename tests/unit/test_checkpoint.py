@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from ps.checkpoint import MAX_PATH_BYTES, next_version_path, resolve_checkpoint_path
+from ps.checkpoint import MAX_PATH_BYTES, next_version_path, resolve_checkpoint_path, resolve_existing_checkpoint
 from ps.config import ConfigError, Durability, ServerConfig, TableSpec
 from ps.errors import InvalidRequest, NotConfigured, ShardError
 from ps.shard import Shard
@@ -139,9 +139,9 @@ def test_shard_default_root_is_under_its_data_dir(tmp_path: Path) -> None:
         shard.table("t").lookup(np.arange(5))
         assert shard.checkpoint_root == tmp_path / "data" / "checkpoints"
         path, _ = shard.checkpoint("named")
-        assert path == tmp_path / "data" / "checkpoints" / "named"
+        assert path == tmp_path / "data" / "checkpoints" / "named" / "shard-00000-of-00001"  # its part of "named"
         assert read_manifest(path)["rows"] == {"t": 5}
-        assert shard.checkpoint()[0] == tmp_path / "data" / "checkpoints" / "000001"
+        assert shard.checkpoint()[0] == tmp_path / "data" / "checkpoints" / "000001" / "shard-00000-of-00001"
         with pytest.raises(InvalidRequest, match="not under"):
             shard.checkpoint(tmp_path / "elsewhere")
         assert not (tmp_path / "elsewhere").exists() and shard.writable
@@ -160,7 +160,7 @@ def test_shard_without_data_dir_needs_a_root(tmp_path: Path) -> None:
     rooted = Shard(0, 1, checkpoint_root=tmp_path / "ckpts")
     rooted.create_table(TableSpec("t", 2))
     path, manifest = rooted.checkpoint("one")
-    assert path == tmp_path / "ckpts" / "one" and manifest["rows"] == {"t": 0}
+    assert path == tmp_path / "ckpts" / "one" / "shard-00000-of-00001" and manifest["rows"] == {"t": 0}
 
 
 def test_a_checkpoint_that_cannot_be_written_leaves_nothing_and_the_shard_writable(tmp_path: Path) -> None:
@@ -179,3 +179,29 @@ def test_a_checkpoint_that_cannot_be_written_leaves_nothing_and_the_shard_writab
     finally:
         os.chmod(root, 0o700)
         shard.shutdown()
+
+
+def test_a_checkpoint_name_holds_one_part_per_shard_and_each_shard_finds_its_own(tmp_path: Path) -> None:
+    root = tmp_path / "shared"
+    shards = [Shard(i, 2, checkpoint_root=root) for i in range(2)]
+    for s in shards:
+        s.create_table(TableSpec("t", 2))
+    parts = [s.checkpoint("v1")[0] for s in shards]  # the name exists once shard 0 wrote: shard 1 adds its part
+    assert parts == [root / "v1" / "shard-00000-of-00002", root / "v1" / "shard-00001-of-00002"]
+    for i in range(2):
+        for name in ("v1", str(root / "v1")):
+            assert resolve_existing_checkpoint(root, name, i, 2) == parts[i]
+    numbered = Shard(0, 2, checkpoint_root=root).checkpoint()[0]
+    assert numbered == root / "000001" / "shard-00000-of-00002"
+    assert resolve_existing_checkpoint(root, "1", 0, 2) == numbered
+    with pytest.raises(InvalidRequest, match="holds no checkpoint of shard 1 of 2.*000001, v1"):
+        resolve_existing_checkpoint(root, "1", 1, 2)  # shard 1 wrote no part of 000001
+    with pytest.raises(InvalidRequest, match="is a shard checkpoint already"):
+        shards[0].checkpoint("v1/shard-00000-of-00002")
+
+
+def test_a_serving_shard_without_the_right_root_is_told_which_root_to_give(tmp_path: Path) -> None:
+    with pytest.raises(NotConfigured, match="ServeFrom: shard 1 has no checkpoint root.*training shard's"):
+        resolve_existing_checkpoint(None, "1", 1, 2)
+    with pytest.raises(InvalidRequest, match="its training shard's root"):
+        resolve_existing_checkpoint(tmp_path, "1", 1, 2)

@@ -299,3 +299,9 @@ def test_every_command_names_where_a_bad_value_came_from(command: str) -> None:
     var = prefix + field.upper()
     with pytest.raises(ConfigError, match=rf"environment {var}: 'many' is not a valid int for {field}"):
         load_settings(cls, [], {var: "many"}, prefix, prog)
+
+
+def test_ps_admins_addresses_variable_does_not_stop_a_server() -> None:
+    # One shell exports PS_ADDRESSES for ps-admin and starts ps-server: not an unknown setting.
+    config = load_config(["--shard=0", "--num-shards=2"], {"PS_ADDRESSES": "127.0.0.1:1,127.0.0.1:2"})
+    assert config.num_shards == 2

@@ -45,6 +45,12 @@ def test_parse_addresses_reads_shards_and_replicas() -> None:
     assert parse_addresses("h:1") == [["h:1"]]
 
 
+def test_plus_separates_replicas_as_pipe_does() -> None:
+    # '+' is safe unquoted in a shell (bash reads '|' as a pipe); '|' still works when quoted.
+    assert parse_addresses("h:1+h:2,h:3+[::1]:4") == [["h:1", "h:2"], ["h:3", "[::1]:4"]]
+    assert parse_addresses("h:1 + h:2|h:5,h:3") == [["h:1", "h:2", "h:5"], ["h:3"]]
+
+
 @pytest.mark.parametrize(
     ("text", "names"),
     [

@@ -60,7 +60,7 @@ def test_checkpoint_of_a_shard_without_storage_opens_read_only(tmp_path: Path, c
     shard = Shard(0, 1, checkpoint_root=tmp_path)
     keys = make_tables(shard)
     path, manifest = shard.checkpoint(tmp_path / "ck")
-    assert path == tmp_path / "ck" and not (path / "ps.lock").exists()
+    assert path == tmp_path / "ck" / "shard-00000-of-00001" and not (path / "ps.lock").exists()
     assert manifest["rows"] == {"a": 3, "b": 4} and read_manifest(path)["rows"] == {"a": 3, "b": 4}
     with Storage(path, shard=0, num_shards=1, read_only=True) as ro:
         specs = {name: spec_from_proto(pb.TableSpec.FromString(blob)) for name, blob in ro.specs().items()}
@@ -97,7 +97,8 @@ def test_checkpoint_with_storage_flushes_and_numbers_versions(tmp_path: Path, cl
         shard.table("a").evict(1, clock.advance(1))  # one row only on disk
         p1, m1 = shard.checkpoint()
         p2, _ = shard.checkpoint()
-        assert (p1.name, p2.name) == ("000001", "000002") and p1.parent == tmp_path / "data" / "checkpoints"
+        assert (p1.parent.name, p2.parent.name) == ("000001", "000002") and p1.name == "shard-00000-of-00001"
+        assert p1.parent.parent == tmp_path / "data" / "checkpoints"
         assert m1["rows"] == {"a": 3, "b": 4} and m1["shard"] == 0 and m1["num_shards"] == 1
         with Storage(p1, shard=0, num_shards=1, read_only=True) as ro:
             for name in ("a", "b"):
@@ -117,7 +118,7 @@ def test_checkpoint_to_an_existing_path_is_refused_without_failing_the_shard(
     shard = Shard(0, 1, st, checkpoint_root=tmp_path)
     try:
         shard.create_table(SGD)
-        (tmp_path / "ck").mkdir()
+        (tmp_path / "ck" / "shard-00000-of-00001").mkdir(parents=True)  # this shard's part of "ck"
         with pytest.raises(Exception, match="exists") as info:
             shard.checkpoint(tmp_path / "ck")
         # an operator's mistake: the shard keeps taking pushes, and clients must not retry it

@@ -474,10 +474,10 @@ class TierMachine(RuleBasedStateMachine):
     def checkpoint(self) -> None:
         path = self.root / f"checkpoint{len(self.checkpoints) + 1}"
         written, manifest = self._live().checkpoint(path)
-        assert written == path and manifest["version"] == path.name
+        assert written == path / "shard-00000-of-00001" and manifest["version"] == path.name
         for m in self.model.values():
             m.persist_all()
-        self.checkpoints.append((path, {n: m.copy() for n, m in self.model.items()}))
+        self.checkpoints.append((written, {n: m.copy() for n, m in self.model.items()}))
 
     @precondition(lambda self: bool(self.checkpoints))
     @rule(data=st.data())
