@@ -182,7 +182,8 @@ class Shard:
         if self.storage is None:
             return Table(spec)
         rows = self.storage.table(spec.name, spec.dim, optimizers.state_width(spec.optimizer, spec.dim))
-        return Table(spec, rows=rows, storage=self.storage, every_push=self.durability.kind == "every-push")
+        every_push, failed = self.durability.kind == "every-push", self._storage_health.failed
+        return Table(spec, rows=rows, storage=self.storage, every_push=every_push, on_write_failure=failed)
 
     # -- tables --------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.rescue import apply_rescue, is_rescue_dump, save_rescue
 from ps.shard import Shard
 from ps.storage import DataDirError, Storage, StorageFailed
+from ps.table import Table
 from tests.fakes import push_request
 
 SPEC = TableSpec(
@@ -167,7 +168,7 @@ def test_every_push_mode_needs_no_rescue(tmp_path: Path) -> None:
     shard = Shard(0, 1, Storage(tmp_path / "data", shard=0, num_shards=1), Durability.parse("every-push"))
     shard.create_table(SPEC)
     push(shard, 1)
-    shard.table("t").lookup(np.arange(500, 510))  # created by a lookup: dirty, but no acknowledged update
+    shard.table("t").lookup(np.arange(500, 510))  # created by a lookup: written before it returns, too
     refuse_writes(shard.storage)  # type: ignore[arg-type]
     blocker = Blocker(tmp_path / "data")
     report = shard.shutdown(grace_s=5.0)
@@ -217,3 +218,26 @@ def test_a_push_whose_spill_fails_is_still_acknowledged(tmp_path: Path) -> None:
     finally:
         blocker.release()
         shard.shutdown()
+
+
+def test_every_push_lookup_writes_the_rows_it_creates_or_creates_none(tmp_path: Path) -> None:
+    shard = Shard(0, 1, Storage(tmp_path / "data", shard=0, num_shards=1), Durability.parse("every-push"))
+    shard.create_table(SPEC)
+    table = shard.table("t")
+    table.lookup(KEYS[:50])
+    assert table.unpersisted_rows() == 0 and table.counters.rows_written == 50
+    refuse_writes(shard.storage)  # type: ignore[arg-type]
+    blocker = Blocker(tmp_path / "data")
+    try:
+        seen = table.lookup(KEYS)  # 50 new rows: their write fails, so they are not created
+        assert not shard.writable and "storage write failed" in shard.storage_error
+        assert len(table) == 50 and table.counters.rows_created == 50 and table.unpersisted_rows() == 0
+        np.testing.assert_array_equal(seen, Table(SPEC).lookup(KEYS))  # the initial rows all the same
+    finally:
+        blocker.release()
+    assert shard.recover_storage()
+    table.lookup(KEYS)
+    assert len(table) == 100 and table.unpersisted_rows() == 0
+    shard.shutdown()
+    with Storage(tmp_path / "data", shard=0, num_shards=1) as st:
+        assert st.table("t", 4, 0).get(KEYS)[0].all()
