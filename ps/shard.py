@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -65,7 +64,7 @@ from ps.lifecycle import Eviction, now_tick
 from ps.limits import Limits
 from ps.recovery import StorageHealth
 from ps.report import RowSource, shard_stats
-from ps.rescue import StopReport, save_rescue
+from ps.rescue import RescueBase, StopReport, dump_places, read_base, save_rescue
 from ps.rwlock import ReadWriteLock
 from ps.storage import Storage, StorageFailed
 from ps.table import Table, held_tables
@@ -127,6 +126,8 @@ class Shard:
         if checkpoint_root is None and storage is not None:
             checkpoint_root = storage.path / "checkpoints"
         self.checkpoint_root = Path(checkpoint_root).absolute() if checkpoint_root is not None else None
+        self.rescue_dir: Path | None = None  # --rescue-dir, tried first (``ps.rescue.dump_places``)
+        self.rescue_base = read_base(storage) if storage is not None else RescueBase()  # noted in a dump
         self.health = LoopHealth()
         self.started = time.monotonic()
         self.last_durable = time.time()
@@ -599,10 +600,6 @@ class Shard:
         return unwritten
 
     def _rescue(self, data: Path, error: str) -> StopReport:
-        """Save what data dir ``data`` could not take to the first rescue location that works."""
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
-        places = [self.checkpoint_root / f"rescue-{stamp}"] if self.checkpoint_root is not None else []
-        places.append(data.parent / f"{data.name}.rescue-{stamp}")
-        return save_rescue(
-            self.tables(), places, shard=self.index, num_shards=self.num_shards, data_dir=data, error=error
-        )
+        """Save what data dir ``data`` could not take to the first rescue place that works."""
+        places = dump_places(data, self.rescue_dir, self.checkpoint_root)
+        return save_rescue(self.tables(), places, (self.index, self.num_shards), data, error, self.rescue_base)

@@ -22,7 +22,7 @@ import rocksdict
 from ps.config import Durability, TableSpec
 from ps.initializers import InitializerKind, InitializerParams
 from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.rescue import apply_rescue, is_rescue_dump, save_rescue
+from ps.rescue import apply_rescue, begin_epoch, dump_places, is_rescue_dump, save_rescue, settle_dumps
 from ps.shard import Shard
 from ps.storage import DataDirError, Storage, StorageFailed
 from ps.table import Table
@@ -180,14 +180,8 @@ def test_every_push_mode_needs_no_rescue(tmp_path: Path) -> None:
 def test_when_no_place_takes_the_dump_the_report_says_the_rows_are_lost(shard: Shard, tmp_path: Path) -> None:
     push(shard, 1)
     (tmp_path / "file").write_text("not a directory")
-    report = save_rescue(
-        shard.tables(),
-        [tmp_path / "file" / "a", tmp_path / "file" / "b"],
-        shard=0,
-        num_shards=1,
-        data_dir=tmp_path / "data",
-        error="disk full",
-    )
+    places = [(tmp_path / "file", "a-"), (tmp_path / "file", "b-")]
+    report = save_rescue(shard.tables(), places, (0, 1), tmp_path / "data", "disk full")
     assert report.lost and report.unpersisted_rows == 100 and len(report.rescue_failures) == 2
     assert all("Not a directory" in f for f in report.rescue_failures)
 
@@ -218,6 +212,59 @@ def test_a_push_whose_spill_fails_is_still_acknowledged(tmp_path: Path) -> None:
     finally:
         blocker.release()
         shard.shutdown()
+
+
+def test_a_dump_applies_only_to_the_state_it_was_written_on(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    places = dump_places(data, tmp_path / "rescue", None)
+    with Storage(data, shard=0, num_shards=1) as st:
+        base = begin_epoch(st)  # what a ps-server start does before anything else
+    shard = reopened(data)
+    assert shard.rescue_base == base
+    shard.rescue_dir = tmp_path / "rescue"
+    shard.create_table(SPEC)
+    push(shard, 1)
+    refuse_writes(shard.storage)  # type: ignore[arg-type]
+    blocker = Blocker(data)
+    dump = shard.shutdown(grace_s=0).rescue_path
+    blocker.release()
+    assert dump is not None and dump.parent == tmp_path / "rescue"
+    manifest = json.loads((dump / "manifest.json").read_text())
+    assert (manifest["lineage"], manifest["base_epoch"]) == (base.lineage, base.epoch)
+
+    with Storage(data, shard=0, num_shards=1) as st:
+        begin_epoch(st)  # another start wrote the data dir meanwhile (it did not look in tmp_path/rescue)
+    with Storage(data, shard=0, num_shards=1) as st:
+        with pytest.raises(DataDirError, match="another state of"):
+            apply_rescue(dump, st)
+        with pytest.raises(DataDirError, match=f"never applied: {dump} .*--discard-rescue={dump}"):
+            settle_dumps(st, places)
+        assert settle_dumps(st, places, discard=dump) == []
+        assert settle_dumps(st, places) == []  # discarded: no longer in the way
+        with pytest.raises(DataDirError, match="already discarded"):
+            apply_rescue(dump, st)
+        assert not st.table("t", 4, 0).get(KEYS)[0].any()  # none of its rows was written
+
+
+def test_a_pending_dump_on_its_own_state_is_applied_by_settle(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with Storage(data, shard=0, num_shards=1) as st:
+        begin_epoch(st)
+    shard = reopened(data)
+    shard.create_table(SPEC)
+    push(shard, 1)
+    refuse_writes(shard.storage)  # type: ignore[arg-type]
+    blocker = Blocker(data)
+    dump = shard.shutdown(grace_s=0).rescue_path
+    blocker.release()
+    with Storage(data, shard=0, num_shards=1) as st:
+        assert settle_dumps(st, dump_places(data, None, data / "checkpoints")) == [dump]
+        assert settle_dumps(st, dump_places(data, None, data / "checkpoints")) == []
+    again = reopened(data)
+    try:
+        np.testing.assert_array_equal(rows(again), np.ones(100))
+    finally:
+        again.shutdown()
 
 
 def test_every_push_lookup_writes_the_rows_it_creates_or_creates_none(tmp_path: Path) -> None:
