@@ -49,8 +49,10 @@ class Durability:
     """When acknowledged pushes reach disk (with ``--data-dir``; the WAL is always on).
 
     * ``every-push``: a push is acknowledged only after its rows, their optimizer state
-      and its exactly-once record are in one RocksDB write. A killed process loses no
-      acknowledged push (the WAL is in the OS page cache; power loss is not covered).
+      and its exactly-once record are in one RocksDB write, and a lookup that creates
+      rows answers only after they are written (one write per table). A killed process
+      loses no acknowledged push and no row it showed (the WAL is in the OS page cache;
+      power loss is not covered).
     * ``interval:S``: dirty rows are written every S seconds (and when spilled, and at
       checkpoints and shutdown). A crash loses, per row, at most the updates of the
       last S seconds plus one write's duration; no push is ever applied twice.
