@@ -380,10 +380,14 @@ def apply_rescue(dump: Path, storage: Storage) -> dict[str, int]:
 def discard_rescue(dump: Path, storage: Storage) -> None:
     """Record in ``storage`` that ``dump`` (a dump of it) is never to be applied: its rows
     are given up, and a start no longer refuses because of it. The dump stays on disk.
-    A dump applied or discarded before is left as it is (logged). Raises
-    ``DataDirError`` for a directory that is not a dump of this data dir,
-    ``StorageFailed`` if the note cannot be written."""
+    A dump applied or discarded before, or no longer there, is left as it is (logged:
+    a setting left in place must not stop later starts). Raises ``DataDirError`` for a
+    directory that is not a dump of this data dir, ``StorageFailed`` if the note cannot
+    be written."""
     dump = Path(dump)
+    if not dump.exists():
+        log.warning("--discard-rescue %s: no such dump (deleted?); nothing to do", dump)
+        return
     manifest = _read_dump(dump)
     _check_identity(dump, manifest, storage)
     if not _is_of(manifest, storage, read_base(storage)):
@@ -467,6 +471,8 @@ def _now() -> str:
 
 
 def _read_dump(dump: Path) -> dict[str, Any]:
+    if not (dump / "manifest.json").is_file():
+        raise DataDirError(f"{dump}: no manifest.json: not a rescue dump (or one whose writing did not finish)")
     manifest: dict[str, Any] = read_manifest(dump)
     if manifest.get("kind") != KIND or manifest.get("format") != FORMAT_VERSION:
         raise DataDirError(f"{dump}: not a rescue dump of format {FORMAT_VERSION}")

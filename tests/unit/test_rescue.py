@@ -246,6 +246,10 @@ def test_a_dump_applies_only_to_the_state_it_was_written_on(tmp_path: Path) -> N
         assert settle_dumps(st, places) == []  # discarded: no longer in the way
         with pytest.raises(DataDirError, match="already discarded"):
             apply_rescue(dump, st)
+        assert settle_dumps(st, places, discard=dump) == []  # a setting left in place does no harm
+        assert settle_dumps(st, places, discard=tmp_path / "deleted") == []
+        with pytest.raises(DataDirError, match="no manifest.json: not a rescue dump"):
+            settle_dumps(st, places, discard=tmp_path)
         assert not st.table("t", 4, 0).get(KEYS)[0].any()  # none of its rows was written
 
 
