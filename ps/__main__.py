@@ -7,9 +7,12 @@ Exit codes:
   opened; the message says why, and for a full disk how much space it needs).
 * 2: a bad setting (the message names it).
 * 3: stopped while the data dir refused writes; the acknowledged updates it did not
-  take are saved in a rescue dump, which the last log line names: start the shard
-  again with ``--restore-from DUMP`` (same ``--data-dir``) once the disk is fixed.
-* 4: as 3, but the rescue dump could not be written either: those updates are lost.
+  take are saved in a rescue dump, which the last log line names. Start the shard
+  again on the same ``--data-dir`` (and ``--rescue-dir``) once the disk is fixed: it
+  applies the dump before it serves (``--restore-from DUMP`` does the same where the
+  dump was moved). Until then a start is refused with exit 1, saying why.
+* 4: as 3, but the rescue dump could not be written either (``--rescue-dir`` unset, or
+  on the full volume too): those updates are lost.
 """
 
 from __future__ import annotations

@@ -46,8 +46,10 @@ class Durability:
     """When acknowledged pushes reach disk (with ``--data-dir``; the WAL is always on).
 
     * ``every-push``: a push is acknowledged only after its rows, their optimizer state
-      and its exactly-once record are in one RocksDB write. A killed process loses no
-      acknowledged push (the WAL is in the OS page cache; power loss is not covered).
+      and its exactly-once record are in one RocksDB write, and a lookup that creates
+      rows answers only after they are written (one write per table). A killed process
+      loses no acknowledged push and no row it showed (the WAL is in the OS page cache;
+      power loss is not covered).
     * ``interval:S``: dirty rows are written every S seconds (and when spilled, and at
       checkpoints and shutdown). A crash loses, per row, at most the updates of the
       last S seconds plus one write's duration; no push is ever applied twice.
@@ -187,7 +189,26 @@ class ServerConfig:
         metadata={
             "help": "start from this checkpoint directory (copied into an empty DATA_DIR first), or "
             "apply this rescue dump (left by a shard that stopped while its disk refused writes) to "
-            "DATA_DIR, once"
+            "DATA_DIR, once; a dump is refused if a shard has written DATA_DIR since it was saved "
+            "(its rows could be older). A start applies such a dump by itself when it finds it in the "
+            "rescue places (see --rescue-dir)"
+        },
+    )
+    rescue_dir: Path | None = field(
+        default=None,
+        metadata={
+            "help": "where a shard that must stop while DATA_DIR refuses writes (disk full) saves the "
+            "acknowledged updates it could not write (a rescue dump); put it on another volume than "
+            "DATA_DIR. Tried first, then CHECKPOINT_ROOT, then beside DATA_DIR. A start looks for dumps "
+            "of DATA_DIR in the same places: one not applied yet is applied before the shard serves, "
+            "or the start is refused with a message saying what to do"
+        },
+    )
+    discard_rescue: Path | None = field(
+        default=None,
+        metadata={
+            "help": "give up the rescue dump at this path: its acknowledged updates are never applied to "
+            "DATA_DIR, and starts no longer refuse because of it (the dump stays on disk)"
         },
     )
     checkpoint_root: Path | None = field(
@@ -197,7 +218,7 @@ class ServerConfig:
             "under it; absolute: must lie below it) gets this shard's part in NAME/shard-IIIII-of-NNNNN. Unset: "
             "DATA_DIR/checkpoints, and with no data dir checkpoints are refused. A serving shard reads the "
             "checkpoints serve-from names here: give it its training shard's root. A shard that stops with "
-            "updates its disk refused leaves a rescue dump here"
+            "updates its disk refused leaves a rescue dump here if --rescue-dir cannot take it"
         },
     )
     mode: str = field(
@@ -271,10 +292,16 @@ class ServerConfig:
             raise ConfigError("memory_budget_bytes needs data_dir: rows over the budget are moved to RocksDB there")
         if self.restore_from is not None and self.data_dir is None:
             raise ConfigError("restore_from needs data_dir: the checkpoint is copied into it")
+        if self.discard_rescue is not None and self.data_dir is None:
+            raise ConfigError("discard_rescue needs data_dir: the data dir records that the dump is given up")
+        if self.discard_rescue is not None and self.discard_rescue == self.restore_from:
+            raise ConfigError("restore_from and discard_rescue name the same dump: apply it or discard it, not both")
         for name in (
             "data_dir",
             "checkpoint_root",
             "restore_from",
+            "rescue_dir",
+            "discard_rescue",
             "port_file",
             "tls_cert",
             "tls_key",

@@ -11,9 +11,11 @@ Example:
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 from collections.abc import Callable
 from concurrent import futures
+from pathlib import Path
 from typing import Any, cast
 
 import grpc
@@ -29,7 +31,7 @@ from ps.config import Durability, ServerConfig
 from ps.follow import Source
 from ps.lifecycle import Eviction
 from ps.limits import Limits
-from ps.rescue import StopReport, apply_rescue, is_rescue_dump
+from ps.rescue import StopReport, apply_rescue, begin_epoch, dump_places, is_rescue_dump, settle_dumps
 from ps.servicer import SERVICE_NAME, Servicer
 from ps.shard import Mode, Shard
 from ps.storage import DataDirError, Storage, StorageFailed
@@ -117,8 +119,10 @@ class PSServer:
 def open_shard(config: ServerConfig) -> Shard:
     """The shard ``config`` describes, with its data directory opened: first restored from
     the checkpoint ``config.restore_from`` (into an empty data dir), or with the rescue
-    dump ``config.restore_from`` applied to it. Raises ``RuntimeError`` with an
-    actionable message."""
+    dump ``config.restore_from`` applied to it. Then the rescue dumps of the data dir not
+    applied yet are applied, or refused (``ps.rescue.settle_dumps``), and the data dir
+    gets this start's epoch before anything else is written. Raises ``RuntimeError``
+    with an actionable message."""
     shard = _open_shard(config)
     shard.changes = ChangeLog(config.follow_history_keys)
     if config.mode == "serve":
@@ -156,6 +160,7 @@ def _open_shard(config: ServerConfig) -> Shard:
             mode=mode,
             eviction=cast(Eviction, config.eviction),
             limits=Limits(config.max_tables, config.max_keys_per_request),
+            rescue_dir=config.rescue_dir,
         )
 
     if config.data_dir is None:
@@ -169,23 +174,78 @@ def _open_shard(config: ServerConfig) -> Shard:
         if not served.tables():
             log.warning("%s holds no tables: every lookup will get NOT_FOUND", config.data_dir)
         return served
+    data_dir = config.data_dir.absolute()
     rescue = config.restore_from is not None and is_rescue_dump(config.restore_from)
+    restored = config.restore_from if config.restore_from is not None and not rescue else None
     try:
-        if config.restore_from is not None and not rescue:
-            copy_checkpoint(config.restore_from, config.data_dir)
-        storage = Storage(config.data_dir, shard=config.shard, num_shards=config.num_shards)
+        if restored is not None:
+            copy_checkpoint(restored, data_dir)
+        storage = Storage(data_dir, shard=config.shard, num_shards=config.num_shards)
     except DataDirError as exc:
         raise RuntimeError(str(exc)) from None
     except OSError as exc:
         raise RuntimeError(f"data dir {config.data_dir}: {exc}") from None
-    if rescue:
-        assert config.restore_from is not None
+    checkpoint_root = config.checkpoint_root or data_dir / "checkpoints"  # as Shard decides it
+    try:
+        _check_rescue_dir(config, data_dir, checkpoint_root)
+        if config.restore_from is not None and rescue:
+            try:
+                apply_rescue(config.restore_from, storage)
+            except (DataDirError, StorageFailed) as exc:
+                raise RuntimeError(f"--restore-from {config.restore_from}: {exc}") from None
         try:
-            apply_rescue(config.restore_from, storage)
+            settle_dumps(
+                storage,
+                dump_places(data_dir, config.rescue_dir, checkpoint_root),
+                discard=config.discard_rescue,
+                restored_checkpoint=restored,
+            )
         except (DataDirError, StorageFailed) as exc:
-            storage.close()
-            raise RuntimeError(f"--restore-from {config.restore_from}: {exc}") from None
+            if restored is not None:  # as it was: the next try may restore it again
+                storage.close()
+                shutil.rmtree(data_dir / "db", ignore_errors=True)
+            raise RuntimeError(str(exc)) from None
+        try:
+            begin_epoch(storage)
+        except StorageFailed as exc:
+            raise RuntimeError(
+                f"data dir {config.data_dir}: cannot note this start in it ({exc}); free space and start again"
+            ) from None
+    except BaseException:
+        storage.close()
+        raise
     return shard(storage, Durability.parse(config.durability), config.memory_budget_bytes)
+
+
+def _check_rescue_dir(config: ServerConfig, data_dir: Path, checkpoint_root: Path) -> None:
+    """Make ``--rescue-dir``; warn when a full data volume would refuse every rescue place."""
+    if config.rescue_dir is not None:
+        try:
+            config.rescue_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RuntimeError(f"--rescue-dir {config.rescue_dir}: cannot create it: {exc.strerror}") from None
+    if Durability.parse(config.durability).kind == "every-push" or config.mode != "train":
+        return
+    device = data_dir.stat().st_dev
+    places = [d for d, _ in dump_places(data_dir, config.rescue_dir, checkpoint_root)]
+    if all(_device_of(p) == device for p in places):
+        log.warning(
+            "every place a rescue dump can go (%s) is on the data dir's filesystem: if it fills up, a stop loses "
+            "the acknowledged updates not written yet (durability=%s). Set --rescue-dir to a directory on another "
+            "volume",
+            ", ".join(map(str, places)),
+            config.durability,
+        )
+
+
+def _device_of(path: Path) -> int:
+    """The filesystem ``path`` is on, or would be once made (that of its nearest existing parent)."""
+    for p in (path, *path.parents):
+        try:
+            return p.stat().st_dev
+        except OSError:
+            continue
+    return -1
 
 
 def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:

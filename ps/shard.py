@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -67,7 +66,7 @@ from ps.limits import Limits
 from ps.maintenance import Maintenance
 from ps.ownership import check_owned
 from ps.recovery import StorageHealth
-from ps.rescue import StopReport, save_rescue
+from ps.rescue import RescueBase, StopReport, dump_places, read_base, save_rescue
 from ps.rwlock import ReadWriteLock
 from ps.storage import Storage, StorageFailed
 from ps.table import Table, held_tables
@@ -127,7 +126,8 @@ class Shard:
     once; their rows come back from disk when first used). ``memory_budget_bytes``
     (needs storage): resident bytes above which rows are spilled, in ``eviction``
     order; 0 = no limit (``ps.budget``). ``limits``: what one request and the shard
-    may hold (``ps.limits``).
+    may hold (``ps.limits``). ``rescue_dir``: where a stop that cannot write its rows
+    saves them first (``ps.rescue``).
     ``checkpoint_root``: the only directory checkpoints may be written under (see
     ``ps.checkpoint``); default ``<data dir>/checkpoints``, none without storage.
     ``mode``: ``"train"`` or ``"serve"`` (see the module docstring).
@@ -145,6 +145,7 @@ class Shard:
         mode: Mode = "train",
         eviction: Eviction = "lfu",
         limits: Limits | None = None,
+        rescue_dir: Path | None = None,
     ) -> None:
         if not 0 <= index < num_shards:
             raise ValueError(f"shard={index}: not in [0, num_shards={num_shards})")
@@ -164,6 +165,8 @@ class Shard:
         if checkpoint_root is None and storage is not None:
             checkpoint_root = storage.path / "checkpoints"
         self.checkpoint_root = Path(checkpoint_root).absolute() if checkpoint_root is not None else None
+        self.rescue_dir = rescue_dir  # --rescue-dir, tried first (``ps.rescue.dump_places``)
+        self.rescue_base = read_base(storage) if storage is not None else RescueBase()  # noted in a dump
         self.health = LoopHealth()
         self.started = time.monotonic()
         self.last_durable = time.time()
@@ -231,7 +234,8 @@ class Shard:
         if self.storage is None:
             return Table(spec)
         rows = self.storage.table(spec.name, spec.dim, optimizers.state_width(spec.optimizer, spec.dim))
-        return Table(spec, rows=rows, storage=self.storage, every_push=self.durability.kind == "every-push")
+        every_push, failed = self.durability.kind == "every-push", self._storage_health.failed
+        return Table(spec, rows=rows, storage=self.storage, every_push=every_push, on_write_failure=failed)
 
     # -- tables --------------------------------------------------------------------------
 
@@ -561,10 +565,6 @@ class Shard:
         return unwritten
 
     def _rescue(self, data: Path, error: str) -> StopReport:
-        """Save what data dir ``data`` could not take to the first rescue location that works."""
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
-        places = [self.checkpoint_root / f"rescue-{stamp}"] if self.checkpoint_root is not None else []
-        places.append(data.parent / f"{data.name}.rescue-{stamp}")
-        return save_rescue(
-            self.tables(), places, shard=self.index, num_shards=self.num_shards, data_dir=data, error=error
-        )
+        """Save what data dir ``data`` could not take to the first rescue place that works."""
+        places = dump_places(data, self.rescue_dir, self.checkpoint_root)
+        return save_rescue(self.tables(), places, (self.index, self.num_shards), data, error, self.rescue_base)

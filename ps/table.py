@@ -13,8 +13,8 @@ looked up, see ``ps.lifecycle``), values and optimizer state, to disk; a lookup 
 that misses RAM reads them back with one multi-get before anything else happens, so a
 key once created is never re-initialised. What reaches disk, and when, follows the
 shard's durability mode: with ``every_push`` a push is written (rows + its ledger entry,
-one batch) before it is applied in RAM; otherwise changed rows stay dirty until
-``flush`` or ``evict`` writes them. Every write of the table carries its ledger entries,
+one batch) before it is applied in RAM, and the rows a lookup creates before it returns
+them; otherwise changed rows stay dirty until ``flush`` or ``evict`` writes them. Every write of the table carries its ledger entries,
 copied under the same lock hold as its rows, so no row on disk reflects a push the
 ledger on disk does not know about. Eviction and the interval flush write their copies
 with the table lock released (the three steps of a spill, see ``ps.tier``).
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numba
 import numpy as np
@@ -53,7 +53,7 @@ from ps.initializers import fill_initial_rows
 from ps.ledger import PushLedger
 from ps.lifecycle import Eviction, EvictionScan, expired_keys, now_tick, scan_ranks, select_victims
 from ps.ram import CLEAN, DIRTY, RamTier
-from ps.storage import Storage, TableRows
+from ps.storage import Storage, StorageFailed, TableRows
 from ps.tier import SPILL_CHUNK, DiskTier, Spill, write_rows
 
 __all__ = ["HeldTable", "Table", "held_tables"]
@@ -88,7 +88,8 @@ class Table:
     """Rows of one table on this shard (see the module docstring for the contract).
 
     ``rows``/``storage``: the table's column family and the data directory it lives in
-    (both or neither). ``every_push``: write each push before applying it.
+    (both or neither). ``every_push``: write each push before applying it, and the rows a
+    lookup creates before returning them (``on_write_failure(error)`` hears a failure).
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class Table:
         rows: TableRows | None = None,
         storage: Storage | None = None,
         every_push: bool = False,
+        on_write_failure: Callable[[str], None] = lambda error: None,
     ) -> None:
         if (rows is None) != (storage is None):
             raise ValueError("rows and storage go together: pass both or neither")
@@ -112,6 +114,7 @@ class Table:
         self._ram = RamTier(spec, initial_capacity)
         self._disk = DiskTier(rows, storage) if rows is not None and storage is not None else None
         self._every_push = every_push and self._disk is not None
+        self._on_write_failure = on_write_failure
         self._keys_field = f"table {spec.name!r}: keys"
         if self._disk is not None:
             self.spilled = self._disk.estimate_rows()
@@ -162,7 +165,8 @@ class Table:
         or their initial rows) and nothing is stored. ``touch=False`` leaves the rows'
         last use and use count as they were (for callers whose shard never reads them). Raises
         ``InvalidKeys`` for keys that are not a 1-D integer array, ``ValueError`` for a
-        wrong ``out``; ``StorageFailed`` if rows on disk cannot be read.
+        wrong ``out``; ``StorageFailed`` if rows on disk cannot be read. In every-push mode,
+        rows it creates but fails to write are not created after all (as if not admitted).
         """
         keys = as_keys(keys, self._keys_field)
         if out is None:
@@ -174,9 +178,16 @@ class Table:
             )
         now = now_tick()
         with self._lock:
+            created = self.counters.rows_created
             slots = self._resolve(keys, now, create=create, sighting=True)
+            if self._every_push and self.counters.rows_created != created:
+                try:
+                    self.counters.rows_written += self._need_disk().write_created(self._ram, keys, slots)
+                except StorageFailed as exc:
+                    self.counters.rows_created = created
+                    self._on_write_failure(str(exc))
             self._ram.gather(slots, out, now, touch)
-            if (not self._ram.admits_all) if create else self.spec.serving_default == "initial":
+            if create or self.spec.serving_default == "initial":
                 absent = np.flatnonzero(slots < 0)  # read as their initial rows, not stored
                 if absent.size:
                     fill_initial_rows(self.spec.initializer, self.spec.seed, keys[absent], out, absent)
@@ -220,31 +231,12 @@ class Table:
                 k, g, slots = k[kept], g[kept], slots[kept]
             slots, k, g = self._ram.merge_duplicates(slots, k, g)
             if self._every_push:
-                self._push_durably(k, g, slots, now, client_id, seq)
+                ledger = (client_id, self.ledger.encode_after(client_id, seq)) if seq else None
+                self.counters.rows_written += self._need_disk().push_durably(self._ram, k, g, slots, now, ledger)
             else:
                 self._ram.apply(slots, g, now)
             self.counters.pushes += slots.shape[0]
             return int(slots.shape[0])
-
-    def _push_durably(
-        self,
-        keys: npt.NDArray[np.int64],
-        grads: npt.NDArray[np.float32],
-        slots: npt.NDArray[np.int32],
-        now: np.uint32,
-        client_id: str,
-        seq: int,
-    ) -> None:
-        # Update copies, write them with the ledger entry, and only then install them:
-        # a failed write leaves RAM exactly as it was.
-        disk = self._need_disk()
-        values, state = self._ram.updated_copies(slots, grads)
-        ledger = (client_id, self.ledger.encode_after(client_id, seq)) if seq else None
-        stamp = np.full(slots.shape[0], now, dtype=np.uint32)
-        with disk.write_lock:
-            disk.commit_push(keys, values, state, stamp, self._ram.arena.frequency[slots], ledger)
-        self.counters.rows_written += slots.shape[0]
-        self._ram.store(slots, values, state, stamp)
 
     def validate_grads(self, keys: npt.NDArray[np.int64], grads: npt.NDArray[np.float32]) -> None:
         """Raise ``InvalidRequest`` unless ``grads`` is ``[len(keys), dim]`` and all finite."""

@@ -222,6 +222,47 @@ class DiskTier:
         self.rows.put(batch, keys, values, state, last_access, frequency)
         self.storage.commit(batch)
 
+    def push_durably(
+        self,
+        ram: RamTier,
+        keys: npt.NDArray[np.int64],
+        grads: npt.NDArray[np.float32],
+        slots: npt.NDArray[np.int32],
+        now: np.uint32,
+        ledger: tuple[str, bytes] | None,
+    ) -> int:
+        """Every-push mode: write the distinct rows at ``slots`` as ``grads`` update them,
+        with the push's ``ledger`` entry (one batch), and only then install them in RAM
+        (``CLEAN``); returns rows written. ``StorageFailed``: RAM is exactly as it was.
+        Caller holds the table lock."""
+        values, state = ram.updated_copies(slots, grads)
+        stamp = np.full(slots.shape[0], now, dtype=np.uint32)
+        with self.write_lock:
+            self.commit_push(keys, values, state, stamp, ram.arena.frequency[slots], ledger)
+        ram.store(slots, values, state, stamp)
+        return int(slots.shape[0])
+
+    def write_created(self, ram: RamTier, keys: npt.NDArray[np.int64], slots: npt.NDArray[np.int32]) -> int:
+        """Every-push mode: write the rows a lookup of ``keys`` (at ``slots``) just created,
+        in one batch, before it returns them; returns rows written. In this mode a
+        ``DIRTY`` row is one a lookup created (a push writes before it applies).
+        ``StorageFailed``: nothing written, and the rows are dropped from RAM again
+        (their ``slots`` set to -1). Caller holds the table lock."""
+        a = ram.arena
+        held = np.flatnonzero(slots >= 0)
+        new = held[a.dirty[slots[held]] == DIRTY]
+        k = np.unique(keys[new])
+        s = ram.slots(k)
+        try:
+            with self.write_lock:
+                self.commit_push(k, a.values[s], a.state[s], a.last_access[s], a.frequency[s], None)
+        except BaseException:
+            ram.remove(k)
+            slots[new] = -1
+            raise
+        ram.mark(s, CLEAN)
+        return int(k.shape[0])
+
     def delete(self, keys: npt.NDArray[np.int64]) -> None:
         """Delete the rows of ``keys`` (one batch)."""
         batch = self.storage.batch()

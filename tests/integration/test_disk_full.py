@@ -13,7 +13,10 @@ restart) are printed with ``pytest -s``.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,16 +202,18 @@ def test_disk_fills_then_frees_and_nothing_acknowledged_is_lost(
     stop_shard(shard)
 
 
-@pytest.mark.parametrize("mode", ["interval:0.2", "checkpoint-only"])
-def test_stop_on_a_full_disk_saves_a_rescue_dump_and_restore_recovers_every_push(
-    tmp_path: Path, procs: list[ShardProcess], mode: str
-) -> None:
-    # The data dir fails for good: its write-ahead log (MBs, from rows spilled under a
-    # small memory budget) is over the 400 KB file size limit, and reopening it would
-    # write a table file of every row (~750 KB). What is unwritten at the stop (at most
-    # the RAM budget's worth) fits in a new file: the rescue dump.
+def stop_on_a_full_disk(
+    procs: list[ShardProcess], tmp_path: Path, mode: str, *extra: str
+) -> tuple[tuple[str, ...], list[Push], Push, Path]:
+    """Run a shard until its disk refuses writes, then SIGTERM it: it must exit 3 with a
+    rescue dump. Returns its arguments, the acknowledged pushes, the refused one, the dump.
+
+    The data dir fails for good: its write-ahead log (MBs, from rows spilled under a
+    small memory budget) is over the 400 KB file size limit, and reopening it would
+    write a table file of every row (~750 KB). What is unwritten at the stop (at most
+    the RAM budget's worth) fits in a new file: the rescue dump."""
     data = tmp_path / "data"
-    args = (f"--data-dir={data}", f"--durability={mode}", "--grace-s=1", "--memory-budget-bytes=200000")
+    args = (f"--data-dir={data}", f"--durability={mode}", "--grace-s=1", "--memory-budget-bytes=200000", *extra)
     shard = start(procs, tmp_path, *args)
     create_table(shard.address)
     acked = [("a", seq) for seq in range(1, 41)]
@@ -226,15 +231,21 @@ def test_stop_on_a_full_disk_saves_a_rescue_dump_and_restore_recovers_every_push
     found = re.search(r"--restore-from (\S+)", log)
     assert found, f"the log does not say how to restore:\n{log[-3000:]}"
     dump = Path(found.group(1))
-    assert dump.parent == data / "checkpoints" and (dump / "manifest.json").exists(), dump
+    assert (dump / "manifest.json").exists(), dump
     assert "final flush failed" in log and took >= 1.0, f"gave up after {took:.1f}s without retrying"
+    print(f"\n{mode}: {len(acked)} pushes acknowledged, stopped on a full disk (exit {code} after {took:.1f}s)")
+    return args, acked, refused, dump
 
+
+@pytest.mark.parametrize("mode", ["interval:0.2", "checkpoint-only"])
+def test_stop_on_a_full_disk_saves_a_rescue_dump_and_restore_recovers_every_push(
+    tmp_path: Path, procs: list[ShardProcess], mode: str
+) -> None:
+    args, acked, refused, dump = stop_on_a_full_disk(procs, tmp_path, mode)
+    assert dump.parent == tmp_path / "data" / "checkpoints", dump
     shard = start(procs, tmp_path, *args, f"--restore-from={dump}")
     lost, extra = lost_and_extra(row_counts(shard.address), acked)
-    print(
-        f"\n{mode}: {len(acked)} pushes acknowledged, stopped on a full disk (exit {code} after {took:.1f}s, "
-        f"dump {dump.name}); after --restore-from {lost} row updates lost, {extra} extra"
-    )
+    print(f"{mode}: after --restore-from {lost} row updates lost, {extra} extra")
     assert (lost, extra) == (0, 0), f"{mode}: {lost} acknowledged row updates lost, {extra} applied twice"
     with Pusher(shard.address, table=TABLE, dim=DIM) as pusher:
         assert not [p for p in acked[-8:] if pusher.push(*p, keys_of(*p))], "acknowledged pushes applied again"
@@ -246,6 +257,113 @@ def test_stop_on_a_full_disk_saves_a_rescue_dump_and_restore_recovers_every_push
         start(procs, tmp_path, *args, f"--restore-from={dump}")
     shard = start(procs, tmp_path, *args)
     assert lost_and_extra(row_counts(shard.address), [*acked, refused]) == (0, 0)
+    stop_shard(shard)
+
+
+def test_a_plain_restart_applies_the_pending_dump_before_it_serves(tmp_path: Path, procs: list[ShardProcess]) -> None:
+    # What a restart policy does after exit 3: start the shard again, as it was.
+    args, acked, refused, dump = stop_on_a_full_disk(procs, tmp_path, "interval:0.2")
+    shard = start(procs, tmp_path, *args)
+    lost, extra = lost_and_extra(row_counts(shard.address), acked)
+    assert (lost, extra) == (0, 0), f"plain restart: {lost} acknowledged row updates lost, {extra} applied twice"
+    assert f"applied rescue dump {dump}" in shard.log.read_text(errors="replace")
+    with Pusher(shard.address, table=TABLE, dim=DIM) as pusher:
+        assert not [p for p in acked[-8:] if pusher.push(*p, keys_of(*p))], "acknowledged pushes applied again"
+    stop_shard(shard)
+    shard = start(procs, tmp_path, *args)  # applied once: the next start goes on as usual
+    assert lost_and_extra(row_counts(shard.address), acked) == (0, 0)
+    stop_shard(shard)
+
+
+def test_a_dump_is_never_applied_over_rows_written_after_it(tmp_path: Path, procs: list[ShardProcess]) -> None:
+    args, acked, _, dump = stop_on_a_full_disk(procs, tmp_path, "interval:0.2")
+    away = tmp_path / "elsewhere" / dump.name
+    away.parent.mkdir()
+    dump.rename(away)  # out of every place a start looks: this start cannot know of it
+    shard = start(procs, tmp_path, *args)
+    later = [("c", seq) for seq in range(1, 31)]
+    push_all(shard.address, later)
+    newer = row_counts(shard.address)
+    stop_shard(shard)
+
+    # The dump's rows are older than these pushes on the keys both touched.
+    with pytest.raises(ShardStartError, match=f"another state of .* --discard-rescue={re.escape(str(away))}"):
+        start(procs, tmp_path, *args, f"--restore-from={away}")
+    away.rename(dump)  # back where the shard left it: a start finds it, and refuses to go past it
+    with pytest.raises(
+        ShardStartError, match=f"never applied: {re.escape(str(dump))} .* --discard-rescue={re.escape(str(dump))}"
+    ) as refused:
+        start(procs, tmp_path, *args)
+    assert "Traceback" not in str(refused.value)
+    shard = start(procs, tmp_path, *args, f"--discard-rescue={dump}")
+    np.testing.assert_array_equal(row_counts(shard.address), newer)
+    stop_shard(shard)
+    shard = start(procs, tmp_path, *args)  # discarded: no longer in the way
+    np.testing.assert_array_equal(row_counts(shard.address), newer)
+    stop_shard(shard)
+    with pytest.raises(ShardStartError, match="already discarded"):
+        start(procs, tmp_path, *args, f"--restore-from={dump}")
+
+
+@pytest.fixture
+def small_volume(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs under ``tmp_path``: a filesystem of its own that really fills up
+    (ENOSPC, unlike the file size limit of the other tests, which every file shares).
+    Mounting needs root (CAP_SYS_ADMIN); the test is skipped without it."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(volume)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        yield volume
+    finally:
+        subprocess.run(["umount", "-l", str(volume)], check=False)
+
+
+def fill(volume: Path) -> Path:
+    """Write a file that takes every free byte of ``volume``; returns it."""
+    filler = volume / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (1 << 16, 1 << 12, 1):
+            with contextlib.suppress(OSError):
+                while os.write(fd, b"\0" * size):
+                    pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_full_data_volume_sends_the_dump_to_the_rescue_dir(
+    tmp_path: Path, procs: list[ShardProcess], small_volume: Path
+) -> None:
+    # The shipped manifest's set-up: the data dir (and so the default checkpoint root)
+    # on a volume of its own. Without --rescue-dir every rescue place is on that volume.
+    data, rescue = small_volume / "data", tmp_path / "rescue"
+    args = (f"--data-dir={data}", "--durability=interval:60", "--grace-s=1")
+    shard = start(procs, tmp_path, *args)
+    assert "every place a rescue dump can go" in shard.log.read_text(errors="replace")
+    stop_shard(shard)
+
+    shard = start(procs, tmp_path, *args, f"--rescue-dir={rescue}")
+    create_table(shard.address)
+    acked = [("a", seq) for seq in range(1, 86)]
+    push_all(shard.address, acked)  # acknowledged, in RAM until the next flush (60 s)
+    filler = fill(small_volume)
+    code = terminate(shard)
+    log = shard.log.read_text(errors="replace")
+    assert code == 3, f"exit {code} after SIGTERM on a full data volume:\n{log[-3000:]}"
+    dumps = list(rescue.glob("rescue-*"))
+    assert len(dumps) == 1 and (dumps[0] / "manifest.json").exists(), (dumps, log[-3000:])
+
+    filler.unlink()  # space again: a plain restart applies the dump, then serves
+    shard = start(procs, tmp_path, *args, f"--rescue-dir={rescue}")
+    lost, extra = lost_and_extra(row_counts(shard.address), acked)
+    print(
+        f"\n{len(acked)} pushes acknowledged before the data volume filled; after the restart {lost} row updates lost"
+    )
+    assert (lost, extra) == (0, 0), f"{lost} acknowledged row updates lost, {extra} applied twice"
     stop_shard(shard)
 
 

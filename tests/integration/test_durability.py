@@ -183,6 +183,29 @@ def test_sigkill_during_every_push_stream_loses_and_repeats_nothing(tmp_path: Pa
     stop_shard(shard)
 
 
+def test_sigkill_keeps_every_row_a_lookup_showed_in_every_push_mode(tmp_path: Path, procs: list[RunningShard]) -> None:
+    # A row a lookup created was served (to workers, and to followers, whose table reads
+    # zeros for a key without a row): in every-push mode it is on disk before that.
+    data = tmp_path / "data"
+    shard = start(procs, tmp_path, f"--data-dir={data}", "--durability=every-push")
+    keys = np.arange(5000, dtype=np.int64) * 7919
+    with PSClient([shard.address]) as ps:
+        ps.create_table("seen", 8)  # random initial rows; serving_default zeros
+        shown = np.concatenate([ps.lookup("seen", part) for part in np.array_split(keys, 5)])
+        ps.push("seen", keys[:10], np.ones((10, 8), np.float32))
+        shown[:10] = ps.lookup("seen", keys[:10])
+    assert np.count_nonzero(shown.any(axis=1)) == keys.shape[0]
+    kill(shard)
+
+    serving = start(procs, tmp_path / "serve", "--mode=serve", f"--data-dir={data}")
+    with PSClient([serving.address]) as ps:
+        kept = ps.lookup("seen", keys)
+    stop_shard(serving)
+    lost = int(np.count_nonzero(~kept.any(axis=1)))
+    assert lost == 0, f"{lost} of {keys.shape[0]} rows shown by lookups read as zeros after kill -9"
+    np.testing.assert_array_equal(kept, shown)
+
+
 # -- 2. interval:S: loss bounded by the interval ------------------------------------------
 
 

@@ -147,6 +147,32 @@ def test_shard_data_lives_on_its_own_volume(resources: list[Resource], procs: li
     assert sts["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
 
 
+def test_rescue_dumps_go_to_a_volume_of_their_own_that_outlives_the_pod(
+    resources: list[Resource], procs: list[Proc]
+) -> None:
+    # A shard stopping while its data volume is full saves the acknowledged updates it could
+    # not write to --rescue-dir: on the data volume (or with none set, where every fallback
+    # is on it) the dump fails too and the updates are lost. The next start of the shard
+    # applies the dump, maybe in a new pod on another node (eviction, drain): an emptyDir
+    # would be gone with the old pod, a claim of the StatefulSet follows the shard index.
+    sts = find_resource(resources, "StatefulSet", "ps-shard")
+    claims = {t["metadata"]["name"]: t for t in sts["spec"]["volumeClaimTemplates"]}
+    for p in procs_of(procs, "ps-server", "ps-shard"):
+        assert p.config.rescue_dir is not None, f"{p.pod.name}: no --rescue-dir, so a full data volume loses updates"
+        (data_mount, rescue_mount) = (
+            max(
+                (m for m in p.container["volumeMounts"] if PurePosixPath(path).is_relative_to(m["mountPath"])),
+                key=lambda m: len(m["mountPath"]),
+            )
+            for path in (p.config.data_dir, p.config.rescue_dir)
+        )
+        assert rescue_mount["name"] != data_mount["name"], f"{p.pod.name}: rescue dumps on the data volume"
+        assert rescue_mount["name"] in claims, f"{p.pod.name}: {rescue_mount['name']} is not a volumeClaimTemplate"
+        assert not rescue_mount.get("readOnly")
+        size = _bytes(claims[rescue_mount["name"]]["spec"]["resources"]["requests"]["storage"])
+        assert size >= p.config.memory_budget_bytes, f"{p.pod.name}: a dump holds up to the RAM budget of rows"
+
+
 def test_memory_budget_fits_the_limit(procs: list[Proc]) -> None:
     for p in procs_of(procs, "ps-server"):
         limit = _bytes(p.container["resources"]["limits"]["memory"])

@@ -11,6 +11,7 @@ reopen for writing fails too, until the test closes the blocker.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,9 +23,10 @@ import rocksdict
 from ps.config import Durability, TableSpec
 from ps.initializers import InitializerKind, InitializerParams
 from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.rescue import apply_rescue, is_rescue_dump, save_rescue
+from ps.rescue import apply_rescue, begin_epoch, dump_places, is_rescue_dump, save_rescue, settle_dumps
 from ps.shard import Shard
 from ps.storage import DataDirError, Storage, StorageFailed
+from ps.table import Table
 from tests.fakes import push_request
 
 SPEC = TableSpec(
@@ -74,8 +76,9 @@ def rows(shard: Shard) -> npt.NDArray[np.float32]:
     return shard.table("t").lookup(KEYS, create=False)[:, 0].copy()
 
 
-def reopened(data_dir: Path) -> Shard:
-    return Shard(0, 1, Storage(data_dir, shard=0, num_shards=1), Durability.parse("interval:60"))
+def reopened(data_dir: Path, rescue_dir: Path | None = None) -> Shard:
+    storage = Storage(data_dir, shard=0, num_shards=1)
+    return Shard(0, 1, storage, Durability.parse("interval:60"), rescue_dir=rescue_dir)
 
 
 def test_shard_recovers_by_itself_once_writes_succeed_again(shard: Shard, tmp_path: Path) -> None:
@@ -167,7 +170,7 @@ def test_every_push_mode_needs_no_rescue(tmp_path: Path) -> None:
     shard = Shard(0, 1, Storage(tmp_path / "data", shard=0, num_shards=1), Durability.parse("every-push"))
     shard.create_table(SPEC)
     push(shard, 1)
-    shard.table("t").lookup(np.arange(500, 510))  # created by a lookup: dirty, but no acknowledged update
+    shard.table("t").lookup(np.arange(500, 510))  # created by a lookup: written before it returns, too
     refuse_writes(shard.storage)  # type: ignore[arg-type]
     blocker = Blocker(tmp_path / "data")
     report = shard.shutdown(grace_s=5.0)
@@ -179,14 +182,8 @@ def test_every_push_mode_needs_no_rescue(tmp_path: Path) -> None:
 def test_when_no_place_takes_the_dump_the_report_says_the_rows_are_lost(shard: Shard, tmp_path: Path) -> None:
     push(shard, 1)
     (tmp_path / "file").write_text("not a directory")
-    report = save_rescue(
-        shard.tables(),
-        [tmp_path / "file" / "a", tmp_path / "file" / "b"],
-        shard=0,
-        num_shards=1,
-        data_dir=tmp_path / "data",
-        error="disk full",
-    )
+    places = [(tmp_path / "file", "a-"), (tmp_path / "file", "b-")]
+    report = save_rescue(shard.tables(), places, (0, 1), tmp_path / "data", "disk full")
     assert report.lost and report.unpersisted_rows == 100 and len(report.rescue_failures) == 2
     assert all("Not a directory" in f for f in report.rescue_failures)
 
@@ -217,3 +214,88 @@ def test_a_push_whose_spill_fails_is_still_acknowledged(tmp_path: Path) -> None:
     finally:
         blocker.release()
         shard.shutdown()
+
+
+def test_a_dump_applies_only_to_the_state_it_was_written_on(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    places = dump_places(data, tmp_path / "rescue", None)
+    with Storage(data, shard=0, num_shards=1) as st:
+        base = begin_epoch(st)  # what a ps-server start does before anything else
+    shard = reopened(data, tmp_path / "rescue")
+    assert shard.rescue_base == base
+    shard.create_table(SPEC)
+    push(shard, 1)
+    refuse_writes(shard.storage)  # type: ignore[arg-type]
+    blocker = Blocker(data)
+    dump = shard.shutdown(grace_s=0).rescue_path
+    blocker.release()
+    assert dump is not None and dump.parent == tmp_path / "rescue"
+    manifest = json.loads((dump / "manifest.json").read_text())
+    assert (manifest["lineage"], manifest["base_epoch"]) == (base.lineage, base.epoch)
+
+    with Storage(data, shard=0, num_shards=1) as st:
+        begin_epoch(st)  # another start wrote the data dir meanwhile (it did not look in tmp_path/rescue)
+    with Storage(data, shard=0, num_shards=1) as st:
+        with pytest.raises(DataDirError, match="another state of"):
+            apply_rescue(dump, st)
+        with pytest.raises(
+            DataDirError, match=f"never applied: {re.escape(str(dump))} .*--discard-rescue={re.escape(str(dump))}"
+        ):
+            settle_dumps(st, places)
+        assert settle_dumps(st, places, discard=dump) == []
+        assert settle_dumps(st, places) == []  # discarded: no longer in the way
+        with pytest.raises(DataDirError, match="already discarded"):
+            apply_rescue(dump, st)
+        assert settle_dumps(st, places, discard=dump) == []  # a setting left in place does no harm
+        assert settle_dumps(st, places, discard=tmp_path / "deleted") == []
+        with pytest.raises(DataDirError, match="no manifest.json: not a rescue dump"):
+            settle_dumps(st, places, discard=tmp_path)
+        assert not st.table("t", 4, 0).get(KEYS)[0].any()  # none of its rows was written
+
+
+def test_a_pending_dump_on_its_own_state_is_applied_by_settle(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with Storage(data, shard=0, num_shards=1) as st:
+        begin_epoch(st)
+    shard = reopened(data)
+    shard.create_table(SPEC)
+    push(shard, 1)
+    refuse_writes(shard.storage)  # type: ignore[arg-type]
+    blocker = Blocker(data)
+    dump = shard.shutdown(grace_s=0).rescue_path
+    blocker.release()
+    with Storage(data, shard=0, num_shards=1) as st:
+        assert settle_dumps(st, dump_places(data, None, data / "checkpoints")) == [dump]
+        assert settle_dumps(st, dump_places(data, None, data / "checkpoints")) == []
+    again = reopened(data)
+    try:
+        np.testing.assert_array_equal(rows(again), np.ones(100))
+    finally:
+        again.shutdown()
+
+
+def test_every_push_lookup_writes_the_rows_it_creates_or_creates_none(tmp_path: Path) -> None:
+    spec = TableSpec("u", 4, seed=3)  # random initial rows: a row read back wrong would show
+    shard = Shard(0, 1, Storage(tmp_path / "data", shard=0, num_shards=1), Durability.parse("every-push"))
+    shard.create_table(spec)
+    table = shard.table("u")
+    initial = Table(spec).lookup(KEYS)
+    np.testing.assert_array_equal(table.lookup(KEYS[:50]), initial[:50])
+    assert table.unpersisted_rows() == 0 and table.counters.rows_written == 50
+    refuse_writes(shard.storage)  # type: ignore[arg-type]
+    blocker = Blocker(tmp_path / "data")
+    try:
+        seen = table.lookup(KEYS[::-1])  # 50 new rows: their write fails, so they are not created
+        assert not shard.writable and "storage write failed" in shard.storage_error
+        assert len(table) == 50 and table.counters.rows_created == 50 and table.unpersisted_rows() == 0
+        np.testing.assert_array_equal(seen, initial[::-1])  # all read as their initial rows
+    finally:
+        blocker.release()
+    assert shard.recover_storage()
+    np.testing.assert_array_equal(table.lookup(KEYS), initial)
+    assert len(table) == 100 and table.unpersisted_rows() == 0
+    shard.shutdown()
+    with Storage(tmp_path / "data", shard=0, num_shards=1) as st:
+        found, rec = st.table("u", 4, 0).get(KEYS)
+        assert found.all()
+        np.testing.assert_array_equal(rec.values, initial)

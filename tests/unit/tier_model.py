@@ -20,12 +20,14 @@ in and re-created after a crash all the time. The model keeps, per table:
 * ``count``/``disk_count``: lookups of each row, in RAM / on disk (checked only where
   ``evict_below_frequency`` reads them).
 
-A push sums duplicate keys' gradients like ``Table.push`` (``np.add.at`` into zeros,
-in input order), creates missing rows with ``initial_rows`` + ``init_state`` and
-applies ``optimizers.apply`` to the model's own arrays: the optimizer maths has its own
-tests, this file checks the tier's bookkeeping. After every step, ``Table.export``
-must equal ``rows``, a scan of the column family must equal ``disk``, and both ledgers
-must match, values and state compared by their bits.
+In every-push mode a push's rows and ledger entry, and the rows a training lookup
+creates, are on disk when the call returns. A push sums duplicate keys' gradients like
+``Table.push`` (``np.add.at`` into zeros, in input order), creates missing rows with
+``initial_rows`` + ``init_state`` and applies ``optimizers.apply`` to the model's own
+arrays: the optimizer maths has its own tests, this file checks the tier's
+bookkeeping. After every step, ``Table.export`` must equal ``rows``, a scan of the
+column family must equal ``disk``, and both ledgers must match, values and state
+compared by their bits.
 
 The model does not predict which rows an eviction picks: it observes which rows left
 RAM during a step. Each of those was written to disk in its current form, or deleted
@@ -395,7 +397,11 @@ class TierMachine(RuleBasedStateMachine):
         got = shard.table(name).lookup(np.array(keys, np.int64))
         shard.budget.after_request()
         m = self.model[name]
+        new = [k for k in dict.fromkeys(keys) if k not in m.rows]
         rows = [self._ensure(name, k) for k in keys]
+        if self.every_push:  # the rows it creates are written before it returns, unused yet
+            for k in new:
+                m.disk[k], m.disk_count[k] = m.rows[k], 0
         for k in keys:  # every occurrence counts, duplicates too
             m.count[k] += 1
         expected = np.stack([r[0] for r in rows]) if rows else np.empty((0, self.specs[name].dim), np.float32)
