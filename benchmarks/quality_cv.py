@@ -25,7 +25,8 @@ already holds, so an interrupted run can go on.
 Usage: ``python benchmarks/quality_cv.py [--quick] [--folds 4] [--seeds 2] [--datasets criteo,avazu]
 [--models dlrm,deepfm] [--set NAME:key=value,...] [--final] [--resume]``
 -> ``benchmarks/results/quality_cv.{json,png}``. ``--quick`` (a few minutes): fold 0 only, one
-seed, no LR on the final split.
+seed (6 training runs). The full run of the README's table (``--folds 4 --seeds 2 --final``) takes
+about 15 minutes on 2 shared cores; each ``--set`` adds about 5 per seed.
 """
 
 from __future__ import annotations
