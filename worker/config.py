@@ -113,6 +113,15 @@ class TrainerConfig:
     train_fraction: float = field(
         default=0.8, metadata=_help("click logs: the first fraction of the rows trains, the rest evaluates")
     )
+    folds: int = field(
+        default=0,
+        metadata=_help(
+            "click logs in memory, cross-validation: K >= 2 cuts the first train_fraction of the rows into K "
+            "contiguous blocks; block eval_fold evaluates, the other K-1 train, the rows after train_fraction "
+            "are not read (0: off)"
+        ),
+    )
+    eval_fold: int = field(default=0, metadata=_help("with folds=K: the block that evaluates, 0 (first) to K-1"))
     epochs: int = field(
         default=0,
         metadata=_help(
@@ -171,6 +180,11 @@ class TrainerConfig:
             (self.num_shards >= 1, f"num_shards={self.num_shards}: must be >= 1"),
             (self.admit_after >= 1 and self.min_count >= 1, "admit_after and min_count must be >= 1"),
             (0 < self.train_fraction < 1, f"train_fraction={self.train_fraction}: must be in (0, 1)"),
+            (self.folds == 0 or self.folds >= 2, f"folds={self.folds}: must be 0 (off) or >= 2"),
+            (
+                0 <= self.eval_fold < max(1, self.folds),
+                f"eval_fold={self.eval_fold}: must be in [0, {max(1, self.folds) - 1}] (folds={self.folds})",
+            ),
             (
                 self.data == "synthetic" or Path(self.data).is_file(),
                 f"data={self.data!r}: not 'synthetic' and no such file",

@@ -3,7 +3,10 @@
 A click log of at most ``IN_MEMORY_BYTES`` (or one that must be sorted, MovieLens) is
 read whole and split in row order: the first ``train_fraction`` of the rows trains, the
 rest evaluates, and values found in fewer than ``min_count`` training rows share one
-"rare" key per feature (``ClickLog.with_rare_keys``). A larger log is streamed from
+"rare" key per feature (``ClickLog.with_rare_keys``). With ``folds=K`` the run is one
+fold of a cross-validation inside the training rows (``cv_fold``): the evaluation block is
+moved behind the K-1 training blocks, so everything downstream still sees "the first
+``train_rows`` train, the rest evaluates". A larger log is streamed from
 disk each epoch. Every worker gets the same number of steps per epoch, or DDP's
 allreduce would wait forever.
 
@@ -21,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from worker.config import TrainerConfig
 from worker.data import BadLines, Batch, ClickLog, ColumnSchema, DataError, load_click_log, read_click_log
 from worker.synthetic import synthetic_criteo
@@ -32,6 +37,7 @@ __all__ = [
     "SCHEMAS",
     "auto_batch_size",
     "count_lines",
+    "cv_fold",
     "epoch_batches",
     "eval_batches",
     "open_data",
@@ -76,9 +82,16 @@ def open_data(config: TrainerConfig) -> RunData:
     if schema.order_by is not None or path.stat().st_size <= IN_MEMORY_BYTES:
         rows = load_click_log(path, schema, bad_lines=bad)
         n_train = int(len(rows) * config.train_fraction)
+        if config.folds:
+            rows, n_train = cv_fold(rows[:n_train], config.folds, config.eval_fold)
         data = RunData(config.schema, n_train, len(rows) - n_train, rows=rows, bad_lines=bad)
         train, test = data.split(n_train, len(rows), config.min_count)
         return dataclasses.replace(data, train=train, test=test)
+    if config.folds:
+        raise ValueError(
+            f"folds={config.folds}: cross-validation needs the log in memory; {path} is over "
+            f"{IN_MEMORY_BYTES >> 20} MiB and is streamed"
+        )
     # Streamed: rows are lines (a skipped malformed line shortens the pass it is in).
     total = count_lines(path) - (1 if schema.header else 0)
     n_train = int(total * config.train_fraction)
@@ -98,6 +111,26 @@ def schemas_that_fit(path: str | Path, lines: int = 20) -> list[str]:
             continue
         fits.append(name)
     return fits
+
+
+def cv_fold(rows: ClickLog, folds: int, k: int) -> tuple[ClickLog, int]:
+    """Fold ``k`` of a ``folds``-fold cross-validation over ``rows``: the rows reordered so
+    the K-1 training blocks come first (in row order) and block ``k`` last, and the count
+    of training rows. Block ``k`` is rows ``[n*k//K, n*(k+1)//K)``.
+
+    >>> log = ClickLog(np.arange(10, dtype=np.float32), np.zeros((10, 0), np.float32), np.zeros((0, 10), np.int64), ())
+    >>> moved, n_train = cv_fold(log, 5, 1)
+    >>> moved.labels.tolist(), n_train
+    ([0.0, 1.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 2.0, 3.0], 8)
+    """
+    if folds < 2 or not 0 <= k < folds:
+        raise ValueError(f"fold {k} of {folds}: need folds >= 2 and 0 <= fold < folds")
+    n = len(rows)
+    lo, hi = n * k // folds, n * (k + 1) // folds
+    if hi == lo or hi - lo == n:
+        raise ValueError(f"fold {k} of {folds}: {n} rows are too few to cut into {folds} blocks")
+    order = np.r_[0:lo, hi:n, lo:hi]
+    return ClickLog(rows.labels[order], rows.dense[order], rows.keys[:, order], rows.features), n - (hi - lo)
 
 
 def count_lines(path: Path) -> int:

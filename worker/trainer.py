@@ -511,6 +511,8 @@ def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d
     shown: dict[str, Any] = dataclasses.asdict(resolved)
     if data.rows is None:
         del shown["min_count"]  # rare values are only shared in logs held in memory
+    if data.source == "synthetic" or not config.folds:
+        del shown["folds"], shown["eval_fold"]
     if data.source == "synthetic":
         del shown["schema"], shown["train_fraction"]
     else:

@@ -123,6 +123,31 @@ def test_rare_keys_are_counted_on_the_training_rows(tmp_path: Path) -> None:
     assert isinstance(data, RunData) and isinstance(data.train, ClickLog)
 
 
+def test_a_fold_evaluates_one_block_of_the_training_rows(tmp_path: Path) -> None:
+    """folds=4, eval_fold=1: rows [200, 400) of the first 800 evaluate, the other 600 of them
+    train (in row order, rare keys counted on them), the last 200 rows are not used."""
+    path = write_movielens(tmp_path / "u.data", 1000)
+    data = open_data(TrainerConfig(data=str(path), schema="movielens", folds=4, eval_fold=1, min_count=1))
+    raw = load_click_log(path, ColumnSchema.movielens())
+    assert (data.train_rows, data.eval_rows) == (600, 200)
+    assert data.train is not None and data.test is not None and data.rows is not None
+    assert (data.test.keys == raw.keys[:, 200:400]).all()
+    assert (data.train.keys == np.concatenate([raw.keys[:, :200], raw.keys[:, 400:800]], axis=1)).all()
+    assert (data.rows.labels[:600] == data.train.labels).all()  # the epoch probe splits these rows again
+    counted = open_data(TrainerConfig(data=str(path), schema="movielens", folds=4, eval_fold=1, min_count=5))
+    assert counted.test is not None
+    users, counts = np.unique(data.train.keys[0], return_counts=True)
+    frequent = np.isin(raw.keys[0, 200:400], users[counts >= 5])
+    assert (counted.test.keys[0, ~frequent] == rare_key("user_id")).all()
+    assert (counted.test.keys[0, frequent] == raw.keys[0, 200:400][frequent]).all()
+
+
+@pytest.mark.parametrize(("folds", "eval_fold"), [(1, 0), (-2, 0), (4, 4), (4, -1), (0, 1)])
+def test_bad_folds_are_refused(folds: int, eval_fold: int) -> None:
+    with pytest.raises(ValueError, match="fold"):
+        TrainerConfig(folds=folds, eval_fold=eval_fold)
+
+
 @pytest.mark.parametrize("local_shards", [True, False])
 def test_help_says_what_the_entry_point_does(local_shards: bool, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
