@@ -109,6 +109,23 @@ def test_readme_first_commands_are_the_documented_ones() -> None:
     assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
 
 
+def test_readme_links_resolve() -> None:
+    """README.md is read outside the site (on a forge, on PyPI): its relative links and their
+    anchors must still point at a file and a heading (the site build checks docs/ itself)."""
+    text = (ROOT / "README.md").read_text()
+    for target, anchor in re.findall(r"\]\((?!https?:)([^)#\s]+)(?:#([^)\s]+))?\)", text):
+        path = ROOT / target
+        assert path.exists(), f"README.md links to {target}, which does not exist"
+        if anchor:
+            slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", path.read_text(), re.M)}
+            assert anchor in slugs, f"README.md links to {target}#{anchor}: no such heading"
+
+
+def _slug(heading: str) -> str:
+    """The anchor MkDocs and GitHub give a heading (lower case, punctuation dropped, spaces to -)."""
+    return re.sub(r"[^\w\s-]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
+
+
 def _workdir(tmp: Path) -> Path:
     work = tmp / "work"
     work.mkdir()
