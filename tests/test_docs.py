@@ -204,6 +204,7 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     """``mkdocs build --strict``: a broken link, anchor, nav entry or API reference fails it."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about its successor, printed on every build
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=ROOT,
