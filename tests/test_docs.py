@@ -154,7 +154,9 @@ def _script(page: Path) -> str | None:
 def test_shell_blocks_run(page: Path, tmp_path: Path) -> None:
     script = _script(page)
     if script is None:
-        pytest.skip("every shell block of the page needs a program not installed here")
+        pytest.skip(
+            "no shell block of this page runs here (each is marked not-run, or requires a program not installed)"
+        )
     work = _workdir(tmp_path)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
