@@ -60,6 +60,8 @@ class ClientConfig:
       setting it (or ``tls=True``, the system's roots) makes the channels TLS.
     * ``tls_cert``, ``tls_key`` (``PS_CLIENT_TLS_CERT``, ``PS_CLIENT_TLS_KEY``): this
       client's certificate and key, for shards that require mutual TLS.
+    * ``tls``: True makes the channels TLS with the system's root certificates; set by
+      itself when ``tls_ca`` or ``tls_cert`` is given.
     * ``token_file`` (``PS_CLIENT_TOKEN_FILE``) or ``token``: the bearer token sent with
       every call. ``token`` is never shown in ``repr``.
 

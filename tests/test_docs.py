@@ -1,0 +1,219 @@
+"""The documentation runs: the site builds strictly and every shell block of it works.
+
+Python blocks of README.md and docs/ run through pytest-markdown-docs (``--markdown-docs``
+in pyproject.toml). This module builds the MkDocs site with ``--strict`` (a broken link,
+a missing page or an unresolved API reference fails) and runs every ``bash``/``sh`` block.
+
+How shell blocks run: the blocks of one page run in order as one bash script
+(``set -euo pipefail``), so a variable or a server started in one block serves the next.
+The working directory is a fresh temp dir holding a link to each top-level entry of the
+repository (``examples/``, ``deploy/`` ...), and ``../shared`` beside it when the checkout
+has one, so relative paths in the docs work and what the commands write (``runs/``,
+``ps-data/``) stays out of the checkout. A command ending in ``&`` runs in the background
+(a server); when the page ends, its whole process group is stopped. A block waits for a
+server with its ``--port-file`` (the pages define a small ``wait_for``).
+
+A block that cannot run in a test says so just above its fence, visibly:
+``<!-- not-run: REASON -->`` with REASON one of ``NOT_RUN`` below, each checked against
+what the block holds. ``<!-- requires: PROGRAM -->`` runs the block only where PROGRAM
+is installed (an optional client such as grpcurl) and skips it elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+SHELL = ("bash", "sh", "shell")
+PAGE_TIMEOUT_S = 300
+
+# Why a block may stay out of the test, and what such a block must contain (so the
+# marker cannot hide an ordinary command).
+NOT_RUN = {
+    "set-up": re.compile(r"\bpip install\b|python3 -m venv"),  # would reinstall the environment under test
+    "runs-the-suite": re.compile(r"\bpytest\b"),  # the test suite itself
+    "kubernetes": re.compile(r"\b(kubectl|docker)\b"),  # needs a cluster or an image registry
+    "gpu": re.compile(r"cuda|nvidia-smi"),  # needs a CUDA device
+    "benchmark": re.compile(r"benchmarks/"),  # minutes of full CPU each; run them on purpose
+}
+_MARKER = re.compile(r"<!-- (?P<kind>not-run|requires): (?P<value>[\w.-]+) -->\s*$")
+_FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    code: str
+    marker: tuple[str, str] | None
+
+
+def blocks(page: Path) -> Iterator[Block]:
+    lines = page.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, indent, lang = i, len(m["indent"]), m["lang"]
+        i += 1
+        body = []
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i][indent:])
+            i += 1
+        i += 1
+        before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        mm = _MARKER.search(before)
+        marker = (mm["kind"], mm["value"]) if mm else None
+        yield Block(page, start + 1, lang, "\n".join(body) + "\n", marker)
+
+
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def test_markers_are_used_only_where_they_must() -> None:
+    """Every not-run block names a known reason and holds what that reason is about."""
+    for page in PAGES:
+        for b in blocks(page):
+            where = f"{_name(page)}:{b.line}"
+            if b.marker is None:
+                continue
+            assert b.lang in SHELL, f"{where}: a marker before a {b.lang!r} block; only shell blocks take one"
+            kind, value = b.marker
+            if kind == "not-run":
+                assert value in NOT_RUN, f"{where}: not-run reason {value!r}; known: {', '.join(NOT_RUN)}"
+                assert NOT_RUN[value].search(b.code), f"{where}: not-run: {value}, but the block has no such command"
+
+
+def test_readme_first_commands_are_the_documented_ones() -> None:
+    """README's set-up + first command, and its test command (which .ci/run runs), stay as they are."""
+    text = (ROOT / "README.md").read_text()
+    setup = "python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt -e '.[dev]'"
+    assert f"{setup}\npython examples/train_and_serve.py\n" in text
+    assert f"{setup} && python -m pytest -q\n" in text
+    assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_links_resolve() -> None:
+    """README.md is read outside the site (on a forge, on PyPI): its relative links and their
+    anchors must still point at a file and a heading (the site build checks docs/ itself)."""
+    text = (ROOT / "README.md").read_text()
+    for target, anchor in re.findall(r"\]\((?!https?:)([^)#\s]+)(?:#([^)\s]+))?\)", text):
+        path = ROOT / target
+        assert path.exists(), f"README.md links to {target}, which does not exist"
+        if anchor:
+            slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", path.read_text(), re.M)}
+            assert anchor in slugs, f"README.md links to {target}#{anchor}: no such heading"
+
+
+def _slug(heading: str) -> str:
+    """The anchor MkDocs and GitHub give a heading (lower case, punctuation dropped, spaces to -)."""
+    return re.sub(r"[^\w\s-]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
+
+
+def _workdir(tmp: Path) -> Path:
+    work = tmp / "work"
+    work.mkdir()
+    for entry in ROOT.iterdir():
+        if entry.name not in {".git", ".venv", "runs", "ps-data", "site", ".pytest_cache", ".mypy_cache"}:
+            (work / entry.name).symlink_to(entry)
+    if (ROOT.parent / "shared").is_dir():  # ../shared/data: the real click-log samples, when present
+        (tmp / "shared").symlink_to(ROOT.parent / "shared")
+    return work
+
+
+def _script(page: Path) -> str | None:
+    parts = []
+    for b in blocks(page):
+        if b.lang not in SHELL:
+            continue
+        if b.marker and b.marker[0] == "not-run":
+            continue
+        if b.marker and b.marker[0] == "requires" and shutil.which(b.marker[1]) is None:
+            continue
+        parts.append(f"echo '--- {_name(page)}:{b.line}' >&2\n{b.code}")
+    return "set -euo pipefail\n" + "\n".join(parts) if parts else None
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if any(b.lang in SHELL for b in blocks(p))], ids=_name)
+def test_shell_blocks_run(page: Path, tmp_path: Path) -> None:
+    script = _script(page)
+    if script is None:
+        pytest.skip(
+            "no shell block of this page runs here (each is marked not-run, or requires a program not installed)"
+        )
+    work = _workdir(tmp_path)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    log = tmp_path / "output.txt"
+    with log.open("w") as out:  # a file, not a pipe: servers left running in the background hold it open
+        proc = subprocess.Popen(
+            ["bash", "-c", script],
+            cwd=work,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: servers started with & stop with it
+        )
+        try:
+            proc.wait(timeout=PAGE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        finally:
+            _stop_group(proc.pid)
+    output = log.read_text()[-6000:]
+    assert proc.returncode is not None and proc.returncode >= 0, (
+        f"{_name(page)}: shell blocks ran over {PAGE_TIMEOUT_S} s; output:\n{output}"
+    )
+    assert proc.returncode == 0, f"{_name(page)}: a shell block failed (exit {proc.returncode}); output:\n{output}"
+
+
+def _stop_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    for _ in range(100):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_site_builds_strictly(tmp_path: Path) -> None:
+    """``mkdocs build --strict``: a broken link, anchor, nav entry or API reference fails it."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about its successor, printed on every build
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-6000:]}"
+    assert (tmp_path / "site" / "reference" / "configuration" / "index.html").is_file()
