@@ -23,8 +23,6 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from protos.keys import mix64
-
 __all__ = ["count_misrouted", "fnv_basis", "hash_fields", "hash_strings", "mix64_step", "shard_buckets"]
 
 _FNV_OFFSET = 0xCBF29CE484222325
@@ -50,7 +48,7 @@ def mix64_step(z: np.uint64) -> np.uint64:
 
 def fnv_basis(seed: int) -> int:
     """FNV-1a offset basis of the table with ``seed``: ``0xCBF29CE484222325 ^ mix64(seed)``."""
-    return _FNV_OFFSET ^ mix64(seed)
+    return _FNV_OFFSET ^ int(mix64_step(np.uint64(seed & 0xFFFFFFFFFFFFFFFF)))
 
 
 @numba.njit(nogil=True, cache=True)
