@@ -23,13 +23,14 @@ from typing import Any, Protocol
 
 import grpc
 
+from protos.services import PS_SERVICE
 from protos.tls import open_channel
 
 __all__ = ["Call", "GrpcTransport", "Transport", "SERVICE_PATH", "when_done"]
 
 log = logging.getLogger(__name__)
 
-SERVICE_PATH = "/ps.v1.ParameterServer/"
+SERVICE_PATH = f"/{PS_SERVICE}/"
 
 
 class Call(Protocol):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.local import LocalCluster, ShardProcess, ShardStartError, die_with_parent, threads_beside_local_shards
+from protos.logs import configure_logging
 
 __all__ = ["RestartPolicy", "main"]
 
@@ -208,7 +209,7 @@ def _give_up(shard: ShardProcess, policy: RestartPolicy, reason: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``ps-launch``; returns the exit status."""
-    logging.basicConfig(level=logging.INFO, format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    configure_logging(logging.INFO)
     args, command = _parse(sys.argv[1:] if argv is None else argv)
     # SIGTERM (a scheduler or `kill`) tears down like Ctrl-C, instead of orphaning everything;
     # raised here, not as a SIGINT, which a launch started in the background ignores.

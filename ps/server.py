@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2
 from protos.auth import AuthError, bearer_metadata, read_client_token
 from protos.guard import Guard, RpcMetrics, serve_metrics
 from protos.servers import listen, server_security
+from protos.services import BACKGROUND_HEALTH, FOLLOW_HEALTH, PS_SERVICE, WRITES_HEALTH
 from protos.tls import TLSError, channel_credentials
 from ps.changes import ChangeLog
 from ps.checkpoint import copy_checkpoint
@@ -32,38 +33,24 @@ from ps.follow import Source
 from ps.lifecycle import Eviction
 from ps.limits import Limits
 from ps.rescue import StopReport, apply_rescue, begin_epoch, dump_places, is_rescue_dump, settle_dumps
-from ps.servicer import SERVICE_NAME, Servicer
+from ps.servicer import Servicer
 from ps.shard import Mode, Shard
 from ps.storage import DataDirError, Storage, StorageFailed
 
 __all__ = [
-    "BACKGROUND_HEALTH_SERVICE",
-    "FOLLOW_HEALTH_SERVICE",
-    "WRITE_HEALTH_SERVICE",
     "PSServer",
     "build_server",
     "open_shard",
 ]
 
-WRITE_HEALTH_SERVICE = SERVICE_NAME + ".Writes"
-"""Health service name that is NOT_SERVING while a training shard refuses writes (storage
-failed). A serving shard (read-only by mode) does not have it: a check answers NOT_FOUND."""
-
-FOLLOW_HEALTH_SERVICE = SERVICE_NAME + ".Follow"
-"""Health service name of a following serving shard: SERVING while its change stream is
-open and it is less than ``FOLLOW_MAX_LAG_S`` behind its training shard."""
-
 FOLLOW_MAX_LAG_S = 5.0
-
-BACKGROUND_HEALTH_SERVICE = SERVICE_NAME + ".Background"
-"""Health service name that is NOT_SERVING while a background loop of the shard (evictor,
-interval flush, TTL sweep, storage recovery) is failing; ``Stats.failing_loops`` says which."""
+"""A follower further behind its training shard than this reports ``FOLLOW_HEALTH`` NOT_SERVING."""
 
 SPARE_THREADS = 8
 """Handler threads beyond ``--threads``: refusals and health checks never wait for a busy one."""
 
 ROLES = {
-    f"/{SERVICE_NAME}/{m}": role
+    f"/{PS_SERVICE}/{m}": role
     for m, role in [
         ("Lookup", "read"),
         ("ListTables", "read"),
@@ -288,14 +275,14 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     )
     server.add_generic_rpc_handlers((servicer.handler(),))
     try:
-        port, health_servicer = listen(server, config.listen, [SERVICE_NAME], credentials)
+        port, health_servicer = listen(server, config.listen, [PS_SERVICE], credentials)
     except RuntimeError:
         shard.shutdown()
         raise
     # Not services: reflection skips them. A serving shard takes no writes, so it has no
     # write health at all (NOT_FOUND) rather than a SERVING one that says otherwise.
     writes = shard.mode == "train"
-    for service in (WRITE_HEALTH_SERVICE, BACKGROUND_HEALTH_SERVICE) if writes else (BACKGROUND_HEALTH_SERVICE,):
+    for service in (WRITES_HEALTH, BACKGROUND_HEALTH) if writes else (BACKGROUND_HEALTH,):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     def listener(service: str) -> Callable[[bool], None]:
@@ -306,8 +293,8 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
         return set_status
 
     if writes:
-        shard.on_writable_change(listener(WRITE_HEALTH_SERVICE))
-    shard.health.on_change(listener(BACKGROUND_HEALTH_SERVICE))
+        shard.on_writable_change(listener(WRITES_HEALTH))
+    shard.health.on_change(listener(BACKGROUND_HEALTH))
     shard.start()
     ps_server = PSServer(server, port, shard, health_servicer)
     if registry is not None and config.metrics_port is not None:
@@ -320,7 +307,7 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
             raise
     if isinstance(shard.source, Source) and shard.source.leader is not None:
         shard.source.start()
-        follow_health = listener(FOLLOW_HEALTH_SERVICE)
+        follow_health = listener(FOLLOW_HEALTH)
         follow_health(False)
         threading.Thread(
             target=_watch_follower,

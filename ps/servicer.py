@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 
 from protos import ps_pb2 as pb
 from protos import wire
+from protos.services import PS_SERVICE
 from ps.config import spec_from_proto, spec_to_proto
 from ps.errors import RequestTooLarge, ShardError
 from ps.follow import serve_from
@@ -36,7 +37,6 @@ from ps.shard import LookupBatch, PushBatch, Route, Shard
 from ps.stream import follow_batches
 
 __all__ = [
-    "SERVICE_NAME",
     "Servicer",
     "lookup_response",
     "push_batch",
@@ -47,7 +47,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 
 # What a Lookup response may need beyond its rows (table names, field headers).
 _RESPONSE_OVERHEAD_BYTES = 4096
@@ -95,7 +94,7 @@ class Servicer:
     def handler(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
         """The generic handler to register with a ``grpc.Server``."""
         return grpc.method_handlers_generic_handler(
-            SERVICE_NAME,
+            PS_SERVICE,
             {
                 "CreateTable": _unary(self.CreateTable, True),
                 "ListTables": _unary(self.ListTables, True),
@@ -113,7 +112,7 @@ class Servicer:
     def read_only_handlers(self) -> dict[str, grpc.RpcMethodHandler]:  # type: ignore[type-arg]
         """What a caller whose token does not allow writes runs instead, by full method
         name (``protos.guard.Guard``'s ``read_only``): a Lookup that creates no rows."""
-        return {f"/{SERVICE_NAME}/Lookup": _unary(self.LookupReadOnly, False)}
+        return {f"/{PS_SERVICE}/Lookup": _unary(self.LookupReadOnly, False)}
 
     def CreateTable(self, request: bytes, context: grpc.ServicerContext) -> pb.CreateTableResponse:
         with status_boundary(context, "CreateTable"):

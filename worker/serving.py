@@ -51,14 +51,15 @@ from client import ClientConfig, PSClient, PSError, parse_addresses
 from protos import infer_pb2 as pb
 from protos.columns import Column, InvalidRequest, decode_request, request_of
 from protos.guard import Guard, RpcMetrics, serve_metrics
+from protos.logs import configure_logging
 from protos.servers import listen, server_security, settle_heap, stop_on_signals, write_port_file
+from protos.services import PREDICT_SERVICE
 from protos.settings import load_settings
 from worker.export import load_model
 from worker.predictor import MIN_ROWS, Encoded, Predictor
 
-__all__ = ["SERVICE_NAME", "InferConfig", "InferServer", "build_server", "main"]
+__all__ = ["InferConfig", "InferServer", "build_server", "main"]
 
-SERVICE_NAME = "ps.v1.Predictor"
 ENV_PREFIX = "INFER_"
 _NO_DEADLINE_S = 10**6  # time_remaining() beyond this: the call has no deadline
 _SPARE_THREADS = 8  # gRPC threads beyond --max-concurrent: refusals and health checks never wait
@@ -367,7 +368,7 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
     )
     threads = config.max_concurrent + _SPARE_THREADS
     # Admission is the gate's (--max-concurrent); the guard checks tokens and keeps metrics.
-    guard = Guard("ps-infer", {f"/{SERVICE_NAME}/Predict": "read"}, tokens=tokens, metrics=metrics)
+    guard = Guard("ps-infer", {f"/{PREDICT_SERVICE}/Predict": "read"}, tokens=tokens, metrics=metrics)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-infer"),
         interceptors=[guard],
@@ -379,9 +380,9 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
     predict = grpc.unary_unary_rpc_method_handler(
         servicer.Predict, request_deserializer=None, response_serializer=pb.PredictResponse.SerializeToString
     )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"Predict": predict}),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PREDICT_SERVICE, {"Predict": predict}),))
     try:
-        port, health_servicer = listen(server, config.listen, [SERVICE_NAME], credentials)
+        port, health_servicer = listen(server, config.listen, [PREDICT_SERVICE], credentials)
     except RuntimeError:
         batcher.close()
         raise
@@ -477,9 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"ps-infer: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(), format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s"
-    )
+    configure_logging(config.log_level)
     log.info("starting %s", " ".join(f"{k}={v}" for k, v in vars(config).items()))
     if config.threads:
         torch.set_num_threads(config.threads)
