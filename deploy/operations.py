@@ -1,0 +1,288 @@
+"""What ``ps-admin`` does to a running cluster and to checkpoints, as functions
+(``deploy.admin`` is its command line around them).
+
+Each call opens one ``PSClient`` (``CLIENT_OPTIONS``: TLS and token) that waits for no
+shard: an unreachable shard fails the call at once with an ``AdminError`` that says what
+to check, instead of the training client's retries.
+
+* ``checkpoint_cluster``: every shard writes its part of one named checkpoint;
+  ``list_checkpoints``: offline, what checkpoint roots hold.
+* ``cluster_stats``, ``cluster_tables``, ``create_table``, ``cluster_health``.
+
+Example:
+    >>> list_checkpoints([])
+    []
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import ClientConfig, PSClient, PSError, ShardUnavailableError
+from deploy.reshard import AdminError, now_stamp, shard_dir_name
+from protos.services import SHARD_HEALTH
+from protos.tls import TLSError, channel_credentials, open_channel
+from ps.storage import FORMAT_VERSION, DataDirError, StorageFailed, read_manifest, write_manifest
+
+__all__ = [
+    "CLIENT_OPTIONS",
+    "checkpoint_cluster",
+    "cluster_health",
+    "cluster_stats",
+    "cluster_tables",
+    "create_table",
+    "list_checkpoints",
+    "open_cluster",
+]
+
+log = logging.getLogger(__name__)
+
+CLIENT_OPTIONS: dict[str, Any] = {}
+"""TLS and token settings of every client ``ps-admin`` opens (``main`` fills it from
+``--tls-ca``/``--tls-cert``/``--tls-key``/``--token-file``; unset ones come from the
+``PS_CLIENT_*`` environment, see ``ClientConfig``)."""
+
+
+@contextlib.contextmanager
+def open_cluster(addresses: Sequence[str | Sequence[str]], timeout_s: float) -> Iterator[PSClient]:
+    """A ``PSClient`` of ``addresses`` whose errors become ``AdminError`` with a hint.
+
+    ``ps-admin`` waits for no shard: an unreachable one fails the command at once (one
+    attempt per call), instead of the training client's retries.
+    """
+    config = ClientConfig(deadline_s=timeout_s, max_attempts=1, tune_malloc=False, **CLIENT_OPTIONS)
+    try:
+        with PSClient(addresses, config) as client:
+            yield client
+    except PSError as exc:
+        if isinstance(exc, ShardUnavailableError) and not exc.hint:
+            raise AdminError(f"{exc}: cannot reach the shard: is it running, and is the address right?") from None
+        if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise AdminError(f"{exc}: raise --timeout-s, or check the shard's log") from None
+        raise AdminError(str(exc)) from None
+
+
+def _check_order(client: PSClient) -> list[dict[str, Any]]:
+    """Every shard's Stats; ``AdminError`` unless address ``i`` is shard ``i`` of ``n``."""
+    n = client.num_shards
+    stats = client.stats()
+    problems = []
+    shard_of = [i for i, replicas in enumerate(client.replicas) for _ in replicas]
+    for i, s in zip(shard_of, stats, strict=True):
+        if s["num_shards"] != n:
+            problems.append(
+                f"{s['address']} is shard {s['shard']} of a {s['num_shards']}-shard cluster, but --addresses "
+                f"lists {n}: list every shard's address, in shard order"
+            )
+        elif s["shard"] != i:
+            problems.append(
+                f"{s['address']} is shard {s['shard']}, but it is listed for shard #{i} in --addresses: list the "
+                "addresses in shard order (shard 0 first)"
+            )
+    if problems:
+        raise AdminError("\n".join(problems))
+    return stats
+
+
+def _merge_tables(per_shard: Sequence[Sequence[dict[str, Any]]], where: Sequence[str]) -> list[dict[str, Any]]:
+    """The union of the shards' table lists (manifest JSON), sorted by name; ``AdminError``
+    if two shards hold a table of one name with different specs."""
+    merged: dict[str, dict[str, Any]] = {}
+    owner: dict[str, str] = {}
+    for tables, source in zip(per_shard, where, strict=True):
+        for t in tables:
+            name = str(t.get("name", ""))
+            if name in merged and merged[name] != t:
+                raise AdminError(
+                    f"table {name!r} has different specs on {owner[name]} and {source}: "
+                    f"{json.dumps(merged[name], sort_keys=True)} != {json.dumps(t, sort_keys=True)}"
+                )
+            merged.setdefault(name, t)
+            owner.setdefault(name, source)
+    return [merged[n] for n in sorted(merged)]
+
+
+def checkpoint_cluster(
+    addresses: Sequence[str | Sequence[str]], out: str | Path | None = None, timeout_s: float = 600.0
+) -> dict[str, Any]:
+    """Checkpoint every shard of the cluster at ``addresses`` (shard order) as one checkpoint.
+
+    ``out`` is the checkpoint's name (``PSClient.checkpoint``): a directory each shard
+    creates under its own ``--checkpoint-root`` (relative: resolved there, never against
+    this process's working directory; absolute: must lie under every shard's root), in
+    which shard ``i`` writes its part ``shard-{i:05d}-of-{n:05d}``. None: the next version
+    number. Blocks until every shard is done. When every part lies in one directory this
+    process sees (shards sharing a root), the cluster manifest is written there, last and
+    atomically (what ``reshard`` reads). Returns the manifest, with ``name`` (what
+    ``serve-from`` takes), ``parts`` (each shard's directory) and ``manifest_path``
+    (None when the parts lie apart). Row counts are as the shards report them (exact in
+    a shard that has not restarted; RocksDB's estimate for rows spilled before a
+    restart). Raises ``AdminError`` (naming the address) when a shard is unreachable,
+    out of order or fails.
+    """
+    name = None if out is None else str(out)
+    n = len(addresses)
+    with open_cluster(addresses, timeout_s) as client:
+        _check_order(client)
+        where = client.addresses
+        try:
+            replies = client.checkpoint(name)
+        except PSError as exc:
+            hint = ""
+            if "checkpoint root" in str(exc) and name is not None and Path(name).is_absolute():
+                hint = (
+                    f"\nan absolute --out must lie under every shard's --checkpoint-root; shards with roots of their "
+                    f"own (the default: <data-dir>/checkpoints) need a relative --out such as {Path(name).name}, "
+                    "which each shard resolves under its own root"
+                )
+            left = (
+                f"\nparts other shards wrote under {repr(name) if name else 'the new version number'} make an "
+                "incomplete checkpoint: remove them, or checkpoint again under a new name"
+                if n > 1
+                else ""
+            )
+            raise AdminError(f"{exc}{hint}{left}") from None
+    checkpoint_name = str(replies[0]["name"])
+    parts = [str(r["path"]) for r in replies]
+    manifests = [r["manifest"] for r in replies]
+    created_unix_s, created = now_stamp()
+    manifest: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "kind": "cluster",
+        "num_shards": n,
+        "shards": [shard_dir_name(i, n) for i in range(n)],
+        "addresses": list(addresses),
+        "created_unix_s": created_unix_s,
+        "created": created,
+        "tables": [],
+        "rows": {},
+        "shard_rows": [m.get("rows") or {} for m in manifests],
+        "push_ledgers": "kept",
+    }
+    for m in manifests:
+        for table, count in (m.get("rows") or {}).items():
+            manifest["rows"][table] = manifest["rows"].get(table, 0) + int(count)
+    manifest["name"] = checkpoint_name
+    info: dict[str, Any] = {"parts": parts, "manifest_path": None}
+    try:
+        manifest["tables"] = _merge_tables([m.get("tables", []) for m in manifests], where)
+    except AdminError as exc:
+        raise AdminError(
+            f"{exc}\ncheckpoint {checkpoint_name} was left without manifest.json: fix the table, then checkpoint again"
+        ) from None
+    together = {str(Path(p).parent) for p in parts}
+    if len(together) == 1 and all(Path(p).is_dir() for p in parts):
+        root = Path(together.pop())
+        write_manifest(root, manifest)
+        info["manifest_path"] = str(root / "manifest.json")
+    log.info("cluster checkpoint written name=%s shards=%d", checkpoint_name, n)
+    return manifest | info
+
+
+def list_checkpoints(roots: Sequence[Path]) -> list[dict[str, Any]]:
+    """The checkpoints under ``roots`` (checkpoint roots this process sees), by name: for
+    each, the parts found (``shard``, ``num_shards``, ``path``, ``created``, ``rows``) and
+    the cluster manifest's path if there is one. A part is a directory with ``db/`` and
+    ``manifest.json``: ``NAME/shard-IIIII-of-NNNNN``, or ``NAME`` itself (older checkpoints).
+    Raises ``AdminError`` for a root that is not a directory."""
+    found: dict[str, dict[str, Any]] = {}
+    for root in roots:
+        if not root.is_dir():
+            raise AdminError(f"--root {root}: not a directory (a shard's --checkpoint-root, e.g. DATA_DIR/checkpoints)")
+        for entry in sorted(root.iterdir()):
+            if not entry.is_dir():
+                continue
+            dirs = [entry] if (entry / "db").is_dir() else sorted(entry.glob("shard-*-of-*"))
+            parts = []
+            for d in dirs:
+                try:
+                    m: dict[str, Any] = dict(read_manifest(d))
+                except (DataDirError, StorageFailed, OSError, ValueError):
+                    continue
+                rows = sum(int(v) for v in (m.get("rows") or {}).values())
+                parts.append(
+                    {
+                        "shard": m.get("shard"),
+                        "num_shards": m.get("num_shards"),
+                        "path": str(d),
+                        "created": m.get("created"),
+                        "rows": rows,
+                    }
+                )
+            if not parts:
+                continue
+            item = found.setdefault(entry.name, {"name": entry.name, "parts": [], "manifests": []})
+            item["parts"] += parts
+            if (entry / "manifest.json").is_file() and not (entry / "db").is_dir():
+                item["manifests"].append(str(entry / "manifest.json"))
+    out = []
+    for item in found.values():
+        item["parts"].sort(key=lambda p: (p["shard"] is None, p["shard"] or 0))
+        n = {p["num_shards"] for p in item["parts"]}
+        shards = {p["shard"] for p in item["parts"]}
+        item["complete"] = len(n) == 1 and shards == set(range(n.pop()))
+        out.append(item)
+    return out
+
+
+def cluster_stats(addresses: Sequence[str | Sequence[str]], timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """The Stats of every shard (``PSClient.stats()``), in address order; ``AdminError`` naming unreachable ones."""
+    with open_cluster(addresses, timeout_s) as client:
+        return client.stats()
+
+
+def cluster_tables(addresses: Sequence[str | Sequence[str]], timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    """Every table of the cluster, as shard 0 reports it."""
+    with open_cluster(addresses, timeout_s) as client:
+        return [dataclasses.asdict(t) for _, t in sorted(client.tables().items())]
+
+
+def create_table(
+    addresses: Sequence[str | Sequence[str]], name: str, dim: int, options: dict[str, Any], timeout_s: float = 30.0
+) -> dict[str, Any]:
+    """Create ``name`` on every shard (``PSClient.create_table``); the table as created."""
+    with open_cluster(addresses, timeout_s) as client:
+        try:
+            return dataclasses.asdict(client.create_table(name, dim, **options))
+        except (TypeError, ValueError) as exc:
+            raise AdminError(str(exc)) from None
+
+
+def cluster_health(addresses: Sequence[str | Sequence[str]], timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    """The gRPC health status of every address and health service (no token needed)."""
+    out = []
+    flat = [a for shard in addresses for a in ([shard] if isinstance(shard, str) else shard)]
+    for address in flat:
+        row: dict[str, Any] = {"address": address, "services": {}}
+        try:
+            with open_channel(address, _health_credentials(), []) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                for service in SHARD_HEALTH:
+                    try:
+                        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+                        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                    except grpc.RpcError as exc:
+                        if exc.code() == grpc.StatusCode.NOT_FOUND:
+                            continue  # not a service of this kind of shard
+                        row["services"][service or "(server)"] = f"{exc.code().name}: {exc.details()}"
+                        break  # unreachable: the other services would only say so again
+                    row["services"][service or "(server)"] = status
+        except TLSError as exc:
+            raise AdminError(str(exc)) from None
+        row["serving"] = bool(row["services"]) and all(v == "SERVING" for v in row["services"].values())
+        out.append(row)
+    return out
+
+
+def _health_credentials() -> grpc.ChannelCredentials | None:
+    config = ClientConfig(**CLIENT_OPTIONS)
+    return channel_credentials(config.tls_ca, config.tls_cert, config.tls_key) if config.tls else None
