@@ -21,7 +21,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from deploy.local import LocalCluster, threads_beside_local_shards
-from worker.trainer import Dist, TrainerConfig, init_distributed, parse, report, run_or_explain, train
+from worker.command import parse, report
+from worker.distributed import Dist, init_distributed
+from worker.mistakes import run_or_explain
+from worker.trainer import TrainerConfig, train
 
 __all__ = ["main", "run"]
 

@@ -31,10 +31,12 @@ import numpy as np
 
 from client import PredictClient, PSClient
 from deploy import LocalCluster
+from worker.command import parse
 from worker.data import raw_columns
 from worker.dataset import SCHEMAS
+from worker.mistakes import run_or_explain
 from worker.predictor import Predictor
-from worker.trainer import parse, run_or_explain, train
+from worker.trainer import train
 
 CANDIDATES = 100
 

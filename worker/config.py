@@ -84,6 +84,9 @@ def _help(text: str) -> dict[str, str]:
     return {"help": text}
 
 
+ENV_PREFIX = "TRAINER_"  # TrainerConfig's variables: --num-shards is TRAINER_NUM_SHARDS
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     """One training run (immutable; ``--help`` lists every field; ``worker.trainer`` says

@@ -41,12 +41,9 @@ import gc
 import hashlib
 import json
 import logging
-import os
 import sys
-import textwrap
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -57,11 +54,10 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
-from client import PermissionDeniedError, PSClient, UnauthenticatedError
-from protos.logs import configure_logging
-from protos.settings import load_settings
+from client import PSClient
+from worker.command import parse, report
 from worker.config import EmbeddingTableConfig, FeatureConfig, TrainerConfig
-from worker.data import Batch, DataError, auc, logloss, rare_key
+from worker.data import Batch, auc, logloss, rare_key
 from worker.dataset import (
     EVAL_BATCH_SIZE,
     RunData,
@@ -69,34 +65,27 @@ from worker.dataset import (
     epoch_batches,
     eval_batches,
     open_data,
-    schemas_that_fit,
     steps_per_epoch,
 )
+from worker.distributed import Dist, init_distributed
 from worker.embedding import DistributedEmbedding
 from worker.export import describe_data, probabilities, serving_manifest
 from worker.jagged import JaggedIds
+from worker.mistakes import run_or_explain
 from worker.models import DLRM, DeepFM
 from worker.output import progress, run_dir
 
 __all__ = [
-    "DeviceError",
-    "Dist",
     "TrainerConfig",
     "dense_adam",
     "evaluate",
-    "init_distributed",
     "main",
-    "parse",
     "predict",
-    "report",
-    "run_or_explain",
     "train",
-    "user_error",
 ]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-ENV_PREFIX = "TRAINER_"
 
 VALIDATION_FRACTION = 0.1  # of the training rows, to choose the epoch count on
 MAX_EPOCHS = 10
@@ -104,51 +93,6 @@ PATIENCE = 1  # epochs past the chosen one before the probe stops
 TIE = 1e-3  # validation loglosses within this fraction of the best count as equally good
 WIDE = ".wide"  # feature f + WIDE reads f's keys from the table "wide"
 LOG_EVERY_S = 10.0  # seconds between progress log lines (samples/s, lookup wait, push latency)
-
-
-@dataclass
-class Dist:
-    """This process's place in the job: rank, world size, and the device it trains on."""
-
-    rank: int = 0
-    world: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-
-class DeviceError(RuntimeError):
-    """``--device`` asks for what this machine does not have; the message says what to pass instead."""
-
-
-def init_distributed(device: str = "auto") -> Dist:
-    """Join the torchrun job (gloo on CPU, nccl with CUDA) if there is one; idempotent.
-
-    ``device``: ``"cuda"``, ``"cpu"`` or ``"auto"`` (CUDA when there is a device). On CUDA each
-    worker of a machine takes the GPU of its ``LOCAL_RANK``, so a machine runs at most one
-    worker per GPU; more is an error that says so, not a crash inside CUDA.
-    """
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={device!r}: expected auto, cpu or cuda")
-    world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
-    gpus = torch.cuda.device_count() if device != "cpu" else 0
-    if device == "cuda" and gpus == 0:
-        raise DeviceError(
-            "--device cuda: torch sees no CUDA device (a CPU build of torch, or no GPU visible): "
-            "pass --device cpu, or --device auto to use a GPU when there is one"
-        )
-    cuda = gpus > 0
-    if cuda and local_rank >= gpus:
-        raise DeviceError(
-            f"worker LOCAL_RANK={local_rank} needs a GPU of its own, but this machine has {gpus}: start at most "
-            f"{gpus} worker{'s' if gpus > 1 else ''} per machine (ps-launch --workers {gpus}), or train on CPU "
-            "(--device cpu)"
-        )
-    if cuda:
-        torch.cuda.set_device(local_rank)  # streams and allocations that name no device land there
-    if world == 1:
-        return Dist(device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return Dist(dist.get_rank(), world, torch.device("cuda", local_rank) if cuda else torch.device("cpu"))
 
 
 # --- one model through one set of tables
@@ -573,131 +517,6 @@ def _save(
     )
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
-
-
-# --- command line
-
-
-def _description(local_shards: bool, what: str | None = None) -> str:
-    if what is None and local_shards:
-        what = (
-            "Train DLRM or DeepFM with embeddings on parameter-server shards. With no --addresses, "
-            "--num-shards shard processes are started on 127.0.0.1 for the run and stopped after it; "
-            "with --addresses (or TRAINER_ADDRESSES) the run uses those shards. Under torchrun every "
-            "worker trains on its share of the data."
-        )
-    elif what is None:
-        what = (
-            "Train DLRM or DeepFM against running parameter-server shards: --addresses (or "
-            "TRAINER_ADDRESSES, which ps-launch sets) is required, and --num-shards is ignored. "
-            "To have shards started for you, run `python -m deploy.train` (or examples/train_dlrm.py) "
-            "with the same flags."
-        )
-    data = (
-        "--data synthetic (the default) trains on a generated Criteo-like stream; a file path trains on the "
-        "first --train-fraction of its rows (per --schema) and reports AUC and logloss on the rest. The "
-        "dense model, manifest and metrics go to --output-dir (default runs/<UTC time>/, with runs/latest "
-        "pointing at the newest)."
-    )
-    return textwrap.fill(what, 79) + "\n\n" + textwrap.fill(data, 79)
-
-
-def _prog() -> str:
-    main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if main_spec is not None and main_spec.name:
-        return f"python -m {main_spec.name.removesuffix('.__main__')}"
-    return f"python {sys.argv[0]}" if sys.argv and sys.argv[0] else "trainer"
-
-
-def parse(
-    argv: Sequence[str] | None = None, *, local_shards: bool = True, description: str | None = None
-) -> TrainerConfig:
-    """The ``TrainerConfig`` from flags, ``TRAINER_*`` variables and ``--config``; exits 2 on a bad setting.
-
-    Configures logging (key=value lines). ``local_shards`` says whether the caller
-    starts shards when no addresses are given (``deploy.train``) or requires them
-    (``python -m worker.trainer``); ``--help`` describes what the caller does. A caller
-    that uses the shard flags its own way says so in ``description`` (the first paragraph
-    of ``--help``).
-    """
-    try:
-        config = load_settings(
-            TrainerConfig,
-            sys.argv[1:] if argv is None else argv,
-            os.environ,
-            ENV_PREFIX,
-            _prog(),
-            _description(local_shards, description),
-        )
-    except ValueError as exc:
-        print(f"trainer: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    configure_logging(config.log_level, rank=os.environ.get("RANK", "0"))
-    return config
-
-
-def report(metrics: dict[str, Any]) -> None:
-    """Print the final line: AUC, logloss, throughput, where the run went (rank 0 only has the final metrics)."""
-    if metrics.get("final"):
-        f = metrics["final"]
-        print(
-            f"AUC {f['auc']:.4f}  logloss {f['logloss']:.4f}  ({int(f['samples'])} held-out samples, "
-            f"{metrics['samples_per_s']:,.0f} samples/s)  -> {metrics.get('output_dir', '?')}"
-        )
-
-
-def user_error(exc: BaseException, config: TrainerConfig) -> str | None:
-    """One line saying what to do, for an error that is a mistake in how the run was asked
-    for (a data file that does not read as ``--schema``, a malformed line, ``--device cuda``
-    without CUDA, a path that may not be read or written); None for any other error, which
-    is a bug or a failure of the cluster and keeps its traceback."""
-    if isinstance(exc, DataError):
-        if exc.line <= 2:  # the file as a whole, or its first data line, fails: its layout may be another
-            others = [n for n in schemas_that_fit(exc.path) if n != config.schema]
-            if others:
-                detail = str(exc).removeprefix(exc.path).lstrip(":").strip()
-                detail = detail if len(detail) <= 120 else detail[:117] + "..."
-                where = f"line {detail}" if exc.line else detail
-                return (
-                    f"{exc.path} does not read as --schema {config.schema} ({where}); it reads as "
-                    f"--schema {others[0]}: pass --schema {others[0]}"
-                )
-            if exc.line == 0:
-                return f"{exc}: is --schema {config.schema} the layout of this file?"
-        if exc.line:
-            return (
-                f"{exc}: fix the line, or pass --bad-lines skip to leave malformed lines out (they are counted "
-                "and logged)"
-            )
-        return str(exc)
-    if isinstance(exc, DeviceError):
-        return str(exc)
-    if isinstance(exc, PermissionError):
-        what = exc.filename if exc.filename is not None else "a file or directory"
-        return f"permission denied: {what}: change its permissions, or pass another --data or --output-dir"
-    return None
-
-
-def run_or_explain(fn: Callable[[], _T], config: TrainerConfig, prog: str) -> _T:
-    """``fn()``; a user's mistake ends the process with one line on stderr instead of a
-    traceback: status 2 for a token the shards refuse (naming the role a trainer needs),
-    1 for the mistakes ``user_error`` knows."""
-    try:
-        return fn()
-    except (UnauthenticatedError, PermissionDeniedError) as exc:
-        # Exit 2, as for any other bad setting: the token is one.
-        print(
-            f"{prog}: {exc} (a trainer needs a write token: point PS_CLIENT_TOKEN_FILE at a file holding one)",
-            file=sys.stderr,
-            flush=True,
-        )
-        raise SystemExit(2) from None
-    except Exception as exc:
-        line = user_error(exc, config)
-        if line is None:
-            raise
-        print(f"{prog}: {line}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
 
 
 @record  # under torchrun, the error reaches ps-launch's one-line summary of a failed worker

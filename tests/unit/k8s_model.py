@@ -26,10 +26,10 @@ from torch.distributed.run import get_args_parser as torchrun_parser
 from client import ClientConfig
 from protos.settings import load_settings
 from ps.config import build_parser, load_config
+from worker.config import ENV_PREFIX as TRAINER_PREFIX
 from worker.config import TrainerConfig
 from worker.serving import ENV_PREFIX as INFER_PREFIX
 from worker.serving import InferConfig
-from worker.trainer import ENV_PREFIX as TRAINER_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

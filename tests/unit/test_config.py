@@ -266,10 +266,10 @@ def test_table_spec_differences() -> None:
 
 
 def _commands() -> list[tuple[str, type, str]]:
+    from worker.config import ENV_PREFIX as TRAINER_PREFIX
     from worker.config import TrainerConfig
     from worker.serving import ENV_PREFIX as INFER_PREFIX
     from worker.serving import InferConfig
-    from worker.trainer import ENV_PREFIX as TRAINER_PREFIX
 
     return [
         ("ps-server", ServerConfig, "PS_"),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.trainer import TrainerConfig, init_distributed
+from worker.distributed import init_distributed
+from worker.trainer import TrainerConfig
 
 
 def test_an_unknown_device_names_the_field() -> None:

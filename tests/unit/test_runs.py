@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from worker.command import parse
 from worker.config import TrainerConfig
 from worker.data import ClickLog, ColumnSchema, load_click_log, rare_key
 from worker.dataset import RunData, auto_batch_size, open_data
+from worker.distributed import Dist
 from worker.output import ProgressLines, progress, run_dir
-from worker.trainer import Dist, _best_epoch, _log_config, parse
+from worker.trainer import _best_epoch, _log_config
 
 
 def test_batch_size_follows_the_training_rows() -> None:

@@ -1,0 +1,84 @@
+"""A user's mistakes in how a training run was asked for, told in one line.
+
+``run_or_explain(fn, config, prog)`` runs ``fn`` and turns a mistake into one line on
+stderr and an exit status instead of a traceback: a token the shards refuse (status 2,
+naming the role a trainer needs); a data file that does not read as ``--schema`` (naming
+the schema it reads as), a malformed line (offering ``--bad-lines skip``), ``--device
+cuda`` without CUDA, a path that may not be read or written (status 1). Anything else is
+a bug or a failure of the cluster and keeps its traceback.
+
+Example:
+    >>> from worker.config import TrainerConfig
+    >>> user_error(PermissionError(13, "Permission denied", "/data/x.csv"), TrainerConfig())
+    'permission denied: /data/x.csv: change its permissions, or pass another --data or --output-dir'
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+from client import PermissionDeniedError, UnauthenticatedError
+from worker.config import TrainerConfig
+from worker.data import DataError
+from worker.dataset import schemas_that_fit
+from worker.distributed import DeviceError
+
+__all__ = ["run_or_explain", "user_error"]
+
+_T = TypeVar("_T")
+
+
+def user_error(exc: BaseException, config: TrainerConfig) -> str | None:
+    """One line saying what to do, for an error that is a mistake in how the run was asked
+    for (a data file that does not read as ``--schema``, a malformed line, ``--device cuda``
+    without CUDA, a path that may not be read or written); None for any other error, which
+    is a bug or a failure of the cluster and keeps its traceback."""
+    if isinstance(exc, DataError):
+        if exc.line <= 2:  # the file as a whole, or its first data line, fails: its layout may be another
+            others = [n for n in schemas_that_fit(exc.path) if n != config.schema]
+            if others:
+                detail = str(exc).removeprefix(exc.path).lstrip(":").strip()
+                detail = detail if len(detail) <= 120 else detail[:117] + "..."
+                where = f"line {detail}" if exc.line else detail
+                return (
+                    f"{exc.path} does not read as --schema {config.schema} ({where}); it reads as "
+                    f"--schema {others[0]}: pass --schema {others[0]}"
+                )
+            if exc.line == 0:
+                return f"{exc}: is --schema {config.schema} the layout of this file?"
+        if exc.line:
+            return (
+                f"{exc}: fix the line, or pass --bad-lines skip to leave malformed lines out (they are counted "
+                "and logged)"
+            )
+        return str(exc)
+    if isinstance(exc, DeviceError):
+        return str(exc)
+    if isinstance(exc, PermissionError):
+        what = exc.filename if exc.filename is not None else "a file or directory"
+        return f"permission denied: {what}: change its permissions, or pass another --data or --output-dir"
+    return None
+
+
+def run_or_explain(fn: Callable[[], _T], config: TrainerConfig, prog: str) -> _T:
+    """``fn()``; a user's mistake ends the process with one line on stderr instead of a
+    traceback: status 2 for a token the shards refuse (naming the role a trainer needs),
+    1 for the mistakes ``user_error`` knows."""
+    try:
+        return fn()
+    except (UnauthenticatedError, PermissionDeniedError) as exc:
+        # Exit 2, as for any other bad setting: the token is one.
+        print(
+            f"{prog}: {exc} (a trainer needs a write token: point PS_CLIENT_TOKEN_FILE at a file holding one)",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(2) from None
+    except Exception as exc:
+        line = user_error(exc, config)
+        if line is None:
+            raise
+        print(f"{prog}: {line}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
