@@ -18,22 +18,32 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import BinaryIO, cast
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import cast
 
 import numba
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from protos.hashing import fnv_basis, hash_fields, hash_strings
+from protos.hashing import hash_fields, hash_strings
 from protos.keys import hash_feature
 from worker.fields import bucket_keys, dense_values, parse_numbers
 from worker.jagged import JaggedIds
 from worker.metrics import auc, logloss
+from worker.schema import (
+    BadLines,
+    ColumnSchema,
+    DataError,
+    Layout,
+    SchemaColumns,
+    feature_seed,
+    read_header,
+    resolve_layout,
+    schema_columns,
+)
 
 __all__ = [
     "BadLines",
@@ -77,15 +87,6 @@ class Batch:
         return int(self.labels.shape[0])
 
 
-def feature_seed(feature: str) -> int:
-    """Default hash seed of a feature: ``hash_feature(feature, 0)`` as an unsigned int.
-
-    >>> feature_seed("C1") == hash_feature("C1", 0) % 2**64
-    True
-    """
-    return hash_feature(feature, 0) & _MASK64
-
-
 # --- numba kernels: the whole chunk is one uint8 buffer, fields are [start, end) ranges.
 
 
@@ -122,253 +123,15 @@ def _split_fields(buf: U8, line_starts: I64, line_ends: I64, sep: int, starts: I
 # --- delimited click logs
 
 
-class DataError(ValueError):
-    """A data file that does not read as its schema says. The message names the file and,
-    for one line, its 1-based number (``line``; 0 when it is about the file as a whole)."""
-
-    def __init__(self, message: str, path: str, line: int = 0) -> None:
-        super().__init__(message)
-        self.path, self.line = path, line
-
-
-@dataclass
-class BadLines:
-    """The malformed lines a reader skipped instead of raising ``DataError``: how many, and
-    the first ``KEEP`` line numbers (1-based). A line is counted once however often it is
-    read (every epoch reads it again). Not thread-safe: one per reader thread.
-
-    >>> bad = BadLines()
-    >>> bad.add(np.array([51, 7])); bad.add(np.array([7]))
-    >>> bad.count, bad.first, str(bad)
-    (2, [7, 51], '2 malformed lines skipped (first at lines 7, 51)')
-    """
-
-    KEEP = 5
-    count: int = 0
-    first: list[int] = field(default_factory=list)
-    _seen: I64 = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
-
-    def add(self, line_numbers: I64) -> None:
-        new = np.setdiff1d(np.asarray(line_numbers, np.int64), self._seen)
-        if new.size:
-            self._seen = np.union1d(self._seen, new)
-            self.count += int(new.size)
-            self.first = self._seen[: self.KEEP].tolist()
-
-    def __str__(self) -> str:
-        lines = ", ".join(map(str, self.first)) + (", ..." if self.count > len(self.first) else "")
-        return f"{self.count} malformed line{'s' if self.count != 1 else ''} skipped (first at line{'s' if self.count != 1 else ''} {lines})"
-
-
-@dataclass(frozen=True)
-class ColumnSchema:
-    """Layout of a delimited click log: which columns are the label, dense and categorical.
-
-    Columns are named (resolved against the header, or ``names`` for a file without
-    one) or 0-based indices. A categorical feature is named after its column; an
-    index-addressed column in a file with neither header nor ``names`` is ``C{j+1}``
-    for the j-th categorical. ``sep`` is one ASCII character; fields are not quoted.
-    ``seeds`` overrides ``feature_seed(name)`` per feature (unknown names raise at read
-    time). Dense values: empty -> 0, then ``log1p(max(x, 0))`` when ``log_transform``.
-
-    Derived columns:
-
-    * ``label_threshold``: None means labels must be 0 or 1; a number t makes the label
-      column any number, positive when >= t (MovieLens ratings >= 4).
-    * ``dense_buckets``: each dense column is also the categorical feature
-      ``{column}_bucket`` (``I{j+1}_bucket`` without names), one key per log-scale
-      bucket of the raw value: ``floor(v)`` for v <= 2, ``3 + floor(ln(v)**2)`` above,
-      and a key of its own for an empty field. Counts spanning orders of magnitude
-      (Criteo's I1..I13) then get a learned row per bucket, and "missing" is not 0.
-    * ``order_by``: a numeric column (a timestamp) the rows are sorted by, stably,
-      before use; only ``load_click_log`` can do that (it holds the whole file).
-
-    Raises ``ValueError`` for a bad ``sep``; the readers raise it for an unknown column
-    or one used twice.
-
-    >>> s = ColumnSchema.criteo()
-    >>> s.label, s.dense[0], s.categorical[-1], len(s.names or ()), s.dense_buckets
-    ('label', 'I1', 'C26', 40, True)
-    """
-
-    label: str | int
-    dense: Sequence[str | int]
-    categorical: Sequence[str | int]
-    sep: str = "\t"
-    header: bool = False
-    log_transform: bool = True
-    seeds: Mapping[str, int] | None = None
-    names: Sequence[str] | None = None
-    label_threshold: float | None = None
-    dense_buckets: bool = False
-    order_by: str | int | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.sep) != 1 or not self.sep.isascii():
-            raise ValueError(f"sep={self.sep!r}: must be one ASCII character")
-        if self.label_threshold is not None and not math.isfinite(self.label_threshold):
-            raise ValueError(f"label_threshold={self.label_threshold}: must be finite")
-        for name, value in (("dense", self.dense), ("categorical", self.categorical), ("names", self.names)):
-            if value is not None:
-                object.__setattr__(self, name, tuple(value))
-
-    @classmethod
-    def criteo(cls, *, dense_buckets: bool = True) -> ColumnSchema:
-        """Criteo Kaggle/1TB: ``label, I1..I13, C1..C26``, tab-separated, no header; the
-        counts I1..I13 are dense (log1p) and, with ``dense_buckets``, also bucketed features."""
-        dense, cat = [f"I{i}" for i in range(1, 14)], [f"C{i}" for i in range(1, 27)]
-        return cls("label", dense, cat, sep="\t", names=["label", *dense, *cat], dense_buckets=dense_buckets)
-
-    @classmethod
-    def avazu(cls) -> ColumnSchema:
-        """Avazu CTR: csv with header, label ``click``, every other column categorical
-        except ``id`` (unique per row) and ``hour`` (``YYMMDDHH``: as a raw id every hour
-        is new, so a held-out hour never hits a trained row)."""
-        cat = [
-            "C1",
-            "banner_pos",
-            "site_id",
-            "site_domain",
-            "site_category",
-            "app_id",
-            "app_domain",
-            "app_category",
-            "device_id",
-            "device_ip",
-            "device_model",
-            "device_type",
-            "device_conn_type",
-            *(f"C{i}" for i in range(14, 22)),
-        ]
-        return cls("click", (), cat, sep=",", header=True, log_transform=False)
-
-    @classmethod
-    def movielens(cls) -> ColumnSchema:
-        """MovieLens ``u.data``: ``user_id, item_id, rating, timestamp``, tab-separated, no
-        header; positive when rating >= 4; rows in time order (``load_click_log`` only)."""
-        return cls(
-            "rating",
-            (),
-            ["user_id", "item_id"],
-            sep="\t",
-            names=["user_id", "item_id", "rating", "timestamp"],
-            log_transform=False,
-            label_threshold=4.0,
-            order_by="timestamp",
-        )
-
-
-@dataclass(frozen=True)
-class _Layout:
-    nfields: int
-    names: tuple[str, ...]  # every column, for messages
-    label: I64
-    dense: I64
-    cat: I64
-    order: I64  # the order_by column, or empty
-    features: tuple[str, ...]  # categorical features, then bucket features
-    bases: U64  # FNV bases of the categorical features
-    bucket_seeds: tuple[int, ...]  # hash seeds of the bucket features
-    dense_names: tuple[str, ...]  # the dense columns' names (I{j+1} without names)
-    seeds: tuple[int, ...]  # hash seed of every feature
-
-
-def _layout(schema: ColumnSchema, header: list[str] | None, first_line: bytes) -> _Layout:
-    names = header if header is not None else list(schema.names) if schema.names is not None else None
-    nfields = len(names) if names is not None else first_line.rstrip(b"\r\n").count(schema.sep.encode()) + 1
-
-    def index(col: str | int) -> int:
-        if isinstance(col, str):
-            if names is None or col not in names:
-                shown = repr(names)[:200] + ("..." if len(repr(names)) > 200 else "") if names else ""
-                raise ValueError(f"column {col!r} not in {shown or 'a file without header or names'}")
-            return names.index(col)
-        if not 0 <= col < nfields:
-            raise ValueError(f"column index {col} out of range: rows have {nfields} fields")
-        return col
-
-    dense, cat = [index(c) for c in schema.dense], [index(c) for c in schema.categorical]
-    order = [] if schema.order_by is None else [index(schema.order_by)]
-    cols = [index(schema.label), *dense, *cat, *order]
-    if len(set(cols)) != len(cols):
-        raise ValueError(f"a column is used twice: label, dense, categorical, order_by = {cols}")
-    cat_names = [names[i] if names is not None else f"C{j + 1}" for j, i in enumerate(cat)]
-    dense_names = [names[i] if names is not None else f"I{j + 1}" for j, i in enumerate(dense)]
-    buckets = [f"{d}_bucket" for d in dense_names]
-    features = tuple(cat_names + (buckets if schema.dense_buckets else []))
-    if len(set(features)) != len(features):
-        raise ValueError(f"two categorical columns share a feature name: {features}")
-    seeds = dict(schema.seeds or {})
-    if unknown := set(seeds) - set(features):
-        raise ValueError(f"seeds for unknown features {sorted(unknown)}; features are {list(features)}")
-    key_seeds = [seeds.get(f, feature_seed(f)) & _MASK64 for f in features]
-    return _Layout(
-        nfields,
-        tuple(names if names is not None else (f"column {i}" for i in range(nfields))),
-        np.array(cols[:1], np.int64),
-        np.array(dense, np.int64),
-        np.array(cat, np.int64),
-        np.array(order, np.int64),
-        features,
-        np.array([fnv_basis(k) for k in key_seeds[: len(cat)]], np.uint64),
-        tuple(key_seeds[len(cat) :]),
-        tuple(dense_names),
-        tuple(key_seeds),
-    )
-
-
-def _header(f: BinaryIO, schema: ColumnSchema, where: str) -> list[str] | None:
-    if not schema.header:
-        return None
-    first = f.readline()
-    if not first:
-        raise DataError(f"{where}: empty file, expected a header line", where)
-    return first.decode("utf-8-sig").rstrip("\r\n").split(schema.sep)
-
-
-@dataclass(frozen=True)
-class SchemaColumns:
-    """The columns ``schema`` reads from a file, named as the readers name them.
-
-    ``categorical``: the categorical features (named after their columns); ``dense``: the
-    dense columns in ``Batch.dense`` order; ``buckets``: their bucket features (empty
-    without ``dense_buckets``); ``seeds``: the hash seed of every categorical and bucket feature.
-    """
-
-    categorical: tuple[str, ...]
-    dense: tuple[str, ...]
-    buckets: tuple[str, ...]
-    seeds: Mapping[str, int]
-
-
-def schema_columns(path: str | os.PathLike[str], schema: ColumnSchema) -> SchemaColumns:
-    """The named columns of ``path`` under ``schema`` (reads its header or first line).
-
-    Raises ``ValueError`` as the readers do for an unknown column or one used twice.
-
-    >>> import tempfile, pathlib
-    >>> p = pathlib.Path(tempfile.mkdtemp()) / "log.csv"
-    >>> _ = p.write_text("y,n,c\\n1,3,a\\n")
-    >>> cols = schema_columns(p, ColumnSchema("y", ["n"], ["c"], sep=",", header=True, dense_buckets=True))
-    >>> cols.categorical, cols.dense, cols.buckets, cols.seeds["c"] == feature_seed("c")
-    (('c',), ('n',), ('n_bucket',), True)
-    """
-    with open(path, "rb") as f:
-        header = _header(f, schema, os.fspath(path))
-        lay = _layout(schema, header, f.readline())
-    ncat = lay.cat.shape[0]
-    return SchemaColumns(lay.features[:ncat], lay.dense_names, lay.features[ncat:], dict(zip(lay.features, lay.seeds)))
-
-
 def raw_columns(path: str | os.PathLike[str], schema: ColumnSchema, first: int, count: int) -> dict[str, list[str]]:
     """The raw text of rows ``[first, first + count)`` of ``path`` (after a header), by the
     names a predictor takes (``schema_columns``'s categorical and dense columns): what an
     online request would carry for those rows. For examples and tests: Python per field.
     """
     with open(path, "rb") as f:
-        header = _header(f, schema, os.fspath(path))
+        header = read_header(f, schema, os.fspath(path))
         start = f.tell()
-        lay = _layout(schema, header, f.readline())
+        lay = resolve_layout(schema, header, f.readline())
         f.seek(start)
         lines = [line for _, line in zip(range(first + count), f)][first:]
     fields = [line.decode("utf-8").rstrip("\r\n").split(schema.sep) for line in lines]
@@ -394,7 +157,7 @@ def _parse_lines(
     line_starts: I64,
     line_ends: I64,
     first_line_no: int,
-    lay: _Layout,
+    lay: Layout,
     schema: ColumnSchema,
     where: str,
     skipped: BadLines | None = None,
@@ -494,14 +257,14 @@ def _read_rows(
     limit: int | None,
     chunk_bytes: int,
     bad_lines: BadLines | None = None,
-) -> Iterator[tuple[_Layout, _Rows]]:
+) -> Iterator[tuple[Layout, _Rows]]:
     """Parsed rows of ``path``, one chunk at a time (see ``read_click_log``). ``skip`` and
     ``limit`` count lines, skipped malformed ones included."""
     where = os.fspath(path)
     with open(path, "rb") as f:
-        header = _header(f, schema, where)
+        header = read_header(f, schema, where)
         line_no = 0 if header is None else 1  # lines consumed so far
-        lay: _Layout | None = None
+        lay: Layout | None = None
         to_skip, left = skip, limit
         carry = b""
         while left is None or left > 0:
@@ -526,7 +289,7 @@ def _read_rows(
             if hi > lo:
                 if lay is None:
                     try:
-                        lay = _layout(schema, header, bytes(buf[line_starts[lo] : line_ends[lo]]))
+                        lay = resolve_layout(schema, header, bytes(buf[line_starts[lo] : line_ends[lo]]))
                     except ValueError as exc:
                         raise DataError(f"{where}: {exc}", where) from None
                 rows = _parse_lines(
