@@ -17,11 +17,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
 import os
 import signal
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +37,51 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from protos.auth import AuthError, Tokens
 from protos.tls import TLSError, server_credentials
 
-__all__ = ["listen", "server_security", "settle_heap", "stop_on_signals", "write_port_file"]
+__all__ = [
+    "Status",
+    "listen",
+    "server_security",
+    "settle_heap",
+    "status_boundary",
+    "stop_on_signals",
+    "write_port_file",
+]
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Status:
+    """The status a call ends with: its code, the message a person can act on, and
+    trailing metadata for a client that acts on it by program."""
+
+    code: grpc.StatusCode
+    message: str
+    trailing: tuple[tuple[str, str], ...] = ()
+
+
+@contextlib.contextmanager
+def status_boundary(
+    context: grpc.ServicerContext, method: str, status_of: Callable[[Exception, str], Status | None], process: str
+) -> Iterator[None]:
+    """End the call with ``status_of(exc, method)`` for an exception the handler body raises, or,
+    for one ``status_of`` does not know (None), with INTERNAL naming an incident that
+    ``process``'s log holds in full: no traceback, path or value leaves the server.
+    Every gRPC server of the system (``ps.servicer``, ``worker.serving``) uses this one."""
+    try:
+        yield
+    except Exception as exc:
+        status = status_of(exc, method)
+        if status is None:
+            incident = uuid.uuid4().hex[:12]
+            log.error("unhandled error in %s (incident %s)", method, incident, exc_info=exc)
+            status = Status(
+                grpc.StatusCode.INTERNAL, f"{method}: internal error, incident {incident} in the {process} log"
+            )
+        if status.trailing:
+            context.set_trailing_metadata(status.trailing)
+        context.abort(status.code, status.message)
 
 
 def listen(

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -27,7 +26,8 @@ import numpy.typing as npt
 from google.protobuf.message import DecodeError
 
 from protos import ps_pb2 as pb
-from protos import wire
+from protos import servers, wire
+from protos.servers import Status
 from protos.services import PS_SERVICE
 from ps.config import spec_from_proto, spec_to_proto
 from ps.errors import RequestTooLarge, ShardError
@@ -43,6 +43,7 @@ __all__ = [
     "spec_from_proto",
     "spec_to_proto",
     "status_boundary",
+    "status_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -52,22 +53,20 @@ log = logging.getLogger(__name__)
 _RESPONSE_OVERHEAD_BYTES = 4096
 
 
-@contextlib.contextmanager
-def status_boundary(context: grpc.ServicerContext, method: str) -> Iterator[None]:
-    """Turn exceptions from a handler body into gRPC statuses (see the module docstring)."""
-    try:
-        yield
-    except ShardError as exc:
-        if exc.trailing_metadata:
-            context.set_trailing_metadata(exc.trailing_metadata)
-        context.abort(exc.code, str(exc))
-    except (wire.WireFormatError, DecodeError) as exc:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: malformed request: {exc}")
-    except Exception:
-        # The status names an incident the log has in full: no traceback, path or value leaves the shard.
-        incident = uuid.uuid4().hex[:12]
-        log.exception("unhandled error in %s (incident %s)", method, incident)
-        context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error, incident {incident} in the shard log")
+def status_of(exc: Exception, method: str) -> Status | None:
+    """The status of what a handler raised: a ``ShardError``'s own code (with its trailing
+    metadata), INVALID_ARGUMENT for bytes that do not decode; None for anything else
+    (a bug: INTERNAL, logged)."""
+    if isinstance(exc, ShardError):
+        return Status(exc.code, str(exc), exc.trailing_metadata)
+    if isinstance(exc, (wire.WireFormatError, DecodeError)):
+        return Status(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: malformed request: {exc}")
+    return None
+
+
+def status_boundary(context: grpc.ServicerContext, method: str) -> contextlib.AbstractContextManager[None]:
+    """Turn exceptions from a handler body into gRPC statuses (``status_of``)."""
+    return servers.status_boundary(context, method, status_of, "shard")
 
 
 def _unary(fn: Callable[[bytes, grpc.ServicerContext], Any], encode: bool) -> grpc.RpcMethodHandler:  # type: ignore[type-arg]

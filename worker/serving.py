@@ -27,14 +27,13 @@ Example (a client, ``client.PredictClient``, which needs no torch; the README st
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +51,15 @@ from protos import infer_pb2 as pb
 from protos.columns import Column, InvalidRequest, decode_request, request_of
 from protos.guard import Guard, RpcMetrics, serve_metrics
 from protos.logs import configure_logging
-from protos.servers import listen, server_security, settle_heap, stop_on_signals, write_port_file
+from protos.servers import (
+    Status,
+    listen,
+    server_security,
+    settle_heap,
+    status_boundary,
+    stop_on_signals,
+    write_port_file,
+)
 from protos.services import PREDICT_SERVICE
 from protos.settings import load_settings
 from worker.export import load_model
@@ -268,7 +275,7 @@ class _Servicer:
         self._predictor, self._batcher, self._gate, self._run = predictor, batcher, gate, run
 
     def Predict(self, body: bytes, context: grpc.ServicerContext) -> pb.PredictResponse:
-        with _status_boundary(context):
+        with status_boundary(context, "Predict", _status_of, "ps-infer"):
             try:  # decoded here, not by gRPC: bytes that do not decode get INVALID_ARGUMENT, not INTERNAL
                 request = pb.PredictRequest.FromString(body)
             except DecodeError as exc:
@@ -293,26 +300,21 @@ def _time_left_s(context: grpc.ServicerContext) -> float | None:
     return None if left is None or left > _NO_DEADLINE_S else max(left, 0.0)
 
 
-@contextlib.contextmanager
-def _status_boundary(context: grpc.ServicerContext) -> Iterator[None]:
-    """Each failure to its status code (see protos/infer.proto); anything unexpected to INTERNAL, logged."""
-    try:
-        yield
-    except InvalidRequest as exc:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    except _Refused as exc:
-        context.abort(exc.code, str(exc))
-    except futures.TimeoutError:
-        context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before its batch was scored")
-    except PSError as exc:
-        passed = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-        code = exc.code if exc.code in passed else grpc.StatusCode.INTERNAL
-        if code == grpc.StatusCode.INTERNAL:
-            log.error("row lookup failed: %s", exc)
-        context.abort(code, f"row lookup: {exc}")
-    except Exception:
-        log.exception("Predict failed")
-        context.abort(grpc.StatusCode.INTERNAL, "internal error (logged by the predictor)")
+def _status_of(exc: Exception, method: str) -> Status | None:
+    """Each failure of a Predict to its status code (see protos/infer.proto); None for
+    anything unexpected (INTERNAL, logged)."""
+    if isinstance(exc, InvalidRequest):
+        return Status(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, _Refused):
+        return Status(exc.code, str(exc))
+    if isinstance(exc, futures.TimeoutError):
+        return Status(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before its batch was scored")
+    if isinstance(exc, PSError):
+        if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return Status(exc.code, f"row lookup: {exc}")
+        log.error("row lookup failed: %s", exc)
+        return Status(grpc.StatusCode.INTERNAL, f"row lookup: {exc}")
+    return None
 
 
 # --- server
