@@ -18,16 +18,18 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import logging
 import os
 import signal
+import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -35,11 +37,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from protos.auth import AuthError, Tokens
+from protos.logs import configure_logging
 from protos.tls import TLSError, server_credentials
 
 __all__ = [
+    "PARENT_PID_VARIABLE",
+    "Served",
+    "ServerSettings",
     "Status",
+    "exit_with_parent",
     "listen",
+    "run_server",
     "server_security",
     "settle_heap",
     "status_boundary",
@@ -204,6 +212,33 @@ def write_port_file(path: Path, port: int) -> None:
     tmp.replace(path)
 
 
+PARENT_PID_VARIABLE = "EMBEDDING_PS_PARENT_PID"
+"""Set by a launcher (``deploy.local``) to its pid: the server then gets SIGTERM when the
+launcher's thread that started it exits (``exit_with_parent``)."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+def exit_with_parent(environ: Mapping[str, str]) -> None:
+    """If ``PARENT_PID_VARIABLE`` names this process's parent, ask Linux for SIGTERM when
+    that parent (the thread that started this process) exits, and exit at once if it
+    already has; elsewhere, or without the variable, do nothing.
+
+    The server asks for this itself, after exec, so that its launcher starts it without
+    running Python in the child between fork and exec: a process whose other threads
+    are in gRPC calls must not fork with code that runs there (gRPC's fork handlers
+    then hang or crash the child)."""
+    wanted = environ.get(PARENT_PID_VARIABLE, "")
+    if not wanted.isdigit():
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:
+        return
+    if os.getppid() != int(wanted):  # the launcher died before the request: nobody will send it
+        os._exit(1)
+
+
 def stop_on_signals() -> threading.Event:
     """An event set by the first SIGTERM or SIGINT; later ones are ignored.
 
@@ -235,3 +270,67 @@ def settle_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+class ServerSettings(Protocol):
+    """What ``run_server`` reads of a server's settings."""
+
+    @property
+    def log_level(self) -> str: ...
+    @property
+    def port_file(self) -> Path | None: ...
+    @property
+    def grace_s(self) -> float: ...
+
+
+class Served(Protocol):
+    """A started server, as ``run_server`` sees it."""
+
+    @property
+    def port(self) -> int: ...
+    @property
+    def about(self) -> str:
+        """What the "listening" log line says besides the port (``key=value`` words)."""
+        ...
+
+    def stop_and_report(self, grace_s: float) -> int:
+        """Stop (calls in progress get ``grace_s`` seconds), log how it went; the exit status."""
+        ...
+
+
+_S = TypeVar("_S", bound=ServerSettings)
+
+
+def run_server(prog: str, parse: Callable[[], _S], start: Callable[[_S], Served], describe: Callable[[_S], str]) -> int:
+    """The life of a server process (``ps-server``, ``ps-infer``); returns its exit status.
+
+    ``parse()`` reads the settings (a ``ValueError``: one line on stderr, exit 2); logging is
+    configured and the settings logged on one line (``describe``); ``start`` builds and
+    starts the server (a ``RuntimeError`` or ``ValueError``: one log line, exit 1); the real
+    port goes to the port file; on SIGTERM or SIGINT the server stops, given
+    ``grace_s``, and its ``stop_and_report`` gives the exit status. Every step logs
+    one line (starting, listening, shutting down, and how it stopped) in ``protos.logs``'
+    format.
+    """
+    exit_with_parent(os.environ)
+    try:
+        settings = parse()
+    except ValueError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    log.info("starting %s", describe(settings))
+    try:
+        served = start(settings)
+    except (RuntimeError, ValueError) as exc:
+        log.error("%s", exc)
+        return 1
+    stop = stop_on_signals()
+    settle_heap()
+    if settings.port_file is not None:
+        write_port_file(settings.port_file, served.port)
+    log.info("listening port=%d %s", served.port, served.about)
+    while not stop.wait(1.0):
+        pass
+    log.info("shutting down grace_s=%s", settings.grace_s)
+    return served.stop_and_report(settings.grace_s)

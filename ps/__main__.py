@@ -24,11 +24,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from protos.logs import configure_logging
-from protos.servers import settle_heap, stop_on_signals, write_port_file
+from protos.servers import run_server
 from protos.wire import tune_malloc
-from ps.config import ConfigError, ServerConfig, load_config
-from ps.server import build_server
+from ps.config import ServerConfig, load_config
+from ps.server import PSServer, build_server
 
 log = logging.getLogger("ps")
 
@@ -37,42 +36,19 @@ def _describe(config: ServerConfig) -> str:
     return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(config).items())
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``ps-server`` console script."""
-    try:
-        config = load_config(sys.argv[1:] if argv is None else argv, os.environ)
-    except ConfigError as exc:
-        print(f"ps-server: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(config.log_level)
+def _start(config: ServerConfig) -> PSServer:
     tune_malloc()
     # Past a file-size limit (RLIMIT_FSIZE) a write should fail with EFBIG, which the
     # storage layer reports, rather than kill the process with SIGXFSZ.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    log.info("starting %s", _describe(config))
-    try:
-        server = build_server(config)
-    except RuntimeError as exc:
-        log.error("%s", exc)
-        return 1
+    return build_server(config)
 
-    stop = stop_on_signals()
-    settle_heap()
-    if config.port_file is not None:
-        write_port_file(config.port_file, server.port)
-    log.info("listening shard=%d num_shards=%d port=%d", config.shard, config.num_shards, server.port)
-    while not stop.wait(1.0):
-        pass
-    log.info("shutting down grace_s=%s", config.grace_s)
-    report = server.stop(config.grace_s)
-    if report.rescue_path is not None:
-        log.error("stopped: %d rows saved to rescue dump %s (exit 3)", report.unpersisted_rows, report.rescue_path)
-        return 3
-    if report.lost:
-        log.error("stopped: %d rows not in the data dir are lost (exit 4)", report.unpersisted_rows)
-        return 4
-    log.info("stopped")
-    return 0
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ps-server`` console script (``protos.servers.run_server``)."""
+    return run_server(
+        "ps-server", lambda: load_config(sys.argv[1:] if argv is None else argv, os.environ), _start, _describe
+    )
 
 
 if __name__ == "__main__":

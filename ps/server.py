@@ -102,6 +102,27 @@ class PSServer:
         """Block until the server stops; False on timeout."""
         return bool(self.server.wait_for_termination(timeout_s))
 
+    @property
+    def about(self) -> str:
+        return f"shard={self.shard.index} num_shards={self.shard.num_shards}"
+
+    def stop_and_report(self, grace_s: float) -> int:
+        """``stop``, logged; the exit status: 0 clean, 3 acknowledged rows only in a rescue
+        dump (the next start applies it), 4 rows lost (no place took the dump)."""
+        report = self.stop(grace_s)
+        if report.rescue_path is not None:
+            log.error("stopped: %d rows saved to rescue dump %s (exit 3)", report.unpersisted_rows, report.rescue_path)
+            return 3
+        if report.lost:
+            log.error(
+                "stopped: %d rows not in the data dir are lost (exit 4): set --rescue-dir to a directory on another "
+                "volume",
+                report.unpersisted_rows,
+            )
+            return 4
+        log.info("stopped")
+        return 0
+
 
 def open_shard(config: ServerConfig) -> Shard:
     """The shard ``config`` describes, with its data directory opened: first restored from

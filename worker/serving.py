@@ -50,15 +50,12 @@ from client import ClientConfig, PSClient, PSError, parse_addresses
 from protos import infer_pb2 as pb
 from protos.columns import Column, InvalidRequest, decode_request, request_of
 from protos.guard import Guard, RpcMetrics, serve_metrics
-from protos.logs import configure_logging
 from protos.servers import (
     Status,
     listen,
+    run_server,
     server_security,
-    settle_heap,
     status_boundary,
-    stop_on_signals,
-    write_port_file,
 )
 from protos.services import PREDICT_SERVICE
 from protos.settings import load_settings
@@ -467,24 +464,38 @@ def _warm_up(predictor: Predictor) -> None:
         m.program(torch.zeros(MIN_ROWS, len(m.dense)), pooled)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``ps-infer`` console script."""
-    description = (
-        "Serve a trained model's Predict over gRPC: raw feature values in, scores out, hashed "
-        "and looked up on the shards exactly as in training."
-    )
-    try:
-        config = load_settings(
-            InferConfig, sys.argv[1:] if argv is None else argv, os.environ, ENV_PREFIX, "ps-infer", description
-        )
-    except ValueError as exc:
-        print(f"ps-infer: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(config.log_level)
-    log.info("starting %s", " ".join(f"{k}={v}" for k, v in vars(config).items()))
+_DESCRIPTION = (
+    "Serve a trained model's Predict over gRPC: raw feature values in, scores out, hashed "
+    "and looked up on the shards exactly as in training."
+)
+
+
+@dataclass
+class _Running:
+    """A started ``ps-infer`` with the shard client it owns (``protos.servers.Served``)."""
+
+    server: InferServer
+    client: PSClient
+    about: str
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def stop_and_report(self, grace_s: float) -> int:
+        self.server.stop(grace_s)
+        self.client.close()
+        log.info("stopped")
+        return 0
+
+
+def _start(config: InferConfig) -> _Running:
+    """Load the run, check the shards are its cluster, warm up and start serving; raises
+    ``RuntimeError`` or ``ValueError`` saying why it cannot."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    assert config.model is not None  # checked by InferConfig
+    if config.model is None:
+        raise ValueError("--model is required: the run directory of a trained model (e.g. runs/latest)")
     client = PSClient(config.addresses(), ClientConfig(deadline_s=config.deadline_s))
     try:
         predictor = Predictor(load_model(config.model), client, max_candidates=config.max_candidates)
@@ -492,21 +503,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         _warm_up(predictor)
         server = build_server(config, predictor)
     except (ValueError, RuntimeError, PSError) as exc:
-        log.error("%s", exc)
         client.close()
-        return 1
-    stop = stop_on_signals()
-    settle_heap()
-    if config.port_file is not None:
-        write_port_file(config.port_file, server.port)
-    log.info("listening port=%d model=%s run=%s", server.port, config.model, predictor.model.run)
-    while not stop.wait(1.0):
-        pass
-    log.info("shutting down grace_s=%s", config.grace_s)
-    server.stop(config.grace_s)
-    client.close()
-    log.info("stopped")
-    return 0
+        raise RuntimeError(str(exc)) from None
+    except BaseException:
+        client.close()
+        raise
+    return _Running(server, client, f"model={config.model} run={predictor.model.run}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ps-infer`` console script (``protos.servers.run_server``)."""
+    return run_server(
+        "ps-infer",
+        lambda: load_settings(
+            InferConfig, sys.argv[1:] if argv is None else argv, os.environ, ENV_PREFIX, "ps-infer", _DESCRIPTION
+        ),
+        _start,
+        lambda config: " ".join(f"{k}={v}" for k, v in vars(config).items()),
+    )
 
 
 # --- client
