@@ -26,6 +26,8 @@ from types import TracebackType
 
 __all__ = ["LocalCluster", "ShardProcess", "ShardStartError", "die_with_parent", "threads_beside_local_shards"]
 
+from protos.servers import PARENT_PID_VARIABLE
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -117,6 +119,7 @@ def spawn_shard(
     port_file.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env[PARENT_PID_VARIABLE] = str(os.getpid())
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [
@@ -133,7 +136,10 @@ def spawn_shard(
             stderr=subprocess.STDOUT,
             cwd=root,
             env=env,
-            preexec_fn=die_with_parent if in_child is None else _then(die_with_parent, in_child),
+            # No Python between fork and exec unless a caller asks for it (in_child): this
+            # process's other threads may be in gRPC calls, and gRPC's fork handlers then
+            # hang or crash the child. The shard follows our death itself (exit_with_parent).
+            preexec_fn=None if in_child is None else _then(die_with_parent, in_child),
         )
     return ShardProcess(index, "", proc, log)
 
