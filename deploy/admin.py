@@ -77,7 +77,8 @@ from deploy.operations import (
 )
 from deploy.reshard import SCAN_CHUNK_ROWS, AdminError, read_cluster_manifest, reshard, shard_dir_name
 from protos.logs import configure_logging
-from ps.storage import DataDirError, StorageFailed
+from ps.datadir import DataDirError
+from ps.storage import StorageFailed
 
 __all__ = [
     "AdminError",

@@ -31,7 +31,8 @@ from client import ClientConfig, PSClient, PSError, ShardUnavailableError
 from deploy.reshard import AdminError, now_stamp, shard_dir_name
 from protos.services import SHARD_HEALTH
 from protos.tls import TLSError, channel_credentials, open_channel
-from ps.storage import FORMAT_VERSION, DataDirError, StorageFailed, read_manifest, write_manifest
+from ps.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
+from ps.storage import StorageFailed
 
 __all__ = [
     "CLIENT_OPTIONS",

@@ -24,8 +24,9 @@ from protos.keys import shard_of
 from ps import optimizers
 from ps.checkpoint import part_name
 from ps.config import TableSpec, spec_from_proto, spec_to_proto
+from ps.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
 from ps.errors import ShardError
-from ps.storage import FORMAT_VERSION, DataDirError, Storage, read_manifest, write_manifest
+from ps.storage import Storage
 
 __all__ = ["SCAN_CHUNK_ROWS", "AdminError", "now_stamp", "read_cluster_manifest", "reshard", "shard_dir_name"]
 

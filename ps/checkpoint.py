@@ -56,8 +56,9 @@ from google.protobuf import json_format
 
 from ps import optimizers
 from ps.config import spec_to_proto
+from ps.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
 from ps.errors import InvalidRequest, NotConfigured
-from ps.storage import FORMAT_VERSION, DataDirError, Storage, StorageFailed, read_manifest, write_manifest
+from ps.storage import Storage, StorageFailed
 from ps.table import Table, held_tables
 
 __all__ = [

@@ -45,10 +45,11 @@ from protos.tls import open_channel
 from ps import optimizers
 from ps.checkpoint import resolve_existing_checkpoint
 from ps.config import spec_from_proto
+from ps.datadir import DataDirError
 from ps.errors import InvalidRequest, WrongMode
 from ps.lifecycle import Lifecycle
 from ps.shard import Shard
-from ps.storage import DataDirError, Storage, StorageFailed
+from ps.storage import Storage, StorageFailed
 from ps.table import Table
 
 __all__ = ["Source", "serve_from"]

@@ -70,15 +70,8 @@ from google.protobuf import json_format
 from protos import ps_pb2 as pb
 from ps import optimizers
 from ps.config import TableSpec, spec_from_proto, spec_to_proto
-from ps.storage import (
-    FORMAT_VERSION,
-    DataDirError,
-    Storage,
-    StorageFailed,
-    pack_records,
-    read_manifest,
-    write_manifest,
-)
+from ps.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
+from ps.storage import Storage, StorageFailed, pack_records
 from ps.table import Table, held_tables
 
 __all__ = [

@@ -29,13 +29,14 @@ from protos.tls import TLSError, channel_credentials
 from ps.changes import ChangeLog
 from ps.checkpoint import copy_checkpoint
 from ps.config import Durability, ServerConfig
+from ps.datadir import DataDirError
 from ps.follow import Source
 from ps.lifecycle import Eviction
 from ps.limits import Limits
 from ps.rescue import StopReport, apply_rescue, begin_epoch, dump_places, is_rescue_dump, settle_dumps
 from ps.servicer import Servicer
 from ps.shard import Mode, Shard
-from ps.storage import DataDirError, Storage, StorageFailed
+from ps.storage import Storage, StorageFailed
 
 __all__ = [
     "PSServer",

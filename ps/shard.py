@@ -494,7 +494,8 @@ class Shard:
             self._storage_health.recover(self._reopen_if_refusing, lambda: self.flush(metadata=False))
 
     def _reopen_if_refusing(self) -> None:
-        """Reopen the data dir's RocksDB unless a probe write goes through as it is."""
+        """Reopen the data dir's RocksDB unless a probe write goes through as it is, or
+        (``StorageFailed``) the data dir has no room to reopen it in."""
         if self.storage is None:
             return
         try:
@@ -502,6 +503,8 @@ class Shard:
             return
         except StorageFailed:
             pass
+        if not self.storage.has_room():  # a reopen would fail, closing the handle reads still use
+            raise StorageFailed(f"data dir {self.storage.path} has no room yet: writes stay refused, reads go on")
         with self._quiesced():
             self.storage.reopen()
 

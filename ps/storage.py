@@ -42,13 +42,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import operator
 import os
-import resource
-import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -64,13 +61,13 @@ import numpy as np
 import numpy.typing as npt
 import rocksdict
 
+from ps.datadir import FORMAT_VERSION, DataDirError, has_room, lock_data_dir, open_failure, write_manifest
 from ps.errors import ShardError
 
 __all__ = ["DataDirError", "RowRecords", "Storage", "StorageFailed", "TableRows", "pack_records"]
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 _META = "meta"
 _TABLE_PREFIX = "t:"
 _IDENTITY = b"identity"
@@ -78,7 +75,6 @@ _SPEC_PREFIX = b"spec:"
 _LEDGER_PREFIX = b"ledger:"
 _PROBE = b"write-probe"
 _USER_PREFIX = b"note:"
-_OPEN_HEADROOM_BYTES = 1 << 20  # new MANIFEST, OPTIONS and WAL files, table file overhead
 _MAX_WAL_BYTES = 64 << 20  # write-ahead log kept (about): at most what a start after kill -9 replays
 _SCAN_CHUNK = 1 << 16
 _READ_THREADS = max(1, min(4, os.cpu_count() or 1))  # threads one multi-get is split across
@@ -89,10 +85,6 @@ class StorageFailed(ShardError):
     """A write to RocksDB failed (disk full, I/O error): nothing of it was applied."""
 
     code = grpc.StatusCode.UNAVAILABLE
-
-
-class DataDirError(RuntimeError):
-    """The data directory cannot be used (in use by another process, another shard's, bad)."""
 
 
 @dataclass
@@ -258,7 +250,7 @@ class Storage:
         self._lock_file: IO[str] | None = None
         if not read_only:
             self.path.mkdir(parents=True, exist_ok=True)
-            self._lock_file = _lock(self.path)
+            self._lock_file = lock_data_dir(self.path)
         elif not (self.path / "db").is_dir():
             raise DataDirError(f"{self.path}: no db/ directory here: not a data or checkpoint directory")
         self._write_opts = rocksdict.WriteOptions()
@@ -272,7 +264,7 @@ class Storage:
             self._db = self._open(read_only)
         except Exception as exc:
             self._unlock()
-            raise DataDirError(_open_failure(self.path, exc)) from None
+            raise DataDirError(open_failure(self.path, exc)) from None
         self._columns: dict[str, rocksdict.Rdict] = {}
         self._rows: list[TableRows] = []
         self._meta: rocksdict.Rdict | None = None
@@ -450,6 +442,10 @@ class Storage:
         stamp = np.array([time.time()], dtype="<f8").tobytes()
         self._write(lambda: self._meta_column().put(_PROBE, stamp, self._write_opts))
 
+    def has_room(self) -> bool:
+        """Whether RocksDB could be reopened in the data dir now (``ps.datadir.has_room``)."""
+        return has_room(self.path)
+
     def put_meta(self, key: bytes, value: bytes) -> None:
         """Store ``value`` under ``key`` in the meta column family (WAL on)."""
         self._write(lambda: self._meta_column().put(_USER_PREFIX + key, value, self._write_opts))
@@ -488,7 +484,7 @@ class Storage:
             except Exception as exc:  # a column family the read-only view lacks
                 error = error or exc
         if error is not None:
-            raise StorageFailed(_open_failure(self.path, error, reopening=True))
+            raise StorageFailed(open_failure(self.path, error, reopening=True))
         log.info("reopened RocksDB in %s", self.path)
 
     def _drop_handles(self) -> None:
@@ -529,71 +525,3 @@ class Storage:
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
-
-
-def _open_failure(path: Path, exc: Exception, reopening: bool = False) -> str:
-    """Why RocksDB in ``path`` cannot be opened; for a write error, how much space it needs."""
-    what = "reopen RocksDB for writing" if reopening else "open RocksDB"
-    text = f"{path}: cannot {what}: {exc}"
-    lowered = str(exc).lower()
-    if not any(s in lowered for s in ("no space", "file too large", "quota")):  # ENOSPC, EFBIG, EDQUOT
-        return text
-    wal = 0
-    with contextlib.suppress(OSError):
-        wal = sum(f.stat().st_size for f in (path / "db").glob("*.log"))
-    need = wal + _OPEN_HEADROOM_BYTES
-    free = -1
-    with contextlib.suppress(OSError):
-        free = shutil.disk_usage(path).free
-    text += (
-        f". Opening it replays its write-ahead log ({_mib(wal)} in db/*.log) into new table files, which "
-        f"needs up to about {_mib(need)} free on its filesystem; {_mib(free) if free >= 0 else 'an unknown amount'} "
-        "is free"
-    )
-    limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-    if limit != resource.RLIM_INFINITY:
-        text += f", and this process may not write a file over {_mib(limit)} (RLIMIT_FSIZE, see `ulimit -f`)"
-    return text + ". Free space (or raise the limit) and it opens: nothing on disk was lost"
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
-
-
-def _lock(path: Path) -> IO[str]:
-    f = (path / "ps.lock").open("a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        raise DataDirError(
-            f"data dir {path} is in use by another process (pid {holder}): stop it first, or give this "
-            "shard its own --data-dir"
-        ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
-
-
-def write_manifest(path: Path, manifest: dict[str, object]) -> None:
-    """Write ``path/manifest.json`` atomically (temp file + rename)."""
-    tmp = path / f".manifest.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path / "manifest.json")
-
-
-def read_manifest(path: Path) -> dict[str, object]:
-    """The manifest of checkpoint directory ``path``; ``DataDirError`` if absent or bad."""
-    try:
-        data = json.loads((Path(path) / "manifest.json").read_text())
-    except FileNotFoundError:
-        raise DataDirError(f"{path}: no manifest.json: not a checkpoint directory") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DataDirError(f"{path}/manifest.json: unreadable: {exc}") from None
-    if not isinstance(data, dict):
-        raise DataDirError(f"{path}/manifest.json: expected a JSON object")
-    return data

@@ -168,6 +168,8 @@ def test_disk_fills_then_frees_and_nothing_acknowledged_is_lost(
     # Its background retries fail, and say so: in Stats and in the Background health service.
     assert "storage-recovery" in {f["loop"] for f in st["failing_loops"]}, st["failing_loops"]
     assert health_status(shard.address, BACKGROUND) == health_pb2.HealthCheckResponse.NOT_SERVING
+    # A recovery try that failed left reads working: every acknowledged push is still read.
+    assert lost_and_extra(row_counts(shard.address), acked) == (0, 0)
 
     # Space comes back: the shard takes writes again by itself.
     set_file_size_limit(shard.proc.pid, None)

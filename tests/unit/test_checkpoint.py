@@ -12,9 +12,10 @@ import pytest
 
 from ps.checkpoint import MAX_PATH_BYTES, next_version_path, resolve_checkpoint_path, resolve_existing_checkpoint
 from ps.config import ConfigError, Durability, ServerConfig, TableSpec
+from ps.datadir import read_manifest
 from ps.errors import InvalidRequest, NotConfigured, ShardError
 from ps.shard import Shard
-from ps.storage import Storage, read_manifest
+from ps.storage import Storage
 
 
 @pytest.fixture

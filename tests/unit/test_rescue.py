@@ -21,11 +21,12 @@ import pytest
 import rocksdict
 
 from ps.config import Durability, TableSpec
+from ps.datadir import DataDirError
 from ps.initializers import InitializerKind, InitializerParams
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.rescue import apply_rescue, begin_epoch, dump_places, is_rescue_dump, save_rescue, settle_dumps
 from ps.shard import Shard
-from ps.storage import DataDirError, Storage, StorageFailed
+from ps.storage import Storage, StorageFailed
 from ps.table import Table
 from tests.fakes import push_request
 

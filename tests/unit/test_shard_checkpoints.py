@@ -16,12 +16,13 @@ import ps.table
 from protos import ps_pb2 as pb
 from ps.checkpoint import copy_checkpoint
 from ps.config import Durability, TableSpec, spec_from_proto
+from ps.datadir import read_manifest
 from ps.errors import TableExists
 from ps.ledger import PushLedger
 from ps.lifecycle import Lifecycle
 from ps.optimizers import OptimizerKind, OptimizerParams, state_width
 from ps.shard import Shard
-from ps.storage import Storage, read_manifest
+from ps.storage import Storage
 from tests.fakes import push_request
 from tests.unit.test_tier import I64, SGD, Clock, assert_same_bits, grads_for, keys_of
 

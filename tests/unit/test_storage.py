@@ -19,8 +19,9 @@ import numpy.typing as npt
 import pytest
 
 from ps.checkpoint import copy_checkpoint
+from ps.datadir import DataDirError, read_manifest
 from ps.ledger import PushLedger
-from ps.storage import DataDirError, RowRecords, Storage, StorageFailed, TableRows, read_manifest
+from ps.storage import RowRecords, Storage, StorageFailed, TableRows
 
 REPO = Path(__file__).resolve().parents[2]
 I64 = np.iinfo(np.int64)
@@ -214,7 +215,8 @@ def test_open_from_another_process_is_refused(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import sys
-        from ps.storage import DataDirError, Storage
+        from ps.datadir import DataDirError
+        from ps.storage import Storage
         try:
             Storage({str(tmp_path)!r}, shard=0, num_shards=1)
         except DataDirError as exc:
