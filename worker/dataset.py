@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from worker.config import TrainerConfig
 from worker.data import BadLines, Batch, ClickLog, ColumnSchema, DataError, load_click_log, read_click_log
@@ -33,6 +34,7 @@ from worker.synthetic import synthetic_criteo
 __all__ = [
     "EVAL_BATCH_SIZE",
     "IN_MEMORY_BYTES",
+    "OneLabelError",
     "RunData",
     "SCHEMAS",
     "auto_batch_size",
@@ -86,6 +88,8 @@ def open_data(config: TrainerConfig) -> RunData:
             rows, n_train = cv_fold(rows[:n_train], config.folds, config.eval_fold)
         data = RunData(config.schema, n_train, len(rows) - n_train, rows=rows, bad_lines=bad)
         train, test = data.split(n_train, len(rows), config.min_count)
+        _check_both_labels(path, test.labels, "held-out")
+        _check_both_labels(path, train.labels, "training")
         return dataclasses.replace(data, train=train, test=test)
     if config.folds:
         raise ValueError(
@@ -194,3 +198,21 @@ def eval_batches(config: TrainerConfig, data: RunData, batch_size: int) -> list[
     if data.test is None:
         raise ValueError(f"{data.source}: no evaluation rows")
     return list(data.test.batches(EVAL_BATCH_SIZE))
+
+
+class OneLabelError(DataError):
+    """The training or the held-out rows of a file hold one label only (or none)."""
+
+
+def _check_both_labels(path: Path, labels: npt.NDArray[np.float32], which: str) -> None:
+    """``DataError`` (about the file as a whole) unless ``labels`` hold both 0 and 1: AUC and
+    the epoch choice need both, and a run would fail only after it trained."""
+    positives = int((labels > 0.5).sum())
+    if 0 < positives < labels.shape[0]:
+        return
+    only = "no rows" if labels.shape[0] == 0 else f"only label {1 if positives else 0}"
+    raise OneLabelError(
+        f"{path}: the {labels.shape[0]} {which} rows hold {only}: a run needs both labels in each part; "
+        "use a larger file, or another --train-fraction",
+        str(path),
+    )

@@ -22,7 +22,7 @@ from typing import TypeVar
 from client import PermissionDeniedError, UnauthenticatedError
 from worker.config import TrainerConfig
 from worker.data import DataError
-from worker.dataset import schemas_that_fit
+from worker.dataset import OneLabelError, schemas_that_fit
 from worker.distributed import DeviceError
 
 __all__ = ["run_or_explain", "user_error"]
@@ -35,6 +35,8 @@ def user_error(exc: BaseException, config: TrainerConfig) -> str | None:
     for (a data file that does not read as ``--schema``, a malformed line, ``--device cuda``
     without CUDA, a path that may not be read or written); None for any other error, which
     is a bug or a failure of the cluster and keeps its traceback."""
+    if isinstance(exc, OneLabelError):  # the file reads fine: its rows are too few, or one-sided
+        return str(exc)
     if isinstance(exc, DataError):
         if exc.line <= 2:  # the file as a whole, or its first data line, fails: its layout may be another
             others = [n for n in schemas_that_fit(exc.path) if n != config.schema]

@@ -241,3 +241,11 @@ def test_permission_denied_names_the_path(tmp_path: Path) -> None:
         _trainer(tmp_path, "--train-samples", "2000", "--eval-samples", "100", "--output-dir", str(locked))
     )
     assert line.startswith(f"trainer: permission denied: {locked}") and "--output-dir" in line, line
+
+
+def test_a_file_too_small_to_hold_both_labels_in_each_part_says_so(tmp_path: Path) -> None:
+    # Two data rows: the held-out part is one row, one label; the run must not train and then crash in AUC.
+    rows = [f"{i}\t" + "\t".join(str(i + j) for j in range(13)) + "\t" + "\t".join(["0a0b0c0d"] * 26) for i in (0, 1)]
+    (tmp_path / "tiny.txt").write_text("\n".join(rows) + "\n")
+    line = _one_line(_trainer(tmp_path, "--data", "tiny.txt"))
+    assert "held-out rows hold only label" in line and "use a larger file" in line, line
