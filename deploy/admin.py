@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ps-admin",
         description="Operate on a parameter-server cluster and its checkpoints; each COMMAND is listed below "
         "(ps-admin COMMAND --help for its flags). --addresses defaults to $PS_ADDRESSES ($SERVING_ADDRESSES for "
-        "serve-from). Exit codes: 0 done, 1 failed (stderr says what to do), 2 bad arguments.",
+        "serve-from and unpin). Exit codes: 0 done, 1 failed (stderr says what to do), 2 bad arguments.",
     )
     parser.add_argument("--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")

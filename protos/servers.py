@@ -318,6 +318,9 @@ def run_server(prog: str, parse: Callable[[], _S], start: Callable[[_S], Served]
     except ValueError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    if settings.port_file is not None and not settings.port_file.parent.is_dir():
+        print(f"{prog}: --port-file {settings.port_file}: no directory {settings.port_file.parent}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level)
     log.info("starting %s", describe(settings))
     try:
@@ -328,7 +331,12 @@ def run_server(prog: str, parse: Callable[[], _S], start: Callable[[_S], Served]
     stop = stop_on_signals()
     settle_heap()
     if settings.port_file is not None:
-        write_port_file(settings.port_file, served.port)
+        try:
+            write_port_file(settings.port_file, served.port)
+        except OSError as exc:
+            log.error("--port-file %s: cannot write it (%s); stopping", settings.port_file, exc.strerror)
+            served.stop_and_report(0.0)
+            return 1
     log.info("listening port=%d %s", served.port, served.about)
     while not stop.wait(1.0):
         pass

@@ -4,6 +4,8 @@ and the shard keeps serving afterwards."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -407,3 +409,15 @@ def test_sigterm_again_while_a_shard_exits_still_ends_it_cleanly(tmp_path: Path)
     assert s.proc.wait(5) == 0, s.log.read_text()[-2000:]
     assert signals > 1
     assert "stopped" in s.log.read_text()
+
+
+def test_a_port_file_in_a_missing_directory_is_a_bad_setting(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-dir" / "port"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ps", "--shard=0", "--num-shards=1", "--listen=127.0.0.1:0", f"--port-file={missing}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == f"ps-server: --port-file {missing}: no directory {missing.parent}", proc.stderr
