@@ -104,16 +104,19 @@ def open_data(config: TrainerConfig) -> RunData:
 
 def schemas_that_fit(path: str | Path, lines: int = 20) -> list[str]:
     """The names in ``SCHEMAS`` under which the first ``lines`` data lines of ``path`` read
-    without a ``DataError`` (what to suggest when a file fails its ``--schema``)."""
+    without a ``DataError`` and give at least one row (what to suggest when a file fails its
+    ``--schema``; a schema that takes a file's only line as its header does not fit it)."""
     fits = []
     for name, make in SCHEMAS.items():
         schema = dataclasses.replace(make(), order_by=None)  # the order is no matter here
+        rows = 0
         try:
-            for _ in read_click_log(path, schema, lines, limit=lines):
-                pass
+            for batch in read_click_log(path, schema, lines, limit=lines):
+                rows += batch.batch_size
         except DataError:
             continue
-        fits.append(name)
+        if rows:
+            fits.append(name)
     return fits
 
 

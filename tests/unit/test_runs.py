@@ -16,7 +16,7 @@ import torch
 from worker.command import parse
 from worker.config import TrainerConfig
 from worker.data import ClickLog, ColumnSchema, load_click_log, rare_key
-from worker.dataset import RunData, auto_batch_size, open_data
+from worker.dataset import RunData, auto_batch_size, open_data, schemas_that_fit
 from worker.distributed import Dist
 from worker.output import ProgressLines, progress, run_dir
 from worker.trainer import _best_epoch, _log_config
@@ -213,6 +213,15 @@ def test_a_file_of_another_schema_says_which_schema_to_pass(tmp_path: Path) -> N
     line = _one_line(_trainer(tmp_path, "--data", "u.data"))  # --schema criteo, the default
     assert line.startswith("trainer: u.data does not read as --schema criteo (line 1: 4 fields, expected 40")
     assert line.endswith("pass --schema movielens"), line
+
+
+def test_a_file_that_reads_as_no_schema_gets_none_suggested(tmp_path: Path) -> None:
+    """A schema under which the file has no data row (its only line taken as a header) does
+    not fit it: suggesting it would send the user to "no data rows" next."""
+    (tmp_path / "two.tsv").write_text("a\tb\n")
+    assert schemas_that_fit(tmp_path / "two.tsv") == []
+    line = _one_line(_trainer(tmp_path, "--data", "two.tsv"))
+    assert "pass --schema" not in line, line
 
 
 def test_a_malformed_line_names_it_and_offers_bad_lines_skip(tmp_path: Path) -> None:
