@@ -258,6 +258,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     log.info("workers exited with status 0")
                 break
             dead = [s for s in cluster.shards if s.proc.poll() is not None]
+            if dead:
+                # Look at every shard again: a look that began before two shards died and
+                # ended after would see only the second. This one begins after a death was
+                # seen, so the shards that died together are restarted together.
+                dead = [s for s in cluster.shards if s.proc.poll() is not None]
             if dead and args.restart_shards:
                 lost = _revive(cluster, dead, policy)
                 if not lost:
