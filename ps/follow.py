@@ -46,13 +46,13 @@ from ps import optimizers
 from ps.checkpoint import resolve_existing_checkpoint
 from ps.config import spec_from_proto
 from ps.datadir import DataDirError
-from ps.errors import InvalidRequest, WrongMode
+from ps.errors import InvalidRequest
 from ps.lifecycle import Lifecycle
 from ps.shard import Shard
 from ps.storage import Storage, StorageFailed
 from ps.table import Table
 
-__all__ = ["Source", "serve_from"]
+__all__ = ["Source"]
 
 log = logging.getLogger(__name__)
 
@@ -328,6 +328,14 @@ class Source:
         log.info("serving checkpoint %s (pinned)", path)
         return path
 
+    def serve_from(self, checkpoint: str) -> pb.FollowStatus:
+        """``pin(checkpoint)``, or ``unpin()`` for ""; the status after (``Shard.serve_from``)."""
+        if checkpoint:
+            self.pin(checkpoint)
+        else:
+            self.unpin()
+        return self.status()
+
     def unpin(self) -> None:
         """Serve the shard's own tables again (a follower resumes its stream where it paused)."""
         if self._base is None:
@@ -340,19 +348,3 @@ class Source:
             old.close()
         self._resume.set()
         log.info("unpinned: serving %s again", self.kind)
-
-
-def serve_from(shard: Shard, checkpoint: str) -> pb.FollowStatus:
-    """Pin the serving ``shard`` to ``checkpoint`` ("" unpins it); returns its source's status.
-    Raises ``WrongMode`` on a training shard, ``InvalidRequest`` for a bad checkpoint."""
-    source = shard.source
-    if not isinstance(source, Source):
-        raise WrongMode(
-            f"ServeFrom refused: shard {shard.index} is a training shard (mode={shard.mode}); "
-            "only serving shards switch sources"
-        )
-    if checkpoint:
-        source.pin(checkpoint)
-    else:
-        source.unpin()
-    return source.status()

@@ -132,13 +132,7 @@ def open_shard(config: ServerConfig) -> Shard:
     applied yet are applied, or refused (``ps.rescue.settle_dumps``), and the data dir
     gets this start's epoch before anything else is written. Raises ``RuntimeError``
     with an actionable message."""
-    shard = _open_shard(config)
-    shard.changes = ChangeLog(config.follow_history_keys)
-    if config.mode == "serve":
-        shard.source = Source(
-            shard, config.follow, max_message_bytes=config.max_message_bytes, **_leader_credentials(config)
-        )
-    return shard
+    return _open_shard(config)
 
 
 def _leader_credentials(config: ServerConfig) -> dict[str, Any]:
@@ -157,6 +151,12 @@ def _leader_credentials(config: ServerConfig) -> dict[str, Any]:
 
 def _open_shard(config: ServerConfig) -> Shard:
     mode: Mode = "serve" if config.mode == "serve" else "train"
+    source: Callable[[Shard], Source] | None = None
+    if mode == "serve":  # its rows come from its data dir, a checkpoint, or the training shard it follows
+        leader = _leader_credentials(config)
+
+        def source(shard: Shard) -> Source:
+            return Source(shard, config.follow, max_message_bytes=config.max_message_bytes, **leader)
 
     def shard(storage: Storage | None, durability: Durability, memory_budget_bytes: int) -> Shard:
         return Shard(
@@ -170,6 +170,8 @@ def _open_shard(config: ServerConfig) -> Shard:
             eviction=cast(Eviction, config.eviction),
             limits=Limits(config.max_tables, config.max_keys_per_request),
             rescue_dir=config.rescue_dir,
+            changes=ChangeLog(config.follow_history_keys),
+            source=source,
         )
 
     if config.data_dir is None:

@@ -31,10 +31,8 @@ from protos.servers import Status
 from protos.services import PS_SERVICE
 from ps.config import spec_from_proto, spec_to_proto
 from ps.errors import RequestTooLarge, ShardError
-from ps.follow import serve_from
 from ps.report import shard_stats
 from ps.shard import LookupBatch, PushBatch, Route, Shard
-from ps.stream import follow_batches
 
 __all__ = [
     "Servicer",
@@ -158,14 +156,19 @@ class Servicer:
 
     def Follow(self, request: bytes, context: grpc.ServicerContext) -> Iterator[pb.FollowBatch]:
         with status_boundary(context, "Follow"):
-            yield from follow_batches(
-                self._shard, pb.FollowRequest.FromString(request), context.is_active, self._max_bytes
+            follow = pb.FollowRequest.FromString(request)
+            yield from self._shard.follow(
+                Route(follow.num_shards, follow.shard),
+                follow.history,
+                follow.version,
+                context.is_active,
+                self._max_bytes,
             )
 
     def ServeFrom(self, request: bytes, context: grpc.ServicerContext) -> pb.ServeFromResponse:
         with status_boundary(context, "ServeFrom"):
             return pb.ServeFromResponse(
-                status=serve_from(self._shard, pb.ServeFromRequest.FromString(request).checkpoint)
+                status=self._shard.serve_from(pb.ServeFromRequest.FromString(request).checkpoint)
             )
         raise AssertionError("unreachable: status_boundary aborts")
 

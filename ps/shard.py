@@ -46,18 +46,15 @@ import numpy as np
 import numpy.typing as npt
 
 from protos import ps_pb2 as pb
-from ps import optimizers
 from ps.background import LoopHealth, RateWindow
 from ps.budget import MemoryBudget
 from ps.changes import ChangeLog
 from ps.checkpoint import checkpoint_target, write_checkpoint
-from ps.config import Durability, TableSpec, spec_from_proto, spec_to_proto
+from ps.config import Durability, TableSpec
 from ps.errors import (
     InvalidRequest,
     ShardMismatch,
     ShuttingDown,
-    TableExists,
-    UnknownTable,
     WrongMode,
 )
 from ps.ledger import PushLedger
@@ -66,10 +63,12 @@ from ps.limits import Limits
 from ps.maintenance import Maintenance
 from ps.ownership import check_owned
 from ps.recovery import StorageHealth
+from ps.registry import TableRegistry
 from ps.rescue import RescueBase, StopReport, dump_places, read_base, save_rescue
 from ps.rwlock import ReadWriteLock
 from ps.storage import Storage, StorageFailed
-from ps.table import Table, held_tables
+from ps.stream import follow_batches
+from ps.table import Table
 
 __all__ = ["MODES", "LookupBatch", "Mode", "PushBatch", "PushLedger", "Route", "RowSource", "Shard", "StopReport"]
 
@@ -105,12 +104,16 @@ class PushBatch:
 
 
 class RowSource(Protocol):
-    """Where a serving shard's rows come from (``ps.follow.Source``), as ``Stats`` and
-    health see it."""
+    """Where a serving shard's rows come from (``ps.follow.Source``), as the shard's
+    ``Stats``, health and ``ServeFrom`` use it."""
 
     applied_version: int
 
     def status(self) -> pb.FollowStatus: ...
+
+    def serve_from(self, checkpoint: str) -> pb.FollowStatus:
+        """Serve ``checkpoint`` ("" : the source's own rows again); the status after."""
+        ...
 
 
 Mode = Literal["train", "serve"]
@@ -146,6 +149,8 @@ class Shard:
         eviction: Eviction = "lfu",
         limits: Limits | None = None,
         rescue_dir: Path | None = None,
+        changes: ChangeLog | None = None,
+        source: Callable[[Shard], RowSource] | None = None,
     ) -> None:
         if not 0 <= index < num_shards:
             raise ValueError(f"shard={index}: not in [0, num_shards={num_shards})")
@@ -171,8 +176,15 @@ class Shard:
         self.started = time.monotonic()
         self.last_durable = time.time()
         self._storage_health = StorageHealth(index)
-        self._tables: dict[str, Table] = {}
-        self._lock = threading.Lock()
+        self._tables = TableRegistry(
+            index,
+            storage,
+            every_push=durability.kind == "every-push",
+            limits=self.limits,
+            guard=self._guard,
+            check_writable=self._storage_health.check,
+            on_write_failure=self._storage_health.failed,
+        )
         self._checkpoint_lock = threading.Lock()
         self._closing = False
         self.rates = RateWindow()
@@ -188,16 +200,13 @@ class Shard:
             sweep_ttls=lambda: self.writable and self._mode == "train",
             flush_interval_s=durability.interval_s if durability.kind == "interval" and storage is not None else None,
         )
-        self.changes = ChangeLog()  # a training shard's versions, for serving shards that follow it
+        self.changes = changes or ChangeLog()  # a training shard's versions, for serving shards that follow it
         # A serving shard's lookups read under it, together; whatever swaps or changes its
         # rows (``ps.follow``) writes under it, so a lookup sees a change batch whole or not at all.
         self.serve_lock = ReadWriteLock()
         self.source: RowSource | None = None  # a serving shard's source of rows: in Stats and health
-        if storage is not None:
-            for name, blob in sorted(storage.specs().items()):
-                self._tables[name] = self._new_table(spec_from_proto(pb.TableSpec.FromString(blob)))
-            if self._tables:
-                log.info("reopened %d tables from %s: %s", len(self._tables), storage.path, ", ".join(self._tables))
+        if source is not None:
+            self.source = source(self)
 
     @property
     def mode(self) -> Mode:
@@ -230,13 +239,6 @@ class Shard:
         """Call ``listener(writable)`` when the shard starts or stops accepting writes."""
         self._storage_health.on_change(listener)
 
-    def _new_table(self, spec: TableSpec) -> Table:
-        if self.storage is None:
-            return Table(spec)
-        rows = self.storage.table(spec.name, spec.dim, optimizers.state_width(spec.optimizer, spec.dim))
-        every_push, failed = self.durability.kind == "every-push", self._storage_health.failed
-        return Table(spec, rows=rows, storage=self.storage, every_push=every_push, on_write_failure=failed)
-
     # -- tables --------------------------------------------------------------------------
 
     def create_table(self, spec: TableSpec) -> bool:
@@ -252,42 +254,19 @@ class Shard:
     def install_table(self, spec: TableSpec, limited: bool = False) -> bool:
         """``create_table`` in any mode: how a serving shard takes its leader's tables
         (``limited``: a new one must fit ``limits.max_tables``)."""
-        with self._lock:
-            existing = self._tables.get(spec.name)
-            if existing is None and limited:
-                self.limits.check_new_table(self.index, len(self._tables))
-            if existing is not None:
-                diff = existing.spec.differences(spec)
-                if diff:
-                    raise TableExists(
-                        f"table {spec.name!r} exists with a different spec: {'; '.join(diff)} (existing != requested)"
-                    )
-                return False
-            if self.storage is not None:
-                self._storage_health.check()
-                self._guard(self.storage.save_spec, spec.name, spec_to_proto(spec).SerializeToString())
-            self._tables[spec.name] = self._new_table(spec)
-        log.info("table created name=%s dim=%d optimizer=%s", spec.name, spec.dim, spec.optimizer.kind.name)
-        return True
+        return self._tables.install(spec, limited)
 
     def table(self, name: str) -> Table:
         """The table called ``name``; raises ``UnknownTable`` listing the ones that exist."""
-        try:
-            return self._tables[name]
-        except KeyError:
-            known = ", ".join(sorted(self._tables)) or "none"
-            raise UnknownTable(f"table {name!r} does not exist on shard {self.index} (tables: {known})") from None
+        return self._tables.get(name)
 
     def swap_tables(self, tables: dict[str, Table]) -> dict[str, Table]:
         """Serve ``tables`` from now on; returns the ones served until now (``ps.follow``)."""
-        with self._lock:
-            previous, self._tables = self._tables, tables
-        return previous
+        return self._tables.swap(tables)
 
     def tables(self) -> list[Table]:
-        """Every table, sorted by name."""
-        with self._lock:
-            return [self._tables[n] for n in sorted(self._tables)]
+        """Every table, sorted by name (``ps.registry``)."""
+        return self._tables.all()
 
     def specs(self) -> list[TableSpec]:
         """The spec of every table, sorted by name."""
@@ -417,6 +396,39 @@ class Shard:
         self.budget.after_request()
         return applied, rows
 
+    def follow(
+        self, follower: Route, history: str, version: int, active: Callable[[], bool], max_message_bytes: int
+    ) -> Iterator[pb.FollowBatch]:
+        """The change stream of this training shard for the serving shard ``follower``
+        (``route``: its index and cluster size) that holds ``(history, version)``:
+        batches under ``max_message_bytes`` until ``active()`` turns false or this shard
+        stops (``ps.stream``). Raises ``ShuttingDown``, ``WrongMode`` on a serving shard
+        (followers follow training shards), ``ShardMismatch`` when the follower's index or
+        cluster size differ."""
+        self.check_request()
+        if self._mode != "train":
+            raise WrongMode(f"Follow refused: shard {self.index} is a serving shard; follow its training shard")
+        if (follower.shard, follower.num_shards) != (self.index, self.num_shards):
+            raise ShardMismatch(
+                f"a follower of shard {follower.shard} of {follower.num_shards} reached shard {self.index} of "
+                f"{self.num_shards}: give each serving shard the address of the training shard with its index"
+            )
+        return follow_batches(
+            self.changes, self.tables, history, version, lambda: active() and not self._closing, max_message_bytes
+        )
+
+    def serve_from(self, checkpoint: str) -> pb.FollowStatus:
+        """Serve this serving shard's part of ``checkpoint`` ("": its own source again);
+        returns its source's status. Raises ``WrongMode`` on a training shard,
+        ``InvalidRequest`` for a checkpoint it cannot serve."""
+        self.check_request()
+        if self.source is None:
+            raise WrongMode(
+                f"ServeFrom refused: shard {self.index} is a training shard (mode={self._mode}); "
+                "only serving shards switch sources"
+            )
+        return self.source.serve_from(checkpoint)
+
     def duplicate_pushes(self) -> int:  # pushes skipped as applied before
         return sum(t.ledger.duplicates for t in self.tables())
 
@@ -512,7 +524,7 @@ class Shard:
     def _quiesced(self) -> Iterator[None]:
         """Hold every lock that guards a use of the data dir: no request, spill, flush,
         table creation or checkpoint touches it meanwhile."""
-        with self._checkpoint_lock, self._lock, held_tables(list(self._tables.values())):
+        with self._checkpoint_lock, self._tables.held():
             yield
 
     # -- background work -----------------------------------------------------------------

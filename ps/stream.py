@@ -1,7 +1,7 @@
 """The leader's side of ``Follow``: a training shard's changes as a stream of batches.
 
-``follow_batches(shard, request, ...)`` yields ``FollowBatch`` messages for one
-follower. It starts with a snapshot (every row of every table, over as many messages
+``follow_batches(changes, tables, ...)`` yields ``FollowBatch`` messages for one
+follower of a training shard (``Shard.follow`` checks the request and calls it). It starts with a snapshot (every row of every table, over as many messages
 as the size limit needs) unless the follower's ``(history, version)`` can be
 continued from the shard's change log (``ps.changes``); then, each time pushes were
 applied, one batch with the current values of every row they changed since the last
@@ -17,16 +17,16 @@ as several messages; only the last one advances the follower's version.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from protos import ps_pb2 as pb
 from protos import wire
+from ps.changes import ChangeLog
 from ps.config import spec_to_proto
-from ps.errors import ShardMismatch, WrongMode
-from ps.shard import Shard
+from ps.table import Table
 
 __all__ = ["follow_batches"]
 
@@ -34,30 +34,21 @@ _OVERHEAD_BYTES = 1 << 16  # specs, table names, field headers
 
 
 def follow_batches(
-    shard: Shard,
-    request: pb.FollowRequest,
+    changes: ChangeLog,
+    tables: Callable[[], Sequence[Table]],
+    history: str,
+    version: int,
     active: Callable[[], bool],
     max_message_bytes: int,
     heartbeat_s: float = 0.5,
 ) -> Iterator[pb.FollowBatch]:
-    """The stream ``request`` asks for, until ``active()`` turns false or the shard stops.
-
-    Raises ``WrongMode`` on a serving shard (followers follow training shards) and
-    ``ShardMismatch`` when the follower's shard index or cluster size differ.
-    """
-    shard.check_request()
-    if shard.mode != "train":
-        raise WrongMode(f"Follow refused: shard {shard.index} is a serving shard; follow its training shard")
-    if (request.shard, request.num_shards) != (shard.index, shard.num_shards):
-        raise ShardMismatch(
-            f"a follower of shard {request.shard} of {request.num_shards} reached shard {shard.index} of "
-            f"{shard.num_shards}: give each serving shard the address of the training shard with its index"
-        )
-    log, limit = shard.changes, max(1 << 16, max_message_bytes - _OVERHEAD_BYTES)
-    sent = request.version if request.history == log.history and log.holds(request.version) else None
-    while active() and not shard.closing:
+    """The stream a follower at ``(history, version)`` needs, from the change log
+    ``changes`` of the tables ``tables()`` returns, until ``active()`` turns false."""
+    log, limit = changes, max(1 << 16, max_message_bytes - _OVERHEAD_BYTES)
+    sent = version if history == log.history and log.holds(version) else None
+    while active():
         if sent is None:
-            sent = yield from _snapshot(shard, limit)
+            sent = yield from _snapshot(log, tables(), limit)
             continue
         version = log.wait(sent, heartbeat_s)
         if version == sent:
@@ -68,24 +59,31 @@ def follow_batches(
             sent = None
             continue
         version, unix_s, keys = changed
-        yield from _delta(shard, version, unix_s, keys, limit, sent)
+        yield from _delta(log, tables(), version, unix_s, keys, limit, sent)
         sent = version
 
 
-def _specs(shard: Shard) -> list[pb.TableSpec]:
-    return [spec_to_proto(s) for s in shard.specs()]
+def _specs(tables: Sequence[Table]) -> list[pb.TableSpec]:
+    return [spec_to_proto(t.spec) for t in tables]
 
 
 def _delta(
-    shard: Shard, version: int, unix_s: float, keys: dict[str, npt.NDArray[np.int64]], limit: int, before: int
+    log: ChangeLog,
+    tables: Sequence[Table],
+    version: int,
+    unix_s: float,
+    keys: dict[str, npt.NDArray[np.int64]],
+    limit: int,
+    before: int,
 ) -> Iterator[pb.FollowBatch]:
     """One change batch, split into messages under ``limit`` bytes (only the last one
     carries ``version``; the others keep the follower at ``before``)."""
-    history, specs = shard.changes.history, _specs(shard)
+    history, specs = log.history, _specs(tables)
+    by_name = {t.spec.name: t for t in tables}
     parts: list[pb.TableDelta] = []
     size = 0
     for name in sorted(keys):
-        table = shard.table(name)
+        table = by_name[name]
         step = max(1, limit // (8 + 4 * table.dim))
         for start in range(0, keys[name].shape[0], step):
             k = keys[name][start : start + step]
@@ -107,16 +105,15 @@ def _delta(
     )
 
 
-def _snapshot(shard: Shard, limit: int) -> Generator[pb.FollowBatch, None, int]:
+def _snapshot(log: ChangeLog, tables: Sequence[Table], limit: int) -> Generator[pb.FollowBatch, None, int]:
     """Every row of every table, as current as when each table is read; returns the
     version the follower is at after applying it (read before any row is)."""
-    log = shard.changes
     version, unix_s = log.version, time.time()
-    specs = _specs(shard)
+    specs = _specs(tables)
     yield pb.FollowBatch(
         history=log.history, version=version, leader_version=version, specs=specs, snapshot_begin=True, in_snapshot=True
     )
-    for table in shard.tables():
+    for table in tables:
         keys, values, _ = table.export()
         step = max(1, limit // (8 + 4 * table.dim))
         for start in range(0, keys.shape[0], step):

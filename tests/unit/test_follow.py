@@ -30,7 +30,9 @@ def spec() -> pb.TableSpec:
 
 
 def test_a_follower_resyncing_to_a_restarted_leader_reports_itself_behind() -> None:
-    source = Source(Shard(0, 1, mode="serve"), leader="127.0.0.1:1")  # never started: batches are fed by hand
+    shard = Shard(0, 1, mode="serve", source=lambda s: Source(s, leader="127.0.0.1:1"))
+    source = shard.source  # never started: batches are fed by hand
+    assert isinstance(source, Source)
     source._apply(
         pb.FollowBatch(
             history="A",
