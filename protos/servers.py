@@ -322,6 +322,7 @@ def run_server(prog: str, parse: Callable[[], _S], start: Callable[[_S], Served]
         print(f"{prog}: --port-file {settings.port_file}: no directory {settings.port_file.parent}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    log = logging.getLogger(prog)  # the process's own lines: logger=ps-server, logger=ps-infer
     log.info("starting %s", describe(settings))
     try:
         served = start(settings)
@@ -341,4 +342,9 @@ def run_server(prog: str, parse: Callable[[], _S], start: Callable[[_S], Served]
     while not stop.wait(1.0):
         pass
     log.info("shutting down grace_s=%s", settings.grace_s)
-    return served.stop_and_report(settings.grace_s)
+    try:
+        return served.stop_and_report(settings.grace_s)
+    finally:
+        if settings.port_file is not None:  # a launcher waiting for it must not find a stopped server's port
+            with contextlib.suppress(OSError):
+                settings.port_file.unlink()

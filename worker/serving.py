@@ -408,7 +408,7 @@ def _check_shards(predictor: Predictor, client: PSClient, ps: str) -> None:
     trained_on = manifest.get("num_shards")
     if isinstance(trained_on, int) and trained_on != n:
         raise RuntimeError(
-            f"--ps names {n} shard{'s' if n != 1 else ''} ({ps}), but the model was trained on {trained_on} shards: "
+            f"--ps names {n} shard{'s' if n != 1 else ''} ({ps}), but the model was trained on {trained_on} shard{'s' if trained_on != 1 else ''}: "
             "give every shard in shard order, ',' between shards and '+' between the replicas of one "
             "('|' works only quoted: a shell reads it as a pipe)"
         )

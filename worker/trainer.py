@@ -386,7 +386,9 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
     held_out = eval_batches(config, data, batch_size)
     choose = config.epochs == 0 and _can_choose_epochs(data)
     out = run_dir(config) if d.rank == 0 else None
-    resolved = dataclasses.replace(config, batch_size=batch_size, epochs=config.epochs or 1, output_dir=out)
+    resolved = dataclasses.replace(
+        config, batch_size=batch_size, epochs=config.epochs or 1, output_dir=out, num_shards=len(addresses)
+    )
     if d.rank == 0:
         _log_config(config, resolved, data, d, choose)
     metrics: dict[str, Any] = {

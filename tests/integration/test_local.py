@@ -59,3 +59,11 @@ def _alive(pid: int) -> bool:
     # An exited child of a dead launcher is reaped by init; until then it is a zombie.
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(") ", 1)[1][0] != "Z"
+
+
+def test_a_stopped_shard_leaves_no_port_file(tmp_path: Path) -> None:
+    # A launcher (or a script's wait loop) that finds the file takes the shard for running.
+    shard = start_shard(0, 1, tmp_path)
+    assert (tmp_path / "port.0").exists()
+    stop_shard(shard)
+    assert not (tmp_path / "port.0").exists()
