@@ -63,11 +63,9 @@ __all__ = [
     "schema_columns",
 ]
 
-_MASK64 = (1 << 64) - 1
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
-U64 = npt.NDArray[np.uint64]
 U8 = npt.NDArray[np.uint8]
 BOOL = npt.NDArray[np.bool_]
 
