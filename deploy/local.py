@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -26,22 +25,18 @@ from types import TracebackType
 
 __all__ = ["LocalCluster", "ShardProcess", "ShardStartError", "die_with_parent", "threads_beside_local_shards"]
 
-from protos.servers import PARENT_PID_VARIABLE
+from protos.servers import PARENT_PID_VARIABLE, sigterm_on_parent_death
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-_PR_SET_PDEATHSIG = 1
-
-
 def die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent dies, so shards never outlive
-    their launcher (Linux; elsewhere a no-op). Note the "parent" is the thread that
-    started the shard: start clusters from a thread that lives as long as they should."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except OSError:
-        pass
+    """In the child before exec: get SIGTERM when the parent dies, so a program that is
+    not ours (torchrun, redis-server) never outlives its launcher (Linux; elsewhere a
+    no-op). Our servers ask for it themselves (``protos.servers.exit_with_parent``). Note
+    the "parent" is the thread that started the child: start clusters from a thread that
+    lives as long as they should."""
+    sigterm_on_parent_death()
 
 
 def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:

@@ -50,6 +50,7 @@ __all__ = [
     "run_server",
     "server_security",
     "settle_heap",
+    "sigterm_on_parent_death",
     "status_boundary",
     "stop_on_signals",
     "write_port_file",
@@ -219,6 +220,16 @@ launcher's thread that started it exits (``exit_with_parent``)."""
 _PR_SET_PDEATHSIG = 1
 
 
+def sigterm_on_parent_death() -> bool:
+    """Ask Linux for SIGTERM when this process's parent (the thread that started it)
+    exits; False where that cannot be asked (not Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:
+        return False
+    return True
+
+
 def exit_with_parent(environ: Mapping[str, str]) -> None:
     """If ``PARENT_PID_VARIABLE`` names this process's parent, ask Linux for SIGTERM when
     that parent (the thread that started this process) exits, and exit at once if it
@@ -231,9 +242,7 @@ def exit_with_parent(environ: Mapping[str, str]) -> None:
     wanted = environ.get(PARENT_PID_VARIABLE, "")
     if not wanted.isdigit():
         return
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except OSError:
+    if not sigterm_on_parent_death():
         return
     if os.getppid() != int(wanted):  # the launcher died before the request: nobody will send it
         os._exit(1)
