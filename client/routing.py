@@ -7,8 +7,8 @@ carrying all tables. ``Part`` names one table's slice inside one request.
 
 Example:
     >>> p = plan_table("t", np.array([3, 3, 9]), dim=4, num_shards=2)
-    >>> p.unique.tolist(), [len(x) for x in pack([p], 2, lambda plan: 16, 1 << 20)]
-    ([3, 9], [2])
+    >>> p.unique.tolist(), [len(requests) for requests in pack([p], 2, lambda plan: 16, 1 << 20)]
+    ([3, 9], [1, 1])
 """
 
 from __future__ import annotations

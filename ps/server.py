@@ -5,7 +5,8 @@ Example:
     >>> server = build_server(ServerConfig())
     >>> server.port > 0
     True
-    >>> server.stop(grace_s=0)
+    >>> server.stop(grace_s=0).clean
+    True
 """
 
 from __future__ import annotations
