@@ -62,6 +62,7 @@ from tier_zipf import (  # noqa: E402
 )
 
 from ps.config import Durability, TableSpec  # noqa: E402
+from ps.rows import Rows  # noqa: E402
 from ps.shard import Shard  # noqa: E402
 from ps.storage import Storage  # noqa: E402
 from ps.table import Table  # noqa: E402
@@ -122,14 +123,9 @@ def lookup_cost(n: int, warmup: int, steps: int, tmp: Path) -> dict[str, Any]:
         for start in range(0, n, chunk):
             keys = zipf.keys[start : start + chunk]
             batch = storage.batch()
-            rows.put(
-                batch,
-                keys,
-                values[: keys.shape[0]],
-                np.empty((keys.shape[0], 0), np.float32),
-                stamp[: keys.shape[0]],
-                stamp[: keys.shape[0]],
-            )
+            n_keys = keys.shape[0]
+            empty = np.empty((n_keys, 0), np.float32)
+            rows.put(batch, Rows(keys, values[:n_keys], empty, stamp[:n_keys], stamp[:n_keys]))
             storage.commit(batch)
         write_s = time.perf_counter() - t0
         # Measure the steady state of a long-running shard, not the compactions that a

@@ -38,6 +38,7 @@ from protos.wire import alloc_bytes, tune_malloc  # noqa: E402
 from ps.config import TableSpec  # noqa: E402
 from ps.optimizers import OptimizerKind, OptimizerParams  # noqa: E402
 from ps.ram import RamTier  # noqa: E402
+from ps.rows import Rows  # noqa: E402
 
 FLOOR_METHOD = "/bench.Floor/Lookup"
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)
@@ -111,7 +112,8 @@ def serve(rows_file: Path, port_file: Path, options: list[tuple[str, int]]) -> N
         initial_capacity=max(1, keys.shape[0]),
     )
     zeros = np.zeros(keys.shape[0], np.uint32)
-    ram.install(keys, rows, np.zeros((keys.shape[0], ram.arena.state.shape[1]), np.float32), zeros, zeros, dirty=0)
+    no_state = np.zeros((keys.shape[0], ram.arena.state.shape[1]), np.float32)
+    ram.install(Rows(keys, rows, no_state, zeros, zeros), dirty=0)
     now = np.uint32(0)
 
     def lookup(request: bytes, context: grpc.ServicerContext) -> bytes:

@@ -163,17 +163,15 @@ def _reshard_into(src: Path, manifest: dict[str, Any], m: int, out: Path, chunk_
                 outs.append(t.table(name, spec.dim, width))
                 rows[j][name] = 0
             for i in holders:
-                for keys, rec in sources[i].table(name, spec.dim, width).scan(chunk_rows):
-                    dest = shard_of(keys, m)
+                for stored in sources[i].table(name, spec.dim, width).scan(chunk_rows):
+                    dest = shard_of(stored.keys, m)
                     # One stable sort groups the chunk by destination; each gets one batch.
                     order = np.argsort(dest, kind="stable")
                     bounds = np.searchsorted(dest[order], np.arange(m + 1))
                     for j in np.flatnonzero(np.diff(bounds)).tolist():
                         sel = order[bounds[j] : bounds[j + 1]]
                         batch = targets[j].batch()
-                        outs[j].put(
-                            batch, keys[sel], rec.values[sel], rec.state[sel], rec.last_access[sel], rec.frequency[sel]
-                        )
+                        outs[j].put(batch, stored[sel])
                         targets[j].commit(batch)
                         rows[j][name] += int(sel.shape[0])
             log.info("resharded table=%s rows=%d", name, sum(r[name] for r in rows))

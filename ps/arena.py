@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from ps.rows import Rows
+
 __all__ = ["Arena"]
 
 
@@ -53,6 +55,10 @@ class Arena:
             while new < slots:
                 new *= 2
             self._resize(new)
+
+    def rows(self, keys: npt.NDArray[np.int64], slots: npt.NDArray[np.int32]) -> Rows:
+        """Copies of the rows at ``slots``, as the rows of ``keys``."""
+        return Rows(keys, self.values[slots], self.state[slots], self.last_access[slots], self.frequency[slots])
 
     def memory_bytes(self) -> int:
         """Bytes of the allocated columns (resident only as far as they were written)."""

@@ -254,8 +254,7 @@ class Source:
                 keys = np.concatenate([k for k, _ in parts]) if parts else np.empty(0, np.int64)
                 if parts:
                     table.assign(keys, np.concatenate([r for _, r in parts]))
-                held, _, _ = table.export()
-                stale = np.setdiff1d(held, keys, assume_unique=True)
+                stale = np.setdiff1d(table.export().keys, keys, assume_unique=True)
                 if stale.size:
                     table.remove(stale)
             self.history, self.applied_version = end.history, end.version

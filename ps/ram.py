@@ -37,6 +37,7 @@ from ps.initializers import fill_initial_rows
 from ps.keyindex import KeyIndex
 from ps.lifecycle import Admission, Eviction, expired_keys, unchanged_ranks
 from ps.prefetch import prefetch
+from ps.rows import Rows
 
 __all__ = ["CLEAN", "DIRTY", "WRITING", "RamTier"]
 
@@ -208,20 +209,12 @@ class RamTier:
         a.dirty[new] = DIRTY
         return int(new.shape[0])
 
-    def install(
-        self,
-        keys: npt.NDArray[np.int64],
-        values: npt.NDArray[np.float32],
-        state: npt.NDArray[np.float32],
-        last_access: npt.NDArray[np.uint32],
-        frequency: npt.NDArray[np.uint32],
-        dirty: int,
-    ) -> npt.NDArray[np.int32]:
-        """Put given rows of absent ``keys`` into RAM (rows read back from disk); returns their slots."""
-        slots, _ = self.index.lookup_or_insert(keys)
+    def install(self, rows: Rows, dirty: int) -> npt.NDArray[np.int32]:
+        """Put given rows of absent keys into RAM (rows read back from disk); returns their slots."""
+        slots, _ = self.index.lookup_or_insert(rows.keys)
         a = self._grown_arena()
-        a.values[slots], a.state[slots] = values, state
-        a.last_access[slots], a.frequency[slots] = last_access, frequency
+        a.values[slots], a.state[slots] = rows.values, rows.state
+        a.last_access[slots], a.frequency[slots] = rows.last_access, rows.frequency
         a.dirty[slots] = dirty
         return slots
 
@@ -253,26 +246,22 @@ class RamTier:
         optimizers.apply(self.spec.optimizer, a.values, a.state, slots, grads)
         _mark_pushed(slots, a.last_access, a.dirty, now)
 
-    def updated_copies(
-        self, slots: npt.NDArray[np.int32], grads: npt.NDArray[np.float32]
-    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """``(values, state)`` of the rows at ``slots`` as the optimizer would leave them,
-        as new arrays: RAM is unchanged (a write-ahead caller installs them with ``store``)."""
-        a = self.arena
-        values, state = a.values[slots], a.state[slots]
-        optimizers.apply(self.spec.optimizer, values, state, np.arange(slots.shape[0], dtype=np.int32), grads)
-        return values, state
+    def updated_rows(
+        self, keys: npt.NDArray[np.int64], slots: npt.NDArray[np.int32], grads: npt.NDArray[np.float32], now: np.uint32
+    ) -> Rows:
+        """The rows of ``keys`` at ``slots`` as the optimizer would leave them, pushed at
+        ``now``, as new arrays: RAM is unchanged (a write-ahead caller installs them with
+        ``store``)."""
+        rows = self.arena.rows(keys, slots)
+        optimizers.apply(self.spec.optimizer, rows.values, rows.state, np.arange(slots.shape[0], dtype=np.int32), grads)
+        rows.last_access[:] = now
+        return rows
 
-    def store(
-        self,
-        slots: npt.NDArray[np.int32],
-        values: npt.NDArray[np.float32],
-        state: npt.NDArray[np.float32],
-        last_access: npt.NDArray[np.uint32],
-    ) -> None:
-        """Overwrite the rows at ``slots`` with copies already written to disk (``CLEAN``)."""
+    def store(self, slots: npt.NDArray[np.int32], rows: Rows) -> None:
+        """Overwrite the rows at ``slots`` with ``rows``' values, state and last use, copies
+        already written to disk (``CLEAN``)."""
         a = self.arena
-        a.values[slots], a.state[slots], a.last_access[slots] = values, state, last_access
+        a.values[slots], a.state[slots], a.last_access[slots] = rows.values, rows.state, rows.last_access
         a.dirty[slots] = CLEAN
 
     def mark(self, slots: npt.NDArray[np.int32], flag: int) -> None:

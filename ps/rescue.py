@@ -42,8 +42,10 @@ Every file is fsynced before the manifest is written.
 Example:
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp())
-    >>> part = RescueTable(TableSpec("t", 2), np.array([7]), np.ones((1, 2), np.float32),
-    ...                    np.empty((1, 0), np.float32), np.zeros(1, np.uint32), np.ones(1, np.uint32), {})
+    >>> from ps.rows import Rows
+    >>> rows = Rows(np.array([7]), np.ones((1, 2), np.float32), np.empty((1, 0), np.float32),
+    ...             np.zeros(1, np.uint32), np.ones(1, np.uint32))
+    >>> part = RescueTable(TableSpec("t", 2), rows, {})
     >>> write_rescue(d / "dump", shard=0, num_shards=1, data_dir=d / "data", reason="disk full", tables=[part])
     1
     >>> is_rescue_dump(d / "dump"), is_rescue_dump(d)
@@ -71,7 +73,8 @@ from protos import ps_pb2 as pb
 from ps import optimizers
 from ps.config import TableSpec, spec_from_proto, spec_to_proto
 from ps.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
-from ps.storage import Storage, StorageFailed, pack_records
+from ps.rows import Rows
+from ps.storage import Storage, StorageFailed
 from ps.table import Table, held_tables
 
 __all__ = [
@@ -143,11 +146,7 @@ class RescueTable:
     """One table's part of a dump: rows not on disk (copies) and every ledger entry."""
 
     spec: TableSpec
-    keys: npt.NDArray[np.int64]
-    values: npt.NDArray[np.float32]
-    state: npt.NDArray[np.float32]
-    last_access: npt.NDArray[np.uint32]
-    frequency: npt.NDArray[np.uint32]
+    rows: Rows
     ledgers: dict[str, bytes]
 
 
@@ -170,8 +169,8 @@ def write_rescue(
     try:
         entries: list[dict[str, Any]] = []
         for i, t in enumerate(tables):
-            records = pack_records(t.values, t.state, t.last_access, t.frequency)
-            keys = np.ascontiguousarray(t.keys, dtype="<i8")
+            records = t.rows.packed()
+            keys = np.ascontiguousarray(t.rows.keys, dtype="<i8")
             entries.append(
                 {
                     "name": t.spec.name,
@@ -246,10 +245,10 @@ def save_rescue(
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
     with held_tables(tables) as held:
         parts = [
-            RescueTable(h.table.spec, *h.unpersisted(), {c: h.table.ledger.encode(c) for c in h.table.ledger.clients()})
+            RescueTable(h.table.spec, h.unpersisted(), {c: h.table.ledger.encode(c) for c in h.table.ledger.clients()})
             for h in held
         ]
-    rows = sum(p.keys.shape[0] for p in parts)
+    rows = sum(len(p.rows) for p in parts)
     failures = []
     for directory, prefix in places:
         place = directory / f"{prefix}{stamp}"
@@ -359,10 +358,8 @@ def apply_rescue(dump: Path, storage: Storage) -> dict[str, int]:
             if start == 0:
                 for client, data in ledgers.items():
                     rows.put_ledger(batch, client, data)
-            chunk = rows.decode(records[start : start + _CHUNK_ROWS].tobytes(), min(_CHUNK_ROWS, keys.shape[0] - start))
-            rows.put(
-                batch, keys[start : start + _CHUNK_ROWS], chunk.values, chunk.state, chunk.last_access, chunk.frequency
-            )
+            end = start + _CHUNK_ROWS
+            rows.put(batch, Rows.unpack(keys[start:end], records[start:end], spec.dim, rows.state_width))
             storage.commit(batch)
         written[spec.name] = int(keys.shape[0])
     storage.put_meta(_APPLIED + manifest["id"].encode(), f"at {_now()} from {dump}".encode())

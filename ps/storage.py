@@ -11,9 +11,9 @@ A checkpoint directory has the same ``db/`` plus ``manifest.json``, so a shard c
 started from it (``ps-server --restore-from``) and ``ps-admin reshard`` can read it.
 
 Rows are stored one per key: RocksDB key = the int64 key big-endian (8 bytes), value =
-``values`` (dim float32), optimizer ``state`` (state_width float32), ``last_access``
-and ``frequency`` (uint32 each), all little-endian: ``4 * (dim + state_width + 2)``
-bytes. ``meta`` holds ``identity`` (format, shard, num_shards), ``spec:<table>`` (the
+the row in its stored form (``ps.rows.Rows.packed``): ``values`` (dim float32), optimizer
+``state`` (state_width float32), ``last_access`` and ``frequency`` (uint32 each), all
+little-endian: ``4 * (dim + state_width + 2)`` bytes. ``meta`` holds ``identity`` (format, shard, num_shards), ``spec:<table>`` (the
 TableSpec protobuf) and ``ledger:<table>\\0<client_id>`` (that client's applied push
 seqs on that table; see ``ps.ledger``).
 
@@ -31,12 +31,12 @@ Example:
     >>> with Storage(d, shard=0, num_shards=1) as st:
     ...     rows = st.table("user", dim=2, state_width=0)
     ...     batch = st.batch()
-    ...     rows.put(batch, np.array([7]), np.ones((1, 2), np.float32), np.empty((1, 0), np.float32),
-    ...              np.array([3], np.uint32), np.array([1], np.uint32))
+    ...     rows.put(batch, Rows(np.array([7]), np.ones((1, 2), np.float32), np.empty((1, 0), np.float32),
+    ...                          np.array([3], np.uint32), np.array([1], np.uint32)))
     ...     st.commit(batch)
-    ...     found, rec = rows.get(np.array([7, 8]))
-    >>> found.tolist(), rec.values.tolist()
-    ([True, False], [[1.0, 1.0]])
+    ...     found, got = rows.get(np.array([7, 8]))
+    >>> found.tolist(), got.keys.tolist(), got.values.tolist()
+    ([True, False], [7], [[1.0, 1.0]])
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
 from types import TracebackType
@@ -63,8 +62,9 @@ import rocksdict
 
 from ps.datadir import FORMAT_VERSION, DataDirError, has_room, lock_data_dir, open_failure, write_manifest
 from ps.errors import ShardError
+from ps.rows import Rows
 
-__all__ = ["DataDirError", "RowRecords", "Storage", "StorageFailed", "TableRows", "pack_records"]
+__all__ = ["DataDirError", "Storage", "StorageFailed", "TableRows"]
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +87,6 @@ class StorageFailed(ShardError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-@dataclass
-class RowRecords:
-    """Decoded rows: ``values [n, dim]``, ``state [n, state_width]`` float32 and
-    ``last_access``, ``frequency`` uint32, as views of one buffer."""
-
-    values: npt.NDArray[np.float32]
-    state: npt.NDArray[np.float32]
-    last_access: npt.NDArray[np.uint32]
-    frequency: npt.NDArray[np.uint32]
-
-
 def _key_bytes(keys: npt.NDArray[np.int64]) -> list[bytes]:
     return np.ascontiguousarray(keys, dtype=">i8").view("V8").tolist()  # type: ignore[no-any-return]
 
@@ -115,25 +104,6 @@ def _table_options() -> rocksdict.Options:
     # cache lines, and rows spilled a while ago are read from SSTs with bloom filters.
     opts.set_write_buffer_size(16 << 20)
     return opts
-
-
-def pack_records(
-    values: npt.NDArray[np.float32],
-    state: npt.NDArray[np.float32],
-    last_access: npt.NDArray[np.uint32],
-    frequency: npt.NDArray[np.uint32],
-) -> npt.NDArray[np.float32]:
-    """Rows in their stored form: ``[n, dim + state_width + 2]`` float32 words, the last
-    two holding ``last_access`` and ``frequency`` as uint32 (see the module docstring)."""
-    n, d = values.shape
-    w = d + state.shape[1] + 2
-    rec = np.empty((n, w), dtype=np.float32)
-    rec[:, :d] = values
-    rec[:, d : w - 2] = state
-    words = rec.view(np.uint32)
-    words[:, w - 2] = last_access
-    words[:, w - 1] = frequency
-    return rec
 
 
 class TableRows:
@@ -155,17 +125,11 @@ class TableRows:
         self._cf = self._storage._column(name)
         self._handle = self._storage._db.get_column_family_handle(name)
 
-    def decode(self, blob: bytes, n: int) -> RowRecords:
-        rec = np.frombuffer(blob, dtype=np.float32).reshape(n, self.width)
-        words = rec.view(np.uint32)
-        d, w = self.dim, self.width
-        return RowRecords(rec[:, :d], rec[:, d : w - 2], words[:, w - 2], words[:, w - 1])
-
-    def get(self, keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], RowRecords]:
-        """Which ``keys`` are stored, and the stored rows of those (in key order). One multi-get."""
+    def get(self, keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], Rows]:
+        """Which ``keys`` are stored, and the stored rows of those (in ``keys``' order). One multi-get."""
         n = keys.shape[0]
         if n == 0:
-            return np.zeros(0, np.bool_), self.decode(b"", 0)
+            return np.zeros(0, np.bool_), Rows.empty(self.dim, self.state_width)
         cf = self._cf
         if cf is None:
             raise StorageFailed(f"storage in {self._storage.path} is not open (it failed and could not be reopened)")
@@ -173,28 +137,23 @@ class TableRows:
         get_many = cast("Callable[[list[bytes]], list[bytes | None]]", cf.get)
         blobs = self._storage._read(get_many, _key_bytes(keys))
         found = ~np.fromiter(map(operator.not_, blobs), dtype=np.bool_, count=n)
-        return found, self.decode(b"".join(filter(None, blobs)), int(found.sum()))
+        return found, Rows.unpack(keys[found], b"".join(filter(None, blobs)), self.dim, self.state_width)
 
-    def put(
-        self,
-        batch: rocksdict.WriteBatch,
-        keys: npt.NDArray[np.int64],
-        values: npt.NDArray[np.float32],
-        state: npt.NDArray[np.float32],
-        last_access: npt.NDArray[np.uint32],
-        frequency: npt.NDArray[np.uint32],
-    ) -> None:
-        """Add the rows of ``keys`` to ``batch`` (written by ``Storage.commit``)."""
-        n = keys.shape[0]
-        if n == 0:
+    def put(self, batch: rocksdict.WriteBatch, rows: Rows) -> None:
+        """Add ``rows`` to ``batch`` (written by ``Storage.commit``)."""
+        if not len(rows):
             return
         # In RocksDB's key order (the big-endian bytes = the uint64 order), with the
         # write's memtable insert hint, inserts cost a third of random-order ones.
-        order = np.argsort(np.ascontiguousarray(keys, dtype=np.int64).view(np.uint64), kind="stable")
-        rec = pack_records(values[order], state[order], last_access[order], frequency[order])
-        w = self.width
+        order = np.argsort(np.ascontiguousarray(rows.keys, dtype=np.int64).view(np.uint64), kind="stable")
+        ordered = rows[order]
         deque(
-            map(batch.put, _key_bytes(keys[order]), rec.view(f"V{4 * w}").ravel().tolist(), repeat(self._handle)),
+            map(
+                batch.put,
+                _key_bytes(ordered.keys),
+                ordered.packed().view(f"V{4 * self.width}").ravel().tolist(),
+                repeat(self._handle),
+            ),
             maxlen=0,
         )
 
@@ -203,7 +162,7 @@ class TableRows:
             map(batch.delete, _key_bytes(np.sort(keys.view(np.uint64)).view(np.int64)), repeat(self._handle)), maxlen=0
         )
 
-    def scan(self, chunk: int = _SCAN_CHUNK) -> Iterator[tuple[npt.NDArray[np.int64], RowRecords]]:
+    def scan(self, chunk: int = _SCAN_CHUNK) -> Iterator[Rows]:
         """Every stored row, ``chunk`` rows at a time, in key-byte order."""
         if self._cf is None:
             raise StorageFailed(f"storage in {self._storage.path} is not open (it failed and could not be reopened)")
@@ -216,7 +175,7 @@ class TableRows:
                 ks.append(it.key())
                 vs.append(it.value())
                 it.next()
-            yield _keys_from(ks), self.decode(b"".join(vs), len(ks))
+            yield Rows.unpack(_keys_from(ks), b"".join(vs), self.dim, self.state_width)
 
     def estimate_rows(self) -> int:
         """RocksDB's estimate of the rows stored (exact only after a compaction)."""

@@ -114,7 +114,8 @@ def _snapshot(log: ChangeLog, tables: Sequence[Table], limit: int) -> Generator[
         history=log.history, version=version, leader_version=version, specs=specs, snapshot_begin=True, in_snapshot=True
     )
     for table in tables:
-        keys, values, _ = table.export()
+        rows = table.export()
+        keys, values = rows.keys, rows.values
         step = max(1, limit // (8 + 4 * table.dim))
         for start in range(0, keys.shape[0], step):
             delta = pb.TableDelta(

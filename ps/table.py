@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 
@@ -53,18 +54,11 @@ from ps.initializers import fill_initial_rows
 from ps.ledger import PushLedger
 from ps.lifecycle import Eviction, EvictionScan, expired_keys, now_tick, scan_ranks, select_victims
 from ps.ram import CLEAN, DIRTY, RamTier
+from ps.rows import Rows
 from ps.storage import Storage, StorageFailed, TableRows
 from ps.tier import SPILL_CHUNK, DiskTier, Spill, write_rows
 
 __all__ = ["HeldTable", "Table", "held_tables"]
-
-_RowCopies = tuple[
-    npt.NDArray[np.int64],
-    npt.NDArray[np.float32],
-    npt.NDArray[np.float32],
-    npt.NDArray[np.uint32],
-    npt.NDArray[np.uint32],
-]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -267,11 +261,10 @@ class Table:
         # Unique, in RocksDB's key order (uint64): sorted multi-gets are cheaper.
         missing = np.unique(keys[miss].view(np.uint64)).view(np.int64)
         if self._disk is not None:
-            found, rec = self._disk.read(missing)
-            faulted = rec.values.shape[0]
+            found, stored = self._disk.read(missing)
+            faulted = len(stored)
             if faulted:
-                stamp = np.full(faulted, now, dtype=np.uint32)
-                ram.install(missing[found], rec.values, rec.state, stamp, rec.frequency, dirty=CLEAN)
+                ram.install(dataclasses.replace(stored, last_access=np.full(faulted, now, np.uint32)), dirty=CLEAN)
                 self.counters.rows_faulted_in += faulted
                 self.spilled = max(0, self.spilled - faulted)
                 if sighting:  # each looked-up occurrence of a key found on disk is a miss
@@ -297,22 +290,14 @@ class Table:
             self._delete_stored(k)
             return int((self._ram.remove(k) >= 0).sum())
 
-    def export(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """Copies of every stored ``(keys, values, optimizer state)``, in RAM or on disk,
-        in no particular order."""
+    def export(self) -> Rows:
+        """Copies of every stored row, in RAM or on disk, in no particular order."""
         with self._lock:
             keys, slots = self._ram.items()
-            a = self._ram.arena
-            parts = [(keys, a.values[slots], a.state[slots])]
+            parts = [self._ram.arena.rows(keys, slots)]
             if self._disk is not None:
-                for k, rec in self._disk.scan():
-                    cold = self._ram.slots(k) < 0
-                    parts.append((k[cold], rec.values[cold], rec.state[cold]))
-        return (
-            np.concatenate([p[0] for p in parts]),
-            np.concatenate([p[1] for p in parts]),
-            np.concatenate([p[2] for p in parts]),
-        )
+                parts += [stored[self._ram.slots(stored.keys) < 0] for stored in self._disk.scan()]
+        return Rows.concat(parts, self.dim, self._ram.arena.state_width)
 
     def peek(self, keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32]]:
         """``(found, values)`` of the distinct, sorted ``keys``, from RAM or disk, as copies:
@@ -324,8 +309,8 @@ class Table:
             values[found] = self._ram.arena.values[slots[found]]
             cold = np.flatnonzero(~found)
             if self._disk is not None and cold.size:
-                on_disk, rec = self._disk.read(keys[cold])
-                values[cold[on_disk]], found[cold[on_disk]] = rec.values, True
+                on_disk, stored = self._disk.read(keys[cold])
+                values[cold[on_disk]], found[cold[on_disk]] = stored.values, True
         return found, values
 
     def assign(self, keys: npt.NDArray[np.int64], values: npt.NDArray[np.float32]) -> None:
@@ -509,8 +494,8 @@ class Table:
 
     def _expire_spilled(self, disk: DiskTier, now: np.uint32, ttl: float) -> int:
         removed = 0
-        for keys, rec in disk.scan():
-            old = expired_keys(keys, np.arange(keys.shape[0], dtype=np.int32), rec.last_access, now, ttl)
+        for stored in disk.scan():
+            old = expired_keys(stored.keys, np.arange(len(stored), dtype=np.int32), stored.last_access, now, ttl)
             if not old.size:
                 continue
             with self._lock:
@@ -570,14 +555,11 @@ class HeldTable:
             t.ledger.mark_changed(changed)
         return int(keys.shape[0])
 
-    def unpersisted(self) -> _RowCopies:
-        """Copies of ``(keys, values, state, last_access, frequency)`` of every resident row
-        that is not on disk as it is in RAM (a shard stopping with a failed disk saves
-        these elsewhere)."""
+    def unpersisted(self) -> Rows:
+        """Copies of every resident row that is not on disk as it is in RAM (a shard
+        stopping with a failed disk saves these elsewhere)."""
         t = self.table
-        keys, slots = t._ram.dirty_items()
-        a = t._ram.arena
-        return keys, a.values[slots], a.state[slots], a.last_access[slots], a.frequency[slots]
+        return t._ram.arena.rows(*t._ram.dirty_items())
 
     @property
     def rows(self) -> int:

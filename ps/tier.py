@@ -28,9 +28,10 @@ Example:
     >>> from ps.storage import Storage
     >>> st = Storage(pathlib.Path(tempfile.mkdtemp()), shard=0, num_shards=1)
     >>> disk = DiskTier(st.table("t", dim=2, state_width=0), st)
+    >>> from ps.rows import Rows
     >>> with disk.write_lock:
-    ...     disk.commit_push(np.array([4]), np.ones((1, 2), np.float32), np.empty((1, 0), np.float32),
-    ...                      np.zeros(1, np.uint32), np.zeros(1, np.uint32), None)
+    ...     disk.commit_push(Rows(np.array([4]), np.ones((1, 2), np.float32), np.empty((1, 0), np.float32),
+    ...                           np.zeros(1, np.uint32), np.zeros(1, np.uint32)), None)
     >>> disk.read(np.array([4, 5]))[0].tolist()
     [True, False]
     >>> st.close()
@@ -46,7 +47,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ps.ram import CLEAN, DIRTY, WRITING, RamTier
-from ps.storage import RowRecords, Storage, TableRows
+from ps.rows import Rows
+from ps.storage import Storage, TableRows
 
 __all__ = ["DiskTier", "Spill", "SpillOutcome", "write_rows"]
 
@@ -74,10 +76,7 @@ class Spill:
     slots: npt.NDArray[np.int32]
     write: npt.NDArray[np.bool_]  # rows written
     delete: npt.NDArray[np.bool_]  # rows deleted (rare ones); the rest are clean already
-    values: npt.NDArray[np.float32]
-    state: npt.NDArray[np.float32]
-    last_access: npt.NDArray[np.uint32]
-    frequency: npt.NDArray[np.uint32]
+    rows: Rows  # copies of the rows written
     seen_access: npt.NDArray[np.uint32]  # of every row, to tell which were touched meanwhile
     seen_frequency: npt.NDArray[np.uint32]
     changed: list[str] = field(default_factory=list)  # ledger clients written along
@@ -96,16 +95,12 @@ class Spill:
         """Step 1: copy the rows at ``slots`` (those to ``write``) with the ``ledger``
         entries ``(client_id, bytes)`` to write along, and mark them ``WRITING``."""
         a = ram.arena
-        w = slots[write]
         spill = cls(
             keys,
             slots,
             write,
             delete,
-            a.values[w],
-            a.state[w],
-            a.last_access[w],
-            a.frequency[w],
+            a.rows(keys[write], slots[write]),
             a.last_access[slots],
             a.frequency[slots],
             [c for c, _ in ledger],
@@ -166,11 +161,11 @@ class DiskTier:
         """Every client's stored push-ledger entry for this table."""
         return self.rows.ledgers()
 
-    def read(self, keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], RowRecords]:
+    def read(self, keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], Rows]:
         """Which of the distinct, sorted ``keys`` are stored, and their rows. One multi-get."""
         return self.rows.get(keys)
 
-    def scan(self) -> Iterator[tuple[npt.NDArray[np.int64], RowRecords]]:
+    def scan(self) -> Iterator[Rows]:
         """Every stored row, in chunks."""
         return self.rows.scan()
 
@@ -178,24 +173,16 @@ class DiskTier:
         """Step 2 of a spill: its ledger entries, deletions and rows, in chunks (each a
         batch). ``StorageFailed``: some chunks may be written; the spill is settled as failed."""
         rows, storage = self.rows, self.storage
-        keys = spill.keys[spill.write]
-        if not (keys.size or spill.ledger or spill.delete.any()):
+        n = len(spill.rows)
+        if not (n or spill.ledger or spill.delete.any()):
             return  # clean rows only: nothing to write (a read-only serving shard evicts so)
-        for start in range(0, max(keys.shape[0], 1), SPILL_CHUNK):
+        for start in range(0, max(n, 1), SPILL_CHUNK):
             batch = storage.batch()
             if start == 0:
                 for client_id, data in spill.ledger:
                     rows.put_ledger(batch, client_id, data)
                 rows.delete(batch, spill.keys[spill.delete])
-            end = start + SPILL_CHUNK
-            rows.put(
-                batch,
-                keys[start:end],
-                spill.values[start:end],
-                spill.state[start:end],
-                spill.last_access[start:end],
-                spill.frequency[start:end],
-            )
+            rows.put(batch, spill.rows[start : start + SPILL_CHUNK])
             storage.commit(batch)
 
     def write_held(
@@ -206,20 +193,12 @@ class DiskTier:
         Caller holds the table lock and the write lock."""
         return write_rows(ram, keys, slots, ledger, self.rows, self.storage)
 
-    def commit_push(
-        self,
-        keys: npt.NDArray[np.int64],
-        values: npt.NDArray[np.float32],
-        state: npt.NDArray[np.float32],
-        last_access: npt.NDArray[np.uint32],
-        frequency: npt.NDArray[np.uint32],
-        ledger: tuple[str, bytes] | None,
-    ) -> None:
-        """Write one push's updated rows and its ledger entry in one batch (every-push mode)."""
+    def commit_push(self, rows: Rows, ledger: tuple[str, bytes] | None) -> None:
+        """Write one push's updated ``rows`` and its ledger entry in one batch (every-push mode)."""
         batch = self.storage.batch()
         if ledger is not None:
             self.rows.put_ledger(batch, *ledger)
-        self.rows.put(batch, keys, values, state, last_access, frequency)
+        self.rows.put(batch, rows)
         self.storage.commit(batch)
 
     def push_durably(
@@ -235,11 +214,10 @@ class DiskTier:
         with the push's ``ledger`` entry (one batch), and only then install them in RAM
         (``CLEAN``); returns rows written. ``StorageFailed``: RAM is exactly as it was.
         Caller holds the table lock."""
-        values, state = ram.updated_copies(slots, grads)
-        stamp = np.full(slots.shape[0], now, dtype=np.uint32)
+        rows = ram.updated_rows(keys, slots, grads, now)
         with self.write_lock:
-            self.commit_push(keys, values, state, stamp, ram.arena.frequency[slots], ledger)
-        ram.store(slots, values, state, stamp)
+            self.commit_push(rows, ledger)
+        ram.store(slots, rows)
         return int(slots.shape[0])
 
     def write_created(self, ram: RamTier, keys: npt.NDArray[np.int64], slots: npt.NDArray[np.int32]) -> int:
@@ -255,7 +233,7 @@ class DiskTier:
         s = ram.slots(k)
         try:
             with self.write_lock:
-                self.commit_push(k, a.values[s], a.state[s], a.last_access[s], a.frequency[s], None)
+                self.commit_push(a.rows(k, s), None)
         except BaseException:
             ram.remove(k)
             slots[new] = -1
@@ -286,6 +264,6 @@ def write_rows(
         for client_id, data in ledger if start == 0 else ():
             rows.put_ledger(batch, client_id, data)
         k, s = keys[start : start + _HELD_CHUNK], slots[start : start + _HELD_CHUNK]
-        rows.put(batch, k, a.values[s], a.state[s], a.last_access[s], a.frequency[s])
+        rows.put(batch, a.rows(k, s))
         storage.commit(batch)
         yield s

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from protos import ps_pb2 as pb
 from protos.keys import shard_of
 from ps import optimizers
 from ps.config import spec_from_proto
+from ps.rows import Rows
 from ps.storage import Storage
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 
@@ -26,22 +26,12 @@ TABLES = {"user": 3000, "item": 1000}  # keys per table
 BUDGET_BYTES = 80_000  # per shard: well under the ~170 KB the rows take, so many spill
 
 
-@dataclass
-class Rows:
-    """Every stored row of one table, sorted by key."""
-
-    keys: npt.NDArray[np.int64]
-    values: npt.NDArray[np.float32]
-    state: npt.NDArray[np.float32]
-    last_access: npt.NDArray[np.uint32]
-    frequency: npt.NDArray[np.uint32]
-
-    def assert_bit_equal(self, other: Rows, what: str) -> None:
-        np.testing.assert_array_equal(self.keys, other.keys, err_msg=f"{what}: keys")
-        for field in ("values", "state", "last_access", "frequency"):
-            mine, theirs = getattr(self, field), getattr(other, field)
-            assert mine.shape == theirs.shape, f"{what}: {field} shape {mine.shape} != {theirs.shape}"
-            assert np.array_equal(mine.view(np.uint32), theirs.view(np.uint32)), f"{what}: {field} differs"
+def assert_bit_equal(mine: Rows, theirs: Rows, what: str) -> None:
+    np.testing.assert_array_equal(mine.keys, theirs.keys, err_msg=f"{what}: keys")
+    for field in ("values", "state", "last_access", "frequency"):
+        a, b = getattr(mine, field), getattr(theirs, field)
+        assert a.shape == b.shape, f"{what}: {field} shape {a.shape} != {b.shape}"
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{what}: {field} differs"
 
 
 def ps_admin(*args: str | Path, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -79,23 +69,15 @@ def read_checkpoint(ckpt: Path) -> tuple[dict[str, Rows], int]:
                 spec = spec_from_proto(pb.TableSpec.FromString(blob))
                 rows = st.table(table, spec.dim, optimizers.state_width(spec.optimizer, spec.dim))
                 ledgers += len(rows.ledgers())
-                for keys, rec in rows.scan(chunk=700):
-                    assert (shard_of(keys, n) == i).all(), f"{ckpt}/{name}: {table} holds another shard's keys"
-                    parts.setdefault(table, []).append(
-                        Rows(keys, rec.values.copy(), rec.state.copy(), rec.last_access.copy(), rec.frequency.copy())
-                    )
+                for rec in rows.scan(chunk=700):
+                    assert (shard_of(rec.keys, n) == i).all(), f"{ckpt}/{name}: {table} holds another shard's keys"
+                    parts.setdefault(table, []).append(rec)
     tables = {}
     for table, ps in parts.items():
-        keys = np.concatenate([p.keys for p in ps])
-        order = np.argsort(keys, kind="stable")
-        assert np.unique(keys).shape == keys.shape, f"{ckpt}: table {table} has a key on two shards"
-        tables[table] = Rows(
-            *(
-                np.concatenate([getattr(p, f) for p in ps])[order]
-                for f in ("keys", "values", "state", "last_access", "frequency")
-            )
-        )
-        assert manifest["rows"][table] == keys.shape[0], f"{ckpt}: manifest row count of {table}"
+        rows = Rows.concat(ps, ps[0].dim, ps[0].state_width)
+        assert np.unique(rows.keys).shape == rows.keys.shape, f"{ckpt}: table {table} has a key on two shards"
+        tables[table] = rows[np.argsort(rows.keys, kind="stable")]
+        assert manifest["rows"][table] == len(rows), f"{ckpt}: manifest row count of {table}"
     return tables, ledgers
 
 
@@ -203,7 +185,7 @@ def test_checkpoint_reshard_and_restore(tmp_path: Path) -> None:
         assert ledgers == 0, f"{ckpt}: push ledgers must not be carried over"
         assert sorted(tables) == sorted(original)
         for table, rows in original.items():
-            rows.assert_bit_equal(tables[table], f"{ckpt.name} table {table}")
+            assert_bit_equal(rows, tables[table], f"{ckpt.name} table {table}")
 
     # The per-shard row counts of the 3 -> 2 output are exact.
     shard_rows = json.loads((back2 / "manifest.json").read_text())["shard_rows"]

@@ -36,7 +36,7 @@ def initial(spec: TableSpec, keys: npt.ArrayLike) -> F32:
 
 
 def stored_keys(shard: Shard, table: str = "t") -> list[int]:
-    return sorted(shard.table(table).export()[0].tolist())
+    return sorted(shard.table(table).export().keys.tolist())
 
 
 def requests_per_shard(transport: InProcessTransport, method: str) -> list[int]:

@@ -243,7 +243,7 @@ def test_transport_dtype_float16_rounds_rows_and_grads(shards: list[Shard], tran
         np.testing.assert_array_equal(ps.lookup("h", keys), np.full((20, DIM), 0.5, np.float32))
         g = np.full((20, DIM), 0.1, np.float32)  # 0.1 is not a float16: it travels rounded
         ps.push("h", keys, g)
-        stored = np.concatenate([s.table("h").export()[1] for s in shards])
+        stored = np.concatenate([s.table("h").export().values for s in shards])
         expected = np.float32(0.5) - np.float32(np.float16(0.1))
         np.testing.assert_array_equal(stored, np.full((20, DIM), expected, np.float32))
 

@@ -21,49 +21,49 @@ import pytest
 from ps.checkpoint import copy_checkpoint
 from ps.datadir import DataDirError, read_manifest
 from ps.ledger import PushLedger
-from ps.storage import RowRecords, Storage, StorageFailed, TableRows
+from ps.rows import Rows
+from ps.storage import Storage, StorageFailed, TableRows
 
 REPO = Path(__file__).resolve().parents[2]
 I64 = np.iinfo(np.int64)
 DIM, WIDTH = 3, 4  # state_width differs from dim, so a mixed-up split shows
-F32 = npt.NDArray[np.float32]
-U32 = npt.NDArray[np.uint32]
-Rows = tuple[F32, F32, U32, U32]  # values, state, last_access, frequency
 
 
 def bits(a: npt.NDArray[np.generic]) -> npt.NDArray[np.uint32]:
     return np.ascontiguousarray(a).view(np.uint32)
 
 
-def random_rows(n: int, seed: int = 0, dim: int = DIM, width: int = WIDTH) -> Rows:
-    """Arbitrary 32-bit patterns as values/state (NaNs with payloads included)."""
+def random_rows(keys: npt.NDArray[np.int64], seed: int = 0, dim: int = DIM, width: int = WIDTH) -> Rows:
+    """Rows of ``keys`` with arbitrary 32-bit patterns as values/state (NaNs with payloads included)."""
     rng = np.random.default_rng(seed)
-    values = rng.integers(0, 2**32, size=(n, dim), dtype=np.uint64).astype(np.uint32).view(np.float32)
-    state = rng.integers(0, 2**32, size=(n, width), dtype=np.uint64).astype(np.uint32).view(np.float32)
-    last_access = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
-    frequency = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
-    return values, state, last_access, frequency
+    n = keys.shape[0]
+
+    def words(*shape: int) -> npt.NDArray[np.uint32]:
+        return rng.integers(0, 2**32, size=shape, dtype=np.uint64).astype(np.uint32)
+
+    return Rows(keys, words(n, dim).view(np.float32), words(n, width).view(np.float32), words(n), words(n))
 
 
 def put_rows(st: Storage, rows: TableRows, keys: npt.NDArray[np.int64], seed: int = 0) -> Rows:
-    data = random_rows(keys.shape[0], seed, rows.dim, rows.state_width)
+    data = random_rows(keys, seed, rows.dim, rows.state_width)
     batch = st.batch()
-    rows.put(batch, keys, *data)
+    rows.put(batch, data)
     st.commit(batch)
     return data
 
 
-def assert_records(rec: RowRecords, values: F32, state: F32, la: U32, freq: U32) -> None:
-    np.testing.assert_array_equal(bits(rec.values), bits(values))
-    np.testing.assert_array_equal(bits(rec.state), bits(state))
-    np.testing.assert_array_equal(rec.last_access, la)
-    np.testing.assert_array_equal(rec.frequency, freq)
+def assert_records(got: Rows, want: Rows) -> None:
+    np.testing.assert_array_equal(got.keys, want.keys)
+    np.testing.assert_array_equal(bits(got.values), bits(want.values))
+    np.testing.assert_array_equal(bits(got.state), bits(want.state))
+    np.testing.assert_array_equal(got.last_access, want.last_access)
+    np.testing.assert_array_equal(got.frequency, want.frequency)
 
 
 def scan_all(rows: TableRows, chunk: int = 1 << 16) -> dict[int, tuple[list[int], list[int], int, int]]:
     out = {}
-    for keys, rec in rows.scan(chunk):
-        for i, k in enumerate(keys.tolist()):
+    for rec in rows.scan(chunk):
+        for i, k in enumerate(rec.keys.tolist()):
             out[k] = (
                 bits(rec.values[i]).tolist(),
                 bits(rec.state[i]).tolist(),
@@ -82,11 +82,11 @@ KEYS = np.array([I64.min, I64.min + 1, -(2**40), -1, 0, 1, 2**40, I64.max - 1, I
 def test_put_get_round_trip_is_bit_exact_for_extreme_keys(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=0, num_shards=1) as st:
         rows = st.table("t", DIM, WIDTH)
-        values, state, la, freq = put_rows(st, rows, KEYS)
+        data = put_rows(st, rows, KEYS)
         order = np.random.default_rng(1).permutation(KEYS.shape[0])
         found, rec = rows.get(KEYS[order])
         assert found.all()
-        assert_records(rec, values[order], state[order], la[order], freq[order])
+        assert_records(rec, data[order])
 
 
 def test_synced_commits_survive_reopen(tmp_path: Path) -> None:
@@ -95,18 +95,18 @@ def test_synced_commits_survive_reopen(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=0, num_shards=1) as st:
         found, rec = st.table("t", DIM, WIDTH).get(KEYS)
         assert found.all()
-        assert_records(rec, *data)
+        assert_records(rec, data)
 
 
 def test_get_of_absent_keys_returns_only_the_stored_rows_in_key_order(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=0, num_shards=1) as st:
         rows = st.table("t", DIM, WIDTH)
         stored = np.array([-5, 10, I64.max], dtype=np.int64)
-        values, state, la, freq = put_rows(st, rows, stored)
+        data = put_rows(st, rows, stored)
         ask = np.array([11, I64.max, -4, -5, I64.min, 10, 10], dtype=np.int64)
         found, rec = rows.get(ask)
         assert found.tolist() == [False, True, False, True, False, True, True]
-        assert_records(rec, values[[2, 0, 1, 1]], state[[2, 0, 1, 1]], la[[2, 0, 1, 1]], freq[[2, 0, 1, 1]])
+        assert_records(rec, data[[2, 0, 1, 1]])
 
         found, rec = rows.get(np.array([1, 2], dtype=np.int64))
         assert found.tolist() == [False, False] and rec.values.shape == (0, DIM) and rec.state.shape == (0, WIDTH)
@@ -117,10 +117,10 @@ def test_get_of_absent_keys_returns_only_the_stored_rows_in_key_order(tmp_path: 
 def test_state_width_zero_round_trips(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=0, num_shards=1) as st:
         rows = st.table("sgd", 5, 0)
-        values, state, la, freq = put_rows(st, rows, KEYS)
+        data = put_rows(st, rows, KEYS)
         found, rec = rows.get(KEYS)
         assert found.all() and rec.state.shape == (KEYS.shape[0], 0)
-        assert_records(rec, values, state, la, freq)
+        assert_records(rec, data)
 
 
 def test_delete_and_overwrite(tmp_path: Path) -> None:
@@ -134,14 +134,14 @@ def test_delete_and_overwrite(tmp_path: Path) -> None:
         st.commit(batch)
         found, rec = rows.get(KEYS)
         assert found.tolist() == [True] * (KEYS.shape[0] - 3) + [False] * 3
-        assert_records(RowRecords(rec.values[:2], rec.state[:2], rec.last_access[:2], rec.frequency[:2]), *newer)
+        assert_records(rec[:2], newer)
 
 
 def test_nothing_is_written_before_commit(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=0, num_shards=1) as st:
         rows = st.table("t", DIM, WIDTH)
         batch = st.batch()
-        rows.put(batch, KEYS, *random_rows(KEYS.shape[0]))
+        rows.put(batch, random_rows(KEYS))
         assert not rows.get(KEYS)[0].any()
         st.commit(batch)
         assert rows.get(KEYS)[0].all()
@@ -151,14 +151,15 @@ def test_scan_returns_every_row_in_chunks_and_tables_are_separate(tmp_path: Path
     with Storage(tmp_path, shard=0, num_shards=1) as st:
         a, b = st.table("a", DIM, WIDTH), st.table("a2", 2, 0)
         keys = np.concatenate([KEYS, np.arange(100, 110, dtype=np.int64)])
-        values, state, la, freq = put_rows(st, a, keys)
+        data = put_rows(st, a, keys)
         put_rows(st, b, np.array([100, 7], dtype=np.int64), seed=3)
-        sizes = [k.shape[0] for k, _ in a.scan(chunk=4)]
+        sizes = [len(part) for part in a.scan(chunk=4)]
         assert sizes == [4, 4, 4, 4, 3]
         got = scan_all(a, chunk=4)
         assert sorted(got) == sorted(keys.tolist())
         for i, k in enumerate(keys.tolist()):
-            assert got[k] == (bits(values[i]).tolist(), bits(state[i]).tolist(), int(la[i]), int(freq[i]))
+            want = (bits(data.values[i]).tolist(), bits(data.state[i]).tolist())
+            assert got[k] == (*want, int(data.last_access[i]), int(data.frequency[i]))
         assert sorted(scan_all(b)) == [7, 100]
         assert list(st.table("empty", 1, 0).scan()) == []
 
@@ -185,7 +186,7 @@ def test_rows_specs_and_ledgers_survive_close_and_reopen(tmp_path: Path) -> None
         assert t2.ledgers() == {"w0": b"ledger t2 w0"}
         found, rec = t.get(KEYS)
         assert found.all()
-        assert_records(rec, *data)
+        assert_records(rec, data)
         assert not t2.get(KEYS)[0].any()
 
 
@@ -275,7 +276,7 @@ def test_checkpoint_opens_read_only_with_every_row(tmp_path: Path) -> None:
         rows = ro.table("t", DIM, WIDTH)
         found, rec = rows.get(KEYS)
         assert found.all()
-        assert_records(rec, *data)
+        assert_records(rec, data)
         assert sorted(scan_all(rows)) == sorted(KEYS.tolist())
         batch = ro.batch()
         rows.delete(batch, KEYS)
@@ -311,7 +312,7 @@ def test_copy_checkpoint_restores_rows_and_leaves_the_checkpoint_alone(tmp_path:
         rows = st.table("t", DIM, WIDTH)
         found, rec = rows.get(KEYS)
         assert found.all()
-        assert_records(rec, *data)
+        assert_records(rec, data)
         assert st.specs() == {"t": b"spec"}
         # Writing to the restored copy must not reach the checkpoint (shared SST files
         # are immutable; the rest was copied).
@@ -322,7 +323,7 @@ def test_copy_checkpoint_restores_rows_and_leaves_the_checkpoint_alone(tmp_path:
     with Storage(ck, shard=0, num_shards=1, read_only=True) as ro:
         found, rec = ro.table("t", DIM, WIDTH).get(KEYS)
         assert found.all()
-        assert_records(rec, *data)
+        assert_records(rec, data)
 
 
 def test_copy_checkpoint_refuses_a_dir_with_a_db(tmp_path: Path) -> None:
@@ -444,10 +445,10 @@ def test_the_write_ahead_log_stays_bounded_while_the_meta_family_rarely_writes(
     keys = np.arange(8192, dtype=np.int64)
     with Storage(tmp_path, shard=0, num_shards=1) as st:
         rows = st.table("t", 64, 64)
-        data = random_rows(keys.shape[0], 0, 64, 64)
         for i in range(20):  # 20 x 4 MiB of rows
             batch = st.batch()
-            rows.put(batch, keys + i * keys.shape[0], *data)
+            data = random_rows(keys + i * keys.shape[0], 0, 64, 64)
+            rows.put(batch, data)
             rows.put_ledger(batch, "client", i.to_bytes(8, "little"))
             st.commit(batch)
         # Past the cap RocksDB flushes in the background and drops the old files once the
@@ -459,5 +460,5 @@ def test_the_write_ahead_log_stays_bounded_while_the_meta_family_rarely_writes(
     with Storage(tmp_path, shard=0, num_shards=1) as st:  # nothing lost to the early flushes
         found, rec = st.table("t", 64, 64).get(keys + 19 * keys.shape[0])
         assert found.all()
-        assert_records(rec, *data)
+        assert_records(rec, data)
         assert st.table("t", 64, 64).ledgers() == {"client": (19).to_bytes(8, "little")}

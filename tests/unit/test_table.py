@@ -46,8 +46,8 @@ def sgd_step(rows: F32, lr: float, grads: F32) -> F32:
 
 
 def snapshot(t: Table) -> dict[int, tuple[list[float], list[float]]]:
-    keys, values, state = t.export()
-    return {int(k): (v.tolist(), s.tolist()) for k, v, s in zip(keys, values, state)}
+    rows = t.export()
+    return {int(k): (v.tolist(), s.tolist()) for k, v, s in zip(rows.keys, rows.values, rows.state)}
 
 
 # -- lookup -------------------------------------------------------------------------
@@ -193,10 +193,11 @@ def test_remove_frees_rows_and_readd_gives_initial_row() -> None:
     assert t.remove(keys_of(2, 3, 77, 3)) == 2  # absent keys and repeats are ignored
 
     assert len(t) == 1
-    assert sorted(t.export()[0].tolist()) == [1]
+    assert sorted(t.export().keys.tolist()) == [1]
     # Re-created from scratch: the same initial row and a fresh optimizer state.
     np.testing.assert_array_equal(t.lookup(keys_of(2, 3)), initial(spec, keys_of(2, 3)))
-    state = {int(k): s for k, s in zip(*t.export()[::2])}
+    exported = t.export()
+    state = {int(k): s for k, s in zip(exported.keys, exported.state)}
     np.testing.assert_array_equal(state[2], np.full(DIM, 0.25, np.float32))
     np.testing.assert_array_equal(state[3], np.full(DIM, 0.25, np.float32))
     assert len(t) == 3
@@ -218,7 +219,7 @@ def test_remove_readd_cycles_reuse_slots_and_memory_is_stable() -> None:
         sizes.append(t.memory_bytes())
     # The first remove allocates the free list once; after that nothing grows.
     assert len(set(sizes)) == 1, sizes
-    assert sorted(t.export()[0].tolist()) == list(range(10 * n, 11 * n))
+    assert sorted(t.export().keys.tolist()) == list(range(10 * n, 11 * n))
 
 
 # -- export ---------------------------------------------------------------------------
@@ -233,11 +234,13 @@ def test_export_returns_exactly_the_stored_rows_and_adagrad_state() -> None:
     t.push(keys_of(10), g2)
     t.lookup(keys_of(30))  # created by a lookup: state is the initial accumulator (0)
 
-    keys, values, state = t.export()
+    rows = t.export()
 
-    order = np.argsort(keys)
-    keys, values, state = keys[order], values[order], state[order]
+    rows = rows[np.argsort(rows.keys)]
+    keys, values, state = rows.keys, rows.values, rows.state
     assert keys.tolist() == [10, 20, 30]
+    # Every part of a row comes along: pushes do not count as uses, the lookup did.
+    assert rows.frequency.tolist() == [0, 0, 1] and (rows.last_access > 0).all()
     assert values.dtype == np.float32 and state.dtype == np.float32
     # These squares and sums are exact in float32.
     expected_state = np.stack([g1[0] ** 2 + g2[0] ** 2, g1[1] ** 2, np.zeros(3, np.float32)])
@@ -248,16 +251,16 @@ def test_export_returns_exactly_the_stored_rows_and_adagrad_state() -> None:
     # Copies: writing to them does not reach the table.
     values[:] = 0
     state[:] = 0
-    assert float(np.abs(t.export()[2]).sum()) > 0
+    assert float(np.abs(t.export().state).sum()) > 0
     np.testing.assert_array_equal(t.lookup(keys_of(30)), initial(spec, keys_of(30)))
 
 
 def test_export_of_sgd_table_has_empty_state() -> None:
     t = Table(sgd_spec())
     t.lookup(keys_of(1, 2))
-    keys, values, state = t.export()
-    assert sorted(keys.tolist()) == [1, 2]
-    assert values.shape == (2, DIM) and state.shape == (2, 0)
+    rows = t.export()
+    assert sorted(rows.keys.tolist()) == [1, 2]
+    assert rows.values.shape == (2, DIM) and rows.state.shape == (2, 0)
 
 
 # -- growth ---------------------------------------------------------------------------
@@ -287,7 +290,8 @@ def test_growth_through_many_doublings_keeps_every_row() -> None:
         memory.append(t.memory_bytes())
 
     assert len(t) == all_keys.size
-    keys, values, _ = t.export()
+    rows = t.export()
+    keys, values = rows.keys, rows.values
     assert np.unique(keys).size == keys.size == all_keys.size
     np.testing.assert_array_equal(values, np.stack([expected[int(k)] for k in keys]))
     np.testing.assert_array_equal(t.lookup(all_keys), np.stack([expected[int(k)] for k in all_keys]))
@@ -352,7 +356,7 @@ def test_concurrent_pushes_and_lookups_match_a_sequential_run() -> None:
     cold = np.unique(np.concatenate([k for k, _ in looked_up]))
     for keys, rows in looked_up:
         np.testing.assert_array_equal(rows, initial(spec, keys))
-    keys, values, _ = t.export()
+    keys = t.export().keys
     assert keys.size == np.unique(keys).size == len(t) == hot.size + cold.size
     assert sorted(keys.tolist()) == sorted(hot.tolist() + cold.tolist())
     assert t.counters.pushes == threads_n * pushes_n * hot.size

@@ -28,6 +28,7 @@ from ps.initializers import initial_rows
 from ps.ledger import PushLedger
 from ps.lifecycle import TICKS_PER_S, Lifecycle, now_tick
 from ps.optimizers import OptimizerKind, OptimizerParams, state_width
+from ps.rows import Rows
 from ps.shard import Shard
 from ps.storage import Storage, StorageFailed
 from ps.table import Table
@@ -90,8 +91,8 @@ def stored(t: Table) -> dict[int, tuple[list[int], list[int], int, int]]:
     """What the table's column family holds: key -> (value bits, state bits, last_access, frequency)."""
     assert t.disk is not None  # the tier under test
     out = {}
-    for keys, rec in t.disk.scan():
-        for i, k in enumerate(keys.tolist()):
+    for rec in t.disk.scan():
+        for i, k in enumerate(rec.keys.tolist()):
             out[k] = (
                 bits(rec.values[i]).tolist(),
                 bits(rec.state[i]).tolist(),
@@ -102,9 +103,9 @@ def stored(t: Table) -> dict[int, tuple[list[int], list[int], int, int]]:
 
 
 def exported(t: Table) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-    keys, values, state = t.export()
-    order = np.argsort(keys)
-    return keys[order], values[order], state[order]
+    rows = t.export()
+    rows = rows[np.argsort(rows.keys)]
+    return rows.keys, rows.values, rows.state
 
 
 def resident(t: Table, keys: npt.NDArray[np.int64]) -> int:
@@ -173,7 +174,9 @@ def test_evict_writes_dirty_rows_and_does_not_rewrite_clean_ones(storage: Storag
     other = storage.table("t", SGD.dim, 0)
     batch = storage.batch()
     sentinel = np.full((6, SGD.dim), -7.0, np.float32)
-    other.put(batch, both, sentinel, np.empty((6, 0), np.float32), np.full(6, 1, np.uint32), np.full(6, 99, np.uint32))
+    other.put(
+        batch, Rows(both, sentinel, np.empty((6, 0), np.float32), np.full(6, 1, np.uint32), np.full(6, 99, np.uint32))
+    )
     storage.commit(batch)
 
     assert t.evict(10, clock.advance(1)) == 6 and len(t) == 0

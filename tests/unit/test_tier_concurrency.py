@@ -54,7 +54,8 @@ def twin_after(applied: list[Push]) -> Table:
 def rows_of(t: Table) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32]]:
     """Values and state bits of every pool key (faulting spilled rows in)."""
     t.lookup(POOL, create=False)
-    keys, values, state = t.export()
+    rows = t.export()
+    keys, values, state = rows.keys, rows.values, rows.state
     order = np.argsort(keys)
     assert np.array_equal(keys[order], np.sort(POOL))
     return values[order].view(np.uint32), state[order].view(np.uint32)

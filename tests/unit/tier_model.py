@@ -58,6 +58,7 @@ from ps.initializers import InitializerKind, InitializerParams, initial_rows
 from ps.ledger import PushLedger
 from ps.lifecycle import Lifecycle
 from ps.optimizers import OptimizerKind, OptimizerParams
+from ps.rows import Rows
 from ps.shard import Shard
 from ps.storage import Storage
 from tests.fakes import push_request
@@ -521,15 +522,12 @@ class TierMachine(RuleBasedStateMachine):
         shard = self._live()
         for name in NAMES:
             spec, table, m = self.specs[name], shard.table(name), self.model[name]
-            keys, values, state = table.export()
-            assert_rows_equal(f"table {name!r} export", keys.tolist(), values, state, m.rows)
+            rows = table.export()
+            assert_rows_equal(f"table {name!r} export", rows.keys.tolist(), rows.values, rows.state, m.rows)
             assert table.disk is not None
-            parts = list(table.disk.scan())
-            disk_keys = [k for ks, _ in parts for k in ks.tolist()]
             sw = optimizers.state_width(spec.optimizer, spec.dim)
-            disk_values = np.concatenate([r.values for _, r in parts]) if parts else np.empty((0, spec.dim), np.float32)
-            disk_state = np.concatenate([r.state for _, r in parts]) if parts else np.empty((0, sw), np.float32)
-            assert_rows_equal(f"table {name!r} on disk", disk_keys, disk_values, disk_state, m.disk)
+            disk = Rows.concat(list(table.disk.scan()), spec.dim, sw)
+            assert_rows_equal(f"table {name!r} on disk", disk.keys.tolist(), disk.values, disk.state, m.disk)
 
     @invariant()
     def lookup_counts_match_model(self) -> None:
@@ -546,7 +544,7 @@ class TierMachine(RuleBasedStateMachine):
             expected = {k: m.count[k] for k in in_ram}
             assert in_ram == expected, f"table {name!r}: lookup counts in RAM {in_ram}, expected {expected}"
             assert table.disk is not None
-            on_disk = {k: int(f) for ks, rec in table.disk.scan() for k, f in zip(ks.tolist(), rec.frequency)}
+            on_disk = {k: int(f) for rec in table.disk.scan() for k, f in zip(rec.keys.tolist(), rec.frequency)}
             assert on_disk == m.disk_count, f"table {name!r}: lookup counts on disk {on_disk}, expected {m.disk_count}"
 
     @invariant()
