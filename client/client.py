@@ -37,7 +37,7 @@ from client.config import ClientConfig, TableConfig
 from client.errors import InternalServerError, InvalidRequestError, TableNotFoundError
 from client.replicas import ReplicaSet, normalize_addresses
 from client.retry import Answer, call_all
-from client.routing import TablePlan, pack, plan_table
+from client.routing import Part, TablePlan, pack, plan_table
 from client.tables import message_dict, table_config, table_spec
 from client.transport import GrpcTransport, Transport
 from protos import ps_pb2 as pb
@@ -52,6 +52,7 @@ _WRITES = frozenset({"CreateTable", "Push", "Checkpoint"})
 _READS = frozenset({"Lookup", "ListTables"})  # may be hedged
 F32 = npt.NDArray[np.float32]
 Keys = npt.ArrayLike | TablePlan  # keys, or a plan of them made by PSClient.plan
+_NO_KEYS = np.empty(0, dtype=np.int64)
 
 
 class LookupResult(dict[str, F32]):
@@ -77,6 +78,17 @@ def _as_keys(keys: npt.ArrayLike, table: str) -> npt.NDArray[np.int64]:
         return wire.as_keys(keys, f"table {table!r}: keys")
     except wire.InvalidKeys as exc:
         raise InvalidRequestError(str(exc)) from None
+
+
+def _client_id(client_id: str | None) -> str:
+    """``client_id`` checked (1-128 printable ASCII characters), or a new random one."""
+    if client_id is None:
+        return uuid.uuid4().hex
+    if not (
+        isinstance(client_id, str) and 0 < len(client_id) <= 128 and client_id.isprintable() and client_id.isascii()
+    ):
+        raise ValueError(f"client_id={client_id!r}: must be 1 to 128 printable ASCII characters")
+    return client_id
 
 
 def _security(config: ClientConfig) -> dict[str, Any]:
@@ -108,6 +120,10 @@ class PSClient:
     raises a ``client.errors.PSError`` subclass on failure. Returned arrays are new
     and belong to the caller; input arrays are not modified or kept.
 
+    ``client_id`` names this client's pushes for exactly-once (see ``push_many``): by
+    default a new random id; a process that takes over another's pushes (a trainer
+    resumed from its checkpoint) passes the same one.
+
     Attributes: ``replicas[s]``, shard ``s``'s addresses; ``addresses``, all of them in
     that order (one per shard without replicas; the order of ``stats()``).
     """
@@ -118,6 +134,7 @@ class PSClient:
         config: ClientConfig | None = None,
         *,
         transport: Transport | None = None,
+        client_id: str | None = None,
     ) -> None:
         self.replicas = [tuple(r) for r in normalize_addresses(addresses)]
         self.num_shards = len(self.replicas)
@@ -129,7 +146,7 @@ class PSClient:
             eject_max_s=self.config.eject_max_s,
         )
         self.addresses = self._replica_set.addresses
-        self.client_id = uuid.uuid4().hex
+        self.client_id = _client_id(client_id)
         # The transport is addressed by endpoint: the index into ``addresses``.
         self._transport = transport or GrpcTransport(
             self.addresses,
@@ -139,7 +156,7 @@ class PSClient:
         )
         self._dtype: Any = _DTYPES[self.config.transport_dtype]  # a wire DType number
         self._tables: dict[str, TableConfig] = {}
-        self._seqs = [itertools.count(1) for _ in range(self.num_shards)]
+        self._seqs: dict[str, Iterator[int]] = {}  # each table's push numbers (``push_many``)
         self._lock = threading.Lock()
         self._started = False
         self._pool: ThreadPoolExecutor | None = None
@@ -445,16 +462,34 @@ class PSClient:
         return results, degraded
 
     # -- push -----------------------------------------------------------------------
-    def push(self, table: str, keys: npt.ArrayLike, grads: npt.ArrayLike) -> PushResult:
+    def push(self, table: str, keys: npt.ArrayLike, grads: npt.ArrayLike, *, seq: int | None = None) -> PushResult:
         """Apply ``grads[i]`` (``[len(keys), dim]``) to the row of ``keys[i]`` with the table's optimizer.
 
         Gradients of duplicate keys are summed first. Retried pushes are applied once.
         If it raises, the push may have been applied on some shards and not others.
+        ``seq``: see ``push_many``.
         """
-        return self.push_many({table: (keys, grads)})
+        return self.push_many({table: (keys, grads)}, seq=seq)
 
-    def push_many(self, updates: Mapping[str, tuple[Keys, npt.ArrayLike]]) -> PushResult:
-        """``push`` for several tables at once: one RPC per shard carries all of them."""
+    def push_many(self, updates: Mapping[str, tuple[Keys, npt.ArrayLike]], *, seq: int | None = None) -> PushResult:
+        """``push`` for several tables at once: one RPC per shard carries all of them.
+
+        Exactly-once: each table's push is numbered for this client (``client_id``), and
+        a shard applies each ``(client_id, table, seq)`` at most once, so a push retried
+        after a lost answer, or sent again by another process with the same
+        ``client_id``, is not applied twice. By default the client numbers each table's
+        pushes 1, 2, 3, ...; ``seq`` (>= 1) gives this call's number to every table
+        instead: a trainer resumed from a checkpoint sends its steps again with the seqs
+        they had, and the shards skip what they applied before. The caller then numbers
+        each table's pushes without gaps (every seq of a ``client_id`` is pushed once,
+        from whichever process) and keeps each within one message per shard.
+
+        Every shard gets a request for every push, with an entry per table (empty where
+        it holds none of the keys): each shard's record of applied seqs stays a
+        watermark, and a push never needs more than one request per shard and table.
+        """
+        if seq is not None and not (isinstance(seq, int) and not isinstance(seq, bool) and 1 <= seq < 1 << 64):
+            raise InvalidRequestError(f"seq={seq!r}: must be an integer in [1, 2**64)")
         prepared = []
         for table, (keys, grads) in updates.items():
             k = keys.keys if isinstance(keys, TablePlan) else _as_keys(keys, table)
@@ -467,22 +502,11 @@ class PSClient:
             plan = self._plan_of(table, keys if isinstance(keys, TablePlan) else k, g.shape[1])
             if plan.has_duplicates:
                 g = sum_duplicates(g, plan.inverse, plan.unique.shape[0])
-            prepared.append((plan, g))
-        grads_of: dict[str, npt.NDArray[np.float32]] = {p.table: g for p, g in prepared}
-        itemsize = wire.dtype_itemsize(self._dtype)
-        batches = pack(
-            [p for p, _ in prepared], self.num_shards, lambda p: p.dim * itemsize + 8, self.config.max_message_bytes
-        )
-        encoded = []
-        for shard_reqs in batches:
-            for s, parts in shard_reqs:
-                entries = []
-                for part in parts:
-                    g = grads_of[part.plan.table]
-                    whole = self.num_shards == 1 and part.start == 0 and len(part) == g.shape[0]
-                    entries.append((part.plan.table, part.keys, g if whole else g[part.positions], self._dtype))
-                seq = next(self._seqs[s])
-                encoded.append((s, wire.encode_push_request(entries, self.num_shards, self.client_id, seq, s)))
+            if seq is not None or k.shape[0]:  # numbered by the client: a table without keys takes no number
+                prepared.append((plan, g))
+        if not prepared:
+            return PushResult(rows_updated=0)
+        encoded = self._encode_push(prepared, seq)
         replies = []
         for (s, _), answer in zip(encoded, self._call("Push", encoded)):
             with self._reply("Push", s, answer.endpoint):
@@ -491,11 +515,65 @@ class PSClient:
             rows_updated=sum(r.rows_updated for r in replies), duplicates=sum(not r.applied for r in replies)
         )
 
-    def push_async(self, table: str, keys: npt.ArrayLike, grads: npt.ArrayLike) -> Future[PushResult]:
-        """``push`` on a background thread; the inputs are copied first, so callers may reuse them."""
-        return self.push_many_async({table: (keys, grads)})
+    def _encode_push(
+        self, prepared: list[tuple[TablePlan, npt.NDArray[np.float32]]], seq: int | None
+    ) -> list[tuple[int, bytes]]:
+        """One request per shard and *round*: a round is one push of every table in it, with
+        one seq per table; a push over ``max_message_bytes`` for some shard takes several
+        rounds (only without an explicit ``seq``)."""
+        grads_of = {p.table: g for p, g in prepared}
+        itemsize = wire.dtype_itemsize(self._dtype)
+        per_shard: dict[int, list[list[Part]]] = {}
+        for shard_reqs in pack(
+            [p for p, _ in prepared], self.num_shards, lambda p: p.dim * itemsize + 8, self.config.max_message_bytes
+        ):
+            for s, parts in shard_reqs:
+                per_shard.setdefault(s, []).append(parts)
+        rounds = max((len(r) for r in per_shard.values()), default=1)
+        if rounds > 1 and seq is not None:
+            raise InvalidRequestError(
+                f"push with seq={seq} needs {rounds} requests for one shard (over max_message_bytes="
+                f"{self.config.max_message_bytes}): push fewer keys per call, or raise max_message_bytes"
+            )
+        encoded = []
+        for k in range(rounds):
+            parts_of: list[dict[str, Part]] = []
+            for s in range(self.num_shards):
+                requests = per_shard.get(s, [])
+                parts_of.append({part.plan.table: part for part in requests[k]} if k < len(requests) else {})
+            tables = [p for p, _ in prepared if k == 0 or any(p.table in parts for parts in parts_of)]
+            seqs = {p.table: seq if seq is not None else self._next_seq(p.table) for p in tables}
+            for s in range(self.num_shards):
+                entries: list[wire.PushEntryParts] = []
+                for plan in tables:
+                    part = parts_of[s].get(plan.table)
+                    g = grads_of[plan.table]
+                    if part is None:
+                        keys, rows = _NO_KEYS, np.empty((0, plan.dim), np.float32)
+                    elif self.num_shards == 1 and part.start == 0 and len(part) == g.shape[0]:
+                        keys, rows = part.keys, g
+                    else:
+                        keys, rows = part.keys, g[part.positions]
+                    entries.append((plan.table, keys, rows, self._dtype, seqs[plan.table]))
+                encoded.append((s, wire.encode_push_request(entries, self.num_shards, self.client_id, 0, s)))
+        return encoded
 
-    def push_many_async(self, updates: Mapping[str, tuple[Keys, npt.ArrayLike]]) -> Future[PushResult]:
+    def _next_seq(self, table: str) -> int:
+        with self._lock:
+            counter = self._seqs.get(table)
+            if counter is None:
+                counter = self._seqs[table] = itertools.count(1)
+            return next(counter)
+
+    def push_async(
+        self, table: str, keys: npt.ArrayLike, grads: npt.ArrayLike, *, seq: int | None = None
+    ) -> Future[PushResult]:
+        """``push`` on a background thread; the inputs are copied first, so callers may reuse them."""
+        return self.push_many_async({table: (keys, grads)}, seq=seq)
+
+    def push_many_async(
+        self, updates: Mapping[str, tuple[Keys, npt.ArrayLike]], *, seq: int | None = None
+    ) -> Future[PushResult]:
         """``push_many`` on a background thread; the ``Future`` raises what ``push_many`` would."""
         self.start()
         copied = {
@@ -503,7 +581,7 @@ class PSClient:
             for t, (k, g) in updates.items()
         }
         assert self._pool is not None
-        return self._pool.submit(self.push_many, copied)
+        return self._pool.submit(self.push_many, copied, seq=seq)
 
     def plan(self, table: str, keys: npt.ArrayLike, *, deadline_s: float | None = None) -> TablePlan:
         """``keys`` of ``table`` deduplicated and routed to shards once, for several calls:

@@ -192,16 +192,18 @@ class LookupResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[LookupResult, _Mapping]]] = ...) -> None: ...
 
 class PushEntry(_message.Message):
-    __slots__ = ("table", "keys", "grads", "dtype")
+    __slots__ = ("table", "keys", "grads", "dtype", "seq")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
     grads: bytes
     dtype: DType
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    seq: int
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("entries", "num_shards", "client_id", "seq", "shard")

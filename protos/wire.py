@@ -53,6 +53,7 @@ __all__ = [
     "InvalidKeys",
     "LookupResponseWriter",
     "LookupResultView",
+    "PushEntryParts",
     "PushEntryView",
     "PushRequestView",
     "WRONG_SHARD_METADATA",
@@ -87,6 +88,12 @@ _F32 = np.dtype("<f4")
 _F16 = np.dtype("<f2")
 _U16 = np.dtype("<u2")
 _I64 = np.dtype("<i8")
+
+PushEntryParts = (
+    tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float32], int]
+    | tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float32], int, int]
+)
+"""One entry of ``encode_push_request``: ``(table, keys, grads, dtype)``, or with the entry's ``seq`` last."""
 
 
 class InvalidKeys(WireFormatError, TypeError):
@@ -396,6 +403,7 @@ class PushEntryView:
     keys: memoryview
     grads: memoryview
     dtype: int
+    seq: int = 0  # 0: the request's
 
 
 @dataclass(frozen=True)
@@ -421,7 +429,7 @@ def decode_push_request(data: bytes) -> PushRequestView:
     for field_no, wire_type, a, b in fields(data, 0, len(data), "PushRequest", MAX_DEPTH):
         if field_no == 1 and wire_type == 2:
             name = f"entries[{len(entries)}]"
-            table, keys, grads, dtype = "", view[0:0], view[0:0], 0
+            table, keys, grads, dtype, entry_seq = "", view[0:0], view[0:0], 0, 0
             for f, wt, x, y in fields(data, a, b, name, submessage_depth(MAX_DEPTH, name)):
                 if f == 1 and wt == 2:
                     table = text(data, x, y, f"{name}.table")
@@ -431,7 +439,9 @@ def decode_push_request(data: bytes) -> PushRequestView:
                     grads = view[x:y]
                 elif f == 4 and wt == 0:
                     dtype = int32(x)
-            entries.append(PushEntryView(table, keys, grads, dtype))
+                elif f == 5 and wt == 0:
+                    entry_seq = x
+            entries.append(PushEntryView(table, keys, grads, dtype, entry_seq))
         elif field_no == 2 and wire_type == 0:
             num_shards = uint32(a)
         elif field_no == 3 and wire_type == 2:
@@ -444,13 +454,14 @@ def decode_push_request(data: bytes) -> PushRequestView:
 
 
 def encode_push_request(
-    entries: Sequence[tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float32], int]],
+    entries: Sequence[PushEntryParts],
     num_shards: int,
     client_id: str,
     seq: int,
     shard: int | None = None,
 ) -> bytes:
-    """``PushRequest`` bytes from ``(table, keys, grads, dtype)`` entries, one copy of the payload.
+    """``PushRequest`` bytes from ``(table, keys, grads, dtype)`` entries, or
+    ``(table, keys, grads, dtype, seq)`` with the entry's own seq; one copy of the payload.
 
     ``grads`` are float32 ``[n, dim]`` and are converted to ``dtype`` on the way.
     Raises ``ValueError`` for an integer outside its field's range (as protobuf does).
@@ -460,8 +471,11 @@ def encode_push_request(
     if shard is not None:
         check_range("shard", shard, 32)
     pieces: list[bytes | npt.NDArray[np.generic]] = []
-    for i, (table, keys, grads, dtype) in enumerate(entries):
+    for i, entry in enumerate(entries):
+        table, keys, grads, dtype = entry[:4]
+        entry_seq = entry[4] if len(entry) > 4 else 0
         dtype_itemsize(dtype, f"entries[{i}].dtype")
+        check_range(f"entries[{i}].seq", entry_seq, 64)
         k = np.ascontiguousarray(keys, dtype=_I64)
         if dtype in (pb.FLOAT32, pb.DTYPE_UNSPECIFIED):
             g: npt.NDArray[np.generic] = np.ascontiguousarray(grads, dtype=_F32)
@@ -471,7 +485,7 @@ def encode_push_request(
             g = _float32_to_bfloat16(np.asarray(grads, dtype=_F32))
         head = str_field(1, table) + (len_field(2, k.nbytes) if k.nbytes else b"")
         mid = len_field(3, g.nbytes) if g.nbytes else b""
-        tail = int_field(4, dtype)
+        tail = int_field(4, dtype) + int_field(5, entry_seq)
         body = len(head) + k.nbytes + len(mid) + g.nbytes + len(tail)
         pieces += [len_field(1, body) + head, k, mid, g, tail]
     trailer = int_field(2, num_shards) + str_field(3, client_id) + int_field(4, seq)

@@ -239,4 +239,4 @@ def push_batch(shard: Shard, request: wire.PushRequestView) -> PushBatch:
             entry.grads, keys.shape[0], shard.table(entry.table).dim, entry.dtype, f"{field}.grads"
         )
         entries.append((entry.table, keys, grads))
-    return PushBatch(entries, request.client_id, request.seq, route)
+    return PushBatch(entries, request.client_id, request.seq, route, [e.seq for e in request.entries])

@@ -95,12 +95,18 @@ class LookupBatch:
 @dataclass(frozen=True)
 class PushBatch:
     """A decoded Push: ``(table, keys, grads)`` per entry, float32 ``[len(keys), dim]``
-    gradients (not yet checked against the table), applied once per ``(client_id, seq)``."""
+    gradients (not yet checked against the table), each applied once per ``(client_id,
+    table, seq)``. ``seqs``: each entry's own seq (0 or none: ``seq``)."""
 
     entries: Sequence[tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float32]]]
     client_id: str = ""
     seq: int = 0
     route: Route = Route()
+    seqs: Sequence[int] = ()
+
+    def seq_of(self, i: int) -> int:
+        """The seq of entry ``i``."""
+        return (self.seqs[i] if i < len(self.seqs) else 0) or self.seq
 
 
 class RowSource(Protocol):
@@ -365,7 +371,7 @@ class Shard:
         self.budget.after_request()
 
     def push(self, batch: PushBatch) -> tuple[bool, int]:
-        """Apply ``batch`` once per ``(client_id, seq)`` and table; returns (applied
+        """Apply ``batch`` once per ``(client_id, table, seq)``; returns (applied
         anywhere, distinct rows updated). Every entry is checked (gradient shapes, NaN
         and Inf: the one place a request's gradients are validated) before any is applied.
 
@@ -384,11 +390,12 @@ class Shard:
         check_owned("Push", [(n, k) for n, k, _ in batch.entries], index=self.index, num_shards=self.num_shards)
         applied, rows = False, 0
         changed = []
-        for table, (_, keys, grads) in zip(tables, batch.entries, strict=True):
-            n = self._guard(table.push, keys, grads, client_id=batch.client_id, seq=batch.seq, check=False)
+        for i, (table, (_, keys, grads)) in enumerate(zip(tables, batch.entries, strict=True)):
+            n = self._guard(table.push, keys, grads, client_id=batch.client_id, seq=batch.seq_of(i), check=False)
             if n is not None:
                 applied, rows = True, rows + n
-                changed.append((table.spec.name, keys.copy()))  # a copy: the view would keep the request
+                if keys.shape[0]:  # an entry without keys only records its seq
+                    changed.append((table.spec.name, keys.copy()))  # a copy: the view would keep the request
         if changed:
             self.changes.record(changed)
         if self.durability.kind == "every-push" and self.storage is not None:

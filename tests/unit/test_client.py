@@ -7,6 +7,7 @@ shard handled a call.
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future
 
 import grpc
@@ -26,6 +27,7 @@ from client import (
 from protos.keys import shard_of
 from ps.config import TableSpec
 from ps.initializers import InitializerKind, InitializerParams
+from ps.ledger import PushLedger
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.shard import Shard
 from tests.fakes import InProcessTransport
@@ -104,7 +106,8 @@ def test_a_plans_unique_keys_are_planned_without_a_second_dedup(ps: PSClient, tr
     before = transport.count("Push")
     grads = np.ones((4, DIM), np.float32)
     assert ps.push_many({"t": (once, grads)}) == PushResult(rows_updated=4, duplicates=0)
-    assert transport.count("Push") - before == len({s for s in shard_of(once.keys, N).tolist()})
+    assert len({s for s in shard_of(once.keys, N).tolist()}) < N  # some shard holds none of the keys...
+    assert transport.count("Push") - before == N  # ...and still hears of the push (its seq)
 
 
 def test_duplicates_and_caller_order_are_preserved(ps: PSClient, shards: list[Shard]) -> None:
@@ -297,6 +300,58 @@ def test_pushes_of_two_clients_are_not_duplicates_of_each_other(ps: PSClient, sh
         assert other.push("t", [1], np.ones((1, DIM), np.float32)) == PushResult(1, 0)
     assert ps.push("t", [1], np.ones((1, DIM), np.float32)) == PushResult(1, 0)
     np.testing.assert_array_equal(ps.lookup("t", [1]), start - np.float32(0.5) - np.float32(0.5))
+
+
+def test_every_shard_hears_every_push_so_its_ledger_stays_a_watermark(ps: PSClient, shards: list[Shard]) -> None:
+    only_shard_0 = KEYS[shard_of(KEYS, N) == 0][:5]
+    for _ in range(20):  # pushes whose keys all live on shard 0
+        ps.push("t", only_shard_0, np.ones((5, DIM), np.float32))
+    for shard in shards:  # no gaps anywhere: each shard's entry is its watermark alone
+        assert PushLedger.decode(shard.table("t").ledger.encode(ps.client_id)) == (20, [])
+
+
+def test_a_second_client_with_the_same_id_and_seqs_is_a_duplicate(ps: PSClient, shards: list[Shard]) -> None:
+    # What a trainer resumed from a checkpoint does: it sends its steps again with the
+    # seqs they had; the shards skip what they applied before, and take what is new.
+    grads = np.ones((KEYS.size, DIM), np.float32)
+    first = PSClient(addresses(), FAST, transport=InProcessTransport(shards), client_id="job-7/epoch-0")
+    start = first.lookup("t", KEYS)
+    for step in (1, 2):
+        assert first.push("t", KEYS, grads, seq=step) == PushResult(KEYS.size, 0)
+    after_two = first.lookup("t", KEYS)
+    resumed = PSClient(addresses(), FAST, transport=InProcessTransport(shards), client_id="job-7/epoch-0")
+    assert resumed.push("t", KEYS, grads, seq=2) == PushResult(0, N)  # applied before, on every shard
+    np.testing.assert_array_equal(resumed.lookup("t", KEYS), after_two)
+    assert resumed.push("t", KEYS, grads, seq=3) == PushResult(KEYS.size, 0)
+    np.testing.assert_array_equal(resumed.lookup("t", KEYS), after_two - np.float32(0.5))
+    assert not np.array_equal(after_two, start)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2**64, 1.0, True])
+def test_a_bad_seq_is_refused_before_anything_is_sent(ps: PSClient, transport: InProcessTransport, bad: object) -> None:
+    with pytest.raises(InvalidRequestError, match=r"seq=.*must be an integer"):
+        ps.push("t", [1], np.ones((1, DIM), np.float32), seq=bad)  # type: ignore[arg-type]
+    assert transport.count("Push") == 0
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 129, "tab\t", "é"])
+def test_a_bad_client_id_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="client_id"):
+        PSClient(addresses(), FAST, client_id=bad)
+
+
+def test_a_push_over_the_message_limit_takes_several_numbered_rounds(shards: list[Shard]) -> None:
+    small = dataclasses.replace(FAST, max_message_bytes=1 << 16)
+    with PSClient(addresses(), small, transport=InProcessTransport(shards)) as ps:
+        ps.create_table("t", DIM, lr=0.5, seed=3)
+        keys = np.arange(20_000, dtype=np.int64)  # about 160 KB of a push a shard: 3 requests each
+        start = ps.lookup("t", keys)
+        assert ps.push("t", keys, np.ones((keys.size, DIM), np.float32)).rows_updated == keys.size
+        np.testing.assert_array_equal(ps.lookup("t", keys), start - np.float32(0.5))
+        entries = [PushLedger.decode(s.table("t").ledger.encode(ps.client_id)) for s in shards]
+        assert entries[0][0] >= 3 and entries == [(entries[0][0], [])] * N  # a seq a round, heard everywhere
+        with pytest.raises(InvalidRequestError, match="needs .* requests for one shard"):
+            ps.push("t", keys, np.ones((keys.size, DIM), np.float32), seq=100)
 
 
 def test_stats_report_rows_per_shard(ps: PSClient, shards: list[Shard]) -> None:

@@ -78,7 +78,7 @@ def test_checkpoint_of_a_shard_without_storage_opens_read_only(tmp_path: Path, c
             assert_same_bits(rec.state, want.state)
             assert sorted(r for r in rows.ledgers()) == ["w"]
         ledger_a = ro.table("a", 3, 0).ledgers()["w"]
-        assert PushLedger.decode(ledger_a) == (1, [3])  # a got seqs 1 and 3; 2 went to b
+        assert PushLedger.decode(ledger_a) == (1, [(3, 3)])  # a got seqs 1 and 3; 2 went to b
     # and a shard restored from it has the rows and refuses the same pushes again
     copy_checkpoint(path, tmp_path / "restored")
     restored = Shard(0, 1, Storage(tmp_path / "restored", shard=0, num_shards=1))

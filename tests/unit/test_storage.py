@@ -367,8 +367,8 @@ def test_ledger_encode_decode_load_round_trip() -> None:
     ledger = PushLedger()
     applied(ledger, "w0", 1, 2, 5, 9, 2**63 + 7)
     applied(ledger, "w1", 3)
-    assert PushLedger.decode(ledger.encode("w0")) == (2, [5, 9, 2**63 + 7])
-    assert PushLedger.decode(ledger.encode("w1")) == (0, [3])
+    assert PushLedger.decode(ledger.encode("w0")) == (2, [(5, 5), (9, 9), (2**63 + 7, 2**63 + 7)])
+    assert PushLedger.decode(ledger.encode("w1")) == (0, [(3, 3)])
     assert PushLedger.decode(ledger.encode("never")) == (0, [])
 
     restored = PushLedger()
@@ -404,7 +404,39 @@ def test_ledger_encode_after_for_a_new_client() -> None:
     ledger = PushLedger()
     predicted = ledger.encode_after("new", 2)
     applied(ledger, "new", 2)
-    assert predicted == ledger.encode("new") and PushLedger.decode(predicted) == (0, [2])
+    assert predicted == ledger.encode("new") and PushLedger.decode(predicted) == (0, [(2, 2)])
+
+
+def test_ledger_reads_the_older_encoding_of_single_seqs() -> None:
+    # Data dirs written before ranges: low, then every applied seq above it.
+    old = np.array([2, 5, 6, 9], dtype="<u8").tobytes()
+    assert PushLedger.decode(old) == (2, [(5, 6), (9, 9)])
+    restored = PushLedger()
+    restored.load("w", old)
+    assert [is_fresh(restored, "w", s) for s in (2, 3, 5, 6, 7, 9, 10)] == [
+        False,
+        True,
+        False,
+        False,
+        True,
+        False,
+        True,
+    ]
+    assert PushLedger.decode(restored.encode("w")) == (2, [(5, 6), (9, 9)])
+
+
+def test_ledger_gap_costs_one_range_however_many_seqs_follow() -> None:
+    ledger = PushLedger()
+    applied(ledger, "w", 1, *range(3, 5003))  # seq 2 never came (a push this shard refused)
+    low, ranges = PushLedger.decode(ledger.encode("w"))
+    assert (low, ranges) == (1, [(3, 5002)]) and len(ledger.encode("w")) == 4 * 8
+    applied(ledger, "w", 2)  # the retry fills the gap: one watermark again
+    assert PushLedger.decode(ledger.encode("w")) == (5002, [])
+
+
+def test_ledger_rejects_a_malformed_ranges_entry() -> None:
+    with pytest.raises(ValueError, match="pairs"):
+        PushLedger.decode(np.array([(1 << 64) - 2, 4, 7], dtype="<u8").tobytes())
 
 
 def test_ledger_take_changed_and_mark_changed() -> None:

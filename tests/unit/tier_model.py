@@ -217,8 +217,8 @@ def assert_rows_equal(what: str, keys: list[int], got_values: F32, got_state: F3
 def ledger_sets(entries: dict[str, bytes]) -> dict[str, frozenset[int]]:
     out = {}
     for client, data in entries.items():
-        low, done = PushLedger.decode(data)
-        seqs = frozenset(range(1, low + 1)) | frozenset(done)
+        low, ranges = PushLedger.decode(data)
+        seqs = frozenset(range(1, low + 1)).union(*(range(a, b + 1) for a, b in ranges))
         if seqs:
             out[client] = seqs
     return out
