@@ -33,6 +33,8 @@ __all__ = ["RestartPolicy", "main"]
 
 log = logging.getLogger("ps-launch")
 
+_SETTLE_S = 0.5  # after a shard death is seen, how long others dying with it have to show
+
 _EPILOG = """\
 examples:
   ps-launch --shards 2 --workers 2 -- python examples/train_dlrm.py --train-samples 400000
@@ -259,9 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
             dead = [s for s in cluster.shards if s.proc.poll() is not None]
             if dead:
-                # Look at every shard again: a look that began before two shards died and
-                # ended after would see only the second. This one begins after a death was
-                # seen, so the shards that died together are restarted together.
+                # Look at every shard again, a moment later: a look that began before two
+                # shards died and ended after would see only the second, and a process
+                # killed with others may take a moment to exit (a large one gives back
+                # its memory first). Shards that died together are restarted together.
+                time.sleep(_SETTLE_S)
                 dead = [s for s in cluster.shards if s.proc.poll() is not None]
             if dead and args.restart_shards:
                 lost = _revive(cluster, dead, policy)
