@@ -164,14 +164,16 @@ class LookupEntry(_message.Message):
     def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("entries", "num_shards", "shard")
+    __slots__ = ("entries", "num_shards", "shard", "epoch")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[LookupEntry]
     num_shards: int
     shard: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[LookupEntry, _Mapping]]] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[LookupEntry, _Mapping]]] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class LookupResult(_message.Message):
     __slots__ = ("table", "rows", "dtype", "dim")
@@ -206,18 +208,24 @@ class PushEntry(_message.Message):
     def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., grads: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("entries", "num_shards", "client_id", "seq", "shard")
+    __slots__ = ("entries", "num_shards", "client_id", "seq", "shard", "epoch", "planned_epoch", "planned_shard")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_SHARD_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[PushEntry]
     num_shards: int
     client_id: str
     seq: int
     shard: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[PushEntry, _Mapping]]] = ..., num_shards: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
+    epoch: int
+    planned_epoch: int
+    planned_shard: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[PushEntry, _Mapping]]] = ..., num_shards: _Optional[int] = ..., client_id: _Optional[str] = ..., seq: _Optional[int] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., planned_epoch: _Optional[int] = ..., planned_shard: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("applied", "rows_updated")
@@ -430,3 +438,151 @@ class CheckpointResponse(_message.Message):
     path: str
     manifest_json: str
     def __init__(self, path: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+
+class ClusterMap(_message.Message):
+    __slots__ = ("epoch", "num_shards", "addresses")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    num_shards: int
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., num_shards: _Optional[int] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetMapRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetMapResponse(_message.Message):
+    __slots__ = ("map", "shard", "reshard")
+    MAP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    RESHARD_FIELD_NUMBER: _ClassVar[int]
+    map: ClusterMap
+    shard: int
+    reshard: ReshardStatus
+    def __init__(self, map: _Optional[_Union[ClusterMap, _Mapping]] = ..., shard: _Optional[int] = ..., reshard: _Optional[_Union[ReshardStatus, _Mapping]] = ...) -> None: ...
+
+class ReshardRequest(_message.Message):
+    __slots__ = ("phase", "to")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATUS: _ClassVar[ReshardRequest.Phase]
+        PREPARE: _ClassVar[ReshardRequest.Phase]
+        FREEZE: _ClassVar[ReshardRequest.Phase]
+        COMMIT: _ClassVar[ReshardRequest.Phase]
+        ABORT: _ClassVar[ReshardRequest.Phase]
+    STATUS: ReshardRequest.Phase
+    PREPARE: ReshardRequest.Phase
+    FREEZE: ReshardRequest.Phase
+    COMMIT: ReshardRequest.Phase
+    ABORT: ReshardRequest.Phase
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    phase: ReshardRequest.Phase
+    to: ClusterMap
+    def __init__(self, phase: _Optional[_Union[ReshardRequest.Phase, str]] = ..., to: _Optional[_Union[ClusterMap, _Mapping]] = ..., **kwargs) -> None: ...
+
+class MoveSource(_message.Message):
+    __slots__ = ("shard", "address", "connected", "snapshot_done", "complete", "rows", "bytes", "lag_versions", "error")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAG_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    shard: int
+    address: str
+    connected: bool
+    snapshot_done: bool
+    complete: bool
+    rows: int
+    bytes: int
+    lag_versions: int
+    error: str
+    def __init__(self, shard: _Optional[int] = ..., address: _Optional[str] = ..., connected: _Optional[bool] = ..., snapshot_done: _Optional[bool] = ..., complete: _Optional[bool] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., lag_versions: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReshardStatus(_message.Message):
+    __slots__ = ("phase", "to", "sources", "rows_out", "bytes_out", "rows_dropped", "pending_ledgers")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_OUT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_LEDGERS_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    to: ClusterMap
+    sources: _containers.RepeatedCompositeFieldContainer[MoveSource]
+    rows_out: int
+    bytes_out: int
+    rows_dropped: int
+    pending_ledgers: int
+    def __init__(self, phase: _Optional[str] = ..., to: _Optional[_Union[ClusterMap, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[MoveSource, _Mapping]]] = ..., rows_out: _Optional[int] = ..., bytes_out: _Optional[int] = ..., rows_dropped: _Optional[int] = ..., pending_ledgers: _Optional[int] = ..., **kwargs) -> None: ...
+
+class MoveRowsRequest(_message.Message):
+    __slots__ = ("to", "destination")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    to: ClusterMap
+    destination: int
+    def __init__(self, to: _Optional[_Union[ClusterMap, _Mapping]] = ..., destination: _Optional[int] = ...) -> None: ...
+
+class MovedRows(_message.Message):
+    __slots__ = ("table", "keys", "rows", "deleted_keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DELETED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: bytes
+    rows: bytes
+    deleted_keys: bytes
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., deleted_keys: _Optional[bytes] = ...) -> None: ...
+
+class MovedLedger(_message.Message):
+    __slots__ = ("table", "client_id", "entry")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    client_id: str
+    entry: bytes
+    def __init__(self, table: _Optional[str] = ..., client_id: _Optional[str] = ..., entry: _Optional[bytes] = ...) -> None: ...
+
+class MovedAdmission(_message.Message):
+    __slots__ = ("table", "counters")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    counters: bytes
+    def __init__(self, table: _Optional[str] = ..., counters: _Optional[bytes] = ...) -> None: ...
+
+class MoveBatch(_message.Message):
+    __slots__ = ("history", "version", "specs", "tables", "snapshot_begin", "snapshot_end", "ledgers", "admission", "done", "source_version")
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPECS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_END_FIELD_NUMBER: _ClassVar[int]
+    LEDGERS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    history: str
+    version: int
+    specs: _containers.RepeatedCompositeFieldContainer[TableSpec]
+    tables: _containers.RepeatedCompositeFieldContainer[MovedRows]
+    snapshot_begin: bool
+    snapshot_end: bool
+    ledgers: _containers.RepeatedCompositeFieldContainer[MovedLedger]
+    admission: _containers.RepeatedCompositeFieldContainer[MovedAdmission]
+    done: bool
+    source_version: int
+    def __init__(self, history: _Optional[str] = ..., version: _Optional[int] = ..., specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., tables: _Optional[_Iterable[_Union[MovedRows, _Mapping]]] = ..., snapshot_begin: _Optional[bool] = ..., snapshot_end: _Optional[bool] = ..., ledgers: _Optional[_Iterable[_Union[MovedLedger, _Mapping]]] = ..., admission: _Optional[_Iterable[_Union[MovedAdmission, _Mapping]]] = ..., done: _Optional[bool] = ..., source_version: _Optional[int] = ...) -> None: ...

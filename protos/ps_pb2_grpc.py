@@ -74,6 +74,21 @@ class ParameterServerStub:
                 request_serializer=protos_dot_ps__pb2.ServeFromRequest.SerializeToString,
                 response_deserializer=protos_dot_ps__pb2.ServeFromResponse.FromString,
                 _registered_method=True)
+        self.GetMap = channel.unary_unary(
+                '/ps.v1.ParameterServer/GetMap',
+                request_serializer=protos_dot_ps__pb2.GetMapRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.GetMapResponse.FromString,
+                _registered_method=True)
+        self.Reshard = channel.unary_unary(
+                '/ps.v1.ParameterServer/Reshard',
+                request_serializer=protos_dot_ps__pb2.ReshardRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.ReshardStatus.FromString,
+                _registered_method=True)
+        self.MoveRows = channel.unary_stream(
+                '/ps.v1.ParameterServer/MoveRows',
+                request_serializer=protos_dot_ps__pb2.MoveRowsRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.MoveBatch.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -127,6 +142,24 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMap(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reshard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MoveRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +202,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ServeFrom,
                     request_deserializer=protos_dot_ps__pb2.ServeFromRequest.FromString,
                     response_serializer=protos_dot_ps__pb2.ServeFromResponse.SerializeToString,
+            ),
+            'GetMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMap,
+                    request_deserializer=protos_dot_ps__pb2.GetMapRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.GetMapResponse.SerializeToString,
+            ),
+            'Reshard': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reshard,
+                    request_deserializer=protos_dot_ps__pb2.ReshardRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.ReshardStatus.SerializeToString,
+            ),
+            'MoveRows': grpc.unary_stream_rpc_method_handler(
+                    servicer.MoveRows,
+                    request_deserializer=protos_dot_ps__pb2.MoveRowsRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.MoveBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +435,87 @@ class ParameterServer:
             '/ps.v1.ParameterServer/ServeFrom',
             protos_dot_ps__pb2.ServeFromRequest.SerializeToString,
             protos_dot_ps__pb2.ServeFromResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/GetMap',
+            protos_dot_ps__pb2.GetMapRequest.SerializeToString,
+            protos_dot_ps__pb2.GetMapResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reshard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/Reshard',
+            protos_dot_ps__pb2.ReshardRequest.SerializeToString,
+            protos_dot_ps__pb2.ReshardStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ps.v1.ParameterServer/MoveRows',
+            protos_dot_ps__pb2.MoveRowsRequest.SerializeToString,
+            protos_dot_ps__pb2.MoveBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,7 @@ __all__ = [
     "PushEntryParts",
     "PushEntryView",
     "PushRequestView",
+    "MAP_EPOCH_METADATA",
     "WRONG_SHARD_METADATA",
     "WireFormatError",
     "alloc_bytes",
@@ -82,6 +83,10 @@ WRONG_SHARD_METADATA = "ps-wrong-shard"
 """Trailing metadata key of a FAILED_PRECONDITION refusing keys the shard does not own;
 its value is the index of the shard that owns the key the message names, so a client
 tells this refusal from the others without parsing the message."""
+
+MAP_EPOCH_METADATA = "ps-map-epoch"
+"""Trailing metadata key of such a refusal: the epoch of the cluster map the shard routes
+by; a client at an older epoch fetches that map (``GetMap``) and routes again."""
 
 _ITEMSIZE: dict[int, int] = {pb.DTYPE_UNSPECIFIED: 4, pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
 _F32 = np.dtype("<f4")
@@ -287,7 +292,12 @@ class LookupResponseWriter:
 
 
 def encode_lookup_request(
-    entries: Sequence[tuple[str, npt.NDArray[np.int64]]], dtype: int, num_shards: int, shard: int | None = None
+    entries: Sequence[tuple[str, npt.NDArray[np.int64]]],
+    dtype: int,
+    num_shards: int,
+    shard: int | None = None,
+    *,
+    epoch: int = 0,
 ) -> bytes:
     """``LookupRequest`` bytes for ``(table, keys)`` entries (int64 keys), rows asked in ``dtype``.
 
@@ -308,6 +318,8 @@ def encode_lookup_request(
     if shard is not None:  # explicit presence: written even when 0
         check_range("shard", shard, 32)
         pieces.append(varint(3 << 3) + varint(shard))
+    check_range("epoch", epoch, 64)
+    pieces.append(int_field(4, epoch))
     return b"".join(pieces)
 
 
@@ -415,6 +427,9 @@ class PushRequestView:
     client_id: str
     seq: int
     shard: int | None
+    epoch: int = 0
+    planned_epoch: int | None = None
+    planned_shard: int | None = None
 
 
 def decode_push_request(data: bytes) -> PushRequestView:
@@ -424,8 +439,10 @@ def decode_push_request(data: bytes) -> PushRequestView:
     """
     view = memoryview(data)
     entries: list[PushEntryView] = []
-    num_shards, client_id, seq = 0, "", 0
+    num_shards, client_id, seq, epoch = 0, "", 0, 0
     shard: int | None = None
+    planned_epoch: int | None = None
+    planned_shard: int | None = None
     for field_no, wire_type, a, b in fields(data, 0, len(data), "PushRequest", MAX_DEPTH):
         if field_no == 1 and wire_type == 2:
             name = f"entries[{len(entries)}]"
@@ -450,7 +467,13 @@ def decode_push_request(data: bytes) -> PushRequestView:
             seq = a
         elif field_no == 5 and wire_type == 0:
             shard = uint32(a)
-    return PushRequestView(entries, num_shards, client_id, seq, shard)
+        elif field_no == 6 and wire_type == 0:
+            epoch = a
+        elif field_no == 7 and wire_type == 0:
+            planned_epoch = a
+        elif field_no == 8 and wire_type == 0:
+            planned_shard = uint32(a)
+    return PushRequestView(entries, num_shards, client_id, seq, shard, epoch, planned_epoch, planned_shard)
 
 
 def encode_push_request(
@@ -459,9 +482,14 @@ def encode_push_request(
     client_id: str,
     seq: int,
     shard: int | None = None,
+    *,
+    epoch: int = 0,
+    planned: tuple[int, int] | None = None,
 ) -> bytes:
     """``PushRequest`` bytes from ``(table, keys, grads, dtype)`` entries, or
     ``(table, keys, grads, dtype, seq)`` with the entry's own seq; one copy of the payload.
+    ``epoch``: of the cluster map it is routed by; ``planned``: ``(epoch, shard)`` it was
+    first planned for, when routed again after a reshard.
 
     ``grads`` are float32 ``[n, dim]`` and are converted to ``dtype`` on the way.
     Raises ``ValueError`` for an integer outside its field's range (as protobuf does).
@@ -491,6 +519,12 @@ def encode_push_request(
     trailer = int_field(2, num_shards) + str_field(3, client_id) + int_field(4, seq)
     if shard is not None:  # explicit presence: written even when 0
         trailer += varint(5 << 3) + varint(shard)
+    check_range("epoch", epoch, 64)
+    trailer += int_field(6, epoch)
+    if planned is not None:
+        check_range("planned_epoch", planned[0], 64)
+        check_range("planned_shard", planned[1], 32)
+        trailer += varint(7 << 3) + varint(planned[0]) + varint(8 << 3) + varint(planned[1])
     pieces.append(trailer)
     total = sum(p.nbytes if isinstance(p, np.ndarray) else len(p) for p in pieces)
     data, buf = alloc_bytes(total)

@@ -233,7 +233,7 @@ def write_checkpoint(
                     except StorageFailed as exc:
                         data_dir_failed(exc)
                         raise
-                manifest["rows"] = {h.table.spec.name: h.rows for h in held}
+                manifest["rows"] = {h.spec.name: h.rows for h in held}
                 # A checkpoint directory that cannot be written is not the data dir failing.
                 storage.checkpoint(path, manifest)
     except BaseException:

@@ -138,14 +138,18 @@ class ServerConfig:
         },
     )
     client_tls_ca: Path | None = field(
-        default=None, metadata={"help": "--follow over TLS: PEM CA that signed the training shard's certificate"}
+        default=None,
+        metadata={"help": "--follow and reshards over TLS: PEM CA that signed the other shards' certificates"},
     )
     client_tls_cert: Path | None = field(
-        default=None, metadata={"help": "--follow with mutual TLS: this shard's client certificate (PEM)"}
+        default=None, metadata={"help": "--follow and reshards with mutual TLS: this shard's client certificate (PEM)"}
     )
     client_tls_key: Path | None = field(default=None, metadata={"help": "PEM private key of --client-tls-cert"})
     client_token_file: Path | None = field(
-        default=None, metadata={"help": "--follow: file holding the bearer token sent to the training shard"}
+        default=None,
+        metadata={
+            "help": "--follow and reshards: file holding the bearer token this shard sends the shard it follows, or pulls moving rows from (a write token)"
+        },
     )
     max_message_bytes: int = field(
         default=64 << 20,

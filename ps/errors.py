@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import grpc
 
-from protos.wire import WRONG_SHARD_METADATA
+from protos.wire import MAP_EPOCH_METADATA, WRONG_SHARD_METADATA
 
 __all__ = [
     "InvalidRequest",
+    "Moving",
     "NotConfigured",
     "OutOfCapacity",
     "RequestTooLarge",
@@ -71,12 +72,21 @@ class ShardMismatch(ShardError):
 
 class WrongShard(ShardMismatch):
     """The request holds keys this shard does not own (``protos.keys.shard_of``); nothing
-    of it was applied. ``owner`` is the shard of the key the message names."""
+    of it was applied. ``owner`` is the shard of the key the message names, under the
+    cluster map of ``epoch`` (this shard's: a client at an older one fetches it)."""
 
-    def __init__(self, message: str, owner: int) -> None:
+    def __init__(self, message: str, owner: int, epoch: int = 0) -> None:
         super().__init__(message)
         self.owner = owner
-        self.trailing_metadata = ((WRONG_SHARD_METADATA, str(owner)),)
+        self.epoch = epoch
+        self.trailing_metadata = ((WRONG_SHARD_METADATA, str(owner)), (MAP_EPOCH_METADATA, str(epoch)))
+
+
+class Moving(ShardError):
+    """A reshard is handing over some keys of the request (their old owner refuses pushes
+    to them, or their new owner has not switched to the new map yet): retry shortly."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class OutOfCapacity(ShardError):

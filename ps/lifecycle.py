@@ -182,6 +182,18 @@ class Admission:
     def memory_bytes(self) -> int:
         return int(self._counters.nbytes)
 
+    def counters(self) -> bytes:
+        """The sketch's counters (a reshard sends them with the keys that move)."""
+        return self._counters.tobytes()
+
+    def merge(self, counters: bytes) -> None:
+        """Take another shard's ``counters`` of this table (same seed, so the same
+        hashing): each counter keeps the larger count, which over-counts at most."""
+        other = np.frombuffer(counters, dtype=np.uint8)
+        if other.shape[0] != self._counters.size:
+            raise ValueError(f"admission counters of {other.shape[0]} bytes, expected {self._counters.size}")
+        np.maximum(self._counters, other.reshape(self._counters.shape), out=self._counters)
+
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _age(now: np.uint32, last_access: np.uint32, top: int) -> np.int64:

@@ -29,11 +29,28 @@ __all__ = ["check_owned"]
 
 
 def check_owned(
-    what: str, entries: Sequence[tuple[str, npt.NDArray[np.int64]]], *, index: int, num_shards: int
+    what: str,
+    entries: Sequence[tuple[str, npt.NDArray[np.int64]]],
+    *,
+    index: int,
+    num_shards: int,
+    epoch: int = 0,
 ) -> None:
-    """Raise ``WrongShard`` unless shard ``index`` of ``num_shards`` owns every key of
-    ``entries`` ((table, keys) of a ``what`` request). One numba pass over each entry's
-    keys, no array written; nothing at all with one shard."""
+    """Raise ``WrongShard`` unless shard ``index`` of ``num_shards`` (under the cluster map
+    of ``epoch``) owns every key of ``entries`` ((table, keys) of a ``what`` request).
+    One numba pass over each entry's keys, no array written; nothing at all with one
+    shard. A shard past the end of the map (removed by a reshard) owns nothing."""
+    if index >= num_shards:
+        keys = next((k for _, k in entries if k.shape[0]), None)
+        if keys is None:
+            return
+        owner = int(shard_of(keys[:1], num_shards)[0])
+        raise WrongShard(
+            f"{what} refused: shard {index} left the cluster in the reshard to epoch {epoch} "
+            f"({num_shards} shards); key {int(keys[0])} belongs to shard {owner}: fetch the cluster map (GetMap)",
+            owner,
+            epoch,
+        )
     if num_shards == 1:
         return
     total, offender = 0, None
@@ -49,6 +66,8 @@ def check_owned(
     raise WrongShard(
         f"{what} refused: key {key} (table {table!r}) belongs to shard {owner} of {num_shards}, not shard {index}; "
         f"{total} of {sum(k.shape[0] for _, k in entries)} keys in this request are not this shard's: "
-        "route keys with protos.keys.shard_of and the cluster's address list",
+        "route keys with protos.keys.shard_of and the cluster's address list"
+        + (f" (the cluster map is at epoch {epoch}: GetMap returns it)" if epoch else ""),
         owner,
+        epoch,
     )

@@ -188,6 +188,11 @@ class RamTier:
         """True when every key gets a row on first sight."""
         return self._admission is None
 
+    @property
+    def admission(self) -> Admission | None:
+        """The admission sketch (None when every key is admitted)."""
+        return self._admission
+
     def admit(self, keys: npt.NDArray[np.int64], sighting: bool) -> npt.NDArray[np.bool_]:
         """Which of ``keys`` (distinct, without rows) may get a row now; a ``sighting`` (a
         lookup) counts towards admission, a push only asks."""

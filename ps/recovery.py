@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -37,9 +38,9 @@ from typing import Any
 
 from ps.background import Listeners
 from ps.rescue import StopReport
-from ps.storage import StorageFailed
+from ps.storage import Storage, StorageFailed
 
-__all__ = ["StorageHealth"]
+__all__ = ["StorageHealth", "reopen_if_refusing"]
 
 log = logging.getLogger(__name__)
 
@@ -178,3 +179,19 @@ class StorageHealth:
             )
             time.sleep(min(delay, left))  # the last try is at the end of the grace period
             delay = min(2 * delay, _RETRY_MAX_S)
+
+
+def reopen_if_refusing(storage: Storage, quiesced: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
+    """Reopen ``storage``'s RocksDB, holding ``quiesced()`` (every other user kept out),
+    unless a probe write goes through as it is. Raises ``StorageFailed`` when the data
+    dir has no room to reopen it in (a reopen would fail, closing the handle reads
+    still use) or the reopen fails."""
+    try:
+        storage.probe()
+        return
+    except StorageFailed:
+        pass
+    if not storage.has_room():
+        raise StorageFailed(f"data dir {storage.path} has no room yet: writes stay refused, reads go on")
+    with quiesced():
+        storage.reopen()

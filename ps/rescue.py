@@ -244,10 +244,7 @@ def save_rescue(
     every table while copying; logs the outcome at ERROR."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + f"-{os.getpid()}"
     with held_tables(tables) as held:
-        parts = [
-            RescueTable(h.table.spec, h.unpersisted(), {c: h.table.ledger.encode(c) for c in h.table.ledger.clients()})
-            for h in held
-        ]
+        parts = [RescueTable(h.spec, h.unpersisted(), dict(h.ledgers.entries())) for h in held]
     rows = sum(len(p.rows) for p in parts)
     failures = []
     for directory, prefix in places:

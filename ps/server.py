@@ -32,6 +32,7 @@ from ps.checkpoint import copy_checkpoint
 from ps.config import Durability, ServerConfig
 from ps.datadir import DataDirError
 from ps.follow import Source
+from ps.intake import grpc_move_stream
 from ps.lifecycle import Eviction
 from ps.limits import Limits
 from ps.rescue import StopReport, apply_rescue, begin_epoch, dump_places, is_rescue_dump, settle_dumps
@@ -62,6 +63,9 @@ ROLES = {
         ("CreateTable", "write"),
         ("Checkpoint", "admin"),
         ("ServeFrom", "admin"),
+        ("GetMap", "read"),
+        ("MoveRows", "write"),
+        ("Reshard", "admin"),
     ]
 }
 """The token role each method needs (see ``protos.auth``). A Lookup with a read token
@@ -136,8 +140,9 @@ def open_shard(config: ServerConfig) -> Shard:
     return _open_shard(config)
 
 
-def _leader_credentials(config: ServerConfig) -> dict[str, Any]:
-    """TLS credentials and token metadata a follower sends its training shard."""
+def _peer_credentials(config: ServerConfig) -> dict[str, Any]:
+    """TLS credentials and token metadata a shard sends another: a follower its training
+    shard, a new owner in a reshard the old owners it pulls rows from."""
     try:
         tls = config.client_tls_ca or config.client_tls_cert
         return {
@@ -153,11 +158,13 @@ def _leader_credentials(config: ServerConfig) -> dict[str, Any]:
 def _open_shard(config: ServerConfig) -> Shard:
     mode: Mode = "serve" if config.mode == "serve" else "train"
     source: Callable[[Shard], Source] | None = None
+    peer = _peer_credentials(config)
     if mode == "serve":  # its rows come from its data dir, a checkpoint, or the training shard it follows
-        leader = _leader_credentials(config)
 
         def source(shard: Shard) -> Source:
-            return Source(shard, config.follow, max_message_bytes=config.max_message_bytes, **leader)
+            return Source(shard, config.follow, max_message_bytes=config.max_message_bytes, **peer)
+
+    move_stream = grpc_move_stream(peer["credentials"], peer["metadata"], config.max_message_bytes)
 
     def shard(storage: Storage | None, durability: Durability, memory_budget_bytes: int) -> Shard:
         return Shard(
@@ -173,6 +180,7 @@ def _open_shard(config: ServerConfig) -> Shard:
             rescue_dir=config.rescue_dir,
             changes=ChangeLog(config.follow_history_keys),
             source=source,
+            move_stream=move_stream,
         )
 
     if config.data_dir is None:

@@ -29,6 +29,7 @@ from protos import ps_pb2 as pb
 from protos import servers, wire
 from protos.servers import Status
 from protos.services import PS_SERVICE
+from ps.cluster import ClusterMap
 from ps.config import spec_from_proto, spec_to_proto
 from ps.errors import RequestTooLarge, ShardError
 from ps.report import shard_stats
@@ -103,6 +104,11 @@ class Servicer:
                     self.Follow, request_deserializer=None, response_serializer=lambda m: m.SerializeToString()
                 ),
                 "ServeFrom": _unary(self.ServeFrom, True),
+                "GetMap": _unary(self.GetMap, True),
+                "Reshard": _unary(self.Reshard, True),
+                "MoveRows": grpc.unary_stream_rpc_method_handler(
+                    self.MoveRows, request_deserializer=None, response_serializer=lambda m: m.SerializeToString()
+                ),
             },
         )
 
@@ -172,6 +178,24 @@ class Servicer:
             )
         raise AssertionError("unreachable: status_boundary aborts")
 
+    def GetMap(self, request: bytes, context: grpc.ServicerContext) -> pb.GetMapResponse:
+        with status_boundary(context, "GetMap"):
+            pb.GetMapRequest.FromString(request)  # no fields, but bytes that do not decode are refused
+            return self._shard.get_map()
+        raise AssertionError("unreachable: status_boundary aborts")
+
+    def Reshard(self, request: bytes, context: grpc.ServicerContext) -> pb.ReshardStatus:
+        with status_boundary(context, "Reshard"):
+            return self._shard.reshard_request(pb.ReshardRequest.FromString(request))
+        raise AssertionError("unreachable: status_boundary aborts")
+
+    def MoveRows(self, request: bytes, context: grpc.ServicerContext) -> Iterator[pb.MoveBatch]:
+        with status_boundary(context, "MoveRows"):
+            move = pb.MoveRowsRequest.FromString(request)
+            yield from self._shard.move_rows(
+                ClusterMap.from_proto(move.to, "to"), move.destination, context.is_active, self._max_bytes
+            )
+
 
 # -- the codec of the two requests that carry rows -------------------------------------------
 
@@ -183,7 +207,7 @@ def lookup_response(
     (naming the entry and field of bad ones), the response is sized once the shard knows
     each table's dim (``RequestTooLarge`` over ``max_response_bytes``), and the shard
     gathers float32 rows straight into it; a 16-bit dtype is converted in place after."""
-    route = Route(request.num_shards, request.shard if request.HasField("shard") else None)
+    route = Route(request.num_shards, request.shard if request.HasField("shard") else None, request.epoch)
     shard.check_request(route)  # a shard that is stopping or misaddressed says so first
     entries, dtypes = [], []
     for i, entry in enumerate(request.entries):
@@ -227,7 +251,7 @@ def push_batch(shard: Shard, request: wire.PushRequestView) -> PushBatch:
     of each entry's table. Raises what ``Shard.push`` would for a shard that is stopping,
     misaddressed or read-only (first, as it checks), ``UnknownTable``, ``WireFormatError``
     naming the entry and field."""
-    route = Route(request.num_shards, request.shard)
+    route = Route(request.num_shards, request.shard, request.epoch)
     shard.check_request(route)
     shard.check_writable()
     entries = []
@@ -239,4 +263,12 @@ def push_batch(shard: Shard, request: wire.PushRequestView) -> PushBatch:
             entry.grads, keys.shape[0], shard.table(entry.table).dim, entry.dtype, f"{field}.grads"
         )
         entries.append((entry.table, keys, grads))
-    return PushBatch(entries, request.client_id, request.seq, route, [e.seq for e in request.entries])
+    return PushBatch(
+        entries,
+        request.client_id,
+        request.seq,
+        route,
+        [e.seq for e in request.entries],
+        request.planned_epoch,
+        request.planned_shard,
+    )

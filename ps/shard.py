@@ -38,18 +38,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from protos import ps_pb2 as pb
 from ps.background import LoopHealth, RateWindow
+from ps.batches import MODES, LookupBatch, Mode, PushBatch, RowSource
 from ps.budget import MemoryBudget
 from ps.changes import ChangeLog
 from ps.checkpoint import checkpoint_target, write_checkpoint
+from ps.cluster import ClusterMap, Route
 from ps.config import Durability, TableSpec
 from ps.errors import (
     InvalidRequest,
@@ -57,73 +58,26 @@ from ps.errors import (
     ShuttingDown,
     WrongMode,
 )
+from ps.intake import MoveStream
 from ps.ledger import PushLedger
 from ps.lifecycle import Eviction
 from ps.limits import Limits
 from ps.maintenance import Maintenance
-from ps.ownership import check_owned
-from ps.recovery import StorageHealth
+from ps.moveout import move_batches
+from ps.recovery import StorageHealth, reopen_if_refusing
 from ps.registry import TableRegistry
 from ps.rescue import RescueBase, StopReport, dump_places, read_base, save_rescue
+from ps.reshard import Reshard, ReshardParts
 from ps.rwlock import ReadWriteLock
 from ps.storage import Storage, StorageFailed
 from ps.stream import follow_batches
 from ps.table import Table
 
 __all__ = ["MODES", "LookupBatch", "Mode", "PushBatch", "PushLedger", "Route", "RowSource", "Shard", "StopReport"]
+# The request types are re-exported: the servicer and tests name them with the Shard.
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Route:
-    """Where a client sent a request: the cluster size it planned with (0: not checked)
-    and the shard it meant (None: not checked)."""
-
-    num_shards: int = 0
-    shard: int | None = None
-
-
-@dataclass(frozen=True)
-class LookupBatch:
-    """A decoded Lookup: ``(table, keys)`` per entry."""
-
-    entries: Sequence[tuple[str, npt.NDArray[np.int64]]]
-    route: Route = Route()
-
-
-@dataclass(frozen=True)
-class PushBatch:
-    """A decoded Push: ``(table, keys, grads)`` per entry, float32 ``[len(keys), dim]``
-    gradients (not yet checked against the table), each applied once per ``(client_id,
-    table, seq)``. ``seqs``: each entry's own seq (0 or none: ``seq``)."""
-
-    entries: Sequence[tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float32]]]
-    client_id: str = ""
-    seq: int = 0
-    route: Route = Route()
-    seqs: Sequence[int] = ()
-
-    def seq_of(self, i: int) -> int:
-        """The seq of entry ``i``."""
-        return (self.seqs[i] if i < len(self.seqs) else 0) or self.seq
-
-
-class RowSource(Protocol):
-    """Where a serving shard's rows come from (``ps.follow.Source``), as the shard's
-    ``Stats``, health and ``ServeFrom`` use it."""
-
-    applied_version: int
-
-    def status(self) -> pb.FollowStatus: ...
-
-    def serve_from(self, checkpoint: str) -> pb.FollowStatus:
-        """Serve ``checkpoint`` ("" : the source's own rows again); the status after."""
-        ...
-
-
-Mode = Literal["train", "serve"]
-MODES: tuple[Mode, ...] = ("train", "serve")
 
 _DEFAULT_DURABILITY = Durability("interval", 5.0)
 
@@ -157,13 +111,13 @@ class Shard:
         rescue_dir: Path | None = None,
         changes: ChangeLog | None = None,
         source: Callable[[Shard], RowSource] | None = None,
+        move_stream: MoveStream | None = None,
     ) -> None:
         if not 0 <= index < num_shards:
             raise ValueError(f"shard={index}: not in [0, num_shards={num_shards})")
         if memory_budget_bytes and storage is None:
             raise ValueError("memory_budget_bytes needs storage to spill rows to")
         self.index = index
-        self.num_shards = num_shards
         self.limits = limits or Limits()
         self.mode = mode
         self.storage = storage
@@ -203,16 +157,34 @@ class Shard:
             recover=self._recover,
             flush=lambda: self.flush(metadata=False),
             expire=self.expire,
-            sweep_ttls=lambda: self.writable and self._mode == "train",
+            sweep_ttls=lambda: self.writable and self._mode == "train" and not self.reshard.copying,
             flush_interval_s=durability.interval_s if durability.kind == "interval" and storage is not None else None,
         )
         self.changes = changes or ChangeLog()  # a training shard's versions, for serving shards that follow it
+        # The cluster map this shard routes by, and its part in a live reshard (``ps.reshard``).
+        self.reshard = Reshard(
+            index,
+            num_shards,
+            storage,
+            ReshardParts(
+                tables=self.tables,
+                install_table=lambda spec: self.install_table(spec, limited=True),
+                changes=self.changes,
+                flush=lambda: self.flush(metadata=True),
+                stream=move_stream if mode == "train" else None,
+            ),
+        )
         # A serving shard's lookups read under it, together; whatever swaps or changes its
         # rows (``ps.follow``) writes under it, so a lookup sees a change batch whole or not at all.
         self.serve_lock = ReadWriteLock()
         self.source: RowSource | None = None  # a serving shard's source of rows: in Stats and health
         if source is not None:
             self.source = source(self)
+
+    @property
+    def num_shards(self) -> int:
+        """The size of the cluster map this shard routes by (a live reshard changes it)."""
+        return self.reshard.map.num_shards
 
     @property
     def mode(self) -> Mode:
@@ -278,20 +250,12 @@ class Shard:
         """The spec of every table, sorted by name."""
         return [t.spec for t in self.tables()]
 
-    def check_request(self, route: Route = Route()) -> None:
-        """Raise unless a request sent along ``route`` may run here now."""
-        num_shards, shard = route.num_shards, route.shard
+    def check_request(self, route: Route | None = None) -> None:
+        """Raise unless a request sent along ``route`` may run here now (``ps.reshard``)."""
         if self._closing:
             raise ShuttingDown(f"shard {self.index} is shutting down")
-        if shard is not None and shard != self.index:
-            raise ShardMismatch(
-                f"request for shard {shard} reached shard {self.index}: the client's address list is not in shard order"
-            )
-        if num_shards and num_shards != self.num_shards:
-            raise ShardMismatch(
-                f"request was routed for num_shards={num_shards}, but shard {self.index} belongs to a "
-                f"cluster of {self.num_shards}: the client's address list does not match the cluster"
-            )
+        if route is not None:
+            self.reshard.check_route(route)
 
     def check_writable(self) -> None:
         """Raise ``WrongMode`` if this shard refuses pushes (serving mode), ``StorageFailed``
@@ -342,8 +306,9 @@ class Shard:
         if disk reads fail."""
         self.check_request(batch.route)
         # A serving shard's rows change only in whole batches (and its tables may be
-        # swapped for a checkpoint's): it answers under the lock those changes take.
-        with self.serve_lock.reading() if self._mode != "train" else contextlib.nullcontext():
+        # swapped for a checkpoint's): it answers under the lock those changes take. A
+        # training shard's lookups may create rows: they are writes a reshard's freeze waits for.
+        with self.serve_lock.reading() if self._mode != "train" else self.reshard.writing():
             self._lookup(batch, out, read_only)
 
     def _lookup(
@@ -355,9 +320,12 @@ class Shard:
         self.limits.check_keys("Lookup", (k.shape[0] for _, k in batch.entries))
         tables = [self._entry_table(name, i) for i, (name, _) in enumerate(batch.entries)]
         rows = out([t.dim for t in tables])
-        check_owned("Lookup", batch.entries, index=self.index, num_shards=self.num_shards)
         train = self._mode == "train"
         create = train and not read_only
+        # Keys a reshard is handing over are read without creating rows (their new owner
+        # creates the same ones).
+        if self.reshard.check_keys("Lookup", batch.entries, write=False):
+            create = False
         # TTLs expire rows in training mode only, where a read-only caller changes no row's rank.
         touch = create or (not train and self.budget.limit_bytes > 0)
         created: list[tuple[str, npt.NDArray[np.int64]]] = []
@@ -387,17 +355,27 @@ class Shard:
             table = self._entry_table(name, i)
             table.validate_grads(keys, grads)
             tables.append(table)
-        check_owned("Push", [(n, k) for n, k, _ in batch.entries], index=self.index, num_shards=self.num_shards)
-        applied, rows = False, 0
-        changed = []
-        for i, (table, (_, keys, grads)) in enumerate(zip(tables, batch.entries, strict=True)):
-            n = self._guard(table.push, keys, grads, client_id=batch.client_id, seq=batch.seq_of(i), check=False)
-            if n is not None:
-                applied, rows = True, rows + n
-                if keys.shape[0]:  # an entry without keys only records its seq
-                    changed.append((table.spec.name, keys.copy()))  # a copy: the view would keep the request
-        if changed:
-            self.changes.record(changed)
+        with self.reshard.writing():
+            self.reshard.check_keys("Push", [(n, k) for n, k, _ in batch.entries], write=True)
+            applied, rows = False, 0
+            changed = []
+            for i, (table, (_, keys, grads)) in enumerate(zip(tables, batch.entries, strict=True)):
+                origins = self.reshard.origins(batch.planned_epoch, batch.planned_shard, keys)
+                n = self._guard(
+                    table.push,
+                    keys,
+                    grads,
+                    client_id=batch.client_id,
+                    seq=batch.seq_of(i),
+                    check=False,
+                    origins=origins,
+                )
+                if n is not None:
+                    applied, rows = True, rows + n
+                    if keys.shape[0]:  # an entry without keys only records its seq
+                        changed.append((table.spec.name, keys.copy()))  # a copy: the view would keep the request
+            if changed:
+                self.changes.record(changed)
         if self.durability.kind == "every-push" and self.storage is not None:
             self.last_durable = time.time()
         self.budget.after_request()
@@ -436,8 +414,42 @@ class Shard:
             )
         return self.source.serve_from(checkpoint)
 
+    def get_map(self) -> pb.GetMapResponse:
+        """The cluster map this shard routes by, and where a reshard stands here."""
+        self.check_request()
+        return pb.GetMapResponse(map=self.reshard.map.to_proto(), shard=self.index, reshard=self.reshard.status())
+
+    def reshard_request(self, request: pb.ReshardRequest) -> pb.ReshardStatus:
+        """One phase of a live reshard (``ps.reshard``); the status after it. Raises
+        ``WrongMode`` on a serving shard, ``InvalidRequest`` for maps or a phase that do
+        not fit, ``Moving`` for one to retry shortly, ``StorageFailed``."""
+        self.check_request()
+        if request.phase != pb.ReshardRequest.STATUS:
+            self.check_mode("Reshard")
+        src = ClusterMap.from_proto(getattr(request, "from"), "from") if request.HasField("from") else None
+        dst = ClusterMap.from_proto(request.to, "to") if request.HasField("to") else None
+        return self.reshard.request(request.phase, src, dst)
+
+    def move_rows(
+        self, to: ClusterMap, destination: int, active: Callable[[], bool], max_message_bytes: int
+    ) -> Iterator[pb.MoveBatch]:
+        """The stream of this shard's rows that move to shard ``destination`` of ``to``
+        (``ps.moveout``). Raises ``WrongMode`` on a serving shard, ``Moving`` before the
+        reshard is prepared here, ``InvalidRequest`` for a destination that gets nothing."""
+        self.check_request()
+        self.check_mode("MoveRows")
+        return move_batches(
+            self.reshard,
+            self.tables,
+            self.changes,
+            to,
+            destination,
+            lambda: active() and not self._closing,
+            max_message_bytes,
+        )
+
     def duplicate_pushes(self) -> int:  # pushes skipped as applied before
-        return sum(t.ledger.duplicates for t in self.tables())
+        return sum(t.ledgers.duplicates for t in self.tables())
 
     def resident_bytes(self) -> int:
         """What the memory budget is compared with: every table's ``resident_bytes``."""
@@ -513,19 +525,8 @@ class Shard:
             self._storage_health.recover(self._reopen_if_refusing, lambda: self.flush(metadata=False))
 
     def _reopen_if_refusing(self) -> None:
-        """Reopen the data dir's RocksDB unless a probe write goes through as it is, or
-        (``StorageFailed``) the data dir has no room to reopen it in."""
-        if self.storage is None:
-            return
-        try:
-            self.storage.probe()
-            return
-        except StorageFailed:
-            pass
-        if not self.storage.has_room():  # a reopen would fail, closing the handle reads still use
-            raise StorageFailed(f"data dir {self.storage.path} has no room yet: writes stay refused, reads go on")
-        with self._quiesced():
-            self.storage.reopen()
+        if self.storage is not None:
+            reopen_if_refusing(self.storage, self._quiesced)
 
     @contextlib.contextmanager
     def _quiesced(self) -> Iterator[None]:
@@ -541,6 +542,7 @@ class Shard:
         the evictor thread (``ps.budget``)."""
         self._maintenance.start()
         self.budget.start(self.health, f"ps-shard{self.index}-evict")
+        self.reshard.start()
 
     def close(self) -> None:
         """Refuse new requests from now on (in-flight ones finish)."""
@@ -561,6 +563,7 @@ class Shard:
         says what happened; blocks for up to ``grace_s`` plus the dump's write.
         """
         self._closing = True
+        self.reshard.close()
         self._maintenance.stop()
         self.budget.stop()
         if self.storage is None:
@@ -582,7 +585,7 @@ class Shard:
         either). In every-push mode each was written before it was acknowledged."""
         tables = self.tables()
         unwritten = sum(t.unpersisted_rows() for t in tables)
-        if self.durability.kind == "every-push" or not (unwritten or any(t.ledger.has_changes() for t in tables)):
+        if self.durability.kind == "every-push" or not (unwritten or any(t.ledgers.has_changes() for t in tables)):
             return None
         return unwritten
 

@@ -184,9 +184,14 @@ class TableRows:
         value = self._cf.property_int_value("rocksdb.estimate-num-keys")
         return int(value or 0)
 
-    def put_ledger(self, batch: rocksdict.WriteBatch, client_id: str, data: bytes) -> None:
-        key = _LEDGER_PREFIX + self.name.encode() + b"\0" + client_id.encode()
-        batch.put(key, data, self._storage._meta_column_handle())
+    def put_ledger(self, batch: rocksdict.WriteBatch, name: str, data: bytes) -> None:
+        """Add the ledger entry stored as ``name`` (``ps.ledger.TableLedgers``) to ``batch``;
+        an empty ``data`` deletes it."""
+        key = _LEDGER_PREFIX + self.name.encode() + b"\0" + name.encode()
+        if data:
+            batch.put(key, data, self._storage._meta_column_handle())
+        else:
+            batch.delete(key, self._storage._meta_column_handle())
 
     def ledgers(self) -> dict[str, bytes]:
         """Every client's stored ledger entry for this table."""
@@ -270,12 +275,37 @@ class Storage:
         self.shard, self.num_shards = int(ident["shard"]), int(ident["num_shards"])
         if ident.get("format") != FORMAT_VERSION:
             raise DataDirError(f"{self.path}: data format {ident.get('format')}, this ps-server reads {FORMAT_VERSION}")
+        # A shard resharded live keeps being started with the flags it was first given.
+        sizes = {int(n) for n in ident.get("num_shards_seen", ())} | {self.num_shards}
+        if shard >= 0 and shard == self.shard and num_shards in sizes:
+            return
         if shard >= 0 and (self.shard, self.num_shards) != (shard, num_shards):
             raise DataDirError(
                 f"{self.path} holds shard {self.shard} of {self.num_shards}, but this process is shard "
                 f"{shard} of {num_shards}: start it with --shard {self.shard} --num-shards {self.num_shards}, "
                 "or reshard a checkpoint with `ps-admin reshard`"
             )
+
+    def put_metas(self, items: dict[bytes, bytes], *, num_shards: int | None = None) -> None:
+        """``put_meta`` of every item, in one atomic write (an empty value deletes its
+        key). ``num_shards``: this shard now belongs to a cluster of that size (a
+        reshard committed); a later start given any size it belonged to is still taken."""
+        batch = self.batch()
+        handle = self._meta_column_handle()
+        for key, value in items.items():
+            if value:
+                batch.put(_USER_PREFIX + key, value, handle)
+            else:
+                batch.delete(_USER_PREFIX + key, handle)
+        ident = None
+        if num_shards is not None:
+            ident = json.loads(self._meta_column().get(_IDENTITY) or b"{}")
+            seen = {int(n) for n in ident.get("num_shards_seen", ())} | {int(ident["num_shards"]), num_shards}
+            ident.update(num_shards=num_shards, num_shards_seen=sorted(seen))
+            batch.put(_IDENTITY, json.dumps(ident).encode(), handle)
+        self.commit(batch)
+        if num_shards is not None:
+            self.num_shards = num_shards
 
     def identity(self) -> tuple[int, int]:
         """``(shard, num_shards)`` stored in this directory."""

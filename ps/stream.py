@@ -87,11 +87,11 @@ def _delta(
         step = max(1, limit // (8 + 4 * table.dim))
         for start in range(0, keys[name].shape[0], step):
             k = keys[name][start : start + step]
-            found, values = table.peek(k)
+            found, rows = table.peek_rows(k)
             delta = pb.TableDelta(
                 table=name,
-                keys=wire.encode_keys(k[found]),
-                rows=values[found].tobytes(),
+                keys=wire.encode_keys(rows.keys),
+                rows=np.ascontiguousarray(rows.values).tobytes(),
                 dim=table.dim,
                 deleted_keys=wire.encode_keys(k[~found]),
             )

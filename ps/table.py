@@ -42,16 +42,16 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 
-import numba
 import numpy as np
 import numpy.typing as npt
 
 from protos.wire import as_keys
 from ps.config import TableSpec
 from ps.counters import TableCounters
-from ps.errors import InvalidRequest
+from ps.grads import check_grads
+from ps.held import HeldTable
 from ps.initializers import fill_initial_rows
-from ps.ledger import PushLedger
+from ps.ledger import KeyOrigins, PushLedger, TableLedgers
 from ps.lifecycle import Eviction, EvictionScan, expired_keys, now_tick, scan_ranks, select_victims
 from ps.ram import CLEAN, DIRTY, RamTier
 from ps.rows import Rows
@@ -59,23 +59,6 @@ from ps.storage import Storage, StorageFailed, TableRows
 from ps.tier import SPILL_CHUNK, DiskTier, Spill, write_rows
 
 __all__ = ["HeldTable", "Table", "held_tables"]
-
-
-@numba.njit(nogil=True, cache=True)
-def _first_non_finite(grads: npt.NDArray[np.float32]) -> int:
-    bits = grads.reshape(-1).view(np.uint32)
-    # NaN and +-Inf are exactly the floats whose exponent bits are all ones. An integer
-    # max over the exponent field vectorises (a float reduction would not, without
-    # reassociation), and the search for the culprit only runs when there is one.
-    exp_max = np.uint32(0)
-    for i in range(bits.shape[0]):
-        exp_max = max(exp_max, bits[i] & np.uint32(0x7F800000))
-    if exp_max != np.uint32(0x7F800000):
-        return -1
-    for i in range(bits.shape[0]):
-        if bits[i] & np.uint32(0x7F800000) == np.uint32(0x7F800000):
-            return i
-    return -1
 
 
 class Table:
@@ -101,7 +84,7 @@ class Table:
         self.spec = spec
         self.dim = spec.dim
         self.counters = TableCounters()
-        self.ledger = PushLedger()
+        self.ledgers = TableLedgers()
         self.spilled = 0  # rows only on disk (estimated after a restart)
         self._lock = threading.Lock()
         self._spill_lock = threading.Lock()  # one spill of this table at a time
@@ -112,8 +95,13 @@ class Table:
         self._keys_field = f"table {spec.name!r}: keys"
         if self._disk is not None:
             self.spilled = self._disk.estimate_rows()
-            for client_id, data in self._disk.ledgers().items():
-                self.ledger.load(client_id, data)
+            for key, data in self._disk.ledgers().items():
+                self.ledgers.load(key, data)
+
+    @property
+    def ledger(self) -> PushLedger:
+        """The exactly-once record of pushes to this shard's own keys (``ledgers.main``)."""
+        return self.ledgers.main
 
     @property
     def ram(self) -> RamTier:
@@ -197,6 +185,7 @@ class Table:
         client_id: str = "",
         seq: int = 0,
         check: bool = True,
+        origins: KeyOrigins | None = None,
     ) -> int | None:
         """Apply ``grads[i]`` to the row of ``keys[i]`` with the table's optimizer.
 
@@ -207,13 +196,36 @@ class Table:
         ``validate_grads`` on these arrays. ``StorageFailed`` (every-push mode): nothing
         applied. Returns the number of distinct rows updated, or None when this
         ``(client_id, seq)`` was applied before (``seq == 0``: never deduplicated).
+        ``origins``: where the keys were before the last reshard that brought this shard
+        keys; the push is applied once per key against the ledger that came with them
+        (``TableLedgers``), each ledger's part as one push.
         """
         k = as_keys(keys, self._keys_field)
         g = np.ascontiguousarray(grads, dtype=np.float32)
         if check:
             self.validate_grads(k, g)
         now = now_tick()
-        with self._lock, self.ledger.claim(client_id, seq) as fresh:
+        with self._lock:
+            if origins is None or not self.ledgers.moved:
+                return self._push_locked(k, g, client_id, seq, None, now)
+            applied: int | None = None
+            for origin, picked in self.ledgers.groups(origins, client_id, k.shape[0]):
+                part = (k, g) if picked is None else (k[picked], g[picked])
+                n = self._push_locked(*part, client_id, seq, origin, now)
+                applied = n if applied is None else applied + (n or 0)
+            return applied
+
+    def _push_locked(
+        self,
+        k: npt.NDArray[np.int64],
+        g: npt.NDArray[np.float32],
+        client_id: str,
+        seq: int,
+        origin: int | None,
+        now: np.uint32,
+    ) -> int | None:
+        """``push`` of the keys recorded in ``origin``'s ledger. Caller holds the lock."""
+        with self.ledgers.claim(client_id, seq, origin) as fresh:
             # The claim is recorded when this block ends, still under the table lock: a
             # write of this table never sees rows with a push its ledger lacks.
             if not fresh:
@@ -225,7 +237,7 @@ class Table:
                 k, g, slots = k[kept], g[kept], slots[kept]
             slots, k, g = self._ram.merge_duplicates(slots, k, g)
             if self._every_push:
-                ledger = (client_id, self.ledger.encode_after(client_id, seq)) if seq else None
+                ledger = self.ledgers.encode_after(client_id, seq, origin) if seq else None
                 self.counters.rows_written += self._need_disk().push_durably(self._ram, k, g, slots, now, ledger)
             else:
                 self._ram.apply(slots, g, now)
@@ -234,16 +246,7 @@ class Table:
 
     def validate_grads(self, keys: npt.NDArray[np.int64], grads: npt.NDArray[np.float32]) -> None:
         """Raise ``InvalidRequest`` unless ``grads`` is ``[len(keys), dim]`` and all finite."""
-        if grads.shape != (keys.shape[0], self.dim):
-            raise InvalidRequest(
-                f"table {self.spec.name!r}: grads shape {tuple(grads.shape)}, expected ({keys.shape[0]}, {self.dim})"
-            )
-        bad = _first_non_finite(np.ascontiguousarray(grads, dtype=np.float32))
-        if bad >= 0:
-            raise InvalidRequest(
-                f"table {self.spec.name!r}: grads[{bad // self.dim}][{bad % self.dim}] is "
-                f"{grads.reshape(-1)[bad]} (NaN/Inf gradients are rejected; nothing was applied)"
-            )
+        check_grads(f"table {self.spec.name!r}", keys, grads, self.dim)
 
     def _resolve(
         self, keys: npt.NDArray[np.int64], now: np.uint32, *, create: bool, sighting: bool
@@ -299,19 +302,54 @@ class Table:
                 parts += [stored[self._ram.slots(stored.keys) < 0] for stored in self._disk.scan()]
         return Rows.concat(parts, self.dim, self._ram.arena.state_width)
 
-    def peek(self, keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32]]:
-        """``(found, values)`` of the distinct, sorted ``keys``, from RAM or disk, as copies:
-        nothing is created, counted, faulted in or touched (the change stream reads so)."""
-        values = np.zeros((keys.shape[0], self.dim), dtype=np.float32)
+    def peek_rows(self, keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], Rows]:
+        """Which of the distinct, sorted ``keys`` have a row, and those rows whole, from
+        RAM or disk, as copies: nothing is created, counted, faulted in or touched (the
+        change stream and reshards read so)."""
         with self._lock:
             slots = self._ram.slots(keys)
             found = slots >= 0
-            values[found] = self._ram.arena.values[slots[found]]
-            cold = np.flatnonzero(~found)
-            if self._disk is not None and cold.size:
+            parts = [self._ram.arena.rows(keys[found], slots[found])]
+            if self._disk is not None and not found.all():
+                cold = np.flatnonzero(~found)
                 on_disk, stored = self._disk.read(keys[cold])
-                values[cold[on_disk]], found[cold[on_disk]] = stored.values, True
-        return found, values
+                found[cold[on_disk]] = True
+                parts.append(stored)
+        rows = Rows.concat(parts, self.dim, self._ram.arena.state_width)
+        return found, rows[np.argsort(rows.keys.view(np.uint64), kind="stable")]
+
+    def install_rows(self, rows: Rows) -> None:
+        """Make ``rows`` (distinct keys) the rows of their keys, whole: values, optimizer
+        state and lifecycle metadata, as a reshard moves them here. They are written
+        out as dirty rows are (a reshard flushes before it counts on them)."""
+        with self._lock:
+            self._ram.install(rows, dirty=DIRTY)
+
+    def remove_where(self, select: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.bool_]]) -> npt.NDArray[np.int64]:
+        """Drop every row, in RAM or on disk, whose key ``select(keys)`` marks; returns
+        their keys. Runs a chunk at a time: a row created meanwhile is looked at if it is
+        on disk by the time the scan gets there (a reshard stops such creation first)."""
+        with self._lock:
+            keys, _ = self._ram.items()
+        picked = keys[select(keys)] if keys.size else keys
+        gone = [picked]
+        if picked.size:
+            self.remove(picked)
+        if self._disk is not None:
+            for stored in self._disk.scan():
+                picked = stored.keys[select(stored.keys)]
+                if picked.size:
+                    with self._lock:
+                        self._delete_stored(picked)
+                        on_disk_only = self._ram.remove(picked) < 0
+                        self.spilled = max(0, self.spilled - int(on_disk_only.sum()))
+                    gone.append(picked)
+        return np.unique(np.concatenate(gone).view(np.uint64)).view(np.int64)
+
+    def resident_keys(self) -> npt.NDArray[np.int64]:
+        """The keys of the rows in RAM (a copy)."""
+        with self._lock:
+            return self._ram.items()[0].copy()
 
     def assign(self, keys: npt.NDArray[np.int64], values: npt.NDArray[np.float32]) -> None:
         """Set the rows of the distinct ``keys`` to ``values`` (creating them), optimizer
@@ -326,7 +364,7 @@ class Table:
         checkpoint of a shard without one); returns rows written."""
         with self._lock:
             keys, slots = self._ram.items()
-            ledger = [(c, self.ledger.encode(c)) for c in self.ledger.clients()]
+            ledger = self.ledgers.entries()
             return sum(s.shape[0] for s in write_rows(self._ram, keys, slots, ledger, rows, storage))
 
     def eviction_scan(self, now: np.uint32, policy: Eviction = "lfu") -> EvictionScan:
@@ -347,7 +385,7 @@ class Table:
         A caller holding several tables takes them in name order. Blocks until a spill
         of the table in progress has written its copies."""
         with self._lock, self._disk.write_lock if self._disk is not None else contextlib.nullcontext():
-            yield HeldTable(self)
+            yield HeldTable(self.spec, self._ram, self._disk, self.ledgers, self.counters, len(self) + self.spilled)
 
     # -- moving rows to disk -------------------------------------------------------------
 
@@ -428,7 +466,7 @@ class Table:
                     live = slots >= 0
                     live[live] = self._ram.arena.dirty[slots[live]] != CLEAN
                     keys, slots = keys[live], slots[live]
-                    if not keys.size and not self.ledger.has_changes():
+                    if not keys.size and not self.ledgers.has_changes():
                         continue
                     spill = self._begin_spill(
                         disk, keys, slots, np.ones(keys.shape[0], np.bool_), np.zeros(keys.shape[0], np.bool_)
@@ -446,8 +484,7 @@ class Table:
     ) -> Spill:
         """Step 1 of a spill (caller holds the spill lock and the table lock; returns
         holding the write lock too)."""
-        changed = self.ledger.take_changed()
-        spill = Spill.take(self._ram, keys, slots, write, delete, [(c, self.ledger.encode(c)) for c in changed])
+        spill = Spill.take(self._ram, keys, slots, write, delete, self.ledgers.take_changed())
         disk.write_lock.acquire()
         return spill
 
@@ -463,7 +500,7 @@ class Table:
             with self._lock:
                 done = spill.settle(self._ram, ok, evict)
                 if not ok:
-                    self.ledger.mark_changed(spill.changed)
+                    self.ledgers.mark_changed(spill.changed)
                 c = self.counters
                 c.rows_written += done.written
                 c.rows_spilled += done.spilled
@@ -524,47 +561,6 @@ class Table:
                 # later, so that a clean row never lacks its copy on disk.
                 self._ram.mark(self._ram.slots(keys), DIRTY)
                 raise
-
-
-class HeldTable:
-    """A table held by ``Table.held``: what may run on it while nothing else does.
-    Valid only inside that ``with`` block."""
-
-    def __init__(self, table: Table) -> None:
-        self.table = table
-
-    def flush(self, metadata: bool = True) -> int:
-        """``Table.flush`` as one cut, under the hold (see there); returns rows written."""
-        t = self.table
-        if t._disk is None:
-            return 0
-        lc = t.spec.lifecycle
-        if metadata and (lc.ttl_seconds or lc.evict_below_frequency):
-            keys, slots = t._ram.items()
-        else:
-            keys, slots = t._ram.dirty_items()
-        changed = t.ledger.take_changed()
-        if not keys.size and not changed:
-            return 0
-        try:
-            for s in t._disk.write_held(t._ram, keys, slots, [(c, t.ledger.encode(c)) for c in changed]):
-                t.counters.rows_written += s.shape[0]
-                t._ram.mark(s, CLEAN)
-                changed = []
-        finally:
-            t.ledger.mark_changed(changed)
-        return int(keys.shape[0])
-
-    def unpersisted(self) -> Rows:
-        """Copies of every resident row that is not on disk as it is in RAM (a shard
-        stopping with a failed disk saves these elsewhere)."""
-        t = self.table
-        return t._ram.arena.rows(*t._ram.dirty_items())
-
-    @property
-    def rows(self) -> int:
-        """Rows of the table, resident and on disk."""
-        return len(self.table) + self.table.spilled
 
 
 @contextlib.contextmanager

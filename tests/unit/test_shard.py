@@ -473,6 +473,7 @@ def test_shard_refuses_a_request_with_keys_it_does_not_own_before_applying_any()
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and isinstance(info.value, ShardMismatch)
     assert info.value.owner == int(owners[first]) and info.value.trailing_metadata == (
         ("ps-wrong-shard", str(owners[first])),
+        ("ps-map-epoch", "0"),
     )
     assert str(info.value) == (
         f"Lookup refused: key {first} (table 'b') belongs to shard {owners[first]} of 3, not shard 1; "

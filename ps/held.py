@@ -1,0 +1,62 @@
+"""``HeldTable``: a table held by ``Table.held``, and what may run on it while nothing
+else does: a flush as one consistent cut (checkpoints, clean stops), the copies of its
+unwritten rows (a stop whose disk fails saves them elsewhere), its row count.
+
+It works on the table's parts (its RAM and disk halves, its ledgers and counters), which
+the table hands it with its locks held; it is valid only inside that ``with`` block.
+"""
+
+from __future__ import annotations
+
+from ps.config import TableSpec
+from ps.counters import TableCounters
+from ps.ledger import TableLedgers
+from ps.ram import CLEAN, RamTier
+from ps.rows import Rows
+from ps.tier import DiskTier
+
+__all__ = ["HeldTable"]
+
+
+class HeldTable:
+    """A held table (see the module docstring). ``rows``: its rows, resident and on disk."""
+
+    def __init__(
+        self,
+        spec: TableSpec,
+        ram: RamTier,
+        disk: DiskTier | None,
+        ledgers: TableLedgers,
+        counters: TableCounters,
+        rows: int,
+    ) -> None:
+        self.spec = spec
+        self.ledgers = ledgers
+        self.rows = rows
+        self._ram, self._disk, self._counters = ram, disk, counters
+
+    def flush(self, metadata: bool = True) -> int:
+        """``Table.flush`` as one cut, under the hold (see there); returns rows written."""
+        if self._disk is None:
+            return 0
+        lc = self.spec.lifecycle
+        if metadata and (lc.ttl_seconds or lc.evict_below_frequency):
+            keys, slots = self._ram.items()
+        else:
+            keys, slots = self._ram.dirty_items()
+        changed = self.ledgers.take_changed()
+        if not keys.size and not changed:
+            return 0
+        try:
+            for s in self._disk.write_held(self._ram, keys, slots, changed):
+                self._counters.rows_written += s.shape[0]
+                self._ram.mark(s, CLEAN)
+                changed = []
+        finally:
+            self.ledgers.mark_changed([key for key, _ in changed])
+        return int(keys.shape[0])
+
+    def unpersisted(self) -> Rows:
+        """Copies of every resident row that is not on disk as it is in RAM (a shard
+        stopping with a failed disk saves these elsewhere)."""
+        return self._ram.arena.rows(*self._ram.dirty_items())

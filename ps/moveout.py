@@ -1,0 +1,178 @@
+"""An old owner's side of a reshard: the stream of its rows that move to one new owner.
+
+``move_batches`` yields the ``MoveBatch`` messages of one ``MoveRows`` call (see
+protos/ps.proto). First a copy of every row that moves to the destination, whole
+(values, optimizer state, last use and use count): the keys in RAM, then those only on
+disk, each row read as it is at that moment (``Table.peek_rows``) and the version of
+the shard's change log noted before the first is read. Then, as pushes change them,
+the current rows of every moving key changed since (from the change log, like a
+follower's stream; a key that no longer has a row goes as deleted). Once the shard is
+frozen (``Reshard.frozen_version``) and everything up to the freeze was sent, a last
+message brings each table's push ledger and admission counters, marked ``done``.
+
+A destination that reconnects starts again from a copy; so does one that fell behind
+what the change log holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from protos import ps_pb2 as pb
+from protos import wire
+from ps.changes import ChangeLog
+from ps.cluster import ClusterMap, MoveState
+from ps.config import spec_to_proto
+from ps.errors import InvalidRequest, Moving
+from ps.reshard import Reshard
+from ps.table import Table
+
+__all__ = ["move_batches"]
+
+_OVERHEAD_BYTES = 1 << 16
+_HEARTBEAT_S = 0.5
+
+
+def move_batches(
+    reshard: Reshard,
+    tables: Callable[[], Sequence[Table]],
+    changes: ChangeLog,
+    to: ClusterMap,
+    destination: int,
+    active: Callable[[], bool],
+    max_message_bytes: int,
+) -> Iterator[pb.MoveBatch]:
+    """The stream of the rows of this shard that move to shard ``destination`` of ``to``.
+    Raises ``Moving`` before this shard has prepared the reshard to ``to`` (retry),
+    ``InvalidRequest`` for a destination that gets no keys from it."""
+    mv = reshard.move
+    if mv is None or mv.dst != to:
+        raise Moving(
+            f"shard {reshard.index} has not prepared the reshard to {to.describe()} "
+            f"(its own: {mv.dst.describe() if mv is not None else 'none'}): retry shortly"
+        )
+    if not mv.is_source or reshard.index not in MoveState(destination, mv.src, mv.dst).sources:
+        raise InvalidRequest(f"shard {destination} gets no keys from shard {reshard.index} in this reshard")
+    if mv.phase not in ("copying", "frozen"):
+        raise InvalidRequest(f"the reshard to epoch {to.epoch} is {mv.phase} on shard {reshard.index}: nothing to send")
+    limit = max(1 << 16, max_message_bytes - _OVERHEAD_BYTES)
+
+    def moving(keys: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        owned: npt.NDArray[np.bool_] = to.owners(keys) == destination
+        return owned
+
+    sent: int | None = None
+    while active():
+        if sent is None:
+            sent = yield from _copy(reshard, tables(), changes, moving, limit)
+            continue
+        frozen_at = reshard.frozen_version
+        if frozen_at is not None and sent >= frozen_at:
+            yield _last(tables(), changes, sent)
+            return
+        version = changes.wait(sent, _HEARTBEAT_S)
+        if version == sent:
+            yield pb.MoveBatch(history=changes.history, version=sent, source_version=version)
+            continue
+        changed = changes.since(sent)
+        if changed is None:  # the log moved past ``sent``: copy again
+            sent = None
+            continue
+        version, _, keys = changed
+        by_name = {t.spec.name: t for t in tables()}
+        for name in sorted(keys):
+            picked = keys[name][moving(keys[name])]
+            if picked.size and name in by_name:
+                yield from _rows(reshard, changes.history, sent, by_name[name], picked, limit, deletions=True)
+        sent = version
+        yield pb.MoveBatch(history=changes.history, version=sent, source_version=changes.version)
+
+
+def _copy(
+    reshard: Reshard,
+    tables: Sequence[Table],
+    changes: ChangeLog,
+    moving: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.bool_]],
+    limit: int,
+) -> Generator[pb.MoveBatch, None, int]:
+    """Every moving row as it is when read; returns the version every later change is after."""
+    version = changes.version  # before any row is read: later changes follow as deltas
+    history = changes.history
+    yield pb.MoveBatch(history=history, snapshot_begin=True, specs=[spec_to_proto(t.spec) for t in tables])
+    for table in tables:
+        resident = table.resident_keys()
+        resident = np.sort(resident[moving(resident)].view(np.uint64)).view(np.int64)
+        step = _step(table, limit)
+        for start in range(0, resident.shape[0], step):
+            yield from _rows(reshard, history, version, table, resident[start : start + step], limit)
+        if table.disk is None:
+            continue
+        for stored in table.disk.scan():
+            keys = stored.keys[moving(stored.keys)]
+            if resident.size and keys.size:  # rows sent from RAM above are not sent again
+                at = np.searchsorted(resident.view(np.uint64), keys.view(np.uint64))
+                seen = (at < resident.shape[0]) & (resident[np.minimum(at, resident.shape[0] - 1)] == keys)
+                keys = keys[~seen]
+            if keys.size:
+                keys = np.sort(keys.view(np.uint64)).view(np.int64)
+                yield from _rows(reshard, history, version, table, keys, limit)
+    yield pb.MoveBatch(history=history, version=version, snapshot_end=True, source_version=changes.version)
+    return version
+
+
+def _step(table: Table, limit: int) -> int:
+    width = table.dim + table.ram.arena.state_width + 2
+    return max(1, limit // (8 + 4 * width))
+
+
+def _rows(
+    reshard: Reshard,
+    history: str,
+    version: int,
+    table: Table,
+    keys: npt.NDArray[np.int64],
+    limit: int,
+    *,
+    deletions: bool = False,
+) -> Iterator[pb.MoveBatch]:
+    """The rows of the sorted, distinct ``keys`` as they are now, in messages under
+    ``limit``; with ``deletions``, keys without a row go as deleted."""
+    step = _step(table, limit)
+    for start in range(0, keys.shape[0], step):
+        part = keys[start : start + step]
+        found, rows = table.peek_rows(part)
+        moved = pb.MovedRows(
+            table=table.spec.name,
+            keys=wire.encode_keys(rows.keys),
+            rows=rows.packed().tobytes(),
+            deleted_keys=wire.encode_keys(part[~found]) if deletions else b"",
+        )
+        reshard.rows_out += len(rows)
+        reshard.bytes_out += len(moved.rows) + len(moved.keys)
+        yield pb.MoveBatch(history=history, version=version, tables=[moved])
+
+
+def _last(tables: Sequence[Table], changes: ChangeLog, version: int) -> pb.MoveBatch:
+    """The push ledgers and admission counters of every table, after the last change."""
+    ledgers = [
+        pb.MovedLedger(table=t.spec.name, client_id=client, entry=t.ledger.encode(client))
+        for t in tables
+        for client in t.ledger.clients()
+    ]
+    admission = [
+        pb.MovedAdmission(table=t.spec.name, counters=t.ram.admission.counters())
+        for t in tables
+        if t.ram.admission is not None
+    ]
+    return pb.MoveBatch(
+        history=changes.history,
+        version=version,
+        source_version=changes.version,
+        specs=[spec_to_proto(t.spec) for t in tables],
+        ledgers=ledgers,
+        admission=admission,
+        done=True,
+    )

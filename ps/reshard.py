@@ -1,0 +1,459 @@
+"""A shard's part in live resharding: the map it routes by, the checks every request
+passes, and the phases of a reshard (``ps.cluster`` describes them).
+
+``Reshard`` holds the shard's ``ClusterMap`` and ``MoveState`` (both kept in its data
+dir, so a restarted shard comes back in the phase it was in) and answers, for every
+request: is it routed by a map this shard can serve (``check_route``), does this shard
+own its keys and may it write them now (``check_keys``), and in which push ledger is a
+push to them recorded (``origins``). Writes run under ``writing()``, so that a freeze
+waits for the pushes in flight and every later push to a moving key is refused.
+
+The copy itself runs elsewhere: an old owner streams its moving rows (``ps.moveout``,
+the ``MoveRows`` RPC), a new owner pulls them from every old owner (``ps.intake``).
+After the commit an old owner drops the rows it gave away, in the background.
+
+Thread-safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from protos import ps_pb2 as pb
+from protos.keys import shard_of
+from ps.changes import ChangeLog
+from ps.cluster import ClusterMap, MoveState, Phase, Route
+from ps.config import TableSpec
+from ps.errors import InvalidRequest, Moving, ShardMismatch
+from ps.intake import Intake, MoveStream
+from ps.ledger import KeyOrigins
+from ps.ownership import check_owned
+from ps.rwlock import ReadWriteLock
+from ps.storage import Storage
+from ps.table import Table
+
+__all__ = ["Reshard", "ReshardParts"]
+
+log = logging.getLogger(__name__)
+
+_MAP_KEY = b"cluster-map"
+_MOVE_KEY = b"reshard"
+
+Entries = Sequence[tuple[str, npt.NDArray[np.int64]]]
+
+
+@dataclass(frozen=True)
+class ReshardParts:
+    """What a reshard needs of its shard: its tables (and a way to create one), its
+    change log, a way to make everything it holds durable (``flush``: dirty rows and
+    ledgers to the data dir), and ``stream``, which opens another shard's ``MoveRows``
+    (None: this shard cannot pull rows, e.g. a serving shard)."""
+
+    tables: Callable[[], list[Table]]
+    install_table: Callable[[TableSpec], bool]
+    changes: ChangeLog
+    flush: Callable[[], int]
+    stream: MoveStream | None = None
+
+
+class Reshard:
+    """Shard ``index``'s cluster map and reshard (see the module docstring). Starts at
+    the map of ``num_shards`` shards, epoch 0, or at what ``storage`` recorded."""
+
+    def __init__(self, index: int, num_shards: int, storage: Storage | None, parts: ReshardParts) -> None:
+        self.index = index
+        self._storage = storage
+        self._parts = parts
+        self.map = ClusterMap(0, num_shards)
+        self.move: MoveState | None = None
+        if storage is not None:
+            saved_map, saved_move = storage.get_meta(_MAP_KEY), storage.get_meta(_MOVE_KEY)
+            if saved_map:
+                self.map = ClusterMap.from_json(json.loads(saved_map))
+            if saved_move:
+                self.move = MoveState.from_json(saved_move)
+            if saved_map and self.map.num_shards != num_shards:
+                log.warning(
+                    "started as shard %d of %d, but its data dir moved to the cluster map of %s in a reshard: "
+                    "routing by that map",
+                    index,
+                    num_shards,
+                    self.map.describe(),
+                )
+        self._gate = ReadWriteLock()  # writes read it; a freeze writes it
+        self._lock = threading.Lock()  # phase changes, one at a time
+        self.frozen_version: int | None = 0 if self.frozen else None
+        self.rows_out = self.bytes_out = self.rows_dropped = 0
+        self.on_phase: list[Callable[[MoveState], None]] = []  # hears every phase change
+        self._intake: Intake | None = None
+        self._cleanup: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    # -- the state every request reads ------------------------------------------------
+
+    @property
+    def frozen(self) -> bool:
+        """Whether this shard refuses pushes to its moving keys (an old owner, frozen)."""
+        mv = self.move
+        return mv is not None and mv.phase == "frozen" and mv.is_source
+
+    @property
+    def copying(self) -> bool:
+        """Whether a reshard is under way here (copying or frozen): TTL sweeps wait."""
+        mv = self.move
+        return mv is not None and mv.phase in ("copying", "frozen")
+
+    def writing(self) -> contextlib.AbstractContextManager[object]:
+        """Hold while checking and applying a write (a push, a lookup that creates rows)."""
+        return self._gate.reading()
+
+    def check_route(self, route: Route) -> None:
+        """Raise unless a request routed along ``route`` may run here: by this shard's map,
+        or by an older one (its keys are checked one by one), or by the map of a reshard
+        this shard takes part in."""
+        m = self.map
+        if route.epoch > m.epoch:
+            mv = self.move
+            if mv is not None and mv.phase in ("copying", "frozen") and route.epoch == mv.dst.epoch:
+                if mv.sources:
+                    raise Moving(
+                        f"shard {self.index} takes its keys of the cluster map of epoch {route.epoch} once the "
+                        "reshard to it commits (rows are still arriving): retry shortly"
+                    )
+                return  # an old owner: its keys are checked against the map it routes by
+            raise ShardMismatch(
+                f"request routed by the cluster map of epoch {route.epoch}, but shard {self.index} is at epoch "
+                f"{m.epoch} ({m.num_shards} shards): is this the cluster the client was given?"
+            )
+        if route.epoch < m.epoch and not (route.epoch == 0 and route.num_shards == m.num_shards):
+            return  # a client behind: keys it still routes here are served, the others refused
+        if route.shard is not None and route.shard != self.index:
+            raise ShardMismatch(
+                f"request for shard {route.shard} reached shard {self.index}: the client's address list "
+                "is not in shard order"
+            )
+        if route.num_shards and route.num_shards != m.num_shards:
+            raise ShardMismatch(
+                f"request was routed for num_shards={route.num_shards}, but shard {self.index} belongs to a "
+                f"cluster of {m.num_shards}: the client's address list does not match the cluster"
+            )
+
+    def check_keys(self, what: str, entries: Entries, *, write: bool) -> bool:
+        """Raise ``WrongShard`` for a key this shard does not own under its map, and
+        ``Moving`` for a ``write`` to a key it is handing over (frozen); returns True when
+        a lookup must not create rows (some of its keys are being handed over)."""
+        m = self.map
+        check_owned(what, entries, index=self.index, num_shards=m.num_shards, epoch=m.epoch)
+        mv = self.move
+        if mv is None or not self.frozen or mv.dst.num_shards == m.num_shards:
+            return False
+        moving = next((int(k[mv.moving(k)][0]) for _, k in entries if k.shape[0] and mv.moving(k).any()), None)
+        if moving is None:
+            return False
+        if write:
+            owner = int(shard_of(np.array([moving], np.int64), mv.dst.num_shards)[0])
+            raise Moving(
+                f"{what} refused for now: key {moving} moves from shard {self.index} to shard {owner} in the "
+                f"reshard to epoch {mv.dst.epoch}, which is switching over: retry shortly"
+            )
+        return True
+
+    def origins(
+        self, planned_epoch: int | None, planned_shard: int | None, keys: npt.NDArray[np.int64]
+    ) -> KeyOrigins | None:
+        """Where the keys of a push entry were before the last reshard that brought this
+        shard keys (None: it brought none, or its ledgers all merged back)."""
+        mv = self.move
+        if mv is None or mv.phase not in ("committed", "done") or not mv.sources:
+            return None
+        epoch = self.map.epoch if planned_epoch is None else planned_epoch
+        if epoch == 0 and mv.src.epoch > 0:
+            epoch = self.map.epoch  # a client given today's addresses, which never saw a map
+        if epoch >= mv.dst.epoch:
+            if planned_shard not in (None, self.index):
+                raise InvalidRequest(
+                    f"planned_shard={planned_shard}: a push planned under epoch {epoch} for another shard "
+                    f"cannot reach shard {self.index}"
+                )
+            return KeyOrigins(self.index, owners=shard_of(keys, mv.src.num_shards), origins=tuple(mv.sources))
+        if epoch < mv.src.epoch:
+            raise ShardMismatch(
+                f"a push planned under the cluster map of epoch {epoch} reached shard {self.index}, which keeps "
+                f"push ledgers back to epoch {mv.src.epoch} only: it cannot be told apart from pushes applied "
+                "before; the client was cut off through two reshards"
+            )
+        origin = self.index if planned_shard is None else planned_shard
+        if keys.shape[0] and not (shard_of(keys, mv.src.num_shards) == origin).all():
+            raise InvalidRequest(
+                f"planned_shard={origin}: keys of this push entry did not belong to shard {origin} under "
+                f"the cluster map of epoch {epoch}"
+            )
+        return KeyOrigins(self.index, fixed=origin)
+
+    def pending_ledgers(self) -> int:
+        """Push-ledger entries from the last reshard not merged back (a new one waits for 0)."""
+        return sum(t.ledgers.pending() for t in self._parts.tables())
+
+    # -- phases -----------------------------------------------------------------------
+
+    # -- phases -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Carry on with a reshard the data dir recorded: a new owner pulls again, an old
+        owner that committed drops what it gave away."""
+        with self._lock:
+            self._resume()
+
+    def close(self) -> None:
+        """Stop pulling and dropping (a restart carries on)."""
+        self._closing.set()
+        with self._lock:
+            intake, self._intake = self._intake, None
+        if intake is not None:
+            intake.stop()
+        if self._cleanup is not None:
+            self._cleanup.join(timeout=10)
+
+    def _resume(self) -> None:
+        mv = self.move
+        if mv is None or self._closing.is_set():
+            return
+        if mv.phase in ("copying", "frozen") and mv.sources and self._intake is None:
+            if self._parts.stream is None:
+                raise InvalidRequest(f"shard {self.index} cannot pull rows (a serving shard takes part in no reshard)")
+            self._intake = Intake(
+                mv,
+                stream=self._parts.stream,
+                tables=self._parts.tables,
+                install_table=self._parts.install_table,
+                changes=self._parts.changes,
+                flush=self._parts.flush,
+                on_complete=self._complete,
+            )
+            self._intake.start()
+        if mv.phase == "committed" and self._cleanup is None:
+            self._cleanup = threading.Thread(
+                target=self._drop_given_away, name=f"ps-reshard-drop-{self.index}", daemon=True
+            )
+            self._cleanup.start()
+
+    def request(self, phase: int, src: ClusterMap | None, dst: ClusterMap | None) -> pb.ReshardStatus:
+        """One ``Reshard`` RPC (see protos/ps.proto); returns the status after it."""
+        if phase != pb.ReshardRequest.STATUS:
+            if dst is None:
+                raise InvalidRequest("ReshardRequest.to: the map to move to is missing")
+            with self._lock:
+                if phase == pb.ReshardRequest.PREPARE:
+                    if src is None:
+                        raise InvalidRequest("ReshardRequest.from: the map to move from is missing")
+                    self._prepare(src, dst)
+                elif phase == pb.ReshardRequest.FREEZE:
+                    self._freeze(dst)
+                elif phase == pb.ReshardRequest.COMMIT:
+                    self._commit(dst)
+                elif phase == pb.ReshardRequest.ABORT:
+                    self._abort(dst)
+                else:
+                    raise InvalidRequest(f"ReshardRequest.phase={phase}: unknown")
+        return self.status()
+
+    def _prepare(self, src: ClusterMap, dst: ClusterMap) -> None:
+        mv = self.move
+        if mv is not None and mv.src == src and mv.dst == dst:
+            self._resume()  # asked again (an admin that restarted): carry on
+            return
+        if mv is not None and mv.phase in ("copying", "frozen"):
+            raise InvalidRequest(
+                f"shard {self.index} takes part in the reshard from {mv.src.describe()} to {mv.dst.describe()} "
+                f"({mv.phase}): finish it or abort it first"
+            )
+        if mv is not None and mv.phase == "committed":
+            raise Moving(
+                f"shard {self.index} is still dropping the rows it gave away in the reshard to epoch "
+                f"{mv.dst.epoch}: retry shortly"
+            )
+        _check_maps(self.index, self.map, src, dst)
+        pending = self.pending_ledgers()
+        if pending:
+            raise Moving(
+                f"shard {self.index} still holds {pending} push-ledger entries from the reshard to epoch "
+                f"{self.map.epoch} (clients with pushes from before it not settled yet): retry once they are"
+            )
+        if self.index >= src.num_shards and any(len(t) or t.spilled for t in self._parts.tables()):
+            raise InvalidRequest(
+                f"shard {self.index} is new in the map of epoch {dst.epoch} but already holds rows: "
+                "start it with an empty data dir"
+            )
+        self.set_phase(MoveState(self.index, src, dst, "copying"))
+        log.info("reshard: prepared from %s to %s", src.describe(), dst.describe())
+        self._resume()
+
+    def _matching(self, dst: ClusterMap) -> MoveState:
+        mv = self.move
+        if mv is None or mv.dst != dst:
+            raise InvalidRequest(
+                f"shard {self.index} has no reshard to {dst.describe()} "
+                f"(its own: {mv.dst.describe() if mv is not None else 'none'}): prepare it first"
+            )
+        return mv
+
+    def _freeze(self, dst: ClusterMap) -> None:
+        mv = self._matching(dst)
+        if mv.phase == "copying" and mv.is_source:
+            self.set_phase(MoveState(mv.index, mv.src, mv.dst, "frozen", set(mv.complete)))
+            log.info("reshard: frozen (pushes to moving keys wait) at version %s", self.frozen_version)
+        elif mv.phase in ("committed", "done"):
+            raise InvalidRequest(f"the reshard to epoch {dst.epoch} is {mv.phase} on shard {self.index}")
+
+    def _commit(self, dst: ClusterMap) -> None:
+        mv = self._matching(dst)
+        if mv.phase in ("committed", "done"):
+            return
+        missing = sorted(set(mv.sources) - mv.complete)
+        if missing:
+            raise Moving(
+                f"shard {self.index} cannot take its new keys yet: rows from shard(s) {missing} have not all "
+                "arrived (see ps-admin scale's progress)"
+            )
+        if mv.is_source and mv.phase != "frozen":
+            raise InvalidRequest(f"shard {self.index} gives keys away: freeze it before the commit")
+        phase: Phase = "committed" if mv.is_source else "done"
+        self.set_phase(MoveState(mv.index, mv.src, mv.dst, phase, set(mv.complete)), new_map=mv.dst)
+        log.info("reshard: committed, routing by %s", mv.dst.describe())
+        intake, self._intake = self._intake, None
+        if intake is not None:
+            intake.stop()
+        self._resume()
+
+    def _abort(self, dst: ClusterMap) -> None:
+        mv = self._matching(dst)
+        if mv.phase in ("committed", "done"):
+            raise InvalidRequest(
+                f"the reshard to epoch {dst.epoch} is committed on shard {self.index}: it cannot be undone; "
+                "run `ps-admin scale` again to finish it"
+            )
+        intake, self._intake = self._intake, None
+        if intake is not None:
+            intake.stop()
+        n = mv.src.num_shards
+        for table in self._parts.tables():
+            gone = table.remove_where(lambda keys: np.isin(shard_of(keys, n), mv.sources))
+            if gone.size:
+                self._parts.changes.record([(table.spec.name, gone)])
+        self.set_phase(None)
+        log.info("reshard: aborted, staying at %s", self.map.describe())
+
+    def _complete(self, source: int) -> None:
+        """An old owner's rows are all here and durable: record it before saying so."""
+        with self._lock:
+            mv = self.move
+            if mv is None or source in mv.complete:
+                return
+            self.set_phase(MoveState(mv.index, mv.src, mv.dst, mv.phase, mv.complete | {source}))
+
+    def _drop_given_away(self) -> None:
+        """After the commit, an old owner deletes the rows it gave away (its followers are
+        told through the change log), then records the reshard as done."""
+        mv = self.move
+        if mv is None:
+            return
+        try:
+            for table in self._parts.tables():
+                if self._closing.is_set():
+                    return
+                gone = table.remove_where(lambda keys: ~mv.dst.owns(keys, self.index))
+                for start in range(0, gone.shape[0], 1 << 16):
+                    self._parts.changes.record([(table.spec.name, gone[start : start + (1 << 16)])])
+                self.rows_dropped += int(gone.size)
+            with self._lock:
+                if self.move is mv:
+                    self.set_phase(MoveState(mv.index, mv.src, mv.dst, "done", set(mv.complete)))
+            log.info("reshard: dropped the %d rows given away; done", self.rows_dropped)
+        except Exception:
+            log.exception("reshard: dropping the rows given away failed (a restart tries again)")
+        finally:
+            self._cleanup = None
+
+    def set_phase(self, move: MoveState | None, new_map: ClusterMap | None = None) -> None:
+        """Record ``move`` (and ``new_map``) in the data dir, then make them current; the
+        frozen phase is entered holding every write out."""
+        if self._storage is not None:
+            items = {_MOVE_KEY: move.to_json().encode() if move is not None else b""}
+            if new_map is not None:
+                items[_MAP_KEY] = json.dumps(new_map.to_json()).encode()
+            self._storage.put_metas(items, num_shards=new_map.num_shards if new_map is not None else None)
+        freezing = move is not None and move.phase == "frozen" and move.is_source and not self.frozen
+        with self._gate.writing() if freezing else contextlib.nullcontext():
+            if new_map is not None:
+                self.map = new_map
+            self.move = move
+            if freezing:
+                self.frozen_version = self._parts.changes.version
+        if move is not None:
+            for listener in list(self.on_phase):
+                listener(move)
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """Hold while changing phase: one change at a time."""
+        with self._lock:
+            yield
+
+    def status(self) -> pb.ReshardStatus:
+        mv, intake = self.move, self._intake
+        status = pb.ReshardStatus(
+            rows_out=self.rows_out,
+            bytes_out=self.bytes_out,
+            rows_dropped=self.rows_dropped,
+            pending_ledgers=self.pending_ledgers(),
+        )
+        if mv is not None:
+            status.phase = mv.phase
+            getattr(status, "from").CopyFrom(mv.src.to_proto())
+            status.to.CopyFrom(mv.dst.to_proto())
+            if intake is not None:
+                status.sources.extend(p.to_proto() for p in intake.progress.values())
+            else:
+                status.sources.extend(
+                    pb.MoveSource(shard=s, complete=s in mv.complete, snapshot_done=s in mv.complete)
+                    for s in mv.sources
+                )
+        return status
+
+
+def _check_maps(index: int, current: ClusterMap, src: ClusterMap, dst: ClusterMap) -> None:
+    """Raise ``InvalidRequest`` unless shard ``index`` at map ``current`` can move from
+    ``src`` to ``dst``."""
+    if dst.epoch != src.epoch + 1:
+        raise InvalidRequest(f"the map to move to has epoch {dst.epoch}; the next after {src.epoch} is {src.epoch + 1}")
+    if len(src.addresses) != src.num_shards or len(dst.addresses) != dst.num_shards:
+        raise InvalidRequest("both maps of a reshard need every shard's address")
+    if src.num_shards == dst.num_shards:
+        raise InvalidRequest(f"the maps of a reshard differ in size: both have {src.num_shards} shards")
+    common = min(src.num_shards, dst.num_shards)
+    if src.addresses[:common] != dst.addresses[:common]:
+        raise InvalidRequest(
+            "the shards both maps hold keep their place: the new map must start with the old one's addresses "
+            f"({', '.join(src.addresses[:common])})"
+        )
+    if index < src.num_shards:
+        if (current.epoch, current.num_shards) != (src.epoch, src.num_shards):
+            raise InvalidRequest(
+                f"shard {index} is at {current.describe()}, not at the map to move from ({src.describe()})"
+            )
+    elif index < dst.num_shards:
+        if current.num_shards != dst.num_shards or (current.epoch and current.epoch != dst.epoch):
+            raise InvalidRequest(
+                f"shard {index} is new in the map of epoch {dst.epoch}: start it with --shard {index} "
+                f"--num-shards {dst.num_shards} and an empty data dir (it is at {current.describe()})"
+            )
+    else:
+        raise InvalidRequest(f"shard {index} is in neither map ({src.num_shards} and {dst.num_shards} shards)")
