@@ -172,7 +172,8 @@ def _format_health(rows: Sequence[dict[str, Any]]) -> str:
     lines = []
     for r in rows:
         states = ", ".join(f"{k}={v}" for k, v in r["services"].items())
-        lines.append(f"{r['address']}: {'SERVING' if r['serving'] else 'NOT SERVING'} ({states})")
+        hint = f"; {r['hint']}" if r.get("hint") else ""
+        lines.append(f"{r['address']}: {'SERVING' if r['serving'] else 'NOT SERVING'} ({states}){hint}")
     return "\n".join(lines)
 
 

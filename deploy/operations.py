@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import ClientConfig, PSClient, PSError, ShardUnavailableError
+from client.errors import tls_hint
 from deploy.reshard import AdminError, now_stamp, shard_dir_name
 from protos.services import SHARD_HEALTH
 from protos.tls import TLSError, channel_credentials, open_channel
@@ -259,13 +260,20 @@ def create_table(
 
 
 def cluster_health(addresses: Sequence[str | Sequence[str]], timeout_s: float = 5.0) -> list[dict[str, Any]]:
-    """The gRPC health status of every address and health service (no token needed)."""
+    """The gRPC health status of every address and health service (no token needed).
+
+    Each row: ``address``, ``services`` (service -> status, or the error of the call),
+    ``serving`` and ``hint``: what to do when the call failed because one side speaks
+    TLS and the other does not (``client.errors.tls_hint``, as every other command
+    says it), else "".
+    """
     out = []
     flat = [a for shard in addresses for a in ([shard] if isinstance(shard, str) else shard)]
     for address in flat:
-        row: dict[str, Any] = {"address": address, "services": {}}
+        row: dict[str, Any] = {"address": address, "services": {}, "hint": ""}
         try:
-            with open_channel(address, _health_credentials(), []) as channel:
+            credentials = _health_credentials()
+            with open_channel(address, credentials, []) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 for service in SHARD_HEALTH:
                     try:
@@ -275,6 +283,7 @@ def cluster_health(addresses: Sequence[str | Sequence[str]], timeout_s: float = 
                         if exc.code() == grpc.StatusCode.NOT_FOUND:
                             continue  # not a service of this kind of shard
                         row["services"][service or "(server)"] = f"{exc.code().name}: {exc.details()}"
+                        row["hint"] = tls_hint(exc.code(), str(exc.details()), address, credentials is not None)
                         break  # unreachable: the other services would only say so again
                     row["services"][service or "(server)"] = status
         except TLSError as exc:
