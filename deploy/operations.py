@@ -128,8 +128,9 @@ def checkpoint_cluster(
     ``serve-from`` takes), ``parts`` (each shard's directory) and ``manifest_path``
     (None when the parts lie apart). Row counts are as the shards report them (exact in
     a shard that has not restarted; RocksDB's estimate for rows spilled before a
-    restart). Raises ``AdminError`` (naming the address) when a shard is unreachable,
-    out of order or fails.
+    restart): ``rows_estimated`` (per table) and ``shard_rows_estimated`` (per shard and
+    table) say which. Raises ``AdminError`` (naming the address) when a shard is
+    unreachable, out of order or fails.
     """
     name = None if out is None else str(out)
     n = len(addresses)
@@ -167,12 +168,17 @@ def checkpoint_cluster(
         "created": created,
         "tables": [],
         "rows": {},
+        "rows_estimated": {},
         "shard_rows": [m.get("rows") or {} for m in manifests],
+        "shard_rows_estimated": [m.get("rows_estimated") or {} for m in manifests],
         "push_ledgers": "kept",
     }
     for m in manifests:
+        estimated = m.get("rows_estimated") or {}
         for table, count in (m.get("rows") or {}).items():
             manifest["rows"][table] = manifest["rows"].get(table, 0) + int(count)
+            about = manifest["rows_estimated"].get(table, False) or bool(estimated.get(table, False))
+            manifest["rows_estimated"][table] = about
     manifest["name"] = checkpoint_name
     info: dict[str, Any] = {"parts": parts, "manifest_path": None}
     try:
@@ -192,8 +198,9 @@ def checkpoint_cluster(
 
 def list_checkpoints(roots: Sequence[Path]) -> list[dict[str, Any]]:
     """The checkpoints under ``roots`` (checkpoint roots this process sees), by name: for
-    each, the parts found (``shard``, ``num_shards``, ``path``, ``created``, ``rows``) and
-    the cluster manifest's path if there is one. A part is a directory with ``db/`` and
+    each, the parts found (``shard``, ``num_shards``, ``path``, ``created``, ``rows``,
+    ``rows_estimated``: whether some table's count is RocksDB's estimate) and the cluster
+    manifest's path if there is one. A part is a directory with ``db/`` and
     ``manifest.json``: ``NAME/shard-IIIII-of-NNNNN``, or ``NAME`` itself (older checkpoints).
     Raises ``AdminError`` for a root that is not a directory."""
     found: dict[str, dict[str, Any]] = {}
@@ -211,6 +218,7 @@ def list_checkpoints(roots: Sequence[Path]) -> list[dict[str, Any]]:
                 except (DataDirError, StorageFailed, OSError, ValueError):
                     continue
                 rows = sum(int(v) for v in (m.get("rows") or {}).values())
+                estimated = any(bool(v) for v in (m.get("rows_estimated") or {}).values())
                 parts.append(
                     {
                         "shard": m.get("shard"),
@@ -218,6 +226,7 @@ def list_checkpoints(roots: Sequence[Path]) -> list[dict[str, Any]]:
                         "path": str(d),
                         "created": m.get("created"),
                         "rows": rows,
+                        "rows_estimated": estimated,
                     }
                 )
             if not parts:

@@ -210,6 +210,10 @@ def write_checkpoint(
     rows in RAM are written into a new data directory at ``path``. Raises
     ``StorageFailed`` when the checkpoint cannot be written; nothing is left at ``path``
     then. ``name``: the checkpoint's name, the manifest's ``version`` (default ``path.name``).
+
+    The manifest: ``format``, ``shard``, ``num_shards``, ``version``, ``created_unix_s``,
+    ``created``, ``tables`` (specs), ``rows`` (table -> rows) and ``rows_estimated`` (table ->
+    whether its count is RocksDB's estimate, as in ``Stats``: the table was reopened from disk).
     """
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
@@ -224,6 +228,7 @@ def write_checkpoint(
     try:
         if storage is None:
             manifest["rows"] = _write_ram_tables(path, tables, shard, num_shards)
+            manifest["rows_estimated"] = dict.fromkeys(manifest["rows"], False)
             write_manifest(path, manifest)
         else:
             with held_tables(tables) as held:
@@ -234,6 +239,11 @@ def write_checkpoint(
                         data_dir_failed(exc)
                         raise
                 manifest["rows"] = {h.table.spec.name: h.rows for h in held}
+                # As Stats' rows_estimated: a table reopened from disk counts its rows there
+                # from RocksDB's estimate, so its count is approximate from then on.
+                manifest["rows_estimated"] = {
+                    h.table.spec.name: h.table.disk is not None and h.table.disk.estimated for h in held
+                }
                 # A checkpoint directory that cannot be written is not the data dir failing.
                 storage.checkpoint(path, manifest)
     except BaseException:
