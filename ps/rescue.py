@@ -7,6 +7,8 @@ the rows it still holds unwritten, with every table's push ledger, to a *rescue 
 in another directory, and exits non-zero naming it. Where: ``--rescue-dir`` first (give
 it a directory on another volume than the data directory: a full disk refuses the dump
 too), then the checkpoint root, then beside the data directory (``dump_places``).
+Only a training shard writes dumps: a serving shard acknowledged no push, and what it
+could not write comes again from its source (``Shard.shutdown``).
 
 A dump must be applied before the data directory takes anything new, and never after:
 

@@ -62,7 +62,7 @@ from ps.lifecycle import Eviction
 from ps.limits import Limits
 from ps.maintenance import Maintenance
 from ps.ownership import check_owned
-from ps.recovery import StorageHealth
+from ps.recovery import ACKNOWLEDGED_ON_DISK, StorageHealth
 from ps.registry import TableRegistry
 from ps.rescue import RescueBase, StopReport, dump_places, read_base, save_rescue
 from ps.rwlock import ReadWriteLock
@@ -126,6 +126,10 @@ Mode = Literal["train", "serve"]
 MODES: tuple[Mode, ...] = ("train", "serve")
 
 _DEFAULT_DURABILITY = Durability("interval", 5.0)
+_ROWS_FROM_SOURCE = (
+    "this serving shard holds no acknowledged push: its rows come from its source, and a follower's restart "
+    "streams again what was not written"
+)
 
 
 class Shard:
@@ -559,6 +563,11 @@ class Shard:
         only in RAM (``interval`` and ``checkpoint-only`` modes; ``every-push`` wrote
         each one before acknowledging it), write them to a rescue dump. The report
         says what happened; blocks for up to ``grace_s`` plus the dump's write.
+
+        A serving shard (one with a ``source``) tries the final write once and never
+        writes a dump (``ps.rescue``): it acknowledged no push, and its rows come from
+        its source (a follower saves the version it reached only once the rows are
+        written, so a restart streams again what it could not write).
         """
         self._closing = True
         self._maintenance.stop()
@@ -567,12 +576,14 @@ class Shard:
             return StopReport()
         try:
             data = self.storage.path.absolute()
+            serving = self.source is not None
             return self._storage_health.final_write(
                 grace_s,
                 reopen=self._reopen_if_refusing,
                 flush=self.flush,
-                at_risk=self._at_risk,
+                at_risk=(lambda: None) if serving else self._at_risk,
                 rescue=lambda error: self._rescue(data, error),
+                why_safe=_ROWS_FROM_SOURCE if serving else ACKNOWLEDGED_ON_DISK,
             )
         finally:
             self.storage.close()
