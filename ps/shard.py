@@ -38,7 +38,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -47,6 +46,7 @@ import numpy.typing as npt
 
 from protos import ps_pb2 as pb
 from ps.background import LoopHealth, RateWindow
+from ps.batches import LookupBatch, PushBatch, Route
 from ps.budget import MemoryBudget
 from ps.changes import ChangeLog
 from ps.checkpoint import checkpoint_target, write_checkpoint
@@ -73,40 +73,6 @@ from ps.table import Table
 __all__ = ["MODES", "LookupBatch", "Mode", "PushBatch", "PushLedger", "Route", "RowSource", "Shard", "StopReport"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where a client sent a request: the cluster size it planned with (0: not checked)
-    and the shard it meant (None: not checked)."""
-
-    num_shards: int = 0
-    shard: int | None = None
-
-
-@dataclass(frozen=True)
-class LookupBatch:
-    """A decoded Lookup: ``(table, keys)`` per entry."""
-
-    entries: Sequence[tuple[str, npt.NDArray[np.int64]]]
-    route: Route = Route()
-
-
-@dataclass(frozen=True)
-class PushBatch:
-    """A decoded Push: ``(table, keys, grads)`` per entry, float32 ``[len(keys), dim]``
-    gradients (not yet checked against the table), each applied once per ``(client_id,
-    table, seq)``. ``seqs``: each entry's own seq (0 or none: ``seq``)."""
-
-    entries: Sequence[tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float32]]]
-    client_id: str = ""
-    seq: int = 0
-    route: Route = Route()
-    seqs: Sequence[int] = ()
-
-    def seq_of(self, i: int) -> int:
-        """The seq of entry ``i``."""
-        return (self.seqs[i] if i < len(self.seqs) else 0) or self.seq
 
 
 class RowSource(Protocol):
