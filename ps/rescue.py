@@ -90,6 +90,7 @@ __all__ = [
     "is_rescue_dump",
     "read_base",
     "save_rescue",
+    "set_lineage",
     "settle_dumps",
     "write_rescue",
 ]
@@ -118,6 +119,13 @@ def read_base(storage: Storage) -> RescueBase:
     """The lineage and epoch stored in ``storage`` (a read)."""
     lineage, epoch = storage.get_meta(_LINEAGE), storage.get_meta(_EPOCH)
     return RescueBase(lineage.decode() if lineage else None, epoch.decode() if epoch else None)
+
+
+def set_lineage(storage: Storage, lineage: str) -> None:
+    """Store ``lineage`` as the one of the data dir ``storage`` (a new data dir holding a
+    copy of another's rows, e.g. a checkpoint of a shard without a data dir). Raises
+    ``StorageFailed``."""
+    storage.put_meta(_LINEAGE, lineage.encode())
 
 
 def begin_epoch(storage: Storage) -> RescueBase:

@@ -37,6 +37,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -80,6 +81,11 @@ class RowSource(Protocol):
     ``Stats``, health and ``ServeFrom`` use it."""
 
     applied_version: int
+
+    @property
+    def lineage(self) -> str:
+        """The lineage of the rows served now (``Stats.lineage``); "" while unknown."""
+        ...
 
     def status(self) -> pb.FollowStatus: ...
 
@@ -148,6 +154,9 @@ class Shard:
         self.checkpoint_root = Path(checkpoint_root).absolute() if checkpoint_root is not None else None
         self.rescue_dir = rescue_dir  # --rescue-dir, tried first (``ps.rescue.dump_places``)
         self.rescue_base = read_base(storage) if storage is not None else RescueBase()  # noted in a dump
+        # Which data the rows are (``Stats.lineage``): the data dir's, made at its first start
+        # and carried by its checkpoints; a shard without one holds new data at every start.
+        self.lineage = self.rescue_base.lineage or ("" if storage is not None else uuid.uuid4().hex)
         self.health = LoopHealth()
         self.started = time.monotonic()
         self.last_durable = time.time()
@@ -391,7 +400,13 @@ class Shard:
                 f"{self.num_shards}: give each serving shard the address of the training shard with its index"
             )
         return follow_batches(
-            self.changes, self.tables, history, version, lambda: active() and not self._closing, max_message_bytes
+            self.changes,
+            self.tables,
+            history,
+            version,
+            lambda: active() and not self._closing,
+            max_message_bytes,
+            lineage=self.lineage,
         )
 
     def serve_from(self, checkpoint: str) -> pb.FollowStatus:
@@ -446,6 +461,7 @@ class Shard:
                 num_shards=self.num_shards,
                 data_dir_failed=lambda exc: self._storage_health.failed(str(exc)),
                 name=target.parent.name,
+                lineage=self.lineage,
             )
             if self.storage is not None:
                 self.last_durable = manifest["created_unix_s"]

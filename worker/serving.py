@@ -2,7 +2,8 @@
 
 ``ps-infer --model runs/latest --ps HOST:PORT,HOST:PORT`` loads the run's exported
 model and manifest (``worker.export``), checks that the shards are the cluster it was
-trained on (shard count and order, tables, dims, seeds; ``_check_shards``), and serves ``ps.v1.Predictor`` with gRPC health and reflection:
+trained on (shard count and order, tables, dims, seeds, rows, the lineage of each shard's rows;
+``_check_shards``), and serves ``ps.v1.Predictor`` with gRPC health and reflection:
 
 * each request is checked and hashed on its own gRPC thread (``Predictor.encode``); a
   single batcher thread then scores concurrent requests together: it takes what is
@@ -400,8 +401,10 @@ def _check_shards(predictor: Predictor, client: PSClient, ps: str) -> None:
     model was trained on, as far as they can tell: the shard count of the manifest, each
     replica the shard of its place in ``--ps`` and of a cluster of that size, every table
     of the model on every replica with its dim (and seed: rows nobody trained are made
-    from it), and rows on a shard where training left some. Any of these wrong, and
-    scores would be silently wrong (rows of other keys, defaults, another shard's keys).
+    from it), rows on a shard where training left some, and the lineage of each shard's
+    rows (``Stats.lineage``: which data they are; the manifest's ``shard_lineages``) the
+    one training saw. Any of these wrong, and scores would be silently wrong (rows of other
+    keys or another data set, defaults, another shard's keys).
     """
     manifest = predictor.model.manifest
     n = client.num_shards
@@ -416,6 +419,7 @@ def _check_shards(predictor: Predictor, client: PSClient, ps: str) -> None:
     shard_of = [i for i, replicas in enumerate(client.replicas) for _ in replicas]
     stats = client.stats()
     trained_rows = manifest.get("shard_rows") or []
+    trained_lineages = manifest.get("shard_lineages") or []
     for i, s in zip(shard_of, stats, strict=True):
         where = s["address"]
         if s["num_shards"] != n:
@@ -439,6 +443,13 @@ def _check_shards(predictor: Predictor, client: PSClient, ps: str) -> None:
             problems.append(
                 f"{where} (shard {i}) holds no rows of the model's tables, training left {trained_rows[i]} there "
                 "(a serving shard still loading, or the shards of another run)"
+            )
+        lineage = trained_lineages[i] if i < len(trained_lineages) else ""
+        if not problems and lineage and s["lineage"] and s["lineage"] != lineage:
+            problems.append(
+                f"{where} (shard {i}) holds the rows of other data (lineage {s['lineage']}) than the model was "
+                f"trained on (lineage {lineage}): the shards of another cluster, or a shard restarted without its "
+                "data dir; give --ps the shards the model was trained on, or serving shards that follow them"
             )
     if not problems:
         found = client.tables()

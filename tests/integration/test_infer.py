@@ -509,6 +509,17 @@ def test_infer_refuses_shards_of_another_cluster(trained: Trained, tmp_path: Pat
             client.create_table(t["name"], dim=t["dim"], seed=t["seed"])
         line = refused_start(trained, ",".join(other.addresses), tmp_path)
         assert "holds no rows of the model's tables" in line, line
+    # The same tables, with rows: another data set's cluster. Names, dims, seeds and row
+    # counts cannot tell; the lineage of each shard's rows (Stats.lineage) does.
+    manifest = json.loads((trained.run / "manifest.json").read_text())
+    assert len(manifest["shard_lineages"]) == 2 and all(manifest["shard_lineages"]), manifest["shard_lineages"]
+    with LocalCluster(2, root=tmp_path / "twin") as other, PSClient(other.addresses) as client:
+        for t in tables:
+            client.create_table(t["name"], dim=t["dim"], seed=t["seed"])
+            client.lookup(t["name"], np.arange(1000))  # rows on both shards
+        line = refused_start(trained, ",".join(other.addresses), tmp_path)
+        assert f"{other.addresses[0]} (shard 0) holds the rows of other data" in line, line
+        assert manifest["shard_lineages"][0] in line and "trained on" in line, line
 
 
 def test_plus_separates_replicas_unquoted_in_bash(trained: Trained, tmp_path: Path) -> None:
