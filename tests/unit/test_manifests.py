@@ -268,6 +268,15 @@ def test_probes_ask_the_grpc_port(procs: list[Proc]) -> None:
                 assert "grpc" not in probe and probe["tcpSocket"]["port"] == port, probe
 
 
+def test_ps_infer_waits_for_loading_shards_within_its_startup_probe(procs: list[Proc]) -> None:
+    # ps-infer listens only once its shards have loaded (--wait-s): the kubelet must not kill
+    # it for not answering meanwhile, or a pod that would have served crash-loops instead.
+    for p in procs_of(procs, "ps-infer"):
+        probe = p.container["startupProbe"]
+        window_s = probe["periodSeconds"] * probe["failureThreshold"]
+        assert 0 < p.config.wait_s < window_s, f"{p.pod.name}: --wait-s {p.config.wait_s}, probe window {window_s} s"
+
+
 def _pre_stop_s(c: dict[str, Any]) -> int:
     command = c["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "sleep", command
