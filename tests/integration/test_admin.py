@@ -403,6 +403,50 @@ def test_checkpoint_list_serve_from_and_unpin_with_the_cli(tmp_path: Path) -> No
             stop_shard(s)
 
 
+def test_serve_from_with_one_checkpoint_root_for_training_and_serving_shards(tmp_path: Path) -> None:
+    """deploy/k8s's layout: each training shard's rows on a data volume of its own, one
+    checkpoint root on a volume every shard mounts (ps-checkpoints), serving shards with a
+    data dir of their own and that same root."""
+    shared = tmp_path / "ps-checkpoints" / "checkpoints"
+    root = f"--checkpoint-root={shared}"
+    train_shards = [
+        start_shard(i, 2, tmp_path / "t", f"--data-dir={tmp_path / f'data{i}' / 'data'}", root) for i in range(2)
+    ]
+    serve_shards = [
+        start_shard(
+            i,
+            2,
+            tmp_path / "s",
+            "--mode=serve",
+            f"--follow={train_shards[i].address}",
+            f"--data-dir={tmp_path / f'serve{i}'}",
+            root,
+        )
+        for i in range(2)
+    ]
+    train, serve = [s.address for s in train_shards], [s.address for s in serve_shards]
+    env = {"PS_ADDRESSES": ",".join(train), "SERVING_ADDRESSES": ",".join(serve)}
+    keys = np.arange(200)
+    try:
+        with PSClient(train) as trainer, PSClient(serve) as server:
+            trainer.create_table("item", 4, optimizer="sgd", lr=1.0)
+            trainer.push("item", keys, np.ones((200, 4), np.float32))
+            v1 = trainer.lookup("item", keys)
+            out = ok(ps_admin("checkpoint", "--out", "good", cwd=tmp_path, env=env))
+            assert f"cluster manifest: {shared / 'good' / 'manifest.json'}" in out, out  # one directory
+            listed = ok(ps_admin("list", "--root", shared, cwd=tmp_path))
+            assert listed.startswith("good: shards 0,1 of 2 (all shards)"), listed
+            trainer.push("item", keys, np.ones((200, 4), np.float32))  # a bad update
+            pinned = ok(ps_admin("serve-from", "--checkpoint", "good", cwd=tmp_path, env=env))
+            assert pinned.count(f"serving {shared / 'good'}") == 2, pinned
+            np.testing.assert_array_equal(server.lookup("item", keys), v1)
+            ok(ps_admin("unpin", cwd=tmp_path, env=env))
+    finally:
+        for s in serve_shards + train_shards:
+            stop_shard(s)
+    assert sorted(p.name for p in shared.iterdir()) == ["good"], "the serving shards wrote nothing there"
+
+
 def test_help_lists_every_command_with_one_line_each(tmp_path: Path) -> None:
     text = ok(ps_admin("--help", cwd=tmp_path))
     commands = ["checkpoint", "list", "reshard", "stats", "serve-from", "unpin", "tables", "create-table", "health"]
