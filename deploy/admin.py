@@ -44,7 +44,10 @@ Cluster manifest (``DIR/manifest.json``)::
 
     {"format": 1, "kind": "cluster", "num_shards": n, "shards": ["shard-00000-of-0000n", ...],
      "created_unix_s": ..., "created": "...Z", "tables": [TableSpec as JSON, ...],
-     "rows": {"table": rows}, "push_ledgers": "kept" | "dropped", ...}
+     "rows": {"table": rows}, "rows_estimated": {"table": bool}, "push_ledgers": "kept" | "dropped", ...}
+
+``rows_estimated`` is true for a table whose count (on some shard) is RocksDB's estimate: the
+shard had reopened the table from disk. Printed counts mark it with ``~``, as ``stats`` does.
 
 Example:
     >>> parse_addresses("127.0.0.1:5000, 127.0.0.1:5001+127.0.0.1:5002")
@@ -100,10 +103,18 @@ def parse_addresses(text: str) -> list[list[str]]:
     return client_parse_addresses(text)
 
 
+# After a listing whose row counts are marked with "~" (a checkpoint's ``rows_estimated``).
+_CHECKPOINT_ESTIMATE_NOTE = (
+    "~ about: RocksDB's estimate of the rows on disk (the shard had reopened the table from disk, so it "
+    "counts those rows from the estimate)"
+)
+
+
 def _format_checkpoints(found: Sequence[dict[str, Any]]) -> str:
     if not found:
         return "no checkpoints"
     lines = []
+    estimated = False
     for c in found:
         parts = c["parts"]
         n = parts[0]["num_shards"]
@@ -111,7 +122,11 @@ def _format_checkpoints(found: Sequence[dict[str, Any]]) -> str:
         state = "all shards" if c["complete"] else "INCOMPLETE"
         created = max(str(p["created"]) for p in parts)
         rows = sum(p["rows"] for p in parts)
-        lines.append(f"{c['name']}: shards {shards} of {n} ({state}), created {created}, {rows} rows")
+        about = "~" if any(p.get("rows_estimated") for p in parts) else ""
+        estimated = estimated or bool(about)
+        lines.append(f"{c['name']}: shards {shards} of {n} ({state}), created {created}, {about}{rows} rows")
+    if estimated:
+        lines.append(_CHECKPOINT_ESTIMATE_NOTE)
     return "\n".join(lines)
 
 
@@ -172,7 +187,8 @@ def _format_health(rows: Sequence[dict[str, Any]]) -> str:
     lines = []
     for r in rows:
         states = ", ".join(f"{k}={v}" for k, v in r["services"].items())
-        lines.append(f"{r['address']}: {'SERVING' if r['serving'] else 'NOT SERVING'} ({states})")
+        hint = f"; {r['hint']}" if r.get("hint") else ""
+        lines.append(f"{r['address']}: {'SERVING' if r['serving'] else 'NOT SERVING'} ({states}){hint}")
     return "\n".join(lines)
 
 
@@ -365,11 +381,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _print_rows(manifest: dict[str, Any]) -> None:
     per_shard = manifest.get("shard_rows") or []
+    per_shard_estimated = manifest.get("shard_rows_estimated") or [{} for _ in per_shard]
+    estimated = manifest.get("rows_estimated") or {}
     for table, total in sorted((manifest.get("rows") or {}).items()):
-        parts = ", ".join(str(r.get(table, 0)) for r in per_shard)
-        print(f"  table {table}: {total} rows (by shard: {parts})")
+        parts = ", ".join(
+            f"{'~' if about.get(table) else ''}{r.get(table, 0)}"
+            for r, about in zip(per_shard, per_shard_estimated, strict=True)
+        )
+        print(f"  table {table}: {'~' if estimated.get(table) else ''}{total} rows (by shard: {parts})")
     if not manifest.get("rows"):
         print("  no tables")
+    elif any(estimated.values()):
+        print(f"  {_CHECKPOINT_ESTIMATE_NOTE}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import ClientConfig, PSClient, PSError, ShardUnavailableError
+from client.errors import tls_hint
 from deploy.reshard import AdminError, now_stamp, shard_dir_name
 from protos.services import SHARD_HEALTH
 from protos.tls import TLSError, channel_credentials, open_channel
@@ -127,8 +128,9 @@ def checkpoint_cluster(
     ``serve-from`` takes), ``parts`` (each shard's directory) and ``manifest_path``
     (None when the parts lie apart). Row counts are as the shards report them (exact in
     a shard that has not restarted; RocksDB's estimate for rows spilled before a
-    restart). Raises ``AdminError`` (naming the address) when a shard is unreachable,
-    out of order or fails.
+    restart): ``rows_estimated`` (per table) and ``shard_rows_estimated`` (per shard and
+    table) say which. Raises ``AdminError`` (naming the address) when a shard is
+    unreachable, out of order or fails.
     """
     name = None if out is None else str(out)
     n = len(addresses)
@@ -166,12 +168,17 @@ def checkpoint_cluster(
         "created": created,
         "tables": [],
         "rows": {},
+        "rows_estimated": {},
         "shard_rows": [m.get("rows") or {} for m in manifests],
+        "shard_rows_estimated": [m.get("rows_estimated") or {} for m in manifests],
         "push_ledgers": "kept",
     }
     for m in manifests:
+        estimated = m.get("rows_estimated") or {}
         for table, count in (m.get("rows") or {}).items():
             manifest["rows"][table] = manifest["rows"].get(table, 0) + int(count)
+            about = manifest["rows_estimated"].get(table, False) or bool(estimated.get(table, False))
+            manifest["rows_estimated"][table] = about
     manifest["name"] = checkpoint_name
     info: dict[str, Any] = {"parts": parts, "manifest_path": None}
     try:
@@ -191,8 +198,9 @@ def checkpoint_cluster(
 
 def list_checkpoints(roots: Sequence[Path]) -> list[dict[str, Any]]:
     """The checkpoints under ``roots`` (checkpoint roots this process sees), by name: for
-    each, the parts found (``shard``, ``num_shards``, ``path``, ``created``, ``rows``) and
-    the cluster manifest's path if there is one. A part is a directory with ``db/`` and
+    each, the parts found (``shard``, ``num_shards``, ``path``, ``created``, ``rows``,
+    ``rows_estimated``: whether some table's count is RocksDB's estimate) and the cluster
+    manifest's path if there is one. A part is a directory with ``db/`` and
     ``manifest.json``: ``NAME/shard-IIIII-of-NNNNN``, or ``NAME`` itself (older checkpoints).
     Raises ``AdminError`` for a root that is not a directory."""
     found: dict[str, dict[str, Any]] = {}
@@ -210,6 +218,7 @@ def list_checkpoints(roots: Sequence[Path]) -> list[dict[str, Any]]:
                 except (DataDirError, StorageFailed, OSError, ValueError):
                     continue
                 rows = sum(int(v) for v in (m.get("rows") or {}).values())
+                estimated = any(bool(v) for v in (m.get("rows_estimated") or {}).values())
                 parts.append(
                     {
                         "shard": m.get("shard"),
@@ -217,6 +226,7 @@ def list_checkpoints(roots: Sequence[Path]) -> list[dict[str, Any]]:
                         "path": str(d),
                         "created": m.get("created"),
                         "rows": rows,
+                        "rows_estimated": estimated,
                     }
                 )
             if not parts:
@@ -259,13 +269,20 @@ def create_table(
 
 
 def cluster_health(addresses: Sequence[str | Sequence[str]], timeout_s: float = 5.0) -> list[dict[str, Any]]:
-    """The gRPC health status of every address and health service (no token needed)."""
+    """The gRPC health status of every address and health service (no token needed).
+
+    Each row: ``address``, ``services`` (service -> status, or the error of the call),
+    ``serving`` and ``hint``: what to do when the call failed because one side speaks
+    TLS and the other does not (``client.errors.tls_hint``, as every other command
+    says it), else "".
+    """
     out = []
     flat = [a for shard in addresses for a in ([shard] if isinstance(shard, str) else shard)]
     for address in flat:
-        row: dict[str, Any] = {"address": address, "services": {}}
+        row: dict[str, Any] = {"address": address, "services": {}, "hint": ""}
         try:
-            with open_channel(address, _health_credentials(), []) as channel:
+            credentials = _health_credentials()
+            with open_channel(address, credentials, []) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 for service in SHARD_HEALTH:
                     try:
@@ -275,6 +292,7 @@ def cluster_health(addresses: Sequence[str | Sequence[str]], timeout_s: float = 
                         if exc.code() == grpc.StatusCode.NOT_FOUND:
                             continue  # not a service of this kind of shard
                         row["services"][service or "(server)"] = f"{exc.code().name}: {exc.details()}"
+                        row["hint"] = tls_hint(exc.code(), str(exc.details()), address, credentials is not None)
                         break  # unreachable: the other services would only say so again
                     row["services"][service or "(server)"] = status
         except TLSError as exc:

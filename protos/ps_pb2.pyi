@@ -306,7 +306,7 @@ class LoopFailure(_message.Message):
     def __init__(self, loop: _Optional[str] = ..., error: _Optional[str] = ..., failures: _Optional[int] = ..., first_failure_unix_s: _Optional[float] = ..., last_failure_unix_s: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("shard", "num_shards", "mode", "uptime_s", "tables", "duplicate_pushes", "memory_budget_bytes", "resident_bytes", "durability", "writable", "storage_error", "last_durable_unix_s", "failing_loops", "version", "follow")
+    __slots__ = ("shard", "num_shards", "mode", "uptime_s", "tables", "duplicate_pushes", "memory_budget_bytes", "resident_bytes", "durability", "writable", "storage_error", "last_durable_unix_s", "failing_loops", "version", "follow", "lineage")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,7 @@ class StatsResponse(_message.Message):
     FAILING_LOOPS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     shard: int
     num_shards: int
     mode: str
@@ -337,7 +338,8 @@ class StatsResponse(_message.Message):
     failing_loops: _containers.RepeatedCompositeFieldContainer[LoopFailure]
     version: int
     follow: FollowStatus
-    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., durability: _Optional[str] = ..., writable: _Optional[bool] = ..., storage_error: _Optional[str] = ..., last_durable_unix_s: _Optional[float] = ..., failing_loops: _Optional[_Iterable[_Union[LoopFailure, _Mapping]]] = ..., version: _Optional[int] = ..., follow: _Optional[_Union[FollowStatus, _Mapping]] = ...) -> None: ...
+    lineage: str
+    def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., durability: _Optional[str] = ..., writable: _Optional[bool] = ..., storage_error: _Optional[str] = ..., last_durable_unix_s: _Optional[float] = ..., failing_loops: _Optional[_Iterable[_Union[LoopFailure, _Mapping]]] = ..., version: _Optional[int] = ..., follow: _Optional[_Union[FollowStatus, _Mapping]] = ..., lineage: _Optional[str] = ...) -> None: ...
 
 class FollowStatus(_message.Message):
     __slots__ = ("source", "leader", "checkpoint", "connected", "applied_version", "leader_version", "lag_versions", "lag_s", "snapshots", "batches", "error")
@@ -392,7 +394,7 @@ class TableDelta(_message.Message):
     def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., dim: _Optional[int] = ..., deleted_keys: _Optional[bytes] = ...) -> None: ...
 
 class FollowBatch(_message.Message):
-    __slots__ = ("history", "version", "leader_version", "version_unix_s", "specs", "deltas", "snapshot_begin", "snapshot_end", "in_snapshot")
+    __slots__ = ("history", "version", "leader_version", "version_unix_s", "specs", "deltas", "snapshot_begin", "snapshot_end", "in_snapshot", "lineage")
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEADER_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +404,7 @@ class FollowBatch(_message.Message):
     SNAPSHOT_BEGIN_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_END_FIELD_NUMBER: _ClassVar[int]
     IN_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     history: str
     version: int
     leader_version: int
@@ -411,7 +414,8 @@ class FollowBatch(_message.Message):
     snapshot_begin: bool
     snapshot_end: bool
     in_snapshot: bool
-    def __init__(self, history: _Optional[str] = ..., version: _Optional[int] = ..., leader_version: _Optional[int] = ..., version_unix_s: _Optional[float] = ..., specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., deltas: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., snapshot_begin: _Optional[bool] = ..., snapshot_end: _Optional[bool] = ..., in_snapshot: _Optional[bool] = ...) -> None: ...
+    lineage: str
+    def __init__(self, history: _Optional[str] = ..., version: _Optional[int] = ..., leader_version: _Optional[int] = ..., version_unix_s: _Optional[float] = ..., specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., deltas: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., snapshot_begin: _Optional[bool] = ..., snapshot_end: _Optional[bool] = ..., in_snapshot: _Optional[bool] = ..., lineage: _Optional[str] = ...) -> None: ...
 
 class ServeFromRequest(_message.Message):
     __slots__ = ("checkpoint",)

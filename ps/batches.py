@@ -24,7 +24,7 @@ import numpy.typing as npt
 from protos import ps_pb2 as pb
 from ps.cluster import Route
 
-__all__ = ["MODES", "LookupBatch", "Mode", "PushBatch", "RowSource"]
+__all__ = ["MODES", "LookupBatch", "Mode", "PushBatch", "Route", "RowSource"]
 
 _NO_ROUTE = Route()
 
@@ -61,6 +61,11 @@ class RowSource(Protocol):
     ``Stats``, health and ``ServeFrom`` use it."""
 
     applied_version: int
+
+    @property
+    def lineage(self) -> str:
+        """The lineage of the rows served now (``Stats.lineage``); "" while unknown."""
+        ...
 
     def status(self) -> pb.FollowStatus: ...
 

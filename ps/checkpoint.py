@@ -58,6 +58,7 @@ from ps import optimizers
 from ps.config import spec_to_proto
 from ps.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
 from ps.errors import InvalidRequest, NotConfigured
+from ps.rescue import set_lineage
 from ps.storage import Storage, StorageFailed
 from ps.table import Table, held_tables
 
@@ -200,6 +201,7 @@ def write_checkpoint(
     num_shards: int,
     data_dir_failed: Callable[[StorageFailed], None],
     name: str | None = None,
+    lineage: str = "",
 ) -> dict[str, Any]:
     """Write a consistent checkpoint of ``tables`` at ``path`` (from
     ``resolve_checkpoint_path``: absolute, not existing) and return its manifest.
@@ -210,6 +212,13 @@ def write_checkpoint(
     rows in RAM are written into a new data directory at ``path``. Raises
     ``StorageFailed`` when the checkpoint cannot be written; nothing is left at ``path``
     then. ``name``: the checkpoint's name, the manifest's ``version`` (default ``path.name``).
+    ``lineage``: the shard's (``Shard.lineage``), noted in the manifest; a RocksDB checkpoint
+    carries the data dir's own, and the data directory written without one gets it stored.
+
+    The manifest: ``format``, ``shard``, ``num_shards``, ``version``, ``created_unix_s``,
+    ``created``, ``lineage``, ``tables`` (specs), ``rows`` (table -> rows) and
+    ``rows_estimated`` (table -> whether its count is RocksDB's estimate, as in ``Stats``:
+    the table was reopened from disk).
     """
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
@@ -218,12 +227,14 @@ def write_checkpoint(
         "version": path.name if name is None else name,
         "created_unix_s": time.time(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "lineage": lineage,
         "tables": [json_format.MessageToDict(spec_to_proto(t.spec)) for t in tables],
     }
     existed = os.path.lexists(path)
     try:
         if storage is None:
-            manifest["rows"] = _write_ram_tables(path, tables, shard, num_shards)
+            manifest["rows"] = _write_ram_tables(path, tables, shard, num_shards, lineage)
+            manifest["rows_estimated"] = dict.fromkeys(manifest["rows"], False)
             write_manifest(path, manifest)
         else:
             with held_tables(tables) as held:
@@ -234,6 +245,9 @@ def write_checkpoint(
                         data_dir_failed(exc)
                         raise
                 manifest["rows"] = {h.spec.name: h.rows for h in held}
+                # As Stats' rows_estimated: a table reopened from disk counts its rows there
+                # from RocksDB's estimate, so its count is approximate from then on.
+                manifest["rows_estimated"] = {h.spec.name: h.rows_estimated for h in held}
                 # A checkpoint directory that cannot be written is not the data dir failing.
                 storage.checkpoint(path, manifest)
     except BaseException:
@@ -244,15 +258,17 @@ def write_checkpoint(
     return manifest
 
 
-def _write_ram_tables(path: Path, tables: list[Table], shard: int, num_shards: int) -> dict[str, int]:
-    """Write the tables of a shard without a data directory into a new one at ``path``;
-    returns rows written per table."""
+def _write_ram_tables(path: Path, tables: list[Table], shard: int, num_shards: int, lineage: str) -> dict[str, int]:
+    """Write the tables of a shard without a data directory into a new one at ``path``
+    (with the shard's ``lineage``, if any); returns rows written per table."""
     rows: dict[str, int] = {}
     try:
         path.mkdir(parents=True)
     except OSError as exc:
         raise StorageFailed(f"cannot create checkpoint directory {path}: {exc.strerror}") from None
     with Storage(path, shard=shard, num_shards=num_shards) as out:
+        if lineage:
+            set_lineage(out, lineage)
         for t in tables:
             out.save_spec(t.spec.name, spec_to_proto(t.spec).SerializeToString())
             target = out.table(t.spec.name, t.dim, optimizers.state_width(t.spec.optimizer, t.dim))

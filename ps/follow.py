@@ -12,7 +12,9 @@ A serving shard (``ps-server --mode serve``) has one ``Source``:
   dropping rows the leader no longer has. With ``--data-dir`` the follower keeps its copy
   there (its own directory, written by it alone): a restarted follower continues from
   the version its data dir holds, which is saved only after the rows of that version
-  were written. If the stream breaks, it reconnects with backoff and carries on.
+  were written. If the stream breaks, it reconnects with backoff and carries on. The
+  follower reports its leader's lineage (``Stats.lineage``: which data the rows are) once
+  it applied rows of it; it is saved with the version.
 
 ``pin(checkpoint)`` serves a checkpoint instead (read-only; a follower pauses its stream
 meanwhile) and ``unpin()`` switches back; ``ps-admin serve-from`` drives both, to roll
@@ -48,6 +50,7 @@ from ps.config import spec_from_proto
 from ps.datadir import DataDirError
 from ps.errors import InvalidRequest
 from ps.lifecycle import Lifecycle
+from ps.rescue import read_base
 from ps.shard import Shard
 from ps.storage import Storage, StorageFailed
 from ps.table import Table
@@ -56,7 +59,7 @@ __all__ = ["Source"]
 
 log = logging.getLogger(__name__)
 
-_STATE_KEY = b"follow-state"  # "<history> <version>" of the rows this data dir holds
+_STATE_KEY = b"follow-state"  # "<history> <version> <lineage>" of the rows this data dir holds
 _SAVE_EVERY_S = 2.0
 
 
@@ -78,11 +81,13 @@ class Source:
         self.max_message_bytes = max_message_bytes
         self.credentials, self.metadata = credentials, metadata  # TLS and bearer token for the leader
         self.history, self.applied_version = "", 0
+        self.followed_lineage = ""  # the leader's lineage of the rows applied ("": none yet)
         self.leader_version = 0
         self.snapshots = self.batches = 0
         self.connected = False
         self.error = ""
         self.pinned: Path | None = None
+        self._pinned_lineage = ""
         self._pinned_storage: Storage | None = None
         self._base: dict[str, Table] | None = None  # the shard's own tables while pinned
         self._behind_since: float | None = None
@@ -99,12 +104,21 @@ class Source:
         if leader is not None and shard.storage is not None:
             saved = shard.storage.get_meta(_STATE_KEY)
             if saved:
-                history, version = saved.decode().split()
+                history, version, *lineage = saved.decode().split()  # no lineage: saved by an older version
                 self.history, self.applied_version = history, int(version)
+                self.followed_lineage = lineage[0] if lineage else ""
                 self._saved_version = self.applied_version
                 log.info("continuing to follow %s from version %d (history %s)", leader, int(version), history)
 
     # -- status ----------------------------------------------------------------------------
+
+    @property
+    def lineage(self) -> str:
+        """Which data the rows served now are (``Stats.lineage``): the pinned checkpoint's,
+        the leader's of the rows applied ("" before any), or the shard's own data dir's."""
+        if self.pinned is not None:
+            return self._pinned_lineage
+        return self.followed_lineage if self.leader is not None else self.shard.lineage
 
     @property
     def kind(self) -> str:
@@ -230,6 +244,10 @@ class Source:
         else:
             self.leader_version = max(self.leader_version, batch.leader_version)
             self.resyncing, self._staged = False, {}  # the leader continued this history after all
+            if batch.lineage:
+                # One history is one leader process, so the rows applied were of its lineage
+                # all along (a state saved by an older version did not say which).
+                self.followed_lineage = batch.lineage
             if batch.deltas or batch.version > self.applied_version:
                 with self.shard.serve_lock.writing():
                     self._take_specs(batch.specs)
@@ -258,6 +276,7 @@ class Source:
                 if stale.size:
                     table.remove(stale)
             self.history, self.applied_version = end.history, end.version
+            self.followed_lineage = end.lineage
             self.leader_version = end.leader_version  # versions of an earlier history do not count
             self.snapshots += 1
             self.resyncing = False
@@ -287,10 +306,10 @@ class Source:
             return
         self._saved_at = time.monotonic()
         with self.shard.serve_lock.reading():
-            history, version = self.history, self.applied_version
+            history, version, lineage = self.history, self.applied_version, self.followed_lineage
         try:
             self.shard.flush()
-            storage.put_meta(_STATE_KEY, f"{history} {version}".encode())
+            storage.put_meta(_STATE_KEY, f"{history} {version} {lineage}".encode())
             self._saved_version = version
         except StorageFailed as exc:
             log.warning("could not save the followed rows: %s (retrying later)", exc)
@@ -322,6 +341,7 @@ class Source:
             if self._base is None:
                 self._base = previous
             old, self._pinned_storage, self.pinned = self._pinned_storage, storage, path
+            self._pinned_lineage = read_base(storage).lineage or ""
         if old is not None:
             old.close()
         log.info("serving checkpoint %s (pinned)", path)

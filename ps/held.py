@@ -56,6 +56,11 @@ class HeldTable:
             self.ledgers.mark_changed([key for key, _ in changed])
         return int(keys.shape[0])
 
+    @property
+    def rows_estimated(self) -> bool:
+        """Whether ``rows`` counts from RocksDB's estimate (a table reopened from disk)."""
+        return self._disk is not None and self._disk.estimated
+
     def unpersisted(self) -> Rows:
         """Copies of every resident row that is not on disk as it is in RAM (a shard
         stopping with a failed disk saves these elsewhere)."""

@@ -40,7 +40,7 @@ from ps.background import Listeners
 from ps.rescue import StopReport
 from ps.storage import Storage, StorageFailed
 
-__all__ = ["StorageHealth", "reopen_if_refusing"]
+__all__ = ["ACKNOWLEDGED_ON_DISK", "ROWS_FROM_SOURCE", "StorageHealth", "reopen_if_refusing"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,15 @@ log = logging.getLogger(__name__)
 # time up to _RETRY_MAX_S (each try reopens RocksDB, which replays its write-ahead log).
 _RETRY_FIRST_S = 0.5
 _RETRY_MAX_S = 5.0
+# Why a stop that could not write everything lost nothing (``final_write``'s ``why_safe``).
+ROWS_FROM_SOURCE = (
+    "this serving shard holds no acknowledged push: its rows come from its source, and a follower's restart "
+    "streams again what was not written"
+)
+ACKNOWLEDGED_ON_DISK = (
+    "every acknowledged push is on disk: what was not written is rows created by lookups (they come back "
+    "identical) and access times"
+)
 
 
 class StorageHealth:
@@ -139,13 +148,14 @@ class StorageHealth:
         flush: Callable[[], int],
         at_risk: Callable[[], int | None],
         rescue: Callable[[str], StopReport],
+        why_safe: str = ACKNOWLEDGED_ON_DISK,
     ) -> StopReport:
         """Write what is dirty one last time (a stopping shard): ``reopen`` first if the
         data directory refused writes, then ``flush``. If that fails, ``at_risk()`` says
         how many rows changed by acknowledged pushes are only in RAM (None: none, and no
-        ledger entry either); while some are, retry with backoff until ``grace_s`` has
-        passed, then hand the last error to ``rescue``. Blocks for up to ``grace_s`` plus
-        the rescue."""
+        ledger entry either; the warning logged then gives ``why_safe``); while some are,
+        retry with backoff until ``grace_s`` has passed, then hand the last error to
+        ``rescue``. Blocks for up to ``grace_s`` plus the rescue."""
         deadline = time.monotonic() + grace_s
         delay = _RETRY_FIRST_S
         while True:
@@ -160,11 +170,7 @@ class StorageHealth:
                 error = str(exc)
             unwritten = at_risk()
             if unwritten is None:
-                log.warning(
-                    "final flush failed (%s), but every acknowledged push is on disk: what was not written is "
-                    "rows created by lookups (they come back identical) and access times",
-                    error,
-                )
+                log.warning("final flush failed (%s), but %s", error, why_safe)
                 return StopReport(error=error)
             left = deadline - time.monotonic()
             if left <= 0:

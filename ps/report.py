@@ -53,4 +53,5 @@ def shard_stats(shard: Shard) -> pb.StatsResponse:
         failing_loops=[pb.LoopFailure(**dataclasses.asdict(f)) for f in shard.health.failing()],
         version=shard.changes.version if shard.source is None else shard.source.applied_version,
         follow=shard.source.status() if shard.source is not None else None,
+        lineage=shard.lineage if shard.source is None else shard.source.lineage,
     )

@@ -7,6 +7,8 @@ the rows it still holds unwritten, with every table's push ledger, to a *rescue 
 in another directory, and exits non-zero naming it. Where: ``--rescue-dir`` first (give
 it a directory on another volume than the data directory: a full disk refuses the dump
 too), then the checkpoint root, then beside the data directory (``dump_places``).
+Only a training shard writes dumps: a serving shard acknowledged no push, and what it
+could not write comes again from its source (``Shard.shutdown``).
 
 A dump must be applied before the data directory takes anything new, and never after:
 
@@ -87,7 +89,9 @@ __all__ = [
     "dump_places",
     "is_rescue_dump",
     "read_base",
+    "rows_at_risk",
     "save_rescue",
+    "set_lineage",
     "settle_dumps",
     "write_rescue",
 ]
@@ -116,6 +120,13 @@ def read_base(storage: Storage) -> RescueBase:
     """The lineage and epoch stored in ``storage`` (a read)."""
     lineage, epoch = storage.get_meta(_LINEAGE), storage.get_meta(_EPOCH)
     return RescueBase(lineage.decode() if lineage else None, epoch.decode() if epoch else None)
+
+
+def set_lineage(storage: Storage, lineage: str) -> None:
+    """Store ``lineage`` as the one of the data dir ``storage`` (a new data dir holding a
+    copy of another's rows, e.g. a checkpoint of a shard without a data dir). Raises
+    ``StorageFailed``."""
+    storage.put_meta(_LINEAGE, lineage.encode())
 
 
 def begin_epoch(storage: Storage) -> RescueBase:
@@ -148,6 +159,16 @@ class RescueTable:
     spec: TableSpec
     rows: Rows
     ledgers: dict[str, bytes]
+
+
+def rows_at_risk(tables: list[Table], every_push: bool) -> int | None:
+    """Rows changed by acknowledged pushes that are only in RAM (None: none, and no ledger
+    entry either): what a stop whose disk refuses the final write must save. In
+    every-push mode each push was written before it was acknowledged."""
+    unwritten = sum(t.unpersisted_rows() for t in tables)
+    if every_push or not (unwritten or any(t.ledgers.has_changes() for t in tables)):
+        return None
+    return unwritten
 
 
 def write_rescue(

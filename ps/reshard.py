@@ -198,6 +198,11 @@ class Reshard:
             )
         return KeyOrigins(self.index, fixed=origin)
 
+    @staticmethod
+    def alive(active: Callable[[], bool], closing: Callable[[], bool]) -> Callable[[], bool]:
+        """True while a stream's caller is there and the shard is not stopping."""
+        return lambda: active() and not closing()
+
     def pending_ledgers(self) -> int:
         """Push-ledger entries from the last reshard not merged back (a new one waits for 0)."""
         return sum(t.ledgers.pending() for t in self._parts.tables())

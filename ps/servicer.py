@@ -29,11 +29,12 @@ from protos import ps_pb2 as pb
 from protos import servers, wire
 from protos.servers import Status
 from protos.services import PS_SERVICE
-from ps.cluster import ClusterMap
+from ps.batches import LookupBatch, PushBatch
+from ps.cluster import ClusterMap, Route
 from ps.config import spec_from_proto, spec_to_proto
 from ps.errors import RequestTooLarge, ShardError
 from ps.report import shard_stats
-from ps.shard import LookupBatch, PushBatch, Route, Shard
+from ps.shard import Shard
 
 __all__ = [
     "Servicer",

@@ -37,6 +37,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,9 @@ from ps.lifecycle import Eviction
 from ps.limits import Limits
 from ps.maintenance import Maintenance
 from ps.moveout import move_batches
-from ps.recovery import StorageHealth, reopen_if_refusing
+from ps.recovery import ACKNOWLEDGED_ON_DISK, ROWS_FROM_SOURCE, StorageHealth, reopen_if_refusing
 from ps.registry import TableRegistry
-from ps.rescue import RescueBase, StopReport, dump_places, read_base, save_rescue
+from ps.rescue import RescueBase, StopReport, dump_places, read_base, rows_at_risk, save_rescue
 from ps.reshard import Reshard, ReshardParts
 from ps.rwlock import ReadWriteLock
 from ps.storage import Storage, StorageFailed
@@ -132,6 +133,9 @@ class Shard:
         self.checkpoint_root = Path(checkpoint_root).absolute() if checkpoint_root is not None else None
         self.rescue_dir = rescue_dir  # --rescue-dir, tried first (``ps.rescue.dump_places``)
         self.rescue_base = read_base(storage) if storage is not None else RescueBase()  # noted in a dump
+        # Which data the rows are (``Stats.lineage``): the data dir's, made at its first start
+        # and carried by its checkpoints; a shard without one holds new data at every start.
+        self.lineage = self.rescue_base.lineage or ("" if storage is not None else uuid.uuid4().hex)
         self.health = LoopHealth()
         self.started = time.monotonic()
         self.last_durable = time.time()
@@ -399,7 +403,13 @@ class Shard:
                 f"{self.num_shards}: give each serving shard the address of the training shard with its index"
             )
         return follow_batches(
-            self.changes, self.tables, history, version, lambda: active() and not self._closing, max_message_bytes
+            self.changes,
+            self.tables,
+            history,
+            version,
+            lambda: active() and not self._closing,
+            max_message_bytes,
+            lineage=self.lineage,
         )
 
     def serve_from(self, checkpoint: str) -> pb.FollowStatus:
@@ -431,22 +441,15 @@ class Shard:
         return self.reshard.request(request.phase, src, dst)
 
     def move_rows(
-        self, to: ClusterMap, destination: int, active: Callable[[], bool], max_message_bytes: int
+        self, to: ClusterMap, destination: int, active: Callable[[], bool], max_bytes: int
     ) -> Iterator[pb.MoveBatch]:
-        """The stream of this shard's rows that move to shard ``destination`` of ``to``
-        (``ps.moveout``). Raises ``WrongMode`` on a serving shard, ``Moving`` before the
-        reshard is prepared here, ``InvalidRequest`` for a destination that gets nothing."""
+        """The stream (``ps.moveout``) of this shard's rows that move to shard ``destination``
+        of ``to``. Raises ``WrongMode`` on a serving shard, ``Moving`` before the reshard is
+        prepared here, ``InvalidRequest`` for a destination that gets nothing from it."""
         self.check_request()
         self.check_mode("MoveRows")
-        return move_batches(
-            self.reshard,
-            self.tables,
-            self.changes,
-            to,
-            destination,
-            lambda: active() and not self._closing,
-            max_message_bytes,
-        )
+        alive = self.reshard.alive(active, lambda: self._closing)
+        return move_batches(self.reshard, self.tables, self.changes, to, destination, alive, max_bytes)
 
     def duplicate_pushes(self) -> int:  # pushes skipped as applied before
         return sum(t.ledgers.duplicates for t in self.tables())
@@ -488,6 +491,7 @@ class Shard:
                 num_shards=self.num_shards,
                 data_dir_failed=lambda exc: self._storage_health.failed(str(exc)),
                 name=target.parent.name,
+                lineage=self.lineage,
             )
             if self.storage is not None:
                 self.last_durable = manifest["created_unix_s"]
@@ -561,6 +565,11 @@ class Shard:
         only in RAM (``interval`` and ``checkpoint-only`` modes; ``every-push`` wrote
         each one before acknowledging it), write them to a rescue dump. The report
         says what happened; blocks for up to ``grace_s`` plus the dump's write.
+
+        A serving shard (one with a ``source``) tries the final write once and never
+        writes a dump (``ps.rescue``): it acknowledged no push, and its rows come from
+        its source (a follower saves the version it reached only once the rows are
+        written, so a restart streams again what it could not write).
         """
         self._closing = True
         self.reshard.close()
@@ -570,26 +579,17 @@ class Shard:
             return StopReport()
         try:
             data = self.storage.path.absolute()
+            places = dump_places(data, self.rescue_dir, self.checkpoint_root)
+            serving, every_push = self.source is not None, self.durability.kind == "every-push"
             return self._storage_health.final_write(
                 grace_s,
                 reopen=self._reopen_if_refusing,
                 flush=self.flush,
-                at_risk=self._at_risk,
-                rescue=lambda error: self._rescue(data, error),
+                at_risk=lambda: None if serving else rows_at_risk(self.tables(), every_push),
+                rescue=lambda error: save_rescue(
+                    self.tables(), places, (self.index, self.num_shards), data, error, self.rescue_base
+                ),
+                why_safe=ROWS_FROM_SOURCE if serving else ACKNOWLEDGED_ON_DISK,
             )
         finally:
             self.storage.close()
-
-    def _at_risk(self) -> int | None:
-        """Rows changed by acknowledged pushes only in RAM (None: none, and no ledger entry
-        either). In every-push mode each was written before it was acknowledged."""
-        tables = self.tables()
-        unwritten = sum(t.unpersisted_rows() for t in tables)
-        if self.durability.kind == "every-push" or not (unwritten or any(t.ledgers.has_changes() for t in tables)):
-            return None
-        return unwritten
-
-    def _rescue(self, data: Path, error: str) -> StopReport:
-        """Save what data dir ``data`` could not take to the first rescue place that works."""
-        places = dump_places(data, self.rescue_dir, self.checkpoint_root)
-        return save_rescue(self.tables(), places, (self.index, self.num_shards), data, error, self.rescue_base)

@@ -41,9 +41,25 @@ def follow_batches(
     active: Callable[[], bool],
     max_message_bytes: int,
     heartbeat_s: float = 0.5,
+    lineage: str = "",
 ) -> Iterator[pb.FollowBatch]:
     """The stream a follower at ``(history, version)`` needs, from the change log
-    ``changes`` of the tables ``tables()`` returns, until ``active()`` turns false."""
+    ``changes`` of the tables ``tables()`` returns, until ``active()`` turns false. Every
+    message carries ``lineage`` (the leader's: which data its rows are)."""
+    for batch in _batches(changes, tables, history, version, active, max_message_bytes, heartbeat_s):
+        batch.lineage = lineage
+        yield batch
+
+
+def _batches(
+    changes: ChangeLog,
+    tables: Callable[[], Sequence[Table]],
+    history: str,
+    version: int,
+    active: Callable[[], bool],
+    max_message_bytes: int,
+    heartbeat_s: float,
+) -> Iterator[pb.FollowBatch]:
     log, limit = changes, max(1 << 16, max_message_bytes - _OVERHEAD_BYTES)
     sent = version if history == log.history and log.holds(version) else None
     while active():

@@ -2,7 +2,9 @@
 
 ``ps-infer --model runs/latest --ps HOST:PORT,HOST:PORT`` loads the run's exported
 model and manifest (``worker.export``), checks that the shards are the cluster it was
-trained on (shard count and order, tables, dims, seeds; ``_check_shards``), and serves ``ps.v1.Predictor`` with gRPC health and reflection:
+trained on (shard count and order, tables, dims, seeds, rows, the lineage of each shard's rows;
+``worker.preflight``, which waits up to ``--wait-s`` for serving shards still loading), and
+serves ``ps.v1.Predictor`` with gRPC health and reflection:
 
 * each request is checked and hashed on its own gRPC thread (``Predictor.encode``); a
   single batcher thread then scores concurrent requests together: it takes what is
@@ -61,6 +63,7 @@ from protos.services import PREDICT_SERVICE
 from protos.settings import load_settings
 from worker.export import load_model
 from worker.predictor import MIN_ROWS, Encoded, Predictor
+from worker.preflight import check_shards
 
 __all__ = ["InferConfig", "InferServer", "build_server", "main"]
 
@@ -97,6 +100,13 @@ class InferConfig:
     )
     max_batch_rows: int = field(default=8192, metadata=_help("most candidates scored in one model call"))
     deadline_s: float = field(default=5.0, metadata=_help("deadline of the row lookups of one micro-batch"))
+    wait_s: float = field(
+        default=10.0,
+        metadata=_help(
+            "at start, how long to keep checking shards that are still loading (a serving shard not caught up "
+            "with its training shard yet, a shard not answering yet) before giving up; 0: check once"
+        ),
+    )
     grace_s: float = field(default=10.0, metadata=_help("on SIGTERM, how long calls in progress may take to finish"))
     threads: int = field(default=0, metadata=_help("torch threads for the model (0: torch's default)"))
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
@@ -131,6 +141,7 @@ class InferConfig:
                 f"max_batch_rows={self.max_batch_rows}: must be >= max_candidates={self.max_candidates}",
             ),
             (self.deadline_s > 0 and self.grace_s >= 0, "deadline_s must be > 0 and grace_s >= 0"),
+            (0 <= self.wait_s < float("inf"), f"wait_s={self.wait_s}: must be a finite number >= 0"),
             (self.threads >= 0, f"threads={self.threads}: must be >= 0"),
             ((self.tls_cert is None) == (self.tls_key is None), "tls_cert and tls_key go together: give both"),
             (self.tls_client_ca is None or self.tls_cert is not None, "tls_client_ca needs tls_cert and tls_key"),
@@ -395,62 +406,6 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
     return infer
 
 
-def _check_shards(predictor: Predictor, client: PSClient, ps: str) -> None:
-    """Raise ``RuntimeError`` (one line) unless the shards at ``ps`` are the cluster the
-    model was trained on, as far as they can tell: the shard count of the manifest, each
-    replica the shard of its place in ``--ps`` and of a cluster of that size, every table
-    of the model on every replica with its dim (and seed: rows nobody trained are made
-    from it), and rows on a shard where training left some. Any of these wrong, and
-    scores would be silently wrong (rows of other keys, defaults, another shard's keys).
-    """
-    manifest = predictor.model.manifest
-    n = client.num_shards
-    trained_on = manifest.get("num_shards")
-    if isinstance(trained_on, int) and trained_on != n:
-        raise RuntimeError(
-            f"--ps names {n} shard{'s' if n != 1 else ''} ({ps}), but the model was trained on {trained_on} shard{'s' if trained_on != 1 else ''}: "
-            "give every shard in shard order, ',' between shards and '+' between the replicas of one "
-            "('|' works only quoted: a shell reads it as a pipe)"
-        )
-    problems: list[str] = []
-    shard_of = [i for i, replicas in enumerate(client.replicas) for _ in replicas]
-    stats = client.stats()
-    trained_rows = manifest.get("shard_rows") or []
-    for i, s in zip(shard_of, stats, strict=True):
-        where = s["address"]
-        if s["num_shards"] != n:
-            problems.append(f"{where} is shard {s['shard']} of {s['num_shards']}, but --ps names {n} shards")
-            continue
-        if s["shard"] != i:
-            problems.append(
-                f"{where} is shard {s['shard']}, but --ps gives it as shard {i}: list shards in shard order"
-            )
-            continue
-        held = {t["name"]: t for t in s["tables"]}
-        for table, dim in predictor.model.dims.items():
-            if table not in held:
-                problems.append(
-                    f"table {table!r} is not on {where} (it holds {', '.join(sorted(held)) or 'no tables'})"
-                )
-            elif held[table]["dim"] != dim:
-                problems.append(f"table {table!r}: dim {held[table]['dim']} on the shards, {dim} in the model")
-        rows = sum(int(held[t]["rows"]) for t in predictor.model.dims if t in held)
-        if not problems and i < len(trained_rows) and trained_rows[i] and not rows:
-            problems.append(
-                f"{where} (shard {i}) holds no rows of the model's tables, training left {trained_rows[i]} there "
-                "(a serving shard still loading, or the shards of another run)"
-            )
-    if not problems:
-        found = client.tables()
-        seeds = {t["name"]: t.get("seed") for t in manifest.get("tables", [])}
-        for table, seed in seeds.items():
-            if table in found and isinstance(seed, int) and found[table].seed != seed:
-                problems.append(f"table {table!r}: seed {found[table].seed} on the shards, {seed} in the model")
-    if problems:
-        unique = list(dict.fromkeys(problems))
-        raise RuntimeError(f"the shards at --ps {ps} do not match the model: {'; '.join(unique)}")
-
-
 def _warm_up(predictor: Predictor) -> None:
     """Encode one made-up candidate and run the program on zeros (no lookup), so the first
     request does not pay for loading the numba kernels or the program's first run."""
@@ -499,7 +454,7 @@ def _start(config: InferConfig) -> _Running:
     client = PSClient(config.addresses(), ClientConfig(deadline_s=config.deadline_s))
     try:
         predictor = Predictor(load_model(config.model), client, max_candidates=config.max_candidates)
-        _check_shards(predictor, client, ",".join(config.ps))
+        check_shards(predictor.model.manifest, predictor.model.dims, client, ",".join(config.ps), config.wait_s)
         _warm_up(predictor)
         server = build_server(config, predictor)
     except (ValueError, RuntimeError, PSError) as exc:

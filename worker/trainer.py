@@ -504,6 +504,8 @@ def _save(
         "features": [dataclasses.asdict(f) for f in run.features],
         "wide_suffix": WIDE if config.wide else None,
         "shard_rows": [sum(t["rows"] for t in s["tables"]) for s in shard_stats],
+        # Which data each shard's rows are (Stats.lineage): ps-infer refuses shards of another.
+        "shard_lineages": [s.get("lineage", "") for s in shard_stats],
     }
     if data.rows is not None and config.min_count > 1:
         # Serving must send keys outside the training vocabulary to the rare row, as training did.

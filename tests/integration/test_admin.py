@@ -214,6 +214,49 @@ def test_checkpoint_reshard_and_restore(tmp_path: Path) -> None:
             stop_shard(s)
 
 
+def test_row_counts_from_rocksdb_estimates_are_labelled(tmp_path: Path) -> None:
+    # A shard counts the rows it spills exactly; reopened from disk, it starts from RocksDB's
+    # estimate of the rows there. A checkpoint's counts say which they are, as Stats does.
+    args = (f"--data-dir={tmp_path / 'data'}", f"--memory-budget-bytes={BUDGET_BYTES}")
+    keys = np.arange(3000, dtype=np.int64)
+    shard = start_shard(0, 1, tmp_path, *args)
+    try:
+        with PSClient([shard.address]) as ps:
+            ps.create_table("user", 8)
+            ps.lookup("user", keys)  # spills under the budget: counted exactly
+        out = ok(ps_admin("checkpoint", "--addresses", shard.address, "--out", "exact", cwd=tmp_path))
+    finally:
+        stop_shard(shard)
+    assert "table user: 3000 rows (by shard: 3000)" in out and "~" not in out, out
+    part = tmp_path / "data" / "checkpoints" / "exact" / "shard-00000-of-00001"
+    exact = json.loads((part / "manifest.json").read_text())
+    assert exact["rows"] == {"user": 3000} and exact["rows_estimated"] == {"user": False}
+
+    shard = start_shard(0, 1, tmp_path, *args)  # reopened: the rows on disk are an estimate now
+    try:
+        out = ok(ps_admin("checkpoint", "--addresses", shard.address, "--out", "after", cwd=tmp_path))
+        reply = json.loads(
+            ok(ps_admin("--json", "checkpoint", "--addresses", shard.address, "--out", "j", cwd=tmp_path))
+        )
+    finally:
+        stop_shard(shard)
+    part = tmp_path / "data" / "checkpoints" / "after" / "shard-00000-of-00001"
+    after = json.loads((part / "manifest.json").read_text())
+    assert after["rows_estimated"] == {"user": True}, after
+    assert reply["rows_estimated"] == {"user": True} and reply["shard_rows_estimated"] == [{"user": True}]
+    rows = after["rows"]["user"]
+    assert f"table user: ~{rows} rows (by shard: ~{rows})" in out, out
+    assert "~ about: RocksDB's estimate" in out, out
+
+    listed = ok(ps_admin("list", "--root", tmp_path / "data" / "checkpoints", cwd=tmp_path))
+    lines = {line.split(":")[0]: line for line in listed.splitlines()}
+    assert lines["exact"].endswith(", 3000 rows") and lines["after"].endswith(f", ~{rows} rows"), listed
+    assert "~ about: RocksDB's estimate" in listed, listed
+    found = {c["name"]: c for c in json.loads(ok(ps_admin("--json", "list", "--root", part.parents[1], cwd=tmp_path)))}
+    assert [p["rows_estimated"] for p in found["after"]["parts"]] == [True]
+    assert [p["rows_estimated"] for p in found["exact"]["parts"]] == [False]
+
+
 def test_bad_arguments_and_checkpoints(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     missing = ps_admin(
@@ -358,6 +401,50 @@ def test_checkpoint_list_serve_from_and_unpin_with_the_cli(tmp_path: Path) -> No
     finally:
         for s in serve_shards + train_shards:
             stop_shard(s)
+
+
+def test_serve_from_with_one_checkpoint_root_for_training_and_serving_shards(tmp_path: Path) -> None:
+    """deploy/k8s's layout: each training shard's rows on a data volume of its own, one
+    checkpoint root on a volume every shard mounts (ps-checkpoints), serving shards with a
+    data dir of their own and that same root."""
+    shared = tmp_path / "ps-checkpoints" / "checkpoints"
+    root = f"--checkpoint-root={shared}"
+    train_shards = [
+        start_shard(i, 2, tmp_path / "t", f"--data-dir={tmp_path / f'data{i}' / 'data'}", root) for i in range(2)
+    ]
+    serve_shards = [
+        start_shard(
+            i,
+            2,
+            tmp_path / "s",
+            "--mode=serve",
+            f"--follow={train_shards[i].address}",
+            f"--data-dir={tmp_path / f'serve{i}'}",
+            root,
+        )
+        for i in range(2)
+    ]
+    train, serve = [s.address for s in train_shards], [s.address for s in serve_shards]
+    env = {"PS_ADDRESSES": ",".join(train), "SERVING_ADDRESSES": ",".join(serve)}
+    keys = np.arange(200)
+    try:
+        with PSClient(train) as trainer, PSClient(serve) as server:
+            trainer.create_table("item", 4, optimizer="sgd", lr=1.0)
+            trainer.push("item", keys, np.ones((200, 4), np.float32))
+            v1 = trainer.lookup("item", keys)
+            out = ok(ps_admin("checkpoint", "--out", "good", cwd=tmp_path, env=env))
+            assert f"cluster manifest: {shared / 'good' / 'manifest.json'}" in out, out  # one directory
+            listed = ok(ps_admin("list", "--root", shared, cwd=tmp_path))
+            assert listed.startswith("good: shards 0,1 of 2 (all shards)"), listed
+            trainer.push("item", keys, np.ones((200, 4), np.float32))  # a bad update
+            pinned = ok(ps_admin("serve-from", "--checkpoint", "good", cwd=tmp_path, env=env))
+            assert pinned.count(f"serving {shared / 'good'}") == 2, pinned
+            np.testing.assert_array_equal(server.lookup("item", keys), v1)
+            ok(ps_admin("unpin", cwd=tmp_path, env=env))
+    finally:
+        for s in serve_shards + train_shards:
+            stop_shard(s)
+    assert sorted(p.name for p in shared.iterdir()) == ["good"], "the serving shards wrote nothing there"
 
 
 def test_help_lists_every_command_with_one_line_each(tmp_path: Path) -> None:

@@ -307,6 +307,50 @@ def test_a_dump_is_never_applied_over_rows_written_after_it(tmp_path: Path, proc
         start(procs, tmp_path, *args, f"--restore-from={dump}")
 
 
+def test_a_follower_on_a_full_disk_stops_without_a_rescue_dump(tmp_path: Path, procs: list[ShardProcess]) -> None:
+    # A serving shard's rows come from its training shard, and it acknowledged no push: rows
+    # it could not write at its stop are streamed to it again when it restarts. A rescue dump
+    # of them would only be something for a person to apply or discard (and, with the serving
+    # shard's checkpoint root the training shard's, it would lie among that shard's files).
+    leader = start(procs, tmp_path / "train", f"--data-dir={tmp_path / 'train' / 'data'}")
+    with PSClient([leader.address]) as ps:
+        ps.create_table("big", 64, optimizer="sgd", initializer="zeros", lr=1.0)
+        for chunk in np.array_split(np.arange(NUM_KEYS), 8):  # ~2 MB the follower writes to its WAL
+            ps.push("big", chunk, -np.ones((chunk.shape[0], 64), np.float32))
+    data = tmp_path / "serve" / "data"
+    serve_args = ("--mode=serve", f"--follow={leader.address}", f"--data-dir={data}", "--grace-s=1")
+    follower = start(procs, tmp_path / "serve", *serve_args)
+
+    def caught_up() -> None:
+        began = time.monotonic()
+        while stats(follower.address)["version"] != stats(leader.address)["version"]:
+            assert time.monotonic() - began < 30, f"the follower did not catch up: {stats(follower.address)}"
+            time.sleep(0.1)
+
+    caught_up()
+    began = time.monotonic()
+    while sum(f.stat().st_size for f in (data / "db").glob("*.log")) <= 1 << 20:  # its copy is written
+        assert time.monotonic() - began < 30, "the follower did not write the rows it follows"
+        time.sleep(0.1)
+    set_file_size_limit(follower.proc.pid, 400_000)  # its log cannot grow: the disk is full
+    with PSClient([leader.address]) as ps:
+        ps.push("big", np.arange(64), -np.ones((64, 64), np.float32))  # rows the follower cannot write
+    caught_up()
+    code = terminate(follower)
+    log = follower.log.read_text(errors="replace")
+    assert code == 0, f"exit {code}: a serving shard has no acknowledged update to lose:\n{log[-3000:]}"
+    assert "rescue dump" not in log, log[-3000:]
+    assert not [p for p in tmp_path.rglob("*rescue-*")], "a serving shard wrote a rescue dump"
+
+    # Restarted with room again, it goes on from what it saved and holds the leader's rows.
+    follower = start(procs, tmp_path / "serve", *serve_args)
+    caught_up()
+    with PSClient([follower.address]) as served, PSClient([leader.address]) as trained:
+        np.testing.assert_array_equal(served.lookup("big", np.arange(128)), trained.lookup("big", np.arange(128)))
+    stop_shard(follower)
+    stop_shard(leader)
+
+
 @pytest.fixture
 def small_volume(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs under ``tmp_path``: a filesystem of its own that really fills up

@@ -6,6 +6,7 @@ and ``DistributedEmbedding`` on the keys the data path computes, for the same ra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -35,6 +36,7 @@ from deploy.local import LocalCluster
 from protos import infer_pb2 as pb
 from protos.columns import Column, columns_of, encode_request, request_of
 from protos.keys import hash_features
+from tests.faults.proxy import FaultProxy
 from worker.config import EmbeddingTableConfig, FeatureConfig
 from worker.data import Batch, feature_seed
 from worker.embedding import DistributedEmbedding
@@ -68,6 +70,11 @@ class Infer:
 
 def start_infer(trained: Trained, root: Path, name: str, *extra: str) -> Infer:
     """A real ``ps-infer`` process on 127.0.0.1 port 0; returns once it wrote its port file."""
+    return await_infer(*spawn_infer(trained, root, name, *extra))
+
+
+def spawn_infer(trained: Trained, root: Path, name: str, *extra: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """Start ``ps-infer`` (``start_infer``) without waiting: its process, port file and log."""
     port_file, log = root / f"{name}.port", root / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -85,6 +92,11 @@ def start_infer(trained: Trained, root: Path, name: str, *extra: str) -> Infer:
             stderr=subprocess.STDOUT,
             cwd=REPO,
         )
+    return proc, port_file, log
+
+
+def await_infer(proc: subprocess.Popen[bytes], port_file: Path, log: Path) -> Infer:
+    """The ``Infer`` of a spawned ``ps-infer`` once it wrote its port file (fails if it exits first)."""
     deadline = time.monotonic() + 120
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -456,10 +468,10 @@ def test_a_predict_without_a_deadline_is_answered(infer: Infer) -> None:
     np.testing.assert_array_equal(np.frombuffer(reply.scores, "<f4"), expected)
 
 
-def refused_start(trained: Trained, ps: str, tmp_path: Path, *, shell: bool = False) -> str:
-    """Run ps-infer with ``--ps ps`` (through bash, unquoted, when ``shell``); it must exit 1
-    with one line on stderr and no traceback. Returns that line."""
-    args = [sys.executable, "-m", "worker.serving", f"--model={trained.run}", "--listen=127.0.0.1:0"]
+def refused_start(trained: Trained, ps: str, tmp_path: Path, *extra: str, shell: bool = False) -> str:
+    """Run ps-infer with ``--ps ps`` and ``extra`` (through bash, unquoted, when ``shell``); it
+    must exit 1 with one line on stderr and no traceback. Returns that line."""
+    args = [sys.executable, "-m", "worker.serving", f"--model={trained.run}", "--listen=127.0.0.1:0", *extra]
     if shell:
         command = " ".join([*args, "--ps", ps, "--log-level=ERROR", "2>&1"])
         result = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -509,6 +521,56 @@ def test_infer_refuses_shards_of_another_cluster(trained: Trained, tmp_path: Pat
             client.create_table(t["name"], dim=t["dim"], seed=t["seed"])
         line = refused_start(trained, ",".join(other.addresses), tmp_path)
         assert "holds no rows of the model's tables" in line, line
+    # The same tables, with rows: another data set's cluster. Names, dims, seeds and row
+    # counts cannot tell; the lineage of each shard's rows (Stats.lineage) does.
+    manifest = json.loads((trained.run / "manifest.json").read_text())
+    assert len(manifest["shard_lineages"]) == 2 and all(manifest["shard_lineages"]), manifest["shard_lineages"]
+    with LocalCluster(2, root=tmp_path / "twin") as other, PSClient(other.addresses) as client:
+        for t in tables:
+            client.create_table(t["name"], dim=t["dim"], seed=t["seed"])
+            client.lookup(t["name"], np.arange(1000))  # rows on both shards
+        line = refused_start(trained, ",".join(other.addresses), tmp_path)
+        assert f"{other.addresses[0]} (shard 0) holds the rows of other data" in line, line
+        assert manifest["shard_lineages"][0] in line and "trained on" in line, line
+
+
+def test_infer_waits_for_serving_shards_still_loading(trained: Trained, infer: Infer, tmp_path: Path) -> None:
+    # Right after training, the serving shards may not have loaded their training shards'
+    # rows yet: here they cannot reach them (a proxy that answers nothing) until told to.
+    ids, counts = raw_rows(16, seed=13)
+    ((ctx, cand),) = requests_of(ids, counts, [16])
+    with PredictClient(infer.address) as client:
+        expected = client.predict(ctx, cand)  # creates the rows of unseen ids before the followers load
+    with contextlib.ExitStack() as stack:
+        proxies = [stack.enter_context(FaultProxy(a)) for a in trained.addresses]
+        for proxy in proxies:
+            proxy.set_mode("blackhole")
+        followers = stack.enter_context(LocalCluster(2, root=tmp_path / "f", follow=[p.address for p in proxies]))
+        ps = ",".join(followers.addresses)
+        line = refused_start(trained, ps, tmp_path, "--wait-s=0")  # no wait: fails at once, saying why
+        assert f"{followers.addresses[0]} (shard 0) is a serving shard still loading (not connected to" in line, line
+
+        proc, port_file, log = spawn_infer(Trained([ps], trained.run), tmp_path, "waits", "--wait-s=600")
+        began = time.monotonic()
+        while "waiting up to" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, f"ps-infer exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() - began < 120, log.read_text()[-3000:]
+            time.sleep(0.05)
+        assert not port_file.exists(), "ps-infer served before its shards had loaded"
+        assert "still loading" in log.read_text(errors="replace")
+        for proxy in proxies:
+            proxy.set_mode("pass")
+        served = await_infer(proc, port_file, log)
+        try:
+            with PSClient(followers.addresses) as client:
+                deadline = time.monotonic() + 60
+                while any(s["follow"]["lag_versions"] or not s["follow"]["connected"] for s in client.stats()):
+                    assert time.monotonic() < deadline, client.stats()
+                    time.sleep(0.05)
+            with PredictClient(served.address) as client:
+                np.testing.assert_array_equal(client.predict(ctx, cand), expected)
+        finally:
+            stop_infer(served)
 
 
 def test_plus_separates_replicas_unquoted_in_bash(trained: Trained, tmp_path: Path) -> None:

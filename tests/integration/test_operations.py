@@ -281,6 +281,12 @@ def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
         admin = ps_admin("stats", "--addresses", shard.address, cwd=tmp_path)
         assert admin.returncode == 1 and admin.stderr.count("\n") == 1, admin.stderr
         assert "expects TLS: pass --tls-ca" in admin.stderr and "is it running" not in admin.stderr
+        # health, too, says which side expects TLS (the hint the client gives every other command)
+        health = ps_admin("health", "--addresses", shard.address, "--timeout-s", "2", cwd=tmp_path)
+        assert health.returncode == 1, health.stdout + health.stderr
+        assert f"the server at {shard.address} expects TLS: pass --tls-ca" in health.stdout, health.stdout
+        secure = ps_admin("--tls-ca", tmp_path / "ca.pem", "health", "--addresses", shard.address, cwd=tmp_path)
+        assert secure.returncode == 0 and "NOT SERVING" not in secure.stdout, secure.stdout + secure.stderr
     finally:
         stop_shard(shard)
 
@@ -289,6 +295,18 @@ def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
         with PSClient([plain_shard.address], ClientConfig(tls_ca=str(tmp_path / "ca.pem"), **quick)) as c:
             with pytest.raises(PSError, match=f"the server at {plain_shard.address} does not use TLS"):
                 c.tables()  # TLS to a plain-text port
+        health = ps_admin(
+            "--tls-ca",
+            tmp_path / "ca.pem",
+            "health",
+            "--addresses",
+            plain_shard.address,
+            "--timeout-s",
+            "2",
+            cwd=tmp_path,
+        )
+        assert health.returncode == 1, health.stdout + health.stderr
+        assert f"the server at {plain_shard.address} does not use TLS: connect without --tls-ca" in health.stdout
     finally:
         stop_shard(plain_shard)
 

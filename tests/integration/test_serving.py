@@ -6,6 +6,7 @@ followers run from separate directories (each keeps its own port file and data).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -268,3 +269,56 @@ def test_a_serving_shard_says_it_is_read_only(leader: RunningShard, tmp_path: Pa
         assert "Writes" not in health.stdout, health.stdout
     finally:
         stop_shard(follower)
+
+
+def test_lineage_follows_the_data_not_the_process(leader: RunningShard, tmp_path: Path) -> None:
+    # Stats.lineage says which data a shard's rows are: ps-infer compares it with the
+    # lineage each shard had at training (worker.serving). It must stay while training
+    # goes on and across restarts and checkpoints, and differ for other data.
+    serve_root = tmp_path / "serve"
+    checkpoints = tmp_path / "train" / "data" / "checkpoints"
+    follower = follower_of(leader, serve_root, f"--data-dir={serve_root / 'data'}", f"--checkpoint-root={checkpoints}")
+    lineage = stats(leader.address)["lineage"]
+    assert len(lineage) == 32, lineage
+    keys = np.arange(100)
+    with PSClient([leader.address], FAST) as train:
+        train.create_table("item", DIM, optimizer="sgd", lr=1.0)
+        train.push("item", keys, np.ones((100, DIM), np.float32))
+        assert wait_caught_up(follower.address, leader.address)["lineage"] == lineage
+        (written,) = train.checkpoint()
+        train.push("item", keys, np.ones((100, DIM), np.float32))  # training goes on: the same data
+        assert stats(leader.address)["lineage"] == lineage
+    manifest = json.loads((Path(written["path"]) / "manifest.json").read_text())
+    assert manifest["lineage"] == lineage
+    with PSClient([follower.address], FAST) as serve:
+        assert serve.serve_from(written["name"])[0]["source"] == "checkpoint"
+        assert stats(follower.address)["lineage"] == lineage  # the checkpoint's rows: the same data
+        serve.serve_from(None)
+    stop_shard(follower)
+
+    address = leader.address
+    stop_shard(leader)
+    restarted = start_shard(0, 1, tmp_path / "train", f"--data-dir={tmp_path / 'train' / 'data'}", listen=address)
+    follower = follower_of(restarted, serve_root, f"--data-dir={serve_root / 'data'}")
+    try:
+        assert stats(address)["lineage"] == lineage, "a restart on the same data dir keeps the lineage"
+        assert stats(follower.address)["lineage"] == lineage, "a follower's data dir keeps the lineage it loaded"
+        assert wait_caught_up(follower.address, address, snapshots=1)["lineage"] == lineage
+    finally:
+        stop_shard(follower)
+        stop_shard(restarted)
+
+    restored = start_shard(
+        0, 1, tmp_path / "restored", f"--data-dir={tmp_path / 'restored' / 'data'}", f"--restore-from={written['path']}"
+    )
+    ram = start_shard(0, 1, tmp_path / "ram")  # no data dir: new data at every start
+    try:
+        assert stats(restored.address)["lineage"] == lineage, "a data dir restored from a checkpoint keeps it"
+        assert len(stats(ram.address)["lineage"]) == 32 and stats(ram.address)["lineage"] != lineage
+        first = stats(ram.address)["lineage"]
+        stop_shard(ram)
+        ram = start_shard(0, 1, tmp_path / "ram")
+        assert stats(ram.address)["lineage"] not in (first, "")
+    finally:
+        stop_shard(restored)
+        stop_shard(ram)

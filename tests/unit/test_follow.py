@@ -1,4 +1,5 @@
-"""A follower's lag while it resyncs: behind from the first snapshot message until the last.
+"""A follower's lag while it resyncs: behind from the first snapshot message until the last;
+and the lineage it reports: that of the rows it serves.
 
 Batches are applied straight to ``Source._apply`` (no stream): a restarted leader counts its
 versions from 0 again in a new history, so its versions must not be compared with the
@@ -101,3 +102,39 @@ def test_a_follower_resyncing_to_a_restarted_leader_reports_itself_behind() -> N
     assert (status.applied_version, status.leader_version, status.lag_versions) == (5, 15, 10)
     source._apply(pb.FollowBatch(history="B", version=15, leader_version=15, snapshot_end=True, in_snapshot=True))
     assert (source.applied_version, source.status().lag_versions, source.snapshots) == (15, 0, 3)
+
+
+def test_a_follower_reports_the_lineage_of_the_rows_it_serves() -> None:
+    shard = Shard(0, 1, mode="serve", source=lambda s: Source(s, leader="127.0.0.1:1"))
+    source = shard.source
+    assert isinstance(source, Source)
+    assert source.lineage == "" and source.status().source == "follow"  # nothing loaded yet
+    source._apply(
+        pb.FollowBatch(
+            history="A",
+            version=5,
+            leader_version=5,
+            specs=[spec()],
+            deltas=[delta([1], 1.0)],
+            snapshot_begin=True,
+            snapshot_end=True,
+            in_snapshot=True,
+            lineage="data-1",
+        )
+    )
+    assert source.lineage == "data-1"
+    source._apply(pb.FollowBatch(history="A", version=6, leader_version=6, lineage="data-1"))
+    assert source.lineage == "data-1"
+
+    # A leader on other data (its data dir replaced, say): until its snapshot is in, the
+    # rows served are still data-1's, and the lineage says so.
+    source._apply(
+        pb.FollowBatch(
+            history="B", version=2, leader_version=2, specs=[spec()], snapshot_begin=True, in_snapshot=True, lineage="2"
+        )
+    )
+    assert source.lineage == "data-1"
+    source._apply(
+        pb.FollowBatch(history="B", version=2, leader_version=2, snapshot_end=True, in_snapshot=True, lineage="2")
+    )
+    assert source.lineage == "2" and shard.table("t").export().keys.size == 0  # data-1's rows are gone

@@ -25,7 +25,7 @@ import json
 import re
 import shlex
 import tomllib
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from types import SimpleNamespace
 from typing import Any
 
@@ -38,6 +38,7 @@ import ps.metrics
 from client import parse_addresses
 from protos import ps_pb2 as pb
 from protos.guard import RpcMetrics
+from ps.checkpoint import checkpoint_target, resolve_existing_checkpoint
 from tests.unit.k8s_model import (
     K8S,
     NS,
@@ -173,6 +174,46 @@ def test_rescue_dumps_go_to_a_volume_of_their_own_that_outlives_the_pod(
         assert size >= p.config.memory_budget_bytes, f"{p.pod.name}: a dump holds up to the RAM budget of rows"
 
 
+def _claim_mount(resources: list[Resource], p: Proc, path: PurePosixPath) -> tuple[dict[str, Any], Resource]:
+    """The mount ``path`` lies under in ``p``'s container and the PersistentVolumeClaim it is."""
+    mount, volume = _mount_source(p.pod, p.container, path)
+    assert "persistentVolumeClaim" in volume, f"{p.pod.name}: {path} is on {volume}, not a PersistentVolumeClaim"
+    return mount, find_resource(resources, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+
+
+def test_serving_shards_read_the_checkpoints_training_writes(
+    resources: list[Resource], procs: list[Proc], tmp_path: Path
+) -> None:
+    # `ps-admin serve-from --checkpoint NAME` pins serving shard i to the part training shard
+    # i wrote: every shard, training and serving, needs the one checkpoint root, on a volume
+    # that pods on different nodes all mount.
+    train, serve = procs_of(procs, "ps-server", "ps-shard"), procs_of(procs, "ps-server", "ps-serve")
+    roots = set()
+    for p in train + serve:
+        root = p.config.checkpoint_root
+        assert root is not None, f"{p.pod.name}: no --checkpoint-root, so serve-from finds no checkpoint"
+        mount, claim = _claim_mount(resources, p, PurePosixPath(root))
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"], f"{p.pod.name}: pods on other nodes mount it too"
+        # Opening a RocksDB checkpoint, even read-only, rewrites a file in it (rocksdict's config).
+        assert not mount.get("readOnly"), f"{p.pod.name}: a read-only mount refuses serve-from"
+        assert PurePosixPath(root) != PurePosixPath(mount["mountPath"]), "a directory inside the volume (lost+found)"
+        roots.add((str(root), claim["metadata"]["name"], mount["mountPath"]))
+    assert len(roots) == 1, f"one checkpoint root for every shard (one NAME, one cluster manifest): {roots}"
+    ((root, claim_name, mount_path),) = roots
+
+    # Through the shards' own code, with the claim as a directory here: the part each training
+    # shard writes is the one its serving shard finds.
+    host = tmp_path / claim_name / PurePosixPath(root).relative_to(mount_path)
+    n = len(train)
+    parts = {}
+    for p in train:
+        parts[p.config.shard] = part = checkpoint_target(host, "v1", p.config.shard, n)
+        (part / "db").mkdir(parents=True)
+        (part / "manifest.json").write_text("{}")
+    for p in serve:
+        assert resolve_existing_checkpoint(host, "v1", p.config.shard, n) == parts[p.config.shard], p.pod.name
+
+
 def test_memory_budget_fits_the_limit(procs: list[Proc]) -> None:
     for p in procs_of(procs, "ps-server"):
         limit = _bytes(p.container["resources"]["limits"]["memory"])
@@ -266,6 +307,15 @@ def test_probes_ask_the_grpc_port(procs: list[Proc]) -> None:
                 assert probe["grpc"]["port"] == port and probe["grpc"].get("service", "") == "", probe
             else:  # the kubelet's gRPC probe speaks plaintext only: it would fail against TLS
                 assert "grpc" not in probe and probe["tcpSocket"]["port"] == port, probe
+
+
+def test_ps_infer_waits_for_loading_shards_within_its_startup_probe(procs: list[Proc]) -> None:
+    # ps-infer listens only once its shards have loaded (--wait-s): the kubelet must not kill
+    # it for not answering meanwhile, or a pod that would have served crash-loops instead.
+    for p in procs_of(procs, "ps-infer"):
+        probe = p.container["startupProbe"]
+        window_s = probe["periodSeconds"] * probe["failureThreshold"]
+        assert 0 < p.config.wait_s < window_s, f"{p.pod.name}: --wait-s {p.config.wait_s}, probe window {window_s} s"
 
 
 def _pre_stop_s(c: dict[str, Any]) -> int:

@@ -447,3 +447,6 @@ def test_infer_config_reads_replicas_and_checks_settings(capsys: pytest.CaptureF
         InferConfig(model=Path("run"), ps=("h:1", "h"))
     assert main(["--model", "run", "--ps", "h:1", "--max-candidates", "10", "--max-batch-rows", "5"]) == 2
     assert "max_batch_rows=5: must be >= max_candidates=10" in capsys.readouterr().err
+    assert config.wait_s > 0, "started right after training, serving shards may still be loading"
+    assert main(["--model", "run", "--ps", "h:1", "--wait-s", "-1"]) == 2
+    assert "wait_s=-1.0: must be a finite number >= 0" in capsys.readouterr().err

@@ -63,6 +63,8 @@ def test_checkpoint_of_a_shard_without_storage_opens_read_only(tmp_path: Path, c
     path, manifest = shard.checkpoint(tmp_path / "ck")
     assert path == tmp_path / "ck" / "shard-00000-of-00001" and not (path / "ps.lock").exists()
     assert manifest["rows"] == {"a": 3, "b": 4} and read_manifest(path)["rows"] == {"a": 3, "b": 4}
+    assert manifest["rows_estimated"] == {"a": False, "b": False}
+    assert len(shard.lineage) == 32 and manifest["lineage"] == shard.lineage
     with Storage(path, shard=0, num_shards=1, read_only=True) as ro:
         specs = {name: spec_from_proto(pb.TableSpec.FromString(blob)) for name, blob in ro.specs().items()}
         assert specs == {"a": shard.table("a").spec, "b": shard.table("b").spec}
@@ -83,6 +85,7 @@ def test_checkpoint_of_a_shard_without_storage_opens_read_only(tmp_path: Path, c
     copy_checkpoint(path, tmp_path / "restored")
     restored = Shard(0, 1, Storage(tmp_path / "restored", shard=0, num_shards=1))
     try:
+        assert restored.lineage == shard.lineage, "the checkpoint's data dir carries the shard's lineage"
         for name in ("a", "b"):
             assert_same_bits(restored.table(name).lookup(keys[name]), shard.table(name).lookup(keys[name]))
         t = restored.table("a")
