@@ -51,6 +51,14 @@ class PushBatch:
     planned_epoch: int | None = None  # a push routed again after a reshard: where it was first sent
     planned_shard: int | None = None
 
+    @property
+    def planned(self) -> tuple[int, int | None]:
+        """``(epoch, shard)`` the push was first planned for: where it is routed now,
+        unless it was routed again after a reshard."""
+        if self.planned_epoch is not None:
+            return self.planned_epoch, self.planned_shard
+        return self.route.epoch, self.route.shard
+
     def seq_of(self, i: int) -> int:
         """The seq of entry ``i``."""
         return (self.seqs[i] if i < len(self.seqs) else 0) or self.seq

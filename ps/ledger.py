@@ -465,6 +465,7 @@ class KeyOrigins:
     fixed: int | None = None
     owners: npt.NDArray[np.int32] | None = None
     origins: tuple[int, ...] = ()
+    skip: bool = False  # recorded nowhere here (an empty part of another shard's push)
 
     def groups(self, n: int) -> list[tuple[int | None, npt.NDArray[np.bool_] | None]]:
         """``(origin, which keys)`` per ledger to record in: None = this shard's own,

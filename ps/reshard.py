@@ -33,7 +33,7 @@ from ps.changes import ChangeLog
 from ps.cluster import ClusterMap, MoveState, Phase, Route
 from ps.config import TableSpec
 from ps.errors import InvalidRequest, Moving, ShardMismatch
-from ps.intake import Intake, MoveStream
+from ps.intake import Intake, MoveStream, SourceProgress
 from ps.ledger import KeyOrigins
 from ps.ownership import check_owned
 from ps.rwlock import ReadWriteLock
@@ -94,6 +94,7 @@ class Reshard:
         self.rows_out = self.bytes_out = self.rows_dropped = 0
         self.on_phase: list[Callable[[MoveState], None]] = []  # hears every phase change
         self._intake: Intake | None = None
+        self._progress: dict[int, SourceProgress] = {}  # the last intake's, kept for status
         self._cleanup: threading.Thread | None = None
         self._closing = threading.Event()
 
@@ -166,23 +167,22 @@ class Reshard:
             )
         return True
 
-    def origins(
-        self, planned_epoch: int | None, planned_shard: int | None, keys: npt.NDArray[np.int64]
-    ) -> KeyOrigins | None:
-        """Where the keys of a push entry were before the last reshard that brought this
-        shard keys (None: it brought none, or its ledgers all merged back)."""
+    def origins(self, planned_epoch: int, planned_shard: int | None, keys: npt.NDArray[np.int64]) -> KeyOrigins | None:
+        """In which push ledgers a push entry is recorded here: where its keys were before
+        the last reshard that brought this shard keys, for a push first planned by the map
+        of ``planned_epoch`` for shard ``planned_shard`` (None: this one). None: this
+        shard's own ledger. A part of another shard's push, routed again after a reshard,
+        that holds no key of this shard is recorded nowhere (``skip``)."""
+        planned = self.index if planned_shard is None else planned_shard
         mv = self.move
         if mv is None or mv.phase not in ("committed", "done") or not mv.sources:
-            return None
-        epoch = self.map.epoch if planned_epoch is None else planned_epoch
+            return None if planned == self.index else self._skip(planned, keys)
+        epoch = planned_epoch
         if epoch == 0 and mv.src.epoch > 0:
             epoch = self.map.epoch  # a client given today's addresses, which never saw a map
         if epoch >= mv.dst.epoch:
-            if planned_shard not in (None, self.index):
-                raise InvalidRequest(
-                    f"planned_shard={planned_shard}: a push planned under epoch {epoch} for another shard "
-                    f"cannot reach shard {self.index}"
-                )
+            if planned != self.index:
+                return self._skip(planned, keys)
             return KeyOrigins(self.index, owners=shard_of(keys, mv.src.num_shards), origins=tuple(mv.sources))
         if epoch < mv.src.epoch:
             raise ShardMismatch(
@@ -190,13 +190,22 @@ class Reshard:
                 f"push ledgers back to epoch {mv.src.epoch} only: it cannot be told apart from pushes applied "
                 "before; the client was cut off through two reshards"
             )
-        origin = self.index if planned_shard is None else planned_shard
-        if keys.shape[0] and not (shard_of(keys, mv.src.num_shards) == origin).all():
+        if planned != self.index and planned not in mv.sources:
+            return self._skip(planned, keys)
+        if keys.shape[0] and not (shard_of(keys, mv.src.num_shards) == planned).all():
             raise InvalidRequest(
-                f"planned_shard={origin}: keys of this push entry did not belong to shard {origin} under "
+                f"planned_shard={planned}: keys of this push entry did not belong to shard {planned} under "
                 f"the cluster map of epoch {epoch}"
             )
-        return KeyOrigins(self.index, fixed=origin)
+        return KeyOrigins(self.index, fixed=planned)
+
+    def _skip(self, planned: int, keys: npt.NDArray[np.int64]) -> KeyOrigins:
+        if keys.shape[0]:
+            raise InvalidRequest(
+                f"planned_shard={planned}: no key of a push planned for shard {planned} came to shard "
+                f"{self.index} in a reshard, but this entry holds {keys.shape[0]}"
+            )
+        return KeyOrigins(self.index, skip=True)
 
     @staticmethod
     def alive(active: Callable[[], bool], closing: Callable[[], bool]) -> Callable[[], bool]:
@@ -336,6 +345,7 @@ class Reshard:
         intake, self._intake = self._intake, None
         if intake is not None:
             intake.stop()
+            self._progress = intake.progress
         self._resume()
 
     def _abort(self, dst: ClusterMap) -> None:
@@ -424,13 +434,14 @@ class Reshard:
             status.phase = mv.phase
             getattr(status, "from").CopyFrom(mv.src.to_proto())
             status.to.CopyFrom(mv.dst.to_proto())
-            if intake is not None:
-                status.sources.extend(p.to_proto() for p in intake.progress.values())
-            else:
-                status.sources.extend(
-                    pb.MoveSource(shard=s, complete=s in mv.complete, snapshot_done=s in mv.complete)
-                    for s in mv.sources
-                )
+            progress = intake.progress if intake is not None else self._progress
+            for s in mv.sources:
+                if s in progress:
+                    status.sources.append(progress[s].to_proto())
+                else:  # recorded before a restart
+                    status.sources.append(
+                        pb.MoveSource(shard=s, complete=s in mv.complete, snapshot_done=s in mv.complete)
+                    )
         return status
 
 

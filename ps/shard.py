@@ -326,16 +326,17 @@ class Shard:
         rows = out([t.dim for t in tables])
         train = self._mode == "train"
         create = train and not read_only
-        # Keys a reshard is handing over are read without creating rows (their new owner
-        # creates the same ones).
-        if self.reshard.check_keys("Lookup", batch.entries, write=False):
-            create = False
+        # Keys a reshard is handing over are read without creating rows: their initial rows,
+        # which their new owner creates.
+        handing_over = self.reshard.check_keys("Lookup", batch.entries, write=False)
+        initial = handing_over and create
+        create = create and not handing_over
         # TTLs expire rows in training mode only, where a read-only caller changes no row's rank.
         touch = create or (not train and self.budget.limit_bytes > 0)
         created: list[tuple[str, npt.NDArray[np.int64]]] = []
         for table, (_, keys), target in zip(tables, batch.entries, rows, strict=True):
             before = table.counters.rows_created
-            table.lookup(keys, target, create=create, touch=touch)
+            table.lookup(keys, target, create=create, touch=touch, initial=initial)
             if table.counters.rows_created != before:  # new rows: followers must see them too
                 created.append((table.spec.name, keys.copy()))
         if created:
@@ -364,7 +365,9 @@ class Shard:
             applied, rows = False, 0
             changed = []
             for i, (table, (_, keys, grads)) in enumerate(zip(tables, batch.entries, strict=True)):
-                origins = self.reshard.origins(batch.planned_epoch, batch.planned_shard, keys)
+                origins = self.reshard.origins(*batch.planned, keys)
+                if origins is not None and origins.skip:
+                    continue
                 n = self._guard(
                     table.push,
                     keys,

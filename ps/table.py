@@ -137,7 +137,12 @@ class Table:
     # -- lookup and push -------------------------------------------------------------
 
     def lookup(
-        self, keys: npt.ArrayLike, out: npt.NDArray[np.float32] | None = None, create: bool = True, touch: bool = True
+        self,
+        keys: npt.ArrayLike,
+        out: npt.NDArray[np.float32] | None = None,
+        create: bool = True,
+        touch: bool = True,
+        initial: bool = False,
     ) -> npt.NDArray[np.float32]:
         """Rows of ``keys`` in order, written into ``out`` (``[len(keys), dim]`` float32) or a new array.
 
@@ -145,7 +150,9 @@ class Table:
         admitted; until then they read as their initial rows and nothing is stored);
         without it (serving), missing keys read as the table's ``serving_default`` (zeros,
         or their initial rows) and nothing is stored. ``touch=False`` leaves the rows'
-        last use and use count as they were (for callers whose shard never reads them). Raises
+        last use and use count as they were (for callers whose shard never reads them);
+        ``initial`` reads missing keys as their initial rows without storing them (a
+        training shard handing keys over in a reshard, whose new owner stores them). Raises
         ``InvalidKeys`` for keys that are not a 1-D integer array, ``ValueError`` for a
         wrong ``out``; ``StorageFailed`` if rows on disk cannot be read. In every-push mode,
         rows it creates but fails to write are not created after all (as if not admitted).
@@ -169,7 +176,7 @@ class Table:
                     self.counters.rows_created = created
                     self._on_write_failure(str(exc))
             self._ram.gather(slots, out, now, touch)
-            if create or self.spec.serving_default == "initial":
+            if create or initial or self.spec.serving_default == "initial":
                 absent = np.flatnonzero(slots < 0)  # read as their initial rows, not stored
                 if absent.size:
                     fill_initial_rows(self.spec.initializer, self.spec.seed, keys[absent], out, absent)

@@ -1,0 +1,319 @@
+"""Live resharding of a running cluster: ``ps-admin scale``'s steps, over any way of
+reaching the shards.
+
+``scale(shards, src_addresses, dst_addresses)`` moves a cluster from the shards at
+``src_addresses`` to those at ``dst_addresses`` (one grown by new shards at its end, or
+the same list cut short), while training goes on. Each shard keeps its own record of
+where the reshard stands (``ps.cluster``), so ``scale`` reads the shards first and
+carries on from there: run again after any failure (this process killed, a shard
+restarted), it finishes the reshard, or ``abort`` undoes one no shard committed yet.
+
+The steps, each waiting for every shard it concerns:
+
+1. check: every shard is where the reshard starts (or already in it), new shards are
+   empty and numbered for the new map, and no shard still resolves pushes from the
+   reshard before (``pending_ledgers``);
+2. PREPARE every shard: new owners start copying from old owners while pushes go on;
+3. wait until every copy has its rows and follows the changes closely;
+4. FREEZE the old owners: pushes to moving keys wait (clients retry) while the last
+   changes and the push ledgers go over and new owners make them durable;
+5. COMMIT new owners, then old owners: from here clients learn the new map and route by
+   it; old owners drop what they gave away (``done``).
+
+``shards`` is anything with ``get_map(address)`` and ``reshard(address, request)``
+(``ShardCalls``): ``ps-admin`` passes gRPC calls, tests in-process shards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from protos import ps_pb2 as pb
+from ps.cluster import ClusterMap, MoveState
+
+__all__ = ["RetryLater", "ScaleError", "ScaleReport", "ShardCalls", "scale"]
+
+_CAUGHT_UP_VERSIONS = 50  # a copy this close to its old owner's changes is ready for the freeze
+
+
+class ScaleError(RuntimeError):
+    """The reshard cannot go on; the message says why and what to do."""
+
+
+class RetryLater(Exception):
+    """A shard asked to be asked again shortly (UNAVAILABLE: it is busy with the step
+    before, or restarting); ``ShardCalls`` raise it, ``scale`` waits and retries."""
+
+
+class ShardCalls(Protocol):
+    """How ``scale`` reaches a shard by address (GetMap and Reshard RPCs). A call the
+    shard asks to retry raises ``RetryLater``; anything else fails the step."""
+
+    def get_map(self, address: str) -> pb.GetMapResponse: ...
+
+    def reshard(self, address: str, request: pb.ReshardRequest) -> pb.ReshardStatus: ...
+
+
+@dataclass
+class ScaleReport:
+    """What a ``scale`` did: the maps, per new owner the rows it received from each old
+    owner, the seconds of each step, and how long pushes to moving keys waited."""
+
+    src: ClusterMap
+    dst: ClusterMap
+    received: dict[int, dict[int, int]] = field(default_factory=dict)
+    bytes_received: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    aborted: bool = False
+    already_done: bool = False
+
+    @property
+    def rows_moved(self) -> int:
+        return sum(sum(by_source.values()) for by_source in self.received.values())
+
+
+def scale(
+    shards: ShardCalls,
+    src_addresses: Sequence[str],
+    dst_addresses: Sequence[str],
+    *,
+    say: Callable[[str], None] = lambda line: None,
+    abort: bool = False,
+    poll_s: float = 0.2,
+    timeout_s: float = 3600.0,
+) -> ScaleReport:
+    """Move the cluster at ``src_addresses`` to ``dst_addresses`` (see the module
+    docstring), saying what happens through ``say``; returns the report. Raises
+    ``ScaleError`` (nothing is left half-way that a new run cannot finish)."""
+    src_addresses, dst_addresses = list(src_addresses), list(dst_addresses)
+    _check_lists(src_addresses, dst_addresses)
+    deadline = time.monotonic() + timeout_s
+    maps = {a: _get_map(shards, a) for a in dict.fromkeys(src_addresses + dst_addresses)}
+    src, dst = _maps(maps, src_addresses, dst_addresses)
+    report = ScaleReport(src, dst)
+    at_dst = [a for a in dst_addresses if maps[a].map.epoch == dst.epoch and maps[a].map.num_shards == dst.num_shards]
+    if len(at_dst) == len(dst_addresses) and all(_phase(maps[a]) in ("", "done") for a in src_addresses):
+        report.already_done = True
+        say(f"the cluster is already at {dst.describe()}")
+        return report
+    if abort:
+        return _abort(shards, maps, src, dst, report, say)
+    started = time.monotonic()
+    if not any(_phase(maps[a]) for a in maps):
+        _check_start(maps, src, dst)
+    say(f"resharding from {src.num_shards} to {dst.num_shards} shards (epoch {src.epoch} -> {dst.epoch})")
+    prepare = pb.ReshardRequest(phase=pb.ReshardRequest.PREPARE, to=dst.to_proto(), **{"from": src.to_proto()})
+    committed = any(_phase(maps[a]) in ("committed", "done") for a in maps if a in maps)
+    if not committed:
+        _each(shards, maps, prepare, deadline, say, "prepare")
+        report.seconds["prepare"] = time.monotonic() - started
+        t = time.monotonic()
+        _wait(shards, dst_addresses, dst, deadline, poll_s, say, report, lambda s: s.snapshot_done and _caught_up(s))
+        report.seconds["copy"] = time.monotonic() - t
+        t = time.monotonic()
+        sources = [a for a in src_addresses if MoveState(src_addresses.index(a), src, dst).is_source]
+        _each(shards, {a: maps[a] for a in sources}, _request(pb.ReshardRequest.FREEZE, dst), deadline, say, "freeze")
+        _wait(shards, dst_addresses, dst, deadline, poll_s, say, report, lambda s: s.complete)
+        report.seconds["freeze"] = time.monotonic() - t
+    t = time.monotonic()
+    commit = _request(pb.ReshardRequest.COMMIT, dst)
+    takers = [a for a in dst_addresses if MoveState(dst_addresses.index(a), src, dst).sources]
+    _each(shards, {a: maps[a] for a in takers}, commit, deadline, say, "commit")
+    _each(shards, {a: maps[a] for a in maps if a not in takers}, commit, deadline, say, "commit")
+    report.seconds["commit"] = time.monotonic() - t
+    _record_received(shards, dst_addresses, dst, report)
+    say(
+        f"committed: the cluster routes by {dst.describe()}; {report.rows_moved} rows moved "
+        f"({report.bytes_received / 1e6:.1f} MB); old owners drop the rows they gave away in the background"
+    )
+    report.seconds["total"] = time.monotonic() - started
+    return report
+
+
+def _check_lists(src: list[str], dst: list[str]) -> None:
+    if not src or not dst:
+        raise ScaleError("--addresses and --to each need at least one shard address")
+    for name, addresses in (("--addresses", src), ("--to", dst)):
+        if len(set(addresses)) != len(addresses):
+            raise ScaleError(f"{name} names a shard twice: {', '.join(addresses)}")
+    if len(src) == len(dst):
+        raise ScaleError(f"--to has as many shards as --addresses ({len(src)}): nothing to reshard")
+    common = min(len(src), len(dst))
+    if src[:common] != dst[:common]:
+        raise ScaleError(
+            "the shards of both lists keep their places: --to must start with the addresses of --addresses "
+            "(to grow) or be the first of them (to shrink); jump hashing moves keys only to or from the last shards"
+        )
+
+
+def _get_map(shards: ShardCalls, address: str) -> pb.GetMapResponse:
+    try:
+        return shards.get_map(address)
+    except Exception as exc:
+        raise ScaleError(f"{address}: cannot ask for its cluster map: {exc}") from None
+
+
+def _phase(answer: pb.GetMapResponse) -> str:
+    return answer.reshard.phase
+
+
+def _maps(
+    maps: dict[str, pb.GetMapResponse], src_addresses: list[str], dst_addresses: list[str]
+) -> tuple[ClusterMap, ClusterMap]:
+    """The maps to move from and to, as the shards of ``src_addresses`` record them."""
+    for address in maps:
+        ongoing = maps[address].reshard
+        if ongoing.phase:
+            f, t = ClusterMap.from_proto(getattr(ongoing, "from")), ClusterMap.from_proto(ongoing.to)
+            if list(f.addresses) == src_addresses and list(t.addresses) == dst_addresses:
+                return f, t  # a reshard under way (or done) between exactly these lists
+    epochs = {maps[a].map.epoch for a in src_addresses}
+    if len(epochs) != 1:
+        raise ScaleError(
+            "the shards of --addresses are at different cluster map epochs "
+            f"({', '.join(f'{a}: {maps[a].map.epoch}' for a in src_addresses)}): is a reshard half done? "
+            "run ps-admin scale with the lists of that one"
+        )
+    epoch = epochs.pop()
+    return ClusterMap(epoch, len(src_addresses), tuple(src_addresses)), ClusterMap(
+        epoch + 1, len(dst_addresses), tuple(dst_addresses)
+    )
+
+
+def _check_start(maps: dict[str, pb.GetMapResponse], src: ClusterMap, dst: ClusterMap) -> None:
+    for i, address in enumerate(src.addresses):
+        m = maps[address]
+        if m.shard != i or m.map.num_shards != src.num_shards:
+            raise ScaleError(
+                f"{address} is shard {m.shard} of {m.map.num_shards}, but --addresses puts it at {i} of "
+                f"{src.num_shards}: list the shards in order"
+            )
+    for i, address in enumerate(dst.addresses[src.num_shards :], start=src.num_shards):
+        m = maps[address]
+        if m.shard != i or m.map.num_shards != dst.num_shards:
+            raise ScaleError(
+                f"{address} is shard {m.shard} of {m.map.num_shards}; a new shard at place {i} of --to must be "
+                f"started as `ps-server --shard {i} --num-shards {dst.num_shards}` with an empty data dir"
+            )
+    pending = {a: m.reshard.pending_ledgers for a, m in maps.items() if m.reshard.pending_ledgers}
+    if pending:
+        raise ScaleError(
+            "some shards still resolve pushes from before the last reshard "
+            f"({', '.join(f'{a}: {n} ledger entries' for a, n in pending.items())}); they settle as the "
+            "clients that sent them push again: retry in a moment"
+        )
+
+
+def _request(phase: int, dst: ClusterMap) -> pb.ReshardRequest:
+    return pb.ReshardRequest(phase=phase, to=dst.to_proto())  # type: ignore[arg-type]
+
+
+def _each(
+    shards: ShardCalls,
+    targets: dict[str, pb.GetMapResponse],
+    request: pb.ReshardRequest,
+    deadline: float,
+    say: Callable[[str], None],
+    what: str,
+) -> None:
+    """Send ``request`` to every shard of ``targets``, retrying those that say to retry."""
+    for address in targets:
+        while True:
+            try:
+                shards.reshard(address, request)
+                break
+            except RetryLater as exc:
+                if time.monotonic() > deadline:
+                    raise ScaleError(f"{what} on {address}: still refused at the deadline: {exc}") from None
+                time.sleep(0.2)
+            except Exception as exc:
+                raise ScaleError(f"{what} on {address} failed: {exc}") from None
+
+
+@dataclass
+class _Copy:
+    snapshot_done: bool
+    complete: bool
+    lag_versions: int
+    rows: int
+    error: str
+
+
+def _caught_up(copy: _Copy) -> bool:
+    return copy.lag_versions <= _CAUGHT_UP_VERSIONS
+
+
+def _wait(
+    shards: ShardCalls,
+    dst_addresses: list[str],
+    dst: ClusterMap,
+    deadline: float,
+    poll_s: float,
+    say: Callable[[str], None],
+    report: ScaleReport,
+    ready: Callable[[_Copy], bool],
+) -> None:
+    """Wait until every copy to every new owner is ``ready``, saying how they go."""
+    said = 0.0
+    while True:
+        copies: dict[tuple[int, int], _Copy] = {}
+        for d, address in enumerate(dst_addresses):
+            try:
+                status = shards.reshard(address, _request(pb.ReshardRequest.STATUS, dst))
+            except RetryLater as exc:  # restarting: its copies are not ready
+                copies[(d, -1)] = _Copy(False, False, 0, 0, str(exc))
+                continue
+            if status.phase in ("done", "committed"):
+                continue
+            for s in status.sources:
+                copies[(d, s.shard)] = _Copy(s.snapshot_done, s.complete, s.lag_versions, s.rows, s.error)
+        if all(ready(c) for c in copies.values()):
+            return
+        if time.monotonic() > deadline:
+            late = [f"{d}<-{s}" for (d, s), c in copies.items() if not ready(c)]
+            raise ScaleError(f"timed out waiting for the copies {', '.join(late)}; run ps-admin scale again to go on")
+        if time.monotonic() - said > 2.0:
+            rows = sum(c.rows for c in copies.values())
+            errors = [f"{d}<-{s}: {c.error}" for (d, s), c in copies.items() if c.error]
+            say(f"  {rows} rows copied; {sum(ready(c) for c in copies.values())}/{len(copies)} copies ready")
+            for line in errors:
+                say(f"  {line}")
+            said = time.monotonic()
+        time.sleep(poll_s)
+
+
+def _record_received(shards: ShardCalls, dst_addresses: list[str], dst: ClusterMap, report: ScaleReport) -> None:
+    for d, address in enumerate(dst_addresses):
+        try:
+            status = shards.reshard(address, _request(pb.ReshardRequest.STATUS, dst))
+        except Exception:  # only the report misses it
+            continue
+        for s in status.sources:
+            report.received.setdefault(d, {})[s.shard] = int(s.rows)
+            report.bytes_received += int(s.bytes)
+
+
+def _abort(
+    shards: ShardCalls,
+    maps: dict[str, pb.GetMapResponse],
+    src: ClusterMap,
+    dst: ClusterMap,
+    report: ScaleReport,
+    say: Callable[[str], None],
+) -> ScaleReport:
+    committed = [a for a, m in maps.items() if _phase(m) in ("committed", "done") or m.map.epoch == dst.epoch]
+    if committed:
+        raise ScaleError(
+            f"{', '.join(committed)} committed the reshard to {dst.describe()}: it cannot be undone; "
+            "run ps-admin scale without --abort to finish it"
+        )
+    abort = _request(pb.ReshardRequest.ABORT, dst)
+    for address, m in maps.items():
+        if _phase(m):
+            shards.reshard(address, abort)
+    report.aborted = True
+    say(f"aborted: the cluster stays at {src.describe()}; stop the new shards, they hold nothing")
+    return report
