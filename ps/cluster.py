@@ -109,13 +109,16 @@ class ClusterMap:
 class MoveState:
     """What shard ``index`` recorded of a reshard from ``src`` to ``dst``: its ``phase``,
     and (as a new owner) the old owners whose rows arrived whole and are durable here.
-    ``versions``: per old owner, the (history, version) its copy reached; kept in RAM."""
+    ``committed_unix_s``: when it committed here; ``settled``: the push ledgers it kept
+    apart for the keys that came (``ps.ledger.TableLedgers``) merged back since."""
 
     index: int
     src: ClusterMap
     dst: ClusterMap
     phase: Phase = "copying"
     complete: set[int] = field(default_factory=set)
+    committed_unix_s: float = 0.0
+    settled: bool = False  # a new owner's push ledgers merged back after the commit
 
     @property
     def sources(self) -> list[int]:
@@ -146,6 +149,8 @@ class MoveState:
                 "dst": self.dst.to_json(),
                 "phase": self.phase,
                 "complete": sorted(self.complete),
+                "committed_unix_s": self.committed_unix_s,
+                "settled": self.settled,
             }
         )
 
@@ -161,4 +166,6 @@ class MoveState:
             ClusterMap.from_json(data["dst"]),
             phase,
             set(int(i) for i in data.get("complete", ())),
+            float(data.get("committed_unix_s", 0.0)),
+            bool(data.get("settled", False)),
         )

@@ -151,6 +151,14 @@ class ServerConfig:
             "help": "--follow and reshards: file holding the bearer token this shard sends the shard it follows, or pulls moving rows from (a write token)"
         },
     )
+    reshard_settle_s: float = field(
+        default=120.0,
+        metadata={
+            "help": "after a live reshard commits, seconds during which pushes planned before it may still arrive "
+            "(clients retry for their deadline, 60 s by default); a new owner keeps the push ledgers of the keys "
+            "that came apart that long, and a next reshard waits for it"
+        },
+    )
     max_message_bytes: int = field(
         default=64 << 20,
         metadata={"help": "largest request or response in bytes; larger ones get RESOURCE_EXHAUSTED"},
@@ -285,6 +293,8 @@ class ServerConfig:
             raise ConfigError(f"max_message_bytes={self.max_message_bytes}: must be in [65536, 2 GiB)")
         if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
             raise ConfigError(f"grace_s={self.grace_s}: must be a finite number >= 0")
+        if not (math.isfinite(self.reshard_settle_s) and self.reshard_settle_s >= 0):
+            raise ConfigError(f"reshard_settle_s={self.reshard_settle_s}: must be a finite number >= 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level={self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
         Durability.parse(self.durability)

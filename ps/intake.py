@@ -249,11 +249,10 @@ class Intake:
         entries: dict[str, dict[str, bytes]] = {}
         for ledger in batch.ledgers:
             entries.setdefault(ledger.table, {})[ledger.client_id] = ledger.entry
-        new_shard = self.move.index >= self.move.src.num_shards
         for spec in batch.specs:
             table = self._table(spec.name)
             if table is not None:
-                table.ledgers.import_moved(source, entries.get(spec.name, {}), new_shard=new_shard)
+                table.ledgers.import_moved(source, entries.get(spec.name, {}))
         for admission in batch.admission:
             table = self._table(admission.table)
             if table is not None and table.ram.admission is not None:

@@ -192,6 +192,12 @@ class PushLedger:
         """The stored bytes of the entry ``(low, ranges)`` (``decode``'s inverse)."""
         return np.array([_RANGES, low, *(x for pair in ranges for x in pair)], dtype="<u8").tobytes()
 
+    def has(self, client_id: str, seq: int) -> bool:
+        """Whether ``(client_id, seq)`` was applied (asking creates no entry)."""
+        with self._cond:
+            c = self._clients.get(client_id)
+            return c is not None and c.has(seq)
+
     def knows(self, client_id: str) -> bool:
         """Whether ``client_id`` has an entry here (asking does not create one)."""
         with self._cond:
@@ -251,227 +257,260 @@ def _ranges_of(seqs: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+_POST = "post"
+
+
 def moved_key(origin: int, client_id: str) -> str:
     """The stored name of ``client_id``'s entry in the ledger of keys that came from shard
     ``origin`` (client ids are printable, so the leading NUL never meets one)."""
     return f"\0{origin}\0{client_id}"
 
 
-def _split_key(key: str) -> tuple[int | None, str]:
+def _post_key(client_id: str) -> str:
+    return f"\0{_POST}\0{client_id}"
+
+
+def _split_key(key: str) -> tuple[str | None, str]:
+    """``(scope, client_id)`` of a stored name: scope None (the shard's own), ``"post"``,
+    or an origin shard's number as text."""
     if key.startswith("\0"):
-        origin, client_id = key[1:].split("\0", 1)
-        return int(origin), client_id
+        scope, client_id = key[1:].split("\0", 1)
+        return scope, client_id
     return None, key
+
+
+def _applied(entry: tuple[int, list[tuple[int, int]]] | None) -> list[tuple[int, int]]:
+    """The seqs an entry holds as sorted, merged ranges."""
+    if entry is None:
+        return []
+    low, ranges = entry
+    return _merge_ranges(([(1, low)] if low else []) + ranges)
+
+
+def _merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 class TableLedgers:
     """A table's exactly-once records: its own ``PushLedger`` (``main``) and, after a
-    reshard that brought it keys, the ledgers of the shards they came from.
+    reshard that brought it keys, those of the shards they came from (``pre``) and one
+    of the pushes planned after it (``post``).
 
-    Each push is recorded in the ledger of the keys it was applied to: a key that moved
-    here keeps the record of its old owner (``moved[origin]``), so a push applied there
-    and not here, or the reverse, is applied exactly once to every key whatever the
-    order of retries and moves (``ps.shard`` tells which keys belong to which origin).
-    A client's entry in a moved ledger merges back into ``main`` once the two agree
-    and hold every push from before the move (``pending`` counts those that do not
-    yet: a new reshard waits for 0). Stored entries are named by ``client_id`` in
-    ``main`` and by ``moved_key(origin, client_id)`` in a moved ledger; an empty entry
-    stored means one that merged away.
+    A push is applied once per key. Around a reshard a push may reach the new owner of
+    some keys in several parts (one per shard it was first planned for, routed again),
+    or again as a whole (a trainer resumed from its checkpoint); so each key's pushes
+    are the ones its group's ledger records (``main`` for this shard's own keys,
+    ``pre[origin]`` for keys that came from ``origin``) plus those in ``post``, which
+    records only pushes planned after the reshard: each of those reached this shard as
+    one request holding all of its keys here. A push planned before it is recorded in
+    the ledger of the shard it was planned for.
 
-    Not thread-safe for writes: the table calls it under its lock. ``pending`` and the
-    exports are safe from any thread.
+    Once the reshard is ``settle_s`` old (longer than a client retries) and every
+    client's pushes agree across the groups, the records collapse into ``main`` again
+    (``collapse``); ``pending`` counts what still keeps them apart (a new reshard waits
+    for 0). Stored entries are named by ``client_id`` (``main``), ``moved_key(origin,
+    client_id)`` (``pre``) and ``"\0post\0" + client_id``; an empty one stored is one
+    that went away.
+
+    Not thread-safe: the table calls it under its lock, except ``pending``.
 
     Example:
         >>> ledgers = TableLedgers()
         >>> ledgers.import_moved(1, {"w": PushLedger.pack(5, [])})
-        >>> with ledgers.claim("w", 5, origin=1) as fresh:
-        ...     fresh  # applied on shard 1 before the keys moved
-        False
-        >>> with ledgers.claim("w", 5) as fresh:
-        ...     fresh  # not applied to this shard's own keys yet
-        True
-        >>> for seq in (1, 2, 3, 4):
-        ...     with ledgers.claim("w", seq):
-        ...         pass
-        >>> ledgers.pending()  # main caught up: the moved entry merged
-        0
+        >>> ledgers.activate(native_keys=False, since=0.0)
+        >>> ledgers.applied("w", 5, origin=1), ledgers.applied("w", 5, origin=None)
+        (True, False)
     """
 
     def __init__(self, window: int = 1 << 16, max_clients: int = 1 << 16) -> None:
         self.main = PushLedger(window, max_clients)
-        self.moved: dict[int, PushLedger] = {}
-        self._high: dict[tuple[int, str], int] = {}  # newest seq from before the move
-        self._merged: set[str] = set()  # moved entries merged away, not yet written as such
+        self.pre: dict[int, PushLedger] = {}
+        self.post: PushLedger | None = None
+        self._native_keys = True
+        self._since = 0.0
+        self._stored_post: PushLedger | None = None  # loaded before the reshard activates it
+        self._gone: set[str] = set()  # stored names whose entries went away, not yet written so
         self._window, self._max_clients = window, max_clients
         self._lock = threading.Lock()
 
+    def _new(self) -> PushLedger:
+        return PushLedger(self._window, self._max_clients)
+
     @property
     def duplicates(self) -> int:
-        return self.main.duplicates + sum(m.duplicates for m in self.moved.values())
+        post = self.post.duplicates if self.post is not None else 0
+        return self.main.duplicates + post + sum(m.duplicates for m in self.pre.values())
 
-    def ledger(self, client_id: str, origin: int | None) -> PushLedger:
-        """The ledger that records ``client_id``'s pushes to keys from ``origin`` (None:
-        this shard's own): ``main`` where the moved entry merged back, or never was."""
+    @property
+    def active(self) -> bool:
+        """Whether a reshard's records are kept apart (``post`` is in use)."""
+        return self.post is not None
+
+    def group(self, origin: int | None) -> PushLedger:
+        """The ledger of keys from ``origin`` (None: this shard's own)."""
         if origin is None:
             return self.main
-        moved = self.moved.get(origin)
-        return moved if moved is not None and moved.knows(client_id) else self.main
+        moved = self.pre.get(origin)
+        if moved is None:
+            moved = self.pre[origin] = self._new()
+        return moved
 
-    @contextlib.contextmanager
-    def claim(self, client_id: str, seq: int, origin: int | None = None) -> Iterator[bool]:
-        """``PushLedger.claim`` in the ledger of ``client_id``'s pushes to keys from
-        ``origin``; merges entries that agree afterwards."""
-        ledger = self.ledger(client_id, origin)
-        with ledger.claim(client_id, seq) as fresh:
-            yield fresh
-        if seq and self.moved:
-            self._merge(client_id)
+    def applied(self, client_id: str, seq: int, origin: int | None) -> bool:
+        """Whether ``(client_id, seq)`` was applied to the keys from ``origin`` (None: this
+        shard's own): in their group's ledger, or in ``post``."""
+        ledger = self.main if origin is None else self.pre.get(origin)
+        if ledger is not None and ledger.has(client_id, seq):
+            return True
+        return self.post is not None and self.post.has(client_id, seq)
 
-    def groups(
-        self, origins: KeyOrigins, client_id: str, n: int
-    ) -> list[tuple[int | None, npt.NDArray[np.bool_] | None]]:
-        """``origins.groups(n)`` with the groups ``client_id``'s pushes are recorded for in
-        one ledger taken together (a moved entry that merged back is in ``main``): each
-        is applied and recorded as one push. The caller holds the table's lock."""
-        merged: dict[int | None, npt.NDArray[np.bool_] | None] = {}
-        for origin, picked in origins.groups(n):
-            target = origin if origin is not None and self.ledger(client_id, origin) is not self.main else None
-            if target in merged:
-                before = merged[target]
-                merged[target] = None if before is None or picked is None else before | picked
-            else:
-                merged[target] = picked
-        return list(merged.items())
+    def stored_name(self, ledger: PushLedger, client_id: str) -> str:
+        if ledger is self.main:
+            return client_id
+        if ledger is self.post:
+            return _post_key(client_id)
+        return moved_key(next(o for o, m in self.pre.items() if m is ledger), client_id)
 
-    def encode_after(self, client_id: str, seq: int, origin: int | None = None) -> tuple[str, bytes]:
-        """``(stored name, entry)`` once ``seq`` is recorded for keys from ``origin``."""
-        ledger = self.ledger(client_id, origin)
-        key = client_id if ledger is self.main else moved_key(self._origin_of(ledger), client_id)
-        return key, ledger.encode_after(client_id, seq)
+    # -- a reshard ---------------------------------------------------------------------
 
-    def _origin_of(self, ledger: PushLedger) -> int:
-        return next(o for o, m in self.moved.items() if m is ledger)
-
-    def _merge(self, client_id: str) -> None:
-        main = self.main.entry(client_id)
-        for origin, moved in list(self.moved.items()):
-            entry = moved.entry(client_id)
-            if entry is None:
-                continue
-            high = self._high.get((origin, client_id), 0)
-            if entry == main and entry[0] >= high:
-                moved.forget(client_id)
-                with self._lock:
-                    self._high.pop((origin, client_id), None)
-                    self._merged.add(moved_key(origin, client_id))
-            if not moved.clients():
-                with self._lock:
-                    del self.moved[origin]
-
-    def import_moved(self, origin: int, entries: dict[str, bytes], *, new_shard: bool = False) -> None:
+    def import_moved(self, origin: int, entries: dict[str, bytes]) -> None:
         """Take the ledger entries of shard ``origin`` whose keys move here (at a reshard's
-        freeze); each stays apart until this shard's own entry agrees with it.
-
-        ``new_shard``: this shard held no keys before the reshard, so no push from before
-        it was recorded for keys of its own, and its own entry of a client it never heard
-        from may start as any origin's (one less entry to wait for)."""
-        moved = self.moved.get(origin) or PushLedger(self._window, self._max_clients)
+        freeze). Kept apart (in ``pre``) once the reshard commits (``activate``)."""
+        moved = self._new()
         for client_id, data in entries.items():
-            low, ranges = PushLedger.decode(data)
-            mine = self.main.entry(client_id)
-            if mine is None and new_shard:
-                self.main.load(client_id, data)
-                self.main.mark_changed([client_id])
-                mine = (low, ranges)
-            high = max([low, *(b for _, b in ranges), *(([mine[0]] + [b for _, b in mine[1]]) if mine else [])])
             moved.load(client_id, data)
             moved.mark_changed([client_id])
-            with self._lock:
-                self._high[(origin, client_id)] = high
         with self._lock:
-            self.moved[origin] = moved
-        for client_id in entries:
-            self._merge(client_id)
+            self.pre[origin] = moved
 
-    def origins(self, client_id: str) -> list[int]:
-        """The shards whose moved ledger here holds an entry of ``client_id``."""
-        return [o for o, m in list(self.moved.items()) if m.knows(client_id)]
-
-    def pending(self) -> int:
-        """Entries of moved ledgers not merged back yet."""
+    def drop_moved(self) -> None:
+        """Forget what reshard imports brought (an aborted reshard)."""
         with self._lock:
-            return sum(len(m.clients()) for m in self.moved.values())
+            for origin, moved in self.pre.items():
+                self._gone.update(moved_key(origin, c) for c in moved.clients())
+            self.pre = {}
+
+    def activate(self, *, native_keys: bool, since: float) -> None:
+        """The reshard that brought keys committed at ``since`` (unix s): keep the records
+        apart until ``collapse``. ``native_keys``: this shard had keys of its own before."""
+        with self._lock:
+            if self.post is None:
+                self.post = self._stored_post or self._new()
+            self._native_keys, self._since = native_keys, since
+
+    def pending(self, now: float | None = None, settle_s: float = 0.0) -> int:
+        """Clients whose records still differ across groups (+1 while the reshard is
+        younger than ``settle_s``); 0 when nothing is kept apart."""
+        with self._lock:
+            if self.post is None:
+                return 0
+            young = 1 if now is not None and now - self._since < settle_s else 0
+            return young + len(self._differing())
+
+    def _differing(self) -> list[str]:
+        assert self.post is not None
+        groups = list(self.pre.values()) + ([self.main] if self._native_keys else [])
+        clients = set(self.post.clients()).union(*(g.clients() for g in groups))
+        out = []
+        for c in sorted(clients):
+            post = _applied(self.post.entry(c))
+            seen = {tuple(_merge_ranges(_applied(g.entry(c)) + post)) for g in groups}
+            if len(seen) > 1:
+                out.append(c)
+        return out
+
+    def collapse(self, now: float, settle_s: float) -> bool:
+        """Merge the records back into ``main`` if the reshard is ``settle_s`` old and every
+        client's pushes agree across groups; True if nothing is kept apart now."""
+        with self._lock:
+            if self.post is None:
+                return True
+            if now - self._since < settle_s or self._differing():
+                return False
+            post, groups = self.post, list(self.pre.values()) + [self.main]
+            for c in sorted(set(post.clients()).union(*(g.clients() for g in groups))):
+                merged = _merge_ranges(
+                    _applied(post.entry(c)) + _applied(next((g.entry(c) for g in groups if g.knows(c)), None))
+                )
+                low = merged[0][1] if merged and merged[0][0] == 1 else 0
+                self.main.load(c, PushLedger.pack(low, [r for r in merged if r[0] > low + 1]))
+                self.main.mark_changed([c])
+            self._gone.update(_post_key(c) for c in post.clients())
+            for origin, moved in self.pre.items():
+                self._gone.update(moved_key(origin, c) for c in moved.clients())
+            self.post, self._stored_post, self.pre = None, None, {}
+            return True
 
     # -- what the table writes --------------------------------------------------------
 
     def load(self, key: str, data: bytes) -> None:
-        """Restore a stored entry (at startup); an empty one is a merged-away moved entry."""
-        origin, client_id = _split_key(key)
-        if origin is None:
+        """Restore a stored entry (at startup)."""
+        scope, client_id = _split_key(key)
+        if not data:
+            return
+        if scope is None:
             self.main.load(client_id, data)
-        elif data:
-            moved = self.moved.setdefault(origin, PushLedger(self._window, self._max_clients))
-            moved.load(client_id, data)
-            low, ranges = PushLedger.decode(data)
-            self._high[(origin, client_id)] = max([low, *(b for _, b in ranges)])
+        elif scope == _POST:
+            if self._stored_post is None:
+                self._stored_post = self._new()
+            self._stored_post.load(client_id, data)
+        else:
+            self.group(int(scope)).load(client_id, data)
 
     def take_changed(self) -> list[tuple[str, bytes]]:
         """``(stored name, entry)`` of every entry changed since the last call (to write
-        them out); merged-away moved entries come as empty ones."""
+        them out); entries that went away come as empty ones."""
         out = [(c, self.main.encode(c)) for c in self.main.take_changed()]
-        for origin, moved in list(self.moved.items()):
+        if self.post is not None:
+            out += [(_post_key(c), self.post.encode(c)) for c in self.post.take_changed()]
+        for origin, moved in list(self.pre.items()):
             out += [(moved_key(origin, c), moved.encode(c)) for c in moved.take_changed()]
         with self._lock:
-            merged, self._merged = sorted(self._merged), set()
-        return out + [(key, b"") for key in merged]
+            gone, self._gone = sorted(self._gone), set()
+        return out + [(key, b"") for key in gone]
 
     def mark_changed(self, keys: list[str]) -> None:
         """Put back the entries ``take_changed`` gave whose write failed."""
         for key in keys:
-            origin, client_id = _split_key(key)
-            if origin is None:
-                self.main.mark_changed([client_id])
-            elif origin in self.moved and self.moved[origin].knows(client_id):
-                self.moved[origin].mark_changed([client_id])
+            scope, client_id = _split_key(key)
+            ledger = self.main if scope is None else self.post if scope == _POST else self.pre.get(int(scope))
+            if ledger is not None and ledger.knows(client_id):
+                ledger.mark_changed([client_id])
             else:
                 with self._lock:
-                    self._merged.add(key)
+                    self._gone.add(key)
 
     def has_changes(self) -> bool:
         with self._lock:
-            merged = bool(self._merged)
-        return merged or self.main.has_changes() or any(m.has_changes() for m in self.moved.values())
+            gone = bool(self._gone)
+        ledgers = [self.main, *self.pre.values(), *([self.post] if self.post is not None else [])]
+        return gone or any(m.has_changes() for m in ledgers)
 
     def entries(self) -> list[tuple[str, bytes]]:
-        """Every entry, main and moved, by stored name."""
+        """Every entry, by stored name."""
         out = [(c, self.main.encode(c)) for c in self.main.clients()]
-        for origin, moved in list(self.moved.items()):
+        if self.post is not None:
+            out += [(_post_key(c), self.post.encode(c)) for c in self.post.clients()]
+        for origin, moved in list(self.pre.items()):
             out += [(moved_key(origin, c), moved.encode(c)) for c in moved.clients()]
         return out
 
 
 @dataclass(frozen=True)
 class KeyOrigins:
-    """Where the keys of one push entry were before the last reshard that brought this
-    shard keys, to record the push in the right ledger (``TableLedgers``).
-
-    ``owners``: each key's shard before it (the push was planned under the new map, and
-    is recorded for every origin in ``origins`` and this shard, ``index``, keys or not:
-    it held all of their keys the shard owns); or ``fixed`` for all of them (the push
-    was planned for shard ``fixed`` before the reshard, None: for this shard).
-    """
+    """Which records a push entry goes by on shard ``index`` after a reshard brought it
+    keys (``TableLedgers``): a push planned after the reshard names each key's shard
+    before it (``owners``); one planned before names the shard it was planned for
+    (``fixed``); a part of another shard's push that holds no key here is recorded
+    nowhere (``skip``)."""
 
     index: int
     fixed: int | None = None
     owners: npt.NDArray[np.int32] | None = None
     origins: tuple[int, ...] = ()
-    skip: bool = False  # recorded nowhere here (an empty part of another shard's push)
-
-    def groups(self, n: int) -> list[tuple[int | None, npt.NDArray[np.bool_] | None]]:
-        """``(origin, which keys)`` per ledger to record in: None = this shard's own,
-        a mask of None = all ``n`` keys."""
-        if self.owners is None:
-            return [(self.fixed if self.fixed != self.index else None, None)]
-        out: list[tuple[int | None, npt.NDArray[np.bool_] | None]] = [(None, self.owners == self.index)]
-        out += [(o, self.owners == o) for o in self.origins]
-        return out
+    skip: bool = False

@@ -18,9 +18,11 @@ Thread-safe.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -40,7 +42,7 @@ from ps.rwlock import ReadWriteLock
 from ps.storage import Storage
 from ps.table import Table
 
-__all__ = ["Reshard", "ReshardParts"]
+__all__ = ["Reshard", "ReshardParts", "ReshardSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,17 @@ _MAP_KEY = b"cluster-map"
 _MOVE_KEY = b"reshard"
 
 Entries = Sequence[tuple[str, npt.NDArray[np.int64]]]
+
+
+@dataclass(frozen=True)
+class ReshardSettings:
+    """How a shard takes part in reshards: ``stream`` opens another shard's ``MoveRows``
+    (None: it cannot pull rows); ``settle_s``: how long after a commit pushes planned
+    before it may still come (clients retry for their deadline), during which a new
+    owner keeps the push ledgers of the keys that came apart."""
+
+    stream: MoveStream | None = None
+    settle_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -61,7 +74,7 @@ class ReshardParts:
     install_table: Callable[[TableSpec], bool]
     changes: ChangeLog
     flush: Callable[[], int]
-    stream: MoveStream | None = None
+    settings: ReshardSettings = ReshardSettings()
 
 
 class Reshard:
@@ -96,6 +109,7 @@ class Reshard:
         self._intake: Intake | None = None
         self._progress: dict[int, SourceProgress] = {}  # the last intake's, kept for status
         self._cleanup: threading.Thread | None = None
+        self._settler: threading.Thread | None = None
         self._closing = threading.Event()
 
     # -- the state every request reads ------------------------------------------------
@@ -213,8 +227,9 @@ class Reshard:
         return lambda: active() and not closing()
 
     def pending_ledgers(self) -> int:
-        """Push-ledger entries from the last reshard not merged back (a new one waits for 0)."""
-        return sum(t.ledgers.pending() for t in self._parts.tables())
+        """What keeps push ledgers of the last reshard apart (a new one waits for 0): clients
+        whose pushes from before it are not settled, and the reshard being too recent."""
+        return sum(t.ledgers.pending(time.time(), self._parts.settings.settle_s) for t in self._parts.tables())
 
     # -- phases -----------------------------------------------------------------------
 
@@ -233,19 +248,20 @@ class Reshard:
             intake, self._intake = self._intake, None
         if intake is not None:
             intake.stop()
-        if self._cleanup is not None:
-            self._cleanup.join(timeout=10)
+        for thread in (self._cleanup, self._settler):
+            if thread is not None:
+                thread.join(timeout=10)
 
     def _resume(self) -> None:
         mv = self.move
         if mv is None or self._closing.is_set():
             return
         if mv.phase in ("copying", "frozen") and mv.sources and self._intake is None:
-            if self._parts.stream is None:
+            if self._parts.settings.stream is None:
                 raise InvalidRequest(f"shard {self.index} cannot pull rows (a serving shard takes part in no reshard)")
             self._intake = Intake(
                 mv,
-                stream=self._parts.stream,
+                stream=self._parts.settings.stream,
                 tables=self._parts.tables,
                 install_table=self._parts.install_table,
                 changes=self._parts.changes,
@@ -253,6 +269,12 @@ class Reshard:
                 on_complete=self._complete,
             )
             self._intake.start()
+        if mv.phase in ("committed", "done") and mv.sources and not mv.settled and self._settler is None:
+            native = self.index < mv.src.num_shards
+            for table in self._parts.tables():
+                table.ledgers.activate(native_keys=native, since=mv.committed_unix_s)
+            self._settler = threading.Thread(target=self._settle, name=f"ps-reshard-settle-{self.index}", daemon=True)
+            self._settler.start()
         if mv.phase == "committed" and self._cleanup is None:
             self._cleanup = threading.Thread(
                 target=self._drop_given_away, name=f"ps-reshard-drop-{self.index}", daemon=True
@@ -322,7 +344,7 @@ class Reshard:
     def _freeze(self, dst: ClusterMap) -> None:
         mv = self._matching(dst)
         if mv.phase == "copying" and mv.is_source:
-            self.set_phase(MoveState(mv.index, mv.src, mv.dst, "frozen", set(mv.complete)))
+            self.set_phase(dataclasses.replace(mv, phase="frozen"))
             log.info("reshard: frozen (pushes to moving keys wait) at version %s", self.frozen_version)
         elif mv.phase in ("committed", "done"):
             raise InvalidRequest(f"the reshard to epoch {dst.epoch} is {mv.phase} on shard {self.index}")
@@ -340,7 +362,8 @@ class Reshard:
         if mv.is_source and mv.phase != "frozen":
             raise InvalidRequest(f"shard {self.index} gives keys away: freeze it before the commit")
         phase: Phase = "committed" if mv.is_source else "done"
-        self.set_phase(MoveState(mv.index, mv.src, mv.dst, phase, set(mv.complete)), new_map=mv.dst)
+        committed = dataclasses.replace(mv, phase=phase, committed_unix_s=time.time())
+        self.set_phase(committed, new_map=mv.dst)
         log.info("reshard: committed, routing by %s", mv.dst.describe())
         intake, self._intake = self._intake, None
         if intake is not None:
@@ -360,6 +383,7 @@ class Reshard:
             intake.stop()
         n = mv.src.num_shards
         for table in self._parts.tables():
+            table.ledgers.drop_moved()
             gone = table.remove_where(lambda keys: np.isin(shard_of(keys, n), mv.sources))
             if gone.size:
                 self._parts.changes.record([(table.spec.name, gone)])
@@ -372,7 +396,25 @@ class Reshard:
             mv = self.move
             if mv is None or source in mv.complete:
                 return
-            self.set_phase(MoveState(mv.index, mv.src, mv.dst, mv.phase, mv.complete | {source}))
+            self.set_phase(dataclasses.replace(mv, complete=mv.complete | {source}))
+
+    def _settle(self) -> None:
+        """A new owner merges the push ledgers it keeps apart for the keys that came, once
+        they may be (``TableLedgers.collapse``), then records the reshard as settled."""
+        try:
+            while not self._closing.wait(0.5):
+                now, settle_s = time.time(), self._parts.settings.settle_s
+                if all([t.settle_ledgers(now, settle_s) for t in self._parts.tables()]):
+                    with self._lock:
+                        mv = self.move
+                        if mv is not None and mv.phase in ("committed", "done"):
+                            self.set_phase(dataclasses.replace(mv, settled=True))
+                    log.info("reshard: the push ledgers of the keys that came merged back")
+                    return
+        except Exception:
+            log.exception("reshard: merging push ledgers failed (a restart tries again)")
+        finally:
+            self._settler = None
 
     def _drop_given_away(self) -> None:
         """After the commit, an old owner deletes the rows it gave away (its followers are
@@ -390,7 +432,7 @@ class Reshard:
                 self.rows_dropped += int(gone.size)
             with self._lock:
                 if self.move is mv:
-                    self.set_phase(MoveState(mv.index, mv.src, mv.dst, "done", set(mv.complete)))
+                    self.set_phase(dataclasses.replace(self.move, phase="done"))
             log.info("reshard: dropped the %d rows given away; done", self.rows_dropped)
         except Exception:
             log.exception("reshard: dropping the rows given away failed (a restart tries again)")

@@ -36,6 +36,7 @@ from ps.intake import grpc_move_stream
 from ps.lifecycle import Eviction
 from ps.limits import Limits
 from ps.rescue import StopReport, apply_rescue, begin_epoch, dump_places, is_rescue_dump, settle_dumps
+from ps.reshard import ReshardSettings
 from ps.servicer import Servicer
 from ps.shard import Mode, Shard
 from ps.storage import Storage, StorageFailed
@@ -164,7 +165,9 @@ def _open_shard(config: ServerConfig) -> Shard:
         def source(shard: Shard) -> Source:
             return Source(shard, config.follow, max_message_bytes=config.max_message_bytes, **peer)
 
-    move_stream = grpc_move_stream(peer["credentials"], peer["metadata"], config.max_message_bytes)
+    resharding = ReshardSettings(
+        grpc_move_stream(peer["credentials"], peer["metadata"], config.max_message_bytes), config.reshard_settle_s
+    )
 
     def shard(storage: Storage | None, durability: Durability, memory_budget_bytes: int) -> Shard:
         return Shard(
@@ -180,7 +183,7 @@ def _open_shard(config: ServerConfig) -> Shard:
             rescue_dir=config.rescue_dir,
             changes=ChangeLog(config.follow_history_keys),
             source=source,
-            move_stream=move_stream,
+            resharding=resharding,
         )
 
     if config.data_dir is None:

@@ -59,7 +59,6 @@ from ps.errors import (
     ShuttingDown,
     WrongMode,
 )
-from ps.intake import MoveStream
 from ps.ledger import PushLedger
 from ps.lifecycle import Eviction
 from ps.limits import Limits
@@ -68,7 +67,7 @@ from ps.moveout import move_batches
 from ps.recovery import ACKNOWLEDGED_ON_DISK, ROWS_FROM_SOURCE, StorageHealth, reopen_if_refusing
 from ps.registry import TableRegistry
 from ps.rescue import RescueBase, StopReport, dump_places, read_base, rows_at_risk, save_rescue
-from ps.reshard import Reshard, ReshardParts
+from ps.reshard import Reshard, ReshardParts, ReshardSettings
 from ps.rwlock import ReadWriteLock
 from ps.storage import Storage, StorageFailed
 from ps.stream import follow_batches
@@ -112,7 +111,7 @@ class Shard:
         rescue_dir: Path | None = None,
         changes: ChangeLog | None = None,
         source: Callable[[Shard], RowSource] | None = None,
-        move_stream: MoveStream | None = None,
+        resharding: ReshardSettings | None = None,
     ) -> None:
         if not 0 <= index < num_shards:
             raise ValueError(f"shard={index}: not in [0, num_shards={num_shards})")
@@ -175,7 +174,7 @@ class Shard:
                 install_table=lambda spec: self.install_table(spec, limited=True),
                 changes=self.changes,
                 flush=lambda: self.flush(metadata=True),
-                stream=move_stream if mode == "train" else None,
+                settings=resharding if resharding is not None and mode == "train" else ReshardSettings(),
             ),
         )
         # A serving shard's lookups read under it, together; whatever swaps or changes its

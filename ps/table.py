@@ -213,14 +213,21 @@ class Table:
             self.validate_grads(k, g)
         now = now_tick()
         with self._lock:
-            if origins is None or not self.ledgers.moved:
-                return self._push_locked(k, g, client_id, seq, None, now)
-            applied: int | None = None
-            for origin, picked in self.ledgers.groups(origins, client_id, k.shape[0]):
-                part = (k, g) if picked is None else (k[picked], g[picked])
-                n = self._push_locked(*part, client_id, seq, origin, now)
-                applied = n if applied is None else applied + (n or 0)
-            return applied
+            ledgers = self.ledgers
+            if origins is None or ledgers.post is None:
+                return self._push_locked(k, g, client_id, seq, ledgers.main, now)
+            if origins.fixed is not None:  # planned before the reshard: that shard's record
+                if seq and ledgers.post.has(client_id, seq):
+                    return None
+                group = None if origins.fixed == origins.index else origins.fixed
+                return self._push_locked(k, g, client_id, seq, ledgers.group(group), now)
+            if seq and origins.owners is not None:  # planned after: each key's group may have had it
+                fresh = np.ones(k.shape[0], np.bool_)
+                for owner in np.unique(origins.owners).tolist():
+                    if ledgers.applied(client_id, seq, None if owner == origins.index else owner):
+                        fresh[origins.owners == owner] = False
+                k, g = k[fresh], g[fresh]
+            return self._push_locked(k, g, client_id, seq, ledgers.post, now)
 
     def _push_locked(
         self,
@@ -228,11 +235,11 @@ class Table:
         g: npt.NDArray[np.float32],
         client_id: str,
         seq: int,
-        origin: int | None,
+        ledger: PushLedger,
         now: np.uint32,
     ) -> int | None:
-        """``push`` of the keys recorded in ``origin``'s ledger. Caller holds the lock."""
-        with self.ledgers.claim(client_id, seq, origin) as fresh:
+        """``push`` recorded in ``ledger`` (one of ``ledgers``). Caller holds the lock."""
+        with ledger.claim(client_id, seq) as fresh:
             # The claim is recorded when this block ends, still under the table lock: a
             # write of this table never sees rows with a push its ledger lacks.
             if not fresh:
@@ -244,8 +251,10 @@ class Table:
                 k, g, slots = k[kept], g[kept], slots[kept]
             slots, k, g = self._ram.merge_duplicates(slots, k, g)
             if self._every_push:
-                ledger = self.ledgers.encode_after(client_id, seq, origin) if seq else None
-                self.counters.rows_written += self._need_disk().push_durably(self._ram, k, g, slots, now, ledger)
+                entry = (self.ledgers.stored_name(ledger, client_id), ledger.encode_after(client_id, seq))
+                self.counters.rows_written += self._need_disk().push_durably(
+                    self._ram, k, g, slots, now, entry if seq else None
+                )
             else:
                 self._ram.apply(slots, g, now)
             self.counters.pushes += slots.shape[0]
@@ -352,6 +361,12 @@ class Table:
                         self.spilled = max(0, self.spilled - int(on_disk_only.sum()))
                     gone.append(picked)
         return np.unique(np.concatenate(gone).view(np.uint64)).view(np.int64)
+
+    def settle_ledgers(self, now: float, settle_s: float) -> bool:
+        """Merge the push ledgers a reshard kept apart, once they may be (see
+        ``TableLedgers.collapse``); True when none are kept apart."""
+        with self._lock:
+            return self.ledgers.collapse(now, settle_s)
 
     def resident_keys(self) -> npt.NDArray[np.int64]:
         """The keys of the rows in RAM (a copy)."""
