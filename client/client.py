@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
+import logging
 import math
 import posixpath
 import threading
@@ -26,18 +28,21 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import numpy as np
 import numpy.typing as npt
 from google.protobuf.message import DecodeError
 
-from client.batching import fill_rows, sum_duplicates
+from client.batching import sum_duplicates
+from client.cluster import ClusterView, ClusterViews
 from client.config import ClientConfig, TableConfig
-from client.errors import InternalServerError, InvalidRequestError, TableNotFoundError
-from client.replicas import ReplicaSet, normalize_addresses
-from client.retry import Answer, call_all
-from client.routing import Part, TablePlan, pack, plan_table
+from client.errors import InternalServerError, InvalidRequestError, PreconditionError, TableNotFoundError
+from client.lookups import encode_lookups, fill_results
+from client.pushes import encode_part, reroute, split_push
+from client.replicas import normalize_addresses
+from client.retry import Answer, Rerouted, call_all
+from client.routing import TablePlan, plan_table
 from client.tables import message_dict, table_config, table_spec
 from client.transport import GrpcTransport, Transport
 from protos import ps_pb2 as pb
@@ -52,7 +57,9 @@ _WRITES = frozenset({"CreateTable", "Push", "Checkpoint"})
 _READS = frozenset({"Lookup", "ListTables"})  # may be hedged
 F32 = npt.NDArray[np.float32]
 Keys = npt.ArrayLike | TablePlan  # keys, or a plan of them made by PSClient.plan
-_NO_KEYS = np.empty(0, dtype=np.int64)
+_MAX_MAP_CHANGES = 8  # of the cluster map during one call, before it gives up
+
+log = logging.getLogger(__name__)
 
 
 class LookupResult(dict[str, F32]):
@@ -136,30 +143,52 @@ class PSClient:
         transport: Transport | None = None,
         client_id: str | None = None,
     ) -> None:
-        self.replicas = [tuple(r) for r in normalize_addresses(addresses)]
-        self.num_shards = len(self.replicas)
-        self.config = config or ClientConfig()
-        self._replica_set = ReplicaSet(
-            self.replicas,
-            eject_after_failures=self.config.eject_after_failures,
-            eject_s=self.config.eject_s,
-            eject_max_s=self.config.eject_max_s,
-        )
-        self.addresses = self._replica_set.addresses
+        self.config = config = config or ClientConfig()
         self.client_id = _client_id(client_id)
-        # The transport is addressed by endpoint: the index into ``addresses``.
-        self._transport = transport or GrpcTransport(
-            self.addresses,
-            self.config.max_message_bytes,
-            reconnect_max_s=self.config.backoff_max_s,
-            **_security(self.config),
-        )
+        security = _security(config) if transport is None else {}
+
+        def connect(endpoints: list[str]) -> Transport:
+            # A transport is addressed by endpoint: the index into a view's ``addresses``.
+            if transport is None:
+                return GrpcTransport(
+                    endpoints, config.max_message_bytes, reconnect_max_s=config.backoff_max_s, **security
+                )
+            for_addresses = getattr(transport, "for_addresses", None)
+            if for_addresses is None:
+                raise PreconditionError(
+                    f"the cluster moved to a new map ({', '.join(endpoints)}), which this client's "
+                    "transport cannot reach (it has no for_addresses)"
+                )
+            return cast("Transport", for_addresses(endpoints))
+
+        self._views = ClusterViews(normalize_addresses(addresses), config, connect=connect, transport=transport)
         self._dtype: Any = _DTYPES[self.config.transport_dtype]  # a wire DType number
         self._tables: dict[str, TableConfig] = {}
         self._seqs: dict[str, Iterator[int]] = {}  # each table's push numbers (``push_many``)
         self._lock = threading.Lock()
         self._started = False
         self._pool: ThreadPoolExecutor | None = None
+
+    # -- the cluster as routed now ----------------------------------------------------
+    @property
+    def replicas(self) -> list[tuple[str, ...]]:
+        """Each shard's addresses, in shard order (of the current cluster map)."""
+        return list(self._views.current.replicas)
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every replica's address, shard by shard (one per shard without replicas)."""
+        return self._views.current.addresses
+
+    @property
+    def num_shards(self) -> int:
+        return self._views.current.num_shards
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the cluster map this client routes by: 0 until a live reshard
+        (``ps-admin scale``) moves the cluster on, which the client learns from a shard."""
+        return self._views.current.epoch
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> PSClient:
@@ -168,7 +197,7 @@ class PSClient:
             if not self._started:
                 if self.config.tune_malloc:
                     wire.tune_malloc()
-                self._transport.start()
+                self._views.start()
                 self._pool = ThreadPoolExecutor(self.config.push_threads, thread_name_prefix="ps-push")
                 self._started = True
         return self
@@ -180,7 +209,7 @@ class PSClient:
                 self._pool.shutdown(wait=True)
                 self._pool = None
             if self._started:
-                self._transport.close()
+                self._views.close()
                 self._started = False
 
     def __enter__(self) -> PSClient:
@@ -237,13 +266,14 @@ class PSClient:
     def stats(self) -> list[dict[str, Any]]:
         """Each replica's ``Stats`` as a dict with its ``"address"`` added, in the order of
         ``addresses`` (shard order when every shard has one address)."""
-        endpoints = range(len(self.addresses))
-        requests = [(self._replica_set.shard_of(e), b"") for e in endpoints]
-        replies = self._call("Stats", requests, pinned=endpoints)
+        view = self._views.current
+        endpoints = range(len(view.addresses))
+        requests = [(view.replica_set.shard_of(e), b"") for e in endpoints]
+        replies = self._call("Stats", requests, pinned=endpoints, view=view)
         out = []
         for (s, _), r in zip(requests, replies):
-            with self._reply("Stats", s, r.endpoint):
-                out.append({**message_dict(pb.StatsResponse.FromString(r.data)), "address": self.addresses[r.endpoint]})
+            with self._reply("Stats", s, r.endpoint, view):
+                out.append({**message_dict(pb.StatsResponse.FromString(r.data)), "address": view.addresses[r.endpoint]})
         return out
 
     def replica_health(self) -> list[dict[str, Any]]:
@@ -251,7 +281,7 @@ class PSClient:
         ``shard``, ``state`` (``in_service``, ``ejected``, or ``probing``: its probe is in
         flight), ``ejected_for_s`` (time left), ``inflight`` calls and ``failures`` in a row.
         Needs no I/O."""
-        return self._replica_set.health()
+        return self._views.current.replica_set.health()
 
     def checkpoint(self, name: str | None = None, *, deadline_s: float | None = None) -> list[dict[str, Any]]:
         """Have every shard write its part of the checkpoint ``name``; blocks until all are done.
@@ -305,15 +335,16 @@ class PSClient:
         order of ``addresses``. Raises ``PreconditionError`` from a training shard,
         ``InvalidRequestError`` naming a checkpoint a replica does not have.
         """
-        endpoints = range(len(self.addresses))
+        view = self._views.current
+        endpoints = range(len(view.addresses))
         body = pb.ServeFromRequest(checkpoint=checkpoint or "").SerializeToString()
-        requests = [(self._replica_set.shard_of(e), body) for e in endpoints]
-        replies = self._call("ServeFrom", requests, pinned=endpoints)
+        requests = [(view.replica_set.shard_of(e), body) for e in endpoints]
+        replies = self._call("ServeFrom", requests, pinned=endpoints, view=view)
         out = []
         for (s, _), r in zip(requests, replies):
-            with self._reply("ServeFrom", s, r.endpoint):
+            with self._reply("ServeFrom", s, r.endpoint, view):
                 status = pb.ServeFromResponse.FromString(r.data).status
-                out.append({**message_dict(status), "address": self.addresses[r.endpoint]})
+                out.append({**message_dict(status), "address": view.addresses[r.endpoint]})
         return out
 
     # -- lookup ---------------------------------------------------------------------
@@ -416,50 +447,34 @@ class PSClient:
     ) -> tuple[dict[str, F32], list[int]]:
         """Rows by table, and the shards that degraded (with repeats)."""
         budget = self._budget(deadline_s)
-        plans = [self._plan_of(t, k, self._dim(t, budget)) for t, k in requests.items()]
+        dims = {t: self._dim(t, budget) for t in requests}
         results: dict[str, F32] = {}
-        for p in plans:
-            buf = (out or {}).get(p.table)
+        for t, k in requests.items():
+            n = (k.keys if isinstance(k, TablePlan) else _as_keys(k, t)).shape[0]
+            buf = (out or {}).get(t)
             if buf is None:
-                buf = np.empty((p.keys.shape[0], p.dim), dtype=np.float32)
-            elif buf.shape != (p.keys.shape[0], p.dim) or buf.dtype != np.float32 or not buf.flags.c_contiguous:
+                buf = np.empty((n, dims[t]), dtype=np.float32)
+            elif buf.shape != (n, dims[t]) or buf.dtype != np.float32 or not buf.flags.c_contiguous:
                 raise InvalidRequestError(
-                    f"table {p.table!r}: out is {buf.dtype}{list(buf.shape)}, expected C-contiguous "
-                    f"float32[{p.keys.shape[0]}, {p.dim}]"
+                    f"table {t!r}: out is {buf.dtype}{list(buf.shape)}, expected C-contiguous float32[{n}, {dims[t]}]"
                 )
-            results[p.table] = buf
+            results[t] = buf
         itemsize = wire.dtype_itemsize(self._dtype)
-        batches = pack(plans, self.num_shards, lambda p: p.dim * itemsize + 8, self.config.max_message_bytes)
-        flat = [req for shard_reqs in batches for req in shard_reqs]
-        encoded = [
-            (s, wire.encode_lookup_request([(x.plan.table, x.keys) for x in parts], self._dtype, self.num_shards, s))
-            for s, parts in flat
-        ]
-        replies = self._send("Lookup", encoded, budget, degrade=degrade)
-        degraded = []
-        for (s, parts), reply in zip(flat, replies):
-            if reply is None:
-                degraded.append(s)
-                for part in parts:  # the table's default row
-                    zeros = np.zeros((len(part), part.plan.dim), dtype=np.float32)
-                    fill_rows(results[part.plan.table], zeros, part.plan.slots, part.start)
+        for _ in range(_MAX_MAP_CHANGES):
+            view = self._views.current
+            plans = [self._plan_of(t, k, dims[t], view.num_shards) for t, k in requests.items()]
+            flat, encoded = encode_lookups(
+                plans, view.num_shards, view.epoch, self._dtype, itemsize, self.config.max_message_bytes
+            )
+            replies = self._send("Lookup", encoded, budget, degrade=degrade, view=view)
+            moved = next((r for r in replies if isinstance(r, Rerouted)), None)
+            if moved is not None:  # the cluster changed: route every key again
+                self._follow_map(view, moved, budget)
                 continue
-            with self._reply("Lookup", s, reply.endpoint):
-                decoded = wire.decode_lookup_response(reply.data)
-                if len(decoded) != len(parts):
-                    raise wire.WireFormatError(f"{len(decoded)} results for {len(parts)} tables")
-                answers = [
-                    wire.decode_rows(r.rows, len(part), part.plan.dim, r.dtype, f"results[{part.plan.table!r}]")
-                    for r, part in zip(decoded, parts)
-                ]
-            for part, rows in zip(parts, answers):
-                target = results[part.plan.table]
-                if self.num_shards == 1 and not part.plan.has_duplicates:
-                    # One shard, no repeats: the routing order is the identity, a block copy will do.
-                    np.copyto(target[part.start : part.stop], rows)
-                else:
-                    fill_rows(target, rows, part.plan.slots, part.start)
-        return results, degraded
+            answers = [r if isinstance(r, Answer) else None for r in replies]
+            decoding = functools.partial(self._reply, "Lookup", view=view)
+            return results, fill_results(results, flat, answers, view.num_shards, decoding)
+        raise PreconditionError(f"Lookup: the cluster map changed {_MAX_MAP_CHANGES} times during one call")
 
     # -- push -----------------------------------------------------------------------
     def push(self, table: str, keys: npt.ArrayLike, grads: npt.ArrayLike, *, seq: int | None = None) -> PushResult:
@@ -490,6 +505,7 @@ class PSClient:
         """
         if seq is not None and not (isinstance(seq, int) and not isinstance(seq, bool) and 1 <= seq < 1 << 64):
             raise InvalidRequestError(f"seq={seq!r}: must be an integer in [1, 2**64)")
+        view = self._views.current
         prepared = []
         for table, (keys, grads) in updates.items():
             k = keys.keys if isinstance(keys, TablePlan) else _as_keys(keys, table)
@@ -499,64 +515,38 @@ class PSClient:
             if g.dtype.kind != "f":
                 raise InvalidRequestError(f"table {table!r}: grads dtype {g.dtype}, expected a float dtype")
             g = np.ascontiguousarray(g, dtype=np.float32)
-            plan = self._plan_of(table, keys if isinstance(keys, TablePlan) else k, g.shape[1])
+            plan = self._plan_of(table, keys if isinstance(keys, TablePlan) else k, g.shape[1], view.num_shards)
             if plan.has_duplicates:
                 g = sum_duplicates(g, plan.inverse, plan.unique.shape[0])
             if seq is not None or k.shape[0]:  # numbered by the client: a table without keys takes no number
                 prepared.append((plan, g))
         if not prepared:
             return PushResult(rows_updated=0)
-        encoded = self._encode_push(prepared, seq)
-        replies = []
-        for (s, _), answer in zip(encoded, self._call("Push", encoded)):
-            with self._reply("Push", s, answer.endpoint):
-                replies.append(pb.PushResponse.FromString(answer.data))
-        return PushResult(
-            rows_updated=sum(r.rows_updated for r in replies), duplicates=sum(not r.applied for r in replies)
-        )
-
-    def _encode_push(
-        self, prepared: list[tuple[TablePlan, npt.NDArray[np.float32]]], seq: int | None
-    ) -> list[tuple[int, bytes]]:
-        """One request per shard and *round*: a round is one push of every table in it, with
-        one seq per table; a push over ``max_message_bytes`` for some shard takes several
-        rounds (only without an explicit ``seq``)."""
-        grads_of = {p.table: g for p, g in prepared}
+        budget = self._budget(None)
         itemsize = wire.dtype_itemsize(self._dtype)
-        per_shard: dict[int, list[list[Part]]] = {}
-        for shard_reqs in pack(
-            [p for p, _ in prepared], self.num_shards, lambda p: p.dim * itemsize + 8, self.config.max_message_bytes
-        ):
-            for s, parts in shard_reqs:
-                per_shard.setdefault(s, []).append(parts)
-        rounds = max((len(r) for r in per_shard.values()), default=1)
-        if rounds > 1 and seq is not None:
-            raise InvalidRequestError(
-                f"push with seq={seq} needs {rounds} requests for one shard (over max_message_bytes="
-                f"{self.config.max_message_bytes}): push fewer keys per call, or raise max_message_bytes"
-            )
-        encoded = []
-        for k in range(rounds):
-            parts_of: list[dict[str, Part]] = []
-            for s in range(self.num_shards):
-                requests = per_shard.get(s, [])
-                parts_of.append({part.plan.table: part for part in requests[k]} if k < len(requests) else {})
-            tables = [p for p, _ in prepared if k == 0 or any(p.table in parts for parts in parts_of)]
-            seqs = {p.table: seq if seq is not None else self._next_seq(p.table) for p in tables}
-            for s in range(self.num_shards):
-                entries: list[wire.PushEntryParts] = []
-                for plan in tables:
-                    part = parts_of[s].get(plan.table)
-                    g = grads_of[plan.table]
-                    if part is None:
-                        keys, rows = _NO_KEYS, np.empty((0, plan.dim), np.float32)
-                    elif self.num_shards == 1 and part.start == 0 and len(part) == g.shape[0]:
-                        keys, rows = part.keys, g
-                    else:
-                        keys, rows = part.keys, g[part.positions]
-                    entries.append((plan.table, keys, rows, self._dtype, seqs[plan.table]))
-                encoded.append((s, wire.encode_push_request(entries, self.num_shards, self.client_id, 0, s)))
-        return encoded
+        max_bytes = self.config.max_message_bytes
+        parts = split_push(prepared, view.num_shards, view.epoch, max_bytes, itemsize, self._next_seq, seq)
+        replies: list[pb.PushResponse] = []
+        for _ in range(_MAX_MAP_CHANGES):
+            encoded = [
+                (p.shard, encode_part(p, view.num_shards, view.epoch, self.client_id, self._dtype)) for p in parts
+            ]
+            moved = []
+            for part, (s, _), answer in zip(parts, encoded, self._send("Push", encoded, budget, view=view)):
+                if isinstance(answer, Rerouted):
+                    moved.append((part, answer))
+                elif answer is not None:
+                    with self._reply("Push", s, answer.endpoint, view):
+                        replies.append(pb.PushResponse.FromString(answer.data))
+            if not moved:
+                return PushResult(
+                    rows_updated=sum(r.rows_updated for r in replies), duplicates=sum(not r.applied for r in replies)
+                )
+            # The cluster changed: the refused parts go to their keys' new owners, each
+            # saying where it was first planned (applied once per key there).
+            view = self._follow_map(view, moved[0][1], budget)
+            parts = [q for part, _ in moved for q in reroute(part, view.num_shards)]
+        raise PreconditionError(f"Push: the cluster map changed {_MAX_MAP_CHANGES} times during one call")
 
     def _next_seq(self, table: str) -> int:
         with self._lock:
@@ -587,19 +577,38 @@ class PSClient:
         """``keys`` of ``table`` deduplicated and routed to shards once, for several calls:
         ``lookup_many`` and ``push_many`` take the plan where they take keys (a training
         step looks up, then pushes, the same keys). ``plan.keys`` are ``keys``; the plan
-        is immutable and belongs to this client's cluster size."""
+        is immutable and routed for the cluster's size when it was made (a call given a
+        plan for another size, after a live reshard, routes its keys again)."""
         return plan_table(table, _as_keys(keys, table), self._dim(table, self._budget(deadline_s)), self.num_shards)
 
     # -- internals ------------------------------------------------------------------
-    def _plan_of(self, table: str, keys: Keys, dim: int) -> TablePlan:
+    def _plan_of(self, table: str, keys: Keys, dim: int, num_shards: int | None = None) -> TablePlan:
+        n = self.num_shards if num_shards is None else num_shards
         if not isinstance(keys, TablePlan):
-            return plan_table(table, _as_keys(keys, table), dim, self.num_shards)
-        if (keys.table, keys.dim, keys.bounds.shape[0] - 1) != (table, dim, self.num_shards):
+            return plan_table(table, _as_keys(keys, table), dim, n)
+        if (keys.table, keys.dim) != (table, dim):
             raise InvalidRequestError(
-                f"table {table!r}: a plan made for table {keys.table!r}, dim {keys.dim}, "
-                f"{keys.bounds.shape[0] - 1} shards does not fit dim {dim}, {self.num_shards} shards"
+                f"table {table!r}: a plan made for table {keys.table!r}, dim {keys.dim} does not fit dim {dim}"
             )
+        if keys.bounds.shape[0] - 1 != n:  # made before the cluster changed size
+            return plan_table(table, keys.keys, dim, n)
         return keys
+
+    def _follow_map(self, view: ClusterView, moved: Rerouted, budget: tuple[ClientConfig, float]) -> ClusterView:
+        """The view of the map a shard refused a request for (a newer one than ``view``'s):
+        asked of that shard (``GetMap``) and made current."""
+        (answer,) = self._call("GetMap", [(moved.shard, b"")], budget=budget, pinned=[moved.endpoint], view=view)
+        with self._reply("GetMap", moved.shard, answer.endpoint, view):
+            reply = pb.GetMapResponse.FromString(answer.data)
+        if reply.map.epoch <= view.epoch or len(reply.map.addresses) != reply.map.num_shards:
+            raise InternalServerError(
+                f"shard {moved.shard} ({view.addresses[moved.endpoint]}): refused keys under a newer cluster map "
+                f"(epoch {moved.epoch}) but answers GetMap with epoch {reply.map.epoch}"
+            )
+        current = self._views.update(reply.map.epoch, list(reply.map.addresses))
+        if current.epoch == reply.map.epoch and current is not view:
+            log.info("the cluster moved to epoch %d: %s", current.epoch, ", ".join(current.addresses))
+        return current
 
     def _budget(self, deadline_s: float | None, config: ClientConfig | None = None) -> tuple[ClientConfig, float]:
         """The config of a call (with its own ``deadline_s``, if given) and its deadline."""
@@ -621,8 +630,9 @@ class PSClient:
         *,
         budget: tuple[ClientConfig, float] | None = None,
         pinned: Sequence[int] | None = None,
+        view: ClusterView | None = None,
     ) -> list[Answer]:
-        return [a for a in self._send(method, requests, budget, pinned=pinned) if a is not None]
+        return [a for a in self._send(method, requests, budget, pinned=pinned, view=view) if isinstance(a, Answer)]
 
     def _send(
         self,
@@ -632,21 +642,25 @@ class PSClient:
         *,
         pinned: Sequence[int] | None = None,
         degrade: bool = False,
-    ) -> list[Answer | None]:
+        view: ClusterView | None = None,
+    ) -> list[Answer | Rerouted | None]:
+        """``call_all`` over ``view`` (the current one by default). Lookups and pushes come
+        back ``Rerouted`` where a shard refused keys under a newer cluster map."""
+        if not self._started:
+            self.start()
+        view = view or self._views.current
         if method in _WRITES:
             for s in sorted({s for s, _ in requests}):
-                if len(self.replicas[s]) > 1:
+                if len(view.replicas[s]) > 1:
                     raise InvalidRequestError(
-                        f"{method}: shard {s} has {len(self.replicas[s])} replicas ({'|'.join(self.replicas[s])}); "
+                        f"{method}: shard {s} has {len(view.replicas[s])} replicas ({'|'.join(view.replicas[s])}); "
                         "replicas are read-only serving copies: push to the training shard they follow",
                         shard=s,
                     )
-        if not self._started:
-            self.start()
         config, deadline = budget or self._budget(None)
         return call_all(
-            self._transport,
-            self._replica_set,
+            view.transport,
+            view.replica_set,
             method,
             requests,
             config,
@@ -654,17 +668,18 @@ class PSClient:
             pinned=pinned,
             hedge=method in _READS,
             degrade=degrade,
+            epoch=view.epoch if method in ("Lookup", "Push") else None,
         )
 
     @contextlib.contextmanager
-    def _reply(self, method: str, shard: int, endpoint: int) -> Iterator[None]:
+    def _reply(self, method: str, shard: int, endpoint: int, view: ClusterView | None = None) -> Iterator[None]:
         """Turn an undecodable reply of ``shard`` (from ``endpoint``) into ``InternalServerError``."""
         try:
             yield
         except (wire.WireFormatError, DecodeError, json.JSONDecodeError) as exc:
             raise InternalServerError(
-                f"shard {shard} ({self.addresses[endpoint]}): {method} reply does not decode ({exc}); "
-                "is that address a ps-server of this version?",
+                f"shard {shard} ({(view or self._views.current).addresses[endpoint]}): {method} reply does not "
+                f"decode ({exc}); is that address a ps-server of this version?",
                 shard=shard,
             ) from exc
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from protos.wire import WRONG_SHARD_METADATA
+from protos.wire import MAP_EPOCH_METADATA, WRONG_SHARD_METADATA
 
 __all__ = [
     "DeadlineExceededError",
@@ -185,6 +185,16 @@ one that refuses a request too large (never retried)."""
 def _trailing(exc: grpc.RpcError) -> tuple[tuple[str, Any], ...]:
     metadata: Any = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else ()
     return tuple((m[0], m[1]) for m in metadata or ())
+
+
+def map_epoch(exc: grpc.RpcError) -> int | None:
+    """The cluster map epoch a shard that refused keys it does not own routes by (its
+    ``ps-map-epoch`` trailing metadata), or None for any other failure."""
+    code = exc.code() if hasattr(exc, "code") else None
+    if code != grpc.StatusCode.FAILED_PRECONDITION:
+        return None
+    epoch = next((str(v) for k, v in _trailing(exc) if k == MAP_EPOCH_METADATA), None)
+    return int(epoch) if epoch is not None and epoch.isdigit() else None
 
 
 def is_retryable(exc: grpc.RpcError) -> bool:

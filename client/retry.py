@@ -36,11 +36,11 @@ from typing import NamedTuple
 import grpc
 
 from client.config import ClientConfig
-from client.errors import DeadlineExceededError, PSError, convert, is_retryable
+from client.errors import DeadlineExceededError, PSError, convert, is_retryable, map_epoch
 from client.replicas import FAILED, NEUTRAL, OK, Outcome, Pick, ReplicaSet
 from client.transport import Call, Transport, when_done
 
-__all__ = ["Answer", "backoff_s", "call_all"]
+__all__ = ["Answer", "Rerouted", "backoff_s", "call_all"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,15 @@ class Answer(NamedTuple):
 
     data: bytes
     endpoint: int
+
+
+class Rerouted(NamedTuple):
+    """A request refused for keys its shard no longer owns: the cluster moved to a map of
+    ``epoch`` (newer than the one the request was routed by), which ``endpoint`` serves."""
+
+    shard: int
+    endpoint: int
+    epoch: int
 
 
 def backoff_s(attempt: int, config: ClientConfig) -> float:
@@ -72,16 +81,19 @@ def call_all(
     pinned: Sequence[int] | None = None,
     hedge: bool = False,
     degrade: bool = False,
-) -> list[Answer | None]:
+    epoch: int | None = None,
+) -> list[Answer | Rerouted | None]:
     """Answers to ``requests`` (``(shard, request bytes)``), in the same order.
 
     Each attempt goes to a replica ``replicas`` picks, or to ``pinned[i]`` (an endpoint)
     if given. Blocks until every request succeeded; raises the ``PSError`` of a request
     that failed for good: a non-retryable status, the deadline (``time.monotonic()``
     value) passed, or ``config.max_attempts`` used up. With ``degrade``, the last two
-    give None for that request instead. Never None without ``degrade``.
+    give None for that request instead. Never None without ``degrade``. With ``epoch``
+    (the cluster map the requests were routed by), a request refused for keys its shard
+    owns no more under a newer map comes back as ``Rerouted``: the caller routes it again.
     """
-    return _Exchange(transport, replicas, method, requests, config, deadline, pinned, hedge, degrade).run()
+    return _Exchange(transport, replicas, method, requests, config, deadline, pinned, hedge, degrade, epoch).run()
 
 
 @dataclass
@@ -103,7 +115,7 @@ class _Request:
     hedge_at: float | None = None
     error: grpc.RpcError | None = None
     error_endpoint: int = -1
-    answer: Answer | None = None
+    answer: Answer | Rerouted | None = None
     done: bool = False
 
 
@@ -122,9 +134,10 @@ class _Exchange:
         pinned: Sequence[int] | None,
         hedge: bool,
         degrade: bool,
+        epoch: int | None = None,
     ) -> None:
         self.transport, self.replicas, self.method, self.config = transport, replicas, method, config
-        self.deadline, self.degrade = deadline, degrade
+        self.deadline, self.degrade, self.epoch = deadline, degrade, epoch
         self.hedge_after_s = config.hedge_after_s if hedge and pinned is None else None
         self.requests = [
             _Request(s, data, None if pinned is None else pinned[i]) for i, (s, data) in enumerate(requests)
@@ -137,7 +150,7 @@ class _Exchange:
         # None) or max_attempts used up; the exchange raises it once the others settle.
         self.fatal: tuple[int, float, str | None] | None = None
 
-    def run(self) -> list[Answer | None]:
+    def run(self) -> list[Answer | Rerouted | None]:
         try:
             lean = self.hedge_after_s is None
             # The last first attempt is made on this thread, which would only wait for it
@@ -296,6 +309,11 @@ class _Exchange:
         retryable = is_retryable(exc)
         self.replicas.release(attempt.pick, FAILED if retryable else NEUTRAL)
         r.error, r.error_endpoint = exc, attempt.pick.endpoint
+        newer = map_epoch(exc) if self.epoch is not None else None
+        if newer is not None and self.epoch is not None and newer > self.epoch:
+            r.answer, r.done, r.retry_at, r.hedge_at = Rerouted(r.shard, attempt.pick.endpoint, newer), True, None, None
+            self._cancel(r, NEUTRAL)
+            return
         if not retryable:
             r.done, r.retry_at, r.hedge_at = True, None, None
             if self.fatal is None:

@@ -131,9 +131,19 @@ class InProcessTransport:
     Thread-safe; ``call`` before ``start`` raises ``RuntimeError`` like ``GrpcTransport``.
     """
 
-    def __init__(self, shards: Sequence[Shard], max_message_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        shards: Sequence[Shard],
+        max_message_bytes: int = 64 << 20,
+        *,
+        by_address: dict[str, Shard] | None = None,
+        addresses: Sequence[str] | None = None,
+    ) -> None:
         self.shards = list(shards)
         self.max_message_bytes = max_message_bytes
+        # ``by_address``: the shards a new cluster map may name (``for_addresses``).
+        self.by_address = by_address
+        self._addresses = list(addresses) if addresses is not None else [f"inproc:{i}" for i in range(len(shards))]
         self.servicers = [Servicer(s, max_message_bytes) for s in self.shards]
         self.calls: list[tuple[int, str, bytes]] = []
         self.starts = 0
@@ -153,7 +163,15 @@ class InProcessTransport:
             self._open = False
 
     def address(self, shard: int) -> str:
-        return f"inproc:{shard}"
+        return self._addresses[shard]
+
+    def for_addresses(self, addresses: Sequence[str]) -> InProcessTransport:
+        """A transport to the shards at ``addresses`` (a client that learned a new cluster
+        map makes one); needs ``by_address``."""
+        if self.by_address is None:
+            raise RuntimeError("this InProcessTransport was made without by_address: it reaches no other shards")
+        shards = [self.by_address[a] for a in addresses]
+        return InProcessTransport(shards, self.max_message_bytes, by_address=self.by_address, addresses=addresses)
 
     def fail_next(
         self,

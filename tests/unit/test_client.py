@@ -84,10 +84,13 @@ def test_a_plan_stands_in_for_its_keys_in_lookups_and_pushes(
     ps.push_many({"twin": (keys, grads)})
     np.testing.assert_array_equal(ps.lookup_many({"t": plan})["t"], ps.lookup("twin", keys))
     assert not np.array_equal(ps.lookup("t", keys), by_plan)
-    # A plan belongs to its table, dim and cluster size.
+    # A plan belongs to its table and dim; one routed for another cluster size (made before
+    # a live reshard) has its keys routed again.
     ps.create_table("u", DIM + 1)
-    with pytest.raises(InvalidRequestError, match="table 'u': a plan made for table 't', dim 4, 3 shards"):
+    with pytest.raises(InvalidRequestError, match="table 'u': a plan made for table 't', dim 4 does not fit dim 5"):
         ps.lookup_many({"u": plan})
+    elsewhere = PSClient(addresses(2), FAST, transport=InProcessTransport(shards[:2]))
+    np.testing.assert_array_equal(ps.lookup_many({"t": elsewhere.plan("t", keys)})["t"], ps.lookup("t", keys))
     with pytest.raises(InvalidRequestError, match="does not fit dim 5"):
         ps.push_many({"t": (plan, np.zeros((keys.size, DIM + 1), np.float32))})
     with pytest.raises(InvalidRequestError, match="grads shape"):

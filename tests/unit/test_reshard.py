@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from client import ClientConfig, PSClient
 from deploy.scale import RetryLater, ScaleError, scale
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
@@ -29,6 +30,7 @@ from ps.reshard import ReshardSettings
 from ps.rows import Rows
 from ps.shard import LookupBatch, PushBatch, Shard
 from ps.storage import Storage
+from tests.fakes import InProcessTransport
 
 SGD = TableSpec("t", dim=4, seed=7, optimizer=OptimizerParams(OptimizerKind.SGD, lr=1.0))
 ADAGRAD = TableSpec("a", dim=3, seed=9, optimizer=OptimizerParams(OptimizerKind.ADAGRAD, lr=0.5))
@@ -477,3 +479,47 @@ def test_a_push_frozen_out_of_both_old_owners_reaches_the_new_one_in_two_parts_a
     )
     new.lookup(LookupBatch([("t", KEYS[moved])], Route(3, 2, 1)), lambda dims: [after])
     np.testing.assert_array_equal(after, start[: int(moved.sum())] - np.float32(1.0))
+
+
+def test_a_client_training_through_a_scale_learns_the_new_map_and_applies_each_push_once(cluster: Cluster) -> None:
+    # PSClient as a trainer uses it, during a whole 2 -> 3 scale: refused parts are sent
+    # again (frozen keys), routed by the new map (after the commit), and no error reaches
+    # the caller.
+    for i in range(2):
+        cluster.add(i, 2)
+    cluster.add(2, 3)
+    transport = InProcessTransport(
+        [cluster.shards["s0"], cluster.shards["s1"]], by_address=cluster.shards, addresses=["s0", "s1"]
+    )
+    fast = ClientConfig(backoff_initial_s=0.002, backoff_max_s=0.01, tune_malloc=False)
+    with PSClient(["s0", "s1"], fast, transport=transport, client_id="trainer") as ps:
+        ps.create_table("t", 4, lr=1.0, seed=7)
+        twin = Shard(0, 1)
+        twin.create_table(SGD)
+        start = ps.lookup("t", KEYS)
+        stop = threading.Event()
+        steps: list[int] = []
+
+        def train() -> None:
+            while not stop.is_set():
+                rows = ps.lookup("t", KEYS)
+                assert rows.shape == (KEYS.size, 4)
+                ps.push("t", KEYS, np.full((KEYS.size, 4), 0.25, np.float32))
+                steps.append(1)
+
+        thread = threading.Thread(target=train)
+        thread.start()
+        time.sleep(0.2)
+        scale(cluster, ["s0", "s1"], ["s0", "s1", "s2"])
+        time.sleep(0.3)
+        stop.set()
+        thread.join(30)
+        assert not thread.is_alive() and len(steps) > 5
+        assert ps.epoch == 1 and ps.num_shards == 3 and ps.addresses == ["s0", "s1", "s2"]
+        got = ps.lookup("t", KEYS)
+    wait_done(cluster)
+    owners_ok(cluster, 3, "t")
+    want = start.copy()
+    for _ in steps:
+        want = want - np.float32(0.25)
+    np.testing.assert_array_equal(got, want)
