@@ -16,12 +16,12 @@ the records that moved with them (``ps.ledger.TableLedgers``).
 Example:
     >>> import numpy as np
     >>> from client.routing import plan_table
-    >>> plan = plan_table("t", np.array([1, 2, 3]), dim=2, num_shards=2)
+    >>> plan = plan_table("t", np.array([1, 4, 6]), dim=2, num_shards=2)
     >>> parts = split_push([(plan, np.ones((3, 2), np.float32))], 2, 0, 1 << 20, 4, lambda t: 7)
     >>> [(p.shard, p.planned, [len(e[1]) for e in p.entries]) for p in parts]
-    [(0, (0, 0), [2]), (1, (0, 1), [1])]
-    >>> [(p.shard, p.planned) for p in reroute(parts[1], 3)]
-    [(1, (0, 1))]
+    [(0, (0, 0), [1]), (1, (0, 1), [2])]
+    >>> [(p.shard, p.planned, len(p.entries[0][1])) for p in reroute(parts[1], 3)]  # 4 stays, 6 moves
+    [(1, (0, 1), 1), (2, (0, 1), 1)]
 """
 
 from __future__ import annotations

@@ -441,14 +441,16 @@ class Reshard:
 
     def set_phase(self, move: MoveState | None, new_map: ClusterMap | None = None) -> None:
         """Record ``move`` (and ``new_map``) in the data dir, then make them current; the
-        frozen phase is entered holding every write out."""
+        frozen phase and a new map are entered holding every write out."""
         if self._storage is not None:
             items = {_MOVE_KEY: move.to_json().encode() if move is not None else b""}
             if new_map is not None:
                 items[_MAP_KEY] = json.dumps(new_map.to_json()).encode()
             self._storage.put_metas(items, num_shards=new_map.num_shards if new_map is not None else None)
+        # Entering the freeze or switching maps waits for the writes in flight: each checked
+        # its keys against the map and phase it read, and must finish under them.
         freezing = move is not None and move.phase == "frozen" and move.is_source and not self.frozen
-        with self._gate.writing() if freezing else contextlib.nullcontext():
+        with self._gate.writing() if freezing or new_map is not None else contextlib.nullcontext():
             if new_map is not None:
                 self.map = new_map
             self.move = move
