@@ -22,6 +22,10 @@ every tool) and reads checkpoints offline with ``ps.storage``.
   the shard ``protos.keys.shard_of(key, M)`` assigns. Push ledgers (exactly-once
   records) are not carried over: a resharded cluster is a new cluster and its clients
   start fresh.
+* ``ps-admin scale --addresses A0,A1 --to A0,A1,A2``: a live reshard of a running
+  training cluster to more shards (new ones started empty for the new map) or fewer
+  (a prefix), while training goes on (``deploy.scale``); run again to finish one that
+  was interrupted, ``--abort`` to undo one no shard committed.
 * ``ps-admin stats --addresses ...``: one line per shard and table from the Stats RPC.
 * ``ps-admin tables``, ``create-table --name N --dim D [optimizer=adagrad lr=0.05 ...]``,
   ``health`` (every health service of every replica; exit 1 unless all serve),
@@ -77,8 +81,10 @@ from deploy.operations import (
     create_table,
     list_checkpoints,
     open_cluster,
+    scale_cluster,
 )
 from deploy.reshard import SCAN_CHUNK_ROWS, AdminError, read_cluster_manifest, reshard, shard_dir_name
+from deploy.scale import ScaleReport
 from protos.logs import configure_logging
 from ps.datadir import DataDirError
 from ps.storage import StorageFailed
@@ -199,6 +205,46 @@ def _format_tables(tables: Sequence[dict[str, Any]]) -> str:
         f"{t['name']}: dim {t['dim']}, optimizer {t['optimizer']}, initializer {t['initializer']}, seed {t['seed']}"
         for t in tables
     )
+
+
+def _shard_list(text: str) -> list[str]:
+    shards = _addresses(text)
+    return [_single(shard, "--to") for shard in shards]
+
+
+def _single(shard: Sequence[str], flag: str) -> str:
+    if len(shard) != 1:
+        raise argparse.ArgumentTypeError(
+            f"{flag}: {'+'.join(shard)} is a shard with replicas; a live reshard takes the training shards"
+        )
+    return shard[0]
+
+
+def _scale_json(report: ScaleReport) -> dict[str, Any]:
+    return {
+        "from": report.src.to_json(),
+        "to": report.dst.to_json(),
+        "aborted": report.aborted,
+        "already_done": report.already_done,
+        "rows_moved": report.rows_moved,
+        "bytes_moved": report.bytes_received,
+        "received": {str(d): {str(s): n for s, n in by.items()} for d, by in report.received.items()},
+        "seconds": report.seconds,
+    }
+
+
+def _format_scale(report: ScaleReport) -> str:
+    if report.aborted:
+        return f"aborted: the cluster stays at {report.src.describe()}"
+    if report.already_done:
+        return f"nothing to do: the cluster is at {report.dst.describe()}"
+    lines = [f"resharded from {report.src.num_shards} to {report.dst.num_shards} shards: {report.dst.describe()}"]
+    for d, by_source in sorted(report.received.items()):
+        parts = ", ".join(f"{n} from shard {s}" for s, n in sorted(by_source.items()))
+        lines.append(f"  shard {d} got {parts}")
+    seconds = ", ".join(f"{k} {v:.2f} s" for k, v in report.seconds.items())
+    lines.append(f"  {report.rows_moved} rows, {report.bytes_received / 1e6:.1f} MB moved; {seconds}")
+    return "\n".join(lines)
 
 
 def _table_option(text: str) -> tuple[str, Any]:
@@ -373,6 +419,23 @@ def build_parser() -> argparse.ArgumentParser:
     ct.add_argument("option", nargs="*", type=_table_option, help="NAME=VALUE settings of the table")
     ct.add_argument("--timeout-s", type=_positive_seconds, default=30.0, help="per-shard limit (default 30)")
 
+    sc = sub.add_parser(
+        "scale",
+        help="grow or shrink a running training cluster while it trains (live reshard)",
+        description="Move the running cluster at --addresses to the shards at --to, while training and serving "
+        "go on. To grow, --to is --addresses followed by new shards, each started empty as `ps-server --shard J "
+        "--num-shards M --data-dir ...` (J its place in --to, M the length of --to); to shrink, --to is the "
+        "first shards of --addresses. Only keys whose owner changes move, whole (values, optimizer state, "
+        "lifecycle); pushes to them wait a moment (clients retry) while the last changes go over, then clients "
+        "learn the new map from the shards. Each shard records where the reshard stands: after any failure "
+        "(this command killed, a shard restarted) run the same command again to finish it, or --abort it "
+        "before the commit. Needs an admin token on secured shards.",
+    )
+    addresses(sc)
+    sc.add_argument("--to", required=True, type=_shard_list, help="HOST:PORT of every shard of the new cluster, ','")
+    sc.add_argument("--abort", action="store_true", help="undo a reshard that no shard committed yet")
+    sc.add_argument("--timeout-s", type=_positive_seconds, default=3600.0, help="limit of the whole reshard")
+
     hc = sub.add_parser("health", help="gRPC health of every shard and replica (exit 1 unless all serve)")
     addresses(hc)
     hc.add_argument("--timeout-s", type=_positive_seconds, default=5.0, help="per-call limit (default 5)")
@@ -447,6 +510,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "create-table":
             table = create_table(args.addresses, args.name, args.dim, dict(args.option), args.timeout_s)
             print(json.dumps(table, indent=2, sort_keys=True) if args.json else _format_tables([table]))
+        elif args.command == "scale":
+            src = [_single(shard, "--addresses") for shard in args.addresses]
+            report = scale_cluster(src, args.to, abort=args.abort, timeout_s=args.timeout_s)
+            print(json.dumps(_scale_json(report), indent=2, sort_keys=True) if args.json else _format_scale(report))
         elif args.command == "health":
             rows = cluster_health(args.addresses, args.timeout_s)
             print(json.dumps(rows, indent=2, sort_keys=True) if args.json else _format_health(rows))

@@ -8,6 +8,7 @@ to check, instead of the training client's retries.
 * ``checkpoint_cluster``: every shard writes its part of one named checkpoint;
   ``list_checkpoints``: offline, what checkpoint roots hold.
 * ``cluster_stats``, ``cluster_tables``, ``create_table``, ``cluster_health``.
+* ``scale_cluster``: a live reshard of a running cluster (``deploy.scale``) over gRPC.
 
 Example:
     >>> list_checkpoints([])
@@ -30,13 +31,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import ClientConfig, PSClient, PSError, ShardUnavailableError
 from client.errors import tls_hint
 from deploy.reshard import AdminError, now_stamp, shard_dir_name
-from protos.services import SHARD_HEALTH
+from deploy.scale import RetryLater, ScaleError, ScaleReport, scale
+from protos import ps_pb2 as pb
+from protos.auth import AuthError, bearer_metadata, read_client_token
+from protos.services import PS_SERVICE, SHARD_HEALTH
 from protos.tls import TLSError, channel_credentials, open_channel
 from ps.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
 from ps.storage import StorageFailed
 
 __all__ = [
     "CLIENT_OPTIONS",
+    "GrpcShards",
     "checkpoint_cluster",
     "cluster_health",
     "cluster_stats",
@@ -44,6 +49,7 @@ __all__ = [
     "create_table",
     "list_checkpoints",
     "open_cluster",
+    "scale_cluster",
 ]
 
 log = logging.getLogger(__name__)
@@ -305,3 +311,71 @@ def cluster_health(addresses: Sequence[str | Sequence[str]], timeout_s: float = 
 def _health_credentials() -> grpc.ChannelCredentials | None:
     config = ClientConfig(**CLIENT_OPTIONS)
     return channel_credentials(config.tls_ca, config.tls_cert, config.tls_key) if config.tls else None
+
+
+class GrpcShards:
+    """``deploy.scale.ShardCalls`` over gRPC, with ``ps-admin``'s TLS and token
+    (``CLIENT_OPTIONS``): one channel per address, each call limited to ``timeout_s``."""
+
+    def __init__(self, timeout_s: float) -> None:
+        config = ClientConfig(**CLIENT_OPTIONS)
+        try:
+            self._credentials = (
+                channel_credentials(config.tls_ca, config.tls_cert, config.tls_key) if config.tls else None
+            )
+            token = config.token if config.token is not None else read_client_token(config.token_file)
+        except (TLSError, AuthError) as exc:
+            raise AdminError(str(exc)) from None
+        self._metadata = bearer_metadata(token)
+        self._timeout_s = timeout_s
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def _unary(self, address: str, method: str) -> Any:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = open_channel(address, self._credentials, [])
+        return channel.unary_unary(f"/{PS_SERVICE}/{method}", request_serializer=None, response_deserializer=None)
+
+    def _call(self, address: str, method: str, request: Any, parse: Any) -> Any:
+        try:
+            data = self._unary(address, method)(
+                request.SerializeToString(), timeout=self._timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()
+            hint = tls_hint(code, str(details), address, self._credentials is not None)
+            message = f"{address}: {code.name}: {details}" + (f": {hint}" if hint else "")
+            if code == grpc.StatusCode.UNAVAILABLE and not hint:
+                raise RetryLater(message) from None
+            raise AdminError(message) from None
+        return parse(data)
+
+    def get_map(self, address: str) -> pb.GetMapResponse:
+        return self._call(address, "GetMap", pb.GetMapRequest(), pb.GetMapResponse.FromString)  # type: ignore[no-any-return]
+
+    def reshard(self, address: str, request: pb.ReshardRequest) -> pb.ReshardStatus:
+        return self._call(address, "Reshard", request, pb.ReshardStatus.FromString)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+
+def scale_cluster(
+    addresses: Sequence[str],
+    to: Sequence[str],
+    *,
+    abort: bool = False,
+    timeout_s: float = 3600.0,
+    call_timeout_s: float = 30.0,
+) -> ScaleReport:
+    """``deploy.scale.scale`` of the running cluster at ``addresses`` to ``to``, over gRPC,
+    logging its progress; ``AdminError`` (with what to do) on failure."""
+    shards = GrpcShards(call_timeout_s)
+    try:
+        return scale(shards, addresses, to, say=lambda line: log.warning("%s", line), abort=abort, timeout_s=timeout_s)
+    except ScaleError as exc:
+        raise AdminError(str(exc)) from None
+    finally:
+        shards.close()

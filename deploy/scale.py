@@ -95,18 +95,19 @@ def scale(
     src, dst = _maps(maps, src_addresses, dst_addresses)
     report = ScaleReport(src, dst)
     at_dst = [a for a in dst_addresses if maps[a].map.epoch == dst.epoch and maps[a].map.num_shards == dst.num_shards]
-    if len(at_dst) == len(dst_addresses) and all(_phase(maps[a]) in ("", "done") for a in src_addresses):
+    if len(at_dst) == len(dst_addresses) and all(_phase(maps[a], dst) in ("", "done") for a in src_addresses):
         report.already_done = True
         say(f"the cluster is already at {dst.describe()}")
         return report
     if abort:
         return _abort(shards, maps, src, dst, report, say)
     started = time.monotonic()
-    if not any(_phase(maps[a]) for a in maps):
+    if not any(_phase(maps[a], dst) for a in maps):
         _check_start(maps, src, dst)
+        maps = _wait_settled(shards, maps, deadline, poll_s, say)
     say(f"resharding from {src.num_shards} to {dst.num_shards} shards (epoch {src.epoch} -> {dst.epoch})")
     prepare = pb.ReshardRequest(phase=pb.ReshardRequest.PREPARE, to=dst.to_proto(), **{"from": src.to_proto()})
-    committed = any(_phase(maps[a]) in ("committed", "done") for a in maps if a in maps)
+    committed = any(_phase(maps[a], dst) in ("committed", "done") for a in maps)
     if not committed:
         _each(shards, maps, prepare, deadline, say, "prepare")
         report.seconds["prepare"] = time.monotonic() - started
@@ -156,8 +157,13 @@ def _get_map(shards: ShardCalls, address: str) -> pb.GetMapResponse:
         raise ScaleError(f"{address}: cannot ask for its cluster map: {exc}") from None
 
 
-def _phase(answer: pb.GetMapResponse) -> str:
-    return answer.reshard.phase
+def _phase(answer: pb.GetMapResponse, dst: ClusterMap) -> str:
+    """Where the reshard to ``dst`` stands on a shard ("" if that shard has none: a
+    phase it recorded of an earlier reshard does not count)."""
+    ongoing = answer.reshard
+    if not ongoing.phase or ClusterMap.from_proto(ongoing.to) != dst:
+        return ""
+    return ongoing.phase
 
 
 def _maps(
@@ -198,13 +204,31 @@ def _check_start(maps: dict[str, pb.GetMapResponse], src: ClusterMap, dst: Clust
                 f"{address} is shard {m.shard} of {m.map.num_shards}; a new shard at place {i} of --to must be "
                 f"started as `ps-server --shard {i} --num-shards {dst.num_shards}` with an empty data dir"
             )
-    pending = {a: m.reshard.pending_ledgers for a, m in maps.items() if m.reshard.pending_ledgers}
-    if pending:
-        raise ScaleError(
-            "some shards still resolve pushes from before the last reshard "
-            f"({', '.join(f'{a}: {n} ledger entries' for a, n in pending.items())}); they settle as the "
-            "clients that sent them push again: retry in a moment"
-        )
+
+
+def _wait_settled(
+    shards: ShardCalls, maps: dict[str, pb.GetMapResponse], deadline: float, poll_s: float, say: Callable[[str], None]
+) -> dict[str, pb.GetMapResponse]:
+    """Wait until no shard keeps push ledgers of the last reshard apart; returns the maps."""
+    said = False
+    while True:
+        pending = {a: m.reshard.pending_ledgers for a, m in maps.items() if m.reshard.pending_ledgers}
+        if not pending:
+            return maps
+        if time.monotonic() > deadline:
+            raise ScaleError(
+                "some shards still keep push ledgers of the last reshard apart "
+                f"({', '.join(f'{a}: {n}' for a, n in pending.items())}): a client left pushes from before it "
+                "half applied and has not sent them again; run ps-admin scale again once it has"
+            )
+        if not said:
+            say(
+                "waiting for the last reshard to settle (clients may still retry pushes from before it; "
+                "see ps-server --reshard-settle-s)"
+            )
+            said = True
+        time.sleep(poll_s)
+        maps = {a: _get_map(shards, a) for a in maps}
 
 
 def _request(phase: int, dst: ClusterMap) -> pb.ReshardRequest:
@@ -304,7 +328,7 @@ def _abort(
     report: ScaleReport,
     say: Callable[[str], None],
 ) -> ScaleReport:
-    committed = [a for a, m in maps.items() if _phase(m) in ("committed", "done") or m.map.epoch == dst.epoch]
+    committed = [a for a, m in maps.items() if _phase(m, dst) in ("committed", "done") or m.map.epoch == dst.epoch]
     if committed:
         raise ScaleError(
             f"{', '.join(committed)} committed the reshard to {dst.describe()}: it cannot be undone; "
@@ -312,7 +336,7 @@ def _abort(
         )
     abort = _request(pb.ReshardRequest.ABORT, dst)
     for address, m in maps.items():
-        if _phase(m):
+        if _phase(m, dst):
             shards.reshard(address, abort)
     report.aborted = True
     say(f"aborted: the cluster stays at {src.describe()}; stop the new shards, they hold nothing")

@@ -1,0 +1,206 @@
+"""``ps-admin scale`` against real shard processes: a training cluster grows and shrinks
+while a client pushes, and a reshard interrupted by kill -9 (of ps-admin, of a new owner,
+of a frozen old owner) is finished by running the command again.
+
+Every check is on what the client saw acknowledged: after the moves each key's row is its
+initial row minus every acknowledged push once (SGD, lr 1, the same gradient each time:
+the float sums are exact in order), and each key lives on the one shard that owns it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client import ClientConfig, PSClient
+from deploy.operations import GrpcShards
+from protos import ps_pb2 as pb
+from protos.keys import shard_of
+from ps.cluster import ClusterMap
+from ps.storage import Storage
+from tests.integration.shards import RunningShard, start_shard, stop_shard
+from tests.integration.test_admin import ok, ps_admin
+
+KEYS = (np.arange(3000, dtype=np.int64) - 1500) * 104729
+STEP = np.float32(0.25)
+FAST = ClientConfig(backoff_initial_s=0.005, backoff_max_s=0.05, deadline_s=60.0, tune_malloc=False)
+
+
+class Trainer:
+    """A client pushing ``STEP`` to every key of ``KEYS`` in a loop, counting what was acknowledged."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.client = PSClient(addresses, FAST, client_id="scale-test").start()
+        self.client.create_table("t", 8, optimizer="sgd", lr=1.0, seed=11)
+        self.start = self.client.lookup("t", KEYS)
+        self.acknowledged = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        grads = np.full((KEYS.size, 8), STEP, np.float32)
+        try:
+            while not self._stop.is_set():
+                self.client.lookup("t", KEYS)
+                self.client.push("t", KEYS, grads)
+                self.acknowledged += 1
+        except BaseException as exc:  # the test fails on it below
+            self.error = exc
+
+    def finish(self) -> np.ndarray:
+        self._stop.set()
+        self._thread.join(120)
+        assert self.error is None, f"the trainer failed: {self.error!r}"
+        assert self.acknowledged > 0
+        rows = self.client.lookup("t", KEYS)
+        self.client.close()
+        return rows
+
+    def expected(self) -> np.ndarray:
+        want = self.start.copy()
+        for _ in range(self.acknowledged):
+            want = want - STEP
+        return want
+
+
+def shard_args(root: Path) -> tuple[str, ...]:
+    return (f"--data-dir={root}/data-{{shard}}", "--durability=every-push", "--reshard-settle-s=1")
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> Iterator[dict[int, RunningShard]]:
+    running: dict[int, RunningShard] = {}
+    yield running
+    for shard in running.values():
+        if shard.proc.poll() is None:
+            stop_shard(shard)
+
+
+def addresses(shards: dict[int, RunningShard], n: int) -> list[str]:
+    return [shards[i].address for i in range(n)]
+
+
+def assert_owned(root: Path, shards: dict[int, RunningShard], n: int) -> None:
+    """Stopped, each shard of the map of ``n`` holds on disk exactly the keys it owns, and
+    every other shard none (read from the data dirs)."""
+    for shard in shards.values():
+        if shard.proc.poll() is None:
+            stop_shard(shard)
+    for i in shards:
+        with Storage(root / f"data-{i}", shard=-1, num_shards=0, read_only=True) as st:
+            keys = np.concatenate([part.keys for part in st.table("t", 8, 0).scan()] or [np.empty(0, np.int64)])
+        want = KEYS[shard_of(KEYS, n) == i] if i < n else np.empty(0, np.int64)
+        np.testing.assert_array_equal(np.sort(keys), np.sort(want), err_msg=f"shard {i}'s keys")
+
+
+def test_a_cluster_grows_and_shrinks_while_a_client_trains(tmp_path: Path, shards: dict[int, RunningShard]) -> None:
+    for i in range(2):
+        shards[i] = start_shard(i, 2, tmp_path, *shard_args(tmp_path))
+    trainer = Trainer(addresses(shards, 2))
+    time.sleep(0.3)
+    shards[2] = start_shard(2, 3, tmp_path, *shard_args(tmp_path))
+    out = ok(
+        ps_admin(
+            "scale", "--addresses", ",".join(addresses(shards, 2)), "--to", ",".join(addresses(shards, 3)), cwd=tmp_path
+        )
+    )
+    assert "resharded from 2 to 3 shards" in out and "rows" in out
+    time.sleep(0.3)
+    out = ok(
+        ps_admin(
+            "scale", "--addresses", ",".join(addresses(shards, 3)), "--to", ",".join(addresses(shards, 2)), cwd=tmp_path
+        )
+    )
+    assert "resharded from 3 to 2 shards" in out
+    time.sleep(0.3)
+    got = trainer.finish()
+    np.testing.assert_array_equal(got, trainer.expected())  # every acknowledged push once, none twice
+    assert trainer.client.epoch == 2 and trainer.client.num_shards == 2
+    deadline = time.monotonic() + 30
+    while True:  # the retired shard drops what it gave away, then holds nothing
+        with PSClient([shards[2].address], FAST) as one:
+            rows = one.stats()[0]["tables"][0]["rows"]
+        if rows == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert rows == 0
+    assert_owned(tmp_path, shards, 2)
+    # Restarted with the flags they were first given, the shards keep the map they moved to.
+    for i in range(3):
+        shards[i] = start_shard(i, 2 if i < 2 else 3, tmp_path, *shard_args(tmp_path), listen=shards[i].address)
+    with PSClient(addresses(shards, 2), FAST) as client:
+        np.testing.assert_array_equal(client.lookup("t", KEYS), got)
+        assert client.stats()[0]["num_shards"] == 2
+
+
+def test_a_reshard_interrupted_by_kill_9_finishes_when_run_again(
+    tmp_path: Path, shards: dict[int, RunningShard]
+) -> None:
+    for i in range(2):
+        shards[i] = start_shard(i, 2, tmp_path, *shard_args(tmp_path))
+    trainer = Trainer(addresses(shards, 2))
+    shards[2] = start_shard(2, 3, tmp_path, *shard_args(tmp_path))
+    src, dst = addresses(shards, 2), addresses(shards, 3)
+    calls = GrpcShards(10.0)
+    try:
+        # 1. The new owner is killed while it copies, and restarted: it copies again.
+        prepare = pb.ReshardRequest(
+            phase=pb.ReshardRequest.PREPARE,
+            to=ClusterMap(1, 3, tuple(dst)).to_proto(),
+            **{"from": ClusterMap(0, 2, tuple(src)).to_proto()},
+        )
+        for address in dst:
+            calls.reshard(address, prepare)
+        os.kill(shards[2].proc.pid, signal.SIGKILL)
+        shards[2].proc.wait(30)
+        shards[2] = start_shard(2, 3, tmp_path, *shard_args(tmp_path), listen=shards[2].address)
+        # 2. An old owner is killed while frozen, and restarted: it is still frozen.
+        calls.reshard(src[0], pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=prepare.to))
+        os.kill(shards[0].proc.pid, signal.SIGKILL)
+        shards[0].proc.wait(30)
+        shards[0] = start_shard(0, 2, tmp_path, *shard_args(tmp_path), listen=shards[0].address)
+        assert calls.get_map(src[0]).reshard.phase == "frozen"
+    finally:
+        calls.close()
+    # 3. ps-admin itself is killed mid-way, then run again to the end.
+    command = [Path(sys.executable).parent / "ps-admin", "scale", "--addresses", ",".join(src), "--to", ",".join(dst)]
+    proc = subprocess.Popen([str(c) for c in command], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait(30)
+    out = ok(ps_admin("scale", "--addresses", ",".join(src), "--to", ",".join(dst), cwd=tmp_path))
+    assert "resharded from 2 to 3" in out or "nothing to do" in out
+    time.sleep(0.3)
+    got = trainer.finish()
+    np.testing.assert_array_equal(got, trainer.expected())
+    deadline = time.monotonic() + 30
+    calls = GrpcShards(10.0)
+    while calls.get_map(src[0]).reshard.phase != "done" and time.monotonic() < deadline:  # dropped what it gave
+        time.sleep(0.1)
+    calls.close()
+    assert_owned(tmp_path, shards, 3)
+
+
+def test_scale_says_what_is_wrong_in_one_line(tmp_path: Path, shards: dict[int, RunningShard]) -> None:
+    for i in range(2):
+        shards[i] = start_shard(i, 2, tmp_path, *shard_args(tmp_path))
+    shards[2] = start_shard(2, 4, tmp_path, *shard_args(tmp_path))  # started for another map
+    src = addresses(shards, 2)
+    bad = ps_admin("scale", "--addresses", ",".join(src), "--to", ",".join([*src, shards[2].address]), cwd=tmp_path)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert "--shard 2 --num-shards 3" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    swapped = ps_admin(
+        "scale", "--addresses", ",".join(src), "--to", ",".join([src[1], src[0], shards[2].address]), cwd=tmp_path
+    )
+    assert swapped.returncode == 1 and "keep their places" in swapped.stderr
