@@ -93,12 +93,12 @@ class ClusterViews:
             self._started = False
 
     def update(self, epoch: int, addresses: Sequence[str]) -> ClusterView:
-        """The view of the cluster map ``epoch`` with one shard at each of ``addresses``
-        (a training cluster's map), made current unless a newer one is; returns the current."""
+        """The view of the cluster map ``epoch`` with a shard at each of ``addresses`` (its
+        replicas joined by ``+``), made current unless a newer one is; returns the current."""
         with self._lock:
             if epoch <= self.current.epoch:
                 return self.current
-            view = self._view(epoch, [[a] for a in addresses], None)
+            view = self._view(epoch, [a.split("+") for a in addresses], None)
             if self._started:
                 view.transport.start()
             self._retired.append(self.current.transport)

@@ -434,6 +434,19 @@ def build_parser() -> argparse.ArgumentParser:
     addresses(sc)
     sc.add_argument("--to", required=True, type=_shard_list, help="HOST:PORT of every shard of the new cluster, ','")
     sc.add_argument("--abort", action="store_true", help="undo a reshard that no shard committed yet")
+    sc.add_argument(
+        "--serving-to",
+        type=_addresses,
+        help="the serving shards following the new cluster, ',' between shards, '+' between replicas (the new "
+        "ones started as `ps-server --mode serve --shard J --num-shards M --follow TRAINING_J`): they switch "
+        "to the new map once caught up, and ps-infer follows",
+    )
+    sc.add_argument(
+        "--serving-addresses",
+        type=_addresses,
+        default=os.environ.get("SERVING_ADDRESSES") or None,
+        help="the serving shards before (default: $SERVING_ADDRESSES); with --serving-to",
+    )
     sc.add_argument("--timeout-s", type=_positive_seconds, default=3600.0, help="limit of the whole reshard")
 
     hc = sub.add_parser("health", help="gRPC health of every shard and replica (exit 1 unless all serve)")
@@ -512,7 +525,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(table, indent=2, sort_keys=True) if args.json else _format_tables([table]))
         elif args.command == "scale":
             src = [_single(shard, "--addresses") for shard in args.addresses]
-            report = scale_cluster(src, args.to, abort=args.abort, timeout_s=args.timeout_s)
+            serving = None
+            if args.serving_to is not None:
+                if args.serving_addresses is None:
+                    raise AdminError(
+                        "--serving-to needs --serving-addresses (or $SERVING_ADDRESSES): the serving shards now"
+                    )
+                serving = (args.serving_addresses, args.serving_to)
+            report = scale_cluster(
+                src,
+                args.to,
+                abort=args.abort,
+                timeout_s=args.timeout_s,
+                serving=serving,
+                say=lambda line: print(line, file=sys.stderr, flush=True),
+            )
             print(json.dumps(_scale_json(report), indent=2, sort_keys=True) if args.json else _format_scale(report))
         elif args.command == "health":
             rows = cluster_health(args.addresses, args.timeout_s)

@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -369,12 +369,15 @@ def scale_cluster(
     abort: bool = False,
     timeout_s: float = 3600.0,
     call_timeout_s: float = 30.0,
+    serving: tuple[Sequence[Sequence[str]], Sequence[Sequence[str]]] | None = None,
+    say: Callable[[str], None] = log.info,
 ) -> ScaleReport:
-    """``deploy.scale.scale`` of the running cluster at ``addresses`` to ``to``, over gRPC,
-    logging its progress; ``AdminError`` (with what to do) on failure."""
+    """``deploy.scale.scale`` of the running cluster at ``addresses`` to ``to`` (and of its
+    ``serving`` shards, before and after), over gRPC, saying its progress through ``say``;
+    ``AdminError`` (with what to do) on failure."""
     shards = GrpcShards(call_timeout_s)
     try:
-        return scale(shards, addresses, to, say=lambda line: log.warning("%s", line), abort=abort, timeout_s=timeout_s)
+        return scale(shards, addresses, to, say=say, abort=abort, timeout_s=timeout_s, serving=serving)
     except ScaleError as exc:
         raise AdminError(str(exc)) from None
     finally:

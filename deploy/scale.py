@@ -84,10 +84,16 @@ def scale(
     abort: bool = False,
     poll_s: float = 0.2,
     timeout_s: float = 3600.0,
+    serving: tuple[Sequence[Sequence[str]], Sequence[Sequence[str]]] | None = None,
 ) -> ScaleReport:
     """Move the cluster at ``src_addresses`` to ``dst_addresses`` (see the module
     docstring), saying what happens through ``say``; returns the report. Raises
-    ``ScaleError`` (nothing is left half-way that a new run cannot finish)."""
+    ``ScaleError`` (nothing is left half-way that a new run cannot finish).
+
+    ``serving``: the serving shards that follow the training shards, before and after
+    (each shard's replicas): once the training shards committed and every serving shard
+    of the new map caught up with its training shard, they switch to the new serving map
+    (new ones first); their clients (``ps-infer``) follow it as trainers do."""
     src_addresses, dst_addresses = list(src_addresses), list(dst_addresses)
     _check_lists(src_addresses, dst_addresses)
     deadline = time.monotonic() + timeout_s
@@ -126,6 +132,10 @@ def scale(
     _each(shards, {a: maps[a] for a in maps if a not in takers}, commit, deadline, say, "commit")
     report.seconds["commit"] = time.monotonic() - t
     _record_received(shards, dst_addresses, dst, report)
+    if serving is not None:
+        t = time.monotonic()
+        _switch_serving(shards, serving[0], serving[1], deadline, poll_s, say)
+        report.seconds["serving"] = time.monotonic() - t
     say(
         f"committed: the cluster routes by {dst.describe()}; {report.rows_moved} rows moved "
         f"({report.bytes_received / 1e6:.1f} MB); old owners drop the rows they gave away in the background"
@@ -341,3 +351,42 @@ def _abort(
     report.aborted = True
     say(f"aborted: the cluster stays at {src.describe()}; stop the new shards, they hold nothing")
     return report
+
+
+def _switch_serving(
+    shards: ShardCalls,
+    src: Sequence[Sequence[str]],
+    dst: Sequence[Sequence[str]],
+    deadline: float,
+    poll_s: float,
+    say: Callable[[str], None],
+) -> None:
+    """Switch the serving shards to the map of ``dst`` once every replica of it caught up."""
+    replicas = [a for shard in dst for a in shard]
+    retired = [a for shard in src for a in shard if a not in replicas]
+    maps = {a: _get_map(shards, a) for a in replicas + retired}
+    names = tuple("+".join(shard) for shard in dst)
+    done = [m for m in maps.values() if tuple(m.map.addresses) == names]
+    epoch = done[0].map.epoch if done else max(m.map.epoch for m in maps.values()) + 1
+    target = ClusterMap(epoch, len(dst), names)
+    said = 0.0
+    while True:  # every serving replica of the new map holds its training shard's rows
+        maps = {a: _get_map(shards, a) for a in replicas}
+        behind = [a for a, m in maps.items() if not _caught_up_follower(m) and m.map != target.to_proto()]
+        if not behind:
+            break
+        if time.monotonic() > deadline:
+            raise ScaleError(f"serving shards {', '.join(behind)} never caught up with their training shards")
+        if time.monotonic() - said > 2.0:
+            say(f"  waiting for serving shards {', '.join(behind)} to catch up with their training shards")
+            said = time.monotonic()
+        time.sleep(poll_s)
+    commit = _request(pb.ReshardRequest.COMMIT, target)
+    for address in sorted(replicas, key=lambda a: maps[a].shard, reverse=True) + retired:  # new ones first
+        _each(shards, {address: maps.get(address) or pb.GetMapResponse()}, commit, deadline, say, "switch serving")
+    say(f"serving shards switched to {target.describe()}")
+
+
+def _caught_up_follower(answer: pb.GetMapResponse) -> bool:
+    f = answer.follow
+    return bool(f.connected and (f.snapshots or f.applied_version) and f.lag_versions == 0 and f.lag_s == 0.0)

@@ -394,7 +394,7 @@ class TableDelta(_message.Message):
     def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., dim: _Optional[int] = ..., deleted_keys: _Optional[bytes] = ...) -> None: ...
 
 class FollowBatch(_message.Message):
-    __slots__ = ("history", "version", "leader_version", "version_unix_s", "specs", "deltas", "snapshot_begin", "snapshot_end", "in_snapshot", "lineage")
+    __slots__ = ("history", "version", "leader_version", "version_unix_s", "specs", "deltas", "snapshot_begin", "snapshot_end", "in_snapshot", "num_shards", "lineage")
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEADER_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -404,6 +404,7 @@ class FollowBatch(_message.Message):
     SNAPSHOT_BEGIN_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_END_FIELD_NUMBER: _ClassVar[int]
     IN_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
     history: str
     version: int
@@ -414,8 +415,9 @@ class FollowBatch(_message.Message):
     snapshot_begin: bool
     snapshot_end: bool
     in_snapshot: bool
+    num_shards: int
     lineage: str
-    def __init__(self, history: _Optional[str] = ..., version: _Optional[int] = ..., leader_version: _Optional[int] = ..., version_unix_s: _Optional[float] = ..., specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., deltas: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., snapshot_begin: _Optional[bool] = ..., snapshot_end: _Optional[bool] = ..., in_snapshot: _Optional[bool] = ..., lineage: _Optional[str] = ...) -> None: ...
+    def __init__(self, history: _Optional[str] = ..., version: _Optional[int] = ..., leader_version: _Optional[int] = ..., version_unix_s: _Optional[float] = ..., specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., deltas: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., snapshot_begin: _Optional[bool] = ..., snapshot_end: _Optional[bool] = ..., in_snapshot: _Optional[bool] = ..., num_shards: _Optional[int] = ..., lineage: _Optional[str] = ...) -> None: ...
 
 class ServeFromRequest(_message.Message):
     __slots__ = ("checkpoint",)
@@ -458,14 +460,16 @@ class GetMapRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetMapResponse(_message.Message):
-    __slots__ = ("map", "shard", "reshard")
+    __slots__ = ("map", "shard", "reshard", "follow")
     MAP_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     RESHARD_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
     map: ClusterMap
     shard: int
     reshard: ReshardStatus
-    def __init__(self, map: _Optional[_Union[ClusterMap, _Mapping]] = ..., shard: _Optional[int] = ..., reshard: _Optional[_Union[ReshardStatus, _Mapping]] = ...) -> None: ...
+    follow: FollowStatus
+    def __init__(self, map: _Optional[_Union[ClusterMap, _Mapping]] = ..., shard: _Optional[int] = ..., reshard: _Optional[_Union[ReshardStatus, _Mapping]] = ..., follow: _Optional[_Union[FollowStatus, _Mapping]] = ...) -> None: ...
 
 class ReshardRequest(_message.Message):
     __slots__ = ("phase", "to")

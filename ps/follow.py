@@ -43,6 +43,7 @@ import numpy.typing as npt
 
 from protos import ps_pb2 as pb
 from protos import wire
+from protos.keys import shard_of
 from protos.tls import open_channel
 from ps import optimizers
 from ps.checkpoint import resolve_existing_checkpoint
@@ -273,6 +274,8 @@ class Source:
                 if parts:
                     table.assign(keys, np.concatenate([r for _, r in parts]))
                 stale = np.setdiff1d(table.export().keys, keys, assume_unique=True)
+                if stale.size and end.num_shards:  # keys that moved away in a reshard stay for now
+                    stale = stale[shard_of(stale, end.num_shards) == self.shard.index]
                 if stale.size:
                     table.remove(stale)
             self.history, self.applied_version = end.history, end.version

@@ -34,7 +34,7 @@ from protos.keys import shard_of
 from ps.changes import ChangeLog
 from ps.cluster import ClusterMap, MoveState, Phase, Route
 from ps.config import TableSpec
-from ps.errors import InvalidRequest, Moving, ShardMismatch
+from ps.errors import InvalidRequest, Moving, ShardMismatch, WrongMode
 from ps.intake import Intake, MoveStream, SourceProgress
 from ps.ledger import KeyOrigins
 from ps.ownership import check_owned
@@ -226,6 +226,12 @@ class Reshard:
         """True while a stream's caller is there and the shard is not stopping."""
         return lambda: active() and not closing()
 
+    def sizes(self) -> set[int]:
+        """The cluster sizes this shard belongs or belonged to (a follower started for any
+        of them may follow it)."""
+        mv = self.move
+        return {self.map.num_shards} | ({mv.src.num_shards, mv.dst.num_shards} if mv is not None else set())
+
     def pending_ledgers(self) -> int:
         """What keeps push ledgers of the last reshard apart (a new one waits for 0): clients
         whose pushes from before it are not settled, and the reshard being too recent."""
@@ -281,13 +287,24 @@ class Reshard:
             )
             self._cleanup.start()
 
-    def request(self, phase: int, src: ClusterMap | None, dst: ClusterMap | None) -> pb.ReshardStatus:
-        """One ``Reshard`` RPC (see protos/ps.proto); returns the status after it."""
+    def request(self, request: pb.ReshardRequest, *, serving: bool = False) -> pb.ReshardStatus:
+        """One ``Reshard`` RPC (see protos/ps.proto); returns the status after it. A
+        ``serving`` shard only switches maps (COMMIT, ``_adopt``)."""
+        phase = request.phase
+        src = ClusterMap.from_proto(getattr(request, "from"), "from") if request.HasField("from") else None
+        dst = ClusterMap.from_proto(request.to, "to") if request.HasField("to") else None
         if phase != pb.ReshardRequest.STATUS:
             if dst is None:
                 raise InvalidRequest("ReshardRequest.to: the map to move to is missing")
             with self._lock:
-                if phase == pb.ReshardRequest.PREPARE:
+                if serving:
+                    if phase != pb.ReshardRequest.COMMIT:
+                        raise WrongMode(
+                            f"Reshard refused: shard {self.index} is a serving shard; it follows its training shard "
+                            "through a reshard and only switches maps (COMMIT)"
+                        )
+                    self._adopt(dst)
+                elif phase == pb.ReshardRequest.PREPARE:
                     if src is None:
                         raise InvalidRequest("ReshardRequest.from: the map to move from is missing")
                     self._prepare(src, dst)
@@ -330,6 +347,22 @@ class Reshard:
             )
         self.set_phase(MoveState(self.index, src, dst, "copying"))
         log.info("reshard: prepared from %s to %s", src.describe(), dst.describe())
+        self._resume()
+
+    def _adopt(self, dst: ClusterMap) -> None:
+        """A serving shard routes by ``dst`` from now on, and drops the rows of keys it no
+        longer owns (its training shard moved them; its followers' copies came meanwhile)."""
+        mv = self.move
+        if self.map == dst:
+            return
+        if dst.epoch <= self.map.epoch:
+            raise InvalidRequest(f"shard {self.index} is at {self.map.describe()}, past {dst.describe()}")
+        src = ClusterMap(self.map.epoch, self.map.num_shards, self.map.addresses)
+        switched = MoveState(self.index, src, dst, "committed", committed_unix_s=time.time(), settled=True)
+        if mv is not None and mv.phase == "committed":
+            raise Moving(f"serving shard {self.index} is still dropping the rows of its last switch: retry shortly")
+        self.set_phase(switched if switched.is_source else dataclasses.replace(switched, phase="done"), new_map=dst)
+        log.info("serving by %s from now on", dst.describe())
         self._resume()
 
     def _matching(self, dst: ClusterMap) -> MoveState:

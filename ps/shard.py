@@ -399,7 +399,8 @@ class Shard:
         self.check_request()
         if self._mode != "train":
             raise WrongMode(f"Follow refused: shard {self.index} is a serving shard; follow its training shard")
-        if (follower.shard, follower.num_shards) != (self.index, self.num_shards):
+        sizes = self.reshard.sizes()
+        if follower.shard != self.index or (follower.num_shards and follower.num_shards not in sizes):
             raise ShardMismatch(
                 f"a follower of shard {follower.shard} of {follower.num_shards} reached shard {self.index} of "
                 f"{self.num_shards}: give each serving shard the address of the training shard with its index"
@@ -412,6 +413,8 @@ class Shard:
             lambda: active() and not self._closing,
             max_message_bytes,
             lineage=self.lineage,
+            owned=lambda keys: self.reshard.map.owns(keys, self.index),
+            num_shards=lambda: self.num_shards,
         )
 
     def serve_from(self, checkpoint: str) -> pb.FollowStatus:
@@ -429,18 +432,18 @@ class Shard:
     def get_map(self) -> pb.GetMapResponse:
         """The cluster map this shard routes by, and where a reshard stands here."""
         self.check_request()
-        return pb.GetMapResponse(map=self.reshard.map.to_proto(), shard=self.index, reshard=self.reshard.status())
+        follow = self.source.status() if self.source is not None else None
+        return pb.GetMapResponse(
+            map=self.reshard.map.to_proto(), shard=self.index, reshard=self.reshard.status(), follow=follow
+        )
 
     def reshard_request(self, request: pb.ReshardRequest) -> pb.ReshardStatus:
-        """One phase of a live reshard (``ps.reshard``); the status after it. Raises
-        ``WrongMode`` on a serving shard, ``InvalidRequest`` for maps or a phase that do
-        not fit, ``Moving`` for one to retry shortly, ``StorageFailed``."""
+        """One phase of a live reshard (``ps.reshard``; a serving shard takes only the
+        switch to a new map, COMMIT); the status after it. Raises ``WrongMode``,
+        ``InvalidRequest`` for maps or a phase that do not fit, ``Moving`` for one to retry
+        shortly, ``StorageFailed``."""
         self.check_request()
-        if request.phase != pb.ReshardRequest.STATUS:
-            self.check_mode("Reshard")
-        src = ClusterMap.from_proto(getattr(request, "from"), "from") if request.HasField("from") else None
-        dst = ClusterMap.from_proto(request.to, "to") if request.HasField("to") else None
-        return self.reshard.request(request.phase, src, dst)
+        return self.reshard.request(request, serving=self._mode != "train")
 
     def move_rows(
         self, to: ClusterMap, destination: int, active: Callable[[], bool], max_bytes: int

@@ -42,12 +42,19 @@ def follow_batches(
     max_message_bytes: int,
     heartbeat_s: float = 0.5,
     lineage: str = "",
+    owned: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.bool_]] | None = None,
+    num_shards: Callable[[], int] | None = None,
 ) -> Iterator[pb.FollowBatch]:
     """The stream a follower at ``(history, version)`` needs, from the change log
     ``changes`` of the tables ``tables()`` returns, until ``active()`` turns false. Every
-    message carries ``lineage`` (the leader's: which data its rows are)."""
-    for batch in _batches(changes, tables, history, version, active, max_message_bytes, heartbeat_s):
+    message carries ``lineage`` (the leader's: which data its rows are). ``owned(keys)``:
+    which keys the leader owns now; a key without a row is sent as deleted only if it
+    does (one that moved to another shard in a live reshard stays with the follower
+    until the serving shards switch maps); a snapshot's end says ``num_shards()``."""
+    for batch in _batches(changes, tables, history, version, active, max_message_bytes, heartbeat_s, owned):
         batch.lineage = lineage
+        if batch.snapshot_end and num_shards is not None:
+            batch.num_shards = num_shards()
         yield batch
 
 
@@ -59,6 +66,7 @@ def _batches(
     active: Callable[[], bool],
     max_message_bytes: int,
     heartbeat_s: float,
+    owned: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.bool_]] | None,
 ) -> Iterator[pb.FollowBatch]:
     log, limit = changes, max(1 << 16, max_message_bytes - _OVERHEAD_BYTES)
     sent = version if history == log.history and log.holds(version) else None
@@ -75,7 +83,7 @@ def _batches(
             sent = None
             continue
         version, unix_s, keys = changed
-        yield from _delta(log, tables(), version, unix_s, keys, limit, sent)
+        yield from _delta(log, tables(), version, unix_s, keys, limit, sent, owned)
         sent = version
 
 
@@ -91,6 +99,7 @@ def _delta(
     keys: dict[str, npt.NDArray[np.int64]],
     limit: int,
     before: int,
+    owned: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.bool_]] | None = None,
 ) -> Iterator[pb.FollowBatch]:
     """One change batch, split into messages under ``limit`` bytes (only the last one
     carries ``version``; the others keep the follower at ``before``)."""
@@ -104,12 +113,15 @@ def _delta(
         for start in range(0, keys[name].shape[0], step):
             k = keys[name][start : start + step]
             found, rows = table.peek_rows(k)
+            gone = k[~found]
+            if owned is not None and gone.size:
+                gone = gone[owned(gone)]  # keys that moved to another shard are not deleted here
             delta = pb.TableDelta(
                 table=name,
                 keys=wire.encode_keys(rows.keys),
                 rows=np.ascontiguousarray(rows.values).tobytes(),
                 dim=table.dim,
-                deleted_keys=wire.encode_keys(k[~found]),
+                deleted_keys=wire.encode_keys(gone),
             )
             if parts and size + k.shape[0] * (8 + 4 * table.dim) > limit:
                 yield pb.FollowBatch(history=history, version=before, leader_version=version, specs=specs, deltas=parts)

@@ -204,3 +204,63 @@ def test_scale_says_what_is_wrong_in_one_line(tmp_path: Path, shards: dict[int, 
         "scale", "--addresses", ",".join(src), "--to", ",".join([src[1], src[0], shards[2].address]), cwd=tmp_path
     )
     assert swapped.returncode == 1 and "keep their places" in swapped.stderr
+
+
+def test_serving_shards_follow_a_reshard_and_their_readers_never_fail(
+    tmp_path: Path, shards: dict[int, RunningShard]
+) -> None:
+    for i in range(2):
+        shards[i] = start_shard(i, 2, tmp_path, *shard_args(tmp_path))
+    trainer = Trainer(addresses(shards, 2))
+    serving: dict[int, RunningShard] = {}
+    serve_root = tmp_path / "serve"
+    try:
+        for i in range(2):
+            serving[i] = start_shard(i, 2, serve_root, "--mode=serve", f"--follow={shards[i].address}")
+        shards[2] = start_shard(2, 3, tmp_path, *shard_args(tmp_path))
+        serving[2] = start_shard(2, 3, serve_root, "--mode=serve", f"--follow={shards[2].address}")
+        reader = PSClient([serving[0].address, serving[1].address], FAST)
+        stop, failures, reads = threading.Event(), [], [0]
+
+        def read() -> None:
+            while not stop.is_set():
+                try:
+                    rows = reader.lookup("t", KEYS)
+                    assert rows.shape == (KEYS.size, 8)
+                    reads[0] += 1
+                except Exception as exc:
+                    failures.append(exc)
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        time.sleep(0.3)
+        out = ok(
+            ps_admin(
+                "scale",
+                "--addresses",
+                ",".join(addresses(shards, 2)),
+                "--to",
+                ",".join(addresses(shards, 3)),
+                "--serving-addresses",
+                ",".join(serving[i].address for i in range(2)),
+                "--serving-to",
+                ",".join(serving[i].address for i in range(3)),
+                cwd=tmp_path,
+            )
+        )
+        assert "resharded from 2 to 3" in out
+        time.sleep(0.5)
+        got = trainer.finish()
+        deadline = time.monotonic() + 30
+        while not np.array_equal(reader.lookup("t", KEYS), got):  # the followers catch up with the last pushes
+            assert time.monotonic() < deadline, "the serving shards never caught up"
+            time.sleep(0.1)
+        stop.set()
+        thread.join(30)
+        assert failures == [] and reads[0] > 5
+        assert reader.epoch == 1 and reader.num_shards == 3
+        reader.close()
+    finally:
+        for shard in serving.values():
+            if shard.proc.poll() is None:
+                stop_shard(shard)
