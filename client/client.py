@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, cast, overload
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 from google.protobuf.message import DecodeError
@@ -37,7 +38,7 @@ from google.protobuf.message import DecodeError
 from client.batching import sum_duplicates
 from client.cluster import ClusterView, ClusterViews
 from client.config import ClientConfig, TableConfig
-from client.errors import InternalServerError, InvalidRequestError, PreconditionError, TableNotFoundError
+from client.errors import InternalServerError, InvalidRequestError, PreconditionError, PSError, TableNotFoundError
 from client.lookups import encode_lookups, fill_results
 from client.pushes import encode_part, reroute, split_push
 from client.replicas import normalize_addresses
@@ -162,6 +163,7 @@ class PSClient:
             return cast("Transport", for_addresses(endpoints))
 
         self._views = ClusterViews(normalize_addresses(addresses), config, connect=connect, transport=transport)
+        self._mapped = False  # whether the cluster map was asked for (``_current``)
         self._dtype: Any = _DTYPES[self.config.transport_dtype]  # a wire DType number
         self._tables: dict[str, TableConfig] = {}
         self._seqs: dict[str, Iterator[int]] = {}  # each table's push numbers (``push_many``)
@@ -461,7 +463,7 @@ class PSClient:
             results[t] = buf
         itemsize = wire.dtype_itemsize(self._dtype)
         for _ in range(_MAX_MAP_CHANGES):
-            view = self._views.current
+            view = self._current(budget)
             plans = [self._plan_of(t, k, dims[t], view.num_shards) for t, k in requests.items()]
             flat, encoded = encode_lookups(
                 plans, view.num_shards, view.epoch, self._dtype, itemsize, self.config.max_message_bytes
@@ -505,7 +507,8 @@ class PSClient:
         """
         if seq is not None and not (isinstance(seq, int) and not isinstance(seq, bool) and 1 <= seq < 1 << 64):
             raise InvalidRequestError(f"seq={seq!r}: must be an integer in [1, 2**64)")
-        view = self._views.current
+        budget = self._budget(None)
+        view = self._current(budget)
         prepared = []
         for table, (keys, grads) in updates.items():
             k = keys.keys if isinstance(keys, TablePlan) else _as_keys(keys, table)
@@ -522,7 +525,6 @@ class PSClient:
                 prepared.append((plan, g))
         if not prepared:
             return PushResult(rows_updated=0)
-        budget = self._budget(None)
         itemsize = wire.dtype_itemsize(self._dtype)
         max_bytes = self.config.max_message_bytes
         parts = split_push(prepared, view.num_shards, view.epoch, max_bytes, itemsize, self._next_seq, seq)
@@ -593,6 +595,25 @@ class PSClient:
         if keys.bounds.shape[0] - 1 != n:  # made before the cluster changed size
             return plan_table(table, keys.keys, dim, n)
         return keys
+
+    def _current(self, budget: tuple[ClientConfig, float]) -> ClusterView:
+        """The view lookups and pushes route by. The first asks shard 0 for the cluster map
+        (``GetMap``): a client given the addresses of a cluster that resharded since learns
+        its epoch, or its new addresses, before it routes anything."""
+        if not self._mapped:
+            view = self._views.current
+            try:
+                (answer,) = self._call("GetMap", [(0, b"")], budget=budget, view=view)
+            except PSError as exc:
+                if exc.code != grpc.StatusCode.UNIMPLEMENTED:  # a shard older than maps: epoch 0
+                    raise
+            else:
+                with self._reply("GetMap", 0, answer.endpoint, view):
+                    reply = pb.GetMapResponse.FromString(answer.data)
+                if reply.map.epoch > view.epoch and len(reply.map.addresses) == reply.map.num_shards:
+                    self._views.update(reply.map.epoch, list(reply.map.addresses))
+            self._mapped = True
+        return self._views.current
 
     def _follow_map(self, view: ClusterView, moved: Rerouted, budget: tuple[ClientConfig, float]) -> ClusterView:
         """The view of the map a shard refused a request for (a newer one than ``view``'s):

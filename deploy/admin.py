@@ -207,6 +207,16 @@ def _format_tables(tables: Sequence[dict[str, Any]]) -> str:
     )
 
 
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number >= 0")
+    return value
+
+
 def _shard_list(text: str) -> list[str]:
     shards = _addresses(text)
     return [_single(shard, "--to") for shard in shards]
@@ -435,6 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--to", required=True, type=_shard_list, help="HOST:PORT of every shard of the new cluster, ','")
     sc.add_argument("--abort", action="store_true", help="undo a reshard that no shard committed yet")
     sc.add_argument(
+        "--max-rows-per-s",
+        type=_non_negative,
+        default=0.0,
+        help="pace of each copy (one old shard to one new shard), to leave training its share of a busy machine "
+        "(default 0: as fast as it goes)",
+    )
+    sc.add_argument(
         "--serving-to",
         type=_addresses,
         help="the serving shards following the new cluster, ',' between shards, '+' between replicas (the new "
@@ -539,6 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timeout_s=args.timeout_s,
                 serving=serving,
                 say=lambda line: print(line, file=sys.stderr, flush=True),
+                max_rows_per_s=args.max_rows_per_s,
             )
             print(json.dumps(_scale_json(report), indent=2, sort_keys=True) if args.json else _format_scale(report))
         elif args.command == "health":

@@ -371,13 +371,23 @@ def scale_cluster(
     call_timeout_s: float = 30.0,
     serving: tuple[Sequence[Sequence[str]], Sequence[Sequence[str]]] | None = None,
     say: Callable[[str], None] = log.info,
+    max_rows_per_s: float = 0.0,
 ) -> ScaleReport:
     """``deploy.scale.scale`` of the running cluster at ``addresses`` to ``to`` (and of its
     ``serving`` shards, before and after), over gRPC, saying its progress through ``say``;
     ``AdminError`` (with what to do) on failure."""
     shards = GrpcShards(call_timeout_s)
     try:
-        return scale(shards, addresses, to, say=say, abort=abort, timeout_s=timeout_s, serving=serving)
+        return scale(
+            shards,
+            addresses,
+            to,
+            say=say,
+            abort=abort,
+            timeout_s=timeout_s,
+            serving=serving,
+            max_rows_per_s=max_rows_per_s,
+        )
     except ScaleError as exc:
         raise AdminError(str(exc)) from None
     finally:

@@ -37,6 +37,7 @@ from ps.cluster import ClusterMap, MoveState
 __all__ = ["RetryLater", "ScaleError", "ScaleReport", "ShardCalls", "scale"]
 
 _CAUGHT_UP_VERSIONS = 50  # a copy this close to its old owner's changes is ready for the freeze
+_FROZEN_POLL_S = 0.01  # while frozen, how often the new owners are asked whether their rows are all in
 
 
 class ScaleError(RuntimeError):
@@ -85,6 +86,7 @@ def scale(
     poll_s: float = 0.2,
     timeout_s: float = 3600.0,
     serving: tuple[Sequence[Sequence[str]], Sequence[Sequence[str]]] | None = None,
+    max_rows_per_s: float = 0.0,
 ) -> ScaleReport:
     """Move the cluster at ``src_addresses`` to ``dst_addresses`` (see the module
     docstring), saying what happens through ``say``; returns the report. Raises
@@ -93,7 +95,9 @@ def scale(
     ``serving``: the serving shards that follow the training shards, before and after
     (each shard's replicas): once the training shards committed and every serving shard
     of the new map caught up with its training shard, they switch to the new serving map
-    (new ones first); their clients (``ps-infer``) follow it as trainers do."""
+    (new ones first); their clients (``ps-infer``) follow it as trainers do.
+    ``max_rows_per_s``: the pace of each copy (one old owner to one new owner), to leave
+    training its share of a busy machine; 0: as fast as it goes."""
     src_addresses, dst_addresses = list(src_addresses), list(dst_addresses)
     _check_lists(src_addresses, dst_addresses)
     deadline = time.monotonic() + timeout_s
@@ -112,7 +116,9 @@ def scale(
         _check_start(maps, src, dst)
         maps = _wait_settled(shards, maps, deadline, poll_s, say)
     say(f"resharding from {src.num_shards} to {dst.num_shards} shards (epoch {src.epoch} -> {dst.epoch})")
-    prepare = pb.ReshardRequest(phase=pb.ReshardRequest.PREPARE, to=dst.to_proto(), **{"from": src.to_proto()})
+    prepare = pb.ReshardRequest(
+        phase=pb.ReshardRequest.PREPARE, to=dst.to_proto(), max_rows_per_s=max_rows_per_s, **{"from": src.to_proto()}
+    )
     committed = any(_phase(maps[a], dst) in ("committed", "done") for a in maps)
     if not committed:
         _each(shards, maps, prepare, deadline, say, "prepare")
@@ -123,7 +129,8 @@ def scale(
         t = time.monotonic()
         sources = [a for a in src_addresses if MoveState(src_addresses.index(a), src, dst).is_source]
         _each(shards, {a: maps[a] for a in sources}, _request(pb.ReshardRequest.FREEZE, dst), deadline, say, "freeze")
-        _wait(shards, dst_addresses, dst, deadline, poll_s, say, report, lambda s: s.complete)
+        # Pushes to moving keys wait from here to the commit: look often.
+        _wait(shards, dst_addresses, dst, deadline, min(poll_s, _FROZEN_POLL_S), say, report, lambda s: s.complete)
         report.seconds["freeze"] = time.monotonic() - t
     t = time.monotonic()
     commit = _request(pb.ReshardRequest.COMMIT, dst)
@@ -209,7 +216,8 @@ def _check_start(maps: dict[str, pb.GetMapResponse], src: ClusterMap, dst: Clust
             )
     for i, address in enumerate(dst.addresses[src.num_shards :], start=src.num_shards):
         m = maps[address]
-        if m.shard != i or m.map.num_shards != dst.num_shards:
+        retired = m.shard >= m.map.num_shards and m.map.epoch == src.epoch  # left this cluster before
+        if m.shard != i or (m.map.num_shards != dst.num_shards and not retired):
             raise ScaleError(
                 f"{address} is shard {m.shard} of {m.map.num_shards}; a new shard at place {i} of --to must be "
                 f"started as `ps-server --shard {i} --num-shards {dst.num_shards}` with an empty data dir"

@@ -472,7 +472,7 @@ class GetMapResponse(_message.Message):
     def __init__(self, map: _Optional[_Union[ClusterMap, _Mapping]] = ..., shard: _Optional[int] = ..., reshard: _Optional[_Union[ReshardStatus, _Mapping]] = ..., follow: _Optional[_Union[FollowStatus, _Mapping]] = ...) -> None: ...
 
 class ReshardRequest(_message.Message):
-    __slots__ = ("phase", "to")
+    __slots__ = ("phase", "to", "max_rows_per_s")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS: _ClassVar[ReshardRequest.Phase]
@@ -488,9 +488,11 @@ class ReshardRequest(_message.Message):
     PHASE_FIELD_NUMBER: _ClassVar[int]
     TO_FIELD_NUMBER: _ClassVar[int]
     FROM_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_PER_S_FIELD_NUMBER: _ClassVar[int]
     phase: ReshardRequest.Phase
     to: ClusterMap
-    def __init__(self, phase: _Optional[_Union[ReshardRequest.Phase, str]] = ..., to: _Optional[_Union[ClusterMap, _Mapping]] = ..., **kwargs) -> None: ...
+    max_rows_per_s: float
+    def __init__(self, phase: _Optional[_Union[ReshardRequest.Phase, str]] = ..., to: _Optional[_Union[ClusterMap, _Mapping]] = ..., max_rows_per_s: _Optional[float] = ..., **kwargs) -> None: ...
 
 class MoveSource(_message.Message):
     __slots__ = ("shard", "address", "connected", "snapshot_done", "complete", "rows", "bytes", "lag_versions", "error")
@@ -534,12 +536,14 @@ class ReshardStatus(_message.Message):
     def __init__(self, phase: _Optional[str] = ..., to: _Optional[_Union[ClusterMap, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[MoveSource, _Mapping]]] = ..., rows_out: _Optional[int] = ..., bytes_out: _Optional[int] = ..., rows_dropped: _Optional[int] = ..., pending_ledgers: _Optional[int] = ..., **kwargs) -> None: ...
 
 class MoveRowsRequest(_message.Message):
-    __slots__ = ("to", "destination")
+    __slots__ = ("to", "destination", "max_rows_per_s")
     TO_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_PER_S_FIELD_NUMBER: _ClassVar[int]
     to: ClusterMap
     destination: int
-    def __init__(self, to: _Optional[_Union[ClusterMap, _Mapping]] = ..., destination: _Optional[int] = ...) -> None: ...
+    max_rows_per_s: float
+    def __init__(self, to: _Optional[_Union[ClusterMap, _Mapping]] = ..., destination: _Optional[int] = ..., max_rows_per_s: _Optional[float] = ...) -> None: ...
 
 class MovedRows(_message.Message):
     __slots__ = ("table", "keys", "rows", "deleted_keys")

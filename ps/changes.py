@@ -68,6 +68,7 @@ class ChangeLog:
         self._changes: deque[_Change] = deque()
         self._held_keys = 0
         self._oldest_kept = 1  # the first version whose keys are still held
+        self._wakes = 0
         self._cond = threading.Condition()
 
     @property
@@ -93,14 +94,17 @@ class ChangeLog:
             return self._version
 
     def wait(self, after: int, timeout_s: float) -> int:
-        """Block until the version passes ``after`` or ``timeout_s`` passes; returns the version."""
+        """Block until the version passes ``after``, ``wake`` is called or ``timeout_s``
+        passes; returns the version."""
         with self._cond:
-            self._cond.wait_for(lambda: self._version > after, timeout_s)
+            wakes = self._wakes
+            self._cond.wait_for(lambda: self._version > after or self._wakes != wakes, timeout_s)
             return self._version
 
     def wake(self) -> None:
-        """Wake every ``wait`` now (the shard is stopping)."""
+        """Wake every ``wait`` now (the shard is stopping, or a reshard froze it)."""
         with self._cond:
+            self._wakes += 1
             self._cond.notify_all()
 
     def holds(self, after: int) -> bool:

@@ -110,7 +110,8 @@ class MoveState:
     """What shard ``index`` recorded of a reshard from ``src`` to ``dst``: its ``phase``,
     and (as a new owner) the old owners whose rows arrived whole and are durable here.
     ``committed_unix_s``: when it committed here; ``settled``: the push ledgers it kept
-    apart for the keys that came (``ps.ledger.TableLedgers``) merged back since."""
+    apart for the keys that came (``ps.ledger.TableLedgers``) merged back since;
+    ``max_rows_per_s``: the pace of each copy (0: as fast as it goes)."""
 
     index: int
     src: ClusterMap
@@ -119,6 +120,7 @@ class MoveState:
     complete: set[int] = field(default_factory=set)
     committed_unix_s: float = 0.0
     settled: bool = False  # a new owner's push ledgers merged back after the commit
+    max_rows_per_s: float = 0.0  # per copy, 0: no limit
 
     @property
     def sources(self) -> list[int]:
@@ -151,6 +153,7 @@ class MoveState:
                 "complete": sorted(self.complete),
                 "committed_unix_s": self.committed_unix_s,
                 "settled": self.settled,
+                "max_rows_per_s": self.max_rows_per_s,
             }
         )
 
@@ -168,4 +171,5 @@ class MoveState:
             set(int(i) for i in data.get("complete", ())),
             float(data.get("committed_unix_s", 0.0)),
             bool(data.get("settled", False)),
+            float(data.get("max_rows_per_s", 0.0)),
         )

@@ -2,14 +2,16 @@
 
 ``Intake`` runs one thread per old owner (``MoveState.sources``). Each opens that
 shard's ``MoveRows`` stream (``ps.moveout``) and applies what comes: tables it does not
-hold yet are created with the old owner's spec, rows are installed whole
-(``Table.install_rows``), deleted keys removed, and each change is recorded in this
-shard's change log (its own followers see the rows arrive). A stream that starts a copy
-first drops what an earlier try brought from that shard. The last message
-(``done``) brings the old owner's push ledgers, which each table keeps apart for the
-keys that came with them (``TableLedgers.import_moved``), and admission counters; then
-everything is made durable (``flush``) and the old owner is reported complete
-(``on_complete``), which the shard records in its data dir before it says so.
+hold yet are created with the old owner's spec; rows are installed whole
+(``Table.install_rows``: written to the data dir as they come, so the last write, which
+pushes to moving keys wait for, holds only the last changes); deleted keys are removed;
+each change is recorded in this shard's change log (its own followers see the rows
+arrive). A stream that starts a copy first drops what an earlier try brought from that
+shard. The last message (``done``) brings the old owner's push ledgers, which each table
+keeps apart for the keys that came with them (``TableLedgers.import_moved``), and
+admission counters; then everything is made durable (``flush``) and the old owner is
+reported complete (``on_complete``), which the shard records in its data dir before it
+says so.
 
 If a stream breaks (the old owner restarts, the network fails, this shard's disk refuses
 the rows) the thread tries again with backoff, from a new copy.
@@ -198,7 +200,9 @@ class Intake:
             delay = min(_BACKOFF_S[1], delay * 2)
 
     def _copy(self, source: int, progress: SourceProgress) -> None:
-        request = pb.MoveRowsRequest(to=self.move.dst.to_proto(), destination=self.move.index)
+        request = pb.MoveRowsRequest(
+            to=self.move.dst.to_proto(), destination=self.move.index, max_rows_per_s=self.move.max_rows_per_s
+        )
         call = self._stream(progress.address, request)
         self._calls[source] = call
         try:

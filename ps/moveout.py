@@ -16,6 +16,7 @@ what the change log holds.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 
 import numpy as np
@@ -34,6 +35,9 @@ __all__ = ["move_batches"]
 
 _OVERHEAD_BYTES = 1 << 16
 _HEARTBEAT_S = 0.5
+# Rows per message at most this many bytes: the old owner reads the next message while the
+# new owner writes the last one (a message of all the rows would serialize the two).
+_MESSAGE_BYTES = 4 << 20
 
 
 def move_batches(
@@ -44,10 +48,12 @@ def move_batches(
     destination: int,
     active: Callable[[], bool],
     max_message_bytes: int,
+    max_rows_per_s: float = 0.0,
 ) -> Iterator[pb.MoveBatch]:
-    """The stream of the rows of this shard that move to shard ``destination`` of ``to``.
-    Raises ``Moving`` before this shard has prepared the reshard to ``to`` (retry),
-    ``InvalidRequest`` for a destination that gets no keys from it."""
+    """The stream of the rows of this shard that move to shard ``destination`` of ``to``,
+    at most ``max_rows_per_s`` a second (0: no limit). Raises ``Moving`` before this shard
+    has prepared the reshard to ``to`` (retry), ``InvalidRequest`` for a destination that
+    gets no keys from it."""
     mv = reshard.move
     if mv is None or mv.dst != to:
         raise Moving(
@@ -58,18 +64,20 @@ def move_batches(
         raise InvalidRequest(f"shard {destination} gets no keys from shard {reshard.index} in this reshard")
     if mv.phase not in ("copying", "frozen"):
         raise InvalidRequest(f"the reshard to epoch {to.epoch} is {mv.phase} on shard {reshard.index}: nothing to send")
-    limit = max(1 << 16, max_message_bytes - _OVERHEAD_BYTES)
+    limit = max(1 << 16, min(max_message_bytes, _MESSAGE_BYTES) - _OVERHEAD_BYTES)
 
     def moving(keys: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
         owned: npt.NDArray[np.bool_] = to.owners(keys) == destination
         return owned
 
+    pace = _Pace(max_rows_per_s)
     sent: int | None = None
     while active():
         if sent is None:
-            sent = yield from _copy(reshard, tables(), changes, moving, limit)
+            sent = yield from pace.through(_copy(reshard, tables(), changes, moving, limit))
             continue
-        frozen_at = reshard.frozen_version
+        current = reshard.move
+        frozen_at = reshard.frozen_version if reshard.frozen and current is not None and current.dst == to else None
         if frozen_at is not None and sent >= frozen_at:
             yield _last(tables(), changes, sent)
             return
@@ -91,6 +99,28 @@ def move_batches(
         yield pb.MoveBatch(history=changes.history, version=sent, source_version=changes.version)
 
 
+class _Pace:
+    """Holds a stream of row messages to ``rows_per_s`` (0: lets it run)."""
+
+    def __init__(self, rows_per_s: float) -> None:
+        self.rows_per_s = rows_per_s
+        self.t0, self.rows = time.monotonic(), 0
+
+    def through(self, batches: Generator[pb.MoveBatch, None, int]) -> Generator[pb.MoveBatch, None, int]:
+        """``batches`` passed on, each after the pause that keeps the pace; returns what they return."""
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration as done:
+                return int(done.value)
+            if self.rows_per_s > 0:
+                self.rows += sum(len(t.keys) // 8 for t in batch.tables)
+                ahead = self.rows / self.rows_per_s - (time.monotonic() - self.t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+            yield batch
+
+
 def _copy(
     reshard: Reshard,
     tables: Sequence[Table],
@@ -108,8 +138,8 @@ def _copy(
         step = _step(table, limit)
         for start in range(0, resident.shape[0], step):
             yield from _rows(reshard, history, version, table, resident[start : start + step], limit)
-        if table.disk is None:
-            continue
+        if table.disk is None or not (table.spilled or table.disk.estimated):
+            continue  # every row is in RAM (none was spilled, none came back from disk since a start)
         for stored in table.disk.scan():
             keys = stored.keys[moving(stored.keys)]
             if resident.size and keys.size:  # rows sent from RAM above are not sent again
@@ -157,6 +187,8 @@ def _rows(
 
 def _last(tables: Sequence[Table], changes: ChangeLog, version: int) -> pb.MoveBatch:
     """The push ledgers and admission counters of every table, after the last change."""
+    if any(t.ledgers.active for t in tables):  # a reshard is prepared only once they merged
+        raise InvalidRequest("push ledgers of the last reshard are still kept apart here: abort and retry")
     ledgers = [
         pb.MovedLedger(table=t.spec.name, client_id=client, entry=t.ledger.encode(client))
         for t in tables

@@ -307,7 +307,7 @@ class Reshard:
                 elif phase == pb.ReshardRequest.PREPARE:
                     if src is None:
                         raise InvalidRequest("ReshardRequest.from: the map to move from is missing")
-                    self._prepare(src, dst)
+                    self._prepare(src, dst, max(0.0, request.max_rows_per_s))
                 elif phase == pb.ReshardRequest.FREEZE:
                     self._freeze(dst)
                 elif phase == pb.ReshardRequest.COMMIT:
@@ -318,7 +318,7 @@ class Reshard:
                     raise InvalidRequest(f"ReshardRequest.phase={phase}: unknown")
         return self.status()
 
-    def _prepare(self, src: ClusterMap, dst: ClusterMap) -> None:
+    def _prepare(self, src: ClusterMap, dst: ClusterMap, max_rows_per_s: float = 0.0) -> None:
         mv = self.move
         if mv is not None and mv.src == src and mv.dst == dst:
             self._resume()  # asked again (an admin that restarted): carry on
@@ -334,8 +334,11 @@ class Reshard:
                 f"{mv.dst.epoch}: retry shortly"
             )
         _check_maps(self.index, self.map, src, dst)
+        now = time.time()
         pending = self.pending_ledgers()
-        if pending:
+        # Merged here and now if they may be (the settle thread may not have got to it): an
+        # old owner sends its keys' ledger, which must be the whole record of their pushes.
+        if pending or not all([t.settle_ledgers(now, self._parts.settings.settle_s) for t in self._parts.tables()]):
             raise Moving(
                 f"shard {self.index} still holds {pending} push-ledger entries from the reshard to epoch "
                 f"{self.map.epoch} (clients with pushes from before it not settled yet): retry once they are"
@@ -345,7 +348,7 @@ class Reshard:
                 f"shard {self.index} is new in the map of epoch {dst.epoch} but already holds rows: "
                 "start it with an empty data dir"
             )
-        self.set_phase(MoveState(self.index, src, dst, "copying"))
+        self.set_phase(MoveState(self.index, src, dst, "copying", max_rows_per_s=max_rows_per_s))
         log.info("reshard: prepared from %s to %s", src.describe(), dst.describe())
         self._resume()
 
@@ -489,6 +492,10 @@ class Reshard:
             self.move = move
             if freezing:
                 self.frozen_version = self._parts.changes.version
+            elif not self.frozen:
+                self.frozen_version = None  # a freeze of an earlier reshard says nothing of this one
+        if freezing:
+            self._parts.changes.wake()  # the MoveRows streams waiting for changes send their last batch now
         if move is not None:
             for listener in list(self.on_phase):
                 listener(move)
@@ -498,6 +505,10 @@ class Reshard:
         """Hold while changing phase: one change at a time."""
         with self._lock:
             yield
+
+    def get_map(self, follow: pb.FollowStatus | None = None) -> pb.GetMapResponse:
+        """``GetMap``'s answer: the map, where a reshard stands, a serving shard's ``follow``."""
+        return pb.GetMapResponse(map=self.map.to_proto(), shard=self.index, reshard=self.status(), follow=follow)
 
     def status(self) -> pb.ReshardStatus:
         mv, intake = self.move, self._intake
@@ -543,7 +554,8 @@ def _check_maps(index: int, current: ClusterMap, src: ClusterMap, dst: ClusterMa
                 f"shard {index} is at {current.describe()}, not at the map to move from ({src.describe()})"
             )
     elif index < dst.num_shards:
-        if current.num_shards != dst.num_shards or (current.epoch and current.epoch != dst.epoch):
+        retired = index >= current.num_shards and current.epoch == src.epoch  # left this cluster, empty since
+        if not retired and (current.num_shards != dst.num_shards or (current.epoch and current.epoch != dst.epoch)):
             raise InvalidRequest(
                 f"shard {index} is new in the map of epoch {dst.epoch}: start it with --shard {index} "
                 f"--num-shards {dst.num_shards} and an empty data dir (it is at {current.describe()})"

@@ -194,7 +194,11 @@ class Servicer:
         with status_boundary(context, "MoveRows"):
             move = pb.MoveRowsRequest.FromString(request)
             yield from self._shard.move_rows(
-                ClusterMap.from_proto(move.to, "to"), move.destination, context.is_active, self._max_bytes
+                ClusterMap.from_proto(move.to, "to"),
+                move.destination,
+                context.is_active,
+                self._max_bytes,
+                max(0.0, move.max_rows_per_s),
             )
 
 

@@ -432,10 +432,7 @@ class Shard:
     def get_map(self) -> pb.GetMapResponse:
         """The cluster map this shard routes by, and where a reshard stands here."""
         self.check_request()
-        follow = self.source.status() if self.source is not None else None
-        return pb.GetMapResponse(
-            map=self.reshard.map.to_proto(), shard=self.index, reshard=self.reshard.status(), follow=follow
-        )
+        return self.reshard.get_map(self.source.status() if self.source is not None else None)
 
     def reshard_request(self, request: pb.ReshardRequest) -> pb.ReshardStatus:
         """One phase of a live reshard (``ps.reshard``; a serving shard takes only the
@@ -446,7 +443,7 @@ class Shard:
         return self.reshard.request(request, serving=self._mode != "train")
 
     def move_rows(
-        self, to: ClusterMap, destination: int, active: Callable[[], bool], max_bytes: int
+        self, to: ClusterMap, destination: int, active: Callable[[], bool], max_bytes: int, max_rows_per_s: float = 0
     ) -> Iterator[pb.MoveBatch]:
         """The stream (``ps.moveout``) of this shard's rows that move to shard ``destination``
         of ``to``. Raises ``WrongMode`` on a serving shard, ``Moving`` before the reshard is
@@ -454,7 +451,7 @@ class Shard:
         self.check_request()
         self.check_mode("MoveRows")
         alive = self.reshard.alive(active, lambda: self._closing)
-        return move_batches(self.reshard, self.tables, self.changes, to, destination, alive, max_bytes)
+        return move_batches(self.reshard, self.tables, self.changes, to, destination, alive, max_bytes, max_rows_per_s)
 
     def duplicate_pushes(self) -> int:  # pushes skipped as applied before
         return sum(t.ledgers.duplicates for t in self.tables())

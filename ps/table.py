@@ -325,21 +325,29 @@ class Table:
         with self._lock:
             slots = self._ram.slots(keys)
             found = slots >= 0
-            parts = [self._ram.arena.rows(keys[found], slots[found])]
-            if self._disk is not None and not found.all():
-                cold = np.flatnonzero(~found)
-                on_disk, stored = self._disk.read(keys[cold])
-                found[cold[on_disk]] = True
-                parts.append(stored)
-        rows = Rows.concat(parts, self.dim, self._ram.arena.state_width)
+            resident = self._ram.arena.rows(keys[found], slots[found])  # in the keys' order
+            if self._disk is None or found.all():
+                return found, resident
+            cold = np.flatnonzero(~found)
+            on_disk, stored = self._disk.read(keys[cold])
+            found[cold[on_disk]] = True
+        rows = Rows.concat([resident, stored], self.dim, self._ram.arena.state_width)
         return found, rows[np.argsort(rows.keys.view(np.uint64), kind="stable")]
 
     def install_rows(self, rows: Rows) -> None:
         """Make ``rows`` (distinct keys) the rows of their keys, whole: values, optimizer
-        state and lifecycle metadata, as a reshard moves them here. They are written
-        out as dirty rows are (a reshard flushes before it counts on them)."""
-        with self._lock:
-            self._ram.install(rows, dirty=DIRTY)
+        state and lifecycle metadata, as a reshard moves them here. With a data dir they
+        are written there first (in batches, the table lock released between them), so
+        they are durable once this returns. ``StorageFailed``: some may not be."""
+        disk = self._disk
+        step = SPILL_CHUNK if disk is not None else max(1, len(rows))
+        for start in range(0, len(rows), step):
+            part = rows[start : start + step]
+            with self._lock:
+                if disk is not None:
+                    with disk.write_lock:
+                        disk.commit_push(part, None)
+                self._ram.install(part, dirty=CLEAN if disk is not None else DIRTY)
 
     def remove_where(self, select: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.bool_]]) -> npt.NDArray[np.int64]:
         """Drop every row, in RAM or on disk, whose key ``select(keys)`` marks; returns
