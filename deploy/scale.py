@@ -83,7 +83,7 @@ def scale(
     *,
     say: Callable[[str], None] = lambda line: None,
     abort: bool = False,
-    poll_s: float = 0.2,
+    poll_s: float = 0.05,
     timeout_s: float = 3600.0,
     serving: tuple[Sequence[Sequence[str]], Sequence[Sequence[str]]] | None = None,
     max_rows_per_s: float = 0.0,
