@@ -216,11 +216,12 @@ def _check_start(maps: dict[str, pb.GetMapResponse], src: ClusterMap, dst: Clust
             )
     for i, address in enumerate(dst.addresses[src.num_shards :], start=src.num_shards):
         m = maps[address]
-        retired = m.shard >= m.map.num_shards and m.map.epoch == src.epoch  # left this cluster before
+        retired = m.shard >= m.map.num_shards and m.map.epoch in (src.epoch, 0)  # left this cluster, or a spare
         if m.shard != i or (m.map.num_shards != dst.num_shards and not retired):
             raise ScaleError(
                 f"{address} is shard {m.shard} of {m.map.num_shards}; a new shard at place {i} of --to must be "
-                f"started as `ps-server --shard {i} --num-shards {dst.num_shards}` with an empty data dir"
+                f"started as `ps-server --shard {i} --num-shards {dst.num_shards}` (or as a spare, with any "
+                f"--num-shards up to {i}) with an empty data dir"
             )
 
 

@@ -87,7 +87,13 @@ class Durability:
 class ServerConfig:
     """Everything one ``ps-server`` process is started with (immutable)."""
 
-    shard: int = field(default=0, metadata={"help": "index of this shard, in [0, num_shards)"})
+    shard: int = field(
+        default=0,
+        metadata={
+            "help": "index of this shard, in [0, num_shards); an index past the end starts a spare shard that "
+            "owns no keys until `ps-admin scale` takes it in"
+        },
+    )
     num_shards: int = field(default=1, metadata={"help": "number of shards in the cluster"})
     listen: str = field(default="127.0.0.1:0", metadata={"help": "HOST:PORT to listen on; port 0 picks a free port"})
     port_file: Path | None = field(
@@ -273,8 +279,8 @@ class ServerConfig:
             )
         if self.follow_history_keys < 1:
             raise ConfigError(f"follow_history_keys={self.follow_history_keys}: must be >= 1")
-        if not 0 <= self.shard < self.num_shards:
-            raise ConfigError(f"shard={self.shard}: not in [0, num_shards={self.num_shards})")
+        if self.shard < 0:
+            raise ConfigError(f"shard={self.shard}: must be >= 0")
         if self.threads < 1:
             raise ConfigError(f"threads={self.threads}: must be >= 1")
         if self.max_calls_per_client < 0 or self.max_keys_per_request < 1 or self.max_tables < 1:

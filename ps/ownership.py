@@ -45,9 +45,14 @@ def check_owned(
         if keys is None:
             return
         owner = int(shard_of(keys[:1], num_shards)[0])
+        where = (
+            f"left the cluster in the reshard to epoch {epoch} ({num_shards} shards)"
+            if epoch
+            else f"is a spare outside the cluster of {num_shards} shards until `ps-admin scale` takes it in"
+        )
         raise WrongShard(
-            f"{what} refused: shard {index} left the cluster in the reshard to epoch {epoch} "
-            f"({num_shards} shards); key {int(keys[0])} belongs to shard {owner}: fetch the cluster map (GetMap)",
+            f"{what} refused: shard {index} {where}; key {int(keys[0])} belongs to shard {owner}: "
+            "fetch the cluster map (GetMap)",
             owner,
             epoch,
         )

@@ -554,7 +554,8 @@ def _check_maps(index: int, current: ClusterMap, src: ClusterMap, dst: ClusterMa
                 f"shard {index} is at {current.describe()}, not at the map to move from ({src.describe()})"
             )
     elif index < dst.num_shards:
-        retired = index >= current.num_shards and current.epoch == src.epoch  # left this cluster, empty since
+        # Left this cluster and empty since, or a spare never in any map (started past its end).
+        retired = index >= current.num_shards and current.epoch in (src.epoch, 0)
         if not retired and (current.num_shards != dst.num_shards or (current.epoch and current.epoch != dst.epoch)):
             raise InvalidRequest(
                 f"shard {index} is new in the map of epoch {dst.epoch}: start it with --shard {index} "

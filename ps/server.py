@@ -165,6 +165,13 @@ def _open_shard(config: ServerConfig) -> Shard:
         def source(shard: Shard) -> Source:
             return Source(shard, config.follow, max_message_bytes=config.max_message_bytes, **peer)
 
+    if config.shard >= config.num_shards:
+        log.warning(
+            "shard %d is past the end of a cluster of %d shards: it starts as a spare that owns no keys until "
+            "`ps-admin scale` takes it in (clients listing it get refusals until then)",
+            config.shard,
+            config.num_shards,
+        )
     resharding = ReshardSettings(
         grpc_move_stream(peer["credentials"], peer["metadata"], config.max_message_bytes), config.reshard_settle_s
     )

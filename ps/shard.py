@@ -113,8 +113,8 @@ class Shard:
         source: Callable[[Shard], RowSource] | None = None,
         resharding: ReshardSettings | None = None,
     ) -> None:
-        if not 0 <= index < num_shards:
-            raise ValueError(f"shard={index}: not in [0, num_shards={num_shards})")
+        if index < 0 or num_shards < 1:
+            raise ValueError(f"shard={index}, num_shards={num_shards}: need index >= 0 and num_shards >= 1")
         if memory_budget_bytes and storage is None:
             raise ValueError("memory_budget_bytes needs storage to spill rows to")
         self.index = index

@@ -192,6 +192,41 @@ def test_a_reshard_interrupted_by_kill_9_finishes_when_run_again(
     assert_owned(tmp_path, shards, 3)
 
 
+def test_spare_shards_join_grows_at_any_epoch(tmp_path: Path, shards: dict[int, RunningShard]) -> None:
+    """Shards started past the end of the cluster they are told of (a StatefulSet's new pods,
+    all given the same --num-shards) own nothing until a grow takes them in, at the first
+    reshard or a later one."""
+    for i in range(2):
+        shards[i] = start_shard(i, 2, tmp_path, *shard_args(tmp_path))
+    shards[2] = start_shard(2, 2, tmp_path, *shard_args(tmp_path))
+    trainer = Trainer(addresses(shards, 2))
+    with PSClient(addresses(shards, 3), FAST) as wrong:  # a client told of the spare is refused, clearly
+        wrong.create_table("t", 8, optimizer="sgd", lr=1.0, seed=11)
+        with pytest.raises(Exception, match="is a spare outside the cluster of 2|does not match the cluster"):
+            wrong.lookup("t", KEYS)
+    ok(
+        ps_admin(
+            "scale", "--addresses", ",".join(addresses(shards, 2)), "--to", ",".join(addresses(shards, 3)), cwd=tmp_path
+        )
+    )
+    ok(
+        ps_admin(
+            "scale", "--addresses", ",".join(addresses(shards, 3)), "--to", ",".join(addresses(shards, 2)), cwd=tmp_path
+        )
+    )
+    shards[3] = start_shard(3, 2, tmp_path, *shard_args(tmp_path))  # a spare at epoch 0 joins epoch 2
+    out = ok(
+        ps_admin(
+            "scale", "--addresses", ",".join(addresses(shards, 2)), "--to", ",".join(addresses(shards, 4)), cwd=tmp_path
+        )
+    )
+    assert "resharded from 2 to 4 shards" in out
+    got = trainer.finish()
+    np.testing.assert_array_equal(got, trainer.expected())
+    assert trainer.client.epoch == 3 and trainer.client.num_shards == 4
+    assert_owned(tmp_path, shards, 4)
+
+
 def test_scale_says_what_is_wrong_in_one_line(tmp_path: Path, shards: dict[int, RunningShard]) -> None:
     for i in range(2):
         shards[i] = start_shard(i, 2, tmp_path, *shard_args(tmp_path))
@@ -217,8 +252,9 @@ def test_serving_shards_follow_a_reshard_and_their_readers_never_fail(
     try:
         for i in range(2):
             serving[i] = start_shard(i, 2, serve_root, "--mode=serve", f"--follow={shards[i].address}")
-        shards[2] = start_shard(2, 3, tmp_path, *shard_args(tmp_path))
-        serving[2] = start_shard(2, 3, serve_root, "--mode=serve", f"--follow={shards[2].address}")
+        # Spares, as a StatefulSet grown by one starts them: past the end of the cluster they know.
+        shards[2] = start_shard(2, 2, tmp_path, *shard_args(tmp_path))
+        serving[2] = start_shard(2, 2, serve_root, "--mode=serve", f"--follow={shards[2].address}")
         reader = PSClient([serving[0].address, serving[1].address], FAST)
         stop, failures, reads = threading.Event(), [], [0]
 

@@ -114,8 +114,6 @@ def test_unknown_environment_variable_lists_valid_names() -> None:
 @pytest.mark.parametrize(
     "argv, environ, field",
     [
-        (["--shard=2", "--num-shards=2"], {}, "shard"),
-        (["--shard=5"], {}, "shard"),
         (["--shard=-1", "--num-shards=2"], {}, "shard"),
         (["--num-shards=0"], {}, "num_shards"),
         ([], {"PS_THREADS": "four"}, "threads"),

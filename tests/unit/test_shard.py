@@ -201,11 +201,16 @@ def test_max_clients_forgets_least_recently_seen_client() -> None:
 # -- Shard ----------------------------------------------------------------------------
 
 
-def test_shard_index_must_be_in_range() -> None:
-    with pytest.raises(ValueError, match=r"shard=2: not in \[0, num_shards=2\)"):
-        Shard(2, 2)
-    with pytest.raises(ValueError):
+def test_shard_index_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match=r"shard=-1"):
         Shard(-1, 2)
+
+
+def test_a_shard_past_the_end_of_its_cluster_is_a_spare_owning_nothing() -> None:
+    spare = Shard(2, 2)
+    spare.create_table(TableSpec("t", dim=4))
+    with pytest.raises(WrongShard, match="shard 2 is a spare outside the cluster of 2 shards"):
+        lookup_rows(spare, "t", np.array([1, 2, 3], dtype=np.int64))
 
 
 def test_create_table_is_idempotent() -> None:
