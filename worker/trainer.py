@@ -43,7 +43,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -60,10 +60,12 @@ from worker.config import EmbeddingTableConfig, FeatureConfig, TrainerConfig
 from worker.data import Batch, auc, logloss, rare_key
 from worker.dataset import (
     EVAL_BATCH_SIZE,
+    EpochPlan,
     RunData,
     auto_batch_size,
     epoch_batches,
     eval_batches,
+    micro_batches,
     open_data,
     steps_per_epoch,
 )
@@ -74,6 +76,7 @@ from worker.jagged import JaggedIds
 from worker.mistakes import run_or_explain
 from worker.models import DLRM, DeepFM
 from worker.output import progress, run_dir
+from worker.resume import CheckpointDir, Progress, resume, save
 
 __all__ = [
     "TrainerConfig",
@@ -122,9 +125,18 @@ class _Pass:
     """A model, its tables (named ``prefix + feature``) and the step loop, kept across epochs."""
 
     def __init__(
-        self, config: TrainerConfig, d: Dist, client: PSClient, features: list[str], num_dense: int, prefix: str = ""
+        self,
+        config: TrainerConfig,
+        d: Dist,
+        client: PSClient,
+        features: list[str],
+        num_dense: int,
+        prefix: str = "",
+        dense_state: Mapping[str, Any] | None = None,
     ) -> None:
-        self.config, self.d = config, d
+        """``dense_state``: the ``model``, ``optimizer`` and ``rng`` state of a checkpoint to resume from."""
+        self.config, self.d, self.num_dense = config, d, num_dense
+        dense_state = dense_state or {}
         lifecycle = {"admit_after": float(config.admit_after)} if config.admit_after > 1 else {}
         decay = {"weight_decay": config.sparse_weight_decay} if config.sparse_weight_decay else {}
         # One table holds every feature's rows: keys are hashed with a seed per feature, so
@@ -156,6 +168,8 @@ class _Pass:
         torch.manual_seed(config.seed)  # the probe and the real model start alike
         model_cls = DLRM if config.model == "dlrm" else DeepFM
         self.model: torch.nn.Module = model_cls(num_dense, features, config.dim, wide=wide).to(d.device)
+        if "model" in dense_state:
+            self.model.load_state_dict(dense_state["model"])
         self.emb = DistributedEmbedding(
             self.tables,
             self.features,
@@ -170,60 +184,105 @@ class _Pass:
             dist.barrier()
         self.dense = DistributedDataParallel(self.model) if d.world > 1 else self.model
         self.optimizer = dense_adam(self.model.parameters(), config.dense_lr)
+        if "optimizer" in dense_state:
+            self.optimizer.load_state_dict(dense_state["optimizer"])
+        if "rng" in dense_state:
+            torch.set_rng_state(dense_state["rng"])
         self.phases = dict.fromkeys(("data", "lookup", "forward", "backward", "step", "eval"), 0.0)
         self.steps, self.samples, self.train_s = 0, 0, 0.0
         self._logged_at = time.perf_counter()
         self.losses: list[float] = []
         self.evals: list[dict[str, Any]] = []
 
-    def epoch(self, batches: Iterator[Batch], bar: Any, held_out: Sequence[Batch] = ()) -> None:
-        """Train on ``batches``: prefetch the next one, forward, backward (pushes), dense step."""
+    def epoch(
+        self,
+        plan: EpochPlan,
+        batches: Iterator[Batch],
+        bar: Any,
+        held_out: Sequence[Batch] = (),
+        after_step: Callable[[int], None] | None = None,
+    ) -> None:
+        """Train this worker's micro-batches of ``plan`` (``batches``, in its order): prefetch
+        the next one, forward, backward (pushes under the micro-batch's seq), dense step.
+        ``after_step(position)`` runs after each step (position: see ``EpochPlan.position``)."""
         names = [f.name for f in self.features]
         started = time.perf_counter()
         eval_s = self.phases["eval"]
-        cur = next(batches, None)
-        cur_in = _inputs(cur.sparse, names) if cur is not None else {}
+
+        def take(step: int) -> tuple[Batch | None, dict[str, JaggedIds]]:
+            if step >= plan.steps or plan.index(step) is None:
+                return None, {}
+            batch = next(batches, None)  # None: a streamed log that ran short
+            return (batch, _inputs(batch.sparse, names)) if batch is not None else (None, {})
+
+        cur, cur_in = take(0)
         if cur is not None:
             self.emb.prefetch(cur_in)
-        while cur is not None:
+        for step in range(plan.steps):
             t0 = time.perf_counter()
-            nxt = next(batches, None)
-            nxt_in = _inputs(nxt.sparse, names) if nxt is not None else {}
+            nxt, nxt_in = take(step + 1)
             t1 = time.perf_counter()
+            self.phases["data"] += t1 - t0
             if nxt is not None:
                 self.emb.prefetch(nxt_in)
-            out = self.emb(cur_in)
-            t2 = time.perf_counter()
-            logits = self.dense(cur.dense.to(self.d.device), out)
-            loss = F.binary_cross_entropy_with_logits(logits, cur.labels.to(self.d.device))
-            t3 = time.perf_counter()
-            self.optimizer.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]
-            t4 = time.perf_counter()
-            self.optimizer.step()
-            t5 = time.perf_counter()
-            for k, a, b in zip(
-                ("data", "lookup", "forward", "backward", "step"), (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)
-            ):
-                self.phases[k] += b - a
+            index = plan.index(step)
+            if cur is not None and index is not None:
+                active = plan.active(step)
+                self._step(cur, cur_in, plan.seq(index), plan.world / active if active < plan.world else None, t1)
+            else:
+                self._idle_step(None if index is None else plan.seq(index))
             self.steps += 1
-            self.samples += cur.batch_size
-            self.losses.append(float(loss.detach()))
-            if t5 - self._logged_at >= LOG_EVERY_S:
-                self._logged_at = t5
-                self._log_progress(self.train_s + t5 - started)
+            now = time.perf_counter()
+            if now - self._logged_at >= LOG_EVERY_S:
+                self._logged_at = now
+                self._log_progress(self.train_s + now - started)
             if bar is not None:
                 recent = self.losses[-20:]
-                rate = self.samples * self.d.world / max(1e-9, self.train_s + time.perf_counter() - started)
-                bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}", samples_s=f"{rate:,.0f}")
+                rate = self.samples * self.d.world / max(1e-9, self.train_s + now - started)
+                bar.set_postfix(loss=f"{sum(recent) / max(1, len(recent)):.4f}", samples_s=f"{rate:,.0f}")
                 bar.update(1)
             if self.config.eval_every and held_out and self.steps % self.config.eval_every == 0 and self.d.rank == 0:
                 t6 = time.perf_counter()
                 self.evals.append({"step": self.steps, **self.evaluate(held_out)})
                 self.phases["eval"] += time.perf_counter() - t6
+            if after_step is not None:
+                after_step(plan.position(step))
             cur, cur_in = nxt, nxt_in
         self.emb.flush()
         self.train_s += time.perf_counter() - started - (self.phases["eval"] - eval_s)
+
+    def _step(self, batch: Batch, inputs: dict[str, JaggedIds], seq: int, scale: float | None, t1: float) -> None:
+        """One micro-batch: lookup, forward, backward (its push as ``seq``), dense step.
+        ``scale``: multiplies the loss when only some workers train this step, so DDP's
+        average over all of them is the average over those. ``t1``: when the lookup phase
+        began (the next batch's prefetch counts in it)."""
+        out = self.emb(inputs, seq=seq)
+        t2 = time.perf_counter()
+        logits = self.dense(batch.dense.to(self.d.device), out)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(self.d.device))
+        t3 = time.perf_counter()
+        self.optimizer.zero_grad()
+        (loss if scale is None else loss * scale).backward()  # type: ignore[no-untyped-call]
+        t4 = time.perf_counter()
+        self.optimizer.step()
+        t5 = time.perf_counter()
+        for k, a, b in zip(("lookup", "forward", "backward", "step"), (t1, t2, t3, t4), (t2, t3, t4, t5)):
+            self.phases[k] += b - a
+        self.samples += batch.batch_size
+        self.losses.append(float(loss.detach()))
+
+    def _idle_step(self, seq: int | None) -> None:
+        """A step without a micro-batch: DDP's allreduce needs every worker, so this one
+        adds zero gradients (no lookup). ``seq``: a micro-batch the data did not have
+        (a streamed log that ran short), pushed without keys so the seqs stay without gaps."""
+        if seq is not None:
+            self.emb.push_nothing(seq)
+        dims = {f.name: self.emb.tables[f.table].dim for f in self.features}
+        dense = torch.zeros(1, self.num_dense, device=self.d.device)
+        out = {name: torch.zeros(1, dim, device=self.d.device) for name, dim in dims.items()}
+        self.optimizer.zero_grad()
+        (self.dense(dense, out).sum() * 0.0).backward()  # type: ignore[no-untyped-call]
+        self.optimizer.step()
 
     def _log_progress(self, train_s: float) -> None:
         """One progress line: throughput, time waiting for rows, push latency."""
@@ -317,9 +376,13 @@ def _choose_epochs(
     bar = progress(
         config.progress and d.rank == 0, MAX_EPOCHS * steps_per_epoch(len(fit), batch_size, d.world), "choosing epochs"
     )
+    fit_batches = micro_batches(len(fit), batch_size)
     try:
         for epoch in range(1, MAX_EPOCHS + 1):
-            probe.epoch(epoch_batches(config, d.rank, d.world, data, batch_size, epoch, fit), bar)
+            # The probe's pushes are numbered as the real model's (see worker.resume): a group
+            # restarted while it probes probes again, and the pushes applied before are skipped.
+            plan = EpochPlan(fit_batches, 0, d.world, d.rank, seq_base=(epoch - 1) * fit_batches)
+            probe.epoch(plan, epoch_batches(config, d.rank, d.world, data, batch_size, epoch, fit), bar)
             stop: list[Any] = [False]
             if d.rank == 0:
                 history.append(probe.evaluate(val_batches))
@@ -370,27 +433,37 @@ def _digest(model: torch.nn.Module) -> str:
 def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None) -> dict[str, Any]:
     """Train ``config`` on the cluster at ``addresses``; returns the metrics (also written to the run directory).
 
-    Raises the client's ``PSError`` subclasses if the shards fail, ``ValueError`` for
-    bad data. Blocks until done; collective across all workers under ``torchrun``
-    (``d`` from ``init_distributed()``; the caller owns the process group).
+    With ``config.checkpoint_dir``, resumes from the newest checkpoint there and writes
+    new ones (``worker.resume``). Raises the client's ``PSError`` subclasses if the shards
+    fail, ``ValueError`` for bad data or a checkpoint directory of another run. Blocks
+    until done; collective across all workers under ``torchrun`` (``d`` from
+    ``init_distributed()``; the caller owns the process group).
     """
     d = d or init_distributed(config.device)
     data = open_data(config)
-    batch_size = config.batch_size or (
-        1024 if data.source == "synthetic" else auto_batch_size(data.train_rows, d.world)
+    if data.train_rows == 0:
+        raise ValueError(f"no training steps: {data.source} has no training rows")
+    choose = config.epochs == 0 and _can_choose_epochs(data)
+    state, dense_state = resume(
+        config,
+        d,
+        lambda b: micro_batches(data.train_rows, b),
+        config.batch_size or (1024 if data.source == "synthetic" else auto_batch_size(data.train_rows, d.world)),
+        None if choose else config.epochs or 1,
+        _output_dir,
     )
-    first = next(epoch_batches(config, d.rank, d.world, data, batch_size, 0), None)
+    batch_size = state.batch_size
+    first = next(epoch_batches(config, 0, 1, data, batch_size, 0), None)
     if first is None:
-        raise ValueError(f"no training steps: {data.train_rows} rows in batches of {batch_size} over {d.world} workers")
+        raise ValueError(f"no training steps: {data.train_rows} rows in batches of {batch_size}")
     features, num_dense = list(first.sparse), first.dense.shape[1]
     held_out = eval_batches(config, data, batch_size)
-    choose = config.epochs == 0 and _can_choose_epochs(data)
-    out = run_dir(config) if d.rank == 0 else None
+    out = Path(state.output_dir) if d.rank == 0 and state.output_dir is not None else None
     resolved = dataclasses.replace(
-        config, batch_size=batch_size, epochs=config.epochs or 1, output_dir=out, num_shards=len(addresses)
+        config, batch_size=batch_size, epochs=state.epochs or 1, output_dir=out, num_shards=len(addresses)
     )
     if d.rank == 0:
-        _log_config(config, resolved, data, d, choose)
+        _log_config(config, resolved, data, d, choose and state.epochs is None)
     metrics: dict[str, Any] = {
         "config": {k: str(v) for k, v in dataclasses.asdict(resolved).items()},
         "data": {
@@ -400,27 +473,58 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
             "features": len(features),
             "dense": num_dense,
         },
+        "run_id": state.run_id,
     }
+    ckpts = CheckpointDir(config.checkpoint_dir) if config.checkpoint_dir is not None else None
 
-    with PSClient(addresses) as client:
-        epochs = config.epochs or 1
-        if choose:
-            epochs, metrics["epoch_choice"] = _choose_epochs(config, d, client, data, batch_size, features, num_dense)
-            metrics["config"]["epochs"] = str(epochs)
+    def checkpoint(run: _Pass | None) -> None:
+        """Every rank: once all pushes so far are acknowledged everywhere, rank 0 writes ``state``."""
+        if ckpts is None:
+            return
+        if run is not None:
+            run.emb.flush()
+        if d.world > 1:
+            dist.barrier()
+        if d.rank == 0:
+            save(ckpts, config, state, *((run.model, run.optimizer) if run is not None else ()))
+
+    # The run id names the pushes for exactly-once: the same in every process of the run.
+    with PSClient(addresses, client_id=state.run_id) as client:
+        if state.epochs is None:
+            state.epochs, state.epoch_choice = _choose_epochs(config, d, client, data, batch_size, features, num_dense)
+            checkpoint(None)
             if d.rank == 0:
                 log.info(
                     "epochs=%d chosen on the last %d training rows (validation logloss per epoch: %s)",
-                    epochs,
-                    metrics["epoch_choice"]["validation_rows"],
-                    " ".join(f"{h['logloss']:.4f}" for h in metrics["epoch_choice"]["history"]),
+                    state.epochs,
+                    state.epoch_choice["validation_rows"],
+                    " ".join(f"{h['logloss']:.4f}" for h in state.epoch_choice["history"]),
                 )
-        run = _Pass(config, d, client, features, num_dense)
+        if state.epoch_choice is not None:
+            metrics["epoch_choice"] = state.epoch_choice
+            metrics["config"]["epochs"] = str(state.epochs)
+        run = _Pass(config, d, client, features, num_dense, dense_state=dense_state)
+        run.steps, run.evals = state.steps, state.evals
+
+        def after_step(position: int) -> None:
+            state.position, state.steps = position, run.steps
+            if run.steps % config.checkpoint_every == 0:
+                checkpoint(run)
+
         bar = progress(
-            config.progress and d.rank == 0, epochs * steps_per_epoch(data.train_rows, batch_size, d.world), "training"
+            config.progress and d.rank == 0,
+            _steps_left(state, data.train_rows, d.world),
+            "training",
         )
         try:
-            for epoch in range(epochs):
-                run.epoch(epoch_batches(config, d.rank, d.world, data, batch_size, epoch), bar, held_out)
+            while not state.done:
+                plan = EpochPlan(
+                    state.micro_batches, state.position, d.world, d.rank, seq_base=state.epoch * state.micro_batches
+                )
+                batches = epoch_batches(config, d.rank, d.world, data, batch_size, state.epoch, start=state.position)
+                run.epoch(plan, batches, bar, held_out, after_step)
+                state.epoch, state.position, state.steps = state.epoch + 1, 0, run.steps
+                checkpoint(run)
             if bar is not None:
                 bar.close()
             final: dict[str, float] = {}
@@ -450,6 +554,23 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
             out,
         )
     return metrics
+
+
+def _output_dir(config: TrainerConfig, state: Progress | None) -> Path:
+    """Where rank 0 writes the run: ``--output-dir``, else the resumed run's directory, else a new one."""
+    if config.output_dir is None and state is not None and state.output_dir is not None:
+        Path(state.output_dir).mkdir(parents=True, exist_ok=True)
+        return Path(state.output_dir)
+    return run_dir(config)
+
+
+def _steps_left(state: Progress, rows: int, world: int) -> int:
+    """Steps this group takes from ``state`` to the end of the run (for the progress bar)."""
+    epochs = state.epochs or 1
+    if state.epoch >= epochs:
+        return 0
+    per_epoch = steps_per_epoch(rows, state.batch_size, world)
+    return steps_per_epoch(rows, state.batch_size, world, state.position) + (epochs - state.epoch - 1) * per_epoch
 
 
 def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d: Dist, choose: bool) -> None:
