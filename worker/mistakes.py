@@ -10,7 +10,7 @@ a bug or a failure of the cluster and keeps its traceback.
 Example:
     >>> from worker.config import TrainerConfig
     >>> user_error(PermissionError(13, "Permission denied", "/data/x.csv"), TrainerConfig())
-    'permission denied: /data/x.csv: change its permissions, or pass another --data or --output-dir'
+    'permission denied: /data/x.csv: change its permissions, or pass another --data, --output-dir or --checkpoint-dir'
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def user_error(exc: BaseException, config: TrainerConfig) -> str | None:
         return str(exc)
     if isinstance(exc, PermissionError):
         what = exc.filename if exc.filename is not None else "a file or directory"
-        return f"permission denied: {what}: change its permissions, or pass another --data or --output-dir"
+        return f"permission denied: {what}: change its permissions, or pass another --data, --output-dir or --checkpoint-dir"
     return None
 
 

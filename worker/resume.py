@@ -194,16 +194,18 @@ def resume(
     0 writes the run to. Raises ``CheckpointError`` (on every rank) for a directory of
     another run or one that cannot be read or written.
     """
-    box: list[Any] = [None, ""]
+    box: list[Any] = [None, None]
     if d.rank == 0:
         try:
             box[0] = _load_or_start(config, micro_batches, batch_size, epochs, output_dir)
-        except (CheckpointError, OSError) as exc:  # every rank must hear of it, or the others wait forever
-            box[1] = str(exc) if isinstance(exc, CheckpointError) else f"{config.checkpoint_dir}: {exc}"
+        except Exception as exc:  # every rank must hear of it, or the others wait forever
+            if d.world == 1:
+                raise
+            box[1] = exc
     if d.world > 1:
         dist.broadcast_object_list(box, src=0)
-    if box[1]:
-        raise CheckpointError(box[1])
+    if box[1] is not None:
+        raise box[1]
     progress_dict, dense = box[0]
     return Progress(**progress_dict), dense
 
