@@ -23,7 +23,6 @@ from it (pytorch/pytorch#135712): ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is se
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -35,6 +34,8 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-expor
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from deploy.rendezvous import host_store
+
 __all__ = ["JOIN_FILE", "RENDEZVOUS_FILE", "Elastic", "main", "read_join", "torchrun_command", "write_join"]
 
 JOIN_FILE = "workers.json"  # in ps-launch's log dir: how another agent joins its workers
@@ -42,7 +43,6 @@ RENDEZVOUS_FILE = "rendezvous"  # in ps-launch's log dir: the store's 127.0.0.1:
 # After the fewest agents joined, how long the rendezvous waits for more: long enough for
 # agents started together, short enough that a restart does not wait on it.
 LAST_CALL_S = 2
-_STORE_TIMEOUT = datetime.timedelta(seconds=300)
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def read_join(log_dir: Path) -> Join:
 
 def _host_rendezvous(path: Path) -> TCPStore:
     """A rendezvous store on 127.0.0.1 (a free port, no race), its address written to ``path``."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
+    store = host_store("127.0.0.1:0")
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(f"127.0.0.1:{store.port}\n")
     os.replace(tmp, path)
