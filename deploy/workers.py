@@ -42,7 +42,7 @@ JOIN_FILE = "workers.json"  # in ps-launch's log dir: how another agent joins it
 RENDEZVOUS_FILE = "rendezvous"  # in ps-launch's log dir: the store's 127.0.0.1:PORT
 # After the fewest agents joined, how long the rendezvous waits for more: long enough for
 # agents started together, short enough that a restart does not wait on it.
-LAST_CALL_S = 2
+LAST_CALL_S = 1
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from worker.export import probabilities
 from worker.jagged import JaggedIds
 from worker.models import DLRM, DeepFM
 
-__all__ = ["WIDE", "TrainingPass", "dense_adam", "evaluate", "predict", "scores"]
+__all__ = ["WIDE", "TrainingPass", "dense_adam", "evaluate", "predict", "scores", "trainer_tables"]
 
 log = logging.getLogger("worker.trainer")  # its progress lines are the trainer's
 
@@ -60,6 +60,41 @@ def _inputs(sparse: Mapping[str, JaggedIds], features: Sequence[str]) -> dict[st
     return {f: sparse[f.removesuffix(WIDE)] if f.endswith(WIDE) else sparse[f] for f in features}
 
 
+def trainer_tables(config: TrainerConfig, prefix: str = "") -> list[EmbeddingTableConfig]:
+    """The tables a run of ``config`` trains: ``prefix + "embedding"`` (every feature's rows)
+    and, with ``config.wide``, the dim-1 ``prefix + "wide"`` (first-order weights).
+
+    >>> [(t.name, t.dim) for t in trainer_tables(TrainerConfig(dim=8), "probe.")]
+    [('probe.embedding', 8), ('probe.wide', 1)]
+    """
+    lifecycle = {"admit_after": float(config.admit_after)} if config.admit_after > 1 else {}
+    decay = {"weight_decay": config.sparse_weight_decay} if config.sparse_weight_decay else {}
+    # One table holds every feature's rows: keys are hashed with a seed per feature, so
+    # they never collide, and a step's lookup is one entry per table, not per feature
+    # (at small batches the per-table work, not the bytes, bounds the step time).
+    tables = [
+        EmbeddingTableConfig(
+            prefix + "embedding",
+            config.dim,
+            config.sparse_optimizer,
+            seed=2 * config.seed,
+            params={"lr": config.sparse_lr, **decay, **lifecycle},
+        )
+    ]
+    if config.wide:
+        tables.append(
+            EmbeddingTableConfig(
+                prefix + "wide",
+                1,
+                config.sparse_optimizer,
+                "zeros",
+                seed=2 * config.seed + 1,
+                params={"lr": config.wide_lr, **lifecycle},
+            )
+        )
+    return tables
+
+
 class TrainingPass:
     """A model, its tables (named ``prefix + feature``) and the step loop, kept across epochs."""
 
@@ -76,34 +111,10 @@ class TrainingPass:
         """``dense_state``: the ``model``, ``optimizer`` and ``rng`` state of a checkpoint to resume from."""
         self.config, self.d, self.num_dense = config, d, num_dense
         dense_state = dense_state or {}
-        lifecycle = {"admit_after": float(config.admit_after)} if config.admit_after > 1 else {}
-        decay = {"weight_decay": config.sparse_weight_decay} if config.sparse_weight_decay else {}
-        # One table holds every feature's rows: keys are hashed with a seed per feature, so
-        # they never collide, and a step's lookup is one entry per table, not per feature
-        # (at small batches the per-table work, not the bytes, bounds the step time).
-        self.tables = [
-            EmbeddingTableConfig(
-                prefix + "embedding",
-                config.dim,
-                config.sparse_optimizer,
-                seed=2 * config.seed,
-                params={"lr": config.sparse_lr, **decay, **lifecycle},
-            )
-        ]
+        self.tables = trainer_tables(config, prefix)
         self.features = [FeatureConfig(f, prefix + "embedding") for f in features]
         wide = [f + WIDE for f in features] if config.wide else []
-        if wide:
-            self.tables.append(
-                EmbeddingTableConfig(
-                    prefix + "wide",
-                    1,
-                    config.sparse_optimizer,
-                    "zeros",
-                    seed=2 * config.seed + 1,
-                    params={"lr": config.wide_lr, **lifecycle},
-                )
-            )
-            self.features += [FeatureConfig(w, prefix + "wide") for w in wide]
+        self.features += [FeatureConfig(w, prefix + "wide") for w in wide]
         torch.manual_seed(config.seed)  # the probe and the real model start alike
         model_cls = DLRM if config.model == "dlrm" else DeepFM
         self.model: torch.nn.Module = model_cls(num_dense, features, config.dim, wide=wide).to(d.device)
