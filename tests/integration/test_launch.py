@@ -189,3 +189,17 @@ def test_log_dir_is_named_for_what_it_holds_and_data_dir_still_works_with_a_warn
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--data-dir is the old name of --log-dir" in result.stderr
     assert (tmp_path / "shard.0.log").exists()
+
+
+def test_a_relative_log_dir_works(tmp_path: Path) -> None:
+    # The shards run in the log dir: a port file named relative to ours was looked for beneath it.
+    result = subprocess.run(
+        [*_launch("--shards", "1", "--max-restarts", "0", "--log-dir", "logs", "--"), "python", "-c", "pass"],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "logs" / "shard.0.log").exists() and (tmp_path / "logs" / "workers.json").exists()
