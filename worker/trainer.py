@@ -26,6 +26,10 @@ Criteo, Avazu and MovieLens samples; see the README for the AUC each reaches):
   ``TIE`` go to the later epoch). Nothing is chosen on the evaluation rows. Synthetic
   data and streamed logs train for one epoch.
 
+Workers come and go: with ``checkpoint_dir``, a group that torchrun restarts (a worker
+died, or one joined) resumes from the newest checkpoint there, and the rest of the epoch is
+split over the workers it has now (``worker.resume``, ``worker.dataset.EpochPlan``).
+
 Scale: DDP averages dense gradients over workers, while each worker pushes the sparse
 gradients of its own batch, so with W workers the shards take W updates per step (as in
 PERSIA and HugeCTR); the sparse learning rate is per worker batch. A run with one
@@ -196,7 +200,7 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
         config, batch_size=batch_size, epochs=state.epochs or 1, output_dir=out, num_shards=len(addresses)
     )
     if d.rank == 0:
-        _log_config(config, resolved, data, d, choose and state.epochs is None)
+        _log_config(config, resolved, data, d, choose, state.epochs is None)
     metrics: dict[str, Any] = {
         "config": {k: str(v) for k, v in dataclasses.asdict(resolved).items()},
         "data": {
@@ -320,8 +324,11 @@ def _steps_left(state: Progress, rows: int, world: int) -> int:
     return steps_per_epoch(rows, state.batch_size, world, state.position) + (epochs - state.epoch - 1) * per_epoch
 
 
-def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d: Dist, choose: bool) -> None:
-    """One line: the settings as used, with what was chosen for the user marked."""
+def _log_config(
+    config: TrainerConfig, resolved: TrainerConfig, data: RunData, d: Dist, choose: bool, probing: bool
+) -> None:
+    """One line: the settings as used, with what was chosen for the user marked (``choose``:
+    the epoch count is chosen on a probe; ``probing``: now, not before a restart)."""
     shown: dict[str, Any] = dataclasses.asdict(resolved)
     if data.rows is None:
         del shown["min_count"]  # rare values are only shared in logs held in memory
@@ -335,10 +342,12 @@ def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d
         shown["rows_from"] = "memory" if data.path is None else "stream"
     if config.batch_size == 0:
         shown["batch_size"] = f"{resolved.batch_size}(auto)"
-    if config.epochs == 0:
-        shown["epochs"] = (
-            f"auto(probe_on_last_{int(data.train_rows * VALIDATION_FRACTION)}_training_rows)" if choose else "1(auto)"
-        )
+    if config.epochs == 0 and choose and probing:
+        shown["epochs"] = f"auto(probe_on_last_{int(data.train_rows * VALIDATION_FRACTION)}_training_rows)"
+    elif config.epochs == 0:
+        shown["epochs"] = f"{resolved.epochs}(auto{',chosen_before_a_restart' if choose else ''})"
+    if config.checkpoint_dir is None:
+        del shown["checkpoint_every"]
     shown["workers"] = d.world
     log.info("config %s", " ".join(f"{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in shown.items()))
 

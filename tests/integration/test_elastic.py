@@ -9,8 +9,8 @@ keys, computed here from the data: a micro-batch whose push was applied twice (o
 changes that sum, whatever order the pushes arrived in. The synthetic data makes a
 micro-batch's keys a function of its epoch and index only.
 
-A plain run is short; ``pytest -m slow`` also trains the same run without the event and
-compares the AUC (within 0.003).
+A plain run is short; ``pytest -m slow`` runs them longer (400K samples, 2 epochs), also
+trains the same run without the event and compares the AUC (within 0.003).
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ def _check_exactly_once(metrics: dict[str, Any], samples: int, epochs: int) -> N
     assert applied == {"embedding": want, "wide": want}, (applied, want)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_epoch_restarts_the_group_which_resumes(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -142,6 +143,7 @@ def test_a_worker_killed_mid_epoch_restarts_the_group_which_resumes(
         assert abs(auc - auc_clean) <= 0.003
 
 
+@pytest.mark.slow
 def test_a_worker_that_joins_makes_the_group_restart_larger(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     samples, epochs = (400_000, 2) if long_run(request.config) else (65_536, 2)
     run = _Launch(tmp_path / "joined", workers=1, samples=samples, epochs=epochs)
