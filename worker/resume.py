@@ -124,7 +124,17 @@ class CheckpointDir:
         return sorted(found, reverse=True)
 
     def save(self, state: dict[str, Any], step: int) -> Path:
-        """Write ``state`` as the checkpoint of ``step`` (replacing one of the same step); returns its path."""
+        """Write ``state`` as the checkpoint of ``step`` (replacing one of the same step); returns its
+        path. Raises ``CheckpointError`` naming the directory if it cannot be written."""
+        try:
+            return self._save(state, step)
+        except OSError as exc:
+            raise CheckpointError(
+                f"--checkpoint-dir {self.path}: cannot write a checkpoint there ({exc.strerror or exc}): "
+                "pass a --checkpoint-dir this process can write, on a disk with room left"
+            ) from exc
+
+    def _save(self, state: dict[str, Any], step: int) -> Path:
         self.path.mkdir(parents=True, exist_ok=True)
         final = self.path / f"checkpoint-{step:09d}.pt"
         tmp = self.path / f".{final.name}.{os.getpid()}.tmp"

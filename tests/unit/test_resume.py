@@ -128,6 +128,11 @@ def test_checkpoints_are_replaced_whole_and_the_newest_two_kept(tmp_path: Path) 
     ckpts.save(_progress(steps=50), 50)
     assert not list(tmp_path.glob(".*.tmp"))
     assert CheckpointDir(tmp_path / "none").newest() is None
+    (tmp_path / "file").write_text("")
+    with pytest.raises(
+        CheckpointError, match=r"--checkpoint-dir .*file: cannot write a checkpoint there \(File exists\)"
+    ):
+        CheckpointDir(tmp_path / "file").save(_progress(), 0)
 
 
 def _resume(config: TrainerConfig, out: Path) -> tuple[Progress, dict[str, Any]]:
