@@ -259,7 +259,12 @@ def save(
     optimizer: torch.optim.Optimizer | None = None,
 ) -> Path:
     """Write ``progress`` (and the dense state, when given) as the checkpoint of its step."""
-    state: dict[str, Any] = {"progress": dataclasses.asdict(progress), "fingerprint": fingerprint(config)}
+    state: dict[str, Any] = {
+        "progress": dataclasses.asdict(progress),
+        "fingerprint": fingerprint(config),
+        # Every seq up to this one of the run's client id is applied on the shards (for a reader).
+        "pushed_through": progress.seq(progress.epoch, progress.position) - 1,
+    }
     if model is not None and optimizer is not None:
         state |= {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
     return ckpts.save(state, progress.steps)

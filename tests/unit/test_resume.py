@@ -143,7 +143,8 @@ def test_a_run_keeps_its_id_across_restarts_and_refuses_another_configuration(tm
     config = TrainerConfig(checkpoint_dir=tmp_path / "ckpt", train_samples=1000)
     first, dense = _resume(config, tmp_path / "out")
     assert dense == {} and (first.batch_size, first.micro_batches, first.epochs) == (64, 16, 3)
-    assert list((tmp_path / "ckpt").glob("checkpoint-*.pt")), "the run id is written before anything is pushed"
+    written = CheckpointDir(tmp_path / "ckpt").newest()
+    assert written is not None and written["pushed_through"] == 0, "the run id is written before anything is pushed"
     again, _ = resume(config, Dist(), lambda b: micro_batches(1000, b), 128, None, lambda c, p: tmp_path / "out")
     assert again.run_id == first.run_id and again.batch_size == 64 and again.epochs == 3  # the run's own
     with pytest.raises(CheckpointError, match=r"another run \(dim='16' there, '32' here\).*--checkpoint-dir"):
