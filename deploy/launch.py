@@ -2,15 +2,22 @@
 
     ps-launch --shards 2 --workers 2 -- python examples/train_dlrm.py --train-samples 100000
     ps-launch --shards 2 --shard-arg=--data-dir=/var/ps/shard-{shard} -- python examples/train_dlrm.py
+    ps-launch --join LOG_DIR --workers 1        # one more worker for the launch logging to LOG_DIR
 
 The workers get the shard addresses in ``TRAINER_ADDRESSES`` (read by
 ``worker.trainer``). A shard that dies is restarted on the same address and data dir
 when the shards have one (``--restart-shards``, the default then): the workers' client
 retries through the gap and every acknowledged push is still there in ``every-push``
 mode. Without a data dir a restarted shard would come back empty, so a dead shard stops
-the run instead, as do repeated fast shard failures and a failed worker. Ctrl-C or
-SIGTERM stops everything. The exit status is the workers' (1 if the launch itself
-failed, 130 when interrupted).
+the run instead, as do repeated fast shard failures.
+
+Workers are elastic (``deploy.workers``): a worker that dies makes torchrun restart the
+group, up to ``--max-restarts`` times, and ``ps-launch --join`` adds workers to a running
+launch (``--nnodes MIN:MAX`` bounds the torchrun agents: this one and those that join).
+The trainer resumes from its checkpoint each time: ``TRAINER_CHECKPOINT_DIR`` is set to
+``<log-dir>/checkpoints/<launch id>`` unless the environment sets it. Ctrl-C or SIGTERM
+stops everything. The exit status is the workers' (1 if the launch itself failed, 2 for
+a bad setting, 130 when interrupted).
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.local import LocalCluster, ShardProcess, ShardStartError, die_with_parent, threads_beside_local_shards
+from deploy.workers import RENDEZVOUS_FILE, Elastic, Join, read_join, torchrun_command, write_join
 from protos.logs import configure_logging
 
 __all__ = ["RestartPolicy", "main"]
@@ -34,16 +43,20 @@ __all__ = ["RestartPolicy", "main"]
 log = logging.getLogger("ps-launch")
 
 _SETTLE_S = 0.5  # after a shard death is seen, how long others dying with it have to show
+_RENDEZVOUS_WAIT_S = 60.0  # how long --join waits for the launch it joins to open its rendezvous
 
 _EPILOG = """\
 examples:
   ps-launch --shards 2 --workers 2 -- python examples/train_dlrm.py --train-samples 400000
   ps-launch --shards 2 --shard-arg=--data-dir=/var/ps/shard-{shard} --shard-arg=--durability=every-push \\
             -- python examples/train_dlrm.py
+  ps-launch --join /tmp/ps-cluster-abc123 --workers 1   # add a worker to the launch logging there
 
 Shard logs and port files go to --log-dir (a temp dir by default; --data-dir is its old
 name, and not where shards keep rows: that is --shard-arg=--data-dir=...); a shard's log
-tail is printed once if it fails for good. The exit status is the workers'.
+tail is printed once if it fails for good. A worker that dies restarts the group (the
+trainer resumes from its checkpoint, kept under --log-dir unless TRAINER_CHECKPOINT_DIR
+is set). The exit status is the workers'.
 """
 
 
@@ -52,13 +65,37 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         prog="ps-launch",
         description="Start N shard processes on this machine, run W workers of COMMAND under torchrun with "
         "TRAINER_ADDRESSES set to the shards, and stop the shards when the workers end.",
-        usage="ps-launch [--shards N] [--workers W] [--shard-arg ARG ...] [--log-dir DIR] "
-        "[--[no-]restart-shards] -- COMMAND [ARGS ...]",
+        usage="ps-launch [--shards N] [--workers W] [--nnodes MIN:MAX] [--max-restarts R] [--shard-arg ARG ...] "
+        "[--log-dir DIR] [--[no-]restart-shards] -- COMMAND [ARGS ...]\n"
+        "       ps-launch --join LOG_DIR [--workers W]",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--shards", type=int, default=2, help="shard processes to start (default 2)")
-    parser.add_argument("--workers", type=int, default=1, help="worker processes per torchrun (default 1)")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="worker processes this launch's torchrun agent runs (default 1)"
+    )
+    parser.add_argument(
+        "--nnodes",
+        default=Elastic.nnodes,
+        metavar="MIN:MAX",
+        help=f"torchrun agents the group runs with: this launch's and those of --join (default {Elastic.nnodes})",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=Elastic.max_restarts,
+        help="restarts of the worker group after a worker fails, before the launch fails (default "
+        f"{Elastic.max_restarts}; an agent joining does not count)",
+    )
+    parser.add_argument(
+        "--join",
+        type=Path,
+        default=None,
+        metavar="LOG_DIR",
+        help="add --workers workers to the running launch whose --log-dir is LOG_DIR (its command, shards and "
+        "rendezvous); the group restarts with them and the trainer resumes from its checkpoint",
+    )
     parser.add_argument(
         "--shard-arg",
         action="append",
@@ -83,14 +120,26 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "--shard-arg gives --data-dir; without one a restarted shard would be empty)",
     )
     split = list(argv).index("--") if "--" in argv else len(argv)
-    if split == len(argv) and not {"-h", "--help"} & set(argv):
+    joining = any(a == "--join" or a.startswith("--join=") for a in argv[:split])
+    if split == len(argv) and not joining and not {"-h", "--help"} & set(argv):
         parser.error("missing '-- COMMAND': e.g. ps-launch --shards 2 -- python examples/train_dlrm.py")
     args = parser.parse_args(list(argv[:split]))  # --help prints and exits 0 here
     command = list(argv[split + 1 :])
+    if args.join is not None:
+        if split < len(argv):
+            parser.error("--join runs the command of the launch it joins: no '-- COMMAND' with it")
+        if args.workers < 1:
+            parser.error("--workers must be >= 1")
+        return args, []
     if not command:
         parser.error("no COMMAND after '--'")
     if args.shards < 1 or args.workers < 1:
         parser.error("--shards and --workers must be >= 1")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts {args.max_restarts}: must be >= 0")
+    low, _, high = args.nnodes.partition(":")
+    if not (low.isdigit() and (high or low).isdigit() and 1 <= int(low) <= int(high or low)):
+        parser.error(f"--nnodes {args.nnodes}: expected MIN:MAX (or N) with 1 <= MIN <= MAX, e.g. 1:4")
     if args.old_log_dir is not None:
         print(
             "ps-launch: warning: --data-dir is the old name of --log-dir (shard logs and port files, not shard "
@@ -104,18 +153,6 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if command[0] in ("python", "python3"):
         command[0] = sys.executable  # the same interpreter (and venv) as ps-launch
     return args, command
-
-
-def _torchrun(workers: int, command: list[str]) -> list[str]:
-    # torchrun runs "script.py ARGS" or "-m module ARGS" itself; anything else (python -c,
-    # other interpreter flags, a non-Python program) runs as given with --no-python.
-    python_target = command[0] == sys.executable and len(command) > 1
-    if python_target and (command[1] == "-m" or not command[1].startswith("-")):
-        target = command[1:]
-    else:
-        target = ["--no-python", *command]
-    # deploy.workers is torchrun that exits with the failing worker's own status.
-    return [sys.executable, "-m", "deploy.workers", "--standalone", f"--nproc-per-node={workers}", *target]
 
 
 @dataclass
@@ -219,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, interrupt)
+    if args.join is not None:
+        return _join(args.join, args.workers, interrupt)
     cluster = LocalCluster(args.shards, args.log_dir, tuple(args.shard_arg))
     try:
         cluster.start()
@@ -241,13 +280,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             ",".join(cluster.addresses),
             "on" if args.restart_shards else "off",
         )
-        env = dict(os.environ, TRAINER_ADDRESSES=",".join(cluster.addresses))
-        # The shards share this machine: leave them a core. torchrun sets no thread count for a
-        # single worker, and torch's spinning OpenMP threads on every core starve the shards
-        # (2 cores, DLRM: 1.2K samples/s with 2 torch threads against 11.8K with 1).
-        env.setdefault("OMP_NUM_THREADS", str(threads_beside_local_shards(args.workers)))
+        root = cluster.root if cluster.root is not None else Path(".")
+        elastic = Elastic(args.nnodes, args.max_restarts, f"ps-launch-{uuid.uuid4().hex[:12]}")
+        given = {k: os.environ[k] for k in ("TRAINER_CHECKPOINT_DIR", "OMP_NUM_THREADS") if k in os.environ}
+        env = {
+            "TRAINER_ADDRESSES": ",".join(cluster.addresses),
+            # A restarted group resumes from there; a launch of its own is a run of its own.
+            "TRAINER_CHECKPOINT_DIR": str(root / "checkpoints" / elastic.rdzv_id),
+            # The shards share this machine: leave them a core. torchrun sets no thread count for a
+            # single worker, and torch's spinning OpenMP threads on every core starve the shards
+            # (2 cores, DLRM: 1.2K samples/s with 2 torch threads against 11.8K with 1).
+            "OMP_NUM_THREADS": str(threads_beside_local_shards(args.workers)),
+        } | given
+        write_join(root, Join(elastic, command, env))
         workers = subprocess.Popen(
-            _torchrun(args.workers, command), env=env, start_new_session=True, preexec_fn=die_with_parent
+            torchrun_command(args.workers, command, elastic, host=root / RENDEZVOUS_FILE),
+            env=os.environ | env,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        log.info(
+            "workers: %d, elastic (--nnodes %s, --max-restarts %d); to add workers: ps-launch --join %s --workers N",
+            args.workers,
+            elastic.nnodes,
+            elastic.max_restarts,
+            root,
         )
         while True:
             interrupt.check()
@@ -298,6 +355,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = 130
     finally:
         status = _stop_cluster(cluster, reported, status)
+    return status
+
+
+def _join(log_dir: Path, workers: int, interrupt: _Interrupt) -> int:
+    """``ps-launch --join``: run ``workers`` more workers of the launch logging to ``log_dir``
+    (its command, shards and rendezvous, from its join file); returns their exit status."""
+    try:
+        join = read_join(log_dir)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    rendezvous = log_dir / RENDEZVOUS_FILE
+    deadline = time.monotonic() + _RENDEZVOUS_WAIT_S
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        while not rendezvous.exists():  # the launch writes it as its workers start
+            interrupt.check()
+            if time.monotonic() > deadline:
+                log.error(
+                    "%s did not appear within %.0f s: has the launch in %s started its workers?",
+                    rendezvous,
+                    _RENDEZVOUS_WAIT_S,
+                    log_dir,
+                )
+                return 1
+            time.sleep(0.1)
+        endpoint = rendezvous.read_text().strip()
+        env = os.environ | join.env
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(threads_beside_local_shards(workers)))
+        proc = subprocess.Popen(
+            torchrun_command(workers, join.command, join.elastic, endpoint=endpoint),
+            env=env,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        log.info("joining %d workers to the launch in %s (rendezvous %s)", workers, log_dir, endpoint)
+        while (code := proc.poll()) is None:
+            interrupt.check()
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        log.warning("interrupted (SIGINT or SIGTERM): stopping the workers that joined")
+        if proc is not None:
+            _stop(proc)
+        return 130
+    status = code if code >= 0 else 128 - code
+    (log.error if status else log.info)("joined workers exited with %s", _describe_exit(status))
     return status
 
 

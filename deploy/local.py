@@ -109,6 +109,7 @@ def spawn_shard(
 ) -> ShardProcess:
     """Start the process of shard ``index`` (``start_shard``'s arguments) without waiting for
     it: ``await_shard`` waits. Several shards spawned first and awaited then start together."""
+    root = root.absolute()  # the shard runs in root: a relative --port-file would be read from there
     root.mkdir(parents=True, exist_ok=True)
     port_file, log = root / f"port.{index}", root / f"shard.{index}.log"
     port_file.unlink(missing_ok=True)

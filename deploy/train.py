@@ -24,6 +24,7 @@ from deploy.local import LocalCluster, threads_beside_local_shards
 from worker.command import parse, report
 from worker.distributed import Dist, init_distributed
 from worker.mistakes import run_or_explain
+from worker.resume import CheckpointError
 from worker.trainer import TrainerConfig, train
 
 __all__ = ["main", "run"]
@@ -36,6 +37,13 @@ def _shards(config: TrainerConfig, d: Dist) -> Iterator[list[str]]:
     if config.addresses:
         yield list(config.addresses)
         return
+    if config.checkpoint_dir is not None:
+        # A resumed run needs the rows its pushes left on the shards; shards started here
+        # for one process's lifetime would come back empty.
+        raise CheckpointError(
+            "--checkpoint-dir resumes a run on the shards that hold its rows, and local shards started for this "
+            "process end with it: pass --addresses (or run under ps-launch, which keeps its shards across restarts)"
+        )
     if d.world > 1 and int(os.environ.get("LOCAL_WORLD_SIZE", d.world)) != d.world:
         raise ValueError("local shards serve one machine: a multi-node job needs --addresses")
     cluster = LocalCluster(config.num_shards) if d.rank == 0 else None

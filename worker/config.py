@@ -165,6 +165,18 @@ class TrainerConfig:
             "where the dense model, manifest and metrics go; empty: runs/<UTC time>/, linked from runs/latest"
         ),
     )
+    checkpoint_dir: Path | None = field(
+        default=None,
+        metadata=_help(
+            "where rank 0 keeps the worker checkpoints (dense model and optimizer, data position, run id; the "
+            "newest two) that a restarted training group resumes from; pushes sent again are skipped by the "
+            "shards. Empty: no checkpoints, a restarted group starts over"
+        ),
+    )
+    checkpoint_every: int = field(
+        default=100,
+        metadata=_help("with checkpoint_dir: steps between checkpoints (one also ends each epoch)"),
+    )
     seed: int = field(default=0, metadata=_help("seed of dense and embedding initialisation (and synthetic data)"))
     progress: bool = field(
         default=True, metadata=_help("show progress on rank 0 (a bar on a terminal, else a line every 10 s)")
@@ -181,6 +193,7 @@ class TrainerConfig:
             (self.dim >= 1, f"dim={self.dim}: must be >= 1"),
             (self.batch_size >= 0 and self.epochs >= 0, "batch_size and epochs must be >= 0 (0: chosen for you)"),
             (self.num_shards >= 1, f"num_shards={self.num_shards}: must be >= 1"),
+            (self.checkpoint_every >= 1, f"checkpoint_every={self.checkpoint_every}: must be >= 1"),
             (self.admit_after >= 1 and self.min_count >= 1, "admit_after and min_count must be >= 1"),
             (0 < self.train_fraction < 1, f"train_fraction={self.train_fraction}: must be in (0, 1)"),
             (self.folds == 0 or self.folds >= 2, f"folds={self.folds}: must be 0 (off) or >= 2"),

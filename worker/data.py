@@ -415,13 +415,14 @@ class ClickLog:
             keys[f, ~np.isin(keys[f], frequent)] = rare_key(name)
         return ClickLog(self.labels, self.dense, keys, self.features)
 
-    def batches(self, batch_size: int, *, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
+    def batches(self, batch_size: int, *, rank: int = 0, world_size: int = 1, start: int = 0) -> Iterator[Batch]:
         """Batches of ``batch_size`` rows in order (the last may be short); ``rank`` of
-        ``world_size`` takes the batches ``rank, rank + world_size, ...``."""
-        if batch_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"batch_size={batch_size}, rank={rank}, world_size={world_size}")
+        ``world_size`` takes the batches ``start + rank, start + rank + world_size, ...``
+        (``start``: the batches before it were trained on already)."""
+        if batch_size < 1 or not 0 <= rank < world_size or start < 0:
+            raise ValueError(f"batch_size={batch_size}, rank={rank}, world_size={world_size}, start={start}")
         rows = _Rows(self.labels, self.dense, self.keys, None)
-        for lo in range(rank * batch_size, len(self), batch_size * world_size):
+        for lo in range((start + rank) * batch_size, len(self), batch_size * world_size):
             yield _make_batch(_take(rows, lo, lo + batch_size), self.features)
 
 

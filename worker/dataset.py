@@ -34,6 +34,7 @@ from worker.synthetic import synthetic_criteo
 __all__ = [
     "EVAL_BATCH_SIZE",
     "IN_MEMORY_BYTES",
+    "EpochPlan",
     "OneLabelError",
     "RunData",
     "SCHEMAS",
@@ -42,6 +43,7 @@ __all__ = [
     "cv_fold",
     "epoch_batches",
     "eval_batches",
+    "micro_batches",
     "open_data",
     "steps_per_epoch",
 ]
@@ -156,9 +158,59 @@ def auto_batch_size(train_rows: int, world: int) -> int:
     return int(min(1024, max(32, 2 ** round(math.log2(target)))))
 
 
-def steps_per_epoch(rows: int, batch_size: int, world: int) -> int:
-    # Every worker takes the same number of steps, or DDP's allreduce would wait forever.
-    return math.ceil(rows / batch_size) // world
+def micro_batches(rows: int, batch_size: int) -> int:
+    """Batches of ``batch_size`` in an epoch of ``rows`` (the last may be short): the
+    epoch's micro-batches, numbered 0, 1, ... whatever the number of workers."""
+    return -(-rows // batch_size)
+
+
+def steps_per_epoch(rows: int, batch_size: int, world: int, start: int = 0) -> int:
+    """Steps each of ``world`` workers takes over the micro-batches ``start, start + 1, ...``
+    of an epoch: all take the same number, or DDP's allreduce would wait forever; in the
+    last step a worker may have no micro-batch left (it adds nothing to that step)."""
+    return -(-max(0, micro_batches(rows, batch_size) - start) // world)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """Which micro-batch a worker trains at each step of an epoch, and the seq it pushes.
+
+    The epoch's ``total`` micro-batches from ``start`` on are dealt out in turns: at step
+    ``j``, worker ``rank`` of ``world`` trains micro-batch ``start + j * world + rank``
+    (``epoch_batches`` yields them in that order), pushed as ``seq_base + index + 1``. In
+    the last step some workers may have none (``index`` None): they add zero gradients,
+    and the others' loss is scaled so the step averages over those that trained.
+
+    >>> plan = EpochPlan(total=7, start=2, world=2, rank=1, seq_base=70)
+    >>> [plan.index(j) for j in range(plan.steps)], plan.seq(3), plan.active(2), plan.position(2)
+    ([3, 5, None], 74, 1, 7)
+    """
+
+    total: int
+    start: int
+    world: int
+    rank: int
+    seq_base: int = 0
+
+    @property
+    def steps(self) -> int:
+        return -(-max(0, self.total - self.start) // self.world)
+
+    def index(self, step: int) -> int | None:
+        """This worker's micro-batch at ``step`` (None: it has none)."""
+        i = self.start + step * self.world + self.rank
+        return i if i < self.total else None
+
+    def active(self, step: int) -> int:
+        """How many workers have a micro-batch at ``step``."""
+        return min(self.world, self.total - self.start - step * self.world)
+
+    def position(self, step: int) -> int:
+        """Micro-batches of the epoch done once every worker finished ``step``."""
+        return min(self.total, self.start + (step + 1) * self.world)
+
+    def seq(self, index: int) -> int:
+        return self.seq_base + index + 1
 
 
 def epoch_batches(
@@ -169,26 +221,29 @@ def epoch_batches(
     batch_size: int,
     epoch: int,
     rows: ClickLog | None = None,
+    start: int = 0,
 ) -> Iterator[Batch]:
-    """This worker's batches of one epoch over ``rows`` (default: all training rows)."""
+    """This worker's batches of one epoch over ``rows`` (default: all training rows): the
+    micro-batches ``start + rank``, ``start + rank + world``, ... (every micro-batch from
+    ``start`` on, once, over all ranks; a group resumed at ``start`` with another world
+    size splits the rest anew). A streamed log that ran short yields fewer."""
     if data.source == "synthetic":
-        steps = steps_per_epoch(config.train_samples, batch_size, world)
-        stream = synthetic_criteo(
-            config.train_samples, batch_size, seed=config.seed + 1000 * epoch, rank=rank, world_size=world
+        return synthetic_criteo(
+            config.train_samples, batch_size, seed=config.seed + 1000 * epoch, rank=rank, world_size=world, start=start
         )
-        return itertools.islice(stream, steps)
     if data.path is not None:
         schema = SCHEMAS[config.schema]()
-        batches = read_click_log(data.path, schema, batch_size, limit=data.train_rows, bad_lines=data.bad_lines)
-        return itertools.islice(
-            itertools.islice(batches, rank, None, world), steps_per_epoch(data.train_rows, batch_size, world)
+        # Without skipped lines a micro-batch is rows [i * batch_size, (i + 1) * batch_size) of
+        # the file; a skipped line shifts the rows after it, so the stream is read from its start.
+        skip = start * batch_size if data.bad_lines is None else 0
+        batches = read_click_log(
+            data.path, schema, batch_size, skip=skip, limit=data.train_rows - skip, bad_lines=data.bad_lines
         )
+        return itertools.islice(batches, start - skip // batch_size + rank, None, world)
     rows = rows if rows is not None else data.train
     if rows is None:
         raise ValueError(f"{data.source}: no training rows")
-    return itertools.islice(
-        rows.batches(batch_size, rank=rank, world_size=world), steps_per_epoch(len(rows), batch_size, world)
-    )
+    return rows.batches(batch_size, rank=rank, world_size=world, start=start)
 
 
 def eval_batches(config: TrainerConfig, data: RunData, batch_size: int) -> list[Batch]:

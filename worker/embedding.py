@@ -54,6 +54,7 @@ from worker.prefetch import Rows, SparsePipeline, Updates
 __all__ = ["DistributedEmbedding"]
 
 Mode = Literal["sync", "pipelined"]
+_NO_KEYS = np.empty(0, dtype=np.int64)
 
 
 _Pooled = tuple[list[SumFeature], list[npt.NDArray[np.float32]]]  # the features, their sums
@@ -163,7 +164,17 @@ class DistributedEmbedding(torch.nn.Module):
             future.add_done_callback(functools.partial(self._pool_sums, batch, plan, pooled))
         self._prefetched.append((batch, plan, future, pooled))
 
-    def forward(self, batch: Mapping[str, JaggedIds]) -> dict[str, torch.Tensor]:
+    def forward(self, batch: Mapping[str, JaggedIds], *, seq: int | None = None) -> dict[str, torch.Tensor]:
+        """Pooled rows of ``batch``; in training, backward pushes their gradients.
+
+        ``seq`` (>= 1) names this step's push for exactly-once (``PSClient.push_many``): a
+        process that trains the same batch again with the same client id and seq, say
+        after a restart, has its push recognised as a duplicate if the shards applied
+        the first. The caller numbers its steps without gaps per client id: every table
+        is pushed under every seq, with no keys where the step has none, and a step whose
+        graph is freed without a backward pushes nothing under its seq. None: the client
+        numbers the pushes itself.
+        """
         self._pipeline.check()
         self._ensure_tables()
         training = self.training and torch.is_grad_enabled()
@@ -191,10 +202,11 @@ class DistributedEmbedding(torch.nn.Module):
         rows = future.result()
         self._step += 1
         names = list(plan.unique)
-        sink = _PushSink(self, step, names, [plan.unique[t] for t in names])
+        pushed = [False]
+        sink = _PushSink(self, step, seq, names, [plan.unique[t] for t in names], pushed)
         # When autograd frees this step's graph without a backward (skipped or failed
         # step), the step can push nothing more: later lookups must not wait for it.
-        weakref.finalize(sink, self._pipeline.settle, step)
+        weakref.finalize(sink, self._settle, step, seq, pushed)
         if self._fused(batch):
             sums, outputs = pooled.result() if pooled is not None else (self._sums(batch, plan), None)
             return dict(
@@ -233,10 +245,24 @@ class DistributedEmbedding(torch.nn.Module):
             for name, f in self.features.items()
         }
 
+    def push_nothing(self, seq: int) -> None:
+        """Push no keys under ``seq`` for every table, now (blocks until acknowledged): a
+        step that has no batch to train keeps the seqs of its client id without gaps."""
+        self._pipeline.check()
+        self._ensure_tables()
+        self.client.push_many(self._no_keys(), seq=seq)
+
     def push_latency(self) -> dict[str, float]:
-        """Acknowledged pushes so far: how many, and their mean and max latency in seconds."""
+        """Acknowledged pushes so far: how many, their mean and max latency in seconds, and
+        how many shard requests the shards had applied before (``push_duplicates``: pushes
+        a resumed run sent again)."""
         p = self._pipeline
-        return {"pushes": p.push_count, "push_mean_s": p.push_s / max(1, p.push_count), "push_max_s": p.push_max_s}
+        return {
+            "pushes": p.push_count,
+            "push_mean_s": p.push_s / max(1, p.push_count),
+            "push_max_s": p.push_max_s,
+            "push_duplicates": p.push_duplicates,
+        }
 
     def flush(self) -> None:
         """Block until every push so far is applied; raise a background failure if there was one."""
@@ -297,19 +323,38 @@ class DistributedEmbedding(torch.nn.Module):
         return F.embedding_bag(index, rows, offsets[:-1], mode=pooling, per_sample_weights=weights)
 
     def _push(
-        self, step: int, names: list[str], unique: list[TablePlan], grads: TableGrads | Callable[[], TableGrads]
+        self,
+        step: int,
+        seq: int | None,
+        names: list[str],
+        unique: list[TablePlan],
+        grads: TableGrads | Callable[[], TableGrads],
     ) -> None:
         """Push ``grads`` (per table, or a function the push thread calls for them)."""
 
         def updates() -> Updates:
             found = grads() if callable(grads) else grads
-            return {
+            out: Updates = {
                 t: (keys, g.detach().to("cpu", torch.float32).contiguous().numpy())
                 for t, keys, g in zip(names, unique, found)
                 if g is not None
             }
+            # A numbered push names every table, so each table's seqs stay without gaps.
+            return out if seq is None else self._no_keys() | out
 
-        self._pipeline.push(step, updates if callable(grads) else updates(), wait=self.mode == "sync")
+        self._pipeline.push(step, updates if callable(grads) else updates(), wait=self.mode == "sync", seq=seq)
+
+    def _no_keys(self) -> Updates:
+        """An entry without keys for every table."""
+        return {t: (_NO_KEYS, np.empty((0, c.dim), np.float32)) for t, c in self.tables.items()}
+
+    def _settle(self, step: int, seq: int | None, pushed: list[bool]) -> None:
+        """``step``'s graph is gone: it pushes nothing more (a numbered step that never
+        pushed pushes no keys under its seq, so the seqs stay without gaps)."""
+        if seq is None or pushed[0] or self._pipeline.closed:
+            self._pipeline.settle(step)
+        else:
+            self._pipeline.push(step, self._no_keys(), wait=False, seq=seq)
 
 
 def _host_ids(values: torch.Tensor) -> npt.NDArray[np.int64]:
@@ -320,10 +365,26 @@ def _host_ids(values: torch.Tensor) -> npt.NDArray[np.int64]:
 class _PushSink:
     """Called by autograd with one step's row gradients; its lifetime is the step's graph."""
 
-    __slots__ = ("module", "step", "names", "unique", "__weakref__")
+    __slots__ = ("module", "step", "seq", "names", "unique", "pushed", "__weakref__")
 
-    def __init__(self, module: DistributedEmbedding, step: int, names: list[str], unique: list[TablePlan]) -> None:
-        self.module, self.step, self.names, self.unique = module, step, names, unique
+    def __init__(
+        self,
+        module: DistributedEmbedding,
+        step: int,
+        seq: int | None,
+        names: list[str],
+        unique: list[TablePlan],
+        pushed: list[bool],
+    ) -> None:
+        self.module, self.step, self.seq, self.names, self.unique, self.pushed = (
+            module,
+            step,
+            seq,
+            names,
+            unique,
+            pushed,
+        )
 
     def __call__(self, grads: TableGrads | Callable[[], TableGrads]) -> None:
-        self.module._push(self.step, self.names, self.unique, grads)
+        self.pushed[0] = True
+        self.module._push(self.step, self.seq, self.names, self.unique, grads)

@@ -4,13 +4,13 @@
 stderr and an exit status instead of a traceback: a token the shards refuse (status 2,
 naming the role a trainer needs); a data file that does not read as ``--schema`` (naming
 the schema it reads as), a malformed line (offering ``--bad-lines skip``), ``--device
-cuda`` without CUDA, a path that may not be read or written (status 1). Anything else is
+cuda`` without CUDA, a checkpoint directory of another run, a path that may not be read or written (status 1). Anything else is
 a bug or a failure of the cluster and keeps its traceback.
 
 Example:
     >>> from worker.config import TrainerConfig
     >>> user_error(PermissionError(13, "Permission denied", "/data/x.csv"), TrainerConfig())
-    'permission denied: /data/x.csv: change its permissions, or pass another --data or --output-dir'
+    'permission denied: /data/x.csv: change its permissions, or pass another --data, --output-dir or --checkpoint-dir'
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from worker.config import TrainerConfig
 from worker.data import DataError
 from worker.dataset import OneLabelError, schemas_that_fit
 from worker.distributed import DeviceError
+from worker.resume import CheckpointError
 
 __all__ = ["run_or_explain", "user_error"]
 
@@ -56,11 +57,11 @@ def user_error(exc: BaseException, config: TrainerConfig) -> str | None:
                 "and logged)"
             )
         return str(exc)
-    if isinstance(exc, DeviceError):
+    if isinstance(exc, DeviceError | CheckpointError):
         return str(exc)
     if isinstance(exc, PermissionError):
         what = exc.filename if exc.filename is not None else "a file or directory"
-        return f"permission denied: {what}: change its permissions, or pass another --data or --output-dir"
+        return f"permission denied: {what}: change its permissions, or pass another --data, --output-dir or --checkpoint-dir"
     return None
 
 

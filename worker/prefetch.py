@@ -44,6 +44,8 @@ __all__ = ["Rows", "SparsePipeline", "Updates"]
 Rows = dict[str, npt.NDArray[np.float32]]
 Keys = Mapping[str, npt.NDArray[np.int64] | TablePlan]
 Updates = dict[str, tuple[npt.NDArray[np.int64] | TablePlan, npt.NDArray[np.float32]]]
+# A push waiting for its release: push id, step, updates, future, seq.
+_Held = tuple[int, int, "Updates | Callable[[], Updates]", "Future[PushResult]", int | None]
 
 
 class SparsePipeline:
@@ -69,9 +71,10 @@ class SparsePipeline:
         self._release_below = 0  # pushes with a smaller id go out without waiting for a lookup
         self._error: BaseException | None = None
         self._discarded: set[Future[Rows]] = set()
-        self._held: list[tuple[int, int, Updates | Callable[[], Updates], Future[PushResult]]] = []  # in push order
+        self._held: list[_Held] = []  # in push order
         self._closed = False
         self.push_count, self.push_s, self.push_max_s = 0, 0.0, 0.0  # acknowledged pushes and their latency
+        self.push_duplicates = 0  # shard requests of acknowledged pushes that the shards had applied before
 
     def lookup(self, step: int | None, keys: Keys | Callable[[], Keys], *, sees_all: bool = False) -> Future[Rows]:
         """Start the lookup of ``keys`` for training ``step`` (never blocks). ``keys`` may be
@@ -145,10 +148,11 @@ class SparsePipeline:
                         self._read_through = step
                         self._send_released()
 
-    def push(self, step: int, updates: Updates | Callable[[], Updates], wait: bool) -> None:
+    def push(self, step: int, updates: Updates | Callable[[], Updates], wait: bool, seq: int | None = None) -> None:
         """Submit a push of ``step`` (a step may push more than once); with ``wait``, block until applied.
         ``updates`` may be a function that returns them: the push thread calls it (an
-        exception it raises is the push's).
+        exception it raises is the push's). ``seq``: the push's number for exactly-once
+        (``PSClient.push_many``); None: the client numbers it.
 
         The push is held until the lookup of step ``step + staleness`` has read its rows
         (or an evaluation read, ``flush()`` or ``close()``), then sent in the background.
@@ -158,7 +162,7 @@ class SparsePipeline:
             push_id = self._next_push
             self._next_push += 1
             self._in_flight[push_id] = (step, future)
-            self._held.append((push_id, step, updates if callable(updates) else dict(updates), future))
+            self._held.append((push_id, step, updates if callable(updates) else dict(updates), future, seq))
             self._send_released()
         future.add_done_callback(functools.partial(self._done, push_id, step))
         self.settle(step)
@@ -169,22 +173,23 @@ class SparsePipeline:
         """Hand the held pushes that may go now to the push thread, in push order (lock held)."""
         keep = []
         for item in self._held:
-            push_id, step, _, _ = item
+            push_id, step, updates, future, seq = item
             if self._read_through >= step + self.staleness or push_id < self._release_below:
-                self._pushes.submit(self._send, item[2], item[3])
+                self._pushes.submit(self._send, updates, future, seq)
             else:
                 keep.append(item)
         self._held = keep
 
-    def _send(self, updates: Updates | Callable[[], Updates], future: Future[PushResult]) -> None:
+    def _send(self, updates: Updates | Callable[[], Updates], future: Future[PushResult], seq: int | None) -> None:
         try:
             if callable(updates):
                 updates = updates()
             t0 = time.perf_counter()
-            result = self.client.push_many(updates)
+            result = self.client.push_many(updates, seq=seq)
             took = time.perf_counter() - t0
             self.push_count, self.push_s = self.push_count + 1, self.push_s + took  # only this thread writes
             self.push_max_s = max(self.push_max_s, took)
+            self.push_duplicates += result.duplicates
             future.set_result(result)
         except BaseException as exc:  # the failure belongs to the push; check() raises it
             future.set_exception(exc)
@@ -208,6 +213,11 @@ class SparsePipeline:
                 self._error = exc
             self._in_flight.pop(push_id, None)
             self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` began: no push is taken any more."""
+        return self._closed
 
     def check(self) -> None:
         """Raise the first background push failure, if any (once raised, it stays raised)."""

@@ -177,6 +177,7 @@ def synthetic_criteo(
     interaction: tuple[int, int] | None = (0, 1),
     rank: int = 0,
     world_size: int = 1,
+    start: int = 0,
 ) -> Iterator[Batch]:
     """A deterministic Criteo-like stream whose labels come from a planted model.
 
@@ -196,7 +197,10 @@ def synthetic_criteo(
     same ``model_seed``. ``rank``/``world_size`` take the global batches
     ``rank, rank + world_size, ...``: disjoint, and their union is the
     ``world_size=1`` stream; ranks may get one batch fewer than others, and the last
-    global batch is short when ``batch_size`` does not divide ``num_samples``. The
+    global batch is short when ``batch_size`` does not divide ``num_samples``. ``start``
+    skips the global batches before it (rank ``r`` then takes ``start + r``, ``start + r +
+    world_size``, ...): a training group resumed at batch ``start``, on any number of
+    ranks, gets the rest of the same stream. The
     first call builds the model (about 0.5 s for the defaults; cached per process).
     Raises ``ValueError`` for out-of-range parameters.
 
@@ -204,8 +208,10 @@ def synthetic_criteo(
     >>> [x.shape[0] for x in a], all(x.equal(y.labels) for x, y in zip(a, synthetic_criteo(10, 4, seed=3)))
     ([4, 4, 2], True)
     """
-    if num_samples < 0 or batch_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"num_samples={num_samples}, batch_size={batch_size}, rank={rank}, world_size={world_size}")
+    if num_samples < 0 or batch_size < 1 or not 0 <= rank < world_size or start < 0:
+        raise ValueError(
+            f"num_samples={num_samples}, batch_size={batch_size}, rank={rank}, world_size={world_size}, start={start}"
+        )
     if (
         not vocab_sizes
         or min(vocab_sizes) < 1
@@ -226,7 +232,7 @@ def synthetic_criteo(
     m = _planted(model_seed, tuple(vocab_sizes), zipf_alpha, num_dense, logit_std, positive_rate, interaction)
     names = [f"C{f + 1}" for f in range(len(vocab_sizes))]
     key_seeds = [feature_seed(n) for n in names]
-    for b in range(rank, -(-num_samples // batch_size), world_size):
+    for b in range(start + rank, -(-num_samples // batch_size), world_size):
         n = min(batch_size, num_samples - b * batch_size)
         # One generator per global batch: a batch depends on (seed, b) only, so ranks are disjoint
         # slices of the same stream and any rank's batches can be regenerated alone.

@@ -26,6 +26,10 @@ Criteo, Avazu and MovieLens samples; see the README for the AUC each reaches):
   ``TIE`` go to the later epoch). Nothing is chosen on the evaluation rows. Synthetic
   data and streamed logs train for one epoch.
 
+Workers come and go: with ``checkpoint_dir``, a group that torchrun restarts (a worker
+died, or one joined) resumes from the newest checkpoint there, and the rest of the epoch is
+split over the workers it has now (``worker.resume``, ``worker.dataset.EpochPlan``).
+
 Scale: DDP averages dense gradients over workers, while each worker pushes the sparse
 gradients of its own batch, so with W workers the shards take W updates per step (as in
 PERSIA and HugeCTR); the sparse learning rate is per worker batch. A run with one
@@ -37,43 +41,40 @@ in the last digits.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import json
 import logging
 import sys
-import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.parallel import DistributedDataParallel
 
 from client import PSClient
 from worker.command import parse, report
-from worker.config import EmbeddingTableConfig, FeatureConfig, TrainerConfig
-from worker.data import Batch, auc, logloss, rare_key
+from worker.config import TrainerConfig
+from worker.data import rare_key
 from worker.dataset import (
     EVAL_BATCH_SIZE,
+    EpochPlan,
     RunData,
     auto_batch_size,
     epoch_batches,
     eval_batches,
+    micro_batches,
     open_data,
     steps_per_epoch,
 )
 from worker.distributed import Dist, init_distributed
-from worker.embedding import DistributedEmbedding
-from worker.export import describe_data, probabilities, serving_manifest
-from worker.jagged import JaggedIds
+from worker.export import describe_data, serving_manifest
+from worker.loop import WIDE, TrainingPass, dense_adam, evaluate, predict, scores
 from worker.mistakes import run_or_explain
-from worker.models import DLRM, DeepFM
 from worker.output import progress, run_dir
+from worker.resume import CheckpointDir, Progress, resume, save
 
 __all__ = [
     "TrainerConfig",
@@ -91,211 +92,6 @@ VALIDATION_FRACTION = 0.1  # of the training rows, to choose the epoch count on
 MAX_EPOCHS = 10
 PATIENCE = 1  # epochs past the chosen one before the probe stops
 TIE = 1e-3  # validation loglosses within this fraction of the best count as equally good
-WIDE = ".wide"  # feature f + WIDE reads f's keys from the table "wide"
-LOG_EVERY_S = 10.0  # seconds between progress log lines (samples/s, lookup wait, push latency)
-
-
-# --- one model through one set of tables
-
-
-# Where torch has a fused Adam kernel for every parameter dtype the towers use.
-_FUSED_ADAM_DEVICES = frozenset({"cpu", "cuda"})
-
-
-def dense_adam(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Adam:
-    """The dense tower's Adam: torch's fused kernel (one call for every parameter) where
-    the device has one. The per-parameter loop launches ~10 ops per tensor, each letting
-    go of the GIL and waiting to take it back from the embedding pipeline's threads: on
-    the DLRM benchmark (2 cores) its step took 2.9 ms beside the shards, 0.85 ms alone.
-    Decided here: torch checks the devices only at the first ``step()``."""
-    params = list(params)
-    fused = bool(params) and all(p.is_floating_point() and p.device.type in _FUSED_ADAM_DEVICES for p in params)
-    return torch.optim.Adam(params, lr=lr, fused=True if fused else None)
-
-
-def _inputs(sparse: Mapping[str, JaggedIds], features: Sequence[str]) -> dict[str, JaggedIds]:
-    """The batch as ``DistributedEmbedding`` wants it: feature ``f + WIDE`` reads ``f``'s ids."""
-    return {f: sparse[f.removesuffix(WIDE)] if f.endswith(WIDE) else sparse[f] for f in features}
-
-
-class _Pass:
-    """A model, its tables (named ``prefix + feature``) and the step loop, kept across epochs."""
-
-    def __init__(
-        self, config: TrainerConfig, d: Dist, client: PSClient, features: list[str], num_dense: int, prefix: str = ""
-    ) -> None:
-        self.config, self.d = config, d
-        lifecycle = {"admit_after": float(config.admit_after)} if config.admit_after > 1 else {}
-        decay = {"weight_decay": config.sparse_weight_decay} if config.sparse_weight_decay else {}
-        # One table holds every feature's rows: keys are hashed with a seed per feature, so
-        # they never collide, and a step's lookup is one entry per table, not per feature
-        # (at small batches the per-table work, not the bytes, bounds the step time).
-        self.tables = [
-            EmbeddingTableConfig(
-                prefix + "embedding",
-                config.dim,
-                config.sparse_optimizer,
-                seed=2 * config.seed,
-                params={"lr": config.sparse_lr, **decay, **lifecycle},
-            )
-        ]
-        self.features = [FeatureConfig(f, prefix + "embedding") for f in features]
-        wide = [f + WIDE for f in features] if config.wide else []
-        if wide:
-            self.tables.append(
-                EmbeddingTableConfig(
-                    prefix + "wide",
-                    1,
-                    config.sparse_optimizer,
-                    "zeros",
-                    seed=2 * config.seed + 1,
-                    params={"lr": config.wide_lr, **lifecycle},
-                )
-            )
-            self.features += [FeatureConfig(w, prefix + "wide") for w in wide]
-        torch.manual_seed(config.seed)  # the probe and the real model start alike
-        model_cls = DLRM if config.model == "dlrm" else DeepFM
-        self.model: torch.nn.Module = model_cls(num_dense, features, config.dim, wide=wide).to(d.device)
-        self.emb = DistributedEmbedding(
-            self.tables,
-            self.features,
-            client,
-            mode=config.mode,  # type: ignore[arg-type]
-            staleness=config.staleness,
-            device=d.device,
-        )
-        if d.rank == 0:
-            self.emb.create_tables()
-        if d.world > 1:
-            dist.barrier()
-        self.dense = DistributedDataParallel(self.model) if d.world > 1 else self.model
-        self.optimizer = dense_adam(self.model.parameters(), config.dense_lr)
-        self.phases = dict.fromkeys(("data", "lookup", "forward", "backward", "step", "eval"), 0.0)
-        self.steps, self.samples, self.train_s = 0, 0, 0.0
-        self._logged_at = time.perf_counter()
-        self.losses: list[float] = []
-        self.evals: list[dict[str, Any]] = []
-
-    def epoch(self, batches: Iterator[Batch], bar: Any, held_out: Sequence[Batch] = ()) -> None:
-        """Train on ``batches``: prefetch the next one, forward, backward (pushes), dense step."""
-        names = [f.name for f in self.features]
-        started = time.perf_counter()
-        eval_s = self.phases["eval"]
-        cur = next(batches, None)
-        cur_in = _inputs(cur.sparse, names) if cur is not None else {}
-        if cur is not None:
-            self.emb.prefetch(cur_in)
-        while cur is not None:
-            t0 = time.perf_counter()
-            nxt = next(batches, None)
-            nxt_in = _inputs(nxt.sparse, names) if nxt is not None else {}
-            t1 = time.perf_counter()
-            if nxt is not None:
-                self.emb.prefetch(nxt_in)
-            out = self.emb(cur_in)
-            t2 = time.perf_counter()
-            logits = self.dense(cur.dense.to(self.d.device), out)
-            loss = F.binary_cross_entropy_with_logits(logits, cur.labels.to(self.d.device))
-            t3 = time.perf_counter()
-            self.optimizer.zero_grad()
-            loss.backward()  # type: ignore[no-untyped-call]
-            t4 = time.perf_counter()
-            self.optimizer.step()
-            t5 = time.perf_counter()
-            for k, a, b in zip(
-                ("data", "lookup", "forward", "backward", "step"), (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)
-            ):
-                self.phases[k] += b - a
-            self.steps += 1
-            self.samples += cur.batch_size
-            self.losses.append(float(loss.detach()))
-            if t5 - self._logged_at >= LOG_EVERY_S:
-                self._logged_at = t5
-                self._log_progress(self.train_s + t5 - started)
-            if bar is not None:
-                recent = self.losses[-20:]
-                rate = self.samples * self.d.world / max(1e-9, self.train_s + time.perf_counter() - started)
-                bar.set_postfix(loss=f"{sum(recent) / len(recent):.4f}", samples_s=f"{rate:,.0f}")
-                bar.update(1)
-            if self.config.eval_every and held_out and self.steps % self.config.eval_every == 0 and self.d.rank == 0:
-                t6 = time.perf_counter()
-                self.evals.append({"step": self.steps, **self.evaluate(held_out)})
-                self.phases["eval"] += time.perf_counter() - t6
-            cur, cur_in = nxt, nxt_in
-        self.emb.flush()
-        self.train_s += time.perf_counter() - started - (self.phases["eval"] - eval_s)
-
-    def _log_progress(self, train_s: float) -> None:
-        """One progress line: throughput, time waiting for rows, push latency."""
-        push = self.emb.push_latency()
-        log.info(
-            "progress step=%d samples_per_s=%.0f lookup_wait_s=%.3f pushes=%d push_mean_ms=%.1f "
-            "push_max_ms=%.1f loss_last_20=%.4f",
-            self.steps,
-            self.samples * self.d.world / max(1e-9, train_s),
-            self.phases["lookup"],
-            push["pushes"],
-            1e3 * push["push_mean_s"],
-            1e3 * push["push_max_s"],
-            sum(self.losses[-20:]) / max(1, len(self.losses[-20:])),
-        )
-
-    def evaluate(self, batches: Sequence[Batch]) -> dict[str, float]:
-        return evaluate(self.emb, self.model, batches, self.d.device)
-
-    def close(self) -> None:
-        self.emb.close()
-        # DDP's reducer keeps gloo/nccl work objects alive in reference cycles; if they are
-        # only collected at interpreter exit, gloo's threads can abort the process.
-        del self.dense, self.optimizer
-        gc.collect()
-
-    def stats(self) -> dict[str, Any]:
-        recent = self.losses[-20:]
-        return {
-            "steps": self.steps,
-            "worker_samples": self.samples,
-            "train_s": self.train_s,
-            "samples_per_s": self.samples * self.d.world / max(1e-9, self.train_s),
-            "phases_s": self.phases,
-            "lookup_wait_s": self.phases["lookup"],
-            **self.emb.push_latency(),
-            "mean_loss_last_20": sum(recent) / max(1, len(recent)),
-        }
-
-
-def predict(
-    emb: DistributedEmbedding, model: torch.nn.Module, batches: Sequence[Batch], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labels and predicted probabilities (``worker.export.probabilities`` of the logits, as
-    the predictor computes them) of every sample of ``batches``, on CPU (no pushes; rows
-    as the shards hold them now).
-
-    Features of ``emb`` named ``f + ".wide"`` read the ids of feature ``f``.
-    """
-    emb.eval()
-    model.eval()
-    labels, probs = [], []
-    names = list(emb.features)
-    with torch.no_grad():
-        for b in batches:
-            logits = model(b.dense.to(device), emb(_inputs(b.sparse, names)))
-            labels.append(b.labels)
-            probs.append(probabilities(logits.cpu()))
-    emb.train()
-    model.train()
-    return torch.cat(labels), torch.cat(probs)
-
-
-def evaluate(
-    emb: DistributedEmbedding, model: torch.nn.Module, batches: Sequence[Batch], device: torch.device
-) -> dict[str, float]:
-    """AUC and logloss of ``model`` on ``batches`` (see ``predict``)."""
-    return _scores(*predict(emb, model, batches, device))
-
-
-def _scores(y: torch.Tensor, p: torch.Tensor) -> dict[str, float]:
-    return {"auc": auc(y, p), "logloss": logloss(y, p), "samples": float(len(y))}
 
 
 def _choose_epochs(
@@ -311,15 +107,19 @@ def _choose_epochs(
     n_val = int(data.train_rows * VALIDATION_FRACTION)
     fit, val = data.split(data.train_rows - n_val, data.train_rows, config.min_count)
     val_batches = list(val.batches(EVAL_BATCH_SIZE))
-    probe = _Pass(config, d, client, features, num_dense, prefix="probe.")
+    probe = TrainingPass(config, d, client, features, num_dense, prefix="probe.")
     history: list[dict[str, float]] = []
     best = 1
     bar = progress(
         config.progress and d.rank == 0, MAX_EPOCHS * steps_per_epoch(len(fit), batch_size, d.world), "choosing epochs"
     )
+    fit_batches = micro_batches(len(fit), batch_size)
     try:
         for epoch in range(1, MAX_EPOCHS + 1):
-            probe.epoch(epoch_batches(config, d.rank, d.world, data, batch_size, epoch, fit), bar)
+            # The probe's pushes are numbered as the real model's (see worker.resume): a group
+            # restarted while it probes probes again, and the pushes applied before are skipped.
+            plan = EpochPlan(fit_batches, 0, d.world, d.rank, seq_base=(epoch - 1) * fit_batches)
+            probe.epoch(plan, epoch_batches(config, d.rank, d.world, data, batch_size, epoch, fit), bar)
             stop: list[Any] = [False]
             if d.rank == 0:
                 history.append(probe.evaluate(val_batches))
@@ -370,27 +170,37 @@ def _digest(model: torch.nn.Module) -> str:
 def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None) -> dict[str, Any]:
     """Train ``config`` on the cluster at ``addresses``; returns the metrics (also written to the run directory).
 
-    Raises the client's ``PSError`` subclasses if the shards fail, ``ValueError`` for
-    bad data. Blocks until done; collective across all workers under ``torchrun``
-    (``d`` from ``init_distributed()``; the caller owns the process group).
+    With ``config.checkpoint_dir``, resumes from the newest checkpoint there and writes
+    new ones (``worker.resume``). Raises the client's ``PSError`` subclasses if the shards
+    fail, ``ValueError`` for bad data or a checkpoint directory of another run. Blocks
+    until done; collective across all workers under ``torchrun`` (``d`` from
+    ``init_distributed()``; the caller owns the process group).
     """
     d = d or init_distributed(config.device)
     data = open_data(config)
-    batch_size = config.batch_size or (
-        1024 if data.source == "synthetic" else auto_batch_size(data.train_rows, d.world)
+    if data.train_rows == 0:
+        raise ValueError(f"no training steps: {data.source} has no training rows")
+    choose = config.epochs == 0 and _can_choose_epochs(data)
+    state, dense_state = resume(
+        config,
+        d,
+        lambda b: micro_batches(data.train_rows, b),
+        config.batch_size or (1024 if data.source == "synthetic" else auto_batch_size(data.train_rows, d.world)),
+        None if choose else config.epochs or 1,
+        _output_dir,
     )
-    first = next(epoch_batches(config, d.rank, d.world, data, batch_size, 0), None)
+    batch_size = state.batch_size
+    first = next(epoch_batches(config, 0, 1, data, batch_size, 0), None)
     if first is None:
-        raise ValueError(f"no training steps: {data.train_rows} rows in batches of {batch_size} over {d.world} workers")
+        raise ValueError(f"no training steps: {data.train_rows} rows in batches of {batch_size}")
     features, num_dense = list(first.sparse), first.dense.shape[1]
     held_out = eval_batches(config, data, batch_size)
-    choose = config.epochs == 0 and _can_choose_epochs(data)
-    out = run_dir(config) if d.rank == 0 else None
+    out = Path(state.output_dir) if d.rank == 0 and state.output_dir is not None else None
     resolved = dataclasses.replace(
-        config, batch_size=batch_size, epochs=config.epochs or 1, output_dir=out, num_shards=len(addresses)
+        config, batch_size=batch_size, epochs=state.epochs or 1, output_dir=out, num_shards=len(addresses)
     )
     if d.rank == 0:
-        _log_config(config, resolved, data, d, choose)
+        _log_config(config, resolved, data, d, choose, state.epochs is None)
     metrics: dict[str, Any] = {
         "config": {k: str(v) for k, v in dataclasses.asdict(resolved).items()},
         "data": {
@@ -400,33 +210,64 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
             "features": len(features),
             "dense": num_dense,
         },
+        "run_id": state.run_id,
     }
+    ckpts = CheckpointDir(config.checkpoint_dir) if config.checkpoint_dir is not None else None
 
-    with PSClient(addresses) as client:
-        epochs = config.epochs or 1
-        if choose:
-            epochs, metrics["epoch_choice"] = _choose_epochs(config, d, client, data, batch_size, features, num_dense)
-            metrics["config"]["epochs"] = str(epochs)
+    def checkpoint(run: TrainingPass | None) -> None:
+        """Every rank: once all pushes so far are acknowledged everywhere, rank 0 writes ``state``."""
+        if ckpts is None:
+            return
+        if run is not None:
+            run.emb.flush()
+        if d.world > 1:
+            dist.barrier()
+        if d.rank == 0:
+            save(ckpts, config, state, *((run.model, run.optimizer) if run is not None else ()))
+
+    # The run id names the pushes for exactly-once: the same in every process of the run.
+    with PSClient(addresses, client_id=state.run_id) as client:
+        if state.epochs is None:
+            state.epochs, state.epoch_choice = _choose_epochs(config, d, client, data, batch_size, features, num_dense)
+            checkpoint(None)
             if d.rank == 0:
                 log.info(
                     "epochs=%d chosen on the last %d training rows (validation logloss per epoch: %s)",
-                    epochs,
-                    metrics["epoch_choice"]["validation_rows"],
-                    " ".join(f"{h['logloss']:.4f}" for h in metrics["epoch_choice"]["history"]),
+                    state.epochs,
+                    state.epoch_choice["validation_rows"],
+                    " ".join(f"{h['logloss']:.4f}" for h in state.epoch_choice["history"]),
                 )
-        run = _Pass(config, d, client, features, num_dense)
+        if state.epoch_choice is not None:
+            metrics["epoch_choice"] = state.epoch_choice
+            metrics["config"]["epochs"] = str(state.epochs)
+        run = TrainingPass(config, d, client, features, num_dense, dense_state=dense_state)
+        run.steps, run.evals = state.steps, state.evals
+
+        def after_step(position: int) -> None:
+            state.position, state.steps = position, run.steps
+            if run.steps % config.checkpoint_every == 0:
+                checkpoint(run)
+
         bar = progress(
-            config.progress and d.rank == 0, epochs * steps_per_epoch(data.train_rows, batch_size, d.world), "training"
+            config.progress and d.rank == 0,
+            _steps_left(state, data.train_rows, d.world),
+            "training",
         )
         try:
-            for epoch in range(epochs):
-                run.epoch(epoch_batches(config, d.rank, d.world, data, batch_size, epoch), bar, held_out)
+            while not state.done:
+                plan = EpochPlan(
+                    state.micro_batches, state.position, d.world, d.rank, seq_base=state.epoch * state.micro_batches
+                )
+                batches = epoch_batches(config, d.rank, d.world, data, batch_size, state.epoch, start=state.position)
+                run.epoch(plan, batches, bar, held_out, after_step)
+                state.epoch, state.position, state.steps = state.epoch + 1, 0, run.steps
+                checkpoint(run)
             if bar is not None:
                 bar.close()
             final: dict[str, float] = {}
             if d.rank == 0:
                 labels, probs = predict(run.emb, run.model, held_out, d.device)
-                final = _scores(labels, probs)
+                final = scores(labels, probs)
         finally:
             run.close()
         digests: list[Any] = [_digest(run.model)] * d.world
@@ -434,6 +275,8 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
             dist.all_gather_object(digests, _digest(run.model))
         shard_stats = client.stats() if d.rank == 0 else []
     metrics.update(run.stats(), evals=run.evals, final=final, dense_digests=digests)
+    if shard_stats:
+        metrics["shards"] = _shard_totals(shard_stats)
     if data.bad_lines is not None and data.bad_lines.count:
         metrics["data"]["bad_lines"] = {"count": data.bad_lines.count, "first": data.bad_lines.first}
         if d.rank == 0:
@@ -452,8 +295,40 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
     return metrics
 
 
-def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d: Dist, choose: bool) -> None:
-    """One line: the settings as used, with what was chosen for the user marked."""
+def _shard_totals(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the shards hold and applied, over all shards: rows and keys pushed per table
+    (every run on them counts), and pushes skipped as applied before."""
+    tables: dict[str, dict[str, int]] = {}
+    for s in stats:
+        for t in s["tables"]:
+            total = tables.setdefault(t["name"], {"rows": 0, "keys_pushed": 0})
+            total["rows"] += int(t["rows"])
+            total["keys_pushed"] += int(t["pushes"])
+    return {"tables": tables, "duplicate_pushes": sum(int(s.get("duplicate_pushes", 0)) for s in stats)}
+
+
+def _output_dir(config: TrainerConfig, state: Progress | None) -> Path:
+    """Where rank 0 writes the run: ``--output-dir``, else the resumed run's directory, else a new one."""
+    if config.output_dir is None and state is not None and state.output_dir is not None:
+        Path(state.output_dir).mkdir(parents=True, exist_ok=True)
+        return Path(state.output_dir)
+    return run_dir(config)
+
+
+def _steps_left(state: Progress, rows: int, world: int) -> int:
+    """Steps this group takes from ``state`` to the end of the run (for the progress bar)."""
+    epochs = state.epochs or 1
+    if state.epoch >= epochs:
+        return 0
+    per_epoch = steps_per_epoch(rows, state.batch_size, world)
+    return steps_per_epoch(rows, state.batch_size, world, state.position) + (epochs - state.epoch - 1) * per_epoch
+
+
+def _log_config(
+    config: TrainerConfig, resolved: TrainerConfig, data: RunData, d: Dist, choose: bool, probing: bool
+) -> None:
+    """One line: the settings as used, with what was chosen for the user marked (``choose``:
+    the epoch count is chosen on a probe; ``probing``: now, not before a restart)."""
     shown: dict[str, Any] = dataclasses.asdict(resolved)
     if data.rows is None:
         del shown["min_count"]  # rare values are only shared in logs held in memory
@@ -467,10 +342,12 @@ def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d
         shown["rows_from"] = "memory" if data.path is None else "stream"
     if config.batch_size == 0:
         shown["batch_size"] = f"{resolved.batch_size}(auto)"
-    if config.epochs == 0:
-        shown["epochs"] = (
-            f"auto(probe_on_last_{int(data.train_rows * VALIDATION_FRACTION)}_training_rows)" if choose else "1(auto)"
-        )
+    if config.epochs == 0 and choose and probing:
+        shown["epochs"] = f"auto(probe_on_last_{int(data.train_rows * VALIDATION_FRACTION)}_training_rows)"
+    elif config.epochs == 0:
+        shown["epochs"] = f"{resolved.epochs}(auto{',chosen_before_a_restart' if choose else ''})"
+    if config.checkpoint_dir is None:
+        del shown["checkpoint_every"]
     shown["workers"] = d.world
     log.info("config %s", " ".join(f"{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in shown.items()))
 
@@ -481,7 +358,7 @@ def _log_config(config: TrainerConfig, resolved: TrainerConfig, data: RunData, d
 def _save(
     config: TrainerConfig,
     out: Path,
-    run: _Pass,
+    run: TrainingPass,
     data: RunData,
     features: list[str],
     num_dense: int,

@@ -95,6 +95,10 @@ def _parser_help(command: str) -> str:
         from deploy.launch import _parse
 
         argv, entry = ["--help"], _parse
+    elif words[0] == "ps-rendezvous":
+        from deploy.rendezvous import parse_args
+
+        argv, entry = ["--help"], parse_args
     else:
         raise ValueError(f"<!-- help: {command} -->: no parser known for {words[0]!r}")
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):

@@ -33,13 +33,13 @@ class RecordingClient(PSClient):
         LOG["tables"].append((name, dim, options))
         return table
 
-    def push_many(self, updates: Mapping[str, tuple[Keys, npt.ArrayLike]]) -> PushResult:
+    def push_many(self, updates: Mapping[str, tuple[Keys, npt.ArrayLike]], *, seq: int | None = None) -> PushResult:
         # Keys as given, or the keys of a plan (DistributedEmbedding pushes plans).
         sent = {
             t: (np.array(k.keys if isinstance(k, TablePlan) else k, copy=True), np.array(g, copy=True))
             for t, (k, g) in updates.items()
         }
-        result = super().push_many(updates)  # raises unless every shard acknowledged it
+        result = super().push_many(updates, seq=seq)  # raises unless every shard acknowledged it
         LOG["pushes"].append(sent)
         # The caller's arrays must not change while a push is in flight (or the shards
         # would get something else than what the trainer computed).

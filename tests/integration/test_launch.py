@@ -26,17 +26,20 @@ def test_help_exits_0_and_documents_restarts() -> None:
     result = subprocess.run(_launch("--help"), cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "--restart-shards" in result.stdout and "-- COMMAND" in result.stdout
+    assert "--max-restarts" in result.stdout and "--join LOG_DIR" in result.stdout
 
 
-def test_exit_status_is_the_workers(tmp_path: Path) -> None:
+def test_exit_status_is_the_workers_after_their_restarts(tmp_path: Path) -> None:
+    code = "print('attempt', flush=True); raise SystemExit(3)"
     result = subprocess.run(
-        _launch("--shards", "1", "--log-dir", str(tmp_path), "--", "python", "-c", "raise SystemExit(3)"),
+        _launch("--shards", "1", "--max-restarts", "1", "--log-dir", str(tmp_path), "--", "python", "-c", code),
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 3, result.stderr[-2000:]
+    assert result.stdout.count("attempt") == 2, "a failed worker restarts the group, --max-restarts times"
     assert "workers exited with status 3" in result.stderr
     assert "ps-launch: worker rank 0 (pid" in result.stderr and "exited with status 3" in result.stderr
 
@@ -44,7 +47,7 @@ def test_exit_status_is_the_workers(tmp_path: Path) -> None:
 def test_workers_get_one_thread_per_spare_core_and_a_signal_is_128_plus(tmp_path: Path) -> None:
     code = "import os, signal; print('threads', os.environ['OMP_NUM_THREADS'], flush=True); os.kill(os.getpid(), signal.SIGKILL)"
     result = subprocess.run(
-        _launch("--shards", "1", "--log-dir", str(tmp_path), "--", "python", "-c", code),
+        _launch("--shards", "1", "--max-restarts", "0", "--log-dir", str(tmp_path), "--", "python", "-c", code),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -186,3 +189,17 @@ def test_log_dir_is_named_for_what_it_holds_and_data_dir_still_works_with_a_warn
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--data-dir is the old name of --log-dir" in result.stderr
     assert (tmp_path / "shard.0.log").exists()
+
+
+def test_a_relative_log_dir_works(tmp_path: Path) -> None:
+    # The shards run in the log dir: a port file named relative to ours was looked for beneath it.
+    result = subprocess.run(
+        [*_launch("--shards", "1", "--max-restarts", "0", "--log-dir", "logs", "--"), "python", "-c", "pass"],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "logs" / "shard.0.log").exists() and (tmp_path / "logs" / "workers.json").exists()

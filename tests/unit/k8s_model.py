@@ -24,6 +24,7 @@ import yaml
 from torch.distributed.run import get_args_parser as torchrun_parser
 
 from client import ClientConfig
+from deploy.rendezvous import parse_args as rendezvous_args
 from protos.settings import load_settings
 from ps.config import build_parser, load_config
 from worker.config import ENV_PREFIX as TRAINER_PREFIX
@@ -34,6 +35,7 @@ from worker.serving import InferConfig
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 NS = "ml-prod"  # any namespace: addresses must follow the pods' own
+JOB_UID = "5f0c2a7e-9d1b-4c3e-8a6f-2b7d1e0c9a84"  # the uid Kubernetes gives a Job
 
 Resource = dict[str, Any]
 
@@ -232,7 +234,11 @@ def pods(resources: list[Resource]) -> Iterator[Pod]:
                 yield Pod(r, f"{name}-{i}", i, meta["labels"] | extra, meta.get("annotations", {}), t["spec"])
         elif r["kind"] == "Job":
             for i in range(r["spec"]["completions"]):
-                labels = meta["labels"] | {"batch.kubernetes.io/job-completion-index": str(i)}
+                labels = meta["labels"] | {
+                    "batch.kubernetes.io/job-completion-index": str(i),
+                    "batch.kubernetes.io/job-name": name,
+                    "batch.kubernetes.io/controller-uid": JOB_UID,  # the Job's, the same in each of its pods
+                }
                 annotations = meta.get("annotations", {}) | {"batch.kubernetes.io/job-completion-index": str(i)}
                 yield Pod(r, f"{name}-{i}-x7k2p", i, labels, annotations, t["spec"])
         else:
@@ -294,6 +300,9 @@ def parse_process(p: Proc, monkeypatch: pytest.MonkeyPatch) -> None:
         assert p.torchrun.module and p.torchrun.training_script == "deploy.train", p.argv
         script = p.torchrun.training_script_args
         p.program, p.config = "trainer", load_settings(TrainerConfig, script, p.env, TRAINER_PREFIX, "deploy.train")
+    elif exe == "ps-rendezvous":
+        p.program, p.config = "ps-rendezvous", rendezvous_args(args)
+        return
     elif exe == "sh" and p.init:
         p.program = "sh"
         return
@@ -340,7 +349,7 @@ def selects(selector: dict[str, str], pod: Pod) -> bool:
     return all(pod.labels.get(k) == v for k, v in selector.items())
 
 
-def _service_of(resources: list[Resource], pod: Pod, container_port: int) -> tuple[Resource, int]:
+def service_of(resources: list[Resource], pod: Pod, container_port: int) -> tuple[Resource, int]:
     """The Service that selects ``pod`` and exposes ``container_port``, and its port there."""
     found = []
     ports = {n: p for c in pod.spec["containers"] for n, p in container_ports(c).items()}
@@ -358,6 +367,6 @@ def stable_address(resources: list[Resource], statefulset: str, i: int, listen: 
     """What clients must dial for pod ``i`` of ``statefulset``: its name under the headless Service."""
     sts = find_resource(resources, "StatefulSet", statefulset)
     pod = next(p for p in pods([sts]) if p.index == i)
-    service, port = _service_of(resources, pod, port_of(listen))
+    service, port = service_of(resources, pod, port_of(listen))
     assert service["metadata"]["name"] == sts["spec"]["serviceName"] and service["spec"]["clusterIP"] == "None"
     return f"{pod.name}.{service['metadata']['name']}.{NS}.svc:{port}"

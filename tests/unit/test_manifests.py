@@ -40,6 +40,7 @@ from protos import ps_pb2 as pb
 from protos.guard import RpcMetrics
 from ps.checkpoint import checkpoint_target, resolve_existing_checkpoint
 from tests.unit.k8s_model import (
+    JOB_UID,
     K8S,
     NS,
     ROOT,
@@ -59,6 +60,7 @@ from tests.unit.k8s_model import (
     procs_of,
     resource_key,
     selects,
+    service_of,
     stable_address,
 )
 
@@ -116,7 +118,7 @@ def test_every_container_is_a_program_of_the_image(procs: list[Proc]) -> None:
     # The fixture ran every container through its program's parser (and fails on one it does
     # not know); all of them come from the one image deploy/Dockerfile builds.
     kinds = {p.program for p in procs}
-    assert kinds == {"ps-server", "ps-infer", "trainer", "sh"}, kinds
+    assert kinds == {"ps-server", "ps-infer", "trainer", "ps-rendezvous", "sh"}, kinds
     for p in procs:
         assert p.container["image"] == "embedding-ps:0.1.0"
 
@@ -468,21 +470,51 @@ def test_dashboard_shows_metrics_the_servers_expose(monkeypatch: pytest.MonkeyPa
 # --- training and serving meet on the model volume
 
 
-def test_training_job_finds_its_rendezvous(resources: list[Resource], procs: list[Proc]) -> None:
+def test_training_workers_meet_at_a_rendezvous_none_of_them_hosts(resources: list[Resource], procs: list[Proc]) -> None:
+    # Elastic torchrun: any worker pod may die, so the c10d store lives in a pod of its own
+    # (ps-rendezvous) behind a Service, and every agent is a client of it.
     job = find_resource(resources, "Job", "ps-train")
     spec, template = job["spec"], job["spec"]["template"]["spec"]
-    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
-    service = find_resource(resources, "Service", template["subdomain"])
-    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    (store,) = procs_of(procs, "ps-rendezvous")
+    assert store.pod.workload["kind"] == "Deployment" and store.pod.workload["spec"]["replicas"] == 1
+    host, _, port = store.config.listen.rpartition(":")
+    assert host == "0.0.0.0", "the agents are in other pods"
+    service, service_port = service_of(resources, store.pod, int(port))
     workers = procs_of(procs, "trainer")
-    assert [p.pod.index for p in workers] == list(range(spec["completions"]))
+    assert len(workers) == spec["parallelism"]
     for p in workers:
         args = p.torchrun
-        assert args is not None
-        assert int(args.nnodes) == spec["completions"] and int(args.node_rank) == p.pod.index
-        assert args.master_addr == f"{job['metadata']['name']}-0.{template['subdomain']}.{NS}.svc"
-        assert int(args.master_port) in container_ports(p.container).values()
-        assert int(args.master_port) in [sp["port"] for sp in service["spec"]["ports"]]
+        assert args is not None and args.rdzv_backend == "c10d"
+        assert args.rdzv_endpoint == f"{service['metadata']['name']}.{NS}.svc:{service_port}", args.rdzv_endpoint
+        conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(","))
+        assert conf["is_host"] == "false", "no worker hosts the store"
+        assert args.local_addr == "10.1.2.3", (
+            "other pods reach rank 0 at its pod IP (a Job pod's name does not resolve)"
+        )
+        low, high = (int(n) for n in args.nnodes.split(":"))
+        assert 1 <= low <= spec["parallelism"] <= high, f"--nnodes {args.nnodes}: the Job's pods fit, and may change"
+        assert int(args.max_restarts) >= 1 and int(args.nproc_per_node) == 1
+        assert args.rdzv_id == JOB_UID, "one rendezvous per Job, the same in a pod that replaces another"
+        assert p.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1", "pytorch/pytorch#135712: restarts must not share it"
+    # A pod that fails is replaced (or its container restarted) and rejoins; the Job may grow.
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    assert template["restartPolicy"] == "OnFailure" and spec["backoffLimit"] >= 1
+
+
+def test_worker_checkpoints_are_shared_by_the_job_and_its_own(procs: list[Proc]) -> None:
+    workers = procs_of(procs, "trainer")
+    dirs = {p.config.checkpoint_dir for p in workers}
+    assert len(dirs) == 1 and None not in dirs, "every pod of a run resumes from the same checkpoints"
+    (path,) = dirs
+    assert JOB_UID in str(path), "a Job applied anew is a new run, not a resumed one"
+    for p in workers:
+        assert p.config.checkpoint_every >= 1
+        mount, volume = _mount_source(p.pod, p.container, PurePosixPath(path))
+        assert not mount.get("readOnly")
+        claim = volume["persistentVolumeClaim"]["claimName"]
+        assert claim != "ps-models", "checkpoints have a volume of their own"
+        pvc = find_resource(built("plain"), "PersistentVolumeClaim", claim)
+        assert pvc["spec"]["accessModes"] == ["ReadWriteMany"], "rank 0 may run on any node"
 
 
 def _mount_source(pod: Pod, c: dict[str, Any], path: PurePosixPath) -> tuple[dict[str, Any], dict[str, Any]]:

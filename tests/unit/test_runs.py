@@ -3,6 +3,7 @@ count, run directories and ``runs/latest``, progress lines, the config line, ``-
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -95,8 +96,9 @@ def test_the_config_line_says_what_was_used(tmp_path: Path, caplog: pytest.LogCa
     assert (data.train_rows, data.eval_rows) == (800, 200)
     resolved = TrainerConfig(data=str(path), schema="movielens", batch_size=32, epochs=1, output_dir=tmp_path / "out")
     with caplog.at_level(logging.INFO, logger="worker.trainer"):
-        _log_config(config, resolved, data, Dist(), choose=False)
+        _log_config(config, resolved, data, Dist(), choose=False, probing=False)
     line = caplog.records[-1].getMessage()
+    assert "checkpoint_every" not in line, "without checkpoints their interval means nothing"
     for part in (
         "schema=movielens",
         "train_rows=800",
@@ -108,6 +110,10 @@ def test_the_config_line_says_what_was_used(tmp_path: Path, caplog: pytest.LogCa
         f"output_dir={tmp_path / 'out'}",
     ):
         assert part in line.split(), (part, line)
+    resumed = dataclasses.replace(resolved, epochs=4)
+    with caplog.at_level(logging.INFO, logger="worker.trainer"):
+        _log_config(config, resumed, data, Dist(), choose=True, probing=False)
+    assert "epochs=4(auto,chosen_before_a_restart)" in caplog.records[-1].getMessage().split()
     assert "train_samples" not in line  # synthetic-only settings are left out
 
 
