@@ -81,6 +81,10 @@ class PushResult:
     duplicates: int = 0
 
 
+_NO_MAP = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""GetMap failures a first call goes on past: a shard older than maps (epoch 0), or one not there."""
+
+
 def _as_keys(keys: npt.ArrayLike, table: str) -> npt.NDArray[np.int64]:
     try:
         return wire.as_keys(keys, f"table {table!r}: keys")
@@ -598,14 +602,17 @@ class PSClient:
 
     def _current(self, budget: tuple[ClientConfig, float]) -> ClusterView:
         """The view lookups and pushes route by. The first asks shard 0 for the cluster map
-        (``GetMap``): a client given the addresses of a cluster that resharded since learns
-        its epoch, or its new addresses, before it routes anything."""
+        (``GetMap``, once): a client given the addresses of a cluster that resharded since
+        learns its epoch, or its new addresses, before it routes anything. If shard 0 does
+        not answer, the call goes on with the addresses given; a shard that moved to a newer
+        map refuses keys naming its epoch, and ``_follow_map`` learns it then."""
         if not self._mapped:
             view = self._views.current
+            once = (dataclasses.replace(budget[0], max_attempts=1), min(budget[1], time.monotonic() + 5.0))
             try:
-                (answer,) = self._call("GetMap", [(0, b"")], budget=budget, view=view)
+                (answer,) = self._call("GetMap", [(0, b"")], budget=once, view=view)
             except PSError as exc:
-                if exc.code != grpc.StatusCode.UNIMPLEMENTED:  # a shard older than maps: epoch 0
+                if exc.code not in _NO_MAP:
                     raise
             else:
                 with self._reply("GetMap", 0, answer.endpoint, view):

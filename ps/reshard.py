@@ -230,7 +230,8 @@ class Reshard:
         """The cluster sizes this shard belongs or belonged to (a follower started for any
         of them may follow it)."""
         mv = self.move
-        return {self.map.num_shards} | ({mv.src.num_shards, mv.dst.num_shards} if mv is not None else set())
+        seen = self._storage.sizes_seen() if self._storage is not None else set()
+        return seen | {self.map.num_shards} | ({mv.src.num_shards, mv.dst.num_shards} if mv is not None else set())
 
     def pending_ledgers(self) -> int:
         """What keeps push ledgers of the last reshard apart (a new one waits for 0): clients

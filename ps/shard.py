@@ -400,7 +400,7 @@ class Shard:
         if self._mode != "train":
             raise WrongMode(f"Follow refused: shard {self.index} is a serving shard; follow its training shard")
         sizes = self.reshard.sizes()
-        if follower.shard != self.index or (follower.num_shards and follower.num_shards not in sizes):
+        if follower.shard != self.index or follower.num_shards not in sizes:
             raise ShardMismatch(
                 f"a follower of shard {follower.shard} of {follower.num_shards} reached shard {self.index} of "
                 f"{self.num_shards}: give each serving shard the address of the training shard with its index"

@@ -307,6 +307,14 @@ class Storage:
         if num_shards is not None:
             self.num_shards = num_shards
 
+    def sizes_seen(self) -> set[int]:
+        """Every cluster size this shard belonged to (the first, and each a reshard moved it to)."""
+        raw = self._meta_column().get(_IDENTITY)
+        if not isinstance(raw, bytes):
+            return set()
+        ident = json.loads(raw)
+        return {int(n) for n in ident.get("num_shards_seen", ())} | {int(ident["num_shards"])}
+
     def identity(self) -> tuple[int, int]:
         """``(shard, num_shards)`` stored in this directory."""
         raw = self._meta_column().get(_IDENTITY)

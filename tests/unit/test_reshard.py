@@ -24,7 +24,7 @@ from protos import ps_pb2 as pb
 from protos.keys import shard_of
 from ps.cluster import ClusterMap, Route
 from ps.config import Durability, TableSpec
-from ps.errors import Moving, WrongShard
+from ps.errors import Moving, ShardMismatch, WrongShard
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.reshard import ReshardSettings
 from ps.rows import Rows
@@ -592,3 +592,21 @@ def test_a_trainer_through_grow_shrink_grow_applies_each_push_once_and_ledgers_s
     for _ in range(steps[0]):
         want = want - np.float32(0.25)
     np.testing.assert_array_equal(trainer.lookup("t", KEYS), want)
+
+
+def test_a_follower_started_for_any_size_its_shard_had_may_follow_it(cluster: Cluster, tmp_path: Path) -> None:
+    """A serving shard restarted with the flags it was first given (2 shards) follows its
+    training shard after two reshards (2 -> 3 -> 4); one for a size it never had does not."""
+    for i, n in ((0, 2), (1, 2), (2, 3), (3, 4)):
+        cluster.add(i, n, Storage(tmp_path / f"s{i}", shard=i, num_shards=n), durability=Durability("every-push"))
+    seed_rows(cluster, 2)
+    scale(cluster, cluster.addresses(2), cluster.addresses(3))
+    wait_done(cluster)
+    scale(cluster, cluster.addresses(3), cluster.addresses(4))
+    wait_done(cluster)
+    shard = cluster.shards["s0"]
+    for n in (2, 3, 4):
+        next(iter(shard.follow(Route(num_shards=n, shard=0), "", 0, lambda: False, 1 << 20)), None)
+    for bad in (Route(num_shards=5, shard=0), Route(num_shards=0, shard=0), Route(num_shards=4, shard=1)):
+        with pytest.raises(ShardMismatch):
+            next(iter(shard.follow(bad, "", 0, lambda: False, 1 << 20)), None)
