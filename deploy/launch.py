@@ -3,6 +3,7 @@
     ps-launch --shards 2 --workers 2 -- python examples/train_dlrm.py --train-samples 100000
     ps-launch --shards 2 --shard-arg=--data-dir=/var/ps/shard-{shard} -- python examples/train_dlrm.py
     ps-launch --join LOG_DIR --workers 1        # one more worker for the launch logging to LOG_DIR
+    ps-launch --scale LOG_DIR --to 3            # that launch's cluster grows to 3 shards, live
 
 The workers get the shard addresses in ``TRAINER_ADDRESSES`` (read by
 ``worker.trainer``). A shard that dies is restarted on the same address and data dir
@@ -15,7 +16,12 @@ Workers are elastic (``deploy.workers``): a worker that dies makes torchrun rest
 group, up to ``--max-restarts`` times, and ``ps-launch --join`` adds workers to a running
 launch (``--nnodes MIN:MAX`` bounds the torchrun agents: this one and those that join).
 The trainer resumes from its checkpoint each time: ``TRAINER_CHECKPOINT_DIR`` is set to
-``<log-dir>/checkpoints/<launch id>`` unless the environment sets it. Ctrl-C or SIGTERM
+``<log-dir>/checkpoints/<launch id>`` unless the environment sets it.
+
+The shards grow and shrink while the workers train: ``ps-launch --scale LOG_DIR --to N``
+asks the launch to start the new shards and move keys to them (``deploy.launch_scale``).
+``--followers`` starts a serving shard following each training shard (for ``ps-infer``;
+their addresses are in ``LOG_DIR/serving-addresses``), and they follow each scale. Ctrl-C or SIGTERM
 stops everything. The exit status is the workers' (1 if the launch itself failed, 2 for
 a bad setting, 130 when interrupted).
 """
@@ -34,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.launch_scale import Scaler, ScaleRequest, request_scale
 from deploy.local import LocalCluster, ShardProcess, ShardStartError, die_with_parent, threads_beside_local_shards
 from deploy.workers import RENDEZVOUS_FILE, Elastic, Join, read_join, torchrun_command, write_join
 from protos.logs import configure_logging
@@ -44,6 +51,7 @@ log = logging.getLogger("ps-launch")
 
 _SETTLE_S = 0.5  # after a shard death is seen, how long others dying with it have to show
 _RENDEZVOUS_WAIT_S = 60.0  # how long --join waits for the launch it joins to open its rendezvous
+_SCALE_WAIT_S = 4 * 3600.0  # how long --scale waits for the launch's answer
 
 _EPILOG = """\
 examples:
@@ -51,6 +59,7 @@ examples:
   ps-launch --shards 2 --shard-arg=--data-dir=/var/ps/shard-{shard} --shard-arg=--durability=every-push \\
             -- python examples/train_dlrm.py
   ps-launch --join /tmp/ps-cluster-abc123 --workers 1   # add a worker to the launch logging there
+  ps-launch --scale /tmp/ps-cluster-abc123 --to 3       # grow its cluster to 3 shards while it trains
 
 Shard logs and port files go to --log-dir (a temp dir by default; --data-dir is its old
 name, and not where shards keep rows: that is --shard-arg=--data-dir=...); a shard's log
@@ -67,7 +76,8 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "TRAINER_ADDRESSES set to the shards, and stop the shards when the workers end.",
         usage="ps-launch [--shards N] [--workers W] [--nnodes MIN:MAX] [--max-restarts R] [--shard-arg ARG ...] "
         "[--log-dir DIR] [--[no-]restart-shards] -- COMMAND [ARGS ...]\n"
-        "       ps-launch --join LOG_DIR [--workers W]",
+        "       ps-launch --join LOG_DIR [--workers W]\n"
+        "       ps-launch --scale LOG_DIR --to N [--max-rows-per-s R]",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -97,6 +107,28 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "rendezvous); the group restarts with them and the trainer resumes from its checkpoint",
     )
     parser.add_argument(
+        "--scale",
+        type=Path,
+        default=None,
+        metavar="LOG_DIR",
+        help="grow or shrink the shards of the running launch whose --log-dir is LOG_DIR to --to N, live: it "
+        "starts the new shards, moves keys while its workers train, stops the shards a shrink retires",
+    )
+    parser.add_argument("--to", type=int, default=None, metavar="N", help="with --scale: the new number of shards")
+    parser.add_argument(
+        "--max-rows-per-s",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="with --scale: pace each copy of rows to leave training its share (default 0: unpaced)",
+    )
+    parser.add_argument(
+        "--followers",
+        action="store_true",
+        help="also start a serving shard following each training shard (addresses in LOG_DIR/serving-addresses, "
+        "for ps-infer); they follow every --scale",
+    )
+    parser.add_argument(
         "--shard-arg",
         action="append",
         default=[],
@@ -120,11 +152,21 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "--shard-arg gives --data-dir; without one a restarted shard would be empty)",
     )
     split = list(argv).index("--") if "--" in argv else len(argv)
-    joining = any(a == "--join" or a.startswith("--join=") for a in argv[:split])
+    joining = any(a.split("=")[0] in ("--join", "--scale") for a in argv[:split])
     if split == len(argv) and not joining and not {"-h", "--help"} & set(argv):
         parser.error("missing '-- COMMAND': e.g. ps-launch --shards 2 -- python examples/train_dlrm.py")
     args = parser.parse_args(list(argv[:split]))  # --help prints and exits 0 here
     command = list(argv[split + 1 :])
+    if args.scale is not None:
+        if split < len(argv) or args.join is not None:
+            parser.error("--scale asks a running launch: no '-- COMMAND' or --join with it")
+        if args.to is None or args.to < 1:
+            parser.error("--scale needs --to N, the new number of shards (at least 1)")
+        if args.max_rows_per_s < 0:
+            parser.error(f"--max-rows-per-s {args.max_rows_per_s:g}: must be >= 0")
+        return args, []
+    if args.to is not None:
+        parser.error("--to goes with --scale LOG_DIR")
     if args.join is not None:
         if split < len(argv):
             parser.error("--join runs the command of the launch it joins: no '-- COMMAND' with it")
@@ -258,21 +300,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGINT, interrupt)
     if args.join is not None:
         return _join(args.join, args.workers, interrupt)
+    if args.scale is not None:
+        return _scale(args.scale, ScaleRequest(args.to, args.max_rows_per_s), interrupt)
     cluster = LocalCluster(args.shards, args.log_dir, tuple(args.shard_arg))
+    followers: LocalCluster | None = None
     try:
         cluster.start()
         interrupt.check()
+        if args.followers:
+            assert cluster.root is not None
+            followers = LocalCluster(args.shards, cluster.root / "serving", follow=cluster.addresses).start()
+            interrupt.check()
     except ShardStartError as exc:
         log.error("%s", exc)
-        return 1
+        return _stop_cluster(cluster, set(), 1)
     except KeyboardInterrupt:
         log.warning("interrupted (SIGINT or SIGTERM) while starting the shards")
+        if followers is not None:
+            _stop_cluster(followers, set(), 130)
         return _stop_cluster(cluster, set(), 130)  # nothing to stop if the interrupt reached start
     workers: subprocess.Popen[bytes] | None = None
     status = 1
     reported: set[int] = set()  # shards whose log tail was printed already
+    scaler: Scaler | None = None
     try:
-        policy = RestartPolicy()
+        policy, follower_policy = RestartPolicy(), RestartPolicy()
         for s in cluster.shards:
             policy.started(s.index)
         log.info(
@@ -280,7 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ",".join(cluster.addresses),
             "on" if args.restart_shards else "off",
         )
+        if followers is not None:
+            log.info("serving shards following them: %s", ",".join(followers.addresses))
         root = cluster.root if cluster.root is not None else Path(".")
+        scaler = Scaler(root, cluster, followers)
         elastic = Elastic(args.nnodes, args.max_restarts, f"ps-launch-{uuid.uuid4().hex[:12]}")
         given = {k: os.environ[k] for k in ("TRAINER_CHECKPOINT_DIR", "OMP_NUM_THREADS") if k in os.environ}
         env = {
@@ -316,6 +371,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else:
                     log.info("workers exited with status 0")
                 break
+            scaler.poll()
+            if followers is not None and (gone := [s for s in followers.shards if s.proc.poll() is not None]):
+                if _revive(followers, gone, follower_policy):  # a follower holds no rows of its own
+                    _stop(workers)
+                    break
             dead = [s for s in cluster.shards if s.proc.poll() is not None]
             if dead:
                 # Look at every shard again, a moment later: a look that began before two
@@ -354,8 +414,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             _stop(workers)
         status = 130
     finally:
+        if scaler is not None:
+            scaler.close()
+        if followers is not None:
+            _stop_cluster(followers, set(), 0)
         status = _stop_cluster(cluster, reported, status)
     return status
+
+
+def _scale(log_dir: Path, request: ScaleRequest, interrupt: _Interrupt) -> int:
+    """``ps-launch --scale``: ask the launch logging to ``log_dir`` to scale; its status."""
+    try:
+        return request_scale(log_dir, request, print, interrupt.check, timeout_s=_SCALE_WAIT_S)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    except KeyboardInterrupt:
+        log.warning("interrupted: the launch goes on with the scale (LOG_DIR/addresses names the shards once done)")
+        return 130
 
 
 def _join(log_dir: Path, workers: int, interrupt: _Interrupt) -> int:

@@ -257,6 +257,49 @@ class LocalCluster:
                 raise
         return out
 
+    def add_shards(self, count: int, follow: Sequence[str] = ()) -> list[ShardProcess]:
+        """Start ``count`` more shards, numbered on from the last, as spares (started with
+        this cluster's first ``num_shards``, so past its end: they own nothing until
+        ``ps-admin scale`` takes them in); blocks until they serve. ``follow``: for a
+        serving cluster, the training shard each new one follows. Raises ``ShardStartError``
+        (none of them left running)."""
+        assert self.root is not None
+        if self.follow is not None:
+            if len(follow) != count:
+                raise ValueError(f"follow: {len(follow)} addresses for {count} new serving shards")
+            self.follow = [*self.follow, *follow]
+        first = len(self.shards)
+        spawned = [spawn_shard(i, self.num_shards, self.root, *self._args(i)) for i in range(first, first + count)]
+        try:
+            for shard in spawned:
+                await_shard(shard, self.root)
+        except BaseException:
+            for shard in spawned:
+                if shard.proc.poll() is None:
+                    shard.proc.kill()
+                    shard.proc.wait()
+            if self.follow is not None:
+                self.follow = self.follow[:first]
+            raise
+        self.shards.extend(spawned)
+        return spawned
+
+    def remove_shards(self, count: int) -> None:
+        """Stop the last ``count`` shards (retired by a shrink: they own nothing); their data
+        dirs stay. Raises ``ShardStartError`` if one does not exit 0."""
+        keep = len(self.shards) - count
+        leaving, self.shards = self.shards[keep:], self.shards[:keep]
+        if self.follow is not None:
+            self.follow = self.follow[:keep]
+        failures = []
+        for shard in leaving:
+            try:
+                stop_shard(shard)
+            except ShardStartError as exc:
+                failures.append(str(exc))
+        if failures:
+            raise ShardStartError("\n".join(failures))
+
     def stop(self) -> None:
         failures = []
         for shard in self.shards:

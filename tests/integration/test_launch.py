@@ -27,6 +27,7 @@ def test_help_exits_0_and_documents_restarts() -> None:
     assert result.returncode == 0, result.stderr
     assert "--restart-shards" in result.stdout and "-- COMMAND" in result.stdout
     assert "--max-restarts" in result.stdout and "--join LOG_DIR" in result.stdout
+    assert "--scale LOG_DIR --to N" in result.stdout and "--followers" in result.stdout
 
 
 def test_exit_status_is_the_workers_after_their_restarts(tmp_path: Path) -> None:

@@ -1,0 +1,152 @@
+"""``ps-launch --scale``: a running launch grows and shrinks its shards (and the serving
+shards following them) while its worker pushes and a reader looks up the followers.
+
+The worker pushes the same gradient to every key in a loop (SGD, lr 1: exact float sums)
+until told to stop, and saves what it saw acknowledged; every row must then be its first
+value minus each acknowledged push once.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from client import ClientConfig, PSClient
+from deploy.launch_scale import ADDRESSES_FILE, SERVING_ADDRESSES_FILE
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ClientConfig(backoff_initial_s=0.005, backoff_max_s=0.05, deadline_s=60.0, tune_malloc=False)
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys, numpy as np
+    from pathlib import Path
+    from client import ClientConfig, PSClient
+    out = Path(sys.argv[1])
+    keys = (np.arange(2000, dtype=np.int64) - 1000) * 7919
+    config = ClientConfig(backoff_initial_s=0.005, backoff_max_s=0.05, deadline_s=60.0, tune_malloc=False)
+    with PSClient(os.environ["TRAINER_ADDRESSES"].split(","), config, client_id="launch-scale") as ps:
+        ps.create_table("t", 8, optimizer="sgd", lr=1.0, seed=5)
+        start, acked = ps.lookup("t", keys), 0
+        grads = np.full((keys.size, 8), 0.25, np.float32)
+        (out / "started").touch()
+        while not (out / "stop").exists():
+            ps.push("t", keys, grads)
+            acked += 1
+        np.savez(out / "result.npz", keys=keys, start=start, final=ps.lookup("t", keys), acked=acked)
+    """
+)
+
+
+def launch(*args: str) -> list[str]:
+    return [sys.executable, "-m", "deploy.launch", *args]
+
+
+def wait_for(path: Path, proc: subprocess.Popen[str], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, f"ps-launch exited {proc.returncode}"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def scale(log_dir: Path, to: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        launch("--scale", str(log_dir), "--to", str(to)), cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_launch_grows_and_shrinks_while_its_worker_trains_and_followers_serve(tmp_path: Path) -> None:
+    log_dir, out, worker = tmp_path / "launch", tmp_path / "out", tmp_path / "worker.py"
+    out.mkdir()
+    worker.write_text(WORKER)
+    errors = (tmp_path / "launch.err").open("w")
+    proc = subprocess.Popen(
+        launch(
+            "--shards",
+            "2",
+            "--followers",
+            "--max-restarts",
+            "0",
+            "--log-dir",
+            str(log_dir),
+            f"--shard-arg=--data-dir={tmp_path}/data/{{shard}}",
+            "--shard-arg=--durability=every-push",
+            "--shard-arg=--reshard-settle-s=1",
+            "--",
+            "python",
+            str(worker),
+            str(out),
+        ),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=errors,
+        text=True,
+    )
+    stop, failures, reads = threading.Event(), [], [0]
+    try:
+        wait_for(out / "started", proc)
+        reader = PSClient((log_dir / SERVING_ADDRESSES_FILE).read_text().strip().split(","), FAST)
+
+        def read() -> None:
+            while not stop.is_set():
+                try:
+                    reader.lookup("t", np.arange(500, dtype=np.int64) * 7919)
+                    reads[0] += 1
+                except Exception as exc:
+                    failures.append(exc)
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        same = scale(log_dir, 2)
+        assert same.returncode == 1 and "the launch has 2 shards" in same.stdout
+        grown = scale(log_dir, 3)
+        assert grown.returncode == 0, grown.stdout + grown.stderr
+        assert "resharding from 2 to 3 shards" in grown.stdout and "committed" in grown.stdout
+        assert len((log_dir / ADDRESSES_FILE).read_text().split(",")) == 3
+        assert len((log_dir / SERVING_ADDRESSES_FILE).read_text().split(",")) == 3
+        shrunk = scale(log_dir, 2)
+        assert shrunk.returncode == 0, shrunk.stdout + shrunk.stderr
+        assert "stopped the 1 retired shards" in shrunk.stdout
+        assert len((log_dir / ADDRESSES_FILE).read_text().split(",")) == 2
+        stop.set()  # before the launch ends and its followers with it
+        thread.join(60)
+        reader.close()
+        (out / "stop").touch()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+        errors.close()
+    assert failures == [] and reads[0] > 0
+    result = np.load(out / "result.npz")
+    want = result["start"].copy()
+    for _ in range(int(result["acked"])):
+        want = want - np.float32(0.25)
+    np.testing.assert_array_equal(result["final"], want)  # every acknowledged push once, none twice
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--scale", "{missing}", "--to", "3"], "the --log-dir of a running ps-launch"),
+        (["--scale", "{missing}"], "--scale needs --to N"),
+        (["--scale", "{missing}", "--to", "3", "--", "python"], "no '-- COMMAND'"),
+        (["--to", "3", "--", "python"], "--to goes with --scale"),
+    ],
+)
+def test_scale_asks_say_what_is_wrong_in_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    argv = [a.replace("{missing}", str(tmp_path / "nothing")) for a in args]
+    result = subprocess.run(launch(*argv), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
