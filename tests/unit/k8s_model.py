@@ -4,7 +4,8 @@
 generators, images, replicas, components, patches, replacements; an unknown key fails rather
 than being skipped); ``pods`` expands a workload's pods as the cluster would (ordinal,
 pod-index label, downward API, ``$(VAR)`` references) and ``processes`` runs each container's
-command line and environment through the real parser of its program.
+command line and environment through the real parser of its program. ``token_role`` says
+which role a mounted token file has on the shards.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import copy
 import dataclasses
 import functools
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ from torch.distributed.run import get_args_parser as torchrun_parser
 
 from client import ClientConfig
 from deploy.rendezvous import parse_args as rendezvous_args
+from protos.auth import Tokens, read_client_token
 from protos.settings import load_settings
 from ps.config import build_parser, load_config
 from worker.config import ENV_PREFIX as TRAINER_PREFIX
@@ -335,6 +338,33 @@ def processes(resources: list[Resource], monkeypatch: pytest.MonkeyPatch) -> lis
 
 def procs_of(procs: list[Proc], program: str, workload: str | None = None) -> list[Proc]:
     return [p for p in procs if p.program == program and workload in (None, p.pod.workload["metadata"]["name"])]
+
+
+def mount_source(pod: Pod, c: dict[str, Any], path: PurePosixPath) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The volumeMount under which ``path`` lies (the deepest), and its volume."""
+    mounts = [m for m in c.get("volumeMounts", []) if path.is_relative_to(m["mountPath"])]
+    assert mounts, f"{pod.name}: {path} is on no volume"
+    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+    volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+    return mount, volumes[mount["name"]]
+
+
+def token_role(p: Proc, path: str) -> str | None:
+    """The role the shards give the token in the file ``path`` of ``p``'s container: the
+    Secret key mounted there, looked up (in secrets.example.yaml, whose placeholder tokens
+    are distinct) in the shards' ``shard-tokens``."""
+    examples = {s["metadata"]["name"]: s["stringData"] for s in load_resources(K8S / "secrets.example.yaml")}
+    mount, volume = mount_source(p.pod, p.container, PurePosixPath(path))
+    secret = volume["secret"]
+    rel = str(PurePosixPath(path).relative_to(mount["mountPath"]))
+    keys = {i["path"]: i["key"] for i in secret.get("items", [])} or {k: k for k in examples[secret["secretName"]]}
+    data = examples[secret["secretName"]]
+    assert rel in keys and keys[rel] in data, f"{p.pod.name}: {path} is no key of the Secret {secret['secretName']}"
+    with tempfile.TemporaryDirectory() as tmp:  # the file as mounted, read as the client reads it
+        (Path(tmp) / rel).write_text(data[keys[rel]])
+        token = read_client_token(Path(tmp) / rel)
+    assert token is not None
+    return Tokens.parse(examples["ps-tokens"]["shard-tokens"], "shard-tokens").role_of(token)
 
 
 def port_of(address: str) -> int:

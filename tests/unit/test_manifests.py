@@ -37,8 +37,11 @@ from prometheus_client import CollectorRegistry
 import ps.metrics
 from client import parse_addresses
 from protos import ps_pb2 as pb
+from protos.auth import allows
 from protos.guard import RpcMetrics
+from protos.services import PS_SERVICE
 from ps.checkpoint import checkpoint_target, resolve_existing_checkpoint
+from ps.server import ROLES as SHARD_ROLES
 from tests.unit.k8s_model import (
     JOB_UID,
     K8S,
@@ -53,6 +56,7 @@ from tests.unit.k8s_model import (
     containers_of,
     find_resource,
     load_resources,
+    mount_source,
     pod_template,
     pods,
     port_of,
@@ -62,6 +66,7 @@ from tests.unit.k8s_model import (
     selects,
     service_of,
     stable_address,
+    token_role,
 )
 
 # An older release still common in managed clusters (the pod-index label the shards read is set
@@ -178,7 +183,7 @@ def test_rescue_dumps_go_to_a_volume_of_their_own_that_outlives_the_pod(
 
 def _claim_mount(resources: list[Resource], p: Proc, path: PurePosixPath) -> tuple[dict[str, Any], Resource]:
     """The mount ``path`` lies under in ``p``'s container and the PersistentVolumeClaim it is."""
-    mount, volume = _mount_source(p.pod, p.container, path)
+    mount, volume = mount_source(p.pod, p.container, path)
     assert "persistentVolumeClaim" in volume, f"{p.pod.name}: {path} is on {volume}, not a PersistentVolumeClaim"
     return mount, find_resource(resources, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
 
@@ -509,7 +514,7 @@ def test_worker_checkpoints_are_shared_by_the_job_and_its_own(procs: list[Proc])
     assert JOB_UID in str(path), "a Job applied anew is a new run, not a resumed one"
     for p in workers:
         assert p.config.checkpoint_every >= 1
-        mount, volume = _mount_source(p.pod, p.container, PurePosixPath(path))
+        mount, volume = mount_source(p.pod, p.container, PurePosixPath(path))
         assert not mount.get("readOnly")
         claim = volume["persistentVolumeClaim"]["claimName"]
         assert claim != "ps-models", "checkpoints have a volume of their own"
@@ -517,23 +522,14 @@ def test_worker_checkpoints_are_shared_by_the_job_and_its_own(procs: list[Proc])
         assert pvc["spec"]["accessModes"] == ["ReadWriteMany"], "rank 0 may run on any node"
 
 
-def _mount_source(pod: Pod, c: dict[str, Any], path: PurePosixPath) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The volumeMount under which ``path`` lies (the deepest), and its volume."""
-    mounts = [m for m in c.get("volumeMounts", []) if path.is_relative_to(m["mountPath"])]
-    assert mounts, f"{pod.name}: {path} is on no volume"
-    mount = max(mounts, key=lambda m: len(m["mountPath"]))
-    volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
-    return mount, volumes[mount["name"]]
-
-
 def test_ps_infer_serves_what_training_writes(procs: list[Proc]) -> None:
     (trainer, *_) = procs_of(procs, "trainer")
     out = trainer.config.output_dir
     run = PurePosixPath(trainer.container["workingDir"]) / "runs" / "latest" if out is None else PurePosixPath(out)
-    _, written = _mount_source(trainer.pod, trainer.container, run)
+    _, written = mount_source(trainer.pod, trainer.container, run)
     for p in procs_of(procs, "ps-infer"):
         assert PurePosixPath(p.config.model) == run
-        mount, volume = _mount_source(p.pod, p.container, run)
+        mount, volume = mount_source(p.pod, p.container, run)
         assert volume["persistentVolumeClaim"]["claimName"] == written["persistentVolumeClaim"]["claimName"]
         assert mount.get("readOnly") is True
         (wait,) = [q for q in procs if q.pod is p.pod and q.init]
@@ -559,7 +555,7 @@ def test_tls_files_come_from_mounted_secrets(procs: list[Proc]) -> None:
         files = [getattr(p.config, s) for s in settings if getattr(p.config, s, None) is not None]
         files += list(p.client_env.values())
         for f in files:
-            mount, volume = _mount_source(p.pod, p.container, PurePosixPath(f))
+            mount, volume = mount_source(p.pod, p.container, PurePosixPath(f))
             assert mount.get("readOnly") is True, f"{p.pod.name}: {mount['mountPath']} must be read-only"
             secret = volume["secret"]
             rel = str(PurePosixPath(f).relative_to(mount["mountPath"]))
@@ -573,12 +569,29 @@ def test_tls_reaches_every_connection(variant: str, procs: list[Proc]) -> None:
     on = variant == "tls"
     for p in procs_of(procs, "ps-server") + procs_of(procs, "ps-infer"):
         assert (p.config.tls_cert is not None and p.config.auth_token_file is not None) == on, p.pod.name
-    for p in procs_of(procs, "ps-server", "ps-serve"):  # the follower is a client of its training shard
+    # A follower is a client of its training shard; in a live reshard (ps-admin scale) a training
+    # shard is a client of the others, pulling the rows it takes over from them.
+    for p in procs_of(procs, "ps-server"):
         client = (p.config.client_tls_ca, p.config.client_tls_cert, p.config.client_tls_key, p.config.client_token_file)
         assert all(f is not None for f in client) if on else all(f is None for f in client), p.pod.name
     for p in procs_of(procs, "ps-infer") + procs_of(procs, "trainer"):
         keys = {"PS_CLIENT_TLS_CA", "PS_CLIENT_TLS_CERT", "PS_CLIENT_TLS_KEY", "PS_CLIENT_TOKEN_FILE"}
         assert set(p.client_env) == (keys if on else set()), p.pod.name
+
+
+def test_shards_send_each_other_a_token_the_call_allows(variant: str, procs: list[Proc]) -> None:
+    # Follow needs a read token, MoveRows (a reshard's rows) a write token: a weaker one fails
+    # only once a follower starts, or in the middle of a scale.
+    checked = 0
+    for p in procs_of(procs, "ps-server"):
+        if p.config.client_token_file is None:
+            continue
+        method = "Follow" if p.config.mode == "serve" else "MoveRows"
+        role = token_role(p, str(p.config.client_token_file))
+        needed = SHARD_ROLES[f"/{PS_SERVICE}/{method}"]
+        assert role is not None and allows(role, needed), f"{p.pod.name}: {method} needs {needed}, the token is {role}"
+        checked += 1
+    assert checked == (len(procs_of(procs, "ps-server")) if variant == "tls" else 0)
 
 
 def _dockerfile() -> tuple[list[str], dict[str, str]]:
