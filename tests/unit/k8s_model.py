@@ -11,21 +11,25 @@ which role a mounted token file has on the shards.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import functools
+import io
 import re
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 from torch.distributed.run import get_args_parser as torchrun_parser
 
 from client import ClientConfig
+from deploy.admin import build_parser as admin_parser
 from deploy.rendezvous import parse_args as rendezvous_args
 from protos.auth import Tokens, read_client_token
 from protos.settings import load_settings
@@ -39,6 +43,10 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 NS = "ml-prod"  # any namespace: addresses must follow the pods' own
 JOB_UID = "5f0c2a7e-9d1b-4c3e-8a6f-2b7d1e0c9a84"  # the uid Kubernetes gives a Job
+# An older release still common in managed clusters (the pod-index label the shards read is set
+# from 1.28 on) and the newest whose schema kubernetes-validate ships.
+K8S_VERSIONS = ("1.32.0", kubernetes_validate.latest_version())
+VARIANTS = ("plain", "tls")  # built as shipped, and with the TLS component on
 
 Resource = dict[str, Any]
 
@@ -186,8 +194,20 @@ def _enable_tls(k: dict[str, Any]) -> None:
 
 
 @functools.cache
-def built(variant: str) -> list[Resource]:
-    return build(K8S, _enable_tls if variant == "tls" else None)
+def built(variant: str, directory: Path = K8S) -> list[Resource]:
+    """What ``directory`` (deploy/k8s, or deploy/k8s/scale) builds, its ``tls`` component on
+    for the variant "tls"."""
+    return build(directory, _enable_tls if variant == "tls" else None)
+
+
+def kustomization_files(directory: Path, components: Sequence[str] = ()) -> set[Path]:
+    """The files ``build(directory)`` reads, with the optional ``components`` enabled."""
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    files = {directory / "kustomization.yaml"} | {directory / r for r in k.get("resources", [])}
+    files |= {directory / p["path"] for p in k.get("patches", [])}
+    for component in [*k.get("components", []), *components]:
+        files |= kustomization_files(directory / component)
+    return files
 
 
 def pod_template(r: Resource) -> dict[str, Any] | None:
@@ -236,7 +256,7 @@ def pods(resources: list[Resource]) -> Iterator[Pod]:
                 extra = {"apps.kubernetes.io/pod-index": str(i), "statefulset.kubernetes.io/pod-name": f"{name}-{i}"}
                 yield Pod(r, f"{name}-{i}", i, meta["labels"] | extra, meta.get("annotations", {}), t["spec"])
         elif r["kind"] == "Job":
-            for i in range(r["spec"]["completions"]):
+            for i in range(r["spec"].get("completions", 1)):
                 labels = meta["labels"] | {
                     "batch.kubernetes.io/job-completion-index": str(i),
                     "batch.kubernetes.io/job-name": name,
@@ -306,6 +326,16 @@ def parse_process(p: Proc, monkeypatch: pytest.MonkeyPatch) -> None:
     elif exe == "ps-rendezvous":
         p.program, p.config = "ps-rendezvous", rendezvous_args(args)
         return
+    elif exe == "ps-admin":
+        # Its parser reads defaults ($PS_ADDRESSES, $SERVING_ADDRESSES) from the environment.
+        errors = io.StringIO()
+        with monkeypatch.context() as m, contextlib.redirect_stderr(errors):
+            for name, value in p.env.items():
+                m.setenv(name, value)
+            try:
+                p.program, p.config = "ps-admin", admin_parser().parse_args(args)
+            except SystemExit:
+                pytest.fail(f"{p.pod.name}: ps-admin refuses {args}: {errors.getvalue().strip()}")
     elif exe == "sh" and p.init:
         p.program = "sh"
         return

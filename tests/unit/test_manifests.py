@@ -45,8 +45,10 @@ from ps.server import ROLES as SHARD_ROLES
 from tests.unit.k8s_model import (
     JOB_UID,
     K8S,
+    K8S_VERSIONS,
     NS,
     ROOT,
+    VARIANTS,
     Pod,
     Proc,
     Resource,
@@ -55,6 +57,7 @@ from tests.unit.k8s_model import (
     container_ports,
     containers_of,
     find_resource,
+    kustomization_files,
     load_resources,
     mount_source,
     pod_template,
@@ -68,11 +71,6 @@ from tests.unit.k8s_model import (
     stable_address,
     token_role,
 )
-
-# An older release still common in managed clusters (the pod-index label the shards read is set
-# from 1.28 on) and the newest whose schema kubernetes-validate ships.
-K8S_VERSIONS = ("1.32.0", kubernetes_validate.latest_version())
-VARIANTS = ("plain", "tls")
 
 
 @pytest.fixture(params=VARIANTS)
@@ -94,15 +92,14 @@ def procs(resources: list[Resource], monkeypatch: pytest.MonkeyPatch) -> list[Pr
 
 
 def test_every_yaml_file_is_built_or_an_example() -> None:
-    k = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    used = {K8S / "kustomization.yaml", K8S / "secrets.example.yaml"} | {K8S / r for r in k["resources"]}
-    tls = K8S / "tls"
-    used |= {tls / "kustomization.yaml"} | {
-        tls / p["path"] for p in yaml.safe_load((tls / "kustomization.yaml").read_text())["patches"]
-    }
+    # deploy/k8s, and the scale Job in deploy/k8s/scale (tests/unit/test_scale_manifests.py)
+    used = {K8S / "secrets.example.yaml"} | kustomization_files(K8S, ["tls"])
+    used |= kustomization_files(K8S / "scale", ["tls"])
     files = set(K8S.rglob("*.yaml")) | set(K8S.rglob("*.yml"))
     assert files == used, f"not built and not an example: {sorted(map(str, files - used))}"
-    assert k.get("components") is None, "TLS is off by default: the Secrets must exist first"
+    for directory in (K8S, K8S / "scale"):
+        k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+        assert k.get("components") is None, f"{directory}: TLS is off by default: the Secrets must exist first"
     for path in files:
         load_resources(path)  # every file parses
 
