@@ -600,6 +600,15 @@ class PSClient:
             return plan_table(table, keys.keys, dim, n)
         return keys
 
+    def refresh_map(self) -> int:
+        """Ask shard 0 for the cluster map now (``GetMap``) and route by it if it is newer
+        than the one this client has; returns the epoch routed by. Lookups and pushes do
+        this by themselves (on first use, and when a shard says the map moved); call it
+        before reading ``num_shards``, ``addresses`` or ``stats()`` of a cluster that may
+        have resharded since the addresses were given."""
+        self._mapped = False
+        return self._current(self._budget(None)).epoch
+
     def _current(self, budget: tuple[ClientConfig, float]) -> ClusterView:
         """The view lookups and pushes route by. The first asks shard 0 for the cluster map
         (``GetMap``, once): a client given the addresses of a cluster that resharded since

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deploy.local import LocalCluster, ShardStartError
-from deploy.operations import AdminError, scale_cluster
+from deploy.operations import AdminError, GrpcShards, scale_cluster
+from deploy.scale import RetryLater
 
 __all__ = ["ADDRESSES_FILE", "SERVING_ADDRESSES_FILE", "Scaler", "ScaleRequest", "request_scale"]
 
@@ -167,6 +168,7 @@ class Scaler:
                     scale_cluster(
                         src, dst, serving=serving, say=self._say, max_rows_per_s=request.max_rows_per_s, timeout_s=600
                     )
+                    _wait_dropped(src[request.to :], self._say)
                     self._status, self.size = 0, request.to
                     return
                 except AdminError as exc:
@@ -199,6 +201,23 @@ class Scaler:
         _write(self.root / ADDRESSES_FILE, ",".join(self.cluster.addresses[: self.size]) + "\n")
         if self.followers is not None:
             _write(self.root / SERVING_ADDRESSES_FILE, ",".join(self.followers.addresses[: self.size]) + "\n")
+
+
+def _wait_dropped(retired: list[str], say: Callable[[str], None], timeout_s: float = 300.0) -> None:
+    """Wait until each shard a shrink ``retired`` dropped the rows it gave away (its reshard
+    is done), so that stopping it leaves no moved row in its data dir."""
+    shards, deadline = GrpcShards(10.0), time.monotonic() + timeout_s
+    try:
+        for address in retired:
+            while shards.get_map(address).reshard.phase != "done":
+                if time.monotonic() > deadline:
+                    say(f"{address} still drops the rows it gave away; stopping it anyway (its next start goes on)")
+                    return
+                time.sleep(0.1)
+    except (AdminError, RetryLater) as exc:
+        say(f"could not ask a retired shard whether it dropped its rows ({exc}); stopping it anyway")
+    finally:
+        shards.close()
 
 
 def _write(path: Path, text: str) -> None:

@@ -57,9 +57,21 @@ def check_shards(
     seconds while they are still loading (see the module docstring). Raises
     ``RuntimeError`` with one line naming what differs.
     """
+    try:
+        client.refresh_map()  # given the addresses of a cluster resharded since, route by its map
+    except PSError:
+        pass  # not answering yet: the looks below wait for it, or say so
     n = client.num_shards
     trained_on = manifest.get("num_shards")
-    if isinstance(trained_on, int) and trained_on != n:
+    if isinstance(trained_on, int) and trained_on != n and client.epoch:
+        log.info(
+            "the model was trained on %d shards; the cluster was resharded live since (now %d shards, cluster map "
+            "epoch %d): the rows moved with their keys, serving from them",
+            trained_on,
+            n,
+            client.epoch,
+        )
+    elif isinstance(trained_on, int) and trained_on != n:
         raise RuntimeError(
             f"--ps names {n} shard{'s' if n != 1 else ''} ({ps}), but the model was trained on "
             f"{trained_on} shard{'s' if trained_on != 1 else ''}: give every shard in shard order, ',' between "

@@ -376,7 +376,8 @@ def _save(
         "model": config.model,
         "dim": config.dim,
         "num_dense": num_dense,
-        "num_shards": len(addresses),
+        # The cluster's size when training ended (a live reshard may have changed it).
+        "num_shards": int(shard_stats[0]["num_shards"]) if shard_stats else len(addresses),
         "tables": [dataclasses.asdict(t) | {"params": dict(t.params)} for t in run.tables],
         "features": [dataclasses.asdict(f) for f in run.features],
         "wide_suffix": WIDE if config.wide else None,

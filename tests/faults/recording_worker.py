@@ -5,6 +5,13 @@ worker.trainer`` with the trainer's ``PSClient`` replaced by a subclass that, af
 each ``create_table`` and each acknowledged ``push_many``, appends the call to a log.
 The log is pickled to ``$RECORD_PUSHES`` when training ends, so the test can replay
 exactly the acknowledged pushes into an in-process twin cluster and compare rows.
+
+A worker that may be killed streams instead: with ``$RECORD_STREAM`` (a directory) each
+process appends to a file of its own (``<start time>-<pid>.pkl``) a ``("table", ...)``
+record per table, a ``("send", seq, pushes)`` record before each push and an ``("ack",
+seq, monotonic time)`` record once it was acknowledged, flushed each time; and one line
+``seq time`` per acknowledged push to ``acks.txt`` there (the progress a test watches).
+What a killed process sent but never saw acknowledged stays a send without an ack.
 """
 
 from __future__ import annotations
@@ -12,7 +19,9 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +32,14 @@ from client import PSClient, PushResult, TableConfig, TablePlan
 from client.client import Keys
 
 LOG: dict[str, list[Any]] = {"tables": [], "pushes": []}
+STREAM = Path(os.environ["RECORD_STREAM"]) if os.environ.get("RECORD_STREAM") else None
+_OUT = (STREAM / f"{time.time():.6f}-{os.getpid()}.pkl").open("ab") if STREAM is not None else None
+
+
+def _record(*item: Any) -> None:
+    if _OUT is not None:
+        pickle.dump(item, _OUT)
+        _OUT.flush()
 
 
 class RecordingClient(PSClient):
@@ -31,6 +48,7 @@ class RecordingClient(PSClient):
     def create_table(self, name: str, dim: int, **options: Any) -> TableConfig:
         table = super().create_table(name, dim, **options)
         LOG["tables"].append((name, dim, options))
+        _record("table", name, dim, options)
         return table
 
     def push_many(self, updates: Mapping[str, tuple[Keys, npt.ArrayLike]], *, seq: int | None = None) -> PushResult:
@@ -39,7 +57,14 @@ class RecordingClient(PSClient):
             t: (np.array(k.keys if isinstance(k, TablePlan) else k, copy=True), np.array(g, copy=True))
             for t, (k, g) in updates.items()
         }
+        _record("send", seq, sent)
         result = super().push_many(updates, seq=seq)  # raises unless every shard acknowledged it
+        if STREAM is not None:
+            now = time.monotonic()
+            _record("ack", seq, now)
+            with (STREAM / "acks.txt").open("a") as acks:
+                acks.write(f"{seq} {now:.6f}\n")
+            return result  # streamed: kept on disk, not in memory
         LOG["pushes"].append(sent)
         # The caller's arrays must not change while a push is in flight (or the shards
         # would get something else than what the trainer computed).
@@ -51,5 +76,6 @@ class RecordingClient(PSClient):
 if __name__ == "__main__":
     trainer.PSClient = RecordingClient  # type: ignore[misc]
     trainer.main(sys.argv[1:])
-    with open(os.environ["RECORD_PUSHES"], "wb") as f:
-        pickle.dump(LOG, f)
+    if STREAM is None:
+        with open(os.environ["RECORD_PUSHES"], "wb") as f:
+            pickle.dump(LOG, f)
