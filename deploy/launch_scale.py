@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deploy.local import LocalCluster, ShardStartError
-from deploy.operations import AdminError, GrpcShards, scale_cluster
+from deploy.operations import GrpcShards, scale_cluster
+from deploy.reshard import AdminError
 from deploy.scale import RetryLater
 
 __all__ = ["ADDRESSES_FILE", "SERVING_ADDRESSES_FILE", "Scaler", "ScaleRequest", "request_scale"]
