@@ -7,6 +7,9 @@ the same list cut short), while training goes on. Each shard keeps its own recor
 where the reshard stands (``ps.cluster``), so ``scale`` reads the shards first and
 carries on from there: run again after any failure (this process killed, a shard
 restarted), it finishes the reshard, or ``abort`` undoes one no shard committed yet.
+A new owner whose disk refuses the rows it takes in fails the reshard at once: ``scale``
+undoes it (no shard committed: the cluster stays where it was, and nothing is frozen)
+and says which shard to give space.
 
 The steps, each waiting for every shard it concerns:
 
@@ -42,6 +45,14 @@ _FROZEN_POLL_S = 0.01  # while frozen, how often the new owners are asked whethe
 
 class ScaleError(RuntimeError):
     """The reshard cannot go on; the message says why and what to do."""
+
+
+class _DiskFailed(Exception):
+    """A new owner's disk refused the rows it takes in (``MoveSource.disk_failed``)."""
+
+    def __init__(self, address: str, error: str) -> None:
+        super().__init__(error)
+        self.address, self.error = address, error
 
 
 class RetryLater(Exception):
@@ -124,13 +135,19 @@ def scale(
         _each(shards, maps, prepare, deadline, say, "prepare")
         report.seconds["prepare"] = time.monotonic() - started
         t = time.monotonic()
-        _wait(shards, dst_addresses, dst, deadline, poll_s, say, report, lambda s: s.snapshot_done and _caught_up(s))
-        report.seconds["copy"] = time.monotonic() - t
-        t = time.monotonic()
-        sources = [a for a in src_addresses if MoveState(src_addresses.index(a), src, dst).is_source]
-        _each(shards, {a: maps[a] for a in sources}, _request(pb.ReshardRequest.FREEZE, dst), deadline, say, "freeze")
-        # Pushes to moving keys wait from here to the commit: look often.
-        _wait(shards, dst_addresses, dst, deadline, min(poll_s, _FROZEN_POLL_S), say, report, lambda s: s.complete)
+        try:
+            _wait(
+                shards, dst_addresses, dst, deadline, poll_s, say, report, lambda s: s.snapshot_done and _caught_up(s)
+            )
+            report.seconds["copy"] = time.monotonic() - t
+            t = time.monotonic()
+            sources = [a for a in src_addresses if MoveState(src_addresses.index(a), src, dst).is_source]
+            freeze = _request(pb.ReshardRequest.FREEZE, dst)
+            _each(shards, {a: maps[a] for a in sources}, freeze, deadline, say, "freeze")
+            # Pushes to moving keys wait from here to the commit: look often.
+            _wait(shards, dst_addresses, dst, deadline, min(poll_s, _FROZEN_POLL_S), say, report, lambda s: s.complete)
+        except _DiskFailed as exc:
+            raise ScaleError(_undo_after_disk_failure(shards, maps, src, dst, exc)) from None
         report.seconds["freeze"] = time.monotonic() - t
     t = time.monotonic()
     commit = _request(pb.ReshardRequest.COMMIT, dst)
@@ -312,6 +329,8 @@ def _wait(
             if status.phase in ("done", "committed"):
                 continue
             for s in status.sources:
+                if s.disk_failed:
+                    raise _DiskFailed(address, s.error)
                 copies[(d, s.shard)] = _Copy(s.snapshot_done, s.complete, s.lag_versions, s.rows, s.error)
         if all(ready(c) for c in copies.values()):
             return
@@ -360,6 +379,29 @@ def _abort(
     report.aborted = True
     say(f"aborted: the cluster stays at {src.describe()}; stop the new shards, they hold nothing")
     return report
+
+
+def _undo_after_disk_failure(
+    shards: ShardCalls, maps: dict[str, pb.GetMapResponse], src: ClusterMap, dst: ClusterMap, failed: _DiskFailed
+) -> str:
+    """Abort the reshard on every shard that takes it (the old owners first: their moving
+    keys take pushes again); returns the one line that says what happened and what to do."""
+    abort = _request(pb.ReshardRequest.ABORT, dst)
+    kept: list[str] = []
+    for address in [*src.addresses, *(a for a in dst.addresses if a not in src.addresses)]:
+        try:
+            shards.reshard(address, abort)
+        except Exception:  # the failed disk itself may refuse to forget what it took in
+            kept.append(address)
+    if kept and kept != [failed.address]:
+        undone = f"undoing it failed on {', '.join(kept)}: run ps-admin scale --abort with the same lists"
+    else:
+        undone = f"the reshard was undone and the cluster stays at {src.describe()}"
+    return (
+        f"{failed.address} cannot write the rows it takes in, its disk refused them ({failed.error}); "
+        f"nothing acknowledged was lost: {undone}. Give it space and restart it on the same address, "
+        "then run ps-admin scale again"
+    )
 
 
 def _switch_serving(

@@ -104,6 +104,7 @@ class SourceProgress:
     version: int = 0
     source_version: int = 0
     error: str = ""
+    disk_failed: bool = False  # ``error`` is this shard's disk refusing the rows
 
     def to_proto(self) -> pb.MoveSource:
         return pb.MoveSource(
@@ -116,6 +117,7 @@ class SourceProgress:
             bytes=self.bytes,
             lag_versions=max(0, self.source_version - self.version),
             error=self.error,
+            disk_failed=self.disk_failed,
         )
 
 
@@ -184,6 +186,8 @@ class Intake:
                 delay = _BACKOFF_S[0]
             except grpc.RpcError as exc:
                 progress.error = f"{exc.code().name}: {exc.details()}"
+            except StorageFailed as exc:  # this shard's disk: say so apart, the admin gives up on it
+                progress.error, progress.disk_failed = str(exc), True
             except (ShardError, wire.WireFormatError, ValueError) as exc:
                 progress.error = str(exc)
             except Exception as exc:  # a bug: keep the shard up, say so, try again
@@ -209,7 +213,7 @@ class Intake:
             for batch in call:
                 if self._stop.is_set():
                     return
-                progress.connected, progress.error = True, ""
+                progress.connected, progress.error, progress.disk_failed = True, "", False
                 self._apply(source, progress, batch)
                 if progress.complete:
                     return
@@ -228,7 +232,7 @@ class Intake:
         for moved in batch.tables:
             table = self._table(moved.table)
             if table is None:
-                raise StorageFailed(f"rows of table {moved.table!r} came before its spec")
+                raise ShardError(f"rows of table {moved.table!r} came before its spec")
             keys = wire.decode_keys(moved.keys, f"MoveBatch table {moved.table!r} keys")
             width = optimizers.state_width(table.spec.optimizer, table.dim)
             rows = Rows.unpack(keys, moved.rows, table.dim, width)
