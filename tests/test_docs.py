@@ -21,6 +21,7 @@ is installed (an optional client such as grpcurl) and skips it elsewhere.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -217,3 +218,15 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-6000:]}"
     assert (tmp_path / "site" / "reference" / "configuration" / "index.html").is_file()
+
+
+def test_every_ps_admin_command_has_its_help_in_the_cli_reference() -> None:
+    """A new ``ps-admin`` subcommand is listed in ``docs/reference/cli.md`` (its ``--help``
+    is generated there from the parser)."""
+    from deploy.admin import build_parser
+
+    actions = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    commands = set(actions[0].choices)
+    page = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    listed = set(re.findall(r"^<!-- help: ps-admin (\S+) -->$", page, re.M))
+    assert commands - listed == set(), f"add <!-- help: ps-admin COMMAND --> for {sorted(commands - listed)}"
