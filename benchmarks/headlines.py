@@ -489,9 +489,83 @@ def serving(res: dict[str, Any]) -> Section:
     return out
 
 
+# -- reshard ---------------------------------------------------------------------------------
+
+
+def reshard(res: dict[str, Any]) -> Section:
+    """``reshard.json``: a live 2 -> 3 move's rows/s against a lookup of the same rows and the
+    durable-write floor, and training's samples/s during moves against steady training."""
+    out = Section()
+    rows, move, goals, passed, r = res["rows"], res["move"], res["goals"], res["passed"], res["ratios"]
+    what = f"Live reshard 2 → 3 shards, {rows:,} rows of dim {res['dim']}"
+    out.headlines.append(
+        Headline(
+            f"{what}, rows moved/s",
+            f"{rate(move['rows_per_s'])} rows/s",
+            f"lookup {rate(res['lookup']['rows_per_s'])} rows/s",
+            r["move_vs_lookup"],
+            f"≥ {goals['move_vs_lookup']}×",
+            bool(passed["move_vs_lookup"]),
+            float(goals["move_vs_lookup"]),
+        )
+    )
+    out.headlines.append(
+        Headline(
+            f"{what}, rows moved/s vs writing them durably",
+            f"{rate(move['rows_per_s'])} rows/s",
+            f"RocksDB write floor {rate(res['write_floor_rows_per_s'])} rows/s",
+            r["move_vs_write_floor"],
+        )
+    )
+    training, steady = res["training"], res["training"]["steady"]["samples_per_s"]
+    for key, name in (("during_move", "a move"), ("during_paced_move", "a paced move")):
+        ratio_key = f"training_{key}"
+        out.headlines.append(
+            Headline(
+                f"Training samples/s during {name}",
+                f"{rate(training[key]['samples_per_s'])}/s",
+                f"steady {rate(steady)}/s",
+                r[ratio_key],
+                f"≥ {goals['training_during_move']}×",
+                bool(passed[ratio_key]),
+                float(goals["training_during_move"]),
+            )
+        )
+    out.headlines.append(
+        Headline(
+            f"{what}, bytes moved vs jump-hash expectation (off by)",
+            f"{move['bytes_moved'] / 1e6:,.1f} MB",
+            f"expected {move['bytes_expected'] / 1e6:,.1f} MB",
+            r["bytes_vs_expected"],
+            f"≤ {goals['bytes_vs_expected']}",
+            bool(passed["bytes_vs_expected"]),
+            None,
+            lower_is_better=True,
+        )
+    )
+    phases = move.get("phases_s", {})
+    out.details += [
+        "",
+        "Seconds per step of the idle move:",
+        "",
+        *md_table(tuple(phases), [tuple(f"{v:.2f}" for v in phases.values())]),
+        "",
+        *md_table(
+            ("training", "samples/s", "median step s", "slowest step s"),
+            [
+                (k, rate(v["samples_per_s"]), f"{v['median_step_s']:.3f}", f"{v['slowest_step_s']:.3f}")
+                for k, v in training.items()
+                if isinstance(v, dict)
+            ],
+        ),
+    ]
+    return out
+
+
 READERS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "foundation": foundation,
     "tier": tier,
     "training": training,
     "serving": serving,
+    "reshard": reshard,
 }

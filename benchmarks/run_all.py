@@ -67,6 +67,7 @@ BENCHMARKS = [
     Benchmark("tier", "benchmarks/bench_tier.py", "tier"),
     Benchmark("training", "benchmarks/bench_training.py", "training"),
     Benchmark("serving", "benchmarks/bench_serving.py", "serving"),
+    Benchmark("reshard", "benchmarks/bench_reshard.py", "reshard"),
 ]
 BY_NAME = {b.name: b for b in BENCHMARKS}
 

@@ -250,7 +250,52 @@ def serving_json(parts: tuple[str, ...] = ("lookup", "infer", "freshness")) -> d
     return res
 
 
-BUILDERS = {"foundation": foundation_json, "tier": tier_json, "training": training_json, "serving": serving_json}
+def step_figures(samples_per_s: float) -> dict[str, float]:
+    return {"samples_per_s": samples_per_s, "median_step_s": 0.01, "slowest_step_s": 0.1, "steps": 100}
+
+
+def reshard_json() -> dict[str, Any]:
+    return {
+        "dim": 16,
+        "rows": 300_000,
+        "goals": {"move_vs_lookup": 0.5, "training_during_move": 0.7, "bytes_vs_expected": 0.1},
+        "lookup": {"rows_per_s": 4_000_000},
+        "write_floor_rows_per_s": 800_000,
+        "move": {
+            "rows_per_s": 200_000,
+            "bytes_moved": 1_050_000,
+            "bytes_expected": 1_000_000,
+            "phases_s": {"prepare": 0.01, "copy": 0.5, "freeze": 0.03, "commit": 0.01, "total": 0.55},
+        },
+        "training": {
+            "batch": 8192,
+            "steady": step_figures(1_000_000),
+            "during_move": step_figures(800_000),
+            "during_paced_move": step_figures(900_000),
+        },
+        "ratios": {
+            "move_vs_lookup": 0.05,
+            "move_vs_write_floor": 0.25,
+            "training_during_move": 0.8,
+            "training_during_paced_move": 0.9,
+            "bytes_vs_expected": 0.05,
+        },
+        "passed": {
+            "move_vs_lookup": False,
+            "training_during_move": True,
+            "training_during_paced_move": True,
+            "bytes_vs_expected": True,
+        },
+    }
+
+
+BUILDERS = {
+    "foundation": foundation_json,
+    "tier": tier_json,
+    "training": training_json,
+    "serving": serving_json,
+    "reshard": reshard_json,
+}
 
 
 @pytest.fixture
@@ -341,7 +386,13 @@ def test_every_benchmark_read_ratios_goals_and_pass(results: Path) -> None:
     assert cells(t, "serving", "ps-infer Predict requests/s, concurrency 8") == ("0.40×", "≥ 0.5×", "**fail**")
     fresh = "Freshness: push ack → visible on a follower, p99 under training load"
     assert cells(t, "serving", fresh) == ("10.00×", "≤ 1 s, no timeouts", "pass")
-    assert "4 of 4 benchmarks ran and were read. Goals met: 15 of 21." in text
+    what = "Live reshard 2 → 3 shards, 300,000 rows of dim 16"
+    assert cells(t, "reshard", f"{what}, rows moved/s") == ("0.05×", "≥ 0.5×", "**fail**")
+    assert cells(t, "reshard", f"{what}, rows moved/s vs writing them durably") == ("0.25×", "", "")
+    assert cells(t, "reshard", "Training samples/s during a move") == ("0.80×", "≥ 0.7×", "pass")
+    assert cells(t, "reshard", "Training samples/s during a paced move") == ("0.90×", "≥ 0.7×", "pass")
+    assert cells(t, "reshard", f"{what}, bytes moved vs jump-hash expectation (off by)")[1:] == ("≤ 0.1", "pass")
+    assert "5 of 5 benchmarks ran and were read. Goals met: 18 of 25." in text
     if importlib.util.find_spec("matplotlib"):  # the chart comes with the bench extra only
         assert (results / "out" / "report-ratios.png").stat().st_size > 0
     else:
