@@ -42,6 +42,7 @@ from ps.errors import ShardError
 from ps.rows import Rows
 from ps.storage import StorageFailed
 from ps.table import Table
+from ps.yielding import lower_this_thread
 
 __all__ = ["Intake", "MoveStream", "SourceProgress", "grpc_move_stream"]
 
@@ -178,6 +179,7 @@ class Intake:
         return all(p.complete for p in self.progress.values())
 
     def _run(self, source: int) -> None:
+        lower_this_thread()  # the copy takes the cores that requests leave idle
         progress = self.progress[source]
         delay = _BACKOFF_S[0]
         while not self._stop.is_set() and not progress.complete:
