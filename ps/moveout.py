@@ -87,32 +87,86 @@ def _batches(
         return owned
 
     pace = _Pace(max_rows_per_s)
-    sent: int | None = None
     while active():
-        if sent is None:
-            sent = yield from pace.through(_copy(reshard, tables(), changes, moving, limit))
-            continue
-        current = reshard.move
-        frozen_at = reshard.frozen_version if reshard.frozen and current is not None and current.dst == to else None
-        if frozen_at is not None and sent >= frozen_at:
-            yield _last(tables(), changes, sent)
-            return
-        version = changes.wait(sent, _HEARTBEAT_S)
-        if version == sent:
-            yield pb.MoveBatch(history=changes.history, version=sent, source_version=version)
-            continue
-        changed = changes.since(sent)
-        if changed is None:  # the log moved past ``sent``: copy again
-            sent = None
-            continue
-        version, _, keys = changed
-        by_name = {t.spec.name: t for t in tables()}
-        for name in sorted(keys):
-            picked = keys[name][moving(keys[name])]
-            if picked.size and name in by_name:
-                yield from _rows(reshard, changes.history, sent, by_name[name], picked, limit, deletions=True)
-        sent = version
-        yield pb.MoveBatch(history=changes.history, version=sent, source_version=changes.version)
+        dirty = _Dirty(changes, moving)
+        sent = dirty.version  # the copy reads every row after this version
+        if not (yield from _drained(pace.through(_copy(reshard, tables(), changes, moving, limit, sent)), dirty)):
+            continue  # the log moved past what was drained: copy again
+        while active():
+            current = reshard.move
+            frozen_at = reshard.frozen_version if reshard.frozen and current is not None and current.dst == to else None
+            if frozen_at is not None and sent >= frozen_at:
+                yield _last(tables(), changes, sent)
+                return
+            if not dirty.pending:
+                changes.wait(dirty.version, _HEARTBEAT_S)
+            if not dirty.drain():
+                break  # copy again
+            version, keys = dirty.take()
+            if version == sent:
+                yield pb.MoveBatch(history=changes.history, version=sent, source_version=changes.version)
+                continue
+            by_name = {t.spec.name: t for t in tables()}
+            rows = (
+                batch
+                for name in sorted(keys)
+                if name in by_name
+                for batch in _rows(reshard, changes.history, sent, by_name[name], keys[name], limit, deletions=True)
+            )
+            if not (yield from _drained(rows, dirty)):
+                break
+            sent = version
+            yield pb.MoveBatch(history=changes.history, version=sent, source_version=changes.version)
+
+
+class _Dirty:
+    """The moving keys changed since ``version``, per table, taken from the change log
+    after every message sent (``drain``): however long a copy or a catch-up takes, the
+    log only has to hold what changed while one message was made and sent."""
+
+    def __init__(self, changes: ChangeLog, moving: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.bool_]]) -> None:
+        self.changes, self.moving = changes, moving
+        self.version = changes.version
+        self._keys: dict[str, list[npt.NDArray[np.int64]]] = {}
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._keys)
+
+    def drain(self) -> bool:
+        """Take in the changes after ``version``; False when the log no longer holds them."""
+        changed = self.changes.since(self.version)
+        if changed is None:
+            return False
+        self.version, _, keys = changed
+        for name, k in keys.items():
+            picked = k[self.moving(k)]
+            if picked.size:
+                parts = self._keys.setdefault(name, [])
+                parts.append(picked)
+                if len(parts) > 32:  # keep the pile near the distinct keys it holds
+                    parts[:] = [_distinct(parts)]
+        return True
+
+    def take(self) -> tuple[int, dict[str, npt.NDArray[np.int64]]]:
+        """``(version, distinct sorted keys per table)`` drained so far, and start afresh."""
+        keys = {name: _distinct(parts) for name, parts in self._keys.items()}
+        self._keys = {}
+        return self.version, keys
+
+
+def _distinct(parts: list[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
+    return np.unique(np.concatenate(parts).view(np.uint64)).view(np.int64)
+
+
+def _drained(batches: Iterator[pb.MoveBatch], dirty: _Dirty) -> Generator[pb.MoveBatch, None, bool]:
+    """``batches`` passed on, the change log drained into ``dirty`` after each; returns
+    False (and stops) when the log moved past what ``dirty`` holds."""
+    for batch in batches:
+        yield batch
+        if not dirty.drain():
+            return False
+    return True
 
 
 class _Pace:
@@ -143,9 +197,10 @@ def _copy(
     changes: ChangeLog,
     moving: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.bool_]],
     limit: int,
+    version: int,
 ) -> Generator[pb.MoveBatch, None, int]:
-    """Every moving row as it is when read; returns the version every later change is after."""
-    version = changes.version  # before any row is read: later changes follow as deltas
+    """Every moving row as it is when read, each read after ``version`` (the log's version
+    before the first is read: later changes follow as deltas); returns ``version``."""
     history = changes.history
     yield pb.MoveBatch(history=history, snapshot_begin=True, specs=[spec_to_proto(t.spec) for t in tables])
     for table in tables:

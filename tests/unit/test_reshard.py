@@ -21,7 +21,9 @@ import pytest
 from client import ClientConfig, PSClient
 from deploy.scale import RetryLater, ScaleError, scale
 from protos import ps_pb2 as pb
+from protos import wire
 from protos.keys import shard_of
+from ps.changes import ChangeLog
 from ps.cluster import ClusterMap, Route
 from ps.config import Durability, TableSpec
 from ps.errors import Moving, ShardMismatch, WrongShard
@@ -610,3 +612,47 @@ def test_a_follower_started_for_any_size_its_shard_had_may_follow_it(cluster: Cl
     for bad in (Route(num_shards=5, shard=0), Route(num_shards=0, shard=0), Route(num_shards=4, shard=1)):
         with pytest.raises(ShardMismatch):
             next(iter(shard.follow(bad, "", 0, lambda: False, 1 << 20)), None)
+
+
+def test_a_copy_longer_than_the_change_log_holds_still_ends(cluster: Cluster) -> None:
+    """Pushes during a copy that change more keys than the old owner's change log keeps
+    (a paced copy of a big table under training) must not send the copy back to its start
+    again and again: the old owner drains the log after every message it sends."""
+    keys = np.arange(120_000, dtype=np.int64) * 7919
+    s0 = cluster.add(0, 2, changes=ChangeLog(max_keys=200))
+    s0.create_table(SGD)
+    mine = keys[shard_of(keys, 2) == 0]
+    push(s0, "t", mine, np.ones((mine.size, 4), np.float32), client_id="w", seq=1)
+    moving = np.sort(mine[shard_of(mine, 3) == 2])
+    src, dst = ClusterMap(0, 2, ("s0", "s1")), ClusterMap(1, 3, ("s0", "s1", "s2"))
+    s0.reshard_request(
+        pb.ReshardRequest(phase=pb.ReshardRequest.PREPARE, to=dst.to_proto(), **{"from": src.to_proto()})
+    )
+    stream = iter(s0.move_rows(dst, 2, lambda: True, 1 << 16))  # messages of ~2,000 rows
+    got: dict[int, npt.NDArray[np.float32]] = {}
+    rng = np.random.default_rng(5)
+    begun = ended = 0
+    seq = 1
+    for _ in range(200):  # one push of 50 moving keys per message: 50 < 200, yet the copy spans more
+        batch = next(stream)
+        begun += batch.snapshot_begin
+        ended += batch.snapshot_end
+        assert begun == 1, "the copy started over"
+        for moved in batch.tables:
+            rows = Rows.unpack(wire.decode_keys(moved.keys, "keys"), moved.rows, 4, 0)
+            got.update(zip(rows.keys.tolist(), rows.values))
+        if ended and not batch.tables and batch.version > 1 and not batch.snapshot_end:
+            break  # caught up with the pushes since the copy began
+        seq += 1
+        picked = rng.choice(moving, 50, replace=False)
+        push(s0, "t", picked, np.ones((50, 4), np.float32), client_id="w", seq=seq)
+    assert ended == 1 and seq > 8, f"the copy took {seq - 1} messages: too few for the test to mean anything"
+    s0.reshard_request(pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=dst.to_proto()))
+    for batch in stream:
+        for moved in batch.tables:
+            rows = Rows.unpack(wire.decode_keys(moved.keys, "keys"), moved.rows, 4, 0)
+            got.update(zip(rows.keys.tolist(), rows.values))
+        if batch.done:
+            break
+    _, want = s0.table("t").peek_rows(moving)
+    np.testing.assert_array_equal(np.array([got[k] for k in moving.tolist()]), want.values)
