@@ -135,7 +135,7 @@ class Clock:
         return np.uint32(self.tick)
 
 
-SHORT = settings(max_examples=40, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SHORT = settings(max_examples=20, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LONG = settings(max_examples=600, stateful_step_count=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Per example; more only cost time (hypothesis would otherwise take one in most steps).
