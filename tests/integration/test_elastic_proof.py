@@ -374,6 +374,7 @@ def slowest_step(acks: list[tuple[int, float]], start: float, end: float) -> flo
     return max(gaps, default=0.0)
 
 
+@pytest.mark.slow
 def test_the_cluster_grows_and_shrinks_under_training_and_serving(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
