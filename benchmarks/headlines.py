@@ -562,10 +562,36 @@ def reshard(res: dict[str, Any]) -> Section:
     return out
 
 
+def resume(res: dict[str, Any]) -> Section:
+    """``resume.json``: a worker's death to its group's first step after the restart, against
+    a cold start of the same group (median over the kills)."""
+    out = Section()
+    out.headlines.append(
+        Headline(
+            f"Resume after a worker's kill -9, {res['rows']:,} rows, {res['workers']} workers",
+            f"{res['resume_s']:.2f} s",
+            f"cold start {res['cold_start_s']:.2f} s",
+            res["resume_over_cold_start"],
+            f"≤ {res['goal_s']:g} s",
+            bool(res["pass"]),
+            None,
+            lower_is_better=True,
+        )
+    )
+    phases = list(res["rounds"][0]["phases_s"])
+    rows = [
+        (str(i + 1), f"{r['resume_s']:.2f}", *(f"{r['phases_s'][k]:.2f}" for k in phases))
+        for i, r in enumerate(res["rounds"])
+    ]
+    out.details += ["", *md_table(("kill", "death → first step s", *phases), rows)]
+    return out
+
+
 READERS: dict[str, Callable[[dict[str, Any]], Section]] = {
     "foundation": foundation,
     "tier": tier,
     "training": training,
     "serving": serving,
     "reshard": reshard,
+    "resume": resume,
 }

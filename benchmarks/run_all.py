@@ -68,6 +68,7 @@ BENCHMARKS = [
     Benchmark("training", "benchmarks/bench_training.py", "training"),
     Benchmark("serving", "benchmarks/bench_serving.py", "serving"),
     Benchmark("reshard", "benchmarks/bench_reshard.py", "reshard"),
+    Benchmark("resume", "benchmarks/bench_resume.py", "resume"),
 ]
 BY_NAME = {b.name: b for b in BENCHMARKS}
 

@@ -289,12 +289,27 @@ def reshard_json() -> dict[str, Any]:
     }
 
 
+def resume_json() -> dict[str, Any]:
+    phases = {"restart": 1.0, "start_to_resume": 2.0, "resume_to_first_step": 2.0}
+    return {
+        "rows": 10_000_000,
+        "workers": 2,
+        "rounds": [{"resume_s": 5.0, "phases_s": phases}, {"resume_s": 6.0, "phases_s": phases}],
+        "cold_start_s": 8.0,
+        "goal_s": 10.0,
+        "resume_s": 5.0,
+        "resume_over_cold_start": 0.625,
+        "pass": True,
+    }
+
+
 BUILDERS = {
     "foundation": foundation_json,
     "tier": tier_json,
     "training": training_json,
     "serving": serving_json,
     "reshard": reshard_json,
+    "resume": resume_json,
 }
 
 
@@ -392,7 +407,9 @@ def test_every_benchmark_read_ratios_goals_and_pass(results: Path) -> None:
     assert cells(t, "reshard", "Training samples/s during a move") == ("0.80×", "≥ 0.7×", "pass")
     assert cells(t, "reshard", "Training samples/s during a paced move") == ("0.90×", "≥ 0.7×", "pass")
     assert cells(t, "reshard", f"{what}, bytes moved vs jump-hash expectation (off by)")[1:] == ("≤ 0.1", "pass")
-    assert "5 of 5 benchmarks ran and were read. Goals met: 18 of 25." in text
+    resumed = "Resume after a worker's kill -9, 10,000,000 rows, 2 workers"
+    assert cells(t, "resume", resumed) == ("0.62×", "≤ 10 s", "pass")
+    assert "6 of 6 benchmarks ran and were read. Goals met: 19 of 26." in text
     if importlib.util.find_spec("matplotlib"):  # the chart comes with the bench extra only
         assert (results / "out" / "report-ratios.png").stat().st_size > 0
     else:
