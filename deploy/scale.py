@@ -375,7 +375,12 @@ def _abort(
     abort = _request(pb.ReshardRequest.ABORT, dst)
     for address, m in maps.items():
         if _phase(m, dst):
-            shards.reshard(address, abort)
+            try:
+                shards.reshard(address, abort)
+            except RetryLater as exc:
+                raise ScaleError(f"abort on {address}: the shard is busy or restarting ({exc}); run it again") from None
+            except Exception as exc:
+                raise ScaleError(f"abort on {address} failed: {exc}") from None
     report.aborted = True
     say(f"aborted: the cluster stays at {src.describe()}; stop the new shards, they hold nothing")
     return report
@@ -384,19 +389,29 @@ def _abort(
 def _undo_after_disk_failure(
     shards: ShardCalls, maps: dict[str, pb.GetMapResponse], src: ClusterMap, dst: ClusterMap, failed: _DiskFailed
 ) -> str:
-    """Abort the reshard on every shard that takes it (the old owners first: their moving
-    keys take pushes again); returns the one line that says what happened and what to do."""
+    """Abort the reshard on every shard that takes part (the old owners of moving keys
+    first: those keys take pushes again); returns the one line that says what happened
+    and what to do."""
     abort = _request(pb.ReshardRequest.ABORT, dst)
+    givers = [a for i, a in enumerate(src.addresses) if MoveState(i, src, dst).is_source]
     kept: list[str] = []
-    for address in [*src.addresses, *(a for a in dst.addresses if a not in src.addresses)]:
+    for address in dict.fromkeys([*givers, *src.addresses, *dst.addresses]):
         try:
             shards.reshard(address, abort)
         except Exception:  # the failed disk itself may refuse to forget what it took in
             kept.append(address)
-    if kept and kept != [failed.address]:
-        undone = f"undoing it failed on {', '.join(kept)}: run ps-admin scale --abort with the same lists"
+    stays = f"the cluster stays at {src.describe()}"
+    if not kept:
+        undone = f"the reshard was undone and {stays}"
+    elif kept == [failed.address]:
+        undone = (
+            f"every other shard dropped the reshard and {stays} ({failed.address} keeps its record "
+            "of it until the next ps-admin scale, or --abort, settles it)"
+        )
     else:
-        undone = f"the reshard was undone and the cluster stays at {src.describe()}"
+        undone = (
+            f"undoing it failed on {', '.join(kept)}: once they answer, run ps-admin scale --abort with the same lists"
+        )
     return (
         f"{failed.address} cannot write the rows it takes in, its disk refused them ({failed.error}); "
         f"nothing acknowledged was lost: {undone}. Give it space and restart it on the same address, "

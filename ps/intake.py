@@ -40,7 +40,7 @@ from ps.cluster import MoveState
 from ps.config import TableSpec, spec_from_proto
 from ps.errors import ShardError
 from ps.rows import Rows
-from ps.storage import StorageFailed
+from ps.storage import StorageClosed, StorageFailed
 from ps.table import Table
 from ps.yielding import lower_this_thread
 
@@ -187,14 +187,16 @@ class Intake:
                 self._copy(source, progress)
                 delay = _BACKOFF_S[0]
             except grpc.RpcError as exc:
-                progress.error = f"{exc.code().name}: {exc.details()}"
+                progress.error, progress.disk_failed = f"{exc.code().name}: {exc.details()}", False
+            except StorageClosed as exc:  # this shard is stopping
+                progress.error, progress.disk_failed = str(exc), False
             except StorageFailed as exc:  # this shard's disk: say so apart, the admin gives up on it
                 progress.error, progress.disk_failed = str(exc), True
             except (ShardError, wire.WireFormatError, ValueError) as exc:
-                progress.error = str(exc)
+                progress.error, progress.disk_failed = str(exc), False
             except Exception as exc:  # a bug: keep the shard up, say so, try again
                 log.exception("copying rows from shard %d failed", source)
-                progress.error = f"{type(exc).__name__}: {exc}"
+                progress.error, progress.disk_failed = f"{type(exc).__name__}: {exc}", False
             progress.connected = False
             if progress.complete or self._stop.is_set():
                 break

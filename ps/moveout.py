@@ -98,7 +98,7 @@ def _batches(
             if frozen_at is not None and sent >= frozen_at:
                 yield _last(tables(), changes, sent)
                 return
-            if not dirty.pending:
+            if not dirty.pending and dirty.version <= sent:  # nothing drained since the last round
                 changes.wait(dirty.version, _HEARTBEAT_S)
             if not dirty.drain():
                 break  # copy again

@@ -60,11 +60,12 @@ import numpy as np
 import numpy.typing as npt
 import rocksdict
 
+from ps import yielding
 from ps.datadir import FORMAT_VERSION, DataDirError, has_room, lock_data_dir, open_failure, write_manifest
 from ps.errors import ShardError
 from ps.rows import Rows
 
-__all__ = ["DataDirError", "Storage", "StorageFailed", "TableRows"]
+__all__ = ["DataDirError", "Storage", "StorageClosed", "StorageFailed", "TableRows"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,10 @@ class StorageFailed(ShardError):
     """A write to RocksDB failed (disk full, I/O error): nothing of it was applied."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class StorageClosed(StorageFailed):
+    """The storage was closed (the shard is shutting down): no fault of the disk."""
 
 
 def _key_bytes(keys: npt.NDArray[np.int64]) -> list[bytes]:
@@ -384,7 +389,7 @@ class Storage:
 
     def _write(self, fn: object) -> None:
         if self._db is None:
-            raise StorageFailed(f"storage in {self.path} is closed (the shard is shutting down)")
+            raise StorageClosed(f"storage in {self.path} is closed (the shard is shutting down)")
         try:
             fn()  # type: ignore[operator]
         except Exception as exc:
@@ -393,10 +398,12 @@ class Storage:
     def _read(self, get: Callable[[list[bytes]], list[bytes | None]], keys: list[bytes]) -> list[bytes | None]:
         """``get(keys)``, split across the reader threads when ``keys`` is long."""
         if self._db is None:
-            raise StorageFailed(f"storage in {self.path} is closed (the shard is shutting down)")
+            raise StorageClosed(f"storage in {self.path} is closed (the shard is shutting down)")
         parts = min(_READ_THREADS, len(keys) // _READ_PART_MIN)
         try:
-            if parts <= 1 or self._readers is None:
+            # A thread of lowered priority (a reshard's copy) reads alone: the pool's threads,
+            # shared with requests, would otherwise be started by it and inherit its priority.
+            if parts <= 1 or self._readers is None or yielding.lowered():
                 return get(keys)
             step = -(-len(keys) // parts)
             others = [self._readers.submit(get, keys[i : i + step]) for i in range(step, len(keys), step)]

@@ -4,7 +4,8 @@ A live reshard copies rows while the shards go on answering lookups and pushes. 
 machine with few cores the copy (reading, packing, writing rows) would take its full share
 of them and slow training several times over; run at a lower scheduling priority (a higher
 nice value, per thread on Linux) it takes the cores the requests leave idle, and all of
-them when training pauses. ``lower_this_thread`` lowers the calling thread's priority;
+them when training pauses. ``lower_this_thread`` lowers the calling thread's priority
+(threads it starts inherit it: ``lowered`` tells shared pools not to start from it);
 ``produced_apart`` runs a generator in a thread of its own at that priority, for work that
 a gRPC handler thread (shared by every call) would otherwise do.
 
@@ -21,13 +22,14 @@ import threading
 from collections.abc import Generator, Iterator
 from typing import TypeVar, cast
 
-__all__ = ["COPY_NICE", "lower_this_thread", "produced_apart"]
+__all__ = ["COPY_NICE", "lower_this_thread", "lowered", "produced_apart"]
 
 T = TypeVar("T")
 
 COPY_NICE = 10  # CFS gives a nice-10 thread about a tenth of a nice-0 one's share when both run
 
 _DONE = object()
+_local = threading.local()
 
 
 def lower_this_thread(nice: int = COPY_NICE) -> bool:
@@ -37,9 +39,16 @@ def lower_this_thread(nice: int = COPY_NICE) -> bool:
         tid = threading.get_native_id()
         if os.getpriority(os.PRIO_PROCESS, tid) < nice:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
-        return True
     except (OSError, AttributeError):
         return False
+    _local.lowered = True
+    return True
+
+
+def lowered() -> bool:
+    """Whether the calling thread lowered its priority (``lower_this_thread``): threads it
+    starts would inherit that, so shared pools must not be started from it."""
+    return bool(getattr(_local, "lowered", False))
 
 
 def produced_apart(items: Iterator[T], name: str, depth: int = 2) -> Generator[T, None, None]:

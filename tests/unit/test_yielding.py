@@ -6,10 +6,13 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from ps.yielding import COPY_NICE, lower_this_thread, produced_apart
+from ps import storage
+from ps.storage import Storage
+from ps.yielding import COPY_NICE, lower_this_thread, lowered, produced_apart
 
 
 def test_items_and_errors_come_in_order() -> None:
@@ -67,3 +70,31 @@ def test_lower_this_thread_never_raises_priority() -> None:
     thread.start()
     thread.join()
     assert seen and seen[0] >= COPY_NICE + 5
+
+
+def test_a_lowered_thread_reads_alone_and_starts_no_shared_reader(tmp_path: Path) -> None:
+    """Threads inherit their creator's nice value: the storage's reader pool, shared with
+    requests, must not be started by a reshard's lowered copy thread."""
+    keys = [b"k%07d" % i for i in range(4 * storage._READ_PART_MIN)]
+    seen: list[set[str]] = []
+
+    def get(part: list[bytes]) -> list[bytes | None]:
+        seen.append({threading.current_thread().name})
+        return [None] * len(part)
+
+    with Storage(tmp_path / "data", shard=0, num_shards=1) as st:
+
+        def copy() -> None:
+            assert lower_this_thread() and lowered()
+            assert st._read(get, keys) == [None] * len(keys)
+
+        thread = threading.Thread(target=copy, name="test-copy")
+        thread.start()
+        thread.join()
+        assert seen == [{"test-copy"}], seen
+        assert not any(t.name.startswith("ps-read") for t in threading.enumerate())
+        if storage._READ_THREADS > 1:  # a request's thread still splits a long read
+            seen.clear()
+            st._read(get, keys)
+            assert len(seen) > 1
+    assert not lowered()  # this thread was never lowered
