@@ -30,7 +30,6 @@ from ps.config import spec_to_proto
 from ps.errors import InvalidRequest, Moving
 from ps.reshard import Reshard
 from ps.table import Table
-from ps.yielding import produced_apart
 
 __all__ = ["move_batches"]
 
@@ -54,22 +53,7 @@ def move_batches(
     """The stream of the rows of this shard that move to shard ``destination`` of ``to``,
     at most ``max_rows_per_s`` a second (0: no limit). Raises ``Moving`` before this shard
     has prepared the reshard to ``to`` (retry), ``InvalidRequest`` for a destination that
-    gets no keys from it. The batches are made in a thread of their own at a lower
-    priority than requests (``ps.yielding``), a couple ahead of the stream."""
-    batches = _batches(reshard, tables, changes, to, destination, active, max_message_bytes, max_rows_per_s)
-    return produced_apart(batches, f"ps-moveout-to-{destination}")
-
-
-def _batches(
-    reshard: Reshard,
-    tables: Callable[[], Sequence[Table]],
-    changes: ChangeLog,
-    to: ClusterMap,
-    destination: int,
-    active: Callable[[], bool],
-    max_message_bytes: int,
-    max_rows_per_s: float,
-) -> Iterator[pb.MoveBatch]:
+    gets no keys from it."""
     mv = reshard.move
     if mv is None or mv.dst != to:
         raise Moving(

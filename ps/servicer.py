@@ -35,6 +35,7 @@ from ps.config import spec_from_proto, spec_to_proto
 from ps.errors import RequestTooLarge, ShardError
 from ps.report import shard_stats
 from ps.shard import Shard
+from ps.yielding import produced_apart
 
 __all__ = [
     "Servicer",
@@ -193,13 +194,16 @@ class Servicer:
     def MoveRows(self, request: bytes, context: grpc.ServicerContext) -> Iterator[pb.MoveBatch]:
         with status_boundary(context, "MoveRows"):
             move = pb.MoveRowsRequest.FromString(request)
-            yield from self._shard.move_rows(
+            batches = self._shard.move_rows(
                 ClusterMap.from_proto(move.to, "to"),
                 move.destination,
                 context.is_active,
                 self._max_bytes,
                 max(0.0, move.max_rows_per_s),
             )
+            # Made a couple ahead in a thread of lower priority than requests (this handler
+            # thread serves every call): the copy takes the cores requests leave idle.
+            yield from produced_apart(batches, f"ps-moveout-to-{move.destination}")
 
 
 # -- the codec of the two requests that carry rows -------------------------------------------
