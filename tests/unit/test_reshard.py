@@ -11,128 +11,40 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
-from client import ClientConfig, PSClient
-from deploy.scale import RetryLater, ScaleError, scale
+from deploy.scale import ScaleError, scale
 from protos import ps_pb2 as pb
 from protos import wire
 from protos.keys import shard_of
 from ps.changes import ChangeLog
 from ps.cluster import ClusterMap, Route
-from ps.config import Durability, TableSpec
+from ps.config import Durability
 from ps.errors import Moving, ShardMismatch, WrongShard
-from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.reshard import ReshardSettings
 from ps.rows import Rows
-from ps.shard import LookupBatch, PushBatch, Shard
+from ps.shard import LookupBatch, Shard
 from ps.storage import Storage
-from tests.fakes import InProcessTransport
-
-SGD = TableSpec("t", dim=4, seed=7, optimizer=OptimizerParams(OptimizerKind.SGD, lr=1.0))
-ADAGRAD = TableSpec("a", dim=3, seed=9, optimizer=OptimizerParams(OptimizerKind.ADAGRAD, lr=0.5))
-KEYS = np.arange(-600, 600, dtype=np.int64) * 7919
-
-
-class Cluster:
-    """In-process shards by address: ``deploy.scale``'s ``ShardCalls`` and the shards'
-    ``MoveStream``."""
-
-    def __init__(self) -> None:
-        self.shards: dict[str, Shard] = {}
-        self.closed = False
-
-    def add(self, index: int, num_shards: int, storage: Storage | None = None, **kwargs: object) -> Shard:
-        resharding = ReshardSettings(self.stream, settle_s=0.5)
-        shard = Shard(index, num_shards, storage, resharding=resharding, **kwargs)  # type: ignore[arg-type]
-        shard.start()
-        self.shards[f"s{index}"] = shard
-        return shard
-
-    def get_map(self, address: str) -> pb.GetMapResponse:
-        return self.shards[address].get_map()
-
-    def reshard(self, address: str, request: pb.ReshardRequest) -> pb.ReshardStatus:
-        try:
-            return self.shards[address].reshard_request(request)
-        except Moving as exc:
-            raise RetryLater(str(exc)) from None
-
-    def stream(self, address: str, request: pb.MoveRowsRequest) -> Iterable[pb.MoveBatch]:
-        to = ClusterMap.from_proto(request.to)
-        return self.shards[address].move_rows(to, request.destination, lambda: not self.closed, 1 << 20)
-
-    def close(self) -> None:
-        self.closed = True
-        for shard in self.shards.values():
-            shard.shutdown()
-
-    def addresses(self, n: int) -> list[str]:
-        return [f"s{i}" for i in range(n)]
+from tests.unit.reshard_cluster import (
+    KEYS,
+    SGD,
+    Cluster,
+    all_rows,
+    owners_ok,
+    push,
+    running_cluster,
+    seed_rows,
+    wait_done,
+)
 
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
-    c = Cluster()
-    yield c
-    c.close()
-
-
-def push(shard: Shard, table: str, keys: npt.NDArray[np.int64], grads: npt.NDArray[np.float32], **kw: object) -> None:
-    batch = PushBatch([(table, keys, grads)], **kw)  # type: ignore[arg-type]
-    shard.push(batch)
-
-
-def routed(cluster: Cluster, n: int, epoch: int = 0) -> Route:
-    return Route(num_shards=n, epoch=epoch)
-
-
-def all_rows(shards: Iterable[Shard], table: str) -> Rows:
-    parts = [s.table(table).export() for s in shards]
-    rows = Rows.concat(parts, parts[0].dim, parts[0].state_width)
-    return rows[np.argsort(rows.keys, kind="stable")]
-
-
-def owners_ok(cluster: Cluster, n: int, table: str) -> None:
-    """Every stored key sits on the shard that owns it under ``n`` shards, once."""
-    seen: list[npt.NDArray[np.int64]] = []
-    for i in range(n):
-        keys = cluster.shards[f"s{i}"].table(table).export().keys
-        assert (shard_of(keys, n) == i).all(), f"shard {i} holds keys of another shard"
-        seen.append(keys)
-    flat = np.concatenate(seen)
-    assert np.unique(flat).shape == flat.shape, "a key is on two shards"
-
-
-def wait_done(cluster: Cluster, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(s.reshard.move is not None and s.reshard.move.phase == "committed" for s in cluster.shards.values()):
-        assert time.monotonic() < deadline, "old owners did not finish dropping the rows they gave away"
-        time.sleep(0.02)
-
-
-def seed_rows(cluster: Cluster, n: int, spec: TableSpec = ADAGRAD) -> None:
-    """Create ``spec`` on the first ``n`` shards and push twice to every key of ``KEYS``."""
-    rng = np.random.default_rng(3)
-    owners = shard_of(KEYS, n)
-    for i in range(n):
-        shard = cluster.shards[f"s{i}"]
-        shard.create_table(spec)
-        mine = KEYS[owners == i]
-        for seq in (1, 2):
-            push(
-                shard,
-                spec.name,
-                mine,
-                rng.standard_normal((mine.size, spec.dim)).astype(np.float32),
-                client_id="w",
-                seq=seq,
-            )
+    yield from running_cluster()
 
 
 def test_growing_moves_only_the_keys_whose_owner_changes_with_their_whole_rows(cluster: Cluster) -> None:
@@ -481,119 +393,6 @@ def test_a_push_frozen_out_of_both_old_owners_reaches_the_new_one_in_two_parts_a
     )
     new.lookup(LookupBatch([("t", KEYS[moved])], Route(3, 2, 1)), lambda dims: [after])
     np.testing.assert_array_equal(after, start[: int(moved.sum())] - np.float32(1.0))
-
-
-def test_a_client_training_through_a_scale_learns_the_new_map_and_applies_each_push_once(cluster: Cluster) -> None:
-    # PSClient as a trainer uses it, during a whole 2 -> 3 scale: refused parts are sent
-    # again (frozen keys), routed by the new map (after the commit), and no error reaches
-    # the caller.
-    for i in range(2):
-        cluster.add(i, 2)
-    cluster.add(2, 3)
-    transport = InProcessTransport(
-        [cluster.shards["s0"], cluster.shards["s1"]], by_address=cluster.shards, addresses=["s0", "s1"]
-    )
-    fast = ClientConfig(backoff_initial_s=0.002, backoff_max_s=0.01, tune_malloc=False)
-    with PSClient(["s0", "s1"], fast, transport=transport, client_id="trainer") as ps:
-        ps.create_table("t", 4, lr=1.0, seed=7)
-        twin = Shard(0, 1)
-        twin.create_table(SGD)
-        start = ps.lookup("t", KEYS)
-        stop = threading.Event()
-        steps: list[int] = []
-
-        def train() -> None:
-            while not stop.is_set():
-                rows = ps.lookup("t", KEYS)
-                assert rows.shape == (KEYS.size, 4)
-                ps.push("t", KEYS, np.full((KEYS.size, 4), 0.25, np.float32))
-                steps.append(1)
-
-        thread = threading.Thread(target=train)
-        thread.start()
-        time.sleep(0.2)
-        scale(cluster, ["s0", "s1"], ["s0", "s1", "s2"])
-        time.sleep(0.3)
-        stop.set()
-        thread.join(30)
-        assert not thread.is_alive() and len(steps) > 5
-        assert ps.epoch == 1 and ps.num_shards == 3 and ps.addresses == ["s0", "s1", "s2"]
-        got = ps.lookup("t", KEYS)
-    wait_done(cluster)
-    owners_ok(cluster, 3, "t")
-    want = start.copy()
-    for _ in steps:
-        want = want - np.float32(0.25)
-    np.testing.assert_array_equal(got, want)
-
-
-def test_a_client_given_old_addresses_learns_the_map_before_it_routes(cluster: Cluster) -> None:
-    for i in range(2):
-        cluster.add(i, 2)
-    cluster.add(2, 3)
-    fast = ClientConfig(backoff_initial_s=0.002, backoff_max_s=0.01, tune_malloc=False)
-    first = PSClient(
-        ["s0", "s1"],
-        fast,
-        transport=InProcessTransport(
-            [cluster.shards["s0"], cluster.shards["s1"]], by_address=cluster.shards, addresses=["s0", "s1"]
-        ),
-    )
-    first.create_table("t", 4, lr=1.0, seed=7)
-    rows = first.lookup("t", KEYS)
-    scale(cluster, ["s0", "s1"], ["s0", "s1", "s2"])
-    transport = InProcessTransport(
-        [cluster.shards["s0"], cluster.shards["s1"]], by_address=cluster.shards, addresses=["s0", "s1"]
-    )
-    late = PSClient(["s0", "s1"], fast, transport=transport)
-    np.testing.assert_array_equal(late.lookup("t", KEYS), rows)
-    assert late.epoch == 1 and late.num_shards == 3
-    assert [m for _, m, _ in transport.calls] == ["ListTables", "GetMap"]  # asked first: nothing refused
-
-
-def test_a_trainer_through_grow_shrink_grow_applies_each_push_once_and_ledgers_settle(cluster: Cluster) -> None:
-    # A client started after the cluster grew and shrank back (epoch 2, the size it was
-    # given) trains through another grow and shrink; a shard that left and rejoins is empty.
-    for i in range(2):
-        cluster.add(i, 2)
-    cluster.add(2, 3)
-    fast = ClientConfig(backoff_initial_s=0.002, backoff_max_s=0.01, tune_malloc=False)
-
-    def client(client_id: str | None = None) -> PSClient:
-        transport = InProcessTransport(
-            [cluster.shards["s0"], cluster.shards["s1"]], by_address=cluster.shards, addresses=["s0", "s1"]
-        )
-        return PSClient(["s0", "s1"], fast, transport=transport, client_id=client_id).start()
-
-    admin = client()
-    admin.create_table("t", 4, lr=1.0, seed=7)
-    scale(cluster, ["s0", "s1"], ["s0", "s1", "s2"])
-    scale(cluster, ["s0", "s1", "s2"], ["s0", "s1"], timeout_s=30)
-    trainer = client("trainer")
-    start = trainer.lookup("t", KEYS)
-    stop, steps, errors = threading.Event(), [0], []
-
-    def train() -> None:
-        try:
-            while not stop.is_set():
-                trainer.push("t", KEYS, np.full((KEYS.size, 4), 0.25, np.float32))
-                steps[0] += 1
-        except Exception as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=train)
-    thread.start()
-    time.sleep(0.1)
-    scale(cluster, ["s0", "s1"], ["s0", "s1", "s2"], timeout_s=30)
-    scale(cluster, ["s0", "s1", "s2"], ["s0", "s1"], timeout_s=30)  # waits for the ledgers to settle first
-    time.sleep(0.1)
-    stop.set()
-    thread.join(30)
-    assert errors == [] and steps[0] > 3
-    want = start.copy()
-    for _ in range(steps[0]):
-        want = want - np.float32(0.25)
-    np.testing.assert_array_equal(trainer.lookup("t", KEYS), want)
 
 
 def test_a_follower_started_for_any_size_its_shard_had_may_follow_it(cluster: Cluster, tmp_path: Path) -> None:

@@ -1,0 +1,136 @@
+"""Clients through a live reshard, on in-process shards: ``PSClient`` (as a trainer
+uses it) learns the new cluster map from the shards, routes by it, and every push it
+made is applied once per key."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from client import ClientConfig, PSClient
+from deploy.scale import scale
+from ps.shard import Shard
+from tests.fakes import InProcessTransport
+from tests.unit.reshard_cluster import KEYS, SGD, Cluster, owners_ok, running_cluster, wait_done
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    yield from running_cluster()
+
+
+def test_a_client_training_through_a_scale_learns_the_new_map_and_applies_each_push_once(cluster: Cluster) -> None:
+    # PSClient as a trainer uses it, during a whole 2 -> 3 scale: refused parts are sent
+    # again (frozen keys), routed by the new map (after the commit), and no error reaches
+    # the caller.
+    for i in range(2):
+        cluster.add(i, 2)
+    cluster.add(2, 3)
+    transport = InProcessTransport(
+        [cluster.shards["s0"], cluster.shards["s1"]], by_address=cluster.shards, addresses=["s0", "s1"]
+    )
+    fast = ClientConfig(backoff_initial_s=0.002, backoff_max_s=0.01, tune_malloc=False)
+    with PSClient(["s0", "s1"], fast, transport=transport, client_id="trainer") as ps:
+        ps.create_table("t", 4, lr=1.0, seed=7)
+        twin = Shard(0, 1)
+        twin.create_table(SGD)
+        start = ps.lookup("t", KEYS)
+        stop = threading.Event()
+        steps: list[int] = []
+
+        def train() -> None:
+            while not stop.is_set():
+                rows = ps.lookup("t", KEYS)
+                assert rows.shape == (KEYS.size, 4)
+                ps.push("t", KEYS, np.full((KEYS.size, 4), 0.25, np.float32))
+                steps.append(1)
+
+        thread = threading.Thread(target=train)
+        thread.start()
+        time.sleep(0.2)
+        scale(cluster, ["s0", "s1"], ["s0", "s1", "s2"])
+        time.sleep(0.3)
+        stop.set()
+        thread.join(30)
+        assert not thread.is_alive() and len(steps) > 5
+        assert ps.epoch == 1 and ps.num_shards == 3 and ps.addresses == ["s0", "s1", "s2"]
+        got = ps.lookup("t", KEYS)
+    wait_done(cluster)
+    owners_ok(cluster, 3, "t")
+    want = start.copy()
+    for _ in steps:
+        want = want - np.float32(0.25)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_client_given_old_addresses_learns_the_map_before_it_routes(cluster: Cluster) -> None:
+    for i in range(2):
+        cluster.add(i, 2)
+    cluster.add(2, 3)
+    fast = ClientConfig(backoff_initial_s=0.002, backoff_max_s=0.01, tune_malloc=False)
+    first = PSClient(
+        ["s0", "s1"],
+        fast,
+        transport=InProcessTransport(
+            [cluster.shards["s0"], cluster.shards["s1"]], by_address=cluster.shards, addresses=["s0", "s1"]
+        ),
+    )
+    first.create_table("t", 4, lr=1.0, seed=7)
+    rows = first.lookup("t", KEYS)
+    scale(cluster, ["s0", "s1"], ["s0", "s1", "s2"])
+    transport = InProcessTransport(
+        [cluster.shards["s0"], cluster.shards["s1"]], by_address=cluster.shards, addresses=["s0", "s1"]
+    )
+    late = PSClient(["s0", "s1"], fast, transport=transport)
+    np.testing.assert_array_equal(late.lookup("t", KEYS), rows)
+    assert late.epoch == 1 and late.num_shards == 3
+    assert [m for _, m, _ in transport.calls] == ["ListTables", "GetMap"]  # asked first: nothing refused
+
+
+def test_a_trainer_through_grow_shrink_grow_applies_each_push_once_and_ledgers_settle(cluster: Cluster) -> None:
+    # A client started after the cluster grew and shrank back (epoch 2, the size it was
+    # given) trains through another grow and shrink; a shard that left and rejoins is empty.
+    for i in range(2):
+        cluster.add(i, 2)
+    cluster.add(2, 3)
+    fast = ClientConfig(backoff_initial_s=0.002, backoff_max_s=0.01, tune_malloc=False)
+
+    def client(client_id: str | None = None) -> PSClient:
+        transport = InProcessTransport(
+            [cluster.shards["s0"], cluster.shards["s1"]], by_address=cluster.shards, addresses=["s0", "s1"]
+        )
+        return PSClient(["s0", "s1"], fast, transport=transport, client_id=client_id).start()
+
+    admin = client()
+    admin.create_table("t", 4, lr=1.0, seed=7)
+    scale(cluster, ["s0", "s1"], ["s0", "s1", "s2"])
+    scale(cluster, ["s0", "s1", "s2"], ["s0", "s1"], timeout_s=30)
+    trainer = client("trainer")
+    start = trainer.lookup("t", KEYS)
+    stop, steps, errors = threading.Event(), [0], []
+
+    def train() -> None:
+        try:
+            while not stop.is_set():
+                trainer.push("t", KEYS, np.full((KEYS.size, 4), 0.25, np.float32))
+                steps[0] += 1
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    time.sleep(0.1)
+    scale(cluster, ["s0", "s1"], ["s0", "s1", "s2"], timeout_s=30)
+    scale(cluster, ["s0", "s1", "s2"], ["s0", "s1"], timeout_s=30)  # waits for the ledgers to settle first
+    time.sleep(0.1)
+    stop.set()
+    thread.join(30)
+    assert errors == [] and steps[0] > 3
+    want = start.copy()
+    for _ in range(steps[0]):
+        want = want - np.float32(0.25)
+    np.testing.assert_array_equal(trainer.lookup("t", KEYS), want)
