@@ -2,8 +2,9 @@
 
 Each shard is a real ``python -m ps`` process listening on 127.0.0.1 port 0; the
 launcher waits for the port file the shard writes once it is serving, so there is no
-race on picking a free port. Stopping sends SIGTERM (the shard drains in-flight
-calls) and checks the exit code.
+race on picking a free port. Stopping sends SIGINT (the shard finishes the calls in
+flight and writes what it holds; SIGTERM when a serving replica leaves a cluster that
+goes on: it drains first) and checks the exit code.
 
 Example:
     with LocalCluster(num_shards=2, root=Path("/tmp/ps")) as cluster:
@@ -162,16 +163,22 @@ def await_shard(shard: ShardProcess, root: Path, timeout_s: float = 60.0) -> Sha
     return shard
 
 
-def stop_shard(shard: ShardProcess, timeout_s: float = 30.0) -> None:
-    """SIGTERM and wait. Raises ``ShardStartError`` unless the shard exits 0 in time."""
+def stop_shard(shard: ShardProcess, timeout_s: float = 30.0, *, drain: bool = False) -> None:
+    """Stop ``shard`` and wait. Raises ``ShardStartError`` unless it exits 0 in time.
+
+    ``drain``: SIGTERM, so that a serving replica drains first (``--drain-s``: health
+    NOT_SERVING while it still answers, and clients move to the others); otherwise SIGINT,
+    which stops at once (the rest of the cluster is stopping too). Either way calls in
+    flight finish and a training shard writes what it holds."""
+    how = signal.SIGTERM if drain else signal.SIGINT
     if shard.proc.poll() is None:
-        shard.proc.send_signal(signal.SIGTERM)
+        shard.proc.send_signal(how)
     try:
         code = shard.proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         shard.proc.kill()
         shard.proc.wait()
-        raise ShardStartError(f"shard {shard.index} ignored SIGTERM for {timeout_s}s:\n{shard.log_tail()}") from None
+        raise ShardStartError(f"shard {shard.index} ignored {how.name} for {timeout_s}s:\n{shard.log_tail()}") from None
     if code != 0:
         raise ShardStartError(f"shard {shard.index} exited {code}:\n{shard.log_tail()}")
 

@@ -44,7 +44,9 @@ __all__ = [
     "PARENT_PID_VARIABLE",
     "Served",
     "ServerSettings",
+    "Readiness",
     "Status",
+    "Stop",
     "exit_with_parent",
     "listen",
     "run_server",
@@ -94,11 +96,17 @@ def status_boundary(
 
 
 def listen(
-    server: grpc.Server, address: str, services: Sequence[str], credentials: grpc.ServerCredentials | None = None
+    server: grpc.Server,
+    address: str,
+    services: Sequence[str],
+    credentials: grpc.ServerCredentials | None = None,
+    *,
+    serving: bool = True,
 ) -> tuple[int, health.HealthServicer]:
     """Register health and reflection for ``services`` on ``server`` (its own services
     already added), bind ``address`` (with TLS when ``credentials`` are given, see
-    ``protos.tls``), start it, and mark ``""`` and every service SERVING.
+    ``protos.tls``), start it, and mark ``""`` and every service SERVING (NOT_SERVING
+    when not ``serving`` yet: ``Readiness`` says when it is).
 
     Returns the real port and the health servicer. Raises ``RuntimeError`` naming the
     address when it cannot be bound (the server is not started then).
@@ -119,10 +127,40 @@ def listen(
         raise RuntimeError(f"cannot listen on {address}: {exc}") from None
     if port == 0:
         raise RuntimeError(f"cannot listen on {address}: address in use or not available")
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", *services):  # before the server starts: no check sees another status first
+        health_servicer.set(service, status)
     server.start()
-    for service in ("", *services):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return port, health_servicer
+
+
+class Readiness:
+    """The overall health (``""`` and the service's name) of a server: SERVING once it is
+    ready (a follower: ``mark_ready`` when caught up; anything else at once) and until it
+    drains (``drain``, on SIGTERM), NOT_SERVING otherwise. Clients add a replica once it
+    is SERVING and stop sending to one that is not. Thread-safe."""
+
+    def __init__(self, health: health.HealthServicer, services: tuple[str, ...], ready: bool) -> None:
+        self._health, self._services = health, ("", *services)
+        self._lock = threading.Lock()
+        self.ready, self.draining = ready, False
+        self._publish()
+
+    def mark_ready(self) -> None:
+        with self._lock:
+            self.ready = True
+            self._publish()
+
+    def drain(self) -> None:
+        with self._lock:
+            self.draining = True
+            self._publish()
+
+    def _publish(self) -> None:
+        serving = self.ready and not self.draining
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in self._services:
+            self._health.set(service, status)
 
 
 class _Handlers:
@@ -248,20 +286,39 @@ def exit_with_parent(environ: Mapping[str, str]) -> None:
         os._exit(1)
 
 
-def stop_on_signals() -> threading.Event:
-    """An event set by the first SIGTERM or SIGINT; later ones are ignored.
+class Stop:
+    """Set by the first SIGTERM or SIGINT (``stop_on_signals``); ``signum`` says which,
+    and a second signal sets ``now`` (a drain in progress ends at once)."""
 
-    The first signal starts the shutdown. Another one changes nothing then, but Python
-    restores every signal's default action as the interpreter exits, so one arriving
-    after the shutdown finished (a launcher stopping a group, then each process) would
-    still kill the process and turn its exit status 0 into -SIGTERM.
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.now = threading.Event()
+        self.signum: int | None = None
+
+    def wait(self, timeout_s: float) -> bool:
+        return self.requested.wait(timeout_s)
+
+
+def stop_on_signals() -> Stop:
+    """A ``Stop`` set by the first SIGTERM or SIGINT; a second one sets ``now``; later
+    ones are ignored.
+
+    The first signal starts the shutdown. Another one changes nothing then but to cut a
+    drain short; Python restores every signal's default action as the interpreter
+    exits, so one arriving after the shutdown finished (a launcher stopping a group,
+    then each process) would still kill the process and turn its exit status 0 into
+    -SIGTERM: signals are ignored from the second one on.
     """
-    stop = threading.Event()
+    stop = Stop()
 
     def on_signal(signum: int, frame: object) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        stop.set()
+        if stop.requested.is_set():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
+            stop.now.set()
+            return
+        stop.signum = signum
+        stop.requested.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -290,6 +347,8 @@ class ServerSettings(Protocol):
     def port_file(self) -> Path | None: ...
     @property
     def grace_s(self) -> float: ...
+    @property
+    def drain_s(self) -> float | None: ...
 
 
 class Served(Protocol):
@@ -300,6 +359,11 @@ class Served(Protocol):
     @property
     def about(self) -> str:
         """What the "listening" log line says besides the port (``key=value`` words)."""
+        ...
+
+    def drain(self) -> None:
+        """Report NOT_SERVING (health) while still answering every call: clients that
+        check health, and load balancers, move their calls elsewhere."""
         ...
 
     def stop_and_report(self, grace_s: float) -> int:
@@ -316,8 +380,11 @@ def run_server(prog: str, parse: Callable[[], _S], start: Callable[[_S], Served]
     ``parse()`` reads the settings (a ``ValueError``: one line on stderr, exit 2); logging is
     configured and the settings logged on one line (``describe``); ``start`` builds and
     starts the server (a ``RuntimeError`` or ``ValueError``: one log line, exit 1); the real
-    port goes to the port file; on SIGTERM or SIGINT the server stops, given
-    ``grace_s``, and its ``stop_and_report`` gives the exit status. Every step logs
+    port goes to the port file. On SIGTERM (how schedulers stop a process) the server
+    first drains for ``drain_s`` seconds (``Served.drain``: health NOT_SERVING, every call
+    still answered) so that clients move away, unless a second signal cuts it short; on
+    SIGINT (Ctrl-C) it does not drain. Then it stops, given ``grace_s``, and its
+    ``stop_and_report`` gives the exit status. Every step logs
     one line (starting, listening, shutting down, and how it stopped) in ``protos.logs``'
     format.
     """
@@ -350,6 +417,11 @@ def run_server(prog: str, parse: Callable[[], _S], start: Callable[[_S], Served]
     log.info("listening port=%d %s", served.port, served.about)
     while not stop.wait(1.0):
         pass
+    drain_s = settings.drain_s or 0.0
+    if stop.signum == signal.SIGTERM and drain_s > 0:
+        served.drain()
+        log.info("draining drain_s=%s: health NOT_SERVING, still answering (a second signal stops now)", drain_s)
+        stop.now.wait(drain_s)
     log.info("shutting down grace_s=%s", settings.grace_s)
     try:
         return served.stop_and_report(settings.grace_s)

@@ -34,6 +34,9 @@ from ps.optimizers import OptimizerKind, OptimizerParams
 __all__ = ["ConfigError", "Durability", "ServerConfig", "TableSpec", "load_config", "spec_from_proto", "spec_to_proto"]
 
 ENV_PREFIX = "PS_"
+SERVE_DRAIN_S = 5.0
+"""A serving shard's default ``--drain-s``: clients re-check replicas' health every second
+(``ClientConfig.membership_refresh_s``), and DNS-based ones re-resolve names as often."""
 # What ``ps-admin`` reads (``--addresses``): a shell that exports it for ps-admin starts
 # ps-server with it too.
 ADMIN_VARIABLES = ("PS_ADDRESSES",)
@@ -176,6 +179,14 @@ class ServerConfig:
             "final write) seconds to keep retrying it before saving a rescue dump"
         },
     )
+    drain_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "on SIGTERM, seconds to report NOT_SERVING (health) while still answering every call, so that "
+            "clients and load balancers move to other replicas first; then --grace-s. SIGINT skips it. "
+            "Unset: 5 in serve mode, 0 in train mode (a training shard has no replica to move to)"
+        },
+    )
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     data_dir: Path | None = field(
         default=None,
@@ -299,6 +310,10 @@ class ServerConfig:
             raise ConfigError(f"max_message_bytes={self.max_message_bytes}: must be in [65536, 2 GiB)")
         if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
             raise ConfigError(f"grace_s={self.grace_s}: must be a finite number >= 0")
+        if self.drain_s is None:
+            object.__setattr__(self, "drain_s", SERVE_DRAIN_S if self.mode == "serve" else 0.0)
+        elif not (math.isfinite(self.drain_s) and self.drain_s >= 0):
+            raise ConfigError(f"drain_s={self.drain_s}: must be a finite number >= 0")
         if not (math.isfinite(self.reshard_settle_s) and self.reshard_settle_s >= 0):
             raise ConfigError(f"reshard_settle_s={self.reshard_settle_s}: must be a finite number >= 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

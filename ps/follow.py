@@ -136,6 +136,12 @@ class Source:
             return max(1, self._resync_lag)  # none of the snapshot's versions is applied yet
         return max(0, self.leader_version - self.applied_version)
 
+    def caught_up(self, max_lag_s: float) -> bool:
+        """Whether the rows served are the leader's, at most ``max_lag_s`` behind: the
+        stream is open, a snapshot (or the data dir's saved version) is in and no new one
+        is being staged."""
+        return bool(self.connected and self.history and not self.resyncing and self.lag_s() < max_lag_s)
+
     def status(self) -> pb.FollowStatus:
         return pb.FollowStatus(
             source=self.kind,

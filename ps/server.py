@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -24,7 +25,7 @@ from grpc_health.v1 import health, health_pb2
 
 from protos.auth import AuthError, bearer_metadata, read_client_token
 from protos.guard import Guard, RpcMetrics, serve_metrics
-from protos.servers import listen, server_security
+from protos.servers import Readiness, listen, server_security
 from protos.services import BACKGROUND_HEALTH, FOLLOW_HEALTH, PS_SERVICE, WRITES_HEALTH
 from protos.tls import TLSError, channel_credentials
 from ps.changes import ChangeLog
@@ -48,7 +49,12 @@ __all__ = [
 ]
 
 FOLLOW_MAX_LAG_S = 5.0
-"""A follower further behind its training shard than this reports ``FOLLOW_HEALTH`` NOT_SERVING."""
+"""A follower further behind its training shard than this reports ``FOLLOW_HEALTH`` NOT_SERVING,
+and a starting one is not ready (health NOT_SERVING) until it is within it."""
+
+READY_WITHOUT_LEADER_S = 30.0
+"""A follower that restarted with rows in its data dir but cannot reach its training shard
+serves them after this long (a serving shard outlives training)."""
 
 SPARE_THREADS = 8
 """Handler threads beyond ``--threads``: refusals and health checks never wait for a busy one."""
@@ -78,14 +84,21 @@ log = logging.getLogger(__name__)
 class PSServer:
     """A started shard server: ``port`` is the real bound port. Stop with ``stop()``."""
 
-    def __init__(self, server: grpc.Server, port: int, shard: Shard, health: health.HealthServicer) -> None:
+    def __init__(
+        self, server: grpc.Server, port: int, shard: Shard, health: health.HealthServicer, readiness: Readiness
+    ) -> None:
         self.server = server
         self.port = port
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
         self.shard = shard
         self._health = health
+        self.readiness = readiness
         self._stopped = threading.Event()
+
+    def drain(self) -> None:
+        """Health NOT_SERVING from now on; every call is still answered (see ``run_server``)."""
+        self.readiness.drain()
 
     def stop(self, grace_s: float | None = None) -> StopReport:
         """Refuse new calls, let in-flight ones finish for up to ``grace_s``, then write what
@@ -318,7 +331,7 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     )
     server.add_generic_rpc_handlers((servicer.handler(),))
     try:
-        port, health_servicer = listen(server, config.listen, [PS_SERVICE], credentials)
+        port, health_servicer = listen(server, config.listen, [PS_SERVICE], credentials, serving=config.follow is None)
     except RuntimeError:
         shard.shutdown()
         raise
@@ -338,8 +351,9 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     if writes:
         shard.on_writable_change(listener(WRITES_HEALTH))
     shard.health.on_change(listener(BACKGROUND_HEALTH))
+    readiness = Readiness(health_servicer, (PS_SERVICE,), ready=config.follow is None)
     shard.start()
-    ps_server = PSServer(server, port, shard, health_servicer)
+    ps_server = PSServer(server, port, shard, health_servicer, readiness)
     if registry is not None and config.metrics_port is not None:
         try:
             ps_server._metrics_server, ps_server.metrics_port = serve_metrics(
@@ -354,18 +368,34 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
         follow_health(False)
         threading.Thread(
             target=_watch_follower,
-            args=(shard.source, follow_health, ps_server._stopped),
+            args=(shard.source, follow_health, readiness, ps_server._stopped),
             name="ps-follow-health",
             daemon=True,
         ).start()
     return ps_server
 
 
-def _watch_follower(source: Source, set_status: Callable[[bool], None], stopped: threading.Event) -> None:
-    """Keep the follow health status in step with the follower's connection and lag."""
+def _watch_follower(
+    source: Source, set_status: Callable[[bool], None], readiness: Readiness, stopped: threading.Event
+) -> None:
+    """Keep the follow health status in step with the follower's connection and lag, and
+    mark the shard ready the first time it is caught up (or serves a pinned checkpoint,
+    or has saved rows and no leader to reach for ``READY_WITHOUT_LEADER_S``)."""
     healthy: bool | None = None
+    started = time.monotonic()
     while not stopped.wait(0.25):
         now = source.connected and source.lag_s() < FOLLOW_MAX_LAG_S
         if now != healthy:
             set_status(now)
             healthy = now
+        if not readiness.ready:
+            caught_up = source.caught_up(FOLLOW_MAX_LAG_S) or source.pinned is not None
+            stranded = bool(source.history) and not source.connected
+            if caught_up or (stranded and time.monotonic() - started > READY_WITHOUT_LEADER_S):
+                if not caught_up:
+                    log.warning(
+                        "the training shard is out of reach: serving the rows saved at version %d",
+                        source.applied_version,
+                    )
+                log.info("ready: serving (version %d)", source.applied_version)
+                readiness.mark_ready()

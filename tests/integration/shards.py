@@ -35,7 +35,7 @@ def start_shard(
 
 
 def stop_shard(shard: RunningShard, timeout_s: float = 30.0) -> None:
-    """SIGTERM and wait; fails the test (with the log tail) unless the shard exits 0."""
+    """Stop it (``deploy.local.stop_shard``) and wait; fails the test (with the log tail) unless it exits 0."""
     try:
         local.stop_shard(shard, timeout_s)
     except ShardStartError as exc:
