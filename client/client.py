@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import posixpath
 import threading
 import time
@@ -28,6 +29,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, cast, overload
 
 import grpc
@@ -40,6 +42,7 @@ from client.cluster import ClusterView, ClusterViews
 from client.config import ClientConfig, TableConfig
 from client.errors import InternalServerError, InvalidRequestError, PreconditionError, PSError, TableNotFoundError
 from client.lookups import encode_lookups, fill_results
+from client.membership import Members, MembershipWatcher
 from client.pushes import encode_part, reroute, split_push
 from client.replicas import normalize_addresses
 from client.retry import Answer, Rerouted, call_all
@@ -142,12 +145,22 @@ class PSClient:
 
     def __init__(
         self,
-        addresses: Sequence[str | Sequence[str]],
+        addresses: Sequence[str | Sequence[str]] | None = None,
         config: ClientConfig | None = None,
         *,
+        addresses_file: str | os.PathLike[str] | None = None,
         transport: Transport | None = None,
         client_id: str | None = None,
     ) -> None:
+        if (addresses is None) == (addresses_file is None):
+            raise InvalidRequestError(
+                "give the shards' addresses or addresses_file (a file of them, re-read as it changes), one of the two"
+            )
+        if addresses_file is not None:
+            members = Members(path=Path(addresses_file))
+        else:
+            assert addresses is not None
+            members = Members(normalize_addresses(addresses))
         self.config = config = config or ClientConfig()
         self.client_id = _client_id(client_id)
         security = _security(config) if transport is None else {}
@@ -166,7 +179,9 @@ class PSClient:
                 )
             return cast("Transport", for_addresses(endpoints))
 
-        self._views = ClusterViews(normalize_addresses(addresses), config, connect=connect, transport=transport)
+        self._views = ClusterViews(members.placeholders(), config, connect=connect, transport=transport)
+        watch = members.dynamic or any(len(r) > 1 for r in members.spec)
+        self._watcher = MembershipWatcher(self._views, members, config.membership_refresh_s) if watch else None
         self._mapped = False  # whether the cluster map was asked for (``_current``)
         self._dtype: Any = _DTYPES[self.config.transport_dtype]  # a wire DType number
         self._tables: dict[str, TableConfig] = {}
@@ -205,12 +220,16 @@ class PSClient:
                     wire.tune_malloc()
                 self._views.start()
                 self._pool = ThreadPoolExecutor(self.config.push_threads, thread_name_prefix="ps-push")
+                if self._watcher is not None:
+                    self._watcher.start()
                 self._started = True
         return self
 
     def close(self) -> None:
         """Wait for pending async pushes, then close the channels."""
         with self._lock:
+            if self._watcher is not None:
+                self._watcher.close()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
@@ -273,13 +292,13 @@ class PSClient:
         """Each replica's ``Stats`` as a dict with its ``"address"`` added, in the order of
         ``addresses`` (shard order when every shard has one address)."""
         view = self._views.current
-        endpoints = range(len(view.addresses))
+        endpoints = view.replica_set.endpoints()
         requests = [(view.replica_set.shard_of(e), b"") for e in endpoints]
         replies = self._call("Stats", requests, pinned=endpoints, view=view)
         out = []
         for (s, _), r in zip(requests, replies):
             with self._reply("Stats", s, r.endpoint, view):
-                out.append({**message_dict(pb.StatsResponse.FromString(r.data)), "address": view.addresses[r.endpoint]})
+                out.append({**message_dict(pb.StatsResponse.FromString(r.data)), "address": view.address(r.endpoint)})
         return out
 
     def replica_health(self) -> list[dict[str, Any]]:
@@ -342,7 +361,7 @@ class PSClient:
         ``InvalidRequestError`` naming a checkpoint a replica does not have.
         """
         view = self._views.current
-        endpoints = range(len(view.addresses))
+        endpoints = view.replica_set.endpoints()
         body = pb.ServeFromRequest(checkpoint=checkpoint or "").SerializeToString()
         requests = [(view.replica_set.shard_of(e), body) for e in endpoints]
         replies = self._call("ServeFrom", requests, pinned=endpoints, view=view)
@@ -350,7 +369,7 @@ class PSClient:
         for (s, _), r in zip(requests, replies):
             with self._reply("ServeFrom", s, r.endpoint, view):
                 status = pb.ServeFromResponse.FromString(r.data).status
-                out.append({**message_dict(status), "address": view.addresses[r.endpoint]})
+                out.append({**message_dict(status), "address": view.address(r.endpoint)})
         return out
 
     # -- lookup ---------------------------------------------------------------------
@@ -639,7 +658,7 @@ class PSClient:
             reply = pb.GetMapResponse.FromString(answer.data)
         if reply.map.epoch <= view.epoch or len(reply.map.addresses) != reply.map.num_shards:
             raise InternalServerError(
-                f"shard {moved.shard} ({view.addresses[moved.endpoint]}): refused keys under a newer cluster map "
+                f"shard {moved.shard} ({view.address(moved.endpoint)}): refused keys under a newer cluster map "
                 f"(epoch {moved.epoch}) but answers GetMap with epoch {reply.map.epoch}"
             )
         current = self._views.update(reply.map.epoch, list(reply.map.addresses))
@@ -715,7 +734,7 @@ class PSClient:
             yield
         except (wire.WireFormatError, DecodeError, json.JSONDecodeError) as exc:
             raise InternalServerError(
-                f"shard {shard} ({(view or self._views.current).addresses[endpoint]}): {method} reply does not "
+                f"shard {shard} ({(view or self._views.current).address(endpoint)}): {method} reply does not "
                 f"decode ({exc}); is that address a ps-server of this version?",
                 shard=shard,
             ) from exc

@@ -18,11 +18,12 @@ Example:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from client.config import ClientConfig
-from client.replicas import ReplicaSet
+from client.errors import PreconditionError
+from client.replicas import Change, ReplicaSet
 from client.transport import Call, Transport
 
 __all__ = ["ClusterView", "ClusterViews", "Connect"]
@@ -33,21 +34,56 @@ Connect = Callable[[list[str]], Transport]
 
 @dataclass(frozen=True)
 class ClusterView:
-    """The cluster at one cluster-map ``epoch`` (see the module docstring)."""
+    """The cluster at one cluster-map ``epoch`` (see the module docstring). Its shards'
+    replicas may change (``set_members``); its shards do not."""
 
     epoch: int
-    replicas: tuple[tuple[str, ...], ...]
     replica_set: ReplicaSet
     transport: Transport
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def replicas(self) -> tuple[tuple[str, ...], ...]:
+        """Each shard's member addresses."""
+        return tuple(self.replica_set.members())
 
     @property
     def num_shards(self) -> int:
-        return len(self.replicas)
+        return self.replica_set.num_shards
 
     @property
     def addresses(self) -> list[str]:
-        """Every endpoint's address, shard by shard (the transport's numbering)."""
+        """Every member's address, shard by shard (those of replicas that left are not)."""
         return self.replica_set.addresses
+
+    def address(self, endpoint: int) -> str:
+        return self.replica_set.address(endpoint)
+
+    def set_members(
+        self,
+        shard: int,
+        addresses: Sequence[str],
+        *,
+        admit: bool = False,
+        server_names: Mapping[str, str] | None = None,
+    ) -> Change:
+        """``ReplicaSet.set_members``, with a channel for each replica new to the transport
+        (``server_names``: the TLS name of a resolved address). Raises ``PreconditionError``
+        when the transport cannot reach new addresses (it has no ``add``)."""
+        with self._lock:
+            add = getattr(self.transport, "add", None)
+            if add is None and any(a not in self.replica_set.all_addresses for a in addresses):
+                raise PreconditionError(
+                    f"shard {shard}: new replicas {', '.join(addresses)}, which this client's transport cannot reach "
+                    "(it has no add)"
+                )
+            change = self.replica_set.set_members(shard, addresses, admit=admit)
+            for endpoint in change.joined:
+                address = self.replica_set.address(endpoint)
+                assert add is not None
+                if add(address, (server_names or {}).get(address)) != endpoint:
+                    raise RuntimeError(f"shard {shard}: {address} numbered apart by the transport and the replicas")
+            return change
 
 
 class ClusterViews:
@@ -74,10 +110,7 @@ class ClusterViews:
             replicas, eject_after_failures=c.eject_after_failures, eject_s=c.eject_s, eject_max_s=c.eject_max_s
         )
         return ClusterView(
-            epoch,
-            tuple(tuple(r) for r in replicas),
-            replica_set,
-            transport if transport is not None else self._connect(replica_set.addresses),
+            epoch, replica_set, transport if transport is not None else self._connect(replica_set.all_addresses)
         )
 
     def start(self) -> None:

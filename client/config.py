@@ -51,6 +51,11 @@ class ClientConfig:
       replica back, its failure ejects it again. A shard with one replica is never ejected.
     * ``eject_s``, ``eject_max_s``: the first ejection lasts ``eject_s``; each one after
       a failed probe lasts twice the one before, up to ``eject_max_s``.
+    * ``membership_refresh_s``: how often a client whose replicas can change (a ``dns:``
+      entry, an addresses file) looks for new ones, and a client of replicas asks each
+      for its health: a new replica takes calls after its first SERVING answer, one that
+      answers NOT_SERVING (draining before it stops) is called only when no other is left
+      (``client.membership``).
 
     Security (shards started with ``--tls-cert``/``--auth-token-file``); each defaults to
     the environment variable named, so every program that calls shards (trainer,
@@ -82,6 +87,7 @@ class ClientConfig:
     eject_after_failures: int = 3
     eject_s: float = 1.0
     eject_max_s: float = 30.0
+    membership_refresh_s: float = 1.0
     tls_ca: str | None = field(default_factory=lambda: _env("PS_CLIENT_TLS_CA"))
     tls_cert: str | None = field(default_factory=lambda: _env("PS_CLIENT_TLS_CERT"))
     tls_key: str | None = field(default_factory=lambda: _env("PS_CLIENT_TLS_KEY"))
@@ -120,7 +126,7 @@ class ClientConfig:
             raise ValueError(f"hedge_after_s={self.hedge_after_s}: must be None (no hedging) or a positive number")
         if self.eject_after_failures < 1:
             raise ValueError(f"eject_after_failures={self.eject_after_failures}: must be >= 1")
-        for name in ("eject_s", "eject_max_s"):
+        for name in ("eject_s", "eject_max_s", "membership_refresh_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value}: must be a positive number of seconds")

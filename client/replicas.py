@@ -37,7 +37,18 @@ from typing import Any, Literal
 
 from client.errors import InvalidRequestError
 
-__all__ = ["FAILED", "NEUTRAL", "OK", "Outcome", "Pick", "ReplicaSet", "normalize_addresses", "parse_addresses"]
+__all__ = [
+    "FAILED",
+    "NEUTRAL",
+    "OK",
+    "Change",
+    "Outcome",
+    "Pick",
+    "ReplicaSet",
+    "State",
+    "normalize_addresses",
+    "parse_addresses",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +63,8 @@ REPLICA_SEPARATORS = re.compile(r"[+|]")
 
 
 def _check_address(address: str, where: str) -> str:
-    host, sep, port = address.rpartition(":")
+    name = address[len("dns:") :] if address.startswith("dns:") else address
+    host, sep, port = name.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise InvalidRequestError(f"{where}: {address!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
     return address
@@ -112,11 +124,19 @@ def normalize_addresses(addresses: Sequence[str | Sequence[str]]) -> list[list[s
     return out
 
 
+State = Literal["serving", "pending", "draining", "gone"]
+"""A replica's membership: ``serving`` takes calls (unless ejected); ``pending`` joined but
+has not answered a health check SERVING yet; ``draining`` reports NOT_SERVING (it is
+stopping, or not ready): called only when no serving replica is left; ``gone`` left the
+shard's membership: never called again."""
+
+
 @dataclass
 class _Replica:
     endpoint: int
     shard: int
     address: str
+    state: State = "serving"
     inflight: int = 0
     failures: int = 0  # consecutive failed attempts
     ejections: int = 0  # ejections since it last answered; doubles the next one
@@ -132,22 +152,34 @@ class Pick:
     probe: bool = False
 
 
-class ReplicaSet:
-    """Health and load of every replica of every shard; thread-safe (one short lock).
+@dataclass(frozen=True)
+class Change:
+    """What ``ReplicaSet.set_members`` changed: endpoints that joined (``new``: numbered
+    now, so the transport needs a channel for them) and endpoints that left."""
 
-    ``replicas[s]`` are shard ``s``'s addresses; endpoints are numbered across all shards
-    in that order (``endpoints(s)``). Every ``pick`` (or ``take``) must be matched by one
-    ``release`` with the attempt's outcome.
+    joined: tuple[int, ...] = ()
+    left: tuple[int, ...] = ()
+    new: tuple[int, ...] = ()
+
+
+class ReplicaSet:
+    """Membership, health and load of every replica of every shard; thread-safe (one short lock).
+
+    ``replicas[s]`` are shard ``s``'s first addresses; endpoints are numbered across all
+    shards in that order (``endpoints(s)``) and then in the order replicas join
+    (``set_members``). An endpoint keeps its number for good, also after it left: a
+    replica that comes back gets its old one. Every ``pick`` (or ``take``) must be
+    matched by one ``release`` with the attempt's outcome.
     """
 
     def __init__(
         self, replicas: Sequence[Sequence[str]], *, eject_after_failures: int, eject_s: float, eject_max_s: float
     ) -> None:
         self._replicas: list[_Replica] = []
-        self._by_shard: list[list[_Replica]] = []
+        self._by_address: dict[str, _Replica] = {}
+        self._by_shard: list[list[_Replica]] = []  # members that have not left, endpoint order
         for s, addresses in enumerate(replicas):
-            group = [_Replica(len(self._replicas) + k, s, a) for k, a in enumerate(addresses)]
-            self._replicas.extend(group)
+            group = [self._new(s, a, "serving") for a in addresses]
             self._by_shard.append(group)
         self._eject_after = eject_after_failures
         self._eject_s = eject_s
@@ -156,12 +188,32 @@ class ReplicaSet:
         self._lock = threading.Lock()
 
     @property
-    def addresses(self) -> list[str]:
-        """Every endpoint's address, in endpoint order."""
-        return [r.address for r in self._replicas]
+    def num_shards(self) -> int:
+        return len(self._by_shard)
 
-    def endpoints(self, shard: int) -> list[int]:
-        return [r.endpoint for r in self._by_shard[shard]]
+    @property
+    def addresses(self) -> list[str]:
+        """Every member's address (not those that left), shard by shard."""
+        with self._lock:
+            return [r.address for group in self._by_shard for r in group]
+
+    @property
+    def all_addresses(self) -> list[str]:
+        """Every endpoint's address, by endpoint number (also those that left)."""
+        with self._lock:
+            return [r.address for r in self._replicas]
+
+    def members(self, shard: int | None = None) -> list[tuple[str, ...]]:
+        """Each shard's member addresses (or ``shard``'s alone, as a one-item list)."""
+        with self._lock:
+            groups = self._by_shard if shard is None else [self._by_shard[shard]]
+            return [tuple(r.address for r in group) for group in groups]
+
+    def endpoints(self, shard: int | None = None) -> list[int]:
+        """The members' endpoints: of ``shard``, or of every shard in shard order."""
+        with self._lock:
+            groups = self._by_shard if shard is None else [self._by_shard[shard]]
+            return [r.endpoint for group in groups for r in group]
 
     def address(self, endpoint: int) -> str:
         return self._replicas[endpoint].address
@@ -169,29 +221,100 @@ class ReplicaSet:
     def shard_of(self, endpoint: int) -> int:
         return self._replicas[endpoint].shard
 
+    def state(self, endpoint: int) -> State:
+        return self._replicas[endpoint].state
+
+    def inflight(self, endpoint: int) -> int:
+        return self._replicas[endpoint].inflight
+
     def available(self, shard: int, exclude: Collection[int] = ()) -> bool:
-        """Whether a replica of ``shard`` outside ``exclude`` is in service."""
+        """Whether a replica of ``shard`` outside ``exclude`` takes calls (serving or draining, not ejected)."""
         with self._lock:
-            return any(not r.ejected_until for r in self._by_shard[shard] if r.endpoint not in exclude)
+            return any(
+                r.state in ("serving", "draining") and not r.ejected_until
+                for r in self._by_shard[shard]
+                if r.endpoint not in exclude
+            )
+
+    def set_members(self, shard: int, addresses: Sequence[str], *, admit: bool = False) -> Change:
+        """Make ``addresses`` the members of ``shard``. A replica that left takes no new
+        call from now on (calls in flight end as they do); one that joins is ``pending``
+        until ``set_health`` says it is SERVING, or at once with ``admit`` (``serving``)."""
+        joined: list[int] = []
+        left: list[int] = []
+        new: list[int] = []
+        with self._lock:
+            wanted = dict.fromkeys(addresses)
+            group = self._by_shard[shard]
+            for member in group:
+                if member.address not in wanted:
+                    member.state = "gone"
+                    left.append(member.endpoint)
+                    log.info("shard %d replica %s left", shard, member.address)
+            kept = [m for m in group if m.state != "gone"]
+            present = {m.address for m in kept}
+            for address in wanted:
+                if address in present:
+                    continue
+                state: State = "serving" if admit else "pending"
+                r = self._by_address.get(address)
+                if r is None:
+                    r = self._new(shard, address, state)
+                    new.append(r.endpoint)
+                else:  # came back, or moved from another shard's membership (a reshard)
+                    if r.shard != shard and r.state != "gone":
+                        self._by_shard[r.shard].remove(r)
+                        r.state = "gone"
+                    r.shard, r.state = shard, state
+                    r.failures, r.ejections, r.ejected_until = 0, 0, 0.0
+                kept.append(r)
+                joined.append(r.endpoint)
+                log.info("shard %d replica %s joined (%s)", shard, address, state)
+            kept.sort(key=lambda r: r.endpoint)
+            self._by_shard[shard] = kept
+        return Change(tuple(joined), tuple(left), tuple(new))
+
+    def set_health(self, endpoint: int, serving: bool) -> bool:
+        """What a health check of ``endpoint`` answered: SERVING puts a pending or draining
+        replica in service, NOT_SERVING has a serving one drain. True if it changed."""
+        with self._lock:
+            r = self._replicas[endpoint]
+            was = r.state
+            if serving and was in ("pending", "draining"):
+                r.state = "serving"
+            elif not serving and was == "serving":
+                r.state = "draining"
+            else:
+                return False  # a pending one that is not ready stays out until it is
+        log.info("shard %d replica %s: %s -> %s", r.shard, r.address, was, r.state)
+        return True
 
     def pick(self, shard: int, exclude: Collection[int] = (), now: float | None = None) -> Pick:
-        """The endpoint of ``shard`` for the next attempt, preferring replicas outside ``exclude``."""
+        """The endpoint of ``shard`` for the next attempt, preferring replicas outside
+        ``exclude``, serving ones over draining ones, and ones that take calls over the
+        rest: a call never fails only because no replica looks fit."""
         now = time.monotonic() if now is None else now
         with self._lock:
             group = self._by_shard[shard]
-            choice = self._choose(group, [r for r in group if r.endpoint not in exclude], shard)
+            if not group:
+                raise InvalidRequestError(f"shard {shard} has no replica", shard=shard)
+            outside = [r for r in group if r.endpoint not in exclude]
+            choice = (
+                self._choose(outside, shard, "serving")
+                or self._choose(group, shard, "serving")
+                or self._choose(outside, shard, "draining")
+                or self._choose(group, shard, "draining")
+            )
             if choice is None:
-                choice = self._choose(group, group, shard)
-            if choice is None:
-                # Every replica is ejected: try the one that comes back first rather than fail.
-                choice = Pick(min(group, key=lambda r: r.ejected_until).endpoint)
+                # None takes calls: try the one that comes back first (a pending one last).
+                choice = Pick(min(group, key=lambda r: (r.state == "pending", r.ejected_until)).endpoint)
             return self._count(choice)
 
     def pick_other(self, shard: int, exclude: Collection[int]) -> Pick | None:
-        """An in-service replica of ``shard`` outside ``exclude`` (for a hedge), or None."""
+        """A replica of ``shard`` outside ``exclude`` that takes calls (for a hedge), or None."""
         with self._lock:
-            group = self._by_shard[shard]
-            choice = self._choose(group, [r for r in group if r.endpoint not in exclude], shard)
+            outside = [r for r in self._by_shard[shard] if r.endpoint not in exclude]
+            choice = self._choose(outside, shard, "serving") or self._choose(outside, shard, "draining")
             return None if choice is None else self._count(choice)
 
     def probe(self, shard: int, exclude: Collection[int] = (), now: float | None = None) -> Pick | None:
@@ -218,8 +341,10 @@ class ReplicaSet:
             r.inflight -= 1
             if pick.probe:
                 r.probing = False
-            if len(self._by_shard[r.shard]) == 1 or outcome == NEUTRAL:
+            if outcome == NEUTRAL or r.state == "gone":
                 return
+            if sum(m.state in ("serving", "draining") for m in self._by_shard[r.shard]) <= 1:
+                return  # nothing to spread to: never ejected
             if outcome == OK:
                 if r.ejected_until:
                     log.info("shard %d replica %s answered again: back in service", r.shard, r.address)
@@ -234,36 +359,51 @@ class ReplicaSet:
                 log.warning("shard %d replica %s ejected for %.1f s: %s", r.shard, r.address, ejected_s, why)
 
     def health(self, now: float | None = None) -> list[dict[str, Any]]:
-        """Per endpoint: ``address``, ``shard``, ``state`` (``in_service``, ``ejected`` or
-        ``probing``), ``ejected_for_s`` (time left), ``inflight``, ``failures`` in a row."""
+        """Per member, in the order of ``addresses``: ``address``, ``shard``, ``state``
+        (``in_service``, ``ejected``, ``probing``: its probe is in flight, ``pending``: not
+        healthy yet, ``draining``: reports NOT_SERVING), ``ejected_for_s`` (time left),
+        ``inflight``, ``failures`` in a row."""
         now = time.monotonic() if now is None else now
         with self._lock:
             return [
                 {
                     "address": r.address,
                     "shard": r.shard,
-                    "state": "in_service" if not r.ejected_until else "probing" if r.probing else "ejected",
+                    "state": r.state
+                    if r.state != "serving"
+                    else "in_service"
+                    if not r.ejected_until
+                    else "probing"
+                    if r.probing
+                    else "ejected",
                     "ejected_for_s": max(0.0, r.ejected_until - now) if r.ejected_until else 0.0,
                     "inflight": r.inflight,
                     "failures": r.failures,
                 }
-                for r in self._replicas
+                for group in self._by_shard
+                for r in group
             ]
 
-    # -- under the lock -------------------------------------------------------------
+    # -- under the lock (or while building) ----------------------------------------
+    def _new(self, shard: int, address: str, state: State) -> _Replica:
+        r = _Replica(len(self._replicas), shard, address, state)
+        self._replicas.append(r)
+        self._by_address[address] = r
+        return r
+
     def _count(self, choice: Pick) -> Pick:
         replica = self._replicas[choice.endpoint]
         replica.inflight += 1
         replica.probing = replica.probing or choice.probe
         return choice
 
-    def _choose(self, group: list[_Replica], candidates: list[_Replica], shard: int) -> Pick | None:
-        healthy = [r for r in candidates if not r.ejected_until]
+    def _choose(self, candidates: list[_Replica], shard: int, state: State) -> Pick | None:
+        healthy = [r for r in candidates if r.state == state and not r.ejected_until]
         if not healthy:
             return None
         if len(healthy) == 1:
             return Pick(healthy[0].endpoint)
-        # Fewest in flight; ties go round-robin from a start that turns with every pick.
-        start = next(self._turns[shard]) % len(group)
-        best = min(healthy, key=lambda r: (r.inflight, (r.endpoint - group[0].endpoint - start) % len(group)))
-        return Pick(best.endpoint)
+        # Fewest in flight; ties go round-robin, by a count that turns with every pick.
+        fewest = min(r.inflight for r in healthy)
+        ties = [r for r in healthy if r.inflight == fewest]
+        return Pick(ties[next(self._turns[shard]) % len(ties)].endpoint)

@@ -22,6 +22,8 @@ from concurrent.futures import CancelledError
 from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
 
 from protos.services import PS_SERVICE
 from protos.tls import open_channel
@@ -31,6 +33,7 @@ __all__ = ["Call", "GrpcTransport", "Transport", "SERVICE_PATH", "when_done"]
 log = logging.getLogger(__name__)
 
 SERVICE_PATH = f"/{PS_SERVICE}/"
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
 class Call(Protocol):
@@ -280,37 +283,99 @@ class GrpcTransport:
         self._credentials, self._metadata = credentials, metadata
         self._max_bytes = max_message_bytes
         self._reconnect_max_ms = max(100, int(reconnect_max_s * 1000))
-        self._channels: list[grpc.Channel] = []
+        self._channels: list[grpc.Channel | None] = []  # None: closed by ``drop``
+        self._server_names: dict[int, str] = {}
         self._methods: dict[tuple[int, str], Any] = {}
+        self._lock = threading.Lock()
+        self._started = False
         # Threads start as calls need them. 8 callers x 2 shards already need 16: past the
         # limit a call goes out as a gRPC future, which starts a thread of gRPC's per call.
         self._threads = threads if threads is not None else max(64, 8 * len(self._addresses))
         self._calls: _CallThreads | None = None
 
     def start(self) -> None:
-        if self._channels:
-            return
-        options = [
+        with self._lock:
+            if self._started:
+                return
+            self._channels = [self._open(e) for e in range(len(self._addresses))]
+            self._calls = _CallThreads(self._threads)
+            self._started = True
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels:
+                if channel is not None:
+                    channel.close()  # calls still in flight end with CANCELLED
+            if self._calls is not None:
+                self._calls.close()
+                self._calls = None
+            self._channels = []
+            self._methods.clear()
+            self._started = False
+
+    def address(self, endpoint: int) -> str:
+        return self._addresses[endpoint]
+
+    def add(self, address: str, server_name: str | None = None) -> int:
+        """The endpoint of ``address``: a new one numbered on from the last (its channel
+        open if the transport is), or the one it had, its channel reopened if ``drop`` closed
+        it. ``server_name``: the name its TLS certificate must carry when ``address`` is a
+        resolved IP (``client.membership``)."""
+        with self._lock:
+            if address in self._addresses:
+                endpoint = self._addresses.index(address)
+            else:
+                endpoint = len(self._addresses)
+                self._addresses.append(address)
+                if self._started:
+                    self._channels.append(None)
+            if server_name is not None:
+                self._server_names[endpoint] = server_name
+            if self._started and self._channels[endpoint] is None:
+                self._channels[endpoint] = self._open(endpoint)
+            return endpoint
+
+    def drop(self, endpoint: int) -> None:
+        """Close ``endpoint``'s channel (a replica that left, no call in flight to it); a
+        later call to it opens it again."""
+        with self._lock:
+            channel = self._channels[endpoint] if endpoint < len(self._channels) else None
+            if channel is None:
+                return
+            self._channels[endpoint] = None
+            for key in [k for k in self._methods if k[0] == endpoint]:
+                del self._methods[key]
+        channel.close()
+
+    def check(self, endpoint: int, timeout_s: float) -> bool | None:
+        """Ask ``endpoint``'s gRPC health service about the server as a whole: True for
+        SERVING, False for anything else it answers, None when it does not answer."""
+        if not self._started:
+            raise RuntimeError("GrpcTransport.check before start()")
+        stub = self._stub(endpoint, _HEALTH_CHECK)
+        request = health_pb2.HealthCheckRequest(service="").SerializeToString()
+        try:
+            answer = stub(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.RpcError:
+            return None
+        try:
+            status = health_pb2.HealthCheckResponse.FromString(answer).status
+        except DecodeError:
+            return None
+        return bool(status == health_pb2.HealthCheckResponse.SERVING)
+
+    def _open(self, endpoint: int) -> grpc.Channel:
+        options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", self._max_bytes),
             ("grpc.max_send_message_length", self._max_bytes),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", self._reconnect_max_ms),
         ]
-        self._channels = [open_channel(a, self._credentials, options) for a in self._addresses]
-        self._calls = _CallThreads(self._threads)
-
-    def close(self) -> None:
-        for channel in self._channels:
-            channel.close()  # calls still in flight end with CANCELLED
-        if self._calls is not None:
-            self._calls.close()
-            self._calls = None
-        self._channels = []
-        self._methods.clear()
-
-    def address(self, endpoint: int) -> str:
-        return self._addresses[endpoint]
+        name = self._server_names.get(endpoint)
+        if name is not None and self._credentials is not None:
+            options.append(("grpc.ssl_target_name_override", name))
+        return open_channel(self._addresses[endpoint], self._credentials, options)
 
     @property
     def tls(self) -> bool:
@@ -334,9 +399,14 @@ class GrpcTransport:
     def _stub(self, endpoint: int, method: str) -> Any:
         stub = self._methods.get((endpoint, method))
         if stub is None:
-            if not self._channels:
-                raise RuntimeError("GrpcTransport.call before start()")
-            # Identity (de)serializers: the client encodes and decodes messages itself.
-            stub = self._channels[endpoint].unary_unary(SERVICE_PATH + method, None, None)
-            self._methods[(endpoint, method)] = stub
+            with self._lock:
+                if not self._started:
+                    raise RuntimeError("GrpcTransport.call before start()")
+                channel = self._channels[endpoint]
+                if channel is None:  # dropped, and called after all (a call pinned to it)
+                    channel = self._channels[endpoint] = self._open(endpoint)
+                # Identity (de)serializers: the client encodes and decodes messages itself.
+                path = method if method.startswith("/") else SERVICE_PATH + method
+                stub = channel.unary_unary(path, None, None)
+                self._methods[(endpoint, method)] = stub
         return stub

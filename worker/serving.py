@@ -46,7 +46,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health
+from grpc_health.v1 import health, health_pb2
 
 from client import ClientConfig, PSClient, PSError, parse_addresses
 from protos import infer_pb2 as pb
@@ -91,6 +91,14 @@ class InferConfig:
             "(h:1+h:2,h:3; '|' also works quoted); required"
         ),
     )
+    ps_file: Path | None = field(
+        default=None,
+        metadata=_help(
+            "instead of --ps: a file holding the addresses in --ps syntax, read again every second, so that "
+            "replicas can join and leave while this serves (a 'dns:HOST:PORT' entry in either names every "
+            "address HOST resolves to)"
+        ),
+    )
     listen: str = field(default="127.0.0.1:0", metadata=_help("HOST:PORT to serve on (port 0: any free port)"))
     port_file: Path | None = field(default=None, metadata=_help("write the bound port here once serving"))
     max_candidates: int = field(default=1000, metadata=_help("most candidates one request may carry"))
@@ -100,6 +108,13 @@ class InferConfig:
     )
     max_batch_rows: int = field(default=8192, metadata=_help("most candidates scored in one model call"))
     deadline_s: float = field(default=5.0, metadata=_help("deadline of the row lookups of one micro-batch"))
+    hedge_after_ms: float = field(
+        default=0.0,
+        metadata=_help(
+            "with replicas: a shard's lookup not answered after this long is sent to a second replica too, and "
+            "the first answer wins (about the 95th percentile of a healthy lookup); 0: off"
+        ),
+    )
     wait_s: float = field(
         default=10.0,
         metadata=_help(
@@ -108,6 +123,13 @@ class InferConfig:
         ),
     )
     grace_s: float = field(default=10.0, metadata=_help("on SIGTERM, how long calls in progress may take to finish"))
+    drain_s: float = field(
+        default=5.0,
+        metadata=_help(
+            "on SIGTERM, seconds to report NOT_SERVING (health) while still answering, so that load balancers "
+            "move away first; then --grace-s. SIGINT skips it"
+        ),
+    )
     threads: int = field(default=0, metadata=_help("torch threads for the model (0: torch's default)"))
     log_level: str = field(default="INFO", metadata=_help("DEBUG, INFO, WARNING or ERROR"))
     metrics_port: int | None = field(
@@ -130,9 +152,13 @@ class InferConfig:
         checks = [
             (self.model is not None, "model: required (--model DIR, a run directory such as runs/latest)"),
             (
-                bool(self.ps),
-                "ps: required (--ps HOST:PORT,HOST:PORT, the shards in shard order; HOST:PORT+HOST:PORT for replicas)",
+                bool(self.ps) or self.ps_file is not None,
+                "ps: required (--ps HOST:PORT,HOST:PORT, the shards in shard order; HOST:PORT+HOST:PORT for replicas; "
+                "or --ps-file FILE)",
             ),
+            (not (self.ps and self.ps_file is not None), "ps and ps_file: give one"),
+            (0 <= self.drain_s < float("inf"), f"drain_s={self.drain_s}: must be a finite number >= 0"),
+            (0 <= self.hedge_after_ms < float("inf"), f"hedge_after_ms={self.hedge_after_ms}: must be >= 0 (0: off)"),
             (self.max_candidates >= 1, f"max_candidates={self.max_candidates}: must be >= 1"),
             (self.max_concurrent >= 1, f"max_concurrent={self.max_concurrent}: must be >= 1"),
             (self.batch_wait_ms >= 0, f"batch_wait_ms={self.batch_wait_ms}: must be >= 0"),
@@ -150,11 +176,26 @@ class InferConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        self.addresses()  # raises InvalidRequestError, a ValueError, naming a bad address
+        if self.ps:
+            self.addresses()  # raises InvalidRequestError, a ValueError, naming a bad address
 
     def addresses(self) -> list[list[str]]:
         """``ps`` as ``PSClient`` takes it: per shard, its replicas (``client.parse_addresses``)."""
         return parse_addresses(",".join(self.ps))
+
+    def client(self) -> PSClient:
+        """The client of the shards: of ``ps``, or of ``ps_file``'s addresses as they change.
+        Raises ``InvalidRequestError`` (a ``ValueError``) for a file it cannot read or parse."""
+        hedge_s = self.hedge_after_ms / 1000 if self.hedge_after_ms else None
+        config = ClientConfig(deadline_s=self.deadline_s, hedge_after_s=hedge_s)
+        if self.ps_file is not None:
+            return PSClient(addresses_file=self.ps_file, config=config)
+        return PSClient(self.addresses(), config)
+
+    @property
+    def shards_named(self) -> str:
+        """The shards as the user gave them, for messages."""
+        return ",".join(self.ps) if self.ps else f"--ps-file {self.ps_file}"
 
 
 # --- request path
@@ -338,6 +379,11 @@ class InferServer:
         self.metrics_port: int | None = None
         self.metrics_server: Any = None
 
+    def drain(self) -> None:
+        """NOT_SERVING from now on, every call still answered (``protos.servers.run_server``)."""
+        for service in ("", PREDICT_SERVICE):
+            self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, refuse new calls, let calls in progress finish (up to ``grace_s``), stop the batcher."""
         self._health.enter_graceful_shutdown()
@@ -437,6 +483,9 @@ class _Running:
     def port(self) -> int:
         return self.server.port
 
+    def drain(self) -> None:
+        self.server.drain()
+
     def stop_and_report(self, grace_s: float) -> int:
         self.server.stop(grace_s)
         self.client.close()
@@ -451,10 +500,10 @@ def _start(config: InferConfig) -> _Running:
         torch.set_num_threads(config.threads)
     if config.model is None:
         raise ValueError("--model is required: the run directory of a trained model (e.g. runs/latest)")
-    client = PSClient(config.addresses(), ClientConfig(deadline_s=config.deadline_s))
+    client = config.client()
     try:
         predictor = Predictor(load_model(config.model), client, max_candidates=config.max_candidates)
-        check_shards(predictor.model.manifest, predictor.model.dims, client, ",".join(config.ps), config.wait_s)
+        check_shards(predictor.model.manifest, predictor.model.dims, client, config.shards_named, config.wait_s)
         _warm_up(predictor)
         server = build_server(config, predictor)
     except (ValueError, RuntimeError, PSError) as exc:

@@ -1,0 +1,155 @@
+"""Serving replicas on this machine that join and leave while they serve.
+
+``ServingReplicas`` runs any number of serving shards (``ps-server --mode serve
+--follow``) per shard index of a training cluster, and keeps their addresses, in the
+``--ps`` syntax (``h:1+h:2,h:3``), in one file that clients follow as it changes:
+``ps-infer --ps-file FILE``, ``PSClient(addresses_file=FILE)``. A replica that joins
+is listed once it listens; clients send it calls once its health turns SERVING (it has
+its training shard's rows). One that leaves is taken out of the file first, then stopped
+with SIGTERM: it drains (``--drain-s``, still answering) while clients move away, then
+exits 0.
+
+Example (a training cluster running at ``addresses``):
+    with ServingReplicas(addresses, root=Path("/tmp/serving")) as replicas:
+        replicas.add(0)                        # a second replica of shard 0
+        client = PSClient(addresses_file=replicas.addresses_file)
+        replicas.remove(replicas.replicas[0][0].address)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+from deploy.local import ShardProcess, ShardStartError, await_shard, spawn_shard, stop_shard
+
+__all__ = ["ServingReplicas"]
+
+
+class ServingReplicas:
+    """Serving shards following the training shards at ``follow`` (shard order), under
+    ``root``, with ``per_shard`` replicas each at ``start()``; their addresses in
+    ``addresses_file`` (``root/serving-addresses`` unless given). ``extra_args`` go to
+    every replica (``{shard}`` becomes its index). Not thread-safe."""
+
+    def __init__(
+        self,
+        follow: Sequence[str],
+        root: Path,
+        *,
+        per_shard: int = 1,
+        addresses_file: Path | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        if per_shard < 1:
+            raise ValueError(f"per_shard={per_shard}: each shard needs at least one replica")
+        self.follow = list(follow)
+        self.root = root.absolute()
+        self.per_shard = per_shard
+        self.addresses_file = addresses_file or self.root / "serving-addresses"
+        self.extra_args = tuple(extra_args)
+        self.replicas: list[list[ShardProcess]] = [[] for _ in self.follow]
+        self._count = 0  # replicas ever started: each gets a directory of its own
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.follow)
+
+    @property
+    def addresses(self) -> list[list[str]]:
+        return [[r.address for r in shard] for shard in self.replicas]
+
+    def start(self) -> ServingReplicas:
+        """Start ``per_shard`` replicas of every shard together; blocks until they listen."""
+        try:
+            spawned = [self._spawn(s) for _ in range(self.per_shard) for s in range(self.num_shards)]
+            for shard in spawned:
+                self._await(shard)
+        except BaseException:
+            self.stop(quietly=True)
+            raise
+        self._write()
+        return self
+
+    def add(self, shard: int) -> ShardProcess:
+        """One more replica of ``shard``, listed in the file once it listens (clients send
+        it calls once it is ready). Raises ``ShardStartError`` (nothing left running)."""
+        if not 0 <= shard < self.num_shards:
+            raise ValueError(f"shard={shard}: this cluster has shards 0 to {self.num_shards - 1}")
+        replica = self._await(self._spawn(shard))
+        self._write()
+        return replica
+
+    def remove(self, address: str, *, kill: bool = False) -> int | None:
+        """Take the replica at ``address`` out of the file, then stop it: SIGTERM (it
+        drains, then exits; raises ``ShardStartError`` unless it exits 0), or SIGKILL with
+        ``kill`` (a crash, for fault tests). Returns the exit status. A shard's last replica
+        cannot be removed (``ValueError``)."""
+        for group in self.replicas:
+            for replica in group:
+                if replica.address == address:
+                    if len(group) == 1:
+                        raise ValueError(f"{address} is shard {replica.index}'s last replica: add another first")
+                    group.remove(replica)
+                    self._write()
+                    if kill:
+                        os.kill(replica.proc.pid, signal.SIGKILL)
+                        return replica.proc.wait()
+                    stop_shard(replica, timeout_s=120.0, drain=True)
+                    return 0
+        raise ValueError(f"{address} is not a serving replica here (replicas: {self._describe()})")
+
+    def stop(self, quietly: bool = False) -> None:
+        """Stop every replica (at once: SIGINT, no drain); raises ``ShardStartError`` if one
+        does not exit 0, unless ``quietly`` (which also kills what does not stop)."""
+        failures = []
+        for group in self.replicas:
+            for replica in group:
+                if quietly:
+                    if replica.proc.poll() is None:
+                        replica.proc.kill()
+                        replica.proc.wait()
+                    continue
+                try:
+                    stop_shard(replica)
+                except ShardStartError as exc:
+                    failures.append(str(exc))
+        self.replicas = [[] for _ in self.follow]
+        if failures:
+            raise ShardStartError("\n".join(failures))
+
+    def __enter__(self) -> ServingReplicas:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop(quietly=exc_type is not None)
+
+    def _spawn(self, shard: int) -> ShardProcess:
+        root = self.root / f"replica-{self._count}"
+        self._count += 1
+        args = ("--mode=serve", f"--follow={self.follow[shard]}", *self.extra_args)
+        replica = spawn_shard(shard, self.num_shards, root, *args)
+        self.replicas[shard].append(replica)
+        return replica
+
+    def _await(self, replica: ShardProcess) -> ShardProcess:
+        try:
+            return await_shard(replica, replica.log.parent)
+        except BaseException:
+            self.replicas[replica.index].remove(replica)
+            raise
+
+    def _write(self) -> None:
+        """The addresses file, replaced whole (a reader never sees half of it)."""
+        self.addresses_file.parent.mkdir(parents=True, exist_ok=True)
+        temp = self.addresses_file.with_name(self.addresses_file.name + ".tmp")
+        temp.write_text(",".join("+".join(shard) for shard in self.addresses) + "\n")
+        temp.replace(self.addresses_file)
+
+    def _describe(self) -> str:
+        return ", ".join(f"shard {s}: {'+'.join(a)}" for s, a in enumerate(self.addresses)) or "none"

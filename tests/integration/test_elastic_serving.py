@@ -1,0 +1,191 @@
+"""Serving replicas that join, drain and die while clients look rows up: real processes.
+
+A training cluster of 2 shards holds fixed rows; serving replicas follow it
+(``deploy.replicas.ServingReplicas``) and list themselves in an addresses file that a
+``PSClient(addresses_file=...)`` follows. Every lookup is compared with the training
+shards' rows, so a replica that served something else (not loaded yet, half a snapshot)
+fails the test as surely as a call that raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import ClientConfig, PSClient
+from deploy.local import LocalCluster, ShardProcess, start_shard
+from deploy.replicas import ServingReplicas
+from tests.faults.proxy import FaultProxy
+
+KEYS = np.arange(0, 4000, dtype=np.int64)
+F32 = npt.NDArray[np.float32]
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, F32]]:
+    """Two training shards holding a table whose rows do not change, and those rows."""
+    with LocalCluster(2, root=tmp_path_factory.mktemp("training")) as cluster:
+        with PSClient(cluster.addresses) as client:
+            client.create_table("t", 8, initializer="normal", seed=3)
+            client.lookup("t", KEYS)
+            client.push("t", KEYS, np.ones((KEYS.shape[0], 8), np.float32))
+            rows = client.lookup("t", KEYS)
+        yield cluster, rows
+
+
+def health(address: str) -> str:
+    """The server's overall health status name, or the gRPC code name if it did not answer."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        except grpc.RpcError as exc:
+            return str(exc.code().name)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
+
+
+def until(what: Callable[[], bool], about: Callable[[], object], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, about()
+        time.sleep(0.05)
+
+
+class Lookups:
+    """Lookups of every key in a loop on a thread, each compared with ``rows``."""
+
+    def __init__(self, client: PSClient, rows: F32) -> None:
+        self.client, self.rows = client, rows
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                got = self.client.lookup("t", KEYS)
+            except Exception as exc:  # every failure is recorded and fails the test
+                self.failures.append(repr(exc))
+                continue
+            if not np.array_equal(got, self.rows):
+                self.failures.append(f"rows differ at {int(np.argmax(np.any(got != self.rows, axis=1)))}")
+            else:
+                self.ok += 1
+
+    def more(self, timeout_s: float = 60.0) -> None:
+        """Wait until a few more lookups succeeded."""
+        target = self.ok + 5
+        until(lambda: self.ok >= target, lambda: self.failures[-3:], timeout_s)
+
+    def __enter__(self) -> Lookups:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def lookups_served(address: str) -> int:
+    """Keys the replica at ``address`` looked up, by its own Stats."""
+    with PSClient([address]) as client:
+        return sum(t["lookups"] for t in client.stats()[0]["tables"])
+
+
+def test_replicas_join_drain_and_die_under_lookups_without_a_failed_call(
+    training: tuple[LocalCluster, F32], tmp_path: Path
+) -> None:
+    cluster, rows = training
+    with ServingReplicas(cluster.addresses, tmp_path / "serving") as replicas:
+        until(lambda: all(health(a) == "SERVING" for s in replicas.addresses for a in s), lambda: replicas.addresses)
+        config = ClientConfig(deadline_s=30, membership_refresh_s=0.5)
+        with PSClient(addresses_file=replicas.addresses_file, config=config) as client, Lookups(client, rows) as load:
+            load.more()
+            for _ in range(2):  # a second replica of each shard, then a third
+                added = [replicas.add(s) for s in range(2)]
+                for r in added:  # it takes calls once it has its rows: its own counters say so
+                    until(lambda r=r: lookups_served(r.address) > 0, lambda: client.replica_health())
+                load.more()
+            assert [len(a) for a in replicas.addresses] == [3, 3]
+            first = replicas.addresses[0][0]
+            assert replicas.remove(first) == 0  # SIGTERM: drains, then exits 0
+            assert first not in client.addresses
+            load.more()
+            assert replicas.remove(replicas.addresses[1][0], kill=True) == -signal.SIGKILL
+            load.more()
+            until(lambda: len(client.addresses) == 4, lambda: client.replica_health())
+            load.more()
+        assert load.failures == []
+        assert client.replicas == [tuple(a) for a in replicas.addresses]
+
+
+def test_a_new_follower_is_not_ready_until_it_has_its_rows(training: tuple[LocalCluster, F32], tmp_path: Path) -> None:
+    cluster, rows = training
+    with contextlib.ExitStack() as stack:
+        proxy = stack.enter_context(FaultProxy(cluster.addresses[0]))
+        proxy.set_mode("blackhole")  # the follower cannot reach its training shard yet
+        ready = stack.enter_context(ServingReplicas(cluster.addresses, tmp_path / "ready"))
+        until(lambda: all(health(a) == "SERVING" for s in ready.addresses for a in s), lambda: ready.addresses)
+        late = start_shard(0, 2, tmp_path / "late", "--mode=serve", f"--follow={proxy.address}")
+        stack.callback(lambda: late.proc.kill())
+        assert health(late.address) == "NOT_SERVING"  # listening, answering, not ready
+        ready_file = ready.addresses_file.read_text().strip().split(",")
+        members = tmp_path / "members"
+        members.write_text(f"{ready_file[0]}+{late.address},{ready_file[1]}\n")
+        config = ClientConfig(deadline_s=30, membership_refresh_s=0.2)
+        with PSClient(addresses_file=members, config=config) as client, Lookups(client, rows) as load:
+            load.more()
+            time.sleep(1.0)  # several membership rounds: the late replica stays out
+            load.more()
+            assert lookups_served(late.address) == 0
+            assert {h["address"]: h["state"] for h in client.replica_health()}[late.address] in ("pending", "draining")
+            proxy.set_mode("pass")
+            until(lambda: health(late.address) == "SERVING", lambda: late.log_tail())
+            until(lambda: lookups_served(late.address) > 0, lambda: client.replica_health())
+            load.more()
+        assert load.failures == []
+
+
+def test_sigterm_drains_a_serving_shard_then_it_exits_0(training: tuple[LocalCluster, F32], tmp_path: Path) -> None:
+    cluster, rows = training
+    shard = start_shard(1, 2, tmp_path, "--mode=serve", f"--follow={cluster.addresses[1]}", "--drain-s=3")
+    try:
+        until(lambda: health(shard.address) == "SERVING", shard.log_tail)
+        shard.proc.send_signal(signal.SIGTERM)
+        until(lambda: health(shard.address) == "NOT_SERVING", shard.log_tail, timeout_s=10)
+        with PSClient([cluster.addresses[0], shard.address]) as client:
+            got = client.lookup("t", KEYS)  # answered while draining
+        np.testing.assert_array_equal(got, rows)
+        assert shard.proc.wait(60) == 0, shard.log_tail()
+        assert "draining drain_s=3.0" in shard.log_tail()
+    finally:
+        _kill(shard)
+
+
+def test_sigint_stops_a_serving_shard_without_draining(training: tuple[LocalCluster, F32], tmp_path: Path) -> None:
+    cluster, _ = training
+    shard = start_shard(0, 2, tmp_path, "--mode=serve", f"--follow={cluster.addresses[0]}", "--drain-s=600")
+    try:
+        shard.proc.send_signal(signal.SIGINT)
+        assert shard.proc.wait(60) == 0, shard.log_tail()
+        assert "draining" not in shard.log_tail()
+    finally:
+        _kill(shard)
+
+
+def _kill(shard: ShardProcess) -> None:
+    if shard.proc.poll() is None:
+        shard.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            shard.proc.wait(10)
