@@ -179,9 +179,8 @@ class PSClient:
                 )
             return cast("Transport", for_addresses(endpoints))
 
-        self._views = ClusterViews(members.placeholders(), config, connect=connect, transport=transport)
-        watch = members.dynamic or any(len(r) > 1 for r in members.spec)
-        self._watcher = MembershipWatcher(self._views, members, config.membership_refresh_s) if watch else None
+        self._views = ClusterViews(members.spec, config, connect=connect, transport=transport)
+        self._watcher = MembershipWatcher(self._views, members, config.membership_refresh_s)
         self._mapped = False  # whether the cluster map was asked for (``_current``)
         self._dtype: Any = _DTYPES[self.config.transport_dtype]  # a wire DType number
         self._tables: dict[str, TableConfig] = {}
@@ -220,16 +219,14 @@ class PSClient:
                     wire.tune_malloc()
                 self._views.start()
                 self._pool = ThreadPoolExecutor(self.config.push_threads, thread_name_prefix="ps-push")
-                if self._watcher is not None:
-                    self._watcher.start()
+                self._watcher.start_if_needed()
                 self._started = True
         return self
 
     def close(self) -> None:
         """Wait for pending async pushes, then close the channels."""
         with self._lock:
-            if self._watcher is not None:
-                self._watcher.close()
+            self._watcher.close()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
@@ -647,6 +644,7 @@ class PSClient:
                     reply = pb.GetMapResponse.FromString(answer.data)
                 if reply.map.epoch > view.epoch and len(reply.map.addresses) == reply.map.num_shards:
                     self._views.update(reply.map.epoch, list(reply.map.addresses))
+                    self._watcher.start_if_needed()
             self._mapped = True
         return self._views.current
 
@@ -664,6 +662,7 @@ class PSClient:
         current = self._views.update(reply.map.epoch, list(reply.map.addresses))
         if current.epoch == reply.map.epoch and current is not view:
             log.info("the cluster moved to epoch %d: %s", current.epoch, ", ".join(current.addresses))
+            self._watcher.start_if_needed()
         return current
 
     def _budget(self, deadline_s: float | None, config: ClientConfig | None = None) -> tuple[ClientConfig, float]:

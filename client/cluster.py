@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from client.config import ClientConfig
 from client.errors import PreconditionError
-from client.replicas import Change, ReplicaSet
+from client.replicas import Change, ReplicaSet, placeholder
 from client.transport import Call, Transport
 
 __all__ = ["ClusterView", "ClusterViews", "Connect"]
@@ -40,6 +40,7 @@ class ClusterView:
     epoch: int
     replica_set: ReplicaSet
     transport: Transport
+    entries: tuple[tuple[str, ...], ...]  # each shard's replicas as named (``dns:`` names unresolved)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
@@ -88,7 +89,8 @@ class ClusterView:
 
 class ClusterViews:
     """The client's current ``ClusterView`` and the ones it replaced (their transports
-    close with the client: calls may still use them). Thread-safe."""
+    close with the client: calls may still use them). ``replicas``: each shard's entries
+    (addresses, or ``dns:`` names: their view starts with ``placeholder``s). Thread-safe."""
 
     def __init__(
         self,
@@ -104,14 +106,16 @@ class ClusterViews:
         self._retired: list[Transport] = []
         self.current = self._view(0, replicas, transport)
 
-    def _view(self, epoch: int, replicas: Sequence[Sequence[str]], transport: Transport | None) -> ClusterView:
+    def _view(self, epoch: int, entries: Sequence[Sequence[str]], transport: Transport | None) -> ClusterView:
         c = self._config
         replica_set = ReplicaSet(
-            replicas, eject_after_failures=c.eject_after_failures, eject_s=c.eject_s, eject_max_s=c.eject_max_s
+            [[placeholder(e) for e in shard] for shard in entries],
+            eject_after_failures=c.eject_after_failures,
+            eject_s=c.eject_s,
+            eject_max_s=c.eject_max_s,
         )
-        return ClusterView(
-            epoch, replica_set, transport if transport is not None else self._connect(replica_set.all_addresses)
-        )
+        transport = transport if transport is not None else self._connect(replica_set.all_addresses)
+        return ClusterView(epoch, replica_set, transport, tuple(tuple(shard) for shard in entries))
 
     def start(self) -> None:
         with self._lock:
@@ -127,7 +131,8 @@ class ClusterViews:
 
     def update(self, epoch: int, addresses: Sequence[str]) -> ClusterView:
         """The view of the cluster map ``epoch`` with a shard at each of ``addresses`` (its
-        replicas joined by ``+``), made current unless a newer one is; returns the current."""
+        replicas joined by ``+``; a ``dns:`` entry stands for what its name resolves to, see
+        ``client.membership``), made current unless a newer one is; returns the current."""
         with self._lock:
             if epoch <= self.current.epoch:
                 return self.current

@@ -18,9 +18,10 @@ from then on; one that joined is pending), and asks every member for its gRPC he
 (the server as a whole): a pending replica that answers SERVING takes calls from then on,
 a serving one that answers NOT_SERVING (it is draining before it stops) gets calls only
 when nothing else is left, and one that answers SERVING again is back. A shard whose
-entries resolve to nothing keeps its replicas. A file listing another number of shards
-than the cluster map has is not applied until they agree (after a reshard, the map and
-the file each catch up).
+entries resolve to nothing keeps its replicas. After a live reshard the new cluster map
+names the replicas (``dns:`` entries in it too), unless they come from a file: a file
+listing another number of shards than the map has is not applied until the two agree
+(the map and the file each catch up).
 
 Example:
     >>> Members([["dns:localhost:50051", "10.0.0.9:50051"]]).resolve()[0]
@@ -39,13 +40,11 @@ from typing import Protocol
 
 from client.cluster import ClusterView, ClusterViews
 from client.errors import InvalidRequestError
-from client.replicas import parse_addresses
+from client.replicas import DNS_PREFIX, parse_addresses, placeholder
 
 __all__ = ["DNS_PREFIX", "Members", "MembershipWatcher", "resolve_name"]
 
 log = logging.getLogger(__name__)
-
-DNS_PREFIX = "dns:"
 
 Resolve = Callable[[str, int], list[str]]
 """``HOST``, ``PORT`` -> the ``ADDRESS:PORT`` replicas of that name (``resolve_name``)."""
@@ -96,7 +95,7 @@ class Members:
     def placeholders(self) -> list[list[str]]:
         """The spec with each ``dns:HOST:PORT`` as ``HOST:PORT`` (gRPC resolves that name
         itself): the replicas a client starts with before its first round."""
-        return [[e[len(DNS_PREFIX) :] if _dns_name(e) else e for e in entries] for entries in self.spec]
+        return [[placeholder(e) for e in entries] for entries in self.spec]
 
     @staticmethod
     def _read_file(path: Path) -> tuple[str, list[list[str]]]:
@@ -171,7 +170,22 @@ class MembershipWatcher:
         self._pool: ThreadPoolExecutor | None = None
         self._leaving: dict[int, ClusterView] = {}  # endpoints that left, until their channel is closed
         self._skipped: tuple[int, int] | None = None
+        self._epoch = views.current.epoch
         self.rounds = 0
+
+    @property
+    def needed(self) -> bool:
+        """Whether the current view has replicas that may change or need health checks:
+        a file, a ``dns:`` entry, or a shard with several replicas."""
+        view = self._views.current
+        return self._members.dynamic or any(
+            len(shard) > 1 or any(e.startswith(DNS_PREFIX) for e in shard) for shard in view.entries
+        )
+
+    def start_if_needed(self) -> None:
+        """``start`` if ``needed`` (a training cluster's client never needs it)."""
+        if self.needed:
+            self.start()
 
     def start(self) -> None:
         if self._thread is not None:
@@ -202,9 +216,13 @@ class MembershipWatcher:
         """Resolve, apply, check health (see the module docstring). Until one of a shard's
         replicas answered SERVING, its calls go to the others anyway (``ReplicaSet.pick``):
         a client whose names resolved to replicas not checked yet still calls them."""
+        view = self._views.current
+        if self._members.path is None and view.epoch != self._epoch:
+            # A cluster map newer than the addresses given names the replicas now.
+            self._members.spec = [list(shard) for shard in view.entries]
+        self._epoch = view.epoch
         self._members.reread()
         resolved, names = self._members.resolve()
-        view = self._views.current
         if len(resolved) != view.num_shards:
             if self._skipped != (len(resolved), view.num_shards):
                 where = self._members.path or "the addresses given"

@@ -41,6 +41,7 @@ __all__ = [
     "FAILED",
     "NEUTRAL",
     "OK",
+    "DNS_PREFIX",
     "Change",
     "Outcome",
     "Pick",
@@ -48,6 +49,7 @@ __all__ = [
     "State",
     "normalize_addresses",
     "parse_addresses",
+    "placeholder",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,11 +65,20 @@ REPLICA_SEPARATORS = re.compile(r"[+|]")
 
 
 def _check_address(address: str, where: str) -> str:
-    name = address[len("dns:") :] if address.startswith("dns:") else address
-    host, sep, port = name.rpartition(":")
+    host, sep, port = placeholder(address).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise InvalidRequestError(f"{where}: {address!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
     return address
+
+
+DNS_PREFIX = "dns:"
+"""Starts a replica entry that stands for every address its name resolves to (``client.membership``)."""
+
+
+def placeholder(entry: str) -> str:
+    """The address a client calls for ``entry`` until its names are resolved: a
+    ``dns:HOST:PORT`` entry's ``HOST:PORT`` (gRPC resolves that name itself), or ``entry``."""
+    return entry[len(DNS_PREFIX) :] if entry.startswith(DNS_PREFIX) else entry
 
 
 def parse_addresses(text: str) -> list[list[str]]:
@@ -75,7 +86,8 @@ def parse_addresses(text: str) -> list[list[str]]:
 
     Shards are separated by ``,``, the replicas of one shard by ``+`` (safe unquoted in a
     shell) or ``|`` (the older form: a shell reads it as a pipe, so it must be quoted);
-    spaces around any of them are ignored. Raises ``InvalidRequestError`` (a ``ValueError``) naming the bad
+    spaces around any of them are ignored. A ``dns:HOST:PORT`` entry stands for every
+    address HOST resolves to, each a replica (``client.membership``). Raises ``InvalidRequestError`` (a ``ValueError``) naming the bad
     part: an empty shard or replica, a missing or bad port, an address given twice.
 
     >>> parse_addresses("10.0.0.1:50051, 10.0.0.2:50051+10.0.0.3:50051")

@@ -52,15 +52,63 @@ class ServingReplicas:
         self.addresses_file = addresses_file or self.root / "serving-addresses"
         self.extra_args = tuple(extra_args)
         self.replicas: list[list[ShardProcess]] = [[] for _ in self.follow]
+        self.size = len(self.follow)  # the shards listed in the file (spares a grow started are not)
+        self._started_as = len(self.follow)  # --num-shards of every replica
         self._count = 0  # replicas ever started: each gets a directory of its own
 
     @property
     def num_shards(self) -> int:
+        """Shards with replicas here, spares included."""
         return len(self.follow)
 
     @property
     def addresses(self) -> list[list[str]]:
+        """Each shard's replica addresses, spares included."""
         return [[r.address for r in shard] for shard in self.replicas]
+
+    def add_shards(self, follow: Sequence[str]) -> list[list[ShardProcess]]:
+        """Replicas (``per_shard`` each) of new shards following the training shards
+        ``follow``, numbered on from the last, as spares of a live reshard: not listed until
+        ``set_size`` (``deploy.scale`` switches the serving map to them). Raises
+        ``ShardStartError`` (none of them left running)."""
+        first = self.num_shards
+        self.follow += list(follow)
+        self.replicas += [[] for _ in follow]
+        try:
+            spawned = [self._spawn(s) for _ in range(self.per_shard) for s in range(first, self.num_shards)]
+            for replica in spawned:
+                self._await(replica)
+        except BaseException:
+            for group in self.replicas[first:]:
+                for replica in group:
+                    replica.proc.kill()
+                    replica.proc.wait()
+            del self.follow[first:], self.replicas[first:]
+            raise
+        return self.replicas[first:]
+
+    def set_size(self, size: int) -> None:
+        """List the first ``size`` shards in the file: the serving map has that many now."""
+        if not 1 <= size <= self.num_shards:
+            raise ValueError(f"size={size}: must be in [1, {self.num_shards}]")
+        self.size = size
+        self._write()
+
+    def remove_shards(self, count: int) -> None:
+        """Stop the replicas of the last ``count`` shards (retired by a shrink, and no longer
+        listed: ``set_size`` first). Raises ``ShardStartError`` if one does not exit 0."""
+        keep = self.num_shards - count
+        if keep < self.size:
+            raise ValueError(f"shards {keep} and up are still listed: set_size({keep}) first")
+        leaving, self.replicas, self.follow = self.replicas[keep:], self.replicas[:keep], self.follow[:keep]
+        failures = []
+        for replica in (r for group in leaving for r in group):
+            try:
+                stop_shard(replica)
+            except ShardStartError as exc:
+                failures.append(str(exc))
+        if failures:
+            raise ShardStartError("\n".join(failures))
 
     def start(self) -> ServingReplicas:
         """Start ``per_shard`` replicas of every shard together; blocks until they listen."""
@@ -133,7 +181,7 @@ class ServingReplicas:
         root = self.root / f"replica-{self._count}"
         self._count += 1
         args = ("--mode=serve", f"--follow={self.follow[shard]}", *self.extra_args)
-        replica = spawn_shard(shard, self.num_shards, root, *args)
+        replica = spawn_shard(shard, self._started_as, root, *args)
         self.replicas[shard].append(replica)
         return replica
 
@@ -148,7 +196,7 @@ class ServingReplicas:
         """The addresses file, replaced whole (a reader never sees half of it)."""
         self.addresses_file.parent.mkdir(parents=True, exist_ok=True)
         temp = self.addresses_file.with_name(self.addresses_file.name + ".tmp")
-        temp.write_text(",".join("+".join(shard) for shard in self.addresses) + "\n")
+        temp.write_text(",".join("+".join(shard) for shard in self.addresses[: self.size]) + "\n")
         temp.replace(self.addresses_file)
 
     def _describe(self) -> str:

@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from client.membership import resolve_name
+from client.replicas import DNS_PREFIX
 from protos import ps_pb2 as pb
 from ps.cluster import ClusterMap, MoveState
 
@@ -427,9 +429,11 @@ def _switch_serving(
     poll_s: float,
     say: Callable[[str], None],
 ) -> None:
-    """Switch the serving shards to the map of ``dst`` once every replica of it caught up."""
-    replicas = [a for shard in dst for a in shard]
-    retired = [a for shard in src for a in shard if a not in replicas]
+    """Switch the serving shards to the map of ``dst`` once every replica of it caught up.
+    The map names each shard's replicas as given (a ``dns:`` entry stays a name, which
+    clients resolve); the switch goes to every address they resolve to now."""
+    replicas = [a for shard in dst for e in shard for a in _addresses_of(e)]
+    retired = [a for shard in src for e in shard for a in _addresses_of(e) if a not in replicas]
     maps = {a: _get_map(shards, a) for a in replicas + retired}
     names = tuple("+".join(shard) for shard in dst)
     done = [m for m in maps.values() if tuple(m.map.addresses) == names]
@@ -451,6 +455,20 @@ def _switch_serving(
     for address in sorted(replicas, key=lambda a: maps[a].shard, reverse=True) + retired:  # new ones first
         _each(shards, {address: maps.get(address) or pb.GetMapResponse()}, commit, deadline, say, "switch serving")
     say(f"serving shards switched to {target.describe()}")
+
+
+def _addresses_of(entry: str) -> list[str]:
+    """The serving replicas ``entry`` names: itself, or what a ``dns:HOST:PORT`` resolves to."""
+    if not entry.startswith(DNS_PREFIX):
+        return [entry]
+    host, _, port = entry[len(DNS_PREFIX) :].rpartition(":")
+    try:
+        found = resolve_name(host, int(port))
+    except OSError as exc:
+        raise ScaleError(f"serving replicas {entry}: the name does not resolve ({exc})") from None
+    if not found:
+        raise ScaleError(f"serving replicas {entry}: the name resolves to no address (no replica is ready)")
+    return found
 
 
 def _caught_up_follower(answer: pb.GetMapResponse) -> bool:

@@ -27,6 +27,7 @@ from client import ClientConfig, PSClient
 from deploy.local import LocalCluster, ShardProcess, start_shard
 from deploy.replicas import ServingReplicas
 from tests.faults.proxy import FaultProxy
+from tests.integration.test_admin import ok, ps_admin
 
 KEYS = np.arange(0, 4000, dtype=np.int64)
 F32 = npt.NDArray[np.float32]
@@ -189,3 +190,51 @@ def _kill(shard: ShardProcess) -> None:
         shard.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             shard.proc.wait(10)
+
+
+def test_serving_replicas_grow_with_a_training_reshard(tmp_path: Path) -> None:
+    """2 training shards with 2 serving replicas each grow to 3 shards live (``ps-admin
+    scale --serving-to``, the new shard's replicas named by ``dns:`` entries); a client
+    following the replicas' file reads the same rows throughout, from 3 shards after."""
+    args = (f"--data-dir={tmp_path}/data-{{shard}}", "--durability=every-push", "--reshard-settle-s=1")
+    with LocalCluster(2, root=tmp_path / "training", extra_args=args) as training:
+        with PSClient(training.addresses) as client:
+            client.create_table("t", 8, initializer="normal", seed=5)
+            client.push("t", KEYS, np.ones((KEYS.shape[0], 8), np.float32))
+            rows = client.lookup("t", KEYS)
+        replicas = ServingReplicas(training.addresses, tmp_path / "serving", per_shard=2).start()
+        try:
+            until(
+                lambda: all(health(a) == "SERVING" for s in replicas.addresses for a in s), lambda: replicas.addresses
+            )
+            config = ClientConfig(deadline_s=30, membership_refresh_s=0.5)
+            with (
+                PSClient(addresses_file=replicas.addresses_file, config=config) as client,
+                Lookups(client, rows) as load,
+            ):
+                load.more()
+                (spare,) = training.add_shards(1)
+                replicas.add_shards([spare.address])
+                before = ["+".join(a) for a in replicas.addresses[:2]]
+                after = [*before, "+".join(f"dns:{a}" for a in replicas.addresses[2])]
+                out = ok(
+                    ps_admin(
+                        "scale",
+                        f"--addresses={','.join(training.addresses[:2])}",
+                        f"--to={','.join(training.addresses)}",
+                        f"--serving-addresses={','.join(before)}",
+                        f"--serving-to={','.join(after)}",
+                        cwd=tmp_path,
+                    )
+                )
+                assert ", serving " in out, out  # the serving shards switched maps too
+                load.more()
+                assert client.num_shards == 3 and client.epoch >= 1  # learnt from a serving shard
+                replicas.set_size(3)
+                until(lambda: client.replicas == [tuple(a) for a in replicas.addresses], client.replica_health)
+                for replica in replicas.replicas[2]:
+                    until(lambda r=replica: lookups_served(r.address) > 0, client.replica_health)
+                load.more()
+            assert load.failures == []
+        finally:
+            replicas.stop(quietly=True)
