@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
@@ -33,7 +35,8 @@ class ServingReplicas:
     """Serving shards following the training shards at ``follow`` (shard order), under
     ``root``, with ``per_shard`` replicas each at ``start()``; their addresses in
     ``addresses_file`` (``root/serving-addresses`` unless given). ``extra_args`` go to
-    every replica (``{shard}`` becomes its index). Not thread-safe."""
+    every replica (``{shard}`` becomes its index). ``add`` and ``remove`` may run on
+    several threads at once (a replica drains for seconds); the rest is not thread-safe."""
 
     def __init__(
         self,
@@ -55,6 +58,11 @@ class ServingReplicas:
         self.size = len(self.follow)  # the shards listed in the file (spares a grow started are not)
         self._started_as = len(self.follow)  # --num-shards of every replica
         self._count = 0  # replicas ever started: each gets a directory of its own
+        self._lock = threading.Lock()  # the lists and the file
+        # Linux sends a replica SIGTERM when the thread that started it ends (the shard asks
+        # for that, so that none outlives its launcher): every replica is started by this
+        # one thread, which lives until ``stop``, whichever thread calls ``add``.
+        self._starter = ThreadPoolExecutor(1, thread_name_prefix="ps-replicas")
 
     @property
     def num_shards(self) -> int:
@@ -63,8 +71,8 @@ class ServingReplicas:
 
     @property
     def addresses(self) -> list[list[str]]:
-        """Each shard's replica addresses, spares included."""
-        return [[r.address for r in shard] for shard in self.replicas]
+        """Each shard's replica addresses, spares included (not those still starting)."""
+        return [[r.address for r in shard if r.address] for shard in self.replicas]
 
     def add_shards(self, follow: Sequence[str]) -> list[list[ShardProcess]]:
         """Replicas (``per_shard`` each) of new shards following the training shards
@@ -136,19 +144,20 @@ class ServingReplicas:
         drains, then exits; raises ``ShardStartError`` unless it exits 0), or SIGKILL with
         ``kill`` (a crash, for fault tests). Returns the exit status. A shard's last replica
         cannot be removed (``ValueError``)."""
-        for group in self.replicas:
-            for replica in group:
-                if replica.address == address:
-                    if len(group) == 1:
-                        raise ValueError(f"{address} is shard {replica.index}'s last replica: add another first")
-                    group.remove(replica)
-                    self._write()
-                    if kill:
-                        os.kill(replica.proc.pid, signal.SIGKILL)
-                        return replica.proc.wait()
-                    stop_shard(replica, timeout_s=120.0, drain=True)
-                    return 0
-        raise ValueError(f"{address} is not a serving replica here (replicas: {self._describe()})")
+        with self._lock:
+            found = next((r for group in self.replicas for r in group if r.address == address), None)
+            if found is None:
+                raise ValueError(f"{address} is not a serving replica here (replicas: {self._describe()})")
+            group = self.replicas[found.index]
+            if len(group) == 1:
+                raise ValueError(f"{address} is shard {found.index}'s last replica: add another first")
+            group.remove(found)
+            self._write_locked()
+        if kill:
+            os.kill(found.proc.pid, signal.SIGKILL)
+            return found.proc.wait()
+        stop_shard(found, timeout_s=120.0, drain=True)
+        return 0
 
     def stop(self, quietly: bool = False) -> None:
         """Stop every replica (at once: SIGINT, no drain); raises ``ShardStartError`` if one
@@ -166,6 +175,8 @@ class ServingReplicas:
                 except ShardStartError as exc:
                     failures.append(str(exc))
         self.replicas = [[] for _ in self.follow]
+        self._starter.shutdown(wait=True)
+        self._starter = ThreadPoolExecutor(1, thread_name_prefix="ps-replicas")  # for a start() after
         if failures:
             raise ShardStartError("\n".join(failures))
 
@@ -178,21 +189,28 @@ class ServingReplicas:
         self.stop(quietly=exc_type is not None)
 
     def _spawn(self, shard: int) -> ShardProcess:
-        root = self.root / f"replica-{self._count}"
-        self._count += 1
+        with self._lock:
+            root = self.root / f"replica-{self._count}"
+            self._count += 1
         args = ("--mode=serve", f"--follow={self.follow[shard]}", *self.extra_args)
-        replica = spawn_shard(shard, self._started_as, root, *args)
-        self.replicas[shard].append(replica)
+        replica = self._starter.submit(spawn_shard, shard, self._started_as, root, *args).result()
+        with self._lock:
+            self.replicas[shard].append(replica)
         return replica
 
     def _await(self, replica: ShardProcess) -> ShardProcess:
         try:
             return await_shard(replica, replica.log.parent)
         except BaseException:
-            self.replicas[replica.index].remove(replica)
+            with self._lock:
+                self.replicas[replica.index].remove(replica)
             raise
 
     def _write(self) -> None:
+        with self._lock:
+            self._write_locked()
+
+    def _write_locked(self) -> None:
         """The addresses file, replaced whole (a reader never sees half of it)."""
         self.addresses_file.parent.mkdir(parents=True, exist_ok=True)
         temp = self.addresses_file.with_name(self.addresses_file.name + ".tmp")

@@ -238,3 +238,18 @@ def test_serving_replicas_grow_with_a_training_reshard(tmp_path: Path) -> None:
             assert load.failures == []
         finally:
             replicas.stop(quietly=True)
+
+
+def test_a_replica_added_from_a_thread_outlives_the_thread(training: tuple[LocalCluster, F32], tmp_path: Path) -> None:
+    """A shard asks Linux for SIGTERM when the thread that started it ends: replicas added
+    by a short-lived thread (an autoscaler's, a benchmark's event) must not die with it."""
+    cluster, _ = training
+    with ServingReplicas(cluster.addresses, tmp_path / "threads") as replicas:
+        added: list[ShardProcess] = []
+        adder = threading.Thread(target=lambda: added.append(replicas.add(0)))
+        adder.start()
+        adder.join(120)
+        until(lambda: health(added[0].address) == "SERVING", added[0].log_tail)
+        time.sleep(1.0)  # a signal from the thread's end would have arrived by now
+        assert added[0].proc.poll() is None, added[0].log_tail()
+        assert health(added[0].address) == "SERVING"
