@@ -47,9 +47,16 @@ float32 rows), drawn at random from the rows the table holds. Each part runs alo
    follower returning the new row (polled by lookups) is one sample; p50/p99 with the shards
    idle and under a training load (another process pushing 4,096-key batches as fast as the
    shards take them). Goal: p99 under load <= 1 s. Skipped while ``ps-server`` has no ``--follow``.
+4. ``elastic``: lookups through an addresses file while serving replicas join, drain (SIGTERM)
+   and die (``kill -9``), beside the same run on a fixed replica set; requests/s and p99 per
+   second go to ``<stem>-elastic.png``. Goal: p99 during the events <= 1.5x the fixed run's
+   p99, 0 failed requests. Also the requests/s gain of a second replica per shard under a
+   saturating load, and p99 with hedging while a replica is stopped. See ``serving_elastic``.
+5. ``startup``: a new serving replica's start to ready (health SERVING) at 1M and 10M rows.
 
-Usage: ``python benchmarks/bench_serving.py [--quick] [--parts lookup,infer,freshness] [--rows N]
-[--seconds S]`` -> ``benchmarks/results/serving.{json,png}`` (``serving-<parts>.*`` for a subset).
+Usage: ``python benchmarks/bench_serving.py [--quick] [--parts lookup,infer,freshness,elastic,startup]
+[--rows N] [--seconds S]`` -> ``benchmarks/results/serving.{json,png}`` (``serving-<parts>.*`` for a
+subset).
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # serving_parts, beside this file
 
+from serving_elastic import elastic_chart, elastic_part, startup_part  # noqa: E402
 from serving_floor import FloorClient, RawStubs, serve_raw, write_rows  # noqa: E402
 from serving_freshness import freshness_part, train_load  # noqa: E402
 from serving_infer import infer_part  # noqa: E402
@@ -103,7 +111,7 @@ from protos.wire import tune_malloc  # noqa: E402
 
 ROW_BYTES = DIM * 4
 TABLE, ECHO_SERVICE, SEED = "serving", "bench.Echo", 1234
-PARTS = ("lookup", "infer", "freshness")
+PARTS = ("lookup", "infer", "freshness", "elastic", "startup")
 GOALS = {"p99_vs_ceiling": 1.5, "rps_vs_redis_c1": 1.3, "rps_vs_redis_c8": 2.0}
 MAX_MSG = 64 << 20
 OPTIONS = [("grpc.max_receive_message_length", MAX_MSG), ("grpc.max_send_message_length", MAX_MSG)]
@@ -540,6 +548,9 @@ def main(parts: list[str], quick: bool, rows: int | None, seconds: float | None)
                 if part in parts:
                     res[part] = fn(setup, procs)
                     procs.stop_all()
+        for part, own in (("elastic", elastic_part), ("startup", startup_part)):  # start their own processes
+            if part in parts:
+                res[part] = own(setup)
     res["loadavg_end"], res["wall_s"] = os.getloadavg(), time.perf_counter() - t_start
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "serving" if set(parts) == set(PARTS) else "serving-" + "-".join(parts)
@@ -548,6 +559,8 @@ def main(parts: list[str], quick: bool, rows: int | None, seconds: float | None)
     try:
         chart(res, RESULTS / f"{stem}.png")
         wrote = "{json,png}"
+        if "elastic" in res:
+            elastic_chart(res["elastic"], RESULTS / f"{stem}-elastic.png")
     except ImportError:
         print("matplotlib is not installed (pip install -e '.[bench]'): no PNG chart written")
     print(report(res))

@@ -291,7 +291,7 @@ def report(res: dict[str, Any]) -> str:
                 f"{f['floor_vs_ceiling']:.2f}x the ceiling's; ours {f['ours_vs_floor']:.2f}x the floor's"
             )
         lines += [""] if "floor" in lk else []
-    for part in ("infer", "freshness"):
+    for part in ("infer", "freshness", "elastic", "startup"):
         if part in res:
             lines += [f"{part}: {line}" for line in res[part].get("report", [f"skipped: {res[part].get('skipped')}"])]
             lines.append("")
