@@ -387,7 +387,7 @@ def elastic_chart(r: dict[str, Any], path: Path) -> None:
         for ev in r["elastic"]["events"]:
             ax.axvline(ev["at_s"], color="grey", linestyle=":", linewidth=1)
     for ev in r["elastic"]["events"]:
-        top.annotate(ev["what"], (ev["at_s"], 0), rotation=90, fontsize=7, va="bottom", ha="right")
+        top.text(ev["at_s"], 0.02, " " + ev["what"], transform=top.get_xaxis_transform(), rotation=90, fontsize=7)
     top.set(ylabel="requests/s", title=f"lookups through an addresses file, concurrency {r['concurrency']}")
     bottom.set(ylabel="p99 ms (per second)", xlabel="seconds")
     top.legend(fontsize=8)

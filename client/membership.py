@@ -24,7 +24,7 @@ listing another number of shards than the map has is not applied until the two a
 (the map and the file each catch up).
 
 Example:
-    >>> Members([["dns:localhost:50051", "10.0.0.9:50051"]]).resolve()[0]
+    >>> Members([["dns:127.0.0.1:50051", "10.0.0.9:50051"]]).resolve()[0]
     [['127.0.0.1:50051', '10.0.0.9:50051']]
 """
 
