@@ -20,8 +20,10 @@ The trainer resumes from its checkpoint each time: ``TRAINER_CHECKPOINT_DIR`` is
 
 The shards grow and shrink while the workers train: ``ps-launch --scale LOG_DIR --to N``
 asks the launch to start the new shards and move keys to them (``deploy.launch_scale``).
-``--followers`` starts a serving shard following each training shard (for ``ps-infer``;
-their addresses are in ``LOG_DIR/serving-addresses``), and they follow each scale. Ctrl-C or SIGTERM
+``--followers`` starts a serving shard following each training shard (``--serving-replicas R``:
+R of each) for ``ps-infer --ps-file LOG_DIR/serving-addresses``; they follow each scale, one
+that dies is replaced, and ``ps-launch --scale LOG_DIR --serving-replicas R`` changes how many
+each shard has while they serve (``deploy.replicas``). Ctrl-C or SIGTERM
 stops everything. The exit status is the workers' (1 if the launch itself failed, 2 for
 a bad setting, 130 when interrupted).
 """
@@ -40,8 +42,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.launch_scale import Scaler, ScaleRequest, request_scale
+from deploy.launch_scale import SERVING_ADDRESSES_FILE, Scaler, ScaleRequest, request_scale
 from deploy.local import LocalCluster, ShardProcess, ShardStartError, die_with_parent, threads_beside_local_shards
+from deploy.replicas import ServingReplicas
 from deploy.workers import RENDEZVOUS_FILE, Elastic, Join, read_join, torchrun_command, write_join
 from protos.logs import configure_logging
 
@@ -60,6 +63,7 @@ examples:
             -- python examples/train_dlrm.py
   ps-launch --join /tmp/ps-cluster-abc123 --workers 1   # add a worker to the launch logging there
   ps-launch --scale /tmp/ps-cluster-abc123 --to 3       # grow its cluster to 3 shards while it trains
+  ps-launch --scale /tmp/ps-cluster-abc123 --serving-replicas 3   # 3 serving replicas per shard, live
 
 Shard logs and port files go to --log-dir (a temp dir by default; --data-dir is its old
 name, and not where shards keep rows: that is --shard-arg=--data-dir=...); a shard's log
@@ -77,7 +81,8 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         usage="ps-launch [--shards N] [--workers W] [--nnodes MIN:MAX] [--max-restarts R] [--shard-arg ARG ...] "
         "[--log-dir DIR] [--[no-]restart-shards] -- COMMAND [ARGS ...]\n"
         "       ps-launch --join LOG_DIR [--workers W]\n"
-        "       ps-launch --scale LOG_DIR --to N [--max-rows-per-s R]",
+        "       ps-launch --scale LOG_DIR --to N [--max-rows-per-s R]\n"
+        "       ps-launch --scale LOG_DIR --serving-replicas R",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -126,7 +131,16 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "--followers",
         action="store_true",
         help="also start a serving shard following each training shard (addresses in LOG_DIR/serving-addresses, "
-        "for ps-infer); they follow every --scale",
+        "for ps-infer --ps-file); they follow every --scale",
+    )
+    parser.add_argument(
+        "--serving-replicas",
+        type=int,
+        default=None,
+        metavar="R",
+        help="at start: R serving replicas of each training shard (implies --followers; default 1). With --scale "
+        "LOG_DIR: give each shard of that launch R replicas now (new ones are called once ready; extra ones drain, "
+        "then stop)",
     )
     parser.add_argument(
         "--shard-arg",
@@ -160,8 +174,15 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.scale is not None:
         if split < len(argv) or args.join is not None:
             parser.error("--scale asks a running launch: no '-- COMMAND' or --join with it")
-        if args.to is None or args.to < 1:
-            parser.error("--scale needs --to N, the new number of shards (at least 1)")
+        if (args.to is None) == (args.serving_replicas is None):
+            parser.error(
+                "--scale needs --to N (the new number of shards) or --serving-replicas R (replicas per serving "
+                "shard), one of the two"
+            )
+        if args.to is not None and args.to < 1:
+            parser.error(f"--to {args.to}: the new number of shards must be at least 1")
+        if args.serving_replicas is not None and args.serving_replicas < 1:
+            parser.error(f"--serving-replicas {args.serving_replicas}: each shard needs at least 1")
         if args.max_rows_per_s < 0:
             parser.error(f"--max-rows-per-s {args.max_rows_per_s:g}: must be >= 0")
         return args, []
@@ -177,6 +198,8 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error("no COMMAND after '--'")
     if args.shards < 1 or args.workers < 1:
         parser.error("--shards and --workers must be >= 1")
+    if args.serving_replicas is not None and args.serving_replicas < 1:
+        parser.error(f"--serving-replicas {args.serving_replicas}: each shard needs at least 1")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts {args.max_restarts}: must be >= 0")
     low, _, high = args.nnodes.partition(":")
@@ -301,23 +324,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.join is not None:
         return _join(args.join, args.workers, interrupt)
     if args.scale is not None:
-        return _scale(args.scale, ScaleRequest(args.to, args.max_rows_per_s), interrupt)
+        request = ScaleRequest(args.to or 0, args.max_rows_per_s, replicas=args.serving_replicas or 0)
+        return _scale(args.scale, request, interrupt)
     cluster = LocalCluster(args.shards, args.log_dir, tuple(args.shard_arg))
-    followers: LocalCluster | None = None
+    followers: ServingReplicas | None = None
     try:
         cluster.start()
         interrupt.check()
-        if args.followers:
+        if args.followers or args.serving_replicas:
             assert cluster.root is not None
-            followers = LocalCluster(args.shards, cluster.root / "serving", follow=cluster.addresses).start()
+            followers = ServingReplicas(
+                cluster.addresses,
+                cluster.root / "serving",
+                per_shard=args.serving_replicas or 1,
+                addresses_file=cluster.root / SERVING_ADDRESSES_FILE,
+            )
+            followers.start()
             interrupt.check()
     except ShardStartError as exc:
         log.error("%s", exc)
+        if followers is not None:
+            followers.stop(quietly=True)
         return _stop_cluster(cluster, set(), 1)
     except KeyboardInterrupt:
         log.warning("interrupted (SIGINT or SIGTERM) while starting the shards")
         if followers is not None:
-            _stop_cluster(followers, set(), 130)
+            followers.stop(quietly=True)
         return _stop_cluster(cluster, set(), 130)  # nothing to stop if the interrupt reached start
     workers: subprocess.Popen[bytes] | None = None
     status = 1
@@ -333,7 +365,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "on" if args.restart_shards else "off",
         )
         if followers is not None:
-            log.info("serving shards following them: %s", ",".join(followers.addresses))
+            log.info(
+                "serving shards following them: %s (in %s)",
+                ",".join("+".join(shard) for shard in followers.addresses),
+                followers.addresses_file,
+            )
         root = cluster.root if cluster.root is not None else Path(".")
         scaler = Scaler(root, cluster, followers)
         elastic = Elastic(args.nnodes, args.max_restarts, f"ps-launch-{uuid.uuid4().hex[:12]}")
@@ -372,10 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     log.info("workers exited with status 0")
                 break
             scaler.poll()
-            if followers is not None and (gone := [s for s in followers.shards if s.proc.poll() is not None]):
-                if _revive(followers, gone, follower_policy):  # a follower holds no rows of its own
-                    _stop(workers)
-                    break
+            if followers is not None and not scaler.busy and _replace_followers(followers, follower_policy):
+                _stop(workers)
+                break
             dead = [s for s in cluster.shards if s.proc.poll() is not None]
             if dead:
                 # Look at every shard again, a moment later: a look that began before two
@@ -417,9 +452,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         if scaler is not None:
             scaler.close()
         if followers is not None:
-            _stop_cluster(followers, set(), 0)
+            try:
+                followers.stop()
+            except ShardStartError as exc:
+                log.error("a serving replica did not stop cleanly: %s", exc)
         status = _stop_cluster(cluster, reported, status)
     return status
+
+
+def _replace_followers(followers: ServingReplicas, policy: RestartPolicy) -> bool:
+    """Start a serving replica in place of each that died (one holds no rows of its own: a
+    new one loads them from its training shard). True when one failed too often: give up."""
+    for dead, new in followers.replace_dead():
+        if isinstance(new, ShardStartError) or not policy.died(dead.index):
+            log.error("serving replica %s of shard %d died and does not come back:\n%s", dead.address, dead.index, new)
+            return True
+        policy.started(dead.index)
+        log.warning(
+            "serving replica %s of shard %d died with %s; %s replaces it",
+            dead.address,
+            dead.index,
+            _describe_exit(dead.proc.returncode),
+            new.address,
+        )
+    return False
 
 
 def _scale(log_dir: Path, request: ScaleRequest, interrupt: _Interrupt) -> int:

@@ -1,4 +1,5 @@
-"""``ps-launch --scale LOG_DIR --to N``: grow or shrink the shards of a running launch.
+"""``ps-launch --scale LOG_DIR --to N``: grow or shrink the shards of a running launch;
+``--serving-replicas R`` instead: give each of its serving shards R replicas.
 
 The launch owns its shard processes (it restarts them when they die and stops them at
 the end), so another ``ps-launch`` cannot start shards for it: it asks instead. The ask
@@ -11,9 +12,13 @@ retired. Progress lines go to ``scale.<id>.log`` beside the request, the outcome
 with the outcome's status (0 done, 1 failed). A step that fails (a shard killed during
 the move: the launch restarts it) is tried again from where it stopped, a few times.
 
+A replicas ask starts the missing replicas (clients call them once they are ready) and
+stops the extra ones, each after its drain (``deploy.replicas.ServingReplicas.resize``).
+
 The current addresses are in the log dir too: ``addresses`` (training shards, in order)
-and, with ``--followers``, ``serving-addresses``; workers keep the addresses they
-started with and learn each new cluster map from the shards.
+and, with ``--followers``, ``serving-addresses`` (``+`` between a shard's replicas;
+``ps-infer --ps-file`` follows it); workers keep the addresses they started with and
+learn each new cluster map from the shards.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 
 from deploy.local import LocalCluster, ShardStartError
 from deploy.operations import GrpcShards, scale_cluster
+from deploy.replicas import ServingReplicas
 from deploy.reshard import AdminError
 from deploy.scale import RetryLater
 
@@ -46,11 +52,13 @@ _RETRY_S = 2.0  # between them: a killed shard is restarted meanwhile
 
 @dataclass(frozen=True)
 class ScaleRequest:
-    """One ask: move the launch's training shards to ``to`` shards."""
+    """One ask: move the launch's training shards to ``to`` shards, or (``to`` 0) give each
+    shard ``replicas`` serving replicas."""
 
     to: int
     max_rows_per_s: float = 0.0
     id: str = ""
+    replicas: int = 0
 
 
 def request_scale(
@@ -65,7 +73,7 @@ def request_scale(
         )
     if (log_dir / REQUEST_FILE).exists():
         raise ValueError(f"{log_dir / REQUEST_FILE} exists: the launch has not taken the last request yet")
-    request = ScaleRequest(request.to, request.max_rows_per_s, uuid.uuid4().hex[:12])
+    request = ScaleRequest(request.to, request.max_rows_per_s, uuid.uuid4().hex[:12], request.replicas)
     _write(log_dir / REQUEST_FILE, json.dumps(asdict(request)))
     lines, result = log_dir / f"scale.{request.id}.log", log_dir / f"scale.{request.id}.result.json"
     deadline, seen = time.monotonic() + timeout_s, 0
@@ -92,7 +100,7 @@ class Scaler:
     """The launch's side: ``poll()`` between its checks on the shards (same thread, which
     alone starts and stops shard processes); the moves run in a thread of their own."""
 
-    def __init__(self, root: Path, cluster: LocalCluster, followers: LocalCluster | None) -> None:
+    def __init__(self, root: Path, cluster: LocalCluster, followers: ServingReplicas | None) -> None:
         self.root, self.cluster, self.followers = root, cluster, followers
         self.size = len(cluster.shards)  # the shards of the cluster map (spares started for a grow are not)
         self._job: threading.Thread | None = None
@@ -115,7 +123,9 @@ class Scaler:
             return
         try:
             raw = json.loads(path.read_text())
-            request = ScaleRequest(int(raw["to"]), float(raw.get("max_rows_per_s", 0.0)), str(raw["id"]))
+            request = ScaleRequest(
+                int(raw["to"]), float(raw.get("max_rows_per_s", 0.0)), str(raw["id"]), int(raw.get("replicas", 0))
+            )
         except (OSError, KeyError, TypeError, ValueError) as exc:
             log.error("%s is not a scale request (%s); ignoring it", path, exc)
             path.unlink(missing_ok=True)
@@ -144,6 +154,8 @@ class Scaler:
     def _start(self, request: ScaleRequest) -> None:
         self._request = request
         n = self.size
+        if request.replicas:
+            return self._resize(request.replicas)
         if request.to < 1 or request.to == n:
             self._say(f"--to {request.to}: the launch has {n} shards; give another count, at least 1")
             return self._answer(1)
@@ -154,14 +166,14 @@ class Scaler:
             try:
                 added = self.cluster.add_shards(request.to - first)
                 if self.followers is not None:
-                    self.followers.add_shards(len(added), [s.address for s in added])
+                    self.followers.add_shards([s.address for s in added])
             except ShardStartError as exc:
                 self._say(f"a new shard did not start: {exc}")
                 return self._answer(1)
             self._say(f"started shards {first}..{request.to - 1}: {', '.join(s.address for s in added)}")
         dst = self.cluster.addresses[: request.to]
         serving_dst = self.followers.addresses[: request.to] if self.followers is not None else []
-        serving = ([[a] for a in serving_src], [[a] for a in serving_dst]) if self.followers is not None else None
+        serving = (serving_src, serving_dst) if self.followers is not None else None
 
         def run() -> None:
             for attempt in range(1, _TRIES + 1):
@@ -180,8 +192,27 @@ class Scaler:
         self._job = threading.Thread(target=run, name="ps-launch-scale", daemon=True)
         self._job.start()
 
+    def _resize(self, per_shard: int) -> None:
+        """Give each serving shard ``per_shard`` replicas, in the job's thread."""
+        if self.followers is None:
+            self._say("this launch has no serving shards: start it with --followers (or --serving-replicas N)")
+            return self._answer(1)
+        followers = self.followers
+
+        def run() -> None:
+            try:
+                followers.resize(per_shard, self._say)
+                self._status = 0
+            except (ShardStartError, ValueError) as exc:
+                self._say(f"the serving replicas did not change: {exc}")
+                self._status = 1
+
+        self._job = threading.Thread(target=run, name="ps-launch-replicas", daemon=True)
+        self._job.start()
+
     def _finish(self) -> None:
         status = self._status
+        self._write_addresses()  # before retired shards stop: nobody is sent to them from here on
         if status == 0 and self.size < len(self.cluster.shards):
             retired = len(self.cluster.shards) - self.size
             try:
@@ -192,16 +223,15 @@ class Scaler:
                 self._say(f"a retired shard did not stop cleanly: {exc}")
             else:
                 self._say(f"stopped the {retired} retired shards (their data dirs stay)")
-        elif status:
+        elif status and self._request is not None and not self._request.replicas:
             self._say("the scale did not finish: run `ps-launch --scale` with the same --to again to go on")
-        self._write_addresses()
         self._answer(status)
 
     def _write_addresses(self) -> None:
         """The current address lists, one line each, into the log dir (atomically)."""
         _write(self.root / ADDRESSES_FILE, ",".join(self.cluster.addresses[: self.size]) + "\n")
         if self.followers is not None:
-            _write(self.root / SERVING_ADDRESSES_FILE, ",".join(self.followers.addresses[: self.size]) + "\n")
+            self.followers.set_size(self.size)  # its file is SERVING_ADDRESSES_FILE
 
 
 def _wait_dropped(retired: list[str], say: Callable[[str], None], timeout_s: float = 300.0) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -138,6 +138,43 @@ class ServingReplicas:
         replica = self._await(self._spawn(shard))
         self._write()
         return replica
+
+    def resize(self, per_shard: int, say: Callable[[str], None] = lambda line: None) -> None:
+        """Give every shard ``per_shard`` replicas: start the missing ones together (listed
+        once they listen), then remove the extra ones, newest first, each draining before it
+        stops (together). Raises ``ShardStartError`` (what started stays)."""
+        if per_shard < 1:
+            raise ValueError(f"per_shard={per_shard}: each shard needs at least one replica")
+        self.per_shard = per_shard
+        missing = [s for s in range(self.num_shards) for _ in range(per_shard - len(self.replicas[s]))]
+        if missing:
+            spawned = [self._spawn(s) for s in missing]
+            for replica in spawned:
+                self._await(replica)
+            self._write()
+            say(f"started {len(spawned)} serving replicas: {', '.join(r.address for r in spawned)}")
+        extra = [r.address for group in self.replicas for r in group[per_shard:]]
+        if extra:
+            with ThreadPoolExecutor(len(extra)) as pool:
+                list(pool.map(self.remove, extra))
+            say(f"stopped {len(extra)} serving replicas after their drain: {', '.join(extra)}")
+
+    def replace_dead(self) -> list[tuple[ShardProcess, ShardProcess | ShardStartError]]:
+        """Start a replica in place of each listed one whose process exited (a new address,
+        the file rewritten); returns each dead one with its replacement, or why none started."""
+        with self._lock:
+            dead = [r for group in self.replicas for r in group if r.address and r.proc.poll() is not None]
+            for replica in dead:
+                self.replicas[replica.index].remove(replica)
+        out: list[tuple[ShardProcess, ShardProcess | ShardStartError]] = []
+        for replica in dead:
+            try:
+                out.append((replica, self._await(self._spawn(replica.index))))
+            except ShardStartError as exc:
+                out.append((replica, exc))
+        if dead:
+            self._write()
+        return out
 
     def remove(self, address: str, *, kill: bool = False) -> int | None:
         """Take the replica at ``address`` out of the file, then stop it: SIGTERM (it

@@ -16,6 +16,7 @@ Stats show lookups. p50/p99 of the Predict calls in each phase are printed
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,14 +40,19 @@ from worker.trainer import TrainerConfig, train
 REPO = Path(__file__).resolve().parents[2]
 
 
+def predict_requests() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """32 requests of 16 candidates, each with one context."""
+    sizes = [16] * 32
+    ids, counts = raw_rows(sum(sizes), seed=4)
+    with_shared_context(ids, counts, sizes)
+    return requests_of(ids, counts, sizes)
+
+
 class Load:
     """Predict calls in a loop on a thread: when each started and how long it took, each failure."""
 
     def __init__(self, address: str) -> None:
-        sizes = [16] * 32
-        ids, counts = raw_rows(sum(sizes), seed=4)
-        with_shared_context(ids, counts, sizes)
-        self.requests = requests_of(ids, counts, sizes)
+        self.requests = predict_requests()
         self.client = PredictClient(address)
         self.calls: list[tuple[float, float]] = []
         self.failures: list[str] = []
@@ -125,10 +132,10 @@ def test_replicas_join_drain_die_and_stall_under_predict_load_with_no_failed_req
 ) -> None:
     hold_s = 8.0 if long_run(pytestconfig) else 1.5  # how long the load runs in each phase
     shards, run = cluster
-    with ServingReplicas(shards.addresses, tmp_path / "serving") as replicas:
+    with ServingReplicas(shards.addresses, tmp_path / "serving") as replicas, contextlib.ExitStack() as stack:
         infer, address = start_infer(run, replicas.addresses_file, tmp_path)
         try:
-            probe = Load(address).requests[0]
+            probe = predict_requests()[0]
             with PredictClient(address) as client:
                 expected = client.predict(*probe)
 
@@ -137,6 +144,7 @@ def test_replicas_join_drain_die_and_stall_under_predict_load_with_no_failed_req
                     np.testing.assert_array_equal(client.predict(*probe), expected)
 
             load = Load(address)
+            stack.callback(load.stop)
             began = time.monotonic()
             time.sleep(hold_s)
             load.phase("1 replica per shard", began)

@@ -8,6 +8,7 @@ value minus each acknowledged push once.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -141,6 +142,9 @@ def test_a_launch_grows_and_shrinks_while_its_worker_trains_and_followers_serve(
     [
         (["--scale", "{missing}", "--to", "3"], "the --log-dir of a running ps-launch"),
         (["--scale", "{missing}"], "--scale needs --to N"),
+        (["--scale", "{missing}", "--to", "3", "--serving-replicas", "2"], "one of the two"),
+        (["--scale", "{missing}", "--serving-replicas", "0"], "--serving-replicas 0: each shard needs at least 1"),
+        (["--serving-replicas", "0", "--", "python"], "--serving-replicas 0: each shard needs at least 1"),
         (["--scale", "{missing}", "--to", "3", "--", "python"], "no '-- COMMAND'"),
         (["--to", "3", "--", "python"], "--to goes with --scale"),
     ],
@@ -150,3 +154,99 @@ def test_scale_asks_say_what_is_wrong_in_one_line(tmp_path: Path, args: list[str
     result = subprocess.run(launch(*argv), cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def replicas_listed(log_dir: Path) -> list[list[str]]:
+    return [shard.split("+") for shard in (log_dir / SERVING_ADDRESSES_FILE).read_text().strip().split(",")]
+
+
+def test_a_launch_changes_its_serving_replicas_while_they_serve(tmp_path: Path) -> None:
+    """``--serving-replicas``: 2 replicas per shard at start, 3 on request, one killed and
+    replaced, then 1: a client following the addresses file never fails a lookup."""
+    log_dir, out, worker = tmp_path / "launch", tmp_path / "out", tmp_path / "worker.py"
+    out.mkdir()
+    worker.write_text(WORKER)
+    errors = (tmp_path / "launch.err").open("w")
+    proc = subprocess.Popen(
+        launch(
+            "--shards", "2", "--serving-replicas", "2", "--log-dir", str(log_dir), "--", "python", str(worker), str(out)
+        ),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=errors,
+        text=True,
+    )
+    stop, failures, reads = threading.Event(), [], [0]
+    try:
+        wait_for(out / "started", proc)
+        assert [len(s) for s in replicas_listed(log_dir)] == [2, 2]
+        config = ClientConfig(deadline_s=60.0, membership_refresh_s=0.2, tune_malloc=False)
+        reader = PSClient(addresses_file=log_dir / SERVING_ADDRESSES_FILE, config=config)
+
+        def read() -> None:
+            while not stop.is_set():
+                try:
+                    reader.lookup("t", np.arange(500, dtype=np.int64) * 7919)
+                    reads[0] += 1
+                except Exception as exc:
+                    failures.append(exc)
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        more = subprocess.run(
+            launch("--scale", str(log_dir), "--serving-replicas", "3"),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert more.returncode == 0, more.stdout + more.stderr
+        assert [len(s) for s in replicas_listed(log_dir)] == [3, 3]
+        victim = replicas_listed(log_dir)[0][0]
+        pid = next(
+            int(p.parent.name)
+            for p in Path("/proc").glob("*/cmdline")
+            if p.parent.name.isdigit()
+            and f"--port-file={log_dir}".encode() in p.read_bytes()
+            and b"--shard=0" in p.read_bytes()
+            and (p.parent / "stat").read_text().split(") ")[-1][:1] != "Z"
+            and _port_of(p.read_bytes()) == victim
+        )
+        os.kill(pid, signal.SIGKILL)  # the launch starts another in its place
+        deadline = time.monotonic() + 60
+        while victim in replicas_listed(log_dir)[0] or len(replicas_listed(log_dir)[0]) != 3:
+            assert time.monotonic() < deadline, replicas_listed(log_dir)
+            time.sleep(0.1)
+        fewer = subprocess.run(
+            launch("--scale", str(log_dir), "--serving-replicas", "1"),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert fewer.returncode == 0, fewer.stdout + fewer.stderr
+        assert "stopped 4 serving replicas after their drain" in fewer.stdout
+        assert [len(s) for s in replicas_listed(log_dir)] == [1, 1]
+        time.sleep(1.0)
+        stop.set()
+        thread.join(60)
+        reader.close()
+        (out / "stop").touch()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+        errors.close()
+    assert failures == [] and reads[0] > 0
+
+
+def _port_of(cmdline: bytes) -> str:
+    """The address a shard's port file names (``127.0.0.1:PORT``), from its command line."""
+    for arg in cmdline.split(b"\0"):
+        if arg.startswith(b"--port-file="):
+            path = Path(arg.split(b"=", 1)[1].decode())
+            if path.exists():
+                return f"127.0.0.1:{path.read_text().strip()}"
+    return ""
