@@ -1,11 +1,13 @@
 """A model of what the manifests in deploy/ make a cluster run, for tests/unit/test_manifests.py.
 
-``build`` does what ``kubectl kustomize`` does for the kustomizations there (resources,
-generators, images, replicas, components, patches, replacements; an unknown key fails rather
-than being skipped); ``pods`` expands a workload's pods as the cluster would (ordinal,
-pod-index label, downward API, ``$(VAR)`` references) and ``processes`` runs each container's
-command line and environment through the real parser of its program. ``token_role`` says
-which role a mounted token file has on the shards.
+``build`` does what ``kubectl kustomize`` does for the kustomizations there (resources, other
+kustomizations among them, generators, images, replicas, components, patches, name suffixes,
+labels, replacements; an unknown key fails rather than being skipped); ``pods`` expands a
+workload's pods as the cluster would (ordinal, pod-index label, downward API, ``$(VAR)``
+references) and ``processes`` runs each container's command line and environment through the
+real parser of its program. ``token_role`` says which role a mounted token file has on the
+shards; ``serving_deployments`` and ``replicas_address`` find the serving shards (a Deployment of
+replicas each, deploy/k8s/serve) and the ``dns:`` name that lists a shard's replicas.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def _field_path(path: str) -> list[str]:
     return re.findall(r"\[[^\]]*\]|[^.\[\]]+", path)
 
 
-def _walk(node: Any, path: list[str]) -> tuple[Any, str | int]:
+def _walk(node: Any, path: list[str]) -> tuple[Any, str]:
     """The container of the last element of ``path`` and that element's key."""
     for part in path[:-1]:
         node = _step(node, part)
@@ -121,24 +123,101 @@ def _step(node: Any, part: str) -> Any:
     return node[part]
 
 
+def _select(resources: list[Resource], selector: dict[str, str]) -> list[Resource]:
+    """The resources a kustomize selector (a patch's target, a replacement's select) picks:
+    by kind, name and ``labelSelector`` (``key=value`` pairs); it must pick one at least."""
+    assert set(selector) <= {"kind", "name", "labelSelector"}, f"selector fields not built here: {selector}"
+    pairs = [kv.partition("=") for kv in selector.get("labelSelector", "").split(",") if kv]
+    assert all(sep and "!" not in k for k, sep, _ in pairs), f"only key=value label selectors: {selector}"
+    found = [
+        r
+        for r in resources
+        if selector.get("kind", r["kind"]) == r["kind"]
+        and selector.get("name", r["metadata"]["name"]) == r["metadata"]["name"]
+        and all(r["metadata"].get("labels", {}).get(k.strip()) == v.strip() for k, _, v in pairs)
+    ]
+    assert found, f"{selector} selects nothing"
+    return found
+
+
 def _replace(resources: list[Resource], replacement: dict[str, Any]) -> None:
     src = replacement["source"]
     assert set(src) <= {"kind", "name", "fieldPath"}, src
     value = _step(*_walk(find_resource(resources, src["kind"], src["name"]), _field_path(src["fieldPath"])))
     for target in replacement["targets"]:
         assert set(target) <= {"select", "fieldPaths"}, target
-        sel = target["select"]
-        for path in target["fieldPaths"]:
-            node, last = _walk(find_resource(resources, sel["kind"], sel["name"]), _field_path(path))
-            old = node[last]  # kustomize keeps the target's type: "2" stays a string, 2 a number
-            node[last] = str(value) if isinstance(old, str) else int(value) if isinstance(old, int) else value
+        for r in _select(resources, target["select"]):
+            for path in target["fieldPaths"]:
+                node, last = _walk(r, _field_path(path))
+                old = node[last]  # kustomize keeps the target's type: "2" stays a string, 2 a number
+                node[last] = str(value) if isinstance(old, str) else int(value) if isinstance(old, int) else value
 
 
 def _apply_patches(resources: list[Resource], base: Path, patches: list[dict[str, Any]]) -> None:
     for p in patches:
-        assert set(p) == {"path"}, f"{base}: only `patches: - path:` is built here: {p}"
+        assert "path" in p and set(p) <= {"path", "target"}, f"{base}: only strategic merge patch files: {p}"
         for patch in load_resources(base / p["path"]):
-            _merge(find_resource(resources, patch["kind"], patch["metadata"]["name"]), patch)
+            if "target" not in p:
+                _merge(find_resource(resources, patch["kind"], patch["metadata"]["name"]), patch)
+                continue
+            body = copy.deepcopy(patch)
+            del body["metadata"]["name"]  # with a target, the patch goes to each resource it selects
+            for r in _select(resources, p["target"]):
+                assert r["kind"] == patch["kind"], f"{p}: a {patch['kind']} patch selects a {r['kind']}"
+                _merge(r, copy.deepcopy(body))
+
+
+# What a name suffix may rename here: kinds nothing refers to by name but an autoscaler. (Renaming
+# a Service a StatefulSet names, a claim, a ConfigMap or a Secret would need kustomize's other
+# name references, which are not built.)
+_RENAMED = {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+
+
+def _add_suffix(resources: list[Resource], suffix: str) -> None:
+    """``nameSuffix``: every name gets it, and so do the autoscalers' references (nameReference)."""
+    renamed = {}
+    for r in resources:
+        assert r["kind"] in _RENAMED, f"nameSuffix on a {r['kind']}: what refers to it is not renamed here"
+        renamed[r["kind"], r["metadata"]["name"]] = r["metadata"]["name"] = r["metadata"]["name"] + suffix
+    for r in resources:
+        if r["kind"] == "HorizontalPodAutoscaler":
+            ref = r["spec"]["scaleTargetRef"]
+            ref["name"] = renamed.get((ref["kind"], ref["name"]), ref["name"])
+
+
+def _label_selectors(r: Resource) -> Iterator[dict[str, str]]:
+    """The selectors ``labels`` with ``includeSelectors`` extends in ``r`` (kustomize's
+    commonLabels field specs for the kinds used here) and its pod template's labels."""
+    kind, spec = r["kind"], r.get("spec", {})
+    assert kind not in ("ReplicationController", "CronJob", "NetworkPolicy"), f"labels on a {kind}: not built here"
+    if kind == "Service":
+        yield spec.setdefault("selector", {})
+    elif kind in ("Deployment", "StatefulSet", "ReplicaSet", "DaemonSet"):
+        yield spec.setdefault("selector", {}).setdefault("matchLabels", {})
+        pod = spec["template"]["spec"]
+        assert "affinity" not in pod, "affinity selectors are not built here"
+        if kind in ("Deployment", "StatefulSet"):
+            for c in pod.get("topologySpreadConstraints", []):
+                if "matchLabels" in c.get("labelSelector", {}):
+                    yield c["labelSelector"]["matchLabels"]
+        for claim in spec.get("volumeClaimTemplates", []):
+            yield claim["metadata"].setdefault("labels", {})
+    elif kind in ("Job", "PodDisruptionBudget") and "matchLabels" in spec.get("selector", {}):
+        yield spec["selector"]["matchLabels"]
+    t = pod_template(r)
+    if t is not None:
+        yield t["metadata"].setdefault("labels", {})
+
+
+def _add_labels(resources: list[Resource], label: dict[str, Any]) -> None:
+    assert set(label) <= {"pairs", "includeSelectors", "includeTemplates"}, label
+    for r in resources:
+        r["metadata"].setdefault("labels", {}).update(label["pairs"])
+        if label.get("includeSelectors"):
+            for node in _label_selectors(r):
+                node.update(label["pairs"])
+        elif label.get("includeTemplates") and (t := pod_template(r)) is not None:
+            t["metadata"].setdefault("labels", {}).update(label["pairs"])
 
 
 KUSTOMIZATION_KEYS = {
@@ -151,6 +230,8 @@ KUSTOMIZATION_KEYS = {
     "replacements",
     "components",
     "patches",
+    "nameSuffix",
+    "labels",
 }
 
 
@@ -163,7 +244,8 @@ def build(directory: Path, edit: Callable[[dict[str, Any]], None] | None = None)
     assert set(k) <= KUSTOMIZATION_KEYS, f"kustomization keys this test does not build: {set(k) - KUSTOMIZATION_KEYS}"
     resources: list[Resource] = []
     for name in k.get("resources", []):
-        resources += load_resources(directory / name)
+        path = directory / name
+        resources += build(path) if path.is_dir() else load_resources(path)
     for gen in k.get("configMapGenerator", []):
         assert gen["options"]["disableNameSuffixHash"], "generated names are referenced as written"
         data = dict(lit.split("=", 1) for lit in gen["literals"])
@@ -174,6 +256,10 @@ def build(directory: Path, edit: Callable[[dict[str, Any]], None] | None = None)
         assert c["kind"] == "Component" and set(c) <= {"apiVersion", "kind", "patches"}, c
         _apply_patches(resources, directory / component, c["patches"])
     _apply_patches(resources, directory, k.get("patches", []))
+    if "nameSuffix" in k:
+        _add_suffix(resources, k["nameSuffix"])
+    for label in k.get("labels", []):
+        _add_labels(resources, label)
     for image in k.get("images", []):
         for r in resources:
             for c in containers_of(r):
@@ -203,7 +289,10 @@ def built(variant: str, directory: Path = K8S) -> list[Resource]:
 def kustomization_files(directory: Path, components: Sequence[str] = ()) -> set[Path]:
     """The files ``build(directory)`` reads, with the optional ``components`` enabled."""
     k = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    files = {directory / "kustomization.yaml"} | {directory / r for r in k.get("resources", [])}
+    files = {directory / "kustomization.yaml"}
+    for r in k.get("resources", []):
+        path = (directory / r).resolve()  # ../base: the same files as from any other directory
+        files |= kustomization_files(path) if path.is_dir() else {path}
     files |= {directory / p["path"] for p in k.get("patches", [])}
     for component in [*k.get("components", []), *components]:
         files |= kustomization_files(directory / component)
@@ -430,3 +519,43 @@ def stable_address(resources: list[Resource], statefulset: str, i: int, listen: 
     service, port = service_of(resources, pod, port_of(listen))
     assert service["metadata"]["name"] == sts["spec"]["serviceName"] and service["spec"]["clusterIP"] == "None"
     return f"{pod.name}.{service['metadata']['name']}.{NS}.svc:{port}"
+
+
+# --- the serving shards: a Deployment of replicas each (deploy/k8s/serve)
+
+SHARD_LABEL = "embedding-ps/shard"  # a serving replica's shard index (serve/N sets it)
+
+
+def serving_deployments(resources: list[Resource]) -> list[Resource]:
+    """The serving shards' Deployments, in the order the kustomization lists them."""
+    component = "app.kubernetes.io/component"
+    return [r for r in resources if r["kind"] == "Deployment" and r["metadata"]["labels"].get(component) == "serve"]
+
+
+def replicas_address(resources: list[Resource], deployment: str, listen: str) -> str:
+    """What clients name for every ready replica of ``deployment``: ``dns:`` and the name of
+    the headless Service that lists its pods, and no other workload's, once ready."""
+    d = find_resource(resources, "Deployment", deployment)
+    pod = next(pods([d]))
+    service, port = service_of(resources, pod, port_of(listen))
+    name, spec = service["metadata"]["name"], service["spec"]
+    assert spec["clusterIP"] == "None", f"{name}: headless, one address per replica"
+    assert not spec.get("publishNotReadyAddresses"), f"{name}: a replica still loading must not be listed"
+    others = [
+        w["metadata"]["name"]
+        for w in resources
+        if w is not d and pod_template(w) is not None and selects(spec["selector"], next(pods([w])))
+    ]
+    assert not others, f"{name} lists the pods of {others} too"
+    return f"dns:{name}.{NS}.svc:{port}"
+
+
+def add_serving_shard(root: Path, i: int) -> None:
+    """Write ``root/serve/i`` as serve/N's comment says: a copy of serve/0 with ``i`` written
+    for the index in both values."""
+    text = (root / "serve" / "0" / "kustomization.yaml").read_text()
+    assert text.count('"-0"') == 1 and text.count('"0"') == 1, "the index is written once in each value"
+    (root / "serve" / str(i)).mkdir()
+    (root / "serve" / str(i) / "kustomization.yaml").write_text(
+        text.replace('"-0"', f'"-{i}"').replace('"0"', f'"{i}"')
+    )

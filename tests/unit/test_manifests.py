@@ -1,44 +1,40 @@
-"""deploy/: the Kubernetes manifests, the Prometheus scrape config, the Grafana dashboard and the
-Dockerfile agree with the API schemas, with each other, and with the programs they start. Offline.
+"""deploy/: the Kubernetes manifests and the Dockerfile agree with the API schemas, with each
+other, and with the programs they start. Offline.
 
 What ``kubectl apply -k deploy/k8s`` would create is built here as kustomize builds it (the
-kustomization's resources, generators, images, replicas, components, patches and replacements;
-a key this builder does not know fails the test rather than being skipped), with and without the
-TLS component. Every resource is validated against the Kubernetes API schema (strict: unknown
-fields are errors). Then each pod is expanded as the cluster would run it (ordinal, pod-index
-label, downward API, ``$(VAR)`` references) and each container's command line and environment go
-through the real parser of its program: ``ps.config.load_config`` for ps-server,
-``load_settings(InferConfig)`` for ps-infer, torch's own torchrun parser and
-``load_settings(TrainerConfig)`` for the trainer, and ``ClientConfig`` for the ``PS_CLIENT_*``
-settings. The wiring checks read those parsed configs: a renamed flag, or a shard count changed
-in one place only, fails here rather than in a cluster. (For both variants the builder's output
-was compared with ``kubectl kustomize`` 5.5's and is the same.)
+kustomization's resources, the serving shards' kustomizations among them, generators, images,
+replicas, components, patches, name suffixes, labels and replacements; a key this builder does
+not know fails the test rather than being skipped), with and without the TLS component. Every
+resource is validated against the Kubernetes API schema (strict: unknown fields are errors). Then
+each pod is expanded as the cluster would run it (ordinal, pod-index label, downward API,
+``$(VAR)`` references) and each container's command line and environment go through the real
+parser of its program: ``ps.config.load_config`` for ps-server, ``load_settings(InferConfig)``
+for ps-infer, torch's own torchrun parser and ``load_settings(TrainerConfig)`` for the trainer,
+and ``ClientConfig`` for the ``PS_CLIENT_*`` settings. The wiring checks read those parsed
+configs: a renamed flag, or a shard count changed in one place only, fails here rather than in a
+cluster. What Prometheus scrapes, the Grafana dashboard, and the autoscalers with the
+prometheus-adapter rule they scale by are checked in ``test_monitoring_manifests``. (For both
+variants the builder's output was compared with ``kubectl kustomize`` 5.5's and is the same.)
 """
 
 from __future__ import annotations
 
-import ast
 import copy
 import importlib.metadata
 import importlib.util
-import json
 import re
 import shlex
+import shutil
 import tomllib
 from pathlib import Path, PurePosixPath
-from types import SimpleNamespace
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry
 
-import ps.metrics
-from client import parse_addresses
-from protos import ps_pb2 as pb
+from client import ClientConfig, parse_addresses
 from protos.auth import allows
-from protos.guard import RpcMetrics
 from protos.services import PS_SERVICE
 from ps.checkpoint import checkpoint_target, resolve_existing_checkpoint
 from ps.server import ROLES as SHARD_ROLES
@@ -48,10 +44,11 @@ from tests.unit.k8s_model import (
     K8S_VERSIONS,
     NS,
     ROOT,
+    SHARD_LABEL,
     VARIANTS,
-    Pod,
     Proc,
     Resource,
+    add_serving_shard,
     build,
     built,
     container_ports,
@@ -65,9 +62,10 @@ from tests.unit.k8s_model import (
     port_of,
     processes,
     procs_of,
-    resource_key,
+    replicas_address,
     selects,
     service_of,
+    serving_deployments,
     stable_address,
     token_role,
 )
@@ -128,10 +126,18 @@ def test_every_container_is_a_program_of_the_image(procs: list[Proc]) -> None:
 # --- shards
 
 
+def _serving(procs: list[Proc]) -> list[Proc]:
+    """The serving shards' ps-server processes: one replica of each shard, in shard order."""
+    return [p for p in procs_of(procs, "ps-server") if p.pod.labels["app.kubernetes.io/component"] == "serve"]
+
+
 def test_shards_and_followers_line_up(resources: list[Resource], procs: list[Proc]) -> None:
-    train, serve = procs_of(procs, "ps-server", "ps-shard"), procs_of(procs, "ps-server", "ps-serve")
+    train, serve = procs_of(procs, "ps-server", "ps-shard"), _serving(procs)
     n = find_resource(resources, "StatefulSet", "ps-shard")["spec"]["replicas"]
-    assert n >= 1 and find_resource(resources, "StatefulSet", "ps-serve")["spec"]["replicas"] == n
+    # One serving shard per training shard, in order: the Deployment ps-serve-i, whose replicas
+    # are serving shard i (the label serve/i gives them).
+    deployments = [d["metadata"]["name"] for d in serving_deployments(resources)]
+    assert n >= 1 and deployments == [f"ps-serve-{i}" for i in range(n)], deployments
     assert [p.config.shard for p in train] == list(range(n)) == [p.config.shard for p in serve]
     for p in train:
         assert (p.config.num_shards, p.config.mode, p.config.follow) == (n, "train", None)
@@ -139,6 +145,7 @@ def test_shards_and_followers_line_up(resources: list[Resource], procs: list[Pro
         i = p.config.shard
         leader = stable_address(resources, "ps-shard", i, train[i].config.listen)
         assert (p.config.num_shards, p.config.mode, p.config.follow) == (n, "serve", leader), p.pod.name
+        assert p.pod.labels[SHARD_LABEL] == str(i) and p.pod.workload["metadata"]["name"] == f"ps-serve-{i}"
 
 
 def test_shard_data_lives_on_its_own_volume(resources: list[Resource], procs: list[Proc]) -> None:
@@ -191,7 +198,7 @@ def test_serving_shards_read_the_checkpoints_training_writes(
     # `ps-admin serve-from --checkpoint NAME` pins serving shard i to the part training shard
     # i wrote: every shard, training and serving, needs the one checkpoint root, on a volume
     # that pods on different nodes all mount.
-    train, serve = procs_of(procs, "ps-server", "ps-shard"), procs_of(procs, "ps-server", "ps-serve")
+    train, serve = procs_of(procs, "ps-server", "ps-shard"), _serving(procs)
     roots = set()
     for p in train + serve:
         root = p.config.checkpoint_root
@@ -236,13 +243,17 @@ def _bytes(quantity: str) -> int:
 
 def test_clients_name_every_shard_in_order(resources: list[Resource], procs: list[Proc]) -> None:
     train = {p.config.shard: p.config.listen for p in procs_of(procs, "ps-server", "ps-shard")}
-    serve = {p.config.shard: p.config.listen for p in procs_of(procs, "ps-server", "ps-serve")}
+    serve = {p.config.shard: p for p in _serving(procs)}
     n = len(train)
     for p in procs_of(procs, "trainer"):
         want = [stable_address(resources, "ps-shard", i, train[i]) for i in range(n)]
         assert parse_addresses(",".join(p.config.addresses)) == [[a] for a in want], p.pod.name
+    # ps-infer names each serving shard once, by the headless Service that lists its replicas.
+    replicas = [
+        replicas_address(resources, serve[i].pod.workload["metadata"]["name"], serve[i].config.listen) for i in range(n)
+    ]
     for p in procs_of(procs, "ps-infer"):
-        assert p.config.addresses() == [[stable_address(resources, "ps-serve", i, serve[i])] for i in range(n)]
+        assert p.config.addresses() == [[a] for a in replicas], p.pod.name
 
 
 def _three_addresses(literal: str) -> str:
@@ -251,19 +262,58 @@ def _three_addresses(literal: str) -> str:
     return key + "=" + ",".join(first.replace("-0.", f"-{i}.", 1) for i in range(3))
 
 
-def test_shard_count_changes_in_one_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    # What the kustomization tells a person to do: change `count`, give both lists 3 addresses.
-    def three_shards(k: dict[str, Any]) -> None:
-        k["replicas"][0]["count"] = 3
-        generator = k["configMapGenerator"][0]
-        generator["literals"] = [_three_addresses(literal) for literal in generator["literals"]]
+def _three_shards(root: Path, serving_directory: bool = True, lists: bool = True) -> list[Resource]:
+    """deploy/k8s copied to ``root`` and changed to 3 shards as the kustomization tells a person
+    to: `count`, the directory serve/2 (and listed), both lists; or with one of them forgotten."""
+    shutil.copytree(K8S, root)
+    add_serving_shard(root, 2)
 
-    resources = build(K8S, three_shards)
+    def edit(k: dict[str, Any]) -> None:
+        k["replicas"][0]["count"] = 3
+        if serving_directory:
+            k["resources"].append("serve/2")
+        if lists:
+            generator = k["configMapGenerator"][0]
+            generator["literals"] = [_three_addresses(literal) for literal in generator["literals"]]
+
+    return build(root, edit)
+
+
+def test_shard_count_changes_in_one_place(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    resources = _three_shards(tmp_path / "k8s")
     procs = processes(resources, monkeypatch)
-    assert [p.config.shard for p in procs_of(procs, "ps-server", "ps-serve")] == [0, 1, 2]
+    assert [p.config.shard for p in _serving(procs)] == [0, 1, 2]
     assert {p.config.num_shards for p in procs_of(procs, "ps-server")} == {3}
     test_shards_and_followers_line_up(resources, procs)
     test_clients_name_every_shard_in_order(resources, procs)
+
+
+@pytest.mark.parametrize("forgotten", ["serving-directory", "lists"])
+def test_a_shard_count_changed_in_part_fails_here(
+    forgotten: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # kustomize has no loop: a serving shard is a directory listed once per shard. Forgetting it
+    # (or the lists) must fail here, not leave shard 2 without serving replicas in a cluster.
+    resources = _three_shards(
+        tmp_path / "k8s", serving_directory=forgotten != "serving-directory", lists=forgotten != "lists"
+    )
+    procs = processes(resources, monkeypatch)
+    with pytest.raises(AssertionError):
+        test_shards_and_followers_line_up(resources, procs)
+        test_clients_name_every_shard_in_order(resources, procs)
+
+
+def test_serving_shards_are_listed_once_each_in_order() -> None:
+    # serve/i is serve/0 with its index changed, as its comment tells a person to write it, and
+    # the kustomization lists serve/0 ... serve/N-1 for its N training shards, and no others.
+    k = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    n = k["replicas"][0]["count"]
+    assert [r for r in k["resources"] if r.startswith("serve")] == [f"serve/{i}" for i in range(n)]
+    assert sorted(d.name for d in (K8S / "serve").iterdir()) == sorted(["base", *map(str, range(n))])
+    template = (K8S / "serve" / "0" / "kustomization.yaml").read_text()
+    for i in range(n):
+        want = template.replace('"-0"', f'"-{i}"').replace('"0"', f'"{i}"')
+        assert (K8S / "serve" / str(i) / "kustomization.yaml").read_text() == want, f"serve/{i}"
 
 
 # --- services, probes, shutdown
@@ -277,7 +327,6 @@ def test_services_select_their_pods_and_ports(resources: list[Resource]) -> None
         chosen = [w for w in workloads if selects(selector, next(pods([w])))]
         assert len(chosen) == 1, f"{s['kind']}/{s['metadata']['name']} selects {len(chosen)} workloads"
         if s["kind"] == "PodDisruptionBudget":
-            assert s["spec"]["maxUnavailable"] == 1
             continue
         declared = {
             n: p for c in chosen[0]["spec"]["template"]["spec"]["containers"] for n, p in container_ports(c).items()
@@ -285,14 +334,22 @@ def test_services_select_their_pods_and_ports(resources: list[Resource]) -> None
         for sp in s["spec"]["ports"]:
             target = sp.get("targetPort", sp["port"])
             assert target in declared or target in declared.values(), f"{s['metadata']['name']}: no port {target}"
-    for kind, name in [("StatefulSet", "ps-shard"), ("StatefulSet", "ps-serve")]:
-        sts = find_resource(resources, kind, name)
-        service = find_resource(resources, "Service", sts["spec"]["serviceName"])
-        assert service["spec"]["clusterIP"] == "None", f"{name}: its Service must be headless (a name per pod)"
-        assert selects(service["spec"]["selector"], next(pods([sts])))
-    assert {resource_key(r) for r in resources if r["kind"] == "PodDisruptionBudget"} >= {
-        ("PodDisruptionBudget", "ps-shard")
-    }
+    sts = find_resource(resources, "StatefulSet", "ps-shard")
+    service = find_resource(resources, "Service", sts["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None", "ps-shard: its Service must be headless (a name per pod)"
+    assert selects(service["spec"]["selector"], next(pods([sts])))
+    for d in serving_deployments(resources):  # a headless Service of its own, listing its replicas
+        (server,) = d["spec"]["template"]["spec"]["containers"]
+        replicas_address(resources, d["metadata"]["name"], f"0.0.0.0:{container_ports(server)['grpc']}")
+    # Voluntary disruptions (node drains, upgrades) take one training shard or ps-infer pod at a
+    # time (clients retry a missing training shard), and leave every serving shard one replica.
+    budgets = {r["metadata"]["name"]: r["spec"] for r in resources if r["kind"] == "PodDisruptionBudget"}
+    assert budgets["ps-shard"]["maxUnavailable"] == 1 and budgets["ps-infer"]["maxUnavailable"] == 1
+    for d in serving_deployments(resources):
+        budget = budgets.pop(d["metadata"]["name"])
+        assert budget["minAvailable"] == 1 and "maxUnavailable" not in budget, d["metadata"]["name"]
+        assert budget["selector"] == d["spec"]["selector"], "this shard's replicas, and only them"
+    assert set(budgets) == {"ps-shard", "ps-infer"}
 
 
 def _probes(c: dict[str, Any]) -> list[dict[str, Any]]:
@@ -322,7 +379,17 @@ def test_ps_infer_waits_for_loading_shards_within_its_startup_probe(procs: list[
         assert 0 < p.config.wait_s < window_s, f"{p.pod.name}: --wait-s {p.config.wait_s}, probe window {window_s} s"
 
 
+def test_serving_replicas_may_load_a_large_snapshot(procs: list[Proc]) -> None:
+    # A serving replica's health is NOT_SERVING until it holds its training shard's snapshot
+    # (0.33M rows/s measured): its startup probe must wait that long, not restart it meanwhile.
+    for p in _serving(procs):
+        probe = p.container["startupProbe"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= 20 * 60, p.pod.name
+
+
 def _pre_stop_s(c: dict[str, Any]) -> int:
+    if "lifecycle" not in c:
+        return 0
     command = c["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "sleep", command
     return int(command[1])
@@ -330,143 +397,52 @@ def _pre_stop_s(c: dict[str, Any]) -> int:
 
 def test_shutdown_fits_the_grace_period(procs: list[Proc]) -> None:
     for p in procs_of(procs, "ps-server") + procs_of(procs, "ps-infer"):
-        # ps-server drains for grace_s, and may retry a refused final write for grace_s more.
-        drain = p.config.grace_s * (2 if p.program == "ps-server" else 1)
+        # On SIGTERM a server drains (NOT_SERVING, still answering) for drain_s, lets calls in
+        # flight finish for grace_s, and ps-server may retry a refused final write for grace_s more.
+        stop_s = p.config.drain_s + p.config.grace_s * (2 if p.program == "ps-server" else 1)
         period = p.pod.spec["terminationGracePeriodSeconds"]
-        assert period > _pre_stop_s(p.container) + drain, f"{p.pod.name}: SIGKILL would cut the drain short"
+        assert period > _pre_stop_s(p.container) + stop_s, f"{p.pod.name}: SIGKILL would cut the drain short"
+    # A serving replica or ps-infer keeps answering while its clients move away: its drain does
+    # what a preStop pause did, long enough for clients to see it (they ask every replica's
+    # health each membership_refresh_s).
+    for p in _serving(procs) + procs_of(procs, "ps-infer"):
+        assert "lifecycle" not in p.container, f"{p.pod.name}: the drain replaces the preStop pause"
+        assert p.config.drain_s >= 2 * ClientConfig().membership_refresh_s, p.pod.name
 
 
 # --- metrics
 
 
-def test_metrics_port_matches_annotations_and_scrape_config(procs: list[Proc]) -> None:
-    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
-    (job,) = config["scrape_configs"]
-    assert job["kubernetes_sd_configs"][0]["role"] == "pod"
-    servers = {id(p.pod) for p in procs if p.program in ("ps-server", "ps-infer")}
-    seen_pods = {id(p.pod): p.pod for p in procs}
-    for pod_id, pod in seen_pods.items():
-        targets = [t for c in pod.spec["containers"] for t in scrape_targets(pod, c, job["relabel_configs"])]
-        if pod_id not in servers:
-            assert targets == [], f"{pod.name}: nothing to scrape"
-            continue
-        (p,) = [q for q in procs if q.pod is pod and not q.init]
-        port = p.config.metrics_port
-        assert port is not None and container_ports(p.container)["metrics"] == port
-        assert pod.annotations["prometheus.io/scrape"] == "true"
-        assert int(pod.annotations["prometheus.io/port"]) == port
-        assert len(targets) == 1, f"{pod.name}: scraped {len(targets)} times"
-        (t,) = targets
-        assert t["__address__"].endswith(f":{port}") and t["__metrics_path__"] == pod.annotations["prometheus.io/path"]
-        assert t["namespace"] == NS and t["pod"] == pod.name
-        assert t["component"] == pod.labels["app.kubernetes.io/component"]
-        assert t.get("shard") == (str(pod.index) if pod.workload["kind"] == "StatefulSet" else None)
+def _certificate_names() -> list[str]:
+    """The DNS names secrets.example.yaml's recipe writes into the certificate, for NS."""
+    recipe = (K8S / "secrets.example.yaml").read_text()
+    m = re.search(r"subjectAltName=(\S+?)\\n", recipe)
+    assert m, "secrets.example.yaml: no subjectAltName in the recipe"
+    return [name.replace("%s", NS) for name in re.findall(r"DNS:([^,]+)", m.group(1))]
 
 
-def _sanitize(name: str) -> str:
-    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+def _certificate_covers(names: list[str], host: str) -> bool:
+    # A wildcard stands for one whole label, the leftmost (RFC 6125).
+    return any(host == n or (n.startswith("*.") and host.partition(".")[2] == n[2:]) for n in names)
 
 
-def scrape_targets(pod: Pod, c: dict[str, Any], relabel: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Prometheus' pod discovery (one target per declared container port) and relabelling."""
-    meta = {
-        "__meta_kubernetes_namespace": NS,
-        "__meta_kubernetes_pod_name": pod.name,
-        "__meta_kubernetes_pod_ip": "10.1.2.3",
-        "__meta_kubernetes_pod_phase": "Running",
-        "__meta_kubernetes_pod_container_name": c["name"],
-        "__meta_kubernetes_pod_container_init": "false",
-        "__metrics_path__": "/metrics",
-        "__scheme__": "http",
-        "job": "embedding-ps",
-    }
-    for k, v in pod.labels.items():
-        meta[f"__meta_kubernetes_pod_label_{_sanitize(k)}"] = v
-        meta[f"__meta_kubernetes_pod_labelpresent_{_sanitize(k)}"] = "true"
-    for k, v in pod.annotations.items():
-        meta[f"__meta_kubernetes_pod_annotation_{_sanitize(k)}"] = v
-    out = []
-    for port in c.get("ports", []) or [None]:
-        labels = dict(meta, __address__="10.1.2.3")
-        if port is not None:
-            labels |= {
-                "__address__": f"10.1.2.3:{port['containerPort']}",
-                "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
-                "__meta_kubernetes_pod_container_port_number": str(port["containerPort"]),
-            }
-        result = _relabel(labels, relabel)
-        if result is not None:
-            out.append(result)
-    return out
-
-
-def _relabel(labels: dict[str, str], configs: list[dict[str, Any]]) -> dict[str, str] | None:
-    for rc in configs:
-        action = rc.get("action", "replace")
-        value = rc.get("separator", ";").join(labels.get(s, "") for s in rc.get("source_labels", []))
-        m = re.fullmatch(str(rc.get("regex", "(.*)")), value)
-        if action == "keep" and not m or action == "drop" and m:
-            return None
-        if action == "replace" and m:
-            result = m.expand(re.sub(r"\$\{?(\w+)\}?", r"\\g<\1>", rc.get("replacement", "$1")))
-            if result:
-                labels[rc["target_label"]] = result
-            else:
-                labels.pop(rc["target_label"], None)
-        assert action in ("keep", "drop", "replace"), f"relabel action {action} is not checked here"
-    return labels
-
-
-def exposed_metrics(monkeypatch: pytest.MonkeyPatch) -> set[str]:
-    """Every series name ps-server and ps-infer can expose: their collectors run on a stand-in
-    shard, and metrics made from a literal name are read from the source."""
-    registry = CollectorRegistry(auto_describe=False)
-    RpcMetrics("ps", registry)
-    RpcMetrics("ps_infer", registry)
-    stats = pb.StatsResponse(tables=[pb.TableStats(name="t")], follow=pb.FollowStatus(source="follow"))
-    monkeypatch.setattr(ps.metrics, "shard_stats", lambda shard: stats)
-    registry.register(ps.metrics.ShardCollector(SimpleNamespace(storage_errors=0)))
-    families = [(f.name, f.type) for f in registry.collect()]
-    makers = {"Histogram": "histogram", "Counter": "counter", "Gauge": "gauge", "Summary": "summary"}
-    for path in [*(ROOT / "ps").glob("*.py"), *(ROOT / "protos").glob("*.py"), *(ROOT / "worker").glob("*.py")]:
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-                func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-                kind = makers.get(func.removesuffix("MetricFamily"))
-                if kind and isinstance(node.args[0].value, str):
-                    families.append((node.args[0].value.removesuffix("_total"), kind))
-    suffixes = {
-        "histogram": ("_bucket", "_sum", "_count"),
-        "counter": ("_total",),
-        "gauge": ("",),
-        "summary": ("", "_sum", "_count"),
-    }
-    return {name + s for name, kind in families for s in suffixes.get(kind, ("",))}
-
-
-def test_dashboard_shows_metrics_the_servers_expose(monkeypatch: pytest.MonkeyPatch) -> None:
-    dashboard = json.loads((ROOT / "deploy" / "grafana" / "ps-dashboard.json").read_text())
-    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
-    ids = [p["id"] for p in dashboard["panels"]]
-    assert len(ids) == len(set(ids)) and panels
-    exposed = exposed_metrics(monkeypatch)
-    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
-    target_labels = {
-        rc["target_label"] for rc in scrape["scrape_configs"][0]["relabel_configs"] if "target_label" in rc
-    }
-    variables = {v["name"] for v in dashboard["templating"]["list"]}
-    for panel in panels:
-        assert panel["datasource"]["uid"] == "${datasource}" and "datasource" in variables
-        assert panel["targets"], panel["title"]
-        for target in panel["targets"]:
-            expr = target["expr"]
-            used = set(re.findall(r"\bps_[a-z0-9_]+", expr))
-            assert used and used <= exposed, f"{panel['title']}: {sorted(used - exposed)} are not exposed"
-            # labels matched in selectors come from the scrape config (metric labels are grouped by)
-            matched = set(re.findall(r"(\w+)\s*=~?\s*\"", expr))
-            assert matched <= target_labels, f"{panel['title']}: {matched - target_labels} are not scrape labels"
-            for var in re.findall(r"\$(\w+)", expr):
-                assert var in variables or var.startswith("__"), f"{panel['title']}: no variable ${var}"
+def test_the_certificate_names_every_host_clients_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A client checks the server's certificate against the host it dials; for a dns: entry that
+    # is the name (the replicas are dialled by address), so the serving shards' Services must be
+    # in the certificate, and a grow's new ones too (ps-serve-N: the scale Job's lists).
+    resources = copy.deepcopy(built("tls"))
+    procs = processes(resources, monkeypatch)
+    hosts = set()
+    for p in procs_of(procs, "ps-infer"):
+        hosts |= {entry.removeprefix("dns:").rpartition(":")[0] for shard in p.config.addresses() for entry in shard}
+        service, _ = service_of(resources, p.pod, port_of(p.config.listen))
+        hosts.add(f"{service['metadata']['name']}.{NS}.svc")  # what callers dial (kubernetes.md)
+    for p in procs_of(procs, "trainer"):
+        hosts |= {address.rpartition(":")[0] for address in p.config.addresses}
+    hosts |= {p.config.follow.rpartition(":")[0] for p in _serving(procs)}
+    hosts.add(f"ps-serve-{len(_serving(procs))}.{NS}.svc")
+    names = _certificate_names()
+    assert [h for h in sorted(hosts) if not _certificate_covers(names, h)] == [], names
 
 
 # --- training and serving meet on the model volume

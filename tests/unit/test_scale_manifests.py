@@ -4,15 +4,18 @@ runs. Offline.
 It is built as kustomize builds it (tests/unit/k8s_model.py), with and without its TLS
 component, and validated against the Kubernetes API schema (strict). Its command line goes
 through ps-admin's own parser, so a renamed flag fails here. Its lists are checked against the
-cluster: the lists before are deploy/k8s/kustomization.yaml's, and each address after names the
-pod ``kubectl scale`` gives that place (its headless Service, the port its ps-server listens
-on), a pod that ``ps-admin scale`` takes in. With TLS on, its files come from the Secrets the
-cluster uses and its token has the role the Reshard RPC needs.
+cluster: the lists before are deploy/k8s/kustomization.yaml's, and each entry after names what
+the grow adds at that place, which ``ps-admin scale`` takes in: the training shard pod
+``kubectl scale`` starts (its headless Service, the port its ps-server listens on), and the
+serving shard a new directory serve/N starts (``dns:`` and its headless Service, which lists its
+replicas). With TLS on, its files come from the Secrets the cluster uses and its token has the
+role the Reshard RPC needs.
 """
 
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -31,6 +34,7 @@ from tests.unit.k8s_model import (
     VARIANTS,
     Proc,
     Resource,
+    add_serving_shard,
     build,
     built,
     containers_of,
@@ -40,6 +44,7 @@ from tests.unit.k8s_model import (
     pod_template,
     processes,
     procs_of,
+    replicas_address,
     stable_address,
     token_role,
 )
@@ -146,10 +151,13 @@ def test_the_lists_before_are_the_clusters(admin: Proc, monkeypatch: pytest.Monk
     assert [a for (a,) in args.serving_addresses] == _addresses(cluster["serving-addresses"])
     resources = built("plain")
     servers = procs_of(processes(copy.deepcopy(resources), monkeypatch), "ps-server")
-    listen = {(p.pod.workload["metadata"]["name"], p.config.shard): p.config.listen for p in servers}
-    for name, addresses in (("ps-shard", args.addresses), ("ps-serve", args.serving_addresses)):
-        want = [stable_address(resources, name, i, listen[name, i]) for i in range(len(addresses))]
-        assert [a for (a,) in addresses] == want, name
+    listen = {(p.config.mode, p.config.shard): p.config.listen for p in servers}
+    training = [stable_address(resources, "ps-shard", i, listen["train", i]) for i in range(len(args.addresses))]
+    assert [a for (a,) in args.addresses] == training
+    serving = [
+        replicas_address(resources, f"ps-serve-{i}", listen["serve", i]) for i in range(len(args.serving_addresses))
+    ]
+    assert [a for (a,) in args.serving_addresses] == serving
 
 
 def _shrink(k: dict[str, Any]) -> None:
@@ -161,31 +169,40 @@ def _shrink(k: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("edit", [None, _shrink], ids=["as-shipped", "shrink"])
-def test_the_lists_after_name_the_pods_kubectl_scale_makes(edit: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_lists_after_name_the_shards_a_grow_adds(
+    edit: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     args = _admin(build(SCALE, edit), monkeypatch).config
     before, after = [a for (a,) in args.addresses], list(args.to)
     n, m = len(before), len(after)
     assert after[: min(n, m)] == before[: min(n, m)] and n != m, "a grow appends shards, a shrink keeps a prefix"
-    assert [len(s) for s in args.serving_to] == [1] * m, "one serving shard per training shard"
+    assert [len(s) for s in args.serving_to] == [1] * m, "one entry per serving shard: all its replicas"
 
-    # The cluster as `kubectl scale statefulset ps-shard ps-serve --replicas=M` leaves it: more
-    # (or fewer) pods of the same templates, whose PS_NUM_SHARDS still says N.
+    # The cluster as the grow's first steps leave it (docs/guides/kubernetes.md): `kubectl scale
+    # statefulset ps-shard --replicas=M` (more pods of the same template, whose PS_NUM_SHARDS
+    # still says N), and each new serving shard's directory serve/i applied on its own.
+    root = tmp_path / "k8s"
+    shutil.copytree(K8S, root)
     resources = copy.deepcopy(built("plain"))
-    for name in ("ps-shard", "ps-serve"):
-        find_resource(resources, "StatefulSet", name)["spec"]["replicas"] = max(n, m)
+    find_resource(resources, "StatefulSet", "ps-shard")["spec"]["replicas"] = max(n, m)
+    for i in range(n, m):
+        add_serving_shard(root, i)
+        resources += build(root / "serve" / str(i))
     servers = procs_of(processes(resources, monkeypatch), "ps-server")
-    train = {p.config.shard: p for p in servers if p.pod.workload["metadata"]["name"] == "ps-shard"}
-    serve = {p.config.shard: p for p in servers if p.pod.workload["metadata"]["name"] == "ps-serve"}
+    train = {p.config.shard: p for p in servers if p.config.mode == "train"}
+    serve = {p.config.shard: p for p in servers if p.config.mode == "serve"}
     for i in range(m):
         assert after[i] == stable_address(resources, "ps-shard", i, train[i].config.listen), f"--to place {i}"
         (serving,) = args.serving_to[i]
-        assert serving == stable_address(resources, "ps-serve", i, serve[i].config.listen), f"--serving-to {i}"
-        assert serve[i].config.follow == after[i], f"ps-serve-{i} follows the training shard at place {i}"
+        name = serve[i].pod.workload["metadata"]["name"]
+        assert serving == replicas_address(resources, name, serve[i].config.listen), f"--serving-to {i}"
+        assert serve[i].config.follow == after[i], f"{name} follows the training shard at place {i}"
     for i in range(n, m):
         # What ps-admin scale takes in at place i: shard i, a spare (past the end of its cluster)
-        # or numbered for the new one (deploy.scale checks the same against GetMap).
-        c = train[i].config
-        assert c.shard == i and (c.shard >= c.num_shards or c.num_shards == m), f"ps-shard-{i}: {c}"
+        # or numbered for the new one (deploy.scale checks the same against GetMap); so are the
+        # new serving shard's replicas.
+        for c in (train[i].config, serve[i].config):
+            assert c.shard == i and (c.shard >= c.num_shards or c.num_shards == m), f"place {i}: {c}"
 
 
 # --- retries, security
