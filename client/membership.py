@@ -42,7 +42,7 @@ from client.cluster import ClusterView, ClusterViews
 from client.errors import InvalidRequestError
 from client.replicas import DNS_PREFIX, parse_addresses, placeholder
 
-__all__ = ["DNS_PREFIX", "Members", "MembershipWatcher", "resolve_name"]
+__all__ = ["DNS_PREFIX", "Members", "MembershipWatcher", "addresses_of", "resolve_name"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,13 @@ def resolve_name(host: str, port: int) -> list[str]:
         ip = str(sockaddr[0])
         found.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
     return sorted(found)
+
+
+def addresses_of(entry: str) -> list[str]:
+    """The replicas ``entry`` names now: itself, or every address a ``dns:HOST:PORT``
+    resolves to (``OSError`` when it does not resolve)."""
+    name = _dns_name(entry)
+    return [entry] if name is None else resolve_name(*name)
 
 
 def _dns_name(entry: str) -> tuple[str, int] | None:

@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import ClientConfig, PSClient, PSError, ShardUnavailableError
 from client.errors import tls_hint
+from client.membership import addresses_of
 from deploy.reshard import AdminError, now_stamp, shard_dir_name
 from deploy.scale import RetryLater, ScaleError, ScaleReport, scale
 from protos import ps_pb2 as pb
@@ -282,8 +283,16 @@ def cluster_health(addresses: Sequence[str | Sequence[str]], timeout_s: float = 
     TLS and the other does not (``client.errors.tls_hint``, as every other command
     says it), else "".
     """
-    out = []
-    flat = [a for shard in addresses for a in ([shard] if isinstance(shard, str) else shard)]
+    out: list[dict[str, Any]] = []
+    entries = [a for shard in addresses for a in ([shard] if isinstance(shard, str) else shard)]
+    flat = []
+    for entry in entries:  # a dns: entry: every replica its name resolves to
+        try:
+            flat += addresses_of(entry)
+        except OSError as exc:
+            out.append(
+                {"address": entry, "services": {"(server)": f"does not resolve: {exc}"}, "hint": "", "serving": False}
+            )
     for address in flat:
         row: dict[str, Any] = {"address": address, "services": {}, "hint": ""}
         try:

@@ -34,8 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from client.membership import resolve_name
-from client.replicas import DNS_PREFIX
+from client.membership import addresses_of
 from protos import ps_pb2 as pb
 from ps.cluster import ClusterMap, MoveState
 
@@ -459,11 +458,8 @@ def _switch_serving(
 
 def _addresses_of(entry: str) -> list[str]:
     """The serving replicas ``entry`` names: itself, or what a ``dns:HOST:PORT`` resolves to."""
-    if not entry.startswith(DNS_PREFIX):
-        return [entry]
-    host, _, port = entry[len(DNS_PREFIX) :].rpartition(":")
     try:
-        found = resolve_name(host, int(port))
+        found = addresses_of(entry)
     except OSError as exc:
         raise ScaleError(f"serving replicas {entry}: the name does not resolve ({exc})") from None
     if not found:

@@ -155,6 +155,9 @@ def test_replicas_join_drain_die_and_stall_under_predict_load_with_no_failed_req
                 while not all(served(r.address) for r in added):  # each takes lookups once ready
                     assert time.monotonic() < deadline, [served(r.address) for r in added]
                     time.sleep(0.1)
+                print(
+                    f"replicas {n} per shard: the new ones looked rows up {time.monotonic() - began:.1f} s after start"
+                )
                 time.sleep(hold_s)
                 load.phase(f"adding to {n} per shard", began)
                 same_scores()
