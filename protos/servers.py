@@ -298,26 +298,34 @@ class Stop:
     def wait(self, timeout_s: float) -> bool:
         return self.requested.wait(timeout_s)
 
+    @staticmethod
+    def ignore_more() -> None:
+        """Ignore SIGTERM and SIGINT from now on (the process is stopping)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
 
-def stop_on_signals() -> Stop:
-    """A ``Stop`` set by the first SIGTERM or SIGINT; a second one sets ``now``; later
-    ones are ignored.
 
-    The first signal starts the shutdown. Another one changes nothing then but to cut a
-    drain short; Python restores every signal's default action as the interpreter
-    exits, so one arriving after the shutdown finished (a launcher stopping a group,
-    then each process) would still kill the process and turn its exit status 0 into
-    -SIGTERM: signals are ignored from the second one on.
+def stop_on_signals(drains: bool = False) -> Stop:
+    """A ``Stop`` set by the first SIGTERM or SIGINT. From then on both are ignored, but
+    for a server that ``drains`` on SIGTERM: a second signal during the drain sets ``now``
+    (the drain ends), and ``Stop.ignore_more`` ignores them once the drain is over.
+
+    Python restores every signal's default action as the interpreter exits, so a signal
+    arriving after the shutdown finished (a launcher stopping a group, then each process)
+    would still kill the process and turn its exit status 0 into -SIGTERM: the handler
+    ignores further signals at once, at the C level, rather than from Python code that a
+    main thread blocked in the shutdown would run only at its end.
     """
     stop = Stop()
 
     def on_signal(signum: int, frame: object) -> None:
         if stop.requested.is_set():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, signal.SIG_IGN)
+            stop.ignore_more()
             stop.now.set()
             return
         stop.signum = signum
+        if not (drains and signum == signal.SIGTERM):
+            stop.ignore_more()
         stop.requested.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -405,7 +413,8 @@ def run_server(prog: str, parse: Callable[[], _S], start: Callable[[_S], Served]
     except (RuntimeError, ValueError) as exc:
         log.error("%s", exc)
         return 1
-    stop = stop_on_signals()
+    drain_s = settings.drain_s or 0.0
+    stop = stop_on_signals(drains=drain_s > 0)
     settle_heap()
     if settings.port_file is not None:
         try:
@@ -417,11 +426,11 @@ def run_server(prog: str, parse: Callable[[], _S], start: Callable[[_S], Served]
     log.info("listening port=%d %s", served.port, served.about)
     while not stop.wait(1.0):
         pass
-    drain_s = settings.drain_s or 0.0
     if stop.signum == signal.SIGTERM and drain_s > 0:
         served.drain()
         log.info("draining drain_s=%s: health NOT_SERVING, still answering (a second signal stops now)", drain_s)
         stop.now.wait(drain_s)
+        stop.ignore_more()
     log.info("shutting down grace_s=%s", settings.grace_s)
     try:
         return served.stop_and_report(settings.grace_s)

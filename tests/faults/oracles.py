@@ -97,8 +97,10 @@ _IA, _FP, _RE = ("INVALID_ARGUMENT",), ("FAILED_PRECONDITION",), ("RESOURCE_EXHA
 _NF = ("NOT_FOUND", "INVALID_ARGUMENT")  # an unknown table, or a name no table could have
 
 
-def _route(model: ShardModel, num_shards: int, shard: int | None) -> Problems:
+def _route(model: ShardModel, num_shards: int, shard: int | None, epoch: int = 0) -> Problems:
     problems: Problems = []
+    if epoch > 0:  # the shards under test never reshard: their cluster map stays at epoch 0
+        return [(f"routed by the cluster map of epoch {epoch}", _FP)]
     if shard is not None and shard != model.index:
         problems.append((f"routed to shard {shard}", _FP))
     if num_shards and num_shards != model.num_shards:
@@ -123,7 +125,7 @@ def _grads(data: bytes, dtype: int) -> np.ndarray[Any, Any]:
 
 
 def _lookup(model: ShardModel, m: pb.LookupRequest, data: bytes) -> Verdict:
-    problems = _route(model, m.num_shards, m.shard if m.HasField("shard") else None)
+    problems = _route(model, m.num_shards, m.shard if m.HasField("shard") else None, m.epoch)
     total = 0
     for i, e in enumerate(m.entries):
         dim, bad = _table(model, e.table, i)
@@ -148,7 +150,9 @@ def _lookup(model: ShardModel, m: pb.LookupRequest, data: bytes) -> Verdict:
 
 
 def _push(model: ShardModel, m: pb.PushRequest, data: bytes) -> Verdict:
-    problems = _route(model, m.num_shards, m.shard if m.HasField("shard") else None)
+    problems = _route(model, m.num_shards, m.shard if m.HasField("shard") else None, m.epoch)
+    if not problems and m.HasField("planned_epoch"):
+        return _unsure("a push routed again after a reshard these shards never had (planned_epoch)")
     if model.mode != "train":
         problems.append(("push to a serving shard", _FP))
     for i, e in enumerate(m.entries):

@@ -337,6 +337,16 @@ def test_tables_create_table_health_and_json_with_a_token(tmp_path: Path) -> Non
         assert [s["shard"] for s in stats] == [0, 1] and stats[0]["tables"][0]["name"] == "items"
         health = json.loads(ok(ps_admin("--json", "health", "--addresses", addresses, cwd=tmp_path)))  # no token
         assert all(h["serving"] for h in health) and "ps.v1.ParameterServer.Writes" in health[0]["services"]
+        # A dns: entry is every address its name resolves to, each checked; one that does not
+        # resolve is a line saying so.
+        named = f"dns:{shards[0].address}+dns:nowhere.invalid:1,{shards[1].address}"
+        checked = json.loads(ps_admin("--json", "health", "--addresses", named, cwd=tmp_path).stdout)
+        assert {h["address"]: h["serving"] for h in checked} == {
+            "dns:nowhere.invalid:1": False,
+            shards[0].address: True,
+            shards[1].address: True,
+        }
+        assert "does not resolve" in checked[0]["services"]["(server)"]
         bad = ps_admin("create-table", "--addresses", addresses, "--name", "x", "--dim", "4", "lr=fast", cwd=tmp_path)
         assert bad.returncode == 2 and "lr takes a number" in bad.stderr
     finally:

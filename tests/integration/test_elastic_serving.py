@@ -185,6 +185,24 @@ def test_sigint_stops_a_serving_shard_without_draining(training: tuple[LocalClus
         _kill(shard)
 
 
+def test_a_second_sigterm_ends_a_drain_and_more_do_no_harm(training: tuple[LocalCluster, F32], tmp_path: Path) -> None:
+    """A launcher may signal a group, then each process: the second SIGTERM cuts a drain short,
+    and the ones after it, even as the interpreter exits, neither hang nor kill the process."""
+    cluster, _ = training
+    shard = start_shard(0, 2, tmp_path, "--mode=serve", f"--follow={cluster.addresses[0]}", "--drain-s=600")
+    try:
+        until(lambda: health(shard.address) == "SERVING", shard.log_tail)
+        signals, deadline = 0, time.monotonic() + 60
+        while shard.proc.poll() is None and time.monotonic() < deadline:
+            shard.proc.send_signal(signal.SIGTERM)
+            signals += 1
+            time.sleep(0.002)
+        assert shard.proc.wait(5) == 0, shard.log_tail()
+        assert signals > 1 and "draining drain_s=600.0" in shard.log_tail()
+    finally:
+        _kill(shard)
+
+
 def _kill(shard: ShardProcess) -> None:
     if shard.proc.poll() is None:
         shard.proc.kill()
