@@ -306,10 +306,13 @@ class _Exchange:
 
     def _failed(self, i: int, attempt: _Attempt, exc: grpc.RpcError) -> None:
         r = self.requests[i]
-        retryable = is_retryable(exc)
+        newer = map_epoch(exc) if self.epoch is not None else None
+        # A replica behind the cluster map (started after a live reshard, not given the new map
+        # yet) fails this call as a failing replica does: the others of its shard answer it.
+        behind = newer is not None and self.epoch is not None and newer < self.epoch and r.pinned is None
+        retryable = is_retryable(exc) or (behind and len(self.replicas.endpoints(r.shard)) > 1)
         self.replicas.release(attempt.pick, FAILED if retryable else NEUTRAL)
         r.error, r.error_endpoint = exc, attempt.pick.endpoint
-        newer = map_epoch(exc) if self.epoch is not None else None
         if newer is not None and self.epoch is not None and newer > self.epoch:
             r.answer, r.done, r.retry_at, r.hedge_at = Rerouted(r.shard, attempt.pick.endpoint, newer), True, None, None
             self._cancel(r, NEUTRAL)

@@ -18,6 +18,7 @@ Example (a training cluster running at ``addresses``):
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -29,6 +30,8 @@ from types import TracebackType
 from deploy.local import ShardProcess, ShardStartError, await_shard, spawn_shard, stop_shard
 
 __all__ = ["ServingReplicas"]
+
+log = logging.getLogger(__name__)
 
 
 class ServingReplicas:
@@ -237,11 +240,33 @@ class ServingReplicas:
 
     def _await(self, replica: ShardProcess) -> ShardProcess:
         try:
-            return await_shard(replica, replica.log.parent)
+            await_shard(replica, replica.log.parent)
         except BaseException:
             with self._lock:
                 self.replicas[replica.index].remove(replica)
             raise
+        self._adopt_map(replica)
+        return replica
+
+    def _adopt_map(self, replica: ShardProcess) -> None:
+        """After a live reshard the serving replicas route by a newer map than a new one
+        starts with: hand it the map of a replica that has it (``deploy.scale``)."""
+        from deploy.operations import GrpcShards  # the gRPC admin calls, only where needed
+        from deploy.reshard import AdminError
+        from deploy.scale import RetryLater, ScaleError, adopt_serving_map
+
+        with self._lock:
+            peers = [r.address for group in self.replicas[: self.size] for r in group if r.address and r is not replica]
+        if replica.index >= self.size or not peers:
+            return  # a spare of a grow: the switch to the new map gives it its map
+        shards = GrpcShards(10.0)
+        try:
+            if adopt_serving_map(shards, replica.address, peers[0]):
+                log.info("serving replica %s took the serving map of %s", replica.address, peers[0])
+        except (AdminError, RetryLater, ScaleError) as exc:
+            log.warning("serving replica %s did not take the current serving map: %s", replica.address, exc)
+        finally:
+            shards.close()
 
     def _write(self) -> None:
         with self._lock:

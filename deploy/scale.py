@@ -456,6 +456,20 @@ def _switch_serving(
     say(f"serving shards switched to {target.describe()}")
 
 
+def adopt_serving_map(shards: ShardCalls, address: str, peer: str, timeout_s: float = 30.0) -> bool:
+    """Give the serving replica at ``address`` the serving map ``peer`` (a replica of the same
+    serving cluster) routes by, when it is newer than its own: a replica started after a live
+    reshard follows its training shard but was not there when the serving map switched.
+    True if it took a map. Raises ``ScaleError``."""
+    theirs, mine = _get_map(shards, peer), _get_map(shards, address)
+    if theirs.map.epoch <= mine.map.epoch:
+        return False
+    target = ClusterMap.from_proto(theirs.map)
+    commit = _request(pb.ReshardRequest.COMMIT, target)
+    _each(shards, {address: mine}, commit, time.monotonic() + timeout_s, lambda line: None, "adopt the serving map")
+    return True
+
+
 def _addresses_of(entry: str) -> list[str]:
     """The serving replicas ``entry`` names: itself, or what a ``dns:HOST:PORT`` resolves to."""
     try:

@@ -17,6 +17,7 @@ __all__ = [
     "NotConfigured",
     "OutOfCapacity",
     "RequestTooLarge",
+    "BehindMap",
     "ShardError",
     "ShardMismatch",
     "ShuttingDown",
@@ -68,6 +69,17 @@ class ShardMismatch(ShardError):
     """The client routed keys for a different number of shards."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class BehindMap(ShardMismatch):
+    """The request was routed by a newer cluster map than this shard has (``epoch``, sent
+    as ``ps-map-epoch``): a replica started after a live reshard that has not been given
+    the new map yet; a client of several replicas tries another."""
+
+    def __init__(self, message: str, epoch: int) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+        self.trailing_metadata = ((MAP_EPOCH_METADATA, str(epoch)),)
 
 
 class WrongShard(ShardMismatch):

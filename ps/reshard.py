@@ -34,7 +34,7 @@ from protos.keys import shard_of
 from ps.changes import ChangeLog
 from ps.cluster import ClusterMap, MoveState, Phase, Route
 from ps.config import TableSpec
-from ps.errors import InvalidRequest, Moving, ShardMismatch, WrongMode
+from ps.errors import BehindMap, InvalidRequest, Moving, ShardMismatch, WrongMode
 from ps.intake import Intake, MoveStream, SourceProgress
 from ps.ledger import KeyOrigins
 from ps.ownership import check_owned
@@ -144,9 +144,10 @@ class Reshard:
                         "reshard to it commits (rows are still arriving): retry shortly"
                     )
                 return  # an old owner: its keys are checked against the map it routes by
-            raise ShardMismatch(
+            raise BehindMap(
                 f"request routed by the cluster map of epoch {route.epoch}, but shard {self.index} is at epoch "
-                f"{m.epoch} ({m.num_shards} shards): is this the cluster the client was given?"
+                f"{m.epoch} ({m.num_shards} shards): is this the cluster the client was given?",
+                m.epoch,
             )
         if route.epoch < m.epoch and not (route.epoch == 0 and route.num_shards == m.num_shards):
             return  # a client behind: keys it still routes here are served, the others refused

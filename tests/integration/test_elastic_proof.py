@@ -254,6 +254,7 @@ def start_infer(model: Path, serving: str, root: Path) -> tuple[subprocess.Popen
             f"--port-file={port_file}",
             "--wait-s=120",
             "--threads=1",
+            "--drain-s=0",  # stopped at the end, with nobody to move away
         ],
         cwd=REPO,
         stdout=log,

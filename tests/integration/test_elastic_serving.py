@@ -25,7 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import ClientConfig, PSClient
 from deploy.local import LocalCluster, ShardProcess, start_shard
+from deploy.operations import GrpcShards
 from deploy.replicas import ServingReplicas
+from deploy.scale import adopt_serving_map
 from tests.faults.proxy import FaultProxy
 from tests.integration.test_admin import ok, ps_admin
 
@@ -253,6 +255,27 @@ def test_serving_replicas_grow_with_a_training_reshard(tmp_path: Path) -> None:
                 for replica in replicas.replicas[2]:
                     until(lambda r=replica: lookups_served(r.address) > 0, client.replica_health)
                 load.more()
+                # A replica started now by hand follows its training shard but routes by the map it
+                # started with (epoch 0): it refuses what clients route by the new one, and they
+                # go to the others, until it is given the serving map.
+                late = start_shard(0, 2, tmp_path / "late", "--mode=serve", f"--follow={training.addresses[0]}")
+                try:
+                    until(lambda: health(late.address) == "SERVING", late.log_tail)
+                    listed = replicas.addresses_file.read_text().strip().split(",")
+                    members = tmp_path / "members"
+                    members.write_text(f"{listed[0]}+{late.address},{listed[1]},{listed[2]}\n")
+                    members.replace(replicas.addresses_file)
+                    until(lambda: late.address in client.addresses, client.replica_health)
+                    load.more()
+                    shards = GrpcShards(10.0)
+                    try:
+                        assert adopt_serving_map(shards, late.address, replicas.addresses[0][0])
+                    finally:
+                        shards.close()
+                    until(lambda: lookups_served(late.address) > 0, client.replica_health)
+                    load.more()
+                finally:
+                    _kill(late)
             assert load.failures == []
         finally:
             replicas.stop(quietly=True)

@@ -74,7 +74,11 @@ def start_infer(trained: Trained, root: Path, name: str, *extra: str) -> Infer:
 
 
 def spawn_infer(trained: Trained, root: Path, name: str, *extra: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
-    """Start ``ps-infer`` (``start_infer``) without waiting: its process, port file and log."""
+    """Start ``ps-infer`` (``start_infer``) without waiting: its process, port file and log.
+    No drain on SIGTERM unless ``extra`` asks for one: these tests stop it at their end,
+    with nobody to move away (``test_sigterm_drains_first`` tests the drain)."""
+    if not any(a.startswith("--drain-s") for a in extra):
+        extra = ("--drain-s=0", *extra)
     port_file, log = root / f"{name}.port", root / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -379,6 +383,26 @@ def test_sigterm_finishes_calls_in_progress_and_exits_0(trained: Trained, tmp_pa
     assert any(started < paused and ended > term for started, ended, _ in calls), "no call was in progress"
     assert {how for started, _, how in calls if started >= paused} <= {"ok", *refused}, calls
     assert "stopped" in running.tail()
+
+
+def test_sigterm_drains_first(trained: Trained, tmp_path: Path) -> None:
+    """On SIGTERM ps-infer reports NOT_SERVING and still answers for --drain-s, then exits 0."""
+    running = start_infer(trained, tmp_path, "drain", "--drain-s=3")
+    ids, counts = raw_rows(8, seed=21)
+    ((ctx, cand),) = requests_of(ids, counts, [8])
+    with PredictClient(running.address) as client, grpc.insecure_channel(running.address) as channel:
+        expected = client.predict(ctx, cand)
+        running.proc.send_signal(signal.SIGTERM)
+        check = health_pb2_grpc.HealthStub(channel).Check
+        deadline = time.monotonic() + 10
+        while (
+            check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        ):
+            assert time.monotonic() < deadline, running.tail()
+            time.sleep(0.02)
+        np.testing.assert_array_equal(client.predict(ctx, cand), expected)  # answered while draining
+    assert running.proc.wait(60) == 0, running.tail()
+    assert "draining drain_s=3.0" in running.tail()
 
 
 @pytest.mark.skipif(not CRITEO.exists(), reason=f"{CRITEO} not present (internal sample data)")

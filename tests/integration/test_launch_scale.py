@@ -8,6 +8,7 @@ value minus each acknowledged push once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -65,7 +66,11 @@ def scale(log_dir: Path, to: int) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_a_launch_grows_and_shrinks_while_its_worker_trains_and_followers_serve(tmp_path: Path) -> None:
+def test_a_launch_grows_shrinks_and_changes_its_replicas_while_its_worker_trains(tmp_path: Path) -> None:
+    """2 shards with 2 serving replicas each grow to 3 and shrink back while the worker pushes;
+    then the replicas go to 3 per shard, one is killed and replaced, and they go down to 1. A
+    reader following the serving addresses file never fails, and every acknowledged push is
+    applied once."""
     log_dir, out, worker = tmp_path / "launch", tmp_path / "out", tmp_path / "worker.py"
     out.mkdir()
     worker.write_text(WORKER)
@@ -74,7 +79,8 @@ def test_a_launch_grows_and_shrinks_while_its_worker_trains_and_followers_serve(
         launch(
             "--shards",
             "2",
-            "--followers",
+            "--serving-replicas",
+            "2",
             "--max-restarts",
             "0",
             "--log-dir",
@@ -95,7 +101,9 @@ def test_a_launch_grows_and_shrinks_while_its_worker_trains_and_followers_serve(
     stop, failures, reads = threading.Event(), [], [0]
     try:
         wait_for(out / "started", proc)
-        reader = PSClient((log_dir / SERVING_ADDRESSES_FILE).read_text().strip().split(","), FAST)
+        assert [len(s) for s in replicas_listed(log_dir)] == [2, 2]
+        config = dataclasses.replace(FAST, membership_refresh_s=0.2)
+        reader = PSClient(addresses_file=log_dir / SERVING_ADDRESSES_FILE, config=config)
 
         def read() -> None:
             while not stop.is_set():
@@ -113,11 +121,25 @@ def test_a_launch_grows_and_shrinks_while_its_worker_trains_and_followers_serve(
         assert grown.returncode == 0, grown.stdout + grown.stderr
         assert "resharding from 2 to 3 shards" in grown.stdout and "committed" in grown.stdout
         assert len((log_dir / ADDRESSES_FILE).read_text().split(",")) == 3
-        assert len((log_dir / SERVING_ADDRESSES_FILE).read_text().split(",")) == 3
+        assert [len(s) for s in replicas_listed(log_dir)] == [2, 2, 2]
         shrunk = scale(log_dir, 2)
         assert shrunk.returncode == 0, shrunk.stdout + shrunk.stderr
         assert "stopped the 1 retired shards" in shrunk.stdout
         assert len((log_dir / ADDRESSES_FILE).read_text().split(",")) == 2
+        assert [len(s) for s in replicas_listed(log_dir)] == [2, 2]
+        more = replicas(log_dir, 3)
+        assert more.returncode == 0, more.stdout + more.stderr
+        assert [len(s) for s in replicas_listed(log_dir)] == [3, 3]
+        victim = replicas_listed(log_dir)[0][0]
+        os.kill(_pid_listening_at(log_dir, victim), signal.SIGKILL)  # the launch starts another in its place
+        deadline = time.monotonic() + 60
+        while victim in replicas_listed(log_dir)[0] or len(replicas_listed(log_dir)[0]) != 3:
+            assert time.monotonic() < deadline, replicas_listed(log_dir)
+            time.sleep(0.1)
+        fewer = replicas(log_dir, 1)
+        assert fewer.returncode == 0, fewer.stdout + fewer.stderr
+        assert "stopped 4 serving replicas after their drain" in fewer.stdout
+        assert [len(s) for s in replicas_listed(log_dir)] == [1, 1]
         stop.set()  # before the launch ends and its followers with it
         thread.join(60)
         reader.close()
@@ -137,6 +159,33 @@ def test_a_launch_grows_and_shrinks_while_its_worker_trains_and_followers_serve(
     np.testing.assert_array_equal(result["final"], want)  # every acknowledged push once, none twice
 
 
+def replicas(log_dir: Path, per_shard: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        launch("--scale", str(log_dir), "--serving-replicas", str(per_shard)),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def replicas_listed(log_dir: Path) -> list[list[str]]:
+    return [shard.split("+") for shard in (log_dir / SERVING_ADDRESSES_FILE).read_text().strip().split(",")]
+
+
+def _pid_listening_at(log_dir: Path, address: str) -> int:
+    """The pid of the live shard process under ``log_dir`` whose port file names ``address``."""
+    for cmdline in Path("/proc").glob("*/cmdline"):
+        try:
+            raw = cmdline.read_bytes()
+            state = (cmdline.parent / "stat").read_text().split(") ")[-1][:1]
+        except OSError:
+            continue
+        if f"--port-file={log_dir}".encode() in raw and state != "Z" and _port_of(raw) == address:
+            return int(cmdline.parent.name)
+    raise AssertionError(f"no process listens at {address}")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -154,92 +203,6 @@ def test_scale_asks_say_what_is_wrong_in_one_line(tmp_path: Path, args: list[str
     result = subprocess.run(launch(*argv), cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
-
-
-def replicas_listed(log_dir: Path) -> list[list[str]]:
-    return [shard.split("+") for shard in (log_dir / SERVING_ADDRESSES_FILE).read_text().strip().split(",")]
-
-
-def test_a_launch_changes_its_serving_replicas_while_they_serve(tmp_path: Path) -> None:
-    """``--serving-replicas``: 2 replicas per shard at start, 3 on request, one killed and
-    replaced, then 1: a client following the addresses file never fails a lookup."""
-    log_dir, out, worker = tmp_path / "launch", tmp_path / "out", tmp_path / "worker.py"
-    out.mkdir()
-    worker.write_text(WORKER)
-    errors = (tmp_path / "launch.err").open("w")
-    proc = subprocess.Popen(
-        launch(
-            "--shards", "2", "--serving-replicas", "2", "--log-dir", str(log_dir), "--", "python", str(worker), str(out)
-        ),
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=errors,
-        text=True,
-    )
-    stop, failures, reads = threading.Event(), [], [0]
-    try:
-        wait_for(out / "started", proc)
-        assert [len(s) for s in replicas_listed(log_dir)] == [2, 2]
-        config = ClientConfig(deadline_s=60.0, membership_refresh_s=0.2, tune_malloc=False)
-        reader = PSClient(addresses_file=log_dir / SERVING_ADDRESSES_FILE, config=config)
-
-        def read() -> None:
-            while not stop.is_set():
-                try:
-                    reader.lookup("t", np.arange(500, dtype=np.int64) * 7919)
-                    reads[0] += 1
-                except Exception as exc:
-                    failures.append(exc)
-
-        thread = threading.Thread(target=read, daemon=True)
-        thread.start()
-        more = subprocess.run(
-            launch("--scale", str(log_dir), "--serving-replicas", "3"),
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert more.returncode == 0, more.stdout + more.stderr
-        assert [len(s) for s in replicas_listed(log_dir)] == [3, 3]
-        victim = replicas_listed(log_dir)[0][0]
-        pid = next(
-            int(p.parent.name)
-            for p in Path("/proc").glob("*/cmdline")
-            if p.parent.name.isdigit()
-            and f"--port-file={log_dir}".encode() in p.read_bytes()
-            and b"--shard=0" in p.read_bytes()
-            and (p.parent / "stat").read_text().split(") ")[-1][:1] != "Z"
-            and _port_of(p.read_bytes()) == victim
-        )
-        os.kill(pid, signal.SIGKILL)  # the launch starts another in its place
-        deadline = time.monotonic() + 60
-        while victim in replicas_listed(log_dir)[0] or len(replicas_listed(log_dir)[0]) != 3:
-            assert time.monotonic() < deadline, replicas_listed(log_dir)
-            time.sleep(0.1)
-        fewer = subprocess.run(
-            launch("--scale", str(log_dir), "--serving-replicas", "1"),
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert fewer.returncode == 0, fewer.stdout + fewer.stderr
-        assert "stopped 4 serving replicas after their drain" in fewer.stdout
-        assert [len(s) for s in replicas_listed(log_dir)] == [1, 1]
-        time.sleep(1.0)
-        stop.set()
-        thread.join(60)
-        reader.close()
-        (out / "stop").touch()
-        assert proc.wait(timeout=120) == 0
-    finally:
-        stop.set()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
-        errors.close()
-    assert failures == [] and reads[0] > 0
 
 
 def _port_of(cmdline: bytes) -> str:
