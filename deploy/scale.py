@@ -120,6 +120,8 @@ def scale(
     if len(at_dst) == len(dst_addresses) and all(_phase(maps[a], dst) in ("", "done") for a in src_addresses):
         report.already_done = True
         say(f"the cluster is already at {dst.describe()}")
+        if serving is not None:  # serving replicas started since (an autoscaler's) take the serving map now
+            _switch_serving(shards, serving[0], serving[1], deadline, poll_s, say)
         return report
     if abort:
         return _abort(shards, maps, src, dst, report, say)

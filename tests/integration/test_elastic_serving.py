@@ -25,9 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import ClientConfig, PSClient
 from deploy.local import LocalCluster, ShardProcess, start_shard
-from deploy.operations import GrpcShards
 from deploy.replicas import ServingReplicas
-from deploy.scale import adopt_serving_map
 from tests.faults.proxy import FaultProxy
 from tests.integration.test_admin import ok, ps_admin
 
@@ -267,11 +265,20 @@ def test_serving_replicas_grow_with_a_training_reshard(tmp_path: Path) -> None:
                     members.replace(replicas.addresses_file)
                     until(lambda: late.address in client.addresses, client.replica_health)
                     load.more()
-                    shards = GrpcShards(10.0)
-                    try:
-                        assert adopt_serving_map(shards, late.address, replicas.addresses[0][0])
-                    finally:
-                        shards.close()
+                    # The scale run again (the Kubernetes Job, after an autoscaler added replicas)
+                    # finds the cluster there and gives the serving replicas the map.
+                    after[0] = f"{after[0]}+{late.address}"
+                    again = ok(
+                        ps_admin(
+                            "scale",
+                            f"--addresses={','.join(training.addresses[:2])}",
+                            f"--to={','.join(training.addresses)}",
+                            f"--serving-addresses={','.join(before)}",
+                            f"--serving-to={','.join(after)}",
+                            cwd=tmp_path,
+                        )
+                    )
+                    assert "nothing to do" in again, again
                     until(lambda: lookups_served(late.address) > 0, client.replica_health)
                     load.more()
                 finally:
