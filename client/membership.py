@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +40,8 @@ from typing import Protocol
 from client.cluster import ClusterView, ClusterViews
 from client.errors import InvalidRequestError
 from client.replicas import DNS_PREFIX, parse_addresses, placeholder
+from protos.names import addresses_of, resolve_name
+from protos.names import dns_name as _dns_name
 
 __all__ = ["DNS_PREFIX", "Members", "MembershipWatcher", "addresses_of", "resolve_name"]
 
@@ -48,30 +49,6 @@ log = logging.getLogger(__name__)
 
 Resolve = Callable[[str, int], list[str]]
 """``HOST``, ``PORT`` -> the ``ADDRESS:PORT`` replicas of that name (``resolve_name``)."""
-
-
-def resolve_name(host: str, port: int) -> list[str]:
-    """Every address ``host`` resolves to, as ``IP:PORT`` (``[IPv6]:PORT``), sorted;
-    raises ``OSError`` when it does not resolve."""
-    found = set()
-    for family, _, _, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        ip = str(sockaddr[0])
-        found.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
-    return sorted(found)
-
-
-def addresses_of(entry: str) -> list[str]:
-    """The replicas ``entry`` names now: itself, or every address a ``dns:HOST:PORT``
-    resolves to (``OSError`` when it does not resolve)."""
-    name = _dns_name(entry)
-    return [entry] if name is None else resolve_name(*name)
-
-
-def _dns_name(entry: str) -> tuple[str, int] | None:
-    if not entry.startswith(DNS_PREFIX):
-        return None
-    host, _, port = entry[len(DNS_PREFIX) :].rpartition(":")
-    return host, int(port)
 
 
 class Members:

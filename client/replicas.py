@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from client.errors import InvalidRequestError
+from protos.names import DNS_PREFIX
 
 __all__ = [
     "FAILED",
@@ -69,10 +70,6 @@ def _check_address(address: str, where: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise InvalidRequestError(f"{where}: {address!r} is not HOST:PORT (e.g. 127.0.0.1:50051)")
     return address
-
-
-DNS_PREFIX = "dns:"
-"""Starts a replica entry that stands for every address its name resolves to (``client.membership``)."""
 
 
 def placeholder(entry: str) -> str:

@@ -265,6 +265,14 @@ class ServerConfig:
             "streams and applies, seconds fresh; with --data-dir the copy is kept there (its own directory)"
         },
     )
+    serving_peers: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "serve mode with --follow: the other replicas of this serving shard, HOST:PORT or dns:HOST:PORT "
+            "(every address the name resolves to, e.g. the shard's headless Service), comma-separated. Asked for "
+            "their serving map at start and every 5 s: a replica started after a live reshard routes by it too"
+        },
+    )
     follow_history_keys: int = field(
         default=4_000_000,
         metadata={
@@ -284,6 +292,12 @@ class ServerConfig:
             raise ConfigError(
                 "mode=serve needs data_dir (a data dir or checkpoint to serve) or follow (a training shard)"
             )
+        if self.serving_peers and self.follow is None:
+            raise ConfigError("serving_peers needs mode=serve and follow: the peers are replicas of a following shard")
+        for peer in self.serving_peers:
+            host, sep, port = peer.removeprefix("dns:").rpartition(":")
+            if not (host and sep and port.isdigit() and 0 < int(port) <= 65535):
+                raise ConfigError(f"serving_peers: {peer!r} is not HOST:PORT or dns:HOST:PORT")
         if self.mode == "serve" and self.restore_from is not None:
             raise ConfigError(
                 "restore_from is for training shards; serve a checkpoint with --mode serve --data-dir CHECKPOINT"

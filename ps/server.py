@@ -36,6 +36,7 @@ from ps.follow import Source
 from ps.intake import grpc_move_stream
 from ps.lifecycle import Eviction
 from ps.limits import Limits
+from ps.peers import PeerMaps
 from ps.rescue import StopReport, apply_rescue, begin_epoch, dump_places, is_rescue_dump, settle_dumps
 from ps.reshard import ReshardSettings
 from ps.servicer import Servicer
@@ -94,6 +95,7 @@ class PSServer:
         self.shard = shard
         self._health = health
         self.readiness = readiness
+        self.peers: PeerMaps | None = None  # --serving-peers
         self._stopped = threading.Event()
 
     def drain(self) -> None:
@@ -107,6 +109,8 @@ class PSServer:
         a rescue dump (see ``Shard.shutdown``); the report says how it went."""
         self._health.enter_graceful_shutdown()
         self._stopped.set()
+        if self.peers is not None:
+            self.peers.stop()
         self.shard.close()
         # Bounded: a handler gRPC cannot cancel (a reflection stream fed bytes that do not
         # decode) must not keep the shard from writing its rows and exiting.
@@ -372,6 +376,8 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
             name="ps-follow-health",
             daemon=True,
         ).start()
+        if config.serving_peers:
+            ps_server.peers = PeerMaps(shard, config.serving_peers, **_peer_credentials(config)).start()
     return ps_server
 
 

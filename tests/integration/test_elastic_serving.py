@@ -256,14 +256,20 @@ def test_serving_replicas_grow_with_a_training_reshard(tmp_path: Path) -> None:
                 # A replica started now by hand follows its training shard but routes by the map it
                 # started with (epoch 0): it refuses what clients route by the new one, and they
                 # go to the others, until it is given the serving map.
-                late = start_shard(0, 2, tmp_path / "late", "--mode=serve", f"--follow={training.addresses[0]}")
+                # One started with --serving-peers asks them for their map and takes it by itself.
+                follow = f"--follow={training.addresses[0]}"
+                late = start_shard(0, 2, tmp_path / "late", "--mode=serve", follow)
+                peer = f"--serving-peers=dns:{replicas.addresses[0][0]}"
+                auto = start_shard(0, 2, tmp_path / "auto", "--mode=serve", follow, peer)
                 try:
                     until(lambda: health(late.address) == "SERVING", late.log_tail)
                     listed = replicas.addresses_file.read_text().strip().split(",")
                     members = tmp_path / "members"
-                    members.write_text(f"{listed[0]}+{late.address},{listed[1]},{listed[2]}\n")
+                    members.write_text(f"{listed[0]}+{late.address}+{auto.address},{listed[1]},{listed[2]}\n")
                     members.replace(replicas.addresses_file)
                     until(lambda: late.address in client.addresses, client.replica_health)
+                    until(lambda: lookups_served(auto.address) > 0, auto.log_tail)
+                    assert "took the serving map of peer" in auto.log_tail()
                     load.more()
                     # The scale run again (the Kubernetes Job, after an autoscaler added replicas)
                     # finds the cluster there and gives the serving replicas the map.
@@ -283,6 +289,7 @@ def test_serving_replicas_grow_with_a_training_reshard(tmp_path: Path) -> None:
                     load.more()
                 finally:
                     _kill(late)
+                    _kill(auto)
             assert load.failures == []
         finally:
             replicas.stop(quietly=True)

@@ -254,6 +254,9 @@ def test_clients_name_every_shard_in_order(resources: list[Resource], procs: lis
     ]
     for p in procs_of(procs, "ps-infer"):
         assert p.config.addresses() == [[a] for a in replicas], p.pod.name
+    # A serving replica's peers are its own shard's replicas (it takes their serving map).
+    for i, p in serve.items():
+        assert p.config.serving_peers == (replicas[i],), p.pod.name
 
 
 def _three_addresses(literal: str) -> str:
