@@ -235,16 +235,13 @@ def test_serving_replicas_grow_with_a_training_reshard(tmp_path: Path) -> None:
                 replicas.add_shards([spare.address])
                 before = ["+".join(a) for a in replicas.addresses[:2]]
                 after = [*before, "+".join(f"dns:{a}" for a in replicas.addresses[2])]
-                out = ok(
-                    ps_admin(
-                        "scale",
-                        f"--addresses={','.join(training.addresses[:2])}",
-                        f"--to={','.join(training.addresses)}",
-                        f"--serving-addresses={','.join(before)}",
-                        f"--serving-to={','.join(after)}",
-                        cwd=tmp_path,
-                    )
-                )
+
+                def scale() -> str:
+                    lists = [training.addresses[:2], training.addresses, before, after]
+                    flags = ("--addresses", "--to", "--serving-addresses", "--serving-to")
+                    return ok(ps_admin("scale", *(f"{f}={','.join(a)}" for f, a in zip(flags, lists)), cwd=tmp_path))
+
+                out = scale()
                 assert ", serving " in out, out  # the serving shards switched maps too
                 load.more()
                 assert client.num_shards == 3 and client.epoch >= 1  # learnt from a serving shard
@@ -274,16 +271,7 @@ def test_serving_replicas_grow_with_a_training_reshard(tmp_path: Path) -> None:
                     # The scale run again (the Kubernetes Job, after an autoscaler added replicas)
                     # finds the cluster there and gives the serving replicas the map.
                     after[0] = f"{after[0]}+{late.address}"
-                    again = ok(
-                        ps_admin(
-                            "scale",
-                            f"--addresses={','.join(training.addresses[:2])}",
-                            f"--to={','.join(training.addresses)}",
-                            f"--serving-addresses={','.join(before)}",
-                            f"--serving-to={','.join(after)}",
-                            cwd=tmp_path,
-                        )
-                    )
+                    again = scale()
                     assert "nothing to do" in again, again
                     until(lambda: lookups_served(late.address) > 0, client.replica_health)
                     load.more()
