@@ -277,9 +277,10 @@ class Source:
             for table in self.shard.tables():
                 parts = self._staged.pop(table.spec.name, [])
                 keys = np.concatenate([k for k, _ in parts]) if parts else np.empty(0, np.int64)
+                held = table.export().keys  # before the snapshot: a new follower's are none, at no cost
                 if parts:
                     table.assign(keys, np.concatenate([r for _, r in parts]))
-                stale = np.setdiff1d(table.export().keys, keys, assume_unique=True)
+                stale = np.setdiff1d(held, keys, assume_unique=True) if held.size else held
                 if stale.size and end.num_shards:  # keys that moved away in a reshard stay for now
                     stale = stale[shard_of(stale, end.num_shards) == self.shard.index]
                 if stale.size:
