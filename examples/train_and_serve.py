@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import signal
 import subprocess
 import sys
 import tempfile
@@ -131,7 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         took = 1000 * (time.monotonic() - started)
                     local = Predictor.load(run, serve_client).predict(context, candidates)
                 finally:
-                    infer.terminate()  # SIGTERM: finishes calls in progress, exits 0
+                    # SIGINT: finishes calls in progress and exits 0 at once (SIGTERM would first drain
+                    # for --drain-s, so that load balancers move away: nobody here to move)
+                    infer.send_signal(signal.SIGINT)
                     infer.wait(30)
     best = np.argsort(-scores)[:5]
     print(
