@@ -56,8 +56,8 @@ from ps.optimizers import state_width
 from ps.shard import Shard
 from ps.storage import Storage
 from tests.fakes import InProcessTransport
+from tests.integration.infer_helpers import raw_rows, requests_of, with_shared_context
 from tests.integration.shards import shard_pid
-from tests.integration.test_infer import raw_rows, requests_of, with_shared_context
 from tests.profiles import long_run
 
 REPO = Path(__file__).resolve().parents[2]

@@ -33,7 +33,7 @@ import pytest
 from client import PredictClient, PSClient
 from deploy.local import LocalCluster
 from deploy.replicas import ServingReplicas
-from tests.integration.test_infer import raw_rows, requests_of, with_shared_context
+from tests.integration.infer_helpers import raw_rows, requests_of, with_shared_context
 from tests.profiles import long_run
 from worker.trainer import TrainerConfig, train
 
