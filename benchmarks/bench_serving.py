@@ -47,12 +47,9 @@ float32 rows), drawn at random from the rows the table holds. Each part runs alo
    follower returning the new row (polled by lookups) is one sample; p50/p99 with the shards
    idle and under a training load (another process pushing 4,096-key batches as fast as the
    shards take them). Goal: p99 under load <= 1 s. Skipped while ``ps-server`` has no ``--follow``.
-4. ``elastic``: lookups through an addresses file while serving replicas join, drain (SIGTERM)
-   and die (``kill -9``), beside the same run on a fixed replica set; requests/s and p99 per
-   second go to ``<stem>-elastic.png``. Goal: p99 during the events <= 1.5x the fixed run's
-   p99, 0 failed requests. Also the requests/s gain of a second replica per shard under a
-   saturating load, and p99 with hedging while a replica is stopped. See ``serving_elastic``.
-5. ``startup``: a new serving replica's start to ready (health SERVING) at 1M and 10M rows.
+4. ``elastic`` and 5. ``startup``: serving replicas that join, drain and die under load beside a
+   fixed set (goal: p99 during the events <= 1.5x the fixed run's, 0 failed), and a new replica's
+   time to ready at 1M and 10M rows: see ``serving_elastic``.
 
 Usage: ``python benchmarks/bench_serving.py [--quick] [--parts lookup,infer,freshness,elastic,startup]
 [--rows N] [--seconds S]`` -> ``benchmarks/results/serving.{json,png}`` (``serving-<parts>.*`` for a
