@@ -44,7 +44,7 @@ from deploy.local import start_shard, stop_shard  # noqa: E402
 from deploy.operations import GrpcShards  # noqa: E402
 from deploy.scale import scale  # noqa: E402
 from protos.keys import shard_of  # noqa: E402
-from ps.rows import Rows  # noqa: E402
+from ps.rows import RowFormat, Rows  # noqa: E402
 from ps.storage import Storage  # noqa: E402
 
 DIM = 16
@@ -109,7 +109,7 @@ def write_floor(n: int, root: Path) -> float:
         np.zeros(n, np.uint32),
     )
     with Storage(root / "floor", shard=0, num_shards=1) as st:
-        table = st.table("t", DIM, DIM)
+        table = st.table("t", RowFormat(DIM, DIM))
         t0 = time.perf_counter()
         for start in range(0, n, 8192):
             batch = st.batch()

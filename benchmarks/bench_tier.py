@@ -62,7 +62,10 @@ from tier_zipf import (  # noqa: E402
 )
 
 from ps.config import Durability, TableSpec  # noqa: E402
-from ps.rows import Rows  # noqa: E402
+from ps.rows import (
+    RowFormat,
+    Rows,  # noqa: E402
+)
 from ps.shard import Shard  # noqa: E402
 from ps.storage import Storage  # noqa: E402
 from ps.table import Table  # noqa: E402
@@ -116,7 +119,7 @@ def lookup_cost(n: int, warmup: int, steps: int, tmp: Path) -> dict[str, Any]:
         from ps.config import spec_to_proto
 
         storage.save_spec("t", spec_to_proto(spec).SerializeToString())
-        rows = storage.table("t", 8, 0)
+        rows = storage.table("t", RowFormat(8, 0))
         chunk = 1 << 20
         values = np.random.default_rng(0).standard_normal((chunk, 8), dtype=np.float32)
         stamp = np.zeros(chunk, np.uint32)

@@ -250,6 +250,8 @@ class PSClient:
         initializer: str | None = None,
         seed: int = 0,
         serving_default: str | None = None,
+        storage_dtype: str = "float32",
+        state_dtype: str = "float32",
         **params: float,
     ) -> TableConfig:
         """Create ``name`` on every shard (idempotent for an identical spec).
@@ -261,9 +263,13 @@ class PSClient:
         (admit_after, admit_probability, ttl_seconds, evict_below_frequency: see
         ``Lifecycle`` in protos/ps.proto); ``serving_default``: what serving shards read
         for a key without a row, zeros (default) or initial (the row training would have
-        created). Anything not given takes the shard's default. Raises ``TypeError`` for an unknown option,
-        ``InvalidRequestError`` for a bad value, ``TableExistsError`` if the name
-        exists with another spec (the message names each difference).
+        created); ``storage_dtype``: how the shards store the rows' values, float32
+        (default), bfloat16 or float16, and ``state_dtype`` their optimizer state, float32
+        (default) or bfloat16 (16-bit rows are updated in float32 and rounded
+        stochastically: see ps/precision.py). Anything not given takes the shard's
+        default. Raises ``TypeError`` for an unknown option, ``InvalidRequestError`` for
+        a bad value, ``TableExistsError`` if the name exists with another spec (the
+        message names each difference).
         """
         spec = table_spec(
             name,
@@ -272,6 +278,8 @@ class PSClient:
             initializer=initializer,
             seed=seed,
             serving_default=serving_default,
+            storage_dtype=storage_dtype,
+            state_dtype=state_dtype,
             **params,
         )
         request = pb.CreateTableRequest(spec=spec).SerializeToString()

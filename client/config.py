@@ -150,3 +150,5 @@ class TableConfig:
     initializer_params: Mapping[str, float] = field(default_factory=dict)
     optimizer_params: Mapping[str, float] = field(default_factory=dict)
     serving_default: str = "zeros"
+    storage_dtype: str = "float32"  # values as stored: float32, bfloat16 or float16
+    state_dtype: str = "float32"  # optimizer state as stored: float32 or bfloat16

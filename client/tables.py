@@ -35,6 +35,9 @@ _LIFECYCLE_FIELDS: dict[str, Any] = {
 
 
 _SERVING_DEFAULTS = {k.lower(): v for k, v in pb.ServingDefault.items() if v}
+_STORAGE_TYPES = {"float32": pb.FLOAT32, "bfloat16": pb.BFLOAT16, "float16": pb.FLOAT16}
+_STATE_TYPES = {"float32": pb.FLOAT32, "bfloat16": pb.BFLOAT16}
+_TYPE_NAMES = {v: k for k, v in _STORAGE_TYPES.items()} | {pb.DTYPE_UNSPECIFIED: "float32"}
 
 
 def table_spec(
@@ -45,11 +48,16 @@ def table_spec(
     initializer: str | None = None,
     seed: int = 0,
     serving_default: str | None = None,
+    storage_dtype: str = "float32",
+    state_dtype: str = "float32",
     **params: float,
 ) -> pb.TableSpec:
     """The spec ``create_table`` sends; ``TypeError`` for an unknown option,
-    ``InvalidRequestError`` for an unknown optimizer, initializer or serving default."""
+    ``InvalidRequestError`` for an unknown optimizer, initializer, serving default or
+    storage type."""
     spec = pb.TableSpec(name=name, dim=dim, seed=seed)
+    spec.dtype = _choice("storage_dtype", storage_dtype, _STORAGE_TYPES)  # type: ignore[assignment]
+    spec.state_dtype = _choice("state_dtype", state_dtype, _STATE_TYPES)  # type: ignore[assignment]
     if serving_default is not None:
         spec.serving_default = _choice("serving_default", serving_default, _SERVING_DEFAULTS)  # type: ignore[assignment]
     if optimizer is not None:
@@ -80,6 +88,8 @@ def table_config(spec: pb.TableSpec) -> TableConfig:
         initializer_params={f: getattr(spec.initializer, f) for f in _INIT_FIELDS},
         optimizer_params={f: getattr(spec.optimizer, f) for f in _OPT_FIELDS},
         serving_default="initial" if spec.serving_default == pb.INITIAL else "zeros",
+        storage_dtype=_TYPE_NAMES.get(spec.dtype, str(spec.dtype)),
+        state_dtype=_TYPE_NAMES.get(spec.state_dtype, str(spec.state_dtype)),
     )
 
 

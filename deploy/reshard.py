@@ -21,11 +21,11 @@ from google.protobuf import json_format
 
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
-from ps import optimizers
 from ps.checkpoint import part_name
 from ps.config import TableSpec, spec_from_proto, spec_to_proto
 from ps.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
 from ps.errors import ShardError
+from ps.rows import RowFormat
 from ps.storage import Storage
 
 __all__ = ["SCAN_CHUNK_ROWS", "AdminError", "now_stamp", "read_cluster_manifest", "reshard", "shard_dir_name"]
@@ -156,14 +156,14 @@ def _reshard_into(src: Path, manifest: dict[str, Any], m: int, out: Path, chunk_
         tables = _source_specs(sources)
         targets = [stack.enter_context(Storage(out / name, shard=j, num_shards=m)) for j, name in enumerate(names)]
         for name, (spec, blob, holders) in sorted(tables.items()):
-            width = optimizers.state_width(spec.optimizer, spec.dim)
+            fmt = RowFormat.of(spec)
             outs = []
             for j, t in enumerate(targets):
                 t.save_spec(name, blob)
-                outs.append(t.table(name, spec.dim, width))
+                outs.append(t.table(name, fmt))
                 rows[j][name] = 0
             for i in holders:
-                for stored in sources[i].table(name, spec.dim, width).scan(chunk_rows):
+                for stored in sources[i].table(name, fmt).scan(chunk_rows):
                     dest = shard_of(stored.keys, m)
                     # One stable sort groups the chunk by destination; each gets one batch.
                     order = np.argsort(dest, kind="stable")

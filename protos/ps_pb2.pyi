@@ -106,7 +106,7 @@ class Lifecycle(_message.Message):
     def __init__(self, admit_after: _Optional[int] = ..., admit_probability: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., evict_below_frequency: _Optional[int] = ...) -> None: ...
 
 class TableSpec(_message.Message):
-    __slots__ = ("name", "dim", "dtype", "initializer", "optimizer", "seed", "lifecycle", "serving_default")
+    __slots__ = ("name", "dim", "dtype", "initializer", "optimizer", "seed", "lifecycle", "serving_default", "state_dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class TableSpec(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     SERVING_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    STATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     dtype: DType
@@ -123,7 +124,8 @@ class TableSpec(_message.Message):
     seed: int
     lifecycle: Lifecycle
     serving_default: ServingDefault
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., seed: _Optional[int] = ..., lifecycle: _Optional[_Union[Lifecycle, _Mapping]] = ..., serving_default: _Optional[_Union[ServingDefault, str]] = ...) -> None: ...
+    state_dtype: DType
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., seed: _Optional[int] = ..., lifecycle: _Optional[_Union[Lifecycle, _Mapping]] = ..., serving_default: _Optional[_Union[ServingDefault, str]] = ..., state_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
     __slots__ = ("spec",)
@@ -380,18 +382,20 @@ class FollowRequest(_message.Message):
     def __init__(self, history: _Optional[str] = ..., version: _Optional[int] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
 
 class TableDelta(_message.Message):
-    __slots__ = ("table", "keys", "rows", "dim", "deleted_keys")
+    __slots__ = ("table", "keys", "rows", "dim", "deleted_keys", "dtype")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     DELETED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
     rows: bytes
     dim: int
     deleted_keys: bytes
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., dim: _Optional[int] = ..., deleted_keys: _Optional[bytes] = ...) -> None: ...
+    dtype: DType
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., dim: _Optional[int] = ..., deleted_keys: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class FollowBatch(_message.Message):
     __slots__ = ("history", "version", "leader_version", "version_unix_s", "specs", "deltas", "snapshot_begin", "snapshot_end", "in_snapshot", "num_shards", "lineage")

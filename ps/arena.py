@@ -3,8 +3,10 @@
 One contiguous array per column, grown by doubling (only the used prefix is copied;
 untouched pages of the new capacity cost no resident memory). Per slot it keeps:
 
-* ``values``      float32 ``[capacity, dim]``: the embedding rows;
-* ``state``       float32 ``[capacity, state_width]``: the optimizer's per-row state;
+* ``values``      ``[capacity, dim]`` in the table's storage type: the embedding rows;
+* ``state``       ``[capacity, state_width]`` in its state type: the optimizer's per-row state;
+* ``version``     uint32: updates applied, for the stochastic rounding of 16-bit rows
+  (``ps.precision``; a 0-length column in float32 tables, which never read it);
 * ``last_access`` uint32: Unix seconds of the last lookup or push (for LRU and TTL);
 * ``frequency``   uint32: lookups of the key, saturating (for admission and LFU);
 * ``dirty``       uint8: 1 if changed since it was last persisted.
@@ -13,7 +15,7 @@ The slot numbers come from the table's ``KeyIndex``; the arena never allocates t
 Not thread-safe: the owning ``Table`` holds its lock around every use.
 
 Example:
-    >>> a = Arena(dim=4, state_width=4, capacity=2)
+    >>> a = Arena(RowFormat(dim=4, state_width=4), capacity=2)
     >>> a.ensure_capacity(5)
     >>> a.capacity, a.values.shape
     (8, (8, 4))
@@ -21,10 +23,13 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
-from ps.rows import Rows
+from ps import precision
+from ps.rows import RowFormat, Rows
 
 __all__ = ["Arena"]
 
@@ -32,12 +37,14 @@ __all__ = ["Arena"]
 class Arena:
     """Columns of per-slot storage for one table (see the module docstring)."""
 
-    def __init__(self, dim: int, state_width: int, capacity: int = 1024) -> None:
-        self.dim = dim
-        self.state_width = state_width
+    def __init__(self, fmt: RowFormat, capacity: int = 1024) -> None:
+        self.format = fmt
+        self.dim = fmt.dim
+        self.state_width = fmt.state_width
         self.capacity = 0
-        self.values: npt.NDArray[np.float32] = np.empty((0, dim), dtype=np.float32)
-        self.state: npt.NDArray[np.float32] = np.empty((0, state_width), dtype=np.float32)
+        self.values: npt.NDArray[Any] = np.empty((0, fmt.dim), dtype=precision.array_dtype(fmt.values))
+        self.state: npt.NDArray[Any] = np.empty((0, fmt.state_width), dtype=precision.array_dtype(fmt.state))
+        self.version: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
         self.last_access: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
         self.frequency: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
         self.dirty: npt.NDArray[np.uint8] = np.empty(0, dtype=np.uint8)
@@ -46,7 +53,7 @@ class Arena:
     @property
     def row_bytes(self) -> int:
         """Bytes one slot takes across every column."""
-        return 4 * (self.dim + self.state_width) + 4 + 4 + 1
+        return self.format.record_bytes + 1  # the record's columns and the dirty flag
 
     def ensure_capacity(self, slots: int) -> None:
         """Grow (by doubling) so that every slot ``< slots`` exists; contents are kept."""
@@ -58,7 +65,10 @@ class Arena:
 
     def rows(self, keys: npt.NDArray[np.int64], slots: npt.NDArray[np.int32]) -> Rows:
         """Copies of the rows at ``slots``, as the rows of ``keys``."""
-        return Rows(keys, self.values[slots], self.state[slots], self.last_access[slots], self.frequency[slots])
+        version = self.version[slots] if self.format.versioned else np.zeros(len(slots), np.uint32)
+        return Rows(
+            keys, self.values[slots], self.state[slots], self.last_access[slots], self.frequency[slots], version
+        )
 
     def memory_bytes(self) -> int:
         """Bytes of the allocated columns (resident only as far as they were written)."""
@@ -74,6 +84,8 @@ class Arena:
 
         self.values = grown(self.values, (capacity, self.dim))  # type: ignore[assignment]
         self.state = grown(self.state, (capacity, self.state_width))  # type: ignore[assignment]
+        if self.format.versioned:
+            self.version = grown(self.version, (capacity,))  # type: ignore[assignment]
         self.last_access = grown(self.last_access, (capacity,))  # type: ignore[assignment]
         self.frequency = grown(self.frequency, (capacity,))  # type: ignore[assignment]
         self.dirty = grown(self.dirty, (capacity,))  # type: ignore[assignment]

@@ -54,13 +54,14 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from ps import optimizers
 from ps.config import spec_to_proto
 from ps.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
 from ps.errors import InvalidRequest, NotConfigured
+from ps.held import held_tables
 from ps.rescue import set_lineage
+from ps.rows import RowFormat
 from ps.storage import Storage, StorageFailed
-from ps.table import Table, held_tables
+from ps.table import Table
 
 __all__ = [
     "MAX_PATH_BYTES",
@@ -271,7 +272,7 @@ def _write_ram_tables(path: Path, tables: list[Table], shard: int, num_shards: i
             set_lineage(out, lineage)
         for t in tables:
             out.save_spec(t.spec.name, spec_to_proto(t.spec).SerializeToString())
-            target = out.table(t.spec.name, t.dim, optimizers.state_width(t.spec.optimizer, t.dim))
+            target = out.table(t.spec.name, RowFormat.of(t.spec))
             rows[t.spec.name] = t.write_to(target, out)
         out.flush_memtables()
     (path / "ps.lock").unlink(missing_ok=True)

@@ -26,6 +26,7 @@ from typing import Any
 from protos import ps_pb2 as pb
 from protos import settings, wire
 from protos.settings import ConfigError
+from ps import precision
 from ps.errors import InvalidRequest
 from ps.initializers import InitializerKind, InitializerParams
 from ps.lifecycle import EVICTIONS, LFU_HALF_LIFE_S, Lifecycle
@@ -388,7 +389,8 @@ class TableSpec:
     initializer: InitializerParams = InitializerParams()
     optimizer: OptimizerParams = OptimizerParams()
     seed: int = 0
-    dtype: str = "float32"
+    storage_dtype: str = "float32"  # values: float32, bfloat16 or float16 (ps.precision)
+    state_dtype: str = "float32"  # optimizer state: float32 or bfloat16
     lifecycle: Lifecycle = Lifecycle()
     serving_default: str = "zeros"  # or "initial": what a serving shard reads for a key without a row
 
@@ -403,8 +405,17 @@ class TableSpec:
             raise ConfigError(f"table {self.name!r}: dim={self.dim}, must be in [1, {MAX_DIM}]")
         if not 0 <= self.seed < 1 << 64:
             raise ConfigError(f"table {self.name!r}: seed={self.seed}, must be in [0, 2**64)")
-        if self.dtype != "float32":
-            raise ConfigError(f"table {self.name!r}: dtype={self.dtype!r}, only 'float32' storage exists")
+        if self.storage_dtype not in precision.STORAGE_TYPES:
+            raise ConfigError(
+                f"table {self.name!r}: storage_dtype={self.storage_dtype!r}, expected one of "
+                + ", ".join(precision.STORAGE_TYPES)
+            )
+        if self.state_dtype not in precision.STATE_TYPES:
+            raise ConfigError(
+                f"table {self.name!r}: state_dtype={self.state_dtype!r}, expected one of "
+                + ", ".join(precision.STATE_TYPES)
+                + " (float16 state would overflow the optimizers' accumulators)"
+            )
 
     def differences(self, other: TableSpec) -> list[str]:
         """``"field: mine != theirs"`` for every field that differs, nested fields dotted."""
@@ -455,14 +466,23 @@ def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
             ttl_seconds=lc.ttl_seconds,
             evict_below_frequency=lc.evict_below_frequency,
         )
-        if msg.dtype not in (pb.DTYPE_UNSPECIFIED, pb.FLOAT32):
-            raise InvalidRequest(f"table {msg.name!r}: dtype {wire.dtype_name(msg.dtype)}: only FLOAT32 storage exists")
+        storage_dtype = precision.from_wire(msg.dtype)
+        state_dtype = precision.from_wire(msg.state_dtype)
+        if storage_dtype is None:
+            raise InvalidRequest(f"table {msg.name!r}: dtype {msg.dtype}: expected FLOAT32, BFLOAT16 or FLOAT16")
+        if state_dtype is None or state_dtype == precision.FLOAT16:
+            raise InvalidRequest(
+                f"table {msg.name!r}: state_dtype {wire.dtype_name(msg.state_dtype) if state_dtype else msg.state_dtype}:"
+                " expected FLOAT32 or BFLOAT16 (float16 state would overflow the optimizers' accumulators)"
+            )
         return TableSpec(
             name=msg.name,
             dim=msg.dim,
             initializer=InitializerParams(InitializerKind(init_kind), **init_kw),
             optimizer=OptimizerParams(OptimizerKind(opt_kind), **opt_kw),
             seed=msg.seed,
+            storage_dtype=storage_dtype,
+            state_dtype=state_dtype,
             lifecycle=lifecycle,
             serving_default="initial" if msg.serving_default == pb.INITIAL else "zeros",
         )
@@ -477,7 +497,8 @@ def spec_to_proto(spec: TableSpec) -> pb.TableSpec:
     return pb.TableSpec(
         name=spec.name,
         dim=spec.dim,
-        dtype=pb.FLOAT32,
+        dtype=precision.to_wire(spec.storage_dtype),
+        state_dtype=precision.to_wire(spec.state_dtype),
         seed=spec.seed,
         initializer=pb.InitializerSpec(kind=init.kind.name, **{f: getattr(init, f) for f in _INIT_FIELDS}),
         optimizer=pb.OptimizerSpec(kind=opt.kind.name, **{f: getattr(opt, f) for f in _OPT_FIELDS}),

@@ -45,13 +45,14 @@ from protos import ps_pb2 as pb
 from protos import wire
 from protos.keys import shard_of
 from protos.tls import open_channel
-from ps import optimizers
+from ps import precision
 from ps.checkpoint import resolve_existing_checkpoint
 from ps.config import spec_from_proto
 from ps.datadir import DataDirError
 from ps.errors import InvalidRequest
 from ps.lifecycle import Lifecycle
 from ps.rescue import read_base
+from ps.rows import RowFormat
 from ps.shard import Shard
 from ps.storage import Storage, StorageFailed
 from ps.table import Table
@@ -244,7 +245,7 @@ class Source:
                 self._staged = {}
             for d in batch.deltas:
                 keys = wire.decode_keys(d.keys, f"table {d.table!r}: keys")
-                rows = wire.decode_rows(d.rows, keys.shape[0], d.dim, wire.FLOAT32, f"table {d.table!r}: rows")
+                rows = _delta_rows(d, keys.shape[0])
                 self._staged.setdefault(d.table, []).append((keys, rows))
             if batch.snapshot_end:
                 self._apply_snapshot(batch)
@@ -261,7 +262,7 @@ class Source:
                     for d in batch.deltas:
                         table = self.shard.table(d.table)
                         keys = wire.decode_keys(d.keys, f"table {d.table!r}: keys")
-                        table.assign(keys, wire.decode_rows(d.rows, keys.shape[0], d.dim, wire.FLOAT32, "rows"))
+                        table.assign(keys, _delta_rows(d, keys.shape[0]))
                         deleted = wire.decode_keys(d.deleted_keys, f"table {d.table!r}: deleted_keys")
                         if deleted.size:
                             table.remove(deleted)
@@ -341,8 +342,7 @@ class Source:
         tables = {}
         for name, blob in sorted(storage.specs().items()):
             spec = spec_from_proto(pb.TableSpec.FromString(blob))
-            width = optimizers.state_width(spec.optimizer, spec.dim)
-            tables[name] = Table(spec, rows=storage.table(name, spec.dim, width), storage=storage)
+            tables[name] = Table(spec, rows=storage.table(name, RowFormat.of(spec)), storage=storage)
         self._resume.clear()  # pause following: the stream loop leaves at its next message
         if self._call is not None:
             self._call.cancel()
@@ -377,3 +377,11 @@ class Source:
             old.close()
         self._resume.set()
         log.info("unpinned: serving %s again", self.kind)
+
+
+def _delta_rows(delta: pb.TableDelta, n: int) -> npt.NDArray[Any]:
+    """The rows of a change, in the storage type they travel in."""
+    kind = precision.from_wire(delta.dtype)
+    if kind is None:
+        raise ValueError(f"table {delta.table!r}: rows dtype {delta.dtype}: unknown")
+    return precision.from_bytes(kind, delta.rows, n, delta.dim, f"table {delta.table!r}: rows")

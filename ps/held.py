@@ -8,6 +8,10 @@ the table hands it with its locks held; it is valid only inside that ``with`` bl
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
 from ps.config import TableSpec
 from ps.counters import TableCounters
 from ps.ledger import TableLedgers
@@ -15,7 +19,7 @@ from ps.ram import CLEAN, RamTier
 from ps.rows import Rows
 from ps.tier import DiskTier
 
-__all__ = ["HeldTable"]
+__all__ = ["HeldTable", "held_tables"]
 
 
 class HeldTable:
@@ -65,3 +69,19 @@ class HeldTable:
         """Copies of every resident row that is not on disk as it is in RAM (a shard
         stopping with a failed disk saves these elsewhere)."""
         return self._ram.arena.rows(*self._ram.dirty_items())
+
+
+class Holdable(Protocol):
+    """What ``held_tables`` holds: a ``ps.table.Table``."""
+
+    @property
+    def spec(self) -> TableSpec: ...
+
+    def held(self) -> contextlib.AbstractContextManager[HeldTable]: ...
+
+
+@contextlib.contextmanager
+def held_tables(tables: Sequence[Holdable]) -> Iterator[list[HeldTable]]:
+    """Hold every table of ``tables`` (see ``Table.held``), in name order, for the block."""
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(t.held()) for t in sorted(tables, key=lambda t: t.spec.name)]

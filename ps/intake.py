@@ -34,12 +34,11 @@ from protos import wire
 from protos.keys import shard_of
 from protos.services import PS_SERVICE
 from protos.tls import open_channel
-from ps import optimizers
 from ps.changes import ChangeLog
 from ps.cluster import MoveState
 from ps.config import TableSpec, spec_from_proto
 from ps.errors import ShardError
-from ps.rows import Rows
+from ps.rows import RowFormat, Rows
 from ps.storage import StorageClosed, StorageFailed
 from ps.table import Table
 from ps.yielding import lower_this_thread
@@ -238,8 +237,7 @@ class Intake:
             if table is None:
                 raise ShardError(f"rows of table {moved.table!r} came before its spec")
             keys = wire.decode_keys(moved.keys, f"MoveBatch table {moved.table!r} keys")
-            width = optimizers.state_width(table.spec.optimizer, table.dim)
-            rows = Rows.unpack(keys, moved.rows, table.dim, width)
+            rows = Rows.unpack(keys, moved.rows, RowFormat.of(table.spec))
             if len(rows):
                 table.install_rows(rows)
             deleted = wire.decode_keys(moved.deleted_keys, f"MoveBatch table {moved.table!r} deleted_keys")

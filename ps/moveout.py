@@ -209,8 +209,7 @@ def _copy(
 
 
 def _step(table: Table, limit: int) -> int:
-    width = table.dim + table.ram.arena.state_width + 2
-    return max(1, limit // (8 + 4 * width))
+    return max(1, limit // (8 + table.ram.format.record_bytes))
 
 
 def _rows(
@@ -232,7 +231,7 @@ def _rows(
         moved = pb.MovedRows(
             table=table.spec.name,
             keys=wire.encode_keys(rows.keys),
-            rows=rows.packed().tobytes(),
+            rows=rows.packed(table.ram.format).tobytes(),
             deleted_keys=wire.encode_keys(part[~found]) if deletions else b"",
         )
         reshard.rows_out += len(rows)

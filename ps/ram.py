@@ -26,18 +26,21 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 import numpy.typing as npt
 
-from ps import optimizers
+from ps import optimizers, precision
 from ps.arena import Arena
 from ps.config import TableSpec
-from ps.initializers import fill_initial_rows
+from ps.initializers import fill_initial_rows, initial_rows
 from ps.keyindex import KeyIndex
 from ps.lifecycle import Admission, Eviction, expired_keys, unchanged_ranks
+from ps.precision import bfloat16_bits_to_float32_bits, float16_bits_to_float32_bits
 from ps.prefetch import prefetch
-from ps.rows import Rows
+from ps.rows import RowFormat, Rows
 
 __all__ = ["CLEAN", "DIRTY", "WRITING", "RamTier"]
 
@@ -82,6 +85,45 @@ def _gather(
         src = values[s]
         for j in range(dim):
             row[j] = src[j]
+        if touch:
+            last_access[s] = now
+            if frequency[s] != _FREQ_MAX:
+                frequency[s] += np.uint32(1)
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather16(
+    values: npt.NDArray[np.uint16],
+    slots: npt.NDArray[np.int32],
+    out: npt.NDArray[np.uint32],
+    last_access: npt.NDArray[np.uint32],
+    frequency: npt.NDArray[np.uint32],
+    now: np.uint32,
+    touch: bool,
+    bfloat16: bool,
+) -> None:
+    """``_gather`` of 16-bit rows (bits in ``values``), decoded into float32 bits in ``out``."""
+    dim = values.shape[1]
+    n = slots.shape[0]
+    for i in range(n):
+        if i + _AHEAD < n and slots[i + _AHEAD] >= 0:
+            prefetch(values, slots[i + _AHEAD])
+            if touch:
+                prefetch(last_access, slots[i + _AHEAD])
+                prefetch(frequency, slots[i + _AHEAD])
+        s = slots[i]
+        row = out[i]
+        if s < 0:
+            for j in range(dim):
+                row[j] = 0
+            continue
+        src = values[s]
+        if bfloat16:
+            for j in range(dim):
+                row[j] = bfloat16_bits_to_float32_bits(src[j])
+        else:
+            for j in range(dim):
+                row[j] = float16_bits_to_float32_bits(src[j])
         if touch:
             last_access[s] = now
             if frequency[s] != _FREQ_MAX:
@@ -141,7 +183,9 @@ class RamTier:
     def __init__(self, spec: TableSpec, initial_capacity: int = 1024) -> None:
         self.spec = spec
         self.index = KeyIndex(initial_capacity)
-        self.arena = Arena(spec.dim, optimizers.state_width(spec.optimizer, spec.dim), initial_capacity)
+        self.format = RowFormat.of(spec)
+        self.arena = Arena(self.format, initial_capacity)
+        self.rounding = precision.Rounding()  # elements clamped or flushed to zero on the way to 16 bits
         lc = spec.lifecycle
         self._admission = None if lc.admits_all else Admission(lc, spec.seed)
         self._seen = np.zeros(self.arena.capacity // 8 + 1, dtype=np.uint8)  # scratch for duplicate checks
@@ -181,7 +225,32 @@ class RamTier:
         they were). ``out`` must be C-contiguous float32 ``[len(slots), dim]``: the kernel
         does not bounds-check."""
         a = self.arena
-        _gather(a.values, slots, out, a.last_access, a.frequency, now, touch)
+        kind = self.format.values
+        if kind == precision.FLOAT32:
+            _gather(a.values, slots, out, a.last_access, a.frequency, now, touch)
+        else:
+            bits = a.values.view(np.uint16)
+            _gather16(
+                bits, slots, out.view(np.uint32), a.last_access, a.frequency, now, touch, kind == precision.BFLOAT16
+            )
+
+    def fill_initial(
+        self, keys: npt.NDArray[np.int64], out: npt.NDArray[np.float32], at: npt.NDArray[np.integer]
+    ) -> None:
+        """Write the initial rows of ``keys`` into ``out[at]`` (float32) as they read once
+        stored: rounded to the nearest value of the storage type."""
+        fill_initial_rows(self.spec.initializer, self.spec.seed, keys, out, at)
+        kind = self.format.values
+        if kind != precision.FLOAT32:
+            out[at] = precision.decode(kind, precision.encode_nearest(kind, out[at]))
+
+    def as_stored(self, values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """``values`` (stored elements of this table's type, or float32) as stored elements:
+        float32 ones are rounded to the nearest stored value."""
+        kind = self.format.values
+        if values.dtype == self.arena.values.dtype:
+            return values
+        return precision.encode_nearest(kind, values.astype(np.float32), self.rounding)
 
     @property
     def admits_all(self) -> bool:
@@ -207,8 +276,20 @@ class RamTier:
         slots, _ = self.index.lookup_or_insert(keys)
         a = self._grown_arena()
         new = slots.astype(np.int64)
-        fill_initial_rows(self.spec.initializer, self.spec.seed, keys, a.values, new)
-        optimizers.init_state(self.spec.optimizer, a.state, new)
+        fmt, spec = self.format, self.spec
+        if fmt.values == precision.FLOAT32:
+            fill_initial_rows(spec.initializer, spec.seed, keys, a.values, new)
+        else:
+            rows = initial_rows(spec.initializer, spec.seed, keys, spec.dim)
+            a.values[new] = precision.encode_nearest(fmt.values, rows, self.rounding)
+        if fmt.state == precision.FLOAT32:
+            optimizers.init_state(spec.optimizer, a.state, new)
+        elif fmt.state_width:
+            state = np.empty((new.shape[0], fmt.state_width), np.float32)
+            optimizers.init_state(spec.optimizer, state, np.arange(new.shape[0]))
+            a.state[new] = precision.encode_nearest(fmt.state, state, self.rounding)
+        if fmt.versioned:
+            a.version[new] = 0
         a.frequency[new] = 0
         a.last_access[new] = now
         a.dirty[new] = DIRTY
@@ -220,6 +301,8 @@ class RamTier:
         a = self._grown_arena()
         a.values[slots], a.state[slots] = rows.values, rows.state
         a.last_access[slots], a.frequency[slots] = rows.last_access, rows.frequency
+        if self.format.versioned:
+            a.version[slots] = rows.version
         a.dirty[slots] = dirty
         return slots
 
@@ -245,9 +328,15 @@ class RamTier:
         np.add.at(summed, inverse, grads)
         return unique.astype(np.int32), keys[first], summed
 
-    def apply(self, slots: npt.NDArray[np.int32], grads: npt.NDArray[np.float32], now: np.uint32) -> None:
-        """Apply the table's optimizer to the distinct rows at ``slots``; they become ``DIRTY``."""
+    def apply(
+        self, keys: npt.NDArray[np.int64], slots: npt.NDArray[np.int32], grads: npt.NDArray[np.float32], now: np.uint32
+    ) -> None:
+        """Apply the table's optimizer to the distinct rows of ``keys`` at ``slots``; they become ``DIRTY``."""
         a = self.arena
+        if self.format.versioned:
+            self.store(slots, self.updated_rows(keys, slots, grads, now))
+            a.dirty[slots] = DIRTY
+            return
         optimizers.apply(self.spec.optimizer, a.values, a.state, slots, grads)
         _mark_pushed(slots, a.last_access, a.dirty, now)
 
@@ -258,7 +347,24 @@ class RamTier:
         ``now``, as new arrays: RAM is unchanged (a write-ahead caller installs them with
         ``store``)."""
         rows = self.arena.rows(keys, slots)
-        optimizers.apply(self.spec.optimizer, rows.values, rows.state, np.arange(slots.shape[0], dtype=np.int32), grads)
+        at = np.arange(slots.shape[0], dtype=np.int32)
+        fmt = self.format
+        if not fmt.versioned:
+            optimizers.apply(self.spec.optimizer, rows.values, rows.state, at, grads)
+            rows.last_access[:] = now
+            return rows
+        # Computed in float32, rounded back stochastically (ps.precision).
+        values = precision.decode(fmt.values, rows.values)
+        state = precision.decode(fmt.state, rows.state)
+        optimizers.apply(self.spec.optimizer, values, state, at, grads)
+        rows.version[:] += np.uint32(1)
+        seed = self.spec.seed
+        precision.round_into(
+            fmt.values, values, rows.values, keys, rows.version, seed=seed, first=0, counts=self.rounding
+        )
+        precision.round_into(
+            fmt.state, state, rows.state, keys, rows.version, seed=seed, first=fmt.dim, counts=self.rounding
+        )
         rows.last_access[:] = now
         return rows
 
@@ -267,6 +373,8 @@ class RamTier:
         already written to disk (``CLEAN``)."""
         a = self.arena
         a.values[slots], a.state[slots], a.last_access[slots] = rows.values, rows.state, rows.last_access
+        if self.format.versioned:
+            a.version[slots] = rows.version
         a.dirty[slots] = CLEAN
 
     def mark(self, slots: npt.NDArray[np.int32], flag: int) -> None:

@@ -20,12 +20,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from protos import ps_pb2 as pb
-from ps import optimizers
 from ps.config import TableSpec, spec_from_proto, spec_to_proto
 from ps.errors import TableExists, UnknownTable
+from ps.held import held_tables
 from ps.limits import Limits
+from ps.rows import RowFormat
 from ps.storage import Storage
-from ps.table import Table, held_tables
+from ps.table import Table
 
 __all__ = ["TableRegistry"]
 
@@ -72,7 +73,7 @@ class TableRegistry:
     def _new(self, spec: TableSpec) -> Table:
         if self._storage is None:
             return Table(spec)
-        rows = self._storage.table(spec.name, spec.dim, optimizers.state_width(spec.optimizer, spec.dim))
+        rows = self._storage.table(spec.name, RowFormat.of(spec))
         return Table(
             spec, rows=rows, storage=self._storage, every_push=self._every_push, on_write_failure=self._on_write_failure
         )

@@ -36,7 +36,7 @@ Layout (plain files, nothing of RocksDB, which may be what failed)::
 
 ``manifest.json``: ``{"format", "kind": "rescue", "id", "shard", "num_shards",
 "data_dir", "lineage", "base_epoch", "created_unix_s", "created", "reason", "tables":
-[{"name", "spec", "rows", "width", "crc32": {"keys", "rows"}, "ledgers": {client_id:
+[{"name", "spec", "rows", "record_bytes", "crc32": {"keys", "rows"}, "ledgers": {client_id:
 hex}}]}`` (``lineage`` and ``base_epoch`` are null for a data directory no
 ``ps-server`` start has given an epoch, e.g. one a test opened directly).
 Every file is fsynced before the manifest is written.
@@ -44,7 +44,7 @@ Every file is fsynced before the manifest is written.
 Example:
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp())
-    >>> from ps.rows import Rows
+    >>> from ps.rows import RowFormat, Rows
     >>> rows = Rows(np.array([7]), np.ones((1, 2), np.float32), np.empty((1, 0), np.float32),
     ...             np.zeros(1, np.uint32), np.ones(1, np.uint32))
     >>> part = RescueTable(TableSpec("t", 2), rows, {})
@@ -72,12 +72,12 @@ import numpy.typing as npt
 from google.protobuf import json_format
 
 from protos import ps_pb2 as pb
-from ps import optimizers
 from ps.config import TableSpec, spec_from_proto, spec_to_proto
 from ps.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
-from ps.rows import Rows
+from ps.held import held_tables
+from ps.rows import RowFormat, Rows
 from ps.storage import Storage, StorageFailed
-from ps.table import Table, held_tables
+from ps.table import Table
 
 __all__ = [
     "RescueBase",
@@ -190,14 +190,14 @@ def write_rescue(
     try:
         entries: list[dict[str, Any]] = []
         for i, t in enumerate(tables):
-            records = t.rows.packed()
+            records = t.rows.packed(RowFormat.of(t.spec))
             keys = np.ascontiguousarray(t.rows.keys, dtype="<i8")
             entries.append(
                 {
                     "name": t.spec.name,
                     "spec": json_format.MessageToDict(spec_to_proto(t.spec)),
                     "rows": int(keys.shape[0]),
-                    "width": int(records.shape[1]),
+                    "record_bytes": int(records.dtype.itemsize),
                     "crc32": {
                         "keys": _write_synced(path / f"{i}.keys", keys),
                         "rows": _write_synced(path / f"{i}.rows", records),
@@ -360,24 +360,26 @@ def apply_rescue(dump: Path, storage: Storage) -> dict[str, int]:
                 f"{dump}: table {spec.name!r} differs from the one in {storage.path}: "
                 f"{'; '.join(stored[spec.name].differences(spec))} (data dir != dump)"
             )
-        width = spec.dim + optimizers.state_width(spec.optimizer, spec.dim) + 2
+        fmt = RowFormat.of(spec)
+        record_bytes = entry.get("record_bytes", 4 * entry.get("width", 0))  # dumps before 16-bit rows: words
+        if record_bytes != fmt.record_bytes:
+            raise DataDirError(
+                f"{dump}: table {spec.name!r} rows are {record_bytes} bytes each, expected {fmt.record_bytes}"
+            )
         keys = _read_checked(dump / f"{i}.keys", entry["crc32"]["keys"], np.dtype("<i8"), entry["rows"])
-        records = _read_checked(dump / f"{i}.rows", entry["crc32"]["rows"], np.dtype("<f4"), entry["rows"] * width)
-        if entry["width"] != width:
-            raise DataDirError(f"{dump}: table {spec.name!r} rows are {entry['width']} words wide, expected {width}")
-        plan.append(
-            (spec, keys, records.reshape(-1, width), {c: bytes.fromhex(h) for c, h in entry["ledgers"].items()})
-        )
+        records = _read_checked(dump / f"{i}.rows", entry["crc32"]["rows"], fmt.record, entry["rows"])
+        plan.append((spec, keys, records, {c: bytes.fromhex(h) for c, h in entry["ledgers"].items()}))
     written: dict[str, int] = {}
     for spec, keys, records, ledgers in plan:
-        rows = storage.table(spec.name, spec.dim, optimizers.state_width(spec.optimizer, spec.dim))
+        fmt = RowFormat.of(spec)
+        rows = storage.table(spec.name, fmt)
         for start in range(0, max(keys.shape[0], 1), _CHUNK_ROWS):
             batch = storage.batch()
             if start == 0:
                 for client, data in ledgers.items():
                     rows.put_ledger(batch, client, data)
             end = start + _CHUNK_ROWS
-            rows.put(batch, Rows.unpack(keys[start:end], records[start:end], spec.dim, rows.state_width))
+            rows.put(batch, Rows.unpack(keys[start:end], records[start:end], fmt))
             storage.commit(batch)
         written[spec.name] = int(keys.shape[0])
     storage.put_meta(_APPLIED + manifest["id"].encode(), f"at {_now()} from {dump}".encode())
@@ -539,7 +541,7 @@ def _find_dumps(places: list[tuple[Path, str]]) -> list[tuple[Path, dict[str, An
 
 def _write_synced(path: Path, array: npt.NDArray[np.generic]) -> int:
     """Write ``array``'s bytes to the new file ``path`` and fsync it; returns their CRC-32."""
-    data = np.ascontiguousarray(array).data.cast("B")
+    data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
     with path.open("xb") as f:
         f.write(data)
         f.flush()

@@ -1,16 +1,20 @@
 """``Rows``: rows of one table with everything a row carries, the unit that moves between
 a table's RAM and disk halves, rescue dumps, checkpoints and reshards.
 
-A row is its key, its ``values`` (the embedding, ``dim`` float32), its optimizer
-``state`` (``state_width`` float32: Adagrad's accumulator, Adam's moments, ...) and its
-lifecycle metadata: ``last_access`` (Unix seconds of its last lookup or push, for LRU
-and TTL) and ``frequency`` (lookups, for admission and LFU). Whatever takes a row
-somewhere takes all five, so none is dropped on the way (the dirty flag is not part
-of it: it says how a RAM row relates to its copy on disk, and stays in RAM).
+A row is its key, its ``values`` (the embedding, ``dim`` elements), its optimizer
+``state`` (``state_width`` elements: Adagrad's accumulator, Adam's moments, ...), its
+``version`` (updates applied, which seeds the stochastic rounding of 16-bit rows; always
+0 for float32 tables) and its lifecycle metadata: ``last_access`` (Unix seconds of its
+last lookup or push, for LRU and TTL) and ``frequency`` (lookups, for admission and LFU).
+Values and state are arrays of the table's stored types (``RowFormat``, ``ps.precision``).
+Whatever takes a row somewhere takes all of it, so nothing is dropped on the way (the
+dirty flag is not part of it: it says how a RAM row relates to its copy on disk, and
+stays in RAM).
 
-Stored form (RocksDB values, rescue dumps): one ``[n, dim + state_width + 2]`` array
-of 4-byte little-endian words per batch of rows, the last two words of each row
-holding ``last_access`` and ``frequency`` as uint32 (``packed`` / ``unpack``).
+Stored form (RocksDB values, rescue dumps, reshard streams): one record per row,
+little-endian: values, state, then ``version`` (uint32, 16-bit tables only),
+``last_access`` and ``frequency`` (uint32 each) (``packed`` / ``unpack``). A float32
+table's record is ``dim + state_width + 2`` 4-byte words, as it always was.
 
 Arrays are shared, not copied, unless a method says otherwise: ``rows[mask]`` copies
 (numpy's fancy indexing), ``rows[a:b]`` and ``unpack`` give views.
@@ -21,7 +25,8 @@ Example:
     ...          np.array([5, 6], np.uint32), np.array([1, 2], np.uint32))
     >>> len(r), r.dim, r.state_width, r[1:].keys.tolist()
     (2, 2, 1, [9])
-    >>> back = Rows.unpack(r.keys, r.packed(), dim=2, state_width=1)
+    >>> fmt = RowFormat(dim=2, state_width=1)
+    >>> back = Rows.unpack(r.keys, r.packed(fmt), fmt)
     >>> back.frequency.tolist(), back.values.tolist() == r.values.tolist()
     ([1, 2], True)
 """
@@ -29,25 +34,72 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Rows"]
+from ps import optimizers, precision
+
+if TYPE_CHECKING:
+    from ps.config import TableSpec
+
+__all__ = ["RowFormat", "Rows"]
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How one table's rows are laid out: widths and stored element types."""
+
+    dim: int
+    state_width: int
+    values: str = precision.FLOAT32
+    state: str = precision.FLOAT32
+
+    @classmethod
+    def of(cls, spec: TableSpec) -> RowFormat:
+        return cls(spec.dim, optimizers.state_width(spec.optimizer, spec.dim), spec.storage_dtype, spec.state_dtype)
+
+    @property
+    def versioned(self) -> bool:
+        """True when rows carry a version (some column is rounded stochastically)."""
+        return self.values != precision.FLOAT32 or self.state != precision.FLOAT32
+
+    @cached_property
+    def record(self) -> np.dtype[Any]:
+        """The numpy structured dtype of one stored record."""
+        fields: list[tuple[str, Any, tuple[int, ...]] | tuple[str, Any]] = [
+            ("values", precision.array_dtype(self.values), (self.dim,)),
+            ("state", precision.array_dtype(self.state), (self.state_width,)),
+        ]
+        if self.versioned:
+            fields.append(("version", "<u4"))
+        fields += [("last_access", "<u4"), ("frequency", "<u4")]
+        return np.dtype(fields)
+
+    @property
+    def record_bytes(self) -> int:
+        return int(self.record.itemsize)
 
 
 @dataclass(frozen=True)
 class Rows:
     """Rows of one table (see the module docstring): ``keys [n]`` int64, ``values [n, dim]``
-    and ``state [n, state_width]`` float32, ``last_access [n]`` and ``frequency [n]`` uint32."""
+    and ``state [n, state_width]`` in their stored types, ``last_access [n]``,
+    ``frequency [n]`` and ``version [n]`` uint32 (zeros when not given)."""
 
     keys: npt.NDArray[np.int64]
-    values: npt.NDArray[np.float32]
-    state: npt.NDArray[np.float32]
+    values: npt.NDArray[Any]
+    state: npt.NDArray[Any]
     last_access: npt.NDArray[np.uint32]
     frequency: npt.NDArray[np.uint32]
+    version: npt.NDArray[np.uint32] = field(default=None)  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        if self.version is None:
+            object.__setattr__(self, "version", np.zeros(self.keys.shape[0], np.uint32))
 
     def __len__(self) -> int:
         return int(self.keys.shape[0])
@@ -60,56 +112,50 @@ class Rows:
     def state_width(self) -> int:
         return int(self.state.shape[1])
 
-    @property
-    def width(self) -> int:
-        """Words per row in the stored form."""
-        return self.dim + self.state_width + 2
-
     def __getitem__(self, index: Any) -> Rows:
         """The rows at ``index`` (a slice, a boolean mask or positions), every column alike."""
         return Rows(
-            self.keys[index], self.values[index], self.state[index], self.last_access[index], self.frequency[index]
+            self.keys[index],
+            self.values[index],
+            self.state[index],
+            self.last_access[index],
+            self.frequency[index],
+            self.version[index],
         )
 
     @classmethod
-    def empty(cls, dim: int, state_width: int) -> Rows:
-        return cls(
-            np.empty(0, np.int64),
-            np.empty((0, dim), np.float32),
-            np.empty((0, state_width), np.float32),
-            np.empty(0, np.uint32),
-            np.empty(0, np.uint32),
-        )
+    def empty(cls, fmt: RowFormat) -> Rows:
+        return cls.unpack(np.empty(0, np.int64), b"", fmt)
 
     @classmethod
-    def concat(cls, parts: Sequence[Rows], dim: int, state_width: int) -> Rows:
-        """``parts`` one after the other (new arrays); ``dim``/``state_width`` shape an empty result."""
+    def concat(cls, parts: Sequence[Rows], fmt: RowFormat) -> Rows:
+        """``parts`` one after the other (new arrays); ``fmt`` shapes an empty result."""
         if not parts:
-            return cls.empty(dim, state_width)
+            return cls.empty(fmt)
         return cls(
             np.concatenate([p.keys for p in parts]),
             np.concatenate([p.values for p in parts]),
             np.concatenate([p.state for p in parts]),
             np.concatenate([p.last_access for p in parts]),
             np.concatenate([p.frequency for p in parts]),
+            np.concatenate([p.version for p in parts]),
         )
 
-    def packed(self) -> npt.NDArray[np.float32]:
-        """The rows in their stored form, as a new ``[n, width]`` float32 array."""
-        d, w = self.dim, self.width
-        rec = np.empty((len(self), w), dtype=np.float32)
-        rec[:, :d] = self.values
-        rec[:, d : w - 2] = self.state
-        words = rec.view(np.uint32)
-        words[:, w - 2] = self.last_access
-        words[:, w - 1] = self.frequency
+    def packed(self, fmt: RowFormat) -> npt.NDArray[np.void]:
+        """The rows in their stored form, as a new ``[n]`` array of ``fmt.record``."""
+        rec = np.empty(len(self), dtype=fmt.record)
+        rec["values"] = self.values
+        rec["state"] = self.state
+        if fmt.versioned:
+            rec["version"] = self.version
+        rec["last_access"] = self.last_access
+        rec["frequency"] = self.frequency
         return rec
 
     @classmethod
-    def unpack(cls, keys: npt.NDArray[np.int64], records: Any, dim: int, state_width: int) -> Rows:
+    def unpack(cls, keys: npt.NDArray[np.int64], records: Any, fmt: RowFormat) -> Rows:
         """Rows of ``keys`` from their stored form (``packed``'s array, or its bytes), as views."""
-        w = dim + state_width + 2
-        rec = np.frombuffer(records, dtype=np.float32) if isinstance(records, bytes) else records
-        rec = rec.reshape(keys.shape[0], w)
-        words = rec.view(np.uint32)
-        return cls(keys, rec[:, :dim], rec[:, dim : w - 2], words[:, w - 2], words[:, w - 1])
+        rec = np.frombuffer(records, dtype=fmt.record) if isinstance(records, bytes | memoryview) else records
+        rec = rec.view(fmt.record).reshape(keys.shape[0])
+        version = rec["version"] if fmt.versioned else np.zeros(keys.shape[0], np.uint32)
+        return cls(keys, rec["values"], rec["state"], rec["last_access"], rec["frequency"], version)

@@ -11,11 +11,13 @@ A checkpoint directory has the same ``db/`` plus ``manifest.json``, so a shard c
 started from it (``ps-server --restore-from``) and ``ps-admin reshard`` can read it.
 
 Rows are stored one per key: RocksDB key = the int64 key big-endian (8 bytes), value =
-the row in its stored form (``ps.rows.Rows.packed``): ``values`` (dim float32), optimizer
-``state`` (state_width float32), ``last_access`` and ``frequency`` (uint32 each), all
-little-endian: ``4 * (dim + state_width + 2)`` bytes. ``meta`` holds ``identity`` (format, shard, num_shards), ``spec:<table>`` (the
-TableSpec protobuf) and ``ledger:<table>\\0<client_id>`` (that client's applied push
-seqs on that table; see ``ps.ledger``).
+the row in its stored form (``ps.rows.Rows.packed``): ``values`` and optimizer ``state``
+in the table's storage types, then the row's version (16-bit tables only),
+``last_access`` and ``frequency`` (uint32 each), all little-endian
+(``RowFormat.record_bytes``: ``4 * (dim + state_width + 2)`` for float32). ``meta``
+holds ``identity`` (format, shard, num_shards), ``spec:<table>`` (the TableSpec
+protobuf) and ``ledger:<table>\\0<client_id>`` (that client's applied push seqs on that
+table; see ``ps.ledger``).
 
 rocksdict's API takes and returns one ``bytes`` per key, so this tier builds one per
 row it reads or writes (through numpy's C loops, never a Python loop per key); RAM
@@ -29,7 +31,7 @@ Example:
     >>> import tempfile, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp())
     >>> with Storage(d, shard=0, num_shards=1) as st:
-    ...     rows = st.table("user", dim=2, state_width=0)
+    ...     rows = st.table("user", RowFormat(dim=2, state_width=0))
     ...     batch = st.batch()
     ...     rows.put(batch, Rows(np.array([7]), np.ones((1, 2), np.float32), np.empty((1, 0), np.float32),
     ...                          np.array([3], np.uint32), np.array([1], np.uint32)))
@@ -63,7 +65,7 @@ import rocksdict
 from ps import yielding
 from ps.datadir import FORMAT_VERSION, DataDirError, has_room, lock_data_dir, open_failure, write_manifest
 from ps.errors import ShardError
-from ps.rows import Rows
+from ps.rows import RowFormat, Rows
 
 __all__ = ["DataDirError", "Storage", "StorageClosed", "StorageFailed", "TableRows"]
 
@@ -114,11 +116,10 @@ def _table_options() -> rocksdict.Options:
 class TableRows:
     """The rows of one table in RocksDB (one column family). Use through ``Storage.table``."""
 
-    def __init__(self, storage: Storage, name: str, dim: int, state_width: int) -> None:
+    def __init__(self, storage: Storage, name: str, fmt: RowFormat) -> None:
         self.name = name
-        self.dim = dim
-        self.state_width = state_width
-        self.width = dim + state_width + 2  # in 4-byte words
+        self.format = fmt
+        self.dim = fmt.dim
         self._storage = storage
         self._cf: rocksdict.Rdict | None = None
         self._handle: rocksdict.ColumnFamily | None = None
@@ -134,7 +135,7 @@ class TableRows:
         """Which ``keys`` are stored, and the stored rows of those (in ``keys``' order). One multi-get."""
         n = keys.shape[0]
         if n == 0:
-            return np.zeros(0, np.bool_), Rows.empty(self.dim, self.state_width)
+            return np.zeros(0, np.bool_), Rows.empty(self.format)
         cf = self._cf
         if cf is None:
             raise StorageFailed(f"storage in {self._storage.path} is not open (it failed and could not be reopened)")
@@ -142,7 +143,7 @@ class TableRows:
         get_many = cast("Callable[[list[bytes]], list[bytes | None]]", cf.get)
         blobs = self._storage._read(get_many, _key_bytes(keys))
         found = ~np.fromiter(map(operator.not_, blobs), dtype=np.bool_, count=n)
-        return found, Rows.unpack(keys[found], b"".join(filter(None, blobs)), self.dim, self.state_width)
+        return found, Rows.unpack(keys[found], b"".join(filter(None, blobs)), self.format)
 
     def put(self, batch: rocksdict.WriteBatch, rows: Rows) -> None:
         """Add ``rows`` to ``batch`` (written by ``Storage.commit``)."""
@@ -156,7 +157,7 @@ class TableRows:
             map(
                 batch.put,
                 _key_bytes(ordered.keys),
-                ordered.packed().view(f"V{4 * self.width}").ravel().tolist(),
+                ordered.packed(self.format).view(f"V{self.format.record_bytes}").ravel().tolist(),
                 repeat(self._handle),
             ),
             maxlen=0,
@@ -180,7 +181,7 @@ class TableRows:
                 ks.append(it.key())
                 vs.append(it.value())
                 it.next()
-            yield Rows.unpack(_keys_from(ks), b"".join(vs), self.dim, self.state_width)
+            yield Rows.unpack(_keys_from(ks), b"".join(vs), self.format)
 
     def estimate_rows(self) -> int:
         """RocksDB's estimate of the rows stored (exact only after a compaction)."""
@@ -348,9 +349,9 @@ class Storage:
 
     # -- tables and specs ----------------------------------------------------------------
 
-    def table(self, name: str, dim: int, state_width: int) -> TableRows:
-        """The rows of table ``name`` (its column family is created if missing)."""
-        rows = TableRows(self, name, dim, state_width)
+    def table(self, name: str, fmt: RowFormat) -> TableRows:
+        """The rows of table ``name``, stored as ``fmt`` (its column family is created if missing)."""
+        rows = TableRows(self, name, fmt)
         self._rows.append(rows)
         return rows
 

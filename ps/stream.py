@@ -24,6 +24,7 @@ import numpy.typing as npt
 
 from protos import ps_pb2 as pb
 from protos import wire
+from ps import precision
 from ps.changes import ChangeLog
 from ps.config import spec_to_proto
 from ps.table import Table
@@ -121,6 +122,7 @@ def _delta(
                 keys=wire.encode_keys(rows.keys),
                 rows=np.ascontiguousarray(rows.values).tobytes(),
                 dim=table.dim,
+                dtype=precision.to_wire(table.spec.storage_dtype),
                 deleted_keys=wire.encode_keys(gone),
             )
             if parts and size + k.shape[0] * (8 + 4 * table.dim) > limit:
@@ -151,6 +153,7 @@ def _snapshot(log: ChangeLog, tables: Sequence[Table], limit: int) -> Generator[
                 keys=wire.encode_keys(keys[start : start + step]),
                 rows=values[start : start + step].tobytes(),
                 dim=table.dim,
+                dtype=precision.to_wire(table.spec.storage_dtype),
             )
             yield pb.FollowBatch(
                 history=log.history, version=version, leader_version=log.version, deltas=[delta], in_snapshot=True

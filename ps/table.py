@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -50,7 +51,6 @@ from ps.config import TableSpec
 from ps.counters import TableCounters
 from ps.grads import check_grads
 from ps.held import HeldTable
-from ps.initializers import fill_initial_rows
 from ps.ledger import KeyOrigins, PushLedger, TableLedgers
 from ps.lifecycle import Eviction, EvictionScan, expired_keys, now_tick, scan_ranks, select_victims
 from ps.ram import CLEAN, DIRTY, RamTier
@@ -58,7 +58,7 @@ from ps.rows import Rows
 from ps.storage import Storage, StorageFailed, TableRows
 from ps.tier import SPILL_CHUNK, DiskTier, Spill, write_rows
 
-__all__ = ["HeldTable", "Table", "held_tables"]
+__all__ = ["HeldTable", "Table"]
 
 
 class Table:
@@ -179,7 +179,7 @@ class Table:
             if create or initial or self.spec.serving_default == "initial":
                 absent = np.flatnonzero(slots < 0)  # read as their initial rows, not stored
                 if absent.size:
-                    fill_initial_rows(self.spec.initializer, self.spec.seed, keys[absent], out, absent)
+                    self._ram.fill_initial(keys[absent], out, absent)
                     self.counters.lookups_not_admitted += int(absent.size) if create else 0
             self.counters.lookups += keys.shape[0]
         return out
@@ -256,7 +256,7 @@ class Table:
                     self._ram, k, g, slots, now, entry if seq else None
                 )
             else:
-                self._ram.apply(slots, g, now)
+                self._ram.apply(k, slots, g, now)
             self.counters.pushes += slots.shape[0]
             return int(slots.shape[0])
 
@@ -316,7 +316,7 @@ class Table:
             parts = [self._ram.arena.rows(keys, slots)]
             if self._disk is not None:
                 parts += [stored[self._ram.slots(stored.keys) < 0] for stored in self._disk.scan()]
-        return Rows.concat(parts, self.dim, self._ram.arena.state_width)
+        return Rows.concat(parts, self._ram.format)
 
     def peek_rows(self, keys: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], Rows]:
         """Which of the distinct, sorted ``keys`` have a row, and those rows whole, from
@@ -331,7 +331,7 @@ class Table:
             cold = np.flatnonzero(~found)
             on_disk, stored = self._disk.read(keys[cold])
             found[cold[on_disk]] = True
-        rows = Rows.concat([resident, stored], self.dim, self._ram.arena.state_width)
+        rows = Rows.concat([resident, stored], self._ram.format)
         return found, rows[np.argsort(rows.keys.view(np.uint64), kind="stable")]
 
     def install_rows(self, rows: Rows) -> None:
@@ -381,12 +381,13 @@ class Table:
         with self._lock:
             return self._ram.items()[0].copy()
 
-    def assign(self, keys: npt.NDArray[np.int64], values: npt.NDArray[np.float32]) -> None:
-        """Set the rows of the distinct ``keys`` to ``values`` (creating them), optimizer
-        state untouched: how a serving shard applies its training shard's changes."""
+    def assign(self, keys: npt.NDArray[np.int64], values: npt.NDArray[Any]) -> None:
+        """Set the rows of the distinct ``keys`` to ``values`` (float32 or stored elements,
+        creating them), optimizer state untouched: how a serving shard applies its
+        training shard's changes."""
         with self._lock:
             slots = self._resolve(keys, now_tick(), create=True, sighting=False)
-            self._ram.arena.values[slots] = values
+            self._ram.arena.values[slots] = self._ram.as_stored(values)
             self._ram.mark(slots, DIRTY)
 
     def write_to(self, rows: TableRows, storage: Storage) -> int:
@@ -591,10 +592,3 @@ class Table:
                 # later, so that a clean row never lacks its copy on disk.
                 self._ram.mark(self._ram.slots(keys), DIRTY)
                 raise
-
-
-@contextlib.contextmanager
-def held_tables(tables: list[Table]) -> Iterator[list[HeldTable]]:
-    """Hold every table of ``tables`` (see ``Table.held``), in name order, for the block."""
-    with contextlib.ExitStack() as stack:
-        yield [stack.enter_context(t.held()) for t in sorted(tables, key=lambda t: t.spec.name)]

@@ -27,7 +27,7 @@ Example:
     >>> import tempfile, pathlib
     >>> from ps.storage import Storage
     >>> st = Storage(pathlib.Path(tempfile.mkdtemp()), shard=0, num_shards=1)
-    >>> disk = DiskTier(st.table("t", dim=2, state_width=0), st)
+    >>> disk = DiskTier(st.table("t", RowFormat(dim=2, state_width=0)), st)
     >>> from ps.rows import Rows
     >>> with disk.write_lock:
     ...     disk.commit_push(Rows(np.array([4]), np.ones((1, 2), np.float32), np.empty((1, 0), np.float32),

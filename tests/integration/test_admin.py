@@ -15,9 +15,8 @@ import numpy.typing as npt
 from client import PSClient
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
-from ps import optimizers
 from ps.config import spec_from_proto
-from ps.rows import Rows
+from ps.rows import RowFormat, Rows
 from ps.storage import Storage
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 
@@ -67,14 +66,14 @@ def read_checkpoint(ckpt: Path) -> tuple[dict[str, Rows], int]:
             assert st.identity() == (i, n)
             for table, blob in st.specs().items():
                 spec = spec_from_proto(pb.TableSpec.FromString(blob))
-                rows = st.table(table, spec.dim, optimizers.state_width(spec.optimizer, spec.dim))
+                rows = st.table(table, RowFormat.of(spec))
                 ledgers += len(rows.ledgers())
                 for rec in rows.scan(chunk=700):
                     assert (shard_of(rec.keys, n) == i).all(), f"{ckpt}/{name}: {table} holds another shard's keys"
                     parts.setdefault(table, []).append(rec)
     tables = {}
     for table, ps in parts.items():
-        rows = Rows.concat(ps, ps[0].dim, ps[0].state_width)
+        rows = Rows.concat(ps, RowFormat(ps[0].dim, ps[0].state_width))
         assert np.unique(rows.keys).shape == rows.keys.shape, f"{ckpt}: table {table} has a key on two shards"
         tables[table] = rows[np.argsort(rows.keys, kind="stable")]
         assert manifest["rows"][table] == len(rows), f"{ckpt}: manifest row count of {table}"

@@ -26,6 +26,7 @@ from deploy.operations import GrpcShards
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
 from ps.cluster import ClusterMap
+from ps.rows import RowFormat
 from ps.storage import Storage
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 from tests.integration.test_admin import ok, ps_admin
@@ -99,7 +100,9 @@ def assert_owned(root: Path, shards: dict[int, RunningShard], n: int) -> None:
             stop_shard(shard)
     for i in shards:
         with Storage(root / f"data-{i}", shard=-1, num_shards=0, read_only=True) as st:
-            keys = np.concatenate([part.keys for part in st.table("t", 8, 0).scan()] or [np.empty(0, np.int64)])
+            keys = np.concatenate(
+                [part.keys for part in st.table("t", RowFormat(8, 0)).scan()] or [np.empty(0, np.int64)]
+            )
         want = KEYS[shard_of(KEYS, n) == i] if i < n else np.empty(0, np.int64)
         np.testing.assert_array_equal(np.sort(keys), np.sort(want), err_msg=f"shard {i}'s keys")
 

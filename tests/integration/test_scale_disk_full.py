@@ -19,6 +19,7 @@ import pytest
 from client import ClientConfig, PSClient
 from deploy import local
 from protos.keys import shard_of
+from ps.rows import RowFormat
 from ps.storage import Storage
 from tests.integration.durability_util import terminate
 from tests.integration.shards import RunningShard, start_shard, stop_shard
@@ -92,5 +93,5 @@ def test_a_full_disk_on_the_new_shard_fails_the_scale_fast_and_loses_nothing(
     for shard in shards.values():
         stop_shard(shard)
     with Storage(tmp_path / "data-2", shard=-1, num_shards=0, read_only=True) as st:
-        keys = np.concatenate([part.keys for part in st.table("t", DIM, DIM).scan()])
+        keys = np.concatenate([part.keys for part in st.table("t", RowFormat(DIM, DIM)).scan()])
     np.testing.assert_array_equal(np.sort(keys), np.sort(KEYS[shard_of(KEYS, 3) == 2]))

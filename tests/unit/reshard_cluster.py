@@ -18,7 +18,7 @@ from ps.config import TableSpec
 from ps.errors import Moving
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.reshard import ReshardSettings
-from ps.rows import Rows
+from ps.rows import RowFormat, Rows
 from ps.shard import PushBatch, Shard
 from ps.storage import Storage
 
@@ -82,7 +82,7 @@ def routed(cluster: Cluster, n: int, epoch: int = 0) -> Route:
 
 def all_rows(shards: Iterable[Shard], table: str) -> Rows:
     parts = [s.table(table).export() for s in shards]
-    rows = Rows.concat(parts, parts[0].dim, parts[0].state_width)
+    rows = Rows.concat(parts, RowFormat(parts[0].dim, parts[0].state_width))
     return rows[np.argsort(rows.keys, kind="stable")]
 
 

@@ -228,8 +228,11 @@ def test_table_spec_bad_seed(seed: int) -> None:
 def test_table_spec_limits_and_dtype() -> None:
     assert TableSpec("t", MAX_DIM).dim == MAX_DIM == 65536
     assert TableSpec("t", 1, seed=2**64 - 1).seed == 2**64 - 1
-    with pytest.raises(ConfigError, match="dtype='float16'"):
-        TableSpec("t", 4, dtype="float16")
+    assert TableSpec("t", 4, storage_dtype="bfloat16", state_dtype="bfloat16").storage_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="storage_dtype='int8'"):
+        TableSpec("t", 4, storage_dtype="int8")
+    with pytest.raises(ConfigError, match="state_dtype='float16'.*overflow"):
+        TableSpec("t", 4, state_dtype="float16")
 
 
 def test_table_spec_differences() -> None:

@@ -25,6 +25,7 @@ from ps.datadir import DataDirError
 from ps.initializers import InitializerKind, InitializerParams
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.rescue import apply_rescue, begin_epoch, dump_places, is_rescue_dump, save_rescue, settle_dumps
+from ps.rows import RowFormat
 from ps.shard import Shard
 from ps.storage import Storage, StorageFailed
 from ps.table import Table
@@ -164,7 +165,7 @@ def test_a_damaged_or_foreign_dump_changes_nothing(shard: Shard, tmp_path: Path)
     with Storage(tmp_path / "data", shard=0, num_shards=1) as st:
         with pytest.raises(DataDirError, match="damaged"):
             apply_rescue(dump, st)
-        assert st.specs() and not st.table("t", 4, 0).get(KEYS)[0].any()  # no row was written
+        assert st.specs() and not st.table("t", RowFormat(4, 0)).get(KEYS)[0].any()  # no row was written
 
 
 def test_every_push_mode_needs_no_rescue(tmp_path: Path) -> None:
@@ -251,7 +252,7 @@ def test_a_dump_applies_only_to_the_state_it_was_written_on(tmp_path: Path) -> N
         assert settle_dumps(st, places, discard=tmp_path / "deleted") == []
         with pytest.raises(DataDirError, match="no manifest.json: not a rescue dump"):
             settle_dumps(st, places, discard=tmp_path)
-        assert not st.table("t", 4, 0).get(KEYS)[0].any()  # none of its rows was written
+        assert not st.table("t", RowFormat(4, 0)).get(KEYS)[0].any()  # none of its rows was written
 
 
 def test_a_pending_dump_on_its_own_state_is_applied_by_settle(tmp_path: Path) -> None:
@@ -297,6 +298,6 @@ def test_every_push_lookup_writes_the_rows_it_creates_or_creates_none(tmp_path: 
     assert len(table) == 100 and table.unpersisted_rows() == 0
     shard.shutdown()
     with Storage(tmp_path / "data", shard=0, num_shards=1) as st:
-        found, rec = st.table("u", 4, 0).get(KEYS)
+        found, rec = st.table("u", RowFormat(4, 0)).get(KEYS)
         assert found.all()
         np.testing.assert_array_equal(rec.values, initial)

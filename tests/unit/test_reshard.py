@@ -26,7 +26,7 @@ from ps.changes import ChangeLog
 from ps.cluster import ClusterMap, Route
 from ps.config import Durability
 from ps.errors import Moving, ShardMismatch, WrongShard
-from ps.rows import Rows
+from ps.rows import RowFormat, Rows
 from ps.shard import LookupBatch, Shard
 from ps.storage import Storage
 from tests.unit.reshard_cluster import (
@@ -438,7 +438,7 @@ def test_a_copy_longer_than_the_change_log_holds_still_ends(cluster: Cluster) ->
         ended += batch.snapshot_end
         assert begun == 1, "the copy started over"
         for moved in batch.tables:
-            rows = Rows.unpack(wire.decode_keys(moved.keys, "keys"), moved.rows, 4, 0)
+            rows = Rows.unpack(wire.decode_keys(moved.keys, "keys"), moved.rows, RowFormat(4, 0))
             got.update(zip(rows.keys.tolist(), rows.values))
         if ended and not batch.tables and batch.version > 1 and not batch.snapshot_end:
             break  # caught up with the pushes since the copy began
@@ -449,7 +449,7 @@ def test_a_copy_longer_than_the_change_log_holds_still_ends(cluster: Cluster) ->
     s0.reshard_request(pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=dst.to_proto()))
     for batch in stream:
         for moved in batch.tables:
-            rows = Rows.unpack(wire.decode_keys(moved.keys, "keys"), moved.rows, 4, 0)
+            rows = Rows.unpack(wire.decode_keys(moved.keys, "keys"), moved.rows, RowFormat(4, 0))
             got.update(zip(rows.keys.tolist(), rows.values))
         if batch.done:
             break

@@ -20,7 +20,8 @@ from ps.datadir import read_manifest
 from ps.errors import TableExists
 from ps.ledger import PushLedger
 from ps.lifecycle import Lifecycle
-from ps.optimizers import OptimizerKind, OptimizerParams, state_width
+from ps.optimizers import OptimizerKind, OptimizerParams
+from ps.rows import RowFormat
 from ps.shard import Shard
 from ps.storage import Storage
 from tests.fakes import push_request
@@ -70,7 +71,7 @@ def test_checkpoint_of_a_shard_without_storage_opens_read_only(tmp_path: Path, c
         assert specs == {"a": shard.table("a").spec, "b": shard.table("b").spec}
         for name in ("a", "b"):
             t = shard.table(name)
-            rows = ro.table(name, t.dim, state_width(t.spec.optimizer, t.dim))
+            rows = ro.table(name, RowFormat.of(t.spec))
             found, rec = rows.get(keys[name])
             assert found.all()
             exported = t.export()
@@ -79,7 +80,7 @@ def test_checkpoint_of_a_shard_without_storage_opens_read_only(tmp_path: Path, c
             assert_same_bits(rec.values, want.values)
             assert_same_bits(rec.state, want.state)
             assert sorted(r for r in rows.ledgers()) == ["w"]
-        ledger_a = ro.table("a", 3, 0).ledgers()["w"]
+        ledger_a = ro.table("a", RowFormat(3, 0)).ledgers()["w"]
         assert PushLedger.decode(ledger_a) == (1, [(3, 3)])  # a got seqs 1 and 3; 2 went to b
     # and a shard restored from it has the rows and refuses the same pushes again
     copy_checkpoint(path, tmp_path / "restored")
@@ -107,7 +108,7 @@ def test_checkpoint_with_storage_flushes_and_numbers_versions(tmp_path: Path, cl
         with Storage(p1, shard=0, num_shards=1, read_only=True) as ro:
             for name in ("a", "b"):
                 t = shard.table(name)
-                found, rec = ro.table(name, t.dim, state_width(t.spec.optimizer, t.dim)).get(keys[name])
+                found, rec = ro.table(name, RowFormat.of(t.spec)).get(keys[name])
                 assert found.all()
                 assert_same_bits(rec.values, t.lookup(keys[name], create=False))
     finally:

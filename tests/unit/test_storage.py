@@ -21,7 +21,7 @@ import pytest
 from ps.checkpoint import copy_checkpoint
 from ps.datadir import DataDirError, read_manifest
 from ps.ledger import PushLedger
-from ps.rows import Rows
+from ps.rows import RowFormat, Rows
 from ps.storage import Storage, StorageFailed, TableRows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def random_rows(keys: npt.NDArray[np.int64], seed: int = 0, dim: int = DIM, widt
 
 
 def put_rows(st: Storage, rows: TableRows, keys: npt.NDArray[np.int64], seed: int = 0) -> Rows:
-    data = random_rows(keys, seed, rows.dim, rows.state_width)
+    data = random_rows(keys, seed, rows.format.dim, rows.format.state_width)
     batch = st.batch()
     rows.put(batch, data)
     st.commit(batch)
@@ -81,7 +81,7 @@ KEYS = np.array([I64.min, I64.min + 1, -(2**40), -1, 0, 1, 2**40, I64.max - 1, I
 
 def test_put_get_round_trip_is_bit_exact_for_extreme_keys(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=0, num_shards=1) as st:
-        rows = st.table("t", DIM, WIDTH)
+        rows = st.table("t", RowFormat(DIM, WIDTH))
         data = put_rows(st, rows, KEYS)
         order = np.random.default_rng(1).permutation(KEYS.shape[0])
         found, rec = rows.get(KEYS[order])
@@ -91,16 +91,16 @@ def test_put_get_round_trip_is_bit_exact_for_extreme_keys(tmp_path: Path) -> Non
 
 def test_synced_commits_survive_reopen(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=0, num_shards=1, sync=True) as st:
-        data = put_rows(st, st.table("t", DIM, WIDTH), KEYS)
+        data = put_rows(st, st.table("t", RowFormat(DIM, WIDTH)), KEYS)
     with Storage(tmp_path, shard=0, num_shards=1) as st:
-        found, rec = st.table("t", DIM, WIDTH).get(KEYS)
+        found, rec = st.table("t", RowFormat(DIM, WIDTH)).get(KEYS)
         assert found.all()
         assert_records(rec, data)
 
 
 def test_get_of_absent_keys_returns_only_the_stored_rows_in_key_order(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=0, num_shards=1) as st:
-        rows = st.table("t", DIM, WIDTH)
+        rows = st.table("t", RowFormat(DIM, WIDTH))
         stored = np.array([-5, 10, I64.max], dtype=np.int64)
         data = put_rows(st, rows, stored)
         ask = np.array([11, I64.max, -4, -5, I64.min, 10, 10], dtype=np.int64)
@@ -116,7 +116,7 @@ def test_get_of_absent_keys_returns_only_the_stored_rows_in_key_order(tmp_path: 
 
 def test_state_width_zero_round_trips(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=0, num_shards=1) as st:
-        rows = st.table("sgd", 5, 0)
+        rows = st.table("sgd", RowFormat(5, 0))
         data = put_rows(st, rows, KEYS)
         found, rec = rows.get(KEYS)
         assert found.all() and rec.state.shape == (KEYS.shape[0], 0)
@@ -125,7 +125,7 @@ def test_state_width_zero_round_trips(tmp_path: Path) -> None:
 
 def test_delete_and_overwrite(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=0, num_shards=1) as st:
-        rows = st.table("t", DIM, WIDTH)
+        rows = st.table("t", RowFormat(DIM, WIDTH))
         put_rows(st, rows, KEYS, seed=0)
         newer = put_rows(st, rows, KEYS[:2], seed=9)
         batch = st.batch()
@@ -139,7 +139,7 @@ def test_delete_and_overwrite(tmp_path: Path) -> None:
 
 def test_nothing_is_written_before_commit(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=0, num_shards=1) as st:
-        rows = st.table("t", DIM, WIDTH)
+        rows = st.table("t", RowFormat(DIM, WIDTH))
         batch = st.batch()
         rows.put(batch, random_rows(KEYS))
         assert not rows.get(KEYS)[0].any()
@@ -149,7 +149,7 @@ def test_nothing_is_written_before_commit(tmp_path: Path) -> None:
 
 def test_scan_returns_every_row_in_chunks_and_tables_are_separate(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=0, num_shards=1) as st:
-        a, b = st.table("a", DIM, WIDTH), st.table("a2", 2, 0)
+        a, b = st.table("a", RowFormat(DIM, WIDTH)), st.table("a2", RowFormat(2, 0))
         keys = np.concatenate([KEYS, np.arange(100, 110, dtype=np.int64)])
         data = put_rows(st, a, keys)
         put_rows(st, b, np.array([100, 7], dtype=np.int64), seed=3)
@@ -161,7 +161,7 @@ def test_scan_returns_every_row_in_chunks_and_tables_are_separate(tmp_path: Path
             want = (bits(data.values[i]).tolist(), bits(data.state[i]).tolist())
             assert got[k] == (*want, int(data.last_access[i]), int(data.frequency[i]))
         assert sorted(scan_all(b)) == [7, 100]
-        assert list(st.table("empty", 1, 0).scan()) == []
+        assert list(st.table("empty", RowFormat(1, 0)).scan()) == []
 
 
 # -- specs, ledgers, reopening --------------------------------------------------------
@@ -169,7 +169,7 @@ def test_scan_returns_every_row_in_chunks_and_tables_are_separate(tmp_path: Path
 
 def test_rows_specs_and_ledgers_survive_close_and_reopen(tmp_path: Path) -> None:
     with Storage(tmp_path, shard=1, num_shards=3) as st:
-        t, t2 = st.table("t", DIM, WIDTH), st.table("t2", DIM, WIDTH)
+        t, t2 = st.table("t", RowFormat(DIM, WIDTH)), st.table("t2", RowFormat(DIM, WIDTH))
         data = put_rows(st, t, KEYS)
         st.save_spec("t", b"spec of t")
         st.save_spec("t2", b"\x00\xffbinary")
@@ -181,7 +181,7 @@ def test_rows_specs_and_ledgers_survive_close_and_reopen(tmp_path: Path) -> None
     with Storage(tmp_path, shard=1, num_shards=3) as st:
         assert st.identity() == (1, 3)
         assert st.specs() == {"t": b"spec of t", "t2": b"\x00\xffbinary"}
-        t, t2 = st.table("t", DIM, WIDTH), st.table("t2", DIM, WIDTH)
+        t, t2 = st.table("t", RowFormat(DIM, WIDTH)), st.table("t2", RowFormat(DIM, WIDTH))
         assert t.ledgers() == {"w0": b"ledger t w0", "w1": b"ledger t w1"}
         assert t2.ledgers() == {"w0": b"ledger t2 w0"}
         found, rec = t.get(KEYS)
@@ -261,7 +261,7 @@ def test_a_refused_open_releases_the_directory(tmp_path: Path) -> None:
 def make_checkpoint(tmp_path: Path) -> tuple[Path, Rows]:
     ck = tmp_path / "ck"
     with Storage(tmp_path / "data", shard=0, num_shards=1) as st:
-        rows = st.table("t", DIM, WIDTH)
+        rows = st.table("t", RowFormat(DIM, WIDTH))
         data = put_rows(st, rows, KEYS)
         st.save_spec("t", b"spec")
         st.checkpoint(ck, {"version": "x", "rows": {"t": int(KEYS.shape[0])}})
@@ -273,7 +273,7 @@ def test_checkpoint_opens_read_only_with_every_row(tmp_path: Path) -> None:
     assert read_manifest(ck)["version"] == "x"
     with Storage(ck, shard=0, num_shards=1, read_only=True) as ro:
         assert ro.identity() == (0, 1) and ro.specs() == {"t": b"spec"}
-        rows = ro.table("t", DIM, WIDTH)
+        rows = ro.table("t", RowFormat(DIM, WIDTH))
         found, rec = rows.get(KEYS)
         assert found.all()
         assert_records(rec, data)
@@ -283,7 +283,7 @@ def test_checkpoint_opens_read_only_with_every_row(tmp_path: Path) -> None:
         with pytest.raises(StorageFailed):
             ro.commit(batch)
         with pytest.raises(DataDirError, match="no column family"):
-            ro.table("absent", 1, 0)
+            ro.table("absent", RowFormat(1, 0))
 
 
 def test_read_only_open_checks_identity_and_needs_a_db(tmp_path: Path) -> None:
@@ -309,7 +309,7 @@ def test_copy_checkpoint_restores_rows_and_leaves_the_checkpoint_alone(tmp_path:
     ck, data = make_checkpoint(tmp_path)
     copy_checkpoint(ck, tmp_path / "restored")
     with Storage(tmp_path / "restored", shard=0, num_shards=1) as st:
-        rows = st.table("t", DIM, WIDTH)
+        rows = st.table("t", RowFormat(DIM, WIDTH))
         found, rec = rows.get(KEYS)
         assert found.all()
         assert_records(rec, data)
@@ -321,7 +321,7 @@ def test_copy_checkpoint_restores_rows_and_leaves_the_checkpoint_alone(tmp_path:
         st.commit(batch)
         put_rows(st, rows, KEYS[4:], seed=5)
     with Storage(ck, shard=0, num_shards=1, read_only=True) as ro:
-        found, rec = ro.table("t", DIM, WIDTH).get(KEYS)
+        found, rec = ro.table("t", RowFormat(DIM, WIDTH)).get(KEYS)
         assert found.all()
         assert_records(rec, data)
 
@@ -332,7 +332,7 @@ def test_copy_checkpoint_refuses_a_dir_with_a_db(tmp_path: Path) -> None:
         copy_checkpoint(ck, tmp_path / "data")
     # the refused target is untouched and still opens with its own rows
     with Storage(tmp_path / "data", shard=0, num_shards=1) as st:
-        assert st.table("t", DIM, WIDTH).get(KEYS)[0].all()
+        assert st.table("t", RowFormat(DIM, WIDTH)).get(KEYS)[0].all()
 
 
 def test_copy_checkpoint_needs_a_manifest(tmp_path: Path) -> None:
@@ -476,7 +476,7 @@ def test_the_write_ahead_log_stays_bounded_while_the_meta_family_rarely_writes(
     monkeypatch.setattr("ps.storage._MAX_WAL_BYTES", 8 << 20)
     keys = np.arange(8192, dtype=np.int64)
     with Storage(tmp_path, shard=0, num_shards=1) as st:
-        rows = st.table("t", 64, 64)
+        rows = st.table("t", RowFormat(64, 64))
         for i in range(20):  # 20 x 4 MiB of rows
             batch = st.batch()
             data = random_rows(keys + i * keys.shape[0], 0, 64, 64)
@@ -490,7 +490,7 @@ def test_the_write_ahead_log_stays_bounded_while_the_meta_family_rarely_writes(
             time.sleep(0.1)
         assert wal <= 24 << 20, f"{wal >> 20} MiB of WAL kept after 80 MiB written"
     with Storage(tmp_path, shard=0, num_shards=1) as st:  # nothing lost to the early flushes
-        found, rec = st.table("t", 64, 64).get(keys + 19 * keys.shape[0])
+        found, rec = st.table("t", RowFormat(64, 64)).get(keys + 19 * keys.shape[0])
         assert found.all()
         assert_records(rec, data)
-        assert st.table("t", 64, 64).ledgers() == {"client": (19).to_bytes(8, "little")}
+        assert st.table("t", RowFormat(64, 64)).ledgers() == {"client": (19).to_bytes(8, "little")}

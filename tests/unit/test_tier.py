@@ -27,8 +27,8 @@ from ps.config import Durability, TableSpec
 from ps.initializers import initial_rows
 from ps.ledger import PushLedger
 from ps.lifecycle import TICKS_PER_S, Lifecycle, now_tick
-from ps.optimizers import OptimizerKind, OptimizerParams, state_width
-from ps.rows import Rows
+from ps.optimizers import OptimizerKind, OptimizerParams
+from ps.rows import RowFormat, Rows
 from ps.shard import Shard
 from ps.storage import Storage, StorageFailed
 from ps.table import Table
@@ -67,7 +67,7 @@ def storage(tmp_path: Path) -> Iterator[Storage]:
 
 
 def tiered(st: Storage, spec: TableSpec, every_push: bool = False) -> Table:
-    rows = st.table(spec.name, spec.dim, state_width(spec.optimizer, spec.dim))
+    rows = st.table(spec.name, RowFormat.of(spec))
     return Table(spec, rows=rows, storage=st, every_push=every_push)
 
 
@@ -171,7 +171,7 @@ def test_evict_writes_dirty_rows_and_does_not_rewrite_clean_ones(storage: Storag
     g = grads_for(dirty, SGD.dim)
     t.push(dirty, g), twin.push(dirty, g)
     # Overwrite every stored row behind the table's back: what evict rewrites shows.
-    other = storage.table("t", SGD.dim, 0)
+    other = storage.table("t", RowFormat(SGD.dim, 0))
     batch = storage.batch()
     sentinel = np.full((6, SGD.dim), -7.0, np.float32)
     other.put(
@@ -220,7 +220,7 @@ def test_every_push_writes_the_rows_and_ledger_before_returning(tmp_path: Path, 
         expected = twin.lookup(keys)
         for i, k in enumerate(keys.tolist()):
             assert disk[k][0] == bits(expected[i]).tolist()
-        assert PushLedger.decode(st.table("t", ADAM.dim, state_width(ADAM.optimizer, ADAM.dim)).ledgers()["w"]) == (
+        assert PushLedger.decode(st.table("t", RowFormat.of(ADAM)).ledgers()["w"]) == (
             1,
             [],
         )

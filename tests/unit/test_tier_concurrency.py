@@ -22,7 +22,8 @@ import pytest
 
 from ps.config import Durability, TableSpec
 from ps.ledger import PushLedger
-from ps.optimizers import OptimizerKind, OptimizerParams, state_width
+from ps.optimizers import OptimizerKind, OptimizerParams
+from ps.rows import RowFormat
 from ps.shard import Shard
 from ps.storage import Storage
 from ps.table import Table
@@ -110,7 +111,7 @@ def storage(tmp_path: Path) -> Iterator[Storage]:
 
 
 def tiered(st: Storage, every_push: bool) -> Table:
-    rows = st.table(SPEC.name, SPEC.dim, state_width(SPEC.optimizer, SPEC.dim))
+    rows = st.table(SPEC.name, RowFormat.of(SPEC))
     return Table(SPEC, rows=rows, storage=st, every_push=every_push)
 
 
@@ -194,7 +195,7 @@ def test_checkpoints_taken_during_background_eviction_are_consistent_cuts(tmp_pa
     seen = set()
     for path in cuts:
         with Storage(path, shard=0, num_shards=1, read_only=True) as ck:
-            rows = ck.table(SPEC.name, SPEC.dim, state_width(SPEC.optimizer, SPEC.dim))
+            rows = ck.table(SPEC.name, RowFormat.of(SPEC))
             low, done = PushLedger.decode(rows.ledgers()["w"])
             assert not done, "one pusher, in order: the applied pushes are a prefix"
             restored = Table(SPEC, rows=rows, storage=ck)

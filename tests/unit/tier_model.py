@@ -58,7 +58,7 @@ from ps.initializers import InitializerKind, InitializerParams, initial_rows
 from ps.ledger import PushLedger
 from ps.lifecycle import Lifecycle
 from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.rows import Rows
+from ps.rows import RowFormat, Rows
 from ps.shard import Shard
 from ps.storage import Storage
 from tests.fakes import push_request
@@ -526,7 +526,7 @@ class TierMachine(RuleBasedStateMachine):
             assert_rows_equal(f"table {name!r} export", rows.keys.tolist(), rows.values, rows.state, m.rows)
             assert table.disk is not None
             sw = optimizers.state_width(spec.optimizer, spec.dim)
-            disk = Rows.concat(list(table.disk.scan()), spec.dim, sw)
+            disk = Rows.concat(list(table.disk.scan()), RowFormat(spec.dim, sw))
             assert_rows_equal(f"table {name!r} on disk", disk.keys.tolist(), disk.values, disk.state, m.disk)
 
     @invariant()

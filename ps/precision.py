@@ -1,0 +1,296 @@
+"""Row storage types and the rounding that takes float32 rows to them.
+
+A table stores its values as ``float32`` (the default), ``bfloat16`` or ``float16``, and
+its optimizer state as ``float32`` (the default) or ``bfloat16``. 16-bit elements are
+kept as their raw bits: ``uint16`` arrays for bfloat16, numpy ``float16`` for float16.
+
+Every update is computed in float32 and rounded back to the stored type by
+**stochastic rounding**: ``x`` between two neighbours ``lo < x < hi`` of the stored type
+becomes ``hi`` with probability ``(x - lo) / (hi - lo)``, so the rounding error has mean
+zero and small updates are not lost. The random number of element ``j`` is a pure
+function of the table seed, the key, the row's version (its update count) and ``j``:
+
+    ``w = mix64(mix64(key ^ mix64(seed) ^ version * 0xD1B54A32D192ED03) + (j + 1) * 0x9E3779B97F4A7C15)``
+
+so a run is reproducible, any cluster size rounds a row the same way, and a local twin
+that rounds alike gives the shards' rows bit for bit. State columns draw ``j + dim``.
+Initial rows (and any row written whole, such as a followed one) are rounded to the
+nearest stored value instead: they are deterministic already.
+
+float16 holds magnitudes up to 65504: a larger result is clamped to +-65504 and counted
+(``Rounding.clamped``), never stored as Inf. A non-zero result rounded to zero is
+counted in ``Rounding.flushed``. bfloat16 has float32's range: only a result beyond its
+largest finite value is clamped.
+
+Example:
+    >>> x = np.full((1, 4), 1.0 + 2**-10, np.float32)  # between two bfloat16 neighbours
+    >>> bits = np.zeros((1, 4), np.uint16)
+    >>> counts = Rounding()
+    >>> round_into(BFLOAT16, x, bits, np.array([5]), np.array([1], np.uint32), seed=0, first=0, counts=counts)
+    >>> sorted(set(decode(BFLOAT16, bits).ravel().tolist()))  # each element one of the two
+    [1.0, 1.0078125]
+    >>> decode(BFLOAT16, encode_nearest(BFLOAT16, x)).ravel().tolist()  # nearest
+    [1.0, 1.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+from protos import ps_pb2 as pb
+from protos.hashing import mix64_step
+from protos.keys import mix64
+
+__all__ = [
+    "BFLOAT16",
+    "FLOAT16",
+    "FLOAT32",
+    "STATE_TYPES",
+    "STORAGE_TYPES",
+    "Rounding",
+    "array_dtype",
+    "decode",
+    "from_bytes",
+    "from_wire",
+    "to_wire",
+    "decode_into",
+    "encode_nearest",
+    "itemsize",
+    "round_into",
+]
+
+FLOAT32, BFLOAT16, FLOAT16 = "float32", "bfloat16", "float16"
+STORAGE_TYPES = (FLOAT32, BFLOAT16, FLOAT16)
+STATE_TYPES = (FLOAT32, BFLOAT16)  # float16 state would overflow Adagrad/Adam accumulators
+
+_ARRAY_DTYPES: dict[str, np.dtype[Any]] = {
+    FLOAT32: np.dtype("<f4"),
+    BFLOAT16: np.dtype("<u2"),
+    FLOAT16: np.dtype("<f2"),
+}
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_VERSION_MIX = np.uint64(0xD1B54A32D192ED03)
+_F16_MAX_BITS = np.uint16(0x7BFF)  # 65504
+_BF16_MAX_BITS = np.uint16(0x7F7F)
+
+
+def array_dtype(kind: str) -> np.dtype[Any]:
+    """The numpy dtype of arrays holding elements stored as ``kind`` (uint16 for bfloat16)."""
+    return _ARRAY_DTYPES[kind]
+
+
+def itemsize(kind: str) -> int:
+    return _ARRAY_DTYPES[kind].itemsize
+
+
+_FROM_WIRE: dict[int, str] = {
+    pb.DTYPE_UNSPECIFIED: FLOAT32,
+    pb.FLOAT32: FLOAT32,
+    pb.BFLOAT16: BFLOAT16,
+    pb.FLOAT16: FLOAT16,
+}
+_TO_WIRE: dict[str, pb.DType] = {FLOAT32: pb.FLOAT32, BFLOAT16: pb.BFLOAT16, FLOAT16: pb.FLOAT16}
+
+
+def from_wire(dtype: int) -> str | None:
+    """The storage type a wire ``DType`` names (None for an unknown number)."""
+    return _FROM_WIRE.get(dtype)
+
+
+def to_wire(kind: str) -> pb.DType:
+    return _TO_WIRE[kind]
+
+
+def from_bytes(kind: str, buf: bytes, n: int, dim: int, field: str) -> npt.NDArray[Any]:
+    """``[n, dim]`` stored elements of ``kind`` in ``buf`` (a read-only view); ``ValueError``
+    naming ``field`` when the length does not match."""
+    dtype = _ARRAY_DTYPES[kind]
+    if len(buf) != n * dim * dtype.itemsize:
+        raise ValueError(f"{field}: {len(buf)} bytes, expected {n} x {dim} {kind} ({n * dim * dtype.itemsize})")
+    return np.frombuffer(buf, dtype=dtype).reshape(n, dim)
+
+
+@dataclass
+class Rounding:
+    """Elements clamped to the largest finite stored value, and non-zero ones rounded to zero."""
+
+    clamped: int = 0
+    flushed: int = 0
+
+
+# -- decoding ------------------------------------------------------------------------------
+
+
+def decode(kind: str, stored: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
+    """``stored`` elements (any shape) as a new float32 array (exact: every stored value is a float32)."""
+    if kind == FLOAT32:
+        return np.array(stored, dtype=np.float32)
+    if kind == FLOAT16:
+        return np.asarray(stored, dtype=np.float16).astype(np.float32)
+    return (np.asarray(stored, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def decode_into(kind: str, stored: npt.NDArray[Any], out: npt.NDArray[np.float32]) -> None:
+    """Write ``decode(kind, stored)`` into ``out`` (same shape)."""
+    if kind == BFLOAT16:
+        np.left_shift(stored, 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        out[...] = stored
+
+
+@numba.njit(inline="always")
+def bfloat16_bits_to_float32_bits(bits: np.uint16) -> np.uint32:
+    return np.uint32(bits) << np.uint32(16)
+
+
+@numba.njit(inline="always")
+def float16_bits_to_float32_bits(h: np.uint16) -> np.uint32:
+    """The float32 bits of the float16 with bits ``h`` (subnormals, Inf and NaN included)."""
+    sign = np.uint32(h & 0x8000) << np.uint32(16)
+    exp = np.uint32((h >> 10) & 0x1F)
+    man = np.uint32(h & 0x3FF)
+    if exp == 0x1F:
+        return sign | np.uint32(0x7F800000) | (man << np.uint32(13))
+    if exp == 0:
+        if man == 0:
+            return sign
+        e = np.uint32(113)  # 127 - 15 + 1: renormalise the subnormal
+        while (man & np.uint32(0x400)) == 0:
+            man <<= np.uint32(1)
+            e -= np.uint32(1)
+        return sign | (e << np.uint32(23)) | ((man & np.uint32(0x3FF)) << np.uint32(13))
+    return sign | ((exp + np.uint32(112)) << np.uint32(23)) | (man << np.uint32(13))
+
+
+# -- rounding to the stored type -----------------------------------------------------------
+
+
+def encode_nearest(kind: str, rows: npt.NDArray[np.float32], counts: Rounding | None = None) -> npt.NDArray[Any]:
+    """``rows`` rounded to the nearest ``kind`` value (ties to even), as a new stored array;
+    float16 magnitudes above 65504 are clamped (and counted in ``counts``)."""
+    x = np.ascontiguousarray(rows, dtype=np.float32)
+    if kind == FLOAT32:
+        return x.copy()
+    if kind == FLOAT16:
+        big = np.abs(x) > 65504.0
+        if counts is not None:
+            counts.clamped += int(np.count_nonzero(big))
+        return np.clip(x, -65504.0, 65504.0).astype(np.float16)
+    bits = x.view(np.uint32)
+    rounded = ((bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)).astype(
+        np.uint16
+    )
+    inf = (rounded & np.uint16(0x7FFF)) == np.uint16(0x7F80)
+    if inf.any():  # a finite float32 above bfloat16's largest value
+        rounded[inf] = (rounded[inf] & np.uint16(0x8000)) | _BF16_MAX_BITS
+        if counts is not None:
+            counts.clamped += int(np.count_nonzero(inf))
+    return rounded
+
+
+@numba.njit(inline="always")
+def _uniform_word(base: np.uint64, j: int) -> np.uint64:
+    return mix64_step(base + np.uint64(j + 1) * _GOLDEN)
+
+
+@numba.njit(nogil=True, cache=True)
+def _round_bfloat16(
+    x: npt.NDArray[np.uint32],
+    out: npt.NDArray[np.uint16],
+    keys: npt.NDArray[np.uint64],
+    versions: npt.NDArray[np.uint32],
+    seed_mix: np.uint64,
+    first: int,
+    counts: npt.NDArray[np.int64],
+) -> None:
+    for i in range(x.shape[0]):
+        base = mix64_step(keys[i] ^ seed_mix ^ (np.uint64(versions[i]) * _VERSION_MIX))
+        src = x[i]
+        dst = out[i]
+        for j in range(x.shape[1]):
+            bits = src[j]
+            noise = np.uint32(_uniform_word(base, first + j) >> np.uint64(48))  # 16 random bits
+            # Sign and magnitude: adding below the kept bits moves the magnitude up with
+            # probability (dropped bits) / 2**16, whatever the sign.
+            r = np.uint16((bits + noise) >> np.uint32(16))
+            if (r & np.uint16(0x7F80)) == np.uint16(0x7F80):
+                r = (r & np.uint16(0x8000)) | _BF16_MAX_BITS
+                counts[0] += 1
+            elif (r & np.uint16(0x7FFF)) == 0 and (bits & np.uint32(0x7FFFFFFF)) != 0:
+                counts[1] += 1
+            dst[j] = r
+
+
+@numba.njit(nogil=True, cache=True)
+def _round_float16(
+    x: npt.NDArray[np.float32],
+    out: npt.NDArray[np.uint16],
+    keys: npt.NDArray[np.uint64],
+    versions: npt.NDArray[np.uint32],
+    seed_mix: np.uint64,
+    first: int,
+    counts: npt.NDArray[np.int64],
+) -> None:
+    for i in range(x.shape[0]):
+        base = mix64_step(keys[i] ^ seed_mix ^ (np.uint64(versions[i]) * _VERSION_MIX))
+        src = x[i]
+        dst = out[i]
+        for j in range(x.shape[1]):
+            v = np.float64(src[j])
+            sign = np.uint16(0x8000) if v < 0.0 else np.uint16(0)
+            a = abs(v)
+            if a > 65504.0:
+                dst[j] = sign | _F16_MAX_BITS
+                counts[0] += 1
+                continue
+            if a == 0.0:
+                dst[j] = sign
+                continue
+            # float16 values near a are n * 2**(e - 10), e = floor(log2 a), at least -14
+            # (the subnormals): the bits are (e + 14) * 1024 + n, carries included.
+            e = max(math.frexp(a)[1] - 1, -14)
+            q = a * 2.0 ** (10 - e)  # exact: a scaling by a power of two
+            n = math.floor(q)
+            u = np.float64(_uniform_word(base, first + j) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+            if u < q - n:
+                n += 1
+            bits = np.uint16(min((e + 14) * 1024 + n, 0x7BFF))
+            if bits == 0:
+                counts[1] += 1
+            dst[j] = sign | bits
+
+
+def round_into(
+    kind: str,
+    rows: npt.NDArray[np.float32],
+    out: npt.NDArray[Any],
+    keys: npt.NDArray[np.int64],
+    versions: npt.NDArray[np.uint32],
+    *,
+    seed: int,
+    first: int,
+    counts: Rounding,
+) -> None:
+    """Write ``rows`` (float32 ``[n, w]``) into ``out`` (the stored array, same shape) with
+    stochastic rounding drawn from (seed, ``keys[i]``, ``versions[i]``, ``first + j``)."""
+    if kind == FLOAT32:
+        out[...] = rows
+        return
+    x = np.ascontiguousarray(rows, dtype=np.float32)
+    k = np.ascontiguousarray(keys, dtype=np.int64).view(np.uint64)
+    v = np.ascontiguousarray(versions, dtype=np.uint32)
+    seed_mix = np.uint64(mix64(seed & ((1 << 64) - 1)))
+    tally = np.zeros(2, np.int64)
+    target = out.view(np.uint16)
+    if kind == BFLOAT16:
+        _round_bfloat16(x.view(np.uint32), target, k, v, seed_mix, first, tally)
+    else:
+        _round_float16(x, target, k, v, seed_mix, first, tally)
+    counts.clamped += int(tally[0])
+    counts.flushed += int(tally[1])
