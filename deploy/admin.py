@@ -139,8 +139,23 @@ def _format_checkpoints(found: Sequence[dict[str, Any]]) -> str:
 # -- printing ----------------------------------------------------------------------------
 
 
+_SHORT_TYPES = {0: "f32", 1: "f32", 2: "f16", 3: "bf16"}  # ps.v1.DType numbers: values/state as stored
+
+
 def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
-    header = ("shard", "table", "rows", "resident", "spilled", "hit_rate", "bytes/row", "durability", "writable")
+    header = (
+        "shard",
+        "table",
+        "stored",
+        "rows",
+        "resident",
+        "spilled",
+        "hit_rate",
+        "bytes/row",
+        "disk_bytes/row",
+        "durability",
+        "writable",
+    )
     lines: list[tuple[str, ...]] = [header]
     estimated = False
     for s in stats:
@@ -153,7 +168,7 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
                 (
                     shard,
                     f"[{s['address']} serve, version {s['version']}: {where.get(f['source'], 'data dir')}]",
-                    *[""] * 7,
+                    *[""] * (len(header) - 2),
                 )
             )
         durability = s["durability"] or "ram-only"
@@ -162,7 +177,7 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
         else:
             writable = "yes" if s["writable"] else f"NO: {s['storage_error']}"
         if not s["tables"]:
-            lines.append((shard, "-", "0", "0", "0", "-", "-", durability, writable))
+            lines.append((shard, "-", "-", "0", "0", "0", "-", "-", "-", durability, writable))
         for t in s["tables"]:
             about = "~" if t["rows_estimated"] else ""  # RocksDB's estimate: see the note below
             estimated = estimated or bool(about)
@@ -170,11 +185,13 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
                 (
                     shard,
                     t["name"],
+                    f"{_SHORT_TYPES[t['storage_dtype']]}/{_SHORT_TYPES[t['state_dtype']]}",
                     f"{about}{t['rows']}",
                     str(t["resident_rows"]),
                     f"{about}{t['spilled_rows']}",
                     f"{t['ram_hit_rate']:.3f}",
                     f"{t['bytes_per_resident_row']:.0f}",
+                    f"{t['disk_bytes'] / t['rows']:.0f}" if t["disk_bytes"] and t["rows"] else "-",
                     durability,
                     writable,
                 )

@@ -242,7 +242,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "dim", "rows", "memory_bytes", "lookups", "pushes", "rows_created", "resident_rows", "spilled_rows", "bytes_per_resident_row", "ram_hits", "ram_misses", "ram_hit_rate", "rows_spilled", "rows_faulted_in", "spill_rows_per_s", "fault_in_rows_per_s", "lookups_not_admitted", "pushes_dropped", "rows_expired", "rows_evicted_rare", "admission_bytes", "rows_written", "rows_estimated")
+    __slots__ = ("name", "dim", "rows", "memory_bytes", "lookups", "pushes", "rows_created", "resident_rows", "spilled_rows", "bytes_per_resident_row", "ram_hits", "ram_misses", "ram_hit_rate", "rows_spilled", "rows_faulted_in", "spill_rows_per_s", "fault_in_rows_per_s", "lookups_not_admitted", "pushes_dropped", "rows_expired", "rows_evicted_rare", "admission_bytes", "rows_written", "rows_estimated", "storage_dtype", "state_dtype", "record_bytes", "disk_bytes", "values_clamped", "values_flushed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +267,12 @@ class TableStats(_message.Message):
     ADMISSION_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROWS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     ROWS_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STATE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_CLAMPED_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FLUSHED_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     rows: int
@@ -291,7 +297,13 @@ class TableStats(_message.Message):
     admission_bytes: int
     rows_written: int
     rows_estimated: bool
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_created: _Optional[int] = ..., resident_rows: _Optional[int] = ..., spilled_rows: _Optional[int] = ..., bytes_per_resident_row: _Optional[float] = ..., ram_hits: _Optional[int] = ..., ram_misses: _Optional[int] = ..., ram_hit_rate: _Optional[float] = ..., rows_spilled: _Optional[int] = ..., rows_faulted_in: _Optional[int] = ..., spill_rows_per_s: _Optional[float] = ..., fault_in_rows_per_s: _Optional[float] = ..., lookups_not_admitted: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rows_expired: _Optional[int] = ..., rows_evicted_rare: _Optional[int] = ..., admission_bytes: _Optional[int] = ..., rows_written: _Optional[int] = ..., rows_estimated: _Optional[bool] = ...) -> None: ...
+    storage_dtype: DType
+    state_dtype: DType
+    record_bytes: int
+    disk_bytes: int
+    values_clamped: int
+    values_flushed: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_created: _Optional[int] = ..., resident_rows: _Optional[int] = ..., spilled_rows: _Optional[int] = ..., bytes_per_resident_row: _Optional[float] = ..., ram_hits: _Optional[int] = ..., ram_misses: _Optional[int] = ..., ram_hit_rate: _Optional[float] = ..., rows_spilled: _Optional[int] = ..., rows_faulted_in: _Optional[int] = ..., spill_rows_per_s: _Optional[float] = ..., fault_in_rows_per_s: _Optional[float] = ..., lookups_not_admitted: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rows_expired: _Optional[int] = ..., rows_evicted_rare: _Optional[int] = ..., admission_bytes: _Optional[int] = ..., rows_written: _Optional[int] = ..., rows_estimated: _Optional[bool] = ..., storage_dtype: _Optional[_Union[DType, str]] = ..., state_dtype: _Optional[_Union[DType, str]] = ..., record_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., values_clamped: _Optional[int] = ..., values_flushed: _Optional[int] = ...) -> None: ...
 
 class LoopFailure(_message.Message):
     __slots__ = ("loop", "error", "failures", "first_failure_unix_s", "last_failure_unix_s")

@@ -82,8 +82,8 @@ class Arena:
             new[:keep] = old[:keep]
             return new
 
-        self.values = grown(self.values, (capacity, self.dim))  # type: ignore[assignment]
-        self.state = grown(self.state, (capacity, self.state_width))  # type: ignore[assignment]
+        self.values = grown(self.values, (capacity, self.dim))
+        self.state = grown(self.state, (capacity, self.state_width))
         if self.format.versioned:
             self.version = grown(self.version, (capacity,))  # type: ignore[assignment]
         self.last_access = grown(self.last_access, (capacity,))  # type: ignore[assignment]

@@ -196,6 +196,13 @@ class ServerConfig:
             "without it everything lives in RAM and is lost at exit"
         },
     )
+    disk_compression: str = field(
+        default="none",
+        metadata={
+            "help": "block compression of the rows in RocksDB: none, lz4 or zstd (Stats disk_bytes shows the effect; "
+            "files written before a change keep theirs)"
+        },
+    )
     memory_budget_bytes: int = field(
         default=0,
         metadata={
@@ -340,6 +347,8 @@ class ServerConfig:
             raise ConfigError(f"eviction={self.eviction!r}: expected one of {', '.join(EVICTIONS)}")
         if self.memory_budget_bytes and self.data_dir is None:
             raise ConfigError("memory_budget_bytes needs data_dir: rows over the budget are moved to RocksDB there")
+        if self.disk_compression not in ("none", "lz4", "zstd"):
+            raise ConfigError(f"disk_compression={self.disk_compression!r}: expected none, lz4 or zstd")
         if self.restore_from is not None and self.data_dir is None:
             raise ConfigError("restore_from needs data_dir: the checkpoint is copied into it")
         if self.discard_rescue is not None and self.data_dir is None:

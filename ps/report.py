@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 from protos import ps_pb2 as pb
+from ps import precision
 from ps.shard import Shard
 
 __all__ = ["shard_stats"]
@@ -33,6 +34,12 @@ def shard_stats(shard: Shard) -> pb.StatsResponse:
                 spill_rows_per_s=spill_rate,
                 fault_in_rows_per_s=fault_rate,
                 admission_bytes=t.admission_bytes(),
+                storage_dtype=precision.to_wire(t.spec.storage_dtype),
+                state_dtype=precision.to_wire(t.spec.state_dtype),
+                record_bytes=t.ram.format.record_bytes,
+                disk_bytes=t.disk.disk_bytes() if t.disk is not None else 0,
+                values_clamped=t.ram.rounding.clamped,
+                values_flushed=t.ram.rounding.flushed,
                 **dataclasses.asdict(c),  # every running total, under its own name
             )
         )

@@ -227,7 +227,9 @@ def _open_shard(config: ServerConfig) -> Shard:
     try:
         if restored is not None:
             copy_checkpoint(restored, data_dir)
-        storage = Storage(data_dir, shard=config.shard, num_shards=config.num_shards)
+        storage = Storage(
+            data_dir, shard=config.shard, num_shards=config.num_shards, compression=config.disk_compression
+        )
     except DataDirError as exc:
         raise RuntimeError(str(exc)) from None
     except OSError as exc:

@@ -102,11 +102,15 @@ def _keys_from(blobs: list[bytes]) -> npt.NDArray[np.int64]:
     return np.frombuffer(b"".join(blobs), dtype=">i8").astype(np.int64)
 
 
-def _table_options() -> rocksdict.Options:
+COMPRESSIONS = ("none", "lz4", "zstd")
+
+
+def _table_options(compression: str = "none") -> rocksdict.Options:
     opts = rocksdict.Options(raw_mode=True)
-    # Rows are looked up by key, never by range, and float rows do not compress.
+    # Rows are looked up by key, never by range, and random float32 rows hardly compress;
+    # 16-bit rows, constant rows and metadata words do a little (--disk-compression).
     opts.optimize_for_point_lookup(64)
-    opts.set_compression_type(rocksdict.DBCompressionType.none())
+    opts.set_compression_type(getattr(rocksdict.DBCompressionType, compression)())
     # Small memtables: an insert into (and a read of) a smaller skiplist touches fewer
     # cache lines, and rows spilled a while ago are read from SSTs with bloom filters.
     opts.set_write_buffer_size(16 << 20)
@@ -190,6 +194,12 @@ class TableRows:
         value = self._cf.property_int_value("rocksdb.estimate-num-keys")
         return int(value or 0)
 
+    def disk_bytes(self) -> int:
+        """Bytes of the table's live RocksDB files (rows still in the memtable not counted)."""
+        if self._cf is None:
+            return 0
+        return int(self._cf.property_int_value("rocksdb.live-sst-files-size") or 0)
+
     def put_ledger(self, batch: rocksdict.WriteBatch, name: str, data: bytes) -> None:
         """Add the ledger entry stored as ``name`` (``ps.ledger.TableLedgers``) to ``batch``;
         an empty ``data`` deletes it."""
@@ -214,9 +224,21 @@ class Storage:
     killed process).
     """
 
-    def __init__(self, path: Path, *, shard: int, num_shards: int, sync: bool = False, read_only: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        shard: int,
+        num_shards: int,
+        sync: bool = False,
+        read_only: bool = False,
+        compression: str = "none",
+    ) -> None:
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression={compression!r}: expected one of {', '.join(COMPRESSIONS)}")
         self.path = Path(path)
         self.read_only = read_only
+        self._compression = compression
         self._lock_file: IO[str] | None = None
         if not read_only:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -262,7 +284,7 @@ class Storage:
         # Point reads of SST blocks through mmap skip a pread and a copy each.
         opts.set_allow_mmap_reads(True)
         existing = rocksdict.Rdict.list_cf(db_path) if (self.path / "db" / "CURRENT").exists() else []
-        families = {name: _table_options() for name in existing if name.startswith(_TABLE_PREFIX)}
+        families = {name: _table_options(self._compression) for name in existing if name.startswith(_TABLE_PREFIX)}
         families[_META] = rocksdict.Options(raw_mode=True)
         access = rocksdict.AccessType.read_only() if read_only else rocksdict.AccessType.read_write()
         return rocksdict.Rdict(db_path, opts, column_families=families, access_type=access)
@@ -339,7 +361,7 @@ class Storage:
             except Exception:
                 if self.read_only:
                     raise DataDirError(f"{self.path}: no column family {name!r}") from None
-                options = _table_options() if name != _META else rocksdict.Options(raw_mode=True)
+                options = _table_options(self._compression) if name != _META else rocksdict.Options(raw_mode=True)
                 try:
                     cf = self._db.create_column_family(name, options)
                 except Exception as exc:

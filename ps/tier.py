@@ -26,9 +26,9 @@ copy never goes back in time.
 Example:
     >>> import tempfile, pathlib
     >>> from ps.storage import Storage
+    >>> from ps.rows import RowFormat, Rows
     >>> st = Storage(pathlib.Path(tempfile.mkdtemp()), shard=0, num_shards=1)
     >>> disk = DiskTier(st.table("t", RowFormat(dim=2, state_width=0)), st)
-    >>> from ps.rows import Rows
     >>> with disk.write_lock:
     ...     disk.commit_push(Rows(np.array([4]), np.ones((1, 2), np.float32), np.empty((1, 0), np.float32),
     ...                           np.zeros(1, np.uint32), np.zeros(1, np.uint32)), None)
@@ -156,6 +156,9 @@ class DiskTier:
         rows = self.rows.estimate_rows()
         self.estimated = self.estimated or rows > 0
         return rows
+
+    def disk_bytes(self) -> int:
+        return self.rows.disk_bytes()
 
     def ledgers(self) -> dict[str, bytes]:
         """Every client's stored push-ledger entry for this table."""

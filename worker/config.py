@@ -23,6 +23,7 @@ __all__ = [
 ]
 
 Pooling = Literal["sum", "mean", "none"]
+_FLOAT_TYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class EmbeddingTableConfig:
     seed: int = 0
     params: Mapping[str, float] = field(default_factory=dict)
     serving_default: str = "initial"
+    storage_dtype: str = "float32"
+    state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.dim < 1:
@@ -150,6 +153,17 @@ class TrainerConfig:
             "a key gets a trained row at its N-th lookup (1: at once); counts lookups, so every epoch counts again"
         ),
     )
+    storage_dtype: str = field(
+        default="float32",
+        metadata=_help("how the shards store embedding values: float32, bfloat16 or float16 (stochastic rounding)"),
+    )
+    state_dtype: str = field(
+        default="float32", metadata=_help("how the shards store the sparse optimizer's state: float32 or bfloat16")
+    )
+    wire_dtype: str = field(
+        default="float32",
+        metadata=_help("type of looked-up rows and pushed gradients on the wire: float32, bfloat16 or float16"),
+    )
     dense_lr: float = field(default=5e-4, metadata=_help("Adam learning rate of the dense tower"))
     mode: str = field(default="pipelined", metadata=_help("pipelined (lookups ahead, async pushes) or sync (exact)"))
     device: str = field(
@@ -186,6 +200,12 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.model in ("dlrm", "deepfm"), f"model={self.model!r}: expected dlrm or deepfm"),
+            (
+                self.storage_dtype in _FLOAT_TYPES,
+                f"storage_dtype={self.storage_dtype!r}: expected float32, bfloat16 or float16",
+            ),
+            (self.state_dtype in _FLOAT_TYPES[:2], f"state_dtype={self.state_dtype!r}: expected float32 or bfloat16"),
+            (self.wire_dtype in _FLOAT_TYPES, f"wire_dtype={self.wire_dtype!r}: expected float32, bfloat16 or float16"),
             (self.mode in ("sync", "pipelined"), f"mode={self.mode!r}: expected sync or pipelined"),
             (self.device in ("auto", "cpu", "cuda"), f"device={self.device!r}: expected auto, cpu or cuda"),
             (self.bad_lines in ("error", "skip"), f"bad_lines={self.bad_lines!r}: expected error or skip"),

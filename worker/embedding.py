@@ -127,6 +127,8 @@ class DistributedEmbedding(torch.nn.Module):
                 initializer=t.initializer,
                 seed=t.seed,
                 serving_default=t.serving_default,
+                storage_dtype=t.storage_dtype,
+                state_dtype=t.state_dtype,
                 **dict(t.params),
             )
         self._created = True

@@ -79,6 +79,8 @@ def trainer_tables(config: TrainerConfig, prefix: str = "") -> list[EmbeddingTab
             config.sparse_optimizer,
             seed=2 * config.seed,
             params={"lr": config.sparse_lr, **decay, **lifecycle},
+            storage_dtype=config.storage_dtype,
+            state_dtype=config.state_dtype,
         )
     ]
     if config.wide:
@@ -90,6 +92,8 @@ def trainer_tables(config: TrainerConfig, prefix: str = "") -> list[EmbeddingTab
                 "zeros",
                 seed=2 * config.seed + 1,
                 params={"lr": config.wide_lr, **lifecycle},
+                storage_dtype=config.storage_dtype,
+                state_dtype=config.state_dtype,
             )
         )
     return tables

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from client import PSClient
+from client import ClientConfig, PSClient
 from worker.command import parse, report
 from worker.config import TrainerConfig
 from worker.data import rare_key
@@ -226,7 +226,8 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
             save(ckpts, config, state, *((run.model, run.optimizer) if run is not None else ()))
 
     # The run id names the pushes for exactly-once: the same in every process of the run.
-    with PSClient(addresses, client_id=state.run_id) as client:
+    wire = ClientConfig(transport_dtype=config.wire_dtype)  # type: ignore[arg-type]
+    with PSClient(addresses, wire, client_id=state.run_id) as client:
         if state.epochs is None:
             state.epochs, state.epoch_choice = _choose_epochs(config, d, client, data, batch_size, features, num_dense)
             checkpoint(None)

@@ -239,6 +239,20 @@ def test_float16_rows_clamp_instead_of_overflowing() -> None:
     assert table.ram.rounding.clamped == 8
 
 
+def test_stats_report_the_stored_types_their_bytes_and_the_clamps() -> None:
+    from ps.report import shard_stats
+    from ps.shard import Shard
+
+    shard = Shard(0, 1)
+    shard.create_table(TableSpec("t", 4, optimizer=OptimizerParams(OptimizerKind.SGD, lr=1.0), storage_dtype="float16"))
+    shard.create_table(TableSpec("u", 4, optimizer=ADAGRAD))
+    shard.table("t").push(np.array([1]), np.full((1, 4), -1e6, np.float32))
+    t, u = shard_stats(shard).tables
+    assert (t.storage_dtype, t.state_dtype, t.record_bytes, t.values_clamped) == (2, 1, 4 * 2 + 12, 4)
+    assert (u.storage_dtype, u.record_bytes, u.values_clamped, u.disk_bytes) == (1, 4 * 4 * 2 + 8, 0, 0)
+    assert t.bytes_per_resident_row < u.bytes_per_resident_row
+
+
 def test_initial_rows_read_as_stored_whether_stored_or_not() -> None:
     from ps.lifecycle import Lifecycle
 

@@ -1,0 +1,138 @@
+"""16-bit tables through real shard processes: kill -9, restart, checkpoint, offline
+reshard and Follow keep every row bit for bit in its stored type.
+
+The reference is an in-process ``ps.table.Table`` with the same spec, given the same
+pushes (distinct keys per push, so no summation order differs). Values are compared
+through lookups; state and version through the next push, whose result depends on
+both: a row whose state or version changed on the way would come out different.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from client import PSClient
+from ps.config import TableSpec
+from ps.optimizers import OptimizerKind, OptimizerParams
+from ps.table import Table
+from tests.integration.shards import RunningShard, start_shard, stop_shard
+from tests.integration.test_admin import ok, ps_admin
+from tests.integration.test_serving import wait_caught_up
+
+DIM = 8
+SPEC = TableSpec(
+    "emb",
+    DIM,
+    optimizer=OptimizerParams(OptimizerKind.ADAGRAD, lr=0.1),
+    seed=3,
+    storage_dtype="bfloat16",
+    state_dtype="bfloat16",
+)
+KEYS = np.unique(np.random.default_rng(9).integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64))
+
+
+@pytest.fixture
+def procs() -> Iterator[list[RunningShard]]:
+    started: list[RunningShard] = []
+    yield started
+    for s in started:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
+
+
+def push_round(addresses: list[str], twin: Table, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    with PSClient(addresses) as ps:
+        for _ in range(4):
+            keys = rng.choice(KEYS, 800, replace=False)
+            grads = rng.standard_normal((800, DIM)).astype(np.float32)
+            ps.lookup("emb", keys)
+            twin.lookup(keys)
+            ps.push("emb", keys, grads)
+            twin.push(keys, grads)
+
+
+def assert_same(addresses: list[str], twin: Table, what: str) -> None:
+    with PSClient(addresses) as ps:
+        got = ps.lookup("emb", KEYS)
+    want = twin.lookup(KEYS, touch=False)
+    differ = int((got.view(np.uint32) != want.view(np.uint32)).any(axis=1).sum())
+    assert differ == 0, f"{what}: {differ} of {KEYS.shape[0]} rows differ from the twin"
+
+
+def lookups(addresses: list[str]) -> npt.NDArray[np.float32]:
+    with PSClient(addresses) as ps:
+        return ps.lookup("emb", KEYS)
+
+
+def test_a_bfloat16_table_survives_kill_restart_checkpoint_reshard_and_follow(
+    tmp_path: Path, procs: list[RunningShard]
+) -> None:
+    args = (f"--data-dir={tmp_path / 'data'}", "--durability=every-push", f"--checkpoint-root={tmp_path / 'ckpts'}")
+    shard = start_shard(0, 1, tmp_path, *args)
+    procs.append(shard)
+    twin = Table(SPEC)
+    with PSClient([shard.address]) as ps:
+        config = ps.create_table(
+            "emb", DIM, optimizer="adagrad", lr=0.1, seed=3, storage_dtype="bfloat16", state_dtype="bfloat16"
+        )
+        assert (config.storage_dtype, config.state_dtype) == ("bfloat16", "bfloat16")
+    push_round([shard.address], twin, 1)
+    assert_same([shard.address], twin, "before any fault")
+
+    shard.proc.kill()  # kill -9: every acknowledged push was written first
+    shard.proc.wait()
+    shard = start_shard(0, 1, tmp_path, *args)
+    procs.append(shard)
+    assert_same([shard.address], twin, "after kill -9 and restart")
+    push_round([shard.address], twin, 2)  # state and versions came back too
+    assert_same([shard.address], twin, "pushed after the restart")
+
+    follower = start_shard(0, 1, tmp_path / "serve", "--mode=serve", f"--follow={shard.address}")
+    procs.append(follower)
+    wait_caught_up(follower.address, shard.address)
+    assert_same([follower.address], twin, "the follower")
+    push_round([shard.address], twin, 3)
+    wait_caught_up(follower.address, shard.address)
+    assert_same([follower.address], twin, "the follower after more pushes")
+    stop_shard(follower)
+
+    ckpt = tmp_path / "ckpts" / "one"
+    ok(ps_admin("checkpoint", "--addresses", shard.address, "--out", ckpt, cwd=tmp_path))
+    stop_shard(shard)
+    spec = json.loads((ckpt / "manifest.json").read_text())
+    assert spec["num_shards"] == 1
+    two = tmp_path / "two"
+    ok(ps_admin("reshard", "--from", ckpt, "--to-shards", "2", "--out", two, cwd=tmp_path))
+    shards = [
+        start_shard(
+            j,
+            2,
+            tmp_path / f"r{j}",
+            f"--data-dir={tmp_path / f'r{j}'}",
+            f"--restore-from={two / f'shard-{j:05d}-of-00002'}",
+        )
+        for j in range(2)
+    ]
+    procs.extend(shards)
+    addresses = [s.address for s in shards]
+    assert_same(addresses, twin, "restored from a checkpoint resharded to 2 shards")
+    push_round(addresses, twin, 4)
+    assert_same(addresses, twin, "pushed after the reshard")
+    with PSClient(addresses) as ps:
+        stats = [t for s in ps.stats() for t in s["tables"]]
+    # values 8 x 2 B, state 8 x 2 B, version, last use and use count 3 x 4 B
+    assert [(t["name"], t["storage_dtype"], t["state_dtype"], t["record_bytes"]) for t in stats] == [
+        ("emb", 3, 3, 44)
+    ] * 2
+    printed = ok(ps_admin("stats", "--addresses", ",".join(addresses), cwd=tmp_path))
+    assert "bf16/bf16" in printed, printed
+    for s in shards:
+        stop_shard(s)
