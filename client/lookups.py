@@ -68,12 +68,20 @@ def fill_results(
             decoded = wire.decode_lookup_response(reply.data)
             if len(decoded) != len(parts):
                 raise wire.WireFormatError(f"{len(decoded)} results for {len(parts)} tables")
-            answers = [
-                wire.decode_rows(r.rows, len(part), part.plan.dim, r.dtype, f"results[{part.plan.table!r}]")
-                for r, part in zip(decoded, parts)
-            ]
+            answers: list[F32 | None] = []
+            for r, part in zip(decoded, parts):
+                field = f"results[{part.plan.table!r}]"
+                if num_shards == 1 and not part.plan.has_duplicates and r.dtype == wire.BFLOAT16:
+                    # Widened straight into place: no float32 copy of the answer in between.
+                    target = results[part.plan.table][part.start : part.stop]
+                    wire.bfloat16_rows_into(r.rows, target, field)
+                    answers.append(None)
+                else:
+                    answers.append(wire.decode_rows(r.rows, len(part), part.plan.dim, r.dtype, field))
         for part, rows in zip(parts, answers):
             target = results[part.plan.table]
+            if rows is None:
+                continue
             if num_shards == 1 and not part.plan.has_duplicates:
                 # One shard, no repeats: the routing order is the identity, a block copy will do.
                 np.copyto(target[part.start : part.stop], rows)

@@ -64,6 +64,7 @@ __all__ = [
     "decode_keys",
     "decode_lookup_response",
     "decode_push_request",
+    "bfloat16_rows_into",
     "decode_rows",
     "encode_lookup_request",
     "dtype_itemsize",
@@ -191,6 +192,16 @@ def encode_rows(rows: npt.ArrayLike, dtype: int = FLOAT32) -> bytes:
     if dtype == pb.FLOAT16:
         return np.ascontiguousarray(arr, dtype=_F16).tobytes()
     return _float32_to_bfloat16(arr.astype(_F32, copy=False)).tobytes()
+
+
+def bfloat16_rows_into(buf: bytes | memoryview, out: npt.NDArray[np.float32], field: str) -> None:
+    """Widen the bfloat16 rows in ``buf`` into ``out`` (C-contiguous float32 ``[n, dim]``)
+    in one pass; ``WireFormatError`` naming ``field`` when the length does not match."""
+    if len(buf) != out.size * 2:
+        raise WireFormatError(
+            f"{field}: {len(buf)} bytes, expected {out.size * 2} ({list(out.shape)} x 2 bytes BFLOAT16)"
+        )
+    np.left_shift(np.frombuffer(buf, dtype=_U16).reshape(out.shape), 16, out=out.view(np.uint32), dtype=np.uint32)
 
 
 def decode_rows(buf: bytes | memoryview, n: int, dim: int, dtype: int, field: str) -> npt.NDArray[np.float32]:

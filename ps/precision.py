@@ -63,6 +63,7 @@ __all__ = [
     "encode_nearest",
     "itemsize",
     "round_into",
+    "to_wire_rows",
 ]
 
 FLOAT32, BFLOAT16, FLOAT16 = "float32", "bfloat16", "float16"
@@ -294,3 +295,28 @@ def round_into(
         _round_float16(x, target, k, v, seed_mix, first, tally)
     counts.clamped += int(tally[0])
     counts.flushed += int(tally[1])
+
+
+# -- lookups in a 16-bit wire type ----------------------------------------------------------
+
+
+@numba.njit(nogil=True, cache=True)
+def _bfloat16_nearest(x: npt.NDArray[np.uint32], out: npt.NDArray[np.uint16]) -> None:
+    for i in range(x.shape[0]):
+        src = x[i]
+        dst = out[i]
+        for j in range(x.shape[1]):
+            b = src[j]
+            if (b & np.uint32(0x7F800000)) == np.uint32(0x7F800000) and (b & np.uint32(0x7FFFFF)) != 0:
+                dst[j] = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))  # NaN stays a (quiet) NaN
+            else:
+                dst[j] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+def to_wire_rows(rows: npt.NDArray[np.float32], out: npt.NDArray[Any]) -> None:
+    """Write float32 ``rows`` into ``out``, a float16 or bfloat16-bits (uint16) array of the
+    same shape, rounded to nearest (what ``protos.wire.rows_to_dtype`` gives), in one pass."""
+    if out.dtype == np.uint16:
+        _bfloat16_nearest(rows.view(np.uint32), out)
+    else:
+        np.copyto(out, rows, casting="same_kind")

@@ -217,30 +217,32 @@ class RamTier:
         """Slot of each key, -1 where it has no resident row."""
         return self.index.lookup(keys)
 
-    def gather(
-        self, slots: npt.NDArray[np.int32], out: npt.NDArray[np.float32], now: np.uint32, touch: bool = True
-    ) -> None:
+    def gather(self, slots: npt.NDArray[np.int32], out: npt.NDArray[Any], now: np.uint32, touch: bool = True) -> None:
         """Copy the rows at ``slots`` into ``out`` (zeros where a slot is -1), marking them
         used at ``now`` unless ``touch`` is False (their last use and use count stay as
-        they were). ``out`` must be C-contiguous float32 ``[len(slots), dim]``: the kernel
-        does not bounds-check."""
+        they were). ``out`` must be C-contiguous ``[len(slots), dim]``, float32 or the stored
+        type (rows copied as stored): the kernel does not bounds-check."""
         a = self.arena
         kind = self.format.values
         if kind == precision.FLOAT32:
             _gather(a.values, slots, out, a.last_access, a.frequency, now, touch)
+        elif out.dtype == a.values.dtype:  # as stored: the bits copied (numba has no float16)
+            _gather(a.values.view(np.uint16), slots, out.view(np.uint16), a.last_access, a.frequency, now, touch)
         else:
             bits = a.values.view(np.uint16)
             _gather16(
                 bits, slots, out.view(np.uint32), a.last_access, a.frequency, now, touch, kind == precision.BFLOAT16
             )
 
-    def fill_initial(
-        self, keys: npt.NDArray[np.int64], out: npt.NDArray[np.float32], at: npt.NDArray[np.integer]
-    ) -> None:
-        """Write the initial rows of ``keys`` into ``out[at]`` (float32) as they read once
-        stored: rounded to the nearest value of the storage type."""
-        fill_initial_rows(self.spec.initializer, self.spec.seed, keys, out, at)
+    def fill_initial(self, keys: npt.NDArray[np.int64], out: npt.NDArray[Any], at: npt.NDArray[np.integer]) -> None:
+        """Write the initial rows of ``keys`` into ``out[at]`` (float32, or the stored type)
+        as they read once stored: rounded to the nearest value of the storage type."""
         kind = self.format.values
+        if out.dtype != np.float32:  # the stored type
+            rows = initial_rows(self.spec.initializer, self.spec.seed, keys, self.spec.dim)
+            out[at] = precision.encode_nearest(kind, rows)
+            return
+        fill_initial_rows(self.spec.initializer, self.spec.seed, keys, out, at)
         if kind != precision.FLOAT32:
             out[at] = precision.decode(kind, precision.encode_nearest(kind, out[at]))
 

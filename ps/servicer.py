@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -29,6 +30,7 @@ from protos import ps_pb2 as pb
 from protos import servers, wire
 from protos.servers import Status
 from protos.services import PS_SERVICE
+from ps import precision
 from ps.batches import LookupBatch, PushBatch
 from ps.cluster import ClusterMap, Route
 from ps.config import spec_from_proto, spec_to_proto
@@ -215,7 +217,8 @@ def lookup_response(
     """The encoded ``LookupResponse`` of ``shard`` to ``request``: the keys are decoded
     (naming the entry and field of bad ones), the response is sized once the shard knows
     each table's dim (``RequestTooLarge`` over ``max_response_bytes``), and the shard
-    gathers float32 rows straight into it; a 16-bit dtype is converted in place after."""
+    gathers float32 rows, or a 16-bit table's rows in its own type, straight into it;
+    other 16-bit dtypes are gathered as float32 and converted after."""
     route = Route(request.num_shards, request.shard if request.HasField("shard") else None, request.epoch)
     shard.check_request(route)  # a shard that is stopping or misaddressed says so first
     entries, dtypes = [], []
@@ -226,7 +229,7 @@ def lookup_response(
         entries.append((entry.table, keys))
         dtypes.append(dtype)
     writer: wire.LookupResponseWriter | None = None
-    staged: list[tuple[int, npt.NDArray[np.float32]]] = []
+    staged: list[tuple[int, Any]] = []
 
     def response_rows(dims: Sequence[int]) -> list[npt.NDArray[np.float32]]:
         nonlocal writer
@@ -238,21 +241,46 @@ def lookup_response(
                 f"{max_response_bytes}: send fewer keys per request"
             )
         writer = wire.LookupResponseWriter(layout)
+        stored = [precision.to_wire(shard.table(name).spec.storage_dtype) for name, _ in entries]
         out = []
         for i, (_, n, dim, dt) in enumerate(layout):
-            if dt == wire.FLOAT32:
+            if dt in (wire.FLOAT32, stored[i]):  # the table's bits as they are, or float32
                 out.append(cast("npt.NDArray[np.float32]", writer.rows(i)))
-            else:  # gathered as float32, converted below
-                staged.append((i, np.empty((n, dim), dtype=np.float32)))
-                out.append(staged[-1][1])
+            else:  # gathered as float32 into this thread's scratch, converted below
+                staged.append((i, n * dim))
+        scratch = _scratch(sum(size for _, size in staged))
+        at = 0
+        for k, (i, size) in enumerate(staged):
+            _, n, dim, _ = layout[i]
+            out.insert(i, scratch[at : at + size].reshape(n, dim))
+            staged[k] = (i, out[i])
+            at += size
         return out
 
     shard.lookup(LookupBatch(entries, route), response_rows, read_only=read_only)
     if writer is None:  # no entries: the shard asked for no buffer
         writer = wire.LookupResponseWriter([])
     for i, rows in staged:
-        writer.rows(i)[:] = wire.rows_to_dtype(rows, dtypes[i])
+        precision.to_wire_rows(rows, writer.rows(i))
     return writer.finish()
+
+
+_thread = threading.local()
+
+
+_SCRATCH_KEPT = 4 << 20  # elements (16 MiB) a thread keeps between lookups at most
+
+
+def _scratch(size: int) -> npt.NDArray[np.float32]:
+    """Float32 scratch of ``size`` elements; up to ``_SCRATCH_KEPT`` it is this thread's,
+    kept between calls: a new 16 MiB array per lookup would cost its page faults every time."""
+    if size > _SCRATCH_KEPT:
+        return np.empty(size, np.float32)
+    buf: npt.NDArray[np.float32] | None = getattr(_thread, "scratch", None)
+    if buf is None or buf.shape[0] < size:
+        buf = np.empty(size, np.float32)
+        _thread.scratch = buf
+    return buf[:size]
 
 
 def push_batch(shard: Shard, request: wire.PushRequestView) -> PushBatch:

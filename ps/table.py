@@ -144,7 +144,8 @@ class Table:
         touch: bool = True,
         initial: bool = False,
     ) -> npt.NDArray[np.float32]:
-        """Rows of ``keys`` in order, written into ``out`` (``[len(keys), dim]`` float32) or a new array.
+        """Rows of ``keys`` in order, written into ``out`` (``[len(keys), dim]`` float32, or
+        the table's stored type: the stored bits as they are) or a new float32 array.
 
         With ``create`` (training), missing keys get their initial rows stored (once
         admitted; until then they read as their initial rows and nothing is stored);
@@ -160,7 +161,11 @@ class Table:
         keys = as_keys(keys, self._keys_field)
         if out is None:
             out = np.empty((keys.shape[0], self.dim), dtype=np.float32)
-        elif out.shape != (keys.shape[0], self.dim) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        elif (
+            out.shape != (keys.shape[0], self.dim)
+            or out.dtype not in (np.float32, self._ram.arena.values.dtype)
+            or not out.flags.c_contiguous
+        ):
             # The gather kernel does not bounds-check: a wrong buffer would corrupt memory.
             raise ValueError(
                 f"out: {out.dtype}{list(out.shape)}, expected C-contiguous float32[{keys.shape[0]}, {self.dim}]"

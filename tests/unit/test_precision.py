@@ -285,3 +285,30 @@ def test_16_bit_rows_spill_and_come_back_bit_for_bit(tmp_path) -> None:  # type:
         table.push(keys, grads)  # faulted in: values, state and version as they left
         twin.push(keys, grads)
         assert np.array_equal(table.lookup(keys).view(np.uint32), twin.lookup(keys).view(np.uint32))
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shards", [1, 2])
+def test_16_bit_wire_lookups_read_exactly_what_float32_ones_do(stored: str, shards: int) -> None:
+    """A 16-bit table's rows travel as their own bits (gathered straight into the reply);
+    other combinations are rounded to the wire type as before."""
+    from client import ClientConfig, PSClient
+    from ps.shard import Shard
+    from tests.fakes import InProcessTransport
+
+    transport = InProcessTransport([Shard(i, shards) for i in range(shards)])
+    addresses = [f"inproc:{i}" for i in range(shards)]
+    rng = np.random.default_rng(4)
+    keys = rng.integers(0, 2**40, 3000)
+    keys = np.concatenate([keys, keys[:100]])  # repeats: the client scatters them
+    with PSClient(addresses, transport=transport) as ps:
+        ps.create_table("t", 8, optimizer="adagrad", storage_dtype=stored)
+        ps.push("t", keys, rng.standard_normal((keys.shape[0], 8)).astype(np.float32))
+        exact = ps.lookup("t", keys)
+        for wire_type in ("bfloat16", "float16"):
+            with PSClient(addresses, ClientConfig(transport_dtype=wire_type), transport=transport) as narrow:  # type: ignore[arg-type]
+                got = narrow.lookup("t", keys)
+            want = precision.decode(wire_type, precision.encode_nearest(wire_type, exact))
+            if wire_type == stored:
+                assert np.array_equal(want, exact)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (stored, wire_type)
