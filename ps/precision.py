@@ -204,6 +204,7 @@ def _uniform_word(base: np.uint64, j: int) -> np.uint64:
 def _round_bfloat16(
     x: npt.NDArray[np.uint32],
     out: npt.NDArray[np.uint16],
+    at: npt.NDArray[np.int64],
     keys: npt.NDArray[np.uint64],
     versions: npt.NDArray[np.uint32],
     seed_mix: np.uint64,
@@ -213,7 +214,7 @@ def _round_bfloat16(
     for i in range(x.shape[0]):
         base = mix64_step(keys[i] ^ seed_mix ^ (np.uint64(versions[i]) * _VERSION_MIX))
         src = x[i]
-        dst = out[i]
+        dst = out[at[i]]
         for j in range(x.shape[1]):
             bits = src[j]
             noise = np.uint32(_uniform_word(base, first + j) >> np.uint64(48))  # 16 random bits
@@ -232,6 +233,7 @@ def _round_bfloat16(
 def _round_float16(
     x: npt.NDArray[np.float32],
     out: npt.NDArray[np.uint16],
+    at: npt.NDArray[np.int64],
     keys: npt.NDArray[np.uint64],
     versions: npt.NDArray[np.uint32],
     seed_mix: np.uint64,
@@ -241,7 +243,7 @@ def _round_float16(
     for i in range(x.shape[0]):
         base = mix64_step(keys[i] ^ seed_mix ^ (np.uint64(versions[i]) * _VERSION_MIX))
         src = x[i]
-        dst = out[i]
+        dst = out[at[i]]
         for j in range(x.shape[1]):
             v = np.float64(src[j])
             sign = np.uint16(0x8000) if v < 0.0 else np.uint16(0)
@@ -277,11 +279,14 @@ def round_into(
     seed: int,
     first: int,
     counts: Rounding,
+    at: npt.NDArray[np.integer[Any]] | None = None,
 ) -> None:
-    """Write ``rows`` (float32 ``[n, w]``) into ``out`` (the stored array, same shape) with
-    stochastic rounding drawn from (seed, ``keys[i]``, ``versions[i]``, ``first + j``)."""
+    """Write ``rows`` (float32 ``[n, w]``) into the stored array ``out`` (at its rows ``at``,
+    or its first ``n`` rows) with stochastic rounding drawn from (seed, ``keys[i]``,
+    ``versions[i]``, ``first + j``)."""
+    where = np.arange(rows.shape[0], dtype=np.int64) if at is None else np.ascontiguousarray(at, dtype=np.int64)
     if kind == FLOAT32:
-        out[...] = rows
+        out[where] = rows
         return
     x = np.ascontiguousarray(rows, dtype=np.float32)
     k = np.ascontiguousarray(keys, dtype=np.int64).view(np.uint64)
@@ -290,9 +295,9 @@ def round_into(
     tally = np.zeros(2, np.int64)
     target = out.view(np.uint16)
     if kind == BFLOAT16:
-        _round_bfloat16(x.view(np.uint32), target, k, v, seed_mix, first, tally)
+        _round_bfloat16(x.view(np.uint32), target, where, k, v, seed_mix, first, tally)
     else:
-        _round_float16(x, target, k, v, seed_mix, first, tally)
+        _round_float16(x, target, where, k, v, seed_mix, first, tally)
     counts.clamped += int(tally[0])
     counts.flushed += int(tally[1])
 

@@ -334,13 +334,32 @@ class RamTier:
         self, keys: npt.NDArray[np.int64], slots: npt.NDArray[np.int32], grads: npt.NDArray[np.float32], now: np.uint32
     ) -> None:
         """Apply the table's optimizer to the distinct rows of ``keys`` at ``slots``; they become ``DIRTY``."""
-        a = self.arena
-        if self.format.versioned:
-            self.store(slots, self.updated_rows(keys, slots, grads, now))
-            a.dirty[slots] = DIRTY
-            return
-        optimizers.apply(self.spec.optimizer, a.values, a.state, slots, grads)
+        a, fmt = self.arena, self.format
+        if fmt.versioned:  # computed in float32, rounded back into place (ps.precision)
+            values, state = precision.decode(fmt.values, a.values[slots]), precision.decode(fmt.state, a.state[slots])
+            optimizers.apply(self.spec.optimizer, values, state, np.arange(slots.shape[0], dtype=np.int32), grads)
+            a.version[slots] += np.uint32(1)
+            self._round(keys, a.version[slots], values, state, a.values, a.state, slots)
+        else:
+            optimizers.apply(self.spec.optimizer, a.values, a.state, slots, grads)
         _mark_pushed(slots, a.last_access, a.dirty, now)
+
+    def _round(
+        self,
+        keys: npt.NDArray[np.int64],
+        versions: npt.NDArray[np.uint32],
+        values: npt.NDArray[np.float32],
+        state: npt.NDArray[np.float32],
+        values_out: npt.NDArray[Any],
+        state_out: npt.NDArray[Any],
+        at: npt.NDArray[np.integer[Any]] | None = None,
+    ) -> None:
+        """Round updated float32 ``values`` and ``state`` into the stored arrays (at rows ``at``)."""
+        fmt, seed, counts = self.format, self.spec.seed, self.rounding
+        precision.round_into(fmt.values, values, values_out, keys, versions, seed=seed, first=0, counts=counts, at=at)
+        precision.round_into(
+            fmt.state, state, state_out, keys, versions, seed=seed, first=fmt.dim, counts=counts, at=at
+        )
 
     def updated_rows(
         self, keys: npt.NDArray[np.int64], slots: npt.NDArray[np.int32], grads: npt.NDArray[np.float32], now: np.uint32
@@ -360,13 +379,7 @@ class RamTier:
         state = precision.decode(fmt.state, rows.state)
         optimizers.apply(self.spec.optimizer, values, state, at, grads)
         rows.version[:] += np.uint32(1)
-        seed = self.spec.seed
-        precision.round_into(
-            fmt.values, values, rows.values, keys, rows.version, seed=seed, first=0, counts=self.rounding
-        )
-        precision.round_into(
-            fmt.state, state, rows.state, keys, rows.version, seed=seed, first=fmt.dim, counts=self.rounding
-        )
+        self._round(keys, rows.version, values, state, rows.values, rows.state)
         rows.last_access[:] = now
         return rows
 
