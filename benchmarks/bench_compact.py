@@ -5,6 +5,12 @@ One run measures, each figure next to its float32 peer from the same run:
 1. Resident bytes per row: RSS growth of a fresh process inserting N keys (default
    10M) into a dim-64 Adagrad ``Table`` stored as float32, bfloat16 values + float32
    state, and bfloat16 both; next to the bytes the memory budget charges per row.
+3. Lookups of 64Ki keys x dim 64 from one ``ps-server`` (1M-row tables), the wire
+   float32 or bfloat16 (``ClientConfig.transport_dtype``), from a float32 and from a
+   bfloat16 table, rounds interleaved; beside them a float32 dim-32 table, whose replies
+   are as many bytes as a 16-bit dim-64 one with nothing to convert.
+4. Bytes per row on disk: ``Stats.disk_bytes`` of each layout's rows, once pushed, flushed
+   and compacted, with RocksDB block compression none, lz4 and zstd.
 2. Rows in a fixed RAM budget: the Zipf(1.05) tier workload of ``tier_zipf.py`` at dim
    64 (a budget that holds 10% of the float32 rows), every-push-free (checkpoint-only
    durability), float32 vs bfloat16 both: resident rows at the end, RAM hit rate, and
@@ -36,11 +42,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tier_zipf import ZIPF_S, Zipf  # noqa: E402
 
+from client import ClientConfig, PSClient  # noqa: E402
+from deploy import LocalCluster  # noqa: E402
 from protos.wire import tune_malloc  # noqa: E402
+from ps import precision  # noqa: E402
 from ps.config import Durability, TableSpec  # noqa: E402
 from ps.optimizers import OptimizerKind, OptimizerParams  # noqa: E402
+from ps.rows import RowFormat  # noqa: E402
 from ps.shard import Shard  # noqa: E402
-from ps.storage import Storage  # noqa: E402
+from ps.storage import COMPRESSIONS, Storage  # noqa: E402
 from ps.table import Table  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -53,6 +63,7 @@ LAYOUTS = {  # name -> (values, state)
 }
 GOALS = {"bf16 values": 0.65, "bf16 both": 0.40}  # resident bytes per row vs float32, at most
 TIER_GOAL = 1.8  # rows held in the same budget, bf16 both vs float32, at least
+WIRE_GOAL = 1.4  # 16-bit lookups (bfloat16 table, bfloat16 wire) vs float32, times faster, at least
 BATCH = 16_384
 
 
@@ -152,6 +163,66 @@ def tier(n: int, steps: int, warmup: int, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def values_and_state_floor(memory: dict[str, Any]) -> dict[str, float]:
+    """Bytes of values and Adagrad state alone (dim elements each) over float32's measured
+    bytes per row: no layout of these types can go below it."""
+    base = memory["float32"]["bytes_per_row"]
+    return {k: DIM * (precision.itemsize(LAYOUTS[k][0]) + precision.itemsize(LAYOUTS[k][1])) / base for k in memory}
+
+
+def disk(rows: int, tmp: Path) -> dict[str, Any]:
+    """RocksDB file bytes per row (``Stats.disk_bytes``) of float32 and bfloat16 rows, once
+    pushed, by block compression."""
+    out: dict[str, dict[str, float]] = {}
+    rng = np.random.default_rng(2)
+    keys = np.arange(rows, dtype=np.int64) * 7919
+    grads = rng.standard_normal((rows, DIM)).astype(np.float32)
+    for layout in LAYOUTS:
+        for compression in COMPRESSIONS:
+            path = tmp / f"disk-{layout.replace(' ', '-')}-{compression}"
+            with Storage(path, shard=0, num_shards=1, compression=compression) as st:
+                table = Table(spec(layout), rows=st.table("t", RowFormat.of(spec(layout))), storage=st)
+                table.push(keys, grads)
+                table.flush()
+                st.flush_memtables()
+                st.compact()
+                out.setdefault(layout, {})[compression] = table.disk.disk_bytes() / rows  # type: ignore[union-attr]
+    return {"rows": rows, "bytes_per_row": out}
+
+
+def wire(rows: int, rounds: int) -> dict[str, Any]:
+    """Median lookup latency of every (table type, wire type), and the dim-32 float32 floor."""
+    n = 65_536
+    rng = np.random.default_rng(0)
+    sets = [rng.choice(rows, n, replace=False).astype(np.int64) * 7919 for _ in range(8)]
+    times: dict[str, list[float]] = {}
+    with LocalCluster(num_shards=1) as cluster:
+        clients = {w: PSClient(cluster.addresses, ClientConfig(transport_dtype=w)) for w in ("float32", "bfloat16")}
+        tables = {"float32": DIM, "bfloat16": DIM, "half": DIM // 2}
+        with PSClient(cluster.addresses) as ps:
+            for name, dim in tables.items():
+                stored = "float32" if name == "half" else name
+                ps.create_table(name, dim, optimizer="adagrad", storage_dtype=stored)
+                for start in range(0, rows, n):
+                    ps.lookup(name, np.arange(start, min(rows, start + n), dtype=np.int64) * 7919)
+        cases = [(t, w) for t in ("float32", "bfloat16") for w in clients] + [("half", "float32")]
+        for _ in range(rounds):
+            for table, w in cases:
+                out = np.empty((n, tables[table]), np.float32)
+                for keys in sets:
+                    t0 = time.perf_counter()
+                    clients[w].lookup(table, keys, out=out)
+                    times.setdefault(f"{table} table, {w} wire", []).append(time.perf_counter() - t0)
+        for c in clients.values():
+            c.close()
+    res: dict[str, Any] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    base = res["float32 table, float32 wire"]
+    res["ratio"] = base / res["bfloat16 table, bfloat16 wire"]
+    res["float32_table_ratio"] = base / res["float32 table, bfloat16 wire"]
+    res["floor_ratio"] = base / res["half table, float32 wire"]
+    return res
+
+
 def report(res: dict[str, Any]) -> str:
     lines = [f"Resident bytes per row, dim {DIM} Adagrad, {res['memory']['float32']['rows']:,} rows (RSS growth)"]
     lines.append(f"{'layout':<14}{'B/row':>9}{'charged':>9}{'vs fp32':>9}{'goal':>8}")
@@ -161,7 +232,11 @@ def report(res: dict[str, Any]) -> str:
         lines.append(
             f"{layout:<14}{m['bytes_per_row']:>9.1f}{m['charged_bytes_per_row']:>9}{m['ratio']:>9.3f}{goal:>8}{mark}"
         )
-    t = res["tier"]
+    floors = ", ".join(f"{k} {v:.3f}" for k, v in values_and_state_floor(res["memory"]).items())
+    lines.append(f"floor: values and optimizer state alone (no index or metadata) vs float32's measured row: {floors}")
+    t = res.get("tier")
+    if t is None:
+        return "\n".join(lines)
     lines.append("")
     lines.append(f"Zipf tier, budget {t['budget_bytes'] / 2**20:.0f} MiB (10% of the float32 rows of {t['rows']:,})")
     for layout in ("float32", "bf16 both"):
@@ -173,6 +248,20 @@ def report(res: dict[str, Any]) -> str:
     lines.append(
         f"rows held: {t['rows_ratio']:.2f}x (goal >= {TIER_GOAL}: {ok}); step time ratio {t['step_ratio']:.2f}"
     )
+    if "wire" in res:
+        w = res["wire"]
+        lines += ["", "Lookup of 64Ki keys x dim 64, one shard (median ms)"]
+        lines += [f"{k:<34}{v:>8.2f}" for k, v in w.items() if k.endswith("wire")]
+        ok = "ok" if w["ratio"] >= WIRE_GOAL else "MISSED"
+        lines.append(
+            f"16-bit (bfloat16 table and wire) vs float32: {w['ratio']:.2f}x faster (goal >= {WIRE_GOAL}: {ok}); "
+            f"float32 table, bfloat16 wire {w['float32_table_ratio']:.2f}x; floor (same bytes, nothing to convert) "
+            f"{w['floor_ratio']:.2f}x"
+        )
+    if "disk" in res:
+        lines += ["", f"RocksDB bytes per row on disk ({res['disk']['rows']:,} rows, flushed and compacted)"]
+        for layout, by in res["disk"]["bytes_per_row"].items():
+            lines.append(f"{layout:<14}" + "  ".join(f"{c} {b:6.1f}" for c, b in by.items()))
     return "\n".join(lines)
 
 
@@ -182,7 +271,7 @@ def chart(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     names = list(res["memory"])
     a.bar(names, [res["memory"][k]["bytes_per_row"] for k in names], color=["gray", "tab:blue", "tab:green"])
     a.set_ylabel("resident bytes per row")
@@ -195,6 +284,11 @@ def chart(res: dict[str, Any], path: Path) -> None:
     )
     b.set_ylabel("rows in RAM, same budget")
     b.set_title(f"Zipf tier: {t['rows_ratio']:.2f}x rows")
+    w = {k.replace(" table, ", "\n").replace(" wire", ""): v for k, v in res["wire"].items() if k.endswith("wire")}
+    c.bar(list(w), list(w.values()), color="tab:blue")
+    c.set_ylabel("ms per 64Ki x 64 lookup (median)")
+    c.set_title(f"16-bit lookups: {res['wire']['ratio']:.2f}x faster")
+    c.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -213,6 +307,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         n = 200_000 if args.quick else 1_000_000
         res["tier"] = tier(n, steps=100 if args.quick else 300, warmup=200 if args.quick else 600, tmp=Path(tmp))
+        res["disk"] = disk(100_000 if args.quick else 500_000, Path(tmp))
+    res["wire"] = wire(1_000_000, rounds=3 if args.quick else 6)
     print(report(res))
     RESULTS.mkdir(exist_ok=True)
     name = "compact-quick" if args.quick else "compact"
