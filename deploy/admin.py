@@ -278,7 +278,7 @@ def _table_option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE, e.g. lr=0.05")
-    if key in ("optimizer", "initializer", "serving_default"):
+    if key in ("optimizer", "initializer", "serving_default", "storage_dtype", "state_dtype"):
         return key, value
     try:
         return key, int(value) if key == "seed" else float(value)

@@ -134,5 +134,12 @@ def test_a_bfloat16_table_survives_kill_restart_checkpoint_reshard_and_follow(
     ] * 2
     printed = ok(ps_admin("stats", "--addresses", ",".join(addresses), cwd=tmp_path))
     assert "bf16/bf16" in printed, printed
+    create = ("create-table", "--addresses", ",".join(addresses), "--dim", "4", "--json")
+    made = ok(ps_admin(*create, "--name", "f16", "storage_dtype=float16", cwd=tmp_path))
+    assert json.loads(made)["storage_dtype"] == "float16", made
+    refused = ps_admin(*create, "--name", "x", "storage_dtype=int4", cwd=tmp_path)
+    assert refused.returncode != 0 and "storage_dtype='int4'" in refused.stderr and "Traceback" not in refused.stderr, (
+        refused.stderr
+    )
     for s in shards:
         stop_shard(s)

@@ -24,8 +24,9 @@ from protos import wire
 from protos.keys import shard_of
 from ps.changes import ChangeLog
 from ps.cluster import ClusterMap, Route
-from ps.config import Durability
+from ps.config import Durability, TableSpec
 from ps.errors import Moving, ShardMismatch, WrongShard
+from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.rows import RowFormat, Rows
 from ps.shard import LookupBatch, Shard
 from ps.storage import Storage
@@ -66,6 +67,29 @@ def test_growing_moves_only_the_keys_whose_owner_changes_with_their_whole_rows(c
     for shard in cluster.shards.values():
         assert shard.reshard.map == ClusterMap(1, 3, ("s0", "s1", "s2")) and shard.num_shards == 3
         assert shard.get_map().map.epoch == 1
+
+
+def test_a_16_bit_table_moves_in_its_stored_type_with_its_versions(cluster: Cluster) -> None:
+    spec = TableSpec(
+        "h",
+        dim=5,
+        seed=4,
+        optimizer=OptimizerParams(OptimizerKind.ADAGRAD, lr=0.5),
+        storage_dtype="bfloat16",
+        state_dtype="bfloat16",
+    )
+    for i in range(2):
+        cluster.add(i, 2)
+    seed_rows(cluster, 2, spec)
+    before = all_rows(cluster.shards.values(), "h")
+    cluster.add(2, 3)
+    scale(cluster, cluster.addresses(2), cluster.addresses(3))
+    wait_done(cluster)
+    owners_ok(cluster, 3, "h")
+    after = all_rows(cluster.shards.values(), "h")
+    assert after.values.dtype == after.state.dtype == np.uint16 and set(after.version.tolist()) == {2}
+    for field in ("keys", "values", "state", "version", "last_access", "frequency"):
+        np.testing.assert_array_equal(getattr(after, field).view(np.uint8), getattr(before, field).view(np.uint8))
 
 
 def test_shrinking_hands_the_last_shards_keys_to_the_others_and_retires_them(cluster: Cluster) -> None:
