@@ -4,7 +4,9 @@ One run measures, each figure next to its float32 peer from the same run:
 
 1. Resident bytes per row: RSS growth of a fresh process inserting N keys (default
    10M) into a dim-64 Adagrad ``Table`` stored as float32, bfloat16 values + float32
-   state, and bfloat16 both; next to the bytes the memory budget charges per row.
+   state, bfloat16 both, and as a serving shard's 8-bit table (``--serve-dtype int8``:
+   codes, a scale and a bias, no optimizer state); next to the bytes the memory budget
+   charges per row.
 3. Lookups of 64Ki keys x dim 64 from one ``ps-server`` (1M-row tables), the wire
    float32 or bfloat16 (``ClientConfig.transport_dtype``), from a float32 and from a
    bfloat16 table, rounds interleaved; beside them a float32 dim-32 table, whose replies
@@ -60,8 +62,9 @@ LAYOUTS = {  # name -> (values, state)
     "float32": ("float32", "float32"),
     "bf16 values": ("bfloat16", "float32"),
     "bf16 both": ("bfloat16", "bfloat16"),
+    "int8 serving": ("int8", "float32"),  # a serving shard's table: codes, scale and bias, no optimizer state
 }
-GOALS = {"bf16 values": 0.65, "bf16 both": 0.40}  # resident bytes per row vs float32, at most
+GOALS = {"bf16 values": 0.65, "bf16 both": 0.40, "int8 serving": 0.20}  # resident bytes per row vs float32, at most
 TIER_GOAL = 1.8  # rows held in the same budget, bf16 both vs float32, at least
 WIRE_GOAL = 1.4  # 16-bit lookups (bfloat16 table, bfloat16 wire) vs float32, times faster, at least
 BATCH = 16_384
@@ -167,7 +170,14 @@ def values_and_state_floor(memory: dict[str, Any]) -> dict[str, float]:
     """Bytes of values and Adagrad state alone (dim elements each) over float32's measured
     bytes per row: no layout of these types can go below it."""
     base = memory["float32"]["bytes_per_row"]
-    return {k: DIM * (precision.itemsize(LAYOUTS[k][0]) + precision.itemsize(LAYOUTS[k][1])) / base for k in memory}
+
+    def raw(layout: str) -> int:
+        values, state = LAYOUTS[layout]
+        if values == precision.INT8:
+            return DIM + 8  # codes, scale and bias
+        return DIM * (precision.itemsize(values) + precision.itemsize(state))
+
+    return {k: raw(k) / base for k in memory}
 
 
 def disk(rows: int, tmp: Path) -> dict[str, Any]:
@@ -177,7 +187,7 @@ def disk(rows: int, tmp: Path) -> dict[str, Any]:
     rng = np.random.default_rng(2)
     keys = np.arange(rows, dtype=np.int64) * 7919
     grads = rng.standard_normal((rows, DIM)).astype(np.float32)
-    for layout in LAYOUTS:
+    for layout in [k for k in LAYOUTS if LAYOUTS[k][0] != precision.INT8]:
         for compression in COMPRESSIONS:
             path = tmp / f"disk-{layout.replace(' ', '-')}-{compression}"
             with Storage(path, shard=0, num_shards=1, compression=compression) as st:
@@ -273,7 +283,9 @@ def chart(res: dict[str, Any], path: Path) -> None:
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
     names = list(res["memory"])
-    a.bar(names, [res["memory"][k]["bytes_per_row"] for k in names], color=["gray", "tab:blue", "tab:green"])
+    a.bar(
+        names, [res["memory"][k]["bytes_per_row"] for k in names], color=["gray", "tab:blue", "tab:green", "tab:orange"]
+    )
     a.set_ylabel("resident bytes per row")
     a.set_title(f"dim {DIM} Adagrad")
     t = res["tier"]

@@ -13,6 +13,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT32: _ClassVar[DType]
     FLOAT16: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
+    INT8: _ClassVar[DType]
 
 class ServingDefault(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,6 +24,7 @@ DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
 BFLOAT16: DType
+INT8: DType
 SERVING_DEFAULT_UNSPECIFIED: ServingDefault
 ZEROS: ServingDefault
 INITIAL: ServingDefault

@@ -266,6 +266,14 @@ class ServerConfig:
             "--data-dir (a data dir or a checkpoint, opened read-only) or from --follow"
         },
     )
+    serve_dtype: str = field(
+        default="stored",
+        metadata={
+            "help": "serve mode: hold the rows of tables taken from --follow as int8 (row-wise, a scale and a "
+            "bias per row, no optimizer state), float32, bfloat16 or float16; stored: as the training table "
+            "stores them. Chosen when the table is first taken (an existing --data-dir keeps its tables' type)"
+        },
+    )
     follow: str | None = field(
         default=None,
         metadata={
@@ -347,6 +355,12 @@ class ServerConfig:
             raise ConfigError(f"eviction={self.eviction!r}: expected one of {', '.join(EVICTIONS)}")
         if self.memory_budget_bytes and self.data_dir is None:
             raise ConfigError("memory_budget_bytes needs data_dir: rows over the budget are moved to RocksDB there")
+        if self.serve_dtype not in ("stored", *precision.SERVE_TYPES):
+            raise ConfigError(f"serve_dtype={self.serve_dtype!r}: expected stored, {', '.join(precision.SERVE_TYPES)}")
+        if self.serve_dtype != "stored" and self.mode != "serve":
+            raise ConfigError(
+                f"serve_dtype={self.serve_dtype!r} needs mode=serve: a training shard stores its spec's type"
+            )
         if self.disk_compression not in ("none", "lz4", "zstd"):
             raise ConfigError(f"disk_compression={self.disk_compression!r}: expected none, lz4 or zstd")
         if self.restore_from is not None and self.data_dir is None:
@@ -398,7 +412,7 @@ class TableSpec:
     initializer: InitializerParams = InitializerParams()
     optimizer: OptimizerParams = OptimizerParams()
     seed: int = 0
-    storage_dtype: str = "float32"  # values: float32, bfloat16 or float16 (ps.precision)
+    storage_dtype: str = "float32"  # values: float32, bfloat16 or float16; int8 on serving shards (ps.precision)
     state_dtype: str = "float32"  # optimizer state: float32 or bfloat16
     lifecycle: Lifecycle = Lifecycle()
     serving_default: str = "zeros"  # or "initial": what a serving shard reads for a key without a row
@@ -414,7 +428,7 @@ class TableSpec:
             raise ConfigError(f"table {self.name!r}: dim={self.dim}, must be in [1, {MAX_DIM}]")
         if not 0 <= self.seed < 1 << 64:
             raise ConfigError(f"table {self.name!r}: seed={self.seed}, must be in [0, 2**64)")
-        if self.storage_dtype not in precision.STORAGE_TYPES:
+        if self.storage_dtype not in precision.SERVE_TYPES:  # int8: serving shards only (Shard.create_table)
             raise ConfigError(
                 f"table {self.name!r}: storage_dtype={self.storage_dtype!r}, expected one of "
                 + ", ".join(precision.STORAGE_TYPES)
@@ -479,7 +493,7 @@ def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
         state_dtype = precision.from_wire(msg.state_dtype)
         if storage_dtype is None:
             raise InvalidRequest(f"table {msg.name!r}: dtype {msg.dtype}: expected FLOAT32, BFLOAT16 or FLOAT16")
-        if state_dtype is None or state_dtype == precision.FLOAT16:
+        if state_dtype is None or state_dtype not in precision.STATE_TYPES:
             raise InvalidRequest(
                 f"table {msg.name!r}: state_dtype {wire.dtype_name(msg.state_dtype) if state_dtype else msg.state_dtype}:"
                 " expected FLOAT32 or BFLOAT16 (float16 state would overflow the optimizers' accumulators)"

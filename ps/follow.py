@@ -77,9 +77,11 @@ class Source:
         max_message_bytes: int = 64 << 20,
         credentials: grpc.ChannelCredentials | None = None,
         metadata: tuple[tuple[str, str], ...] = (),
+        serve_dtype: str = "stored",
     ) -> None:
         self.shard = shard
         self.leader = leader
+        self.serve_dtype = serve_dtype  # how tables taken from the leader hold their rows ("stored": as it does)
         self.max_message_bytes = max_message_bytes
         self.credentials, self.metadata = credentials, metadata  # TLS and bearer token for the leader
         self.history, self.applied_version = "", 0
@@ -296,11 +298,15 @@ class Source:
         self._save_state(force=True)
 
     def _take_specs(self, specs: Iterable[pb.TableSpec]) -> None:
-        """Create the leader's tables this shard lacks (lifecycle rules are the leader's to apply)."""
+        """Create the leader's tables this shard lacks (lifecycle rules are the leader's to apply),
+        holding their rows as ``serve_dtype`` says."""
         have = {t.spec.name for t in self.shard.tables()}
         for msg in specs:
             if msg.name not in have:
-                self.shard.install_table(dataclasses.replace(spec_from_proto(msg), lifecycle=Lifecycle()))
+                spec = dataclasses.replace(spec_from_proto(msg), lifecycle=Lifecycle())
+                if self.serve_dtype != "stored":
+                    spec = dataclasses.replace(spec, storage_dtype=self.serve_dtype)
+                self.shard.install_table(spec)
 
     def _caught_up_check(self) -> None:
         if not self.resyncing and self.applied_version >= self.leader_version:

@@ -51,6 +51,8 @@ __all__ = [
     "BFLOAT16",
     "FLOAT16",
     "FLOAT32",
+    "INT8",
+    "SERVE_TYPES",
     "STATE_TYPES",
     "STORAGE_TYPES",
     "Rounding",
@@ -60,20 +62,25 @@ __all__ = [
     "from_wire",
     "to_wire",
     "decode_into",
+    "dequantize",
+    "quantize",
+    "widen",
     "encode_nearest",
     "itemsize",
     "round_into",
     "to_wire_rows",
 ]
 
-FLOAT32, BFLOAT16, FLOAT16 = "float32", "bfloat16", "float16"
-STORAGE_TYPES = (FLOAT32, BFLOAT16, FLOAT16)
+FLOAT32, BFLOAT16, FLOAT16, INT8 = "float32", "bfloat16", "float16", "int8"
+STORAGE_TYPES = (FLOAT32, BFLOAT16, FLOAT16)  # what a training table may store
+SERVE_TYPES = (*STORAGE_TYPES, INT8)  # what a serving shard may hold its rows as
 STATE_TYPES = (FLOAT32, BFLOAT16)  # float16 state would overflow Adagrad/Adam accumulators
 
 _ARRAY_DTYPES: dict[str, np.dtype[Any]] = {
     FLOAT32: np.dtype("<f4"),
     BFLOAT16: np.dtype("<u2"),
     FLOAT16: np.dtype("<f2"),
+    INT8: np.dtype("u1"),
 }
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _VERSION_MIX = np.uint64(0xD1B54A32D192ED03)
@@ -95,8 +102,9 @@ _FROM_WIRE: dict[int, str] = {
     pb.FLOAT32: FLOAT32,
     pb.BFLOAT16: BFLOAT16,
     pb.FLOAT16: FLOAT16,
+    pb.INT8: INT8,
 }
-_TO_WIRE: dict[str, pb.DType] = {FLOAT32: pb.FLOAT32, BFLOAT16: pb.BFLOAT16, FLOAT16: pb.FLOAT16}
+_TO_WIRE: dict[str, pb.DType] = {FLOAT32: pb.FLOAT32, BFLOAT16: pb.BFLOAT16, FLOAT16: pb.FLOAT16, INT8: pb.INT8}
 
 
 def from_wire(dtype: int) -> str | None:
@@ -135,6 +143,13 @@ def decode(kind: str, stored: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
     if kind == FLOAT16:
         return np.asarray(stored, dtype=np.float16).astype(np.float32)
     return (np.asarray(stored, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def widen(values: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
+    """Rows of 16-bit elements as they travel (uint16: bfloat16 bits; float16; float32) as float32."""
+    if values.dtype == np.uint16:
+        return decode(BFLOAT16, values)
+    return np.asarray(values, dtype=np.float32)
 
 
 def decode_into(kind: str, stored: npt.NDArray[Any], out: npt.NDArray[np.float32]) -> None:
@@ -300,6 +315,27 @@ def round_into(
         _round_float16(x, target, where, k, v, seed_mix, first, tally)
     counts.clamped += int(tally[0])
     counts.flushed += int(tally[1])
+
+
+# -- 8-bit rows (serving shards) ---------------------------------------------------------------
+
+
+def quantize(rows: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
+    """Row-wise 8-bit codes of ``rows`` and each row's ``[scale, bias]``: the 256 codes span
+    the row's minimum to its maximum, and ``code * scale + bias`` is within ``scale / 2`` of
+    the value (a row of equal values is exact, with scale 0)."""
+    x = np.ascontiguousarray(rows, dtype=np.float32)
+    lo = x.min(axis=1) if x.shape[1] else np.zeros(x.shape[0], np.float32)
+    hi = x.max(axis=1) if x.shape[1] else lo
+    scale = ((hi.astype(np.float64) - lo) / 255.0).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1.0))
+    codes = np.clip(np.rint((x - lo[:, None]) / safe[:, None]), 0, 255).astype(np.uint8)
+    return codes, np.stack([scale, lo], axis=1)
+
+
+def dequantize(codes: npt.NDArray[np.uint8], params: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """``code * scale + bias`` per element, in float32 (as the serving gather computes it)."""
+    return (codes.astype(np.float32) * params[:, :1] + params[:, 1:]).astype(np.float32)
 
 
 # -- lookups in a 16-bit wire type ----------------------------------------------------------

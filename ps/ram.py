@@ -131,6 +131,36 @@ def _gather16(
 
 
 @numba.njit(nogil=True, cache=True)
+def _gather8(
+    codes: npt.NDArray[np.uint8],
+    params: npt.NDArray[np.float32],
+    slots: npt.NDArray[np.int32],
+    out: npt.NDArray[np.float32],
+    last_access: npt.NDArray[np.uint32],
+    frequency: npt.NDArray[np.uint32],
+    now: np.uint32,
+    touch: bool,
+) -> None:
+    """``_gather`` of 8-bit rows: ``code * scale + bias`` (``params[s]``), as ``precision.dequantize``."""
+    dim = codes.shape[1]
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        row = out[i]
+        if s < 0:
+            for j in range(dim):
+                row[j] = 0.0
+            continue
+        src = codes[s]
+        scale, bias = params[s, 0], params[s, 1]
+        for j in range(dim):
+            row[j] = np.float32(np.float32(src[j]) * scale) + bias
+        if touch:
+            last_access[s] = now
+            if frequency[s] != _FREQ_MAX:
+                frequency[s] += np.uint32(1)
+
+
+@numba.njit(nogil=True, cache=True)
 def _has_duplicates(slots: npt.NDArray[np.int32], seen: npt.NDArray[np.uint8]) -> bool:
     found = False
     for i in range(slots.shape[0]):
@@ -226,6 +256,8 @@ class RamTier:
         kind = self.format.values
         if kind == precision.FLOAT32:
             _gather(a.values, slots, out, a.last_access, a.frequency, now, touch)
+        elif kind == precision.INT8:
+            _gather8(a.values, a.state, slots, out, a.last_access, a.frequency, now, touch)
         elif out.dtype == a.values.dtype:  # as stored: the bits copied (numba has no float16)
             _gather(a.values.view(np.uint16), slots, out.view(np.uint16), a.last_access, a.frequency, now, touch)
         else:
@@ -238,6 +270,11 @@ class RamTier:
         """Write the initial rows of ``keys`` into ``out[at]`` (float32, or the stored type)
         as they read once stored: rounded to the nearest value of the storage type."""
         kind = self.format.values
+        if kind == precision.INT8:
+            out[at] = precision.dequantize(
+                *precision.quantize(initial_rows(self.spec.initializer, self.spec.seed, keys, self.spec.dim))
+            )
+            return
         if out.dtype != np.float32:  # the stored type
             rows = initial_rows(self.spec.initializer, self.spec.seed, keys, self.spec.dim)
             out[at] = precision.encode_nearest(kind, rows)
@@ -246,13 +283,25 @@ class RamTier:
         if kind != precision.FLOAT32:
             out[at] = precision.decode(kind, precision.encode_nearest(kind, out[at]))
 
-    def as_stored(self, values: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        """``values`` (stored elements of this table's type, or float32) as stored elements:
-        float32 ones are rounded to the nearest stored value."""
+    def put_values(self, slots: npt.NDArray[np.int32], values: npt.NDArray[Any]) -> None:
+        """Set the values of the rows at ``slots`` (float32, or 16-bit elements as they travel:
+        ``precision.widen``), converted to the stored type: 16-bit to nearest, 8-bit quantized."""
+        a, kind = self.arena, self.format.values
+        if kind == precision.INT8:
+            a.values[slots], a.state[slots] = precision.quantize(precision.widen(values))
+        elif values.dtype == a.values.dtype:
+            a.values[slots] = values
+        else:
+            a.values[slots] = precision.encode_nearest(kind, precision.widen(values), self.rounding)
+
+    @property
+    def out_dtypes(self) -> tuple[np.dtype[Any], ...]:
+        """What ``gather`` may write: float32, and a 16-bit table's own elements."""
         kind = self.format.values
-        if values.dtype == self.arena.values.dtype:
-            return values
-        return precision.encode_nearest(kind, values.astype(np.float32), self.rounding)
+        return (
+            np.dtype(np.float32),
+            *((self.arena.values.dtype,) if kind in (precision.BFLOAT16, precision.FLOAT16) else ()),
+        )
 
     @property
     def admits_all(self) -> bool:
@@ -279,12 +328,16 @@ class RamTier:
         a = self._grown_arena()
         new = slots.astype(np.int64)
         fmt, spec = self.format, self.spec
-        if fmt.values == precision.FLOAT32:
+        if fmt.values == precision.INT8:  # a serving table: a scale and a bias in place of state
+            a.values[new], a.state[new] = precision.quantize(initial_rows(spec.initializer, spec.seed, keys, spec.dim))
+        elif fmt.values == precision.FLOAT32:
             fill_initial_rows(spec.initializer, spec.seed, keys, a.values, new)
         else:
             rows = initial_rows(spec.initializer, spec.seed, keys, spec.dim)
             a.values[new] = precision.encode_nearest(fmt.values, rows, self.rounding)
-        if fmt.state == precision.FLOAT32:
+        if fmt.values == precision.INT8:  # its state columns hold the scale and bias set above
+            pass
+        elif fmt.state == precision.FLOAT32:
             optimizers.init_state(spec.optimizer, a.state, new)
         elif fmt.state_width:
             state = np.empty((new.shape[0], fmt.state_width), np.float32)

@@ -2,7 +2,8 @@
 a table's RAM and disk halves, rescue dumps, checkpoints and reshards.
 
 A row is its key, its ``values`` (the embedding, ``dim`` elements), its optimizer
-``state`` (``state_width`` elements: Adagrad's accumulator, Adam's moments, ...), its
+``state`` (``state_width`` elements: Adagrad's accumulator, Adam's moments, ...; in an
+8-bit serving table, which keeps no optimizer state, the row's scale and bias), its
 ``version`` (updates applied, which seeds the stochastic rounding of 16-bit rows; always
 0 for float32 tables) and its lifecycle metadata: ``last_access`` (Unix seconds of its
 last lookup or push, for LRU and TTL) and ``frequency`` (lookups, for admission and LFU).
@@ -60,12 +61,14 @@ class RowFormat:
 
     @classmethod
     def of(cls, spec: TableSpec) -> RowFormat:
+        if spec.storage_dtype == precision.INT8:  # a serving table: no optimizer state, a scale and a bias
+            return cls(spec.dim, 2, precision.INT8, precision.FLOAT32)
         return cls(spec.dim, optimizers.state_width(spec.optimizer, spec.dim), spec.storage_dtype, spec.state_dtype)
 
     @property
     def versioned(self) -> bool:
         """True when rows carry a version (some column is rounded stochastically)."""
-        return self.values != precision.FLOAT32 or self.state != precision.FLOAT32
+        return self.values in (precision.BFLOAT16, precision.FLOAT16) or self.state != precision.FLOAT32
 
     @cached_property
     def record(self) -> np.dtype[Any]:

@@ -180,7 +180,9 @@ def _open_shard(config: ServerConfig) -> Shard:
     if mode == "serve":  # its rows come from its data dir, a checkpoint, or the training shard it follows
 
         def source(shard: Shard) -> Source:
-            return Source(shard, config.follow, max_message_bytes=config.max_message_bytes, **peer)
+            return Source(
+                shard, config.follow, max_message_bytes=config.max_message_bytes, serve_dtype=config.serve_dtype, **peer
+            )
 
     if config.shard >= config.num_shards:
         log.warning(

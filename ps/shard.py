@@ -46,6 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from protos import ps_pb2 as pb
+from ps import precision
 from ps.background import LoopHealth, RateWindow
 from ps.batches import MODES, LookupBatch, Mode, PushBatch, RowSource
 from ps.budget import MemoryBudget
@@ -230,6 +231,8 @@ class Shard:
         be stored.
         """
         self.check_mode("CreateTable")
+        if spec.storage_dtype == precision.INT8:
+            raise InvalidRequest(f"table {spec.name!r}: storage_dtype int8 is for serving shards (--serve-dtype int8)")
         return self.install_table(spec, limited=True)
 
     def install_table(self, spec: TableSpec, limited: bool = False) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -120,9 +121,9 @@ def _delta(
             delta = pb.TableDelta(
                 table=name,
                 keys=wire.encode_keys(rows.keys),
-                rows=np.ascontiguousarray(rows.values).tobytes(),
+                rows=_sendable(table, rows.values, rows.state).tobytes(),
                 dim=table.dim,
-                dtype=precision.to_wire(table.spec.storage_dtype),
+                dtype=_sent_type(table),
                 deleted_keys=wire.encode_keys(gone),
             )
             if parts and size + k.shape[0] * (8 + 4 * table.dim) > limit:
@@ -151,9 +152,9 @@ def _snapshot(log: ChangeLog, tables: Sequence[Table], limit: int) -> Generator[
             delta = pb.TableDelta(
                 table=table.spec.name,
                 keys=wire.encode_keys(keys[start : start + step]),
-                rows=values[start : start + step].tobytes(),
+                rows=_sendable(table, values[start : start + step], rows.state[start : start + step]).tobytes(),
                 dim=table.dim,
-                dtype=precision.to_wire(table.spec.storage_dtype),
+                dtype=_sent_type(table),
             )
             yield pb.FollowBatch(
                 history=log.history, version=version, leader_version=log.version, deltas=[delta], in_snapshot=True
@@ -168,3 +169,15 @@ def _snapshot(log: ChangeLog, tables: Sequence[Table], limit: int) -> Generator[
         in_snapshot=True,
     )
     return version
+
+
+def _sent_type(table: Table) -> pb.DType:
+    """The dtype a table's rows travel in: their stored type (8-bit rows go as float32)."""
+    kind = table.spec.storage_dtype
+    return precision.to_wire(precision.FLOAT32 if kind == precision.INT8 else kind)
+
+
+def _sendable(table: Table, values: npt.NDArray[Any], state: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    if table.spec.storage_dtype == precision.INT8:  # codes mean nothing without their scale and bias
+        return precision.dequantize(values, state)
+    return np.ascontiguousarray(values)

@@ -163,7 +163,7 @@ class Table:
             out = np.empty((keys.shape[0], self.dim), dtype=np.float32)
         elif (
             out.shape != (keys.shape[0], self.dim)
-            or out.dtype not in (np.float32, self._ram.arena.values.dtype)
+            or out.dtype not in self._ram.out_dtypes
             or not out.flags.c_contiguous
         ):
             # The gather kernel does not bounds-check: a wrong buffer would corrupt memory.
@@ -392,7 +392,7 @@ class Table:
         training shard's changes."""
         with self._lock:
             slots = self._resolve(keys, now_tick(), create=True, sighting=False)
-            self._ram.arena.values[slots] = self._ram.as_stored(values)
+            self._ram.put_values(slots, values)
             self._ram.mark(slots, DIRTY)
 
     def write_to(self, rows: TableRows, storage: Storage) -> int:

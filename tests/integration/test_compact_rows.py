@@ -18,6 +18,7 @@ import numpy.typing as npt
 import pytest
 
 from client import PSClient
+from ps import precision
 from ps.config import TableSpec
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.table import Table
@@ -143,3 +144,50 @@ def test_a_bfloat16_table_survives_kill_restart_checkpoint_reshard_and_follow(
     )
     for s in shards:
         stop_shard(s)
+
+
+def test_a_serving_shard_holds_8_bit_rows_of_its_training_shard(tmp_path: Path, procs: list[RunningShard]) -> None:
+    leader = start_shard(0, 1, tmp_path / "train")
+    procs.append(leader)
+    serve_args = ("--mode=serve", f"--follow={leader.address}", "--serve-dtype=int8", f"--data-dir={tmp_path / 'sd'}")
+    follower = start_shard(0, 1, tmp_path / "serve", *serve_args)
+    procs.append(follower)
+    rng = np.random.default_rng(5)
+    with PSClient([leader.address]) as ps:
+        ps.create_table("f32", 16, optimizer="adagrad", lr=0.1)
+        ps.create_table("b16", 16, optimizer="adagrad", lr=0.1, storage_dtype="bfloat16")
+        for name in ("f32", "b16"):
+            ps.push(name, KEYS, rng.standard_normal((KEYS.shape[0], 16)).astype(np.float32))
+        trained = {name: ps.lookup(name, KEYS) for name in ("f32", "b16")}
+    wait_caught_up(follower.address, leader.address)
+
+    def served() -> dict[str, npt.NDArray[np.float32]]:
+        with PSClient([follower.address]) as ps:
+            return {name: ps.lookup(name, KEYS) for name in ("f32", "b16")}
+
+    got = served()
+    for name, rows in trained.items():
+        codes, params = precision.quantize(rows)
+        assert np.array_equal(got[name].view(np.uint32), precision.dequantize(codes, params).view(np.uint32)), name
+        assert (np.abs(got[name] - rows) <= params[:, :1] / 2 + 1e-6).all(), name
+    with PSClient([follower.address]) as ps:
+        tables = {t["name"]: t for t in ps.stats()[0]["tables"]}
+    assert {(t["storage_dtype"], t["record_bytes"]) for t in tables.values()} == {(4, 16 + 8 + 8)}
+
+    stop_shard(follower)  # its data dir keeps the 8-bit rows and their type
+    follower = start_shard(0, 1, tmp_path / "serve", *serve_args)
+    procs.append(follower)
+    wait_caught_up(follower.address, leader.address)
+    assert all(np.array_equal(a, got[name]) for name, a in served().items())
+    stop_shard(follower)
+    stop_shard(leader)
+
+
+def test_serve_dtype_is_refused_on_a_training_shard(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ps", "--serve-dtype=int8"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode != 0 and "needs mode=serve" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -229,8 +229,8 @@ def test_table_spec_limits_and_dtype() -> None:
     assert TableSpec("t", MAX_DIM).dim == MAX_DIM == 65536
     assert TableSpec("t", 1, seed=2**64 - 1).seed == 2**64 - 1
     assert TableSpec("t", 4, storage_dtype="bfloat16", state_dtype="bfloat16").storage_dtype == "bfloat16"
-    with pytest.raises(ConfigError, match="storage_dtype='int8'"):
-        TableSpec("t", 4, storage_dtype="int8")
+    with pytest.raises(ConfigError, match="storage_dtype='int4'"):
+        TableSpec("t", 4, storage_dtype="int4")
     with pytest.raises(ConfigError, match="state_dtype='float16'.*overflow"):
         TableSpec("t", 4, state_dtype="float16")
 

@@ -312,3 +312,45 @@ def test_16_bit_wire_lookups_read_exactly_what_float32_ones_do(stored: str, shar
             if wire_type == stored:
                 assert np.array_equal(want, exact)
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (stored, wire_type)
+
+
+# -- 8-bit rows on serving shards -----------------------------------------------------------
+
+
+def test_8_bit_rows_decode_within_half_a_step_of_their_values() -> None:
+    rng = np.random.default_rng(6)
+    rows = (rng.standard_normal((2000, 64)) * rng.choice([1e-4, 0.05, 3.0], (2000, 1))).astype(np.float32)
+    rows[0] = 0.25  # a constant row is exact
+    codes, params = precision.quantize(rows)
+    back = precision.dequantize(codes, params)
+    err = np.abs(back.astype(np.float64) - rows)
+    bound = params[:, :1].astype(np.float64) / 2 + 4 * np.finfo(np.float32).eps * np.abs(rows).max(
+        axis=1, keepdims=True
+    )
+    assert (err <= bound).all(), float((err - bound).max())
+    assert np.array_equal(back[0], rows[0]) and codes.dtype == np.uint8
+
+
+def test_an_8_bit_serving_table_holds_quantized_rows_and_no_optimizer_state() -> None:
+    from ps.errors import InvalidRequest
+    from ps.shard import Shard
+
+    spec = TableSpec("t", 16, optimizer=ADAGRAD, seed=3, storage_dtype="int8")
+    fmt = RowFormat.of(spec)
+    assert (fmt.state_width, fmt.versioned, fmt.record_bytes) == (2, False, 16 + 8 + 8)
+    table = Table(spec)
+    keys = np.arange(100)
+    values = np.random.default_rng(1).standard_normal((100, 16)).astype(np.float32)
+    table.assign(keys, values)  # as a follower applies its training shard's rows
+    want = precision.dequantize(*precision.quantize(values))
+    assert np.array_equal(table.lookup(keys, create=False).view(np.uint32), want.view(np.uint32))
+    bf16 = precision.encode_nearest("bfloat16", values)  # rows that travel as bfloat16 bits
+    table.assign(keys, bf16)
+    want = precision.dequantize(*precision.quantize(precision.decode("bfloat16", bf16)))
+    assert np.array_equal(table.lookup(keys, create=False), want)
+    unknown = initial_rows(spec.initializer, 3, np.array([500]), 16)
+    got = table.lookup(np.array([500]))  # a new row reads as its initial row, quantized
+    assert np.array_equal(got, precision.dequantize(*precision.quantize(unknown)))
+    assert table.bytes_per_row < Table(TableSpec("u", 16, optimizer=ADAGRAD)).bytes_per_row / 3
+    with pytest.raises(InvalidRequest, match="int8 is for serving shards"):
+        Shard(0, 1).create_table(spec)
