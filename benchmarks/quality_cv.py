@@ -138,6 +138,8 @@ def train_once(schema: str, model: str, fold: int, folds: int, seed: int, overri
         "epochs": int(m["config"]["epochs"]),
         "batch_size": int(m["config"]["batch_size"]),
         "train_rows": m["data"]["train_rows"],
+        # eval_serve_dtype: the same model scored with rows as such serving shards hold them
+        **({"served_auc": m["final_served"]["auc"]} if "final_served" in m else {}),
     }
 
 

@@ -36,7 +36,6 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numba
@@ -46,6 +45,17 @@ import numpy.typing as npt
 from protos import ps_pb2 as pb
 from protos.hashing import mix64_step
 from protos.keys import mix64
+from protos.rowtypes import (
+    BFLOAT16,
+    FLOAT16,
+    FLOAT32,
+    INT8,
+    Rounding,
+    decode,
+    dequantize,
+    encode_nearest,
+    quantize,
+)
 
 __all__ = [
     "BFLOAT16",
@@ -71,7 +81,6 @@ __all__ = [
     "to_wire_rows",
 ]
 
-FLOAT32, BFLOAT16, FLOAT16, INT8 = "float32", "bfloat16", "float16", "int8"
 STORAGE_TYPES = (FLOAT32, BFLOAT16, FLOAT16)  # what a training table may store
 SERVE_TYPES = (*STORAGE_TYPES, INT8)  # what a serving shard may hold its rows as
 STATE_TYPES = (FLOAT32, BFLOAT16)  # float16 state would overflow Adagrad/Adam accumulators
@@ -85,7 +94,7 @@ _ARRAY_DTYPES: dict[str, np.dtype[Any]] = {
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _VERSION_MIX = np.uint64(0xD1B54A32D192ED03)
 _F16_MAX_BITS = np.uint16(0x7BFF)  # 65504
-_BF16_MAX_BITS = np.uint16(0x7F7F)
+_BF16_MAX_BITS = np.uint16(0x7F7F)  # bfloat16's largest finite value (as protos.rowtypes clamps to)
 
 
 def array_dtype(kind: str) -> np.dtype[Any]:
@@ -125,24 +134,7 @@ def from_bytes(kind: str, buf: bytes, n: int, dim: int, field: str) -> npt.NDArr
     return np.frombuffer(buf, dtype=dtype).reshape(n, dim)
 
 
-@dataclass
-class Rounding:
-    """Elements clamped to the largest finite stored value, and non-zero ones rounded to zero."""
-
-    clamped: int = 0
-    flushed: int = 0
-
-
 # -- decoding ------------------------------------------------------------------------------
-
-
-def decode(kind: str, stored: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
-    """``stored`` elements (any shape) as a new float32 array (exact: every stored value is a float32)."""
-    if kind == FLOAT32:
-        return np.array(stored, dtype=np.float32)
-    if kind == FLOAT16:
-        return np.asarray(stored, dtype=np.float16).astype(np.float32)
-    return (np.asarray(stored, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def widen(values: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
@@ -185,29 +177,6 @@ def float16_bits_to_float32_bits(h: np.uint16) -> np.uint32:
 
 
 # -- rounding to the stored type -----------------------------------------------------------
-
-
-def encode_nearest(kind: str, rows: npt.NDArray[np.float32], counts: Rounding | None = None) -> npt.NDArray[Any]:
-    """``rows`` rounded to the nearest ``kind`` value (ties to even), as a new stored array;
-    float16 magnitudes above 65504 are clamped (and counted in ``counts``)."""
-    x = np.ascontiguousarray(rows, dtype=np.float32)
-    if kind == FLOAT32:
-        return x.copy()
-    if kind == FLOAT16:
-        big = np.abs(x) > 65504.0
-        if counts is not None:
-            counts.clamped += int(np.count_nonzero(big))
-        return np.clip(x, -65504.0, 65504.0).astype(np.float16)
-    bits = x.view(np.uint32)
-    rounded = ((bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)).astype(
-        np.uint16
-    )
-    inf = (rounded & np.uint16(0x7FFF)) == np.uint16(0x7F80)
-    if inf.any():  # a finite float32 above bfloat16's largest value
-        rounded[inf] = (rounded[inf] & np.uint16(0x8000)) | _BF16_MAX_BITS
-        if counts is not None:
-            counts.clamped += int(np.count_nonzero(inf))
-    return rounded
 
 
 @numba.njit(inline="always")
@@ -315,27 +284,6 @@ def round_into(
         _round_float16(x, target, where, k, v, seed_mix, first, tally)
     counts.clamped += int(tally[0])
     counts.flushed += int(tally[1])
-
-
-# -- 8-bit rows (serving shards) ---------------------------------------------------------------
-
-
-def quantize(rows: npt.NDArray[np.float32]) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32]]:
-    """Row-wise 8-bit codes of ``rows`` and each row's ``[scale, bias]``: the 256 codes span
-    the row's minimum to its maximum, and ``code * scale + bias`` is within ``scale / 2`` of
-    the value (a row of equal values is exact, with scale 0)."""
-    x = np.ascontiguousarray(rows, dtype=np.float32)
-    lo = x.min(axis=1) if x.shape[1] else np.zeros(x.shape[0], np.float32)
-    hi = x.max(axis=1) if x.shape[1] else lo
-    scale = ((hi.astype(np.float64) - lo) / 255.0).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1.0))
-    codes = np.clip(np.rint((x - lo[:, None]) / safe[:, None]), 0, 255).astype(np.uint8)
-    return codes, np.stack([scale, lo], axis=1)
-
-
-def dequantize(codes: npt.NDArray[np.uint8], params: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    """``code * scale + bias`` per element, in float32 (as the serving gather computes it)."""
-    return (codes.astype(np.float32) * params[:, :1] + params[:, 1:]).astype(np.float32)
 
 
 # -- lookups in a 16-bit wire type ----------------------------------------------------------

@@ -164,6 +164,13 @@ class TrainerConfig:
         default="float32",
         metadata=_help("type of looked-up rows and pushed gradients on the wire: float32, bfloat16 or float16"),
     )
+    eval_serve_dtype: str = field(
+        default="stored",
+        metadata=_help(
+            "also score the held-out rows as serving shards with --serve-dtype int8, bfloat16 or float16 would "
+            "(metrics final_served); stored: no second score"
+        ),
+    )
     dense_lr: float = field(default=5e-4, metadata=_help("Adam learning rate of the dense tower"))
     mode: str = field(default="pipelined", metadata=_help("pipelined (lookups ahead, async pushes) or sync (exact)"))
     device: str = field(
@@ -206,6 +213,10 @@ class TrainerConfig:
             ),
             (self.state_dtype in _FLOAT_TYPES[:2], f"state_dtype={self.state_dtype!r}: expected float32 or bfloat16"),
             (self.wire_dtype in _FLOAT_TYPES, f"wire_dtype={self.wire_dtype!r}: expected float32, bfloat16 or float16"),
+            (
+                self.eval_serve_dtype in ("stored", "int8", *_FLOAT_TYPES),
+                f"eval_serve_dtype={self.eval_serve_dtype!r}: expected stored, int8, float32, bfloat16 or float16",
+            ),
             (self.mode in ("sync", "pipelined"), f"mode={self.mode!r}: expected sync or pipelined"),
             (self.device in ("auto", "cpu", "cuda"), f"device={self.device!r}: expected auto, cpu or cuda"),
             (self.bad_lines in ("error", "skip"), f"bad_lines={self.bad_lines!r}: expected error or skip"),

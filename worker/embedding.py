@@ -115,6 +115,9 @@ class DistributedEmbedding(torch.nn.Module):
         # ties that node into the graph.
         self._fusable = mode == "pipelined" and self.device.type == "cpu" and all(f.pooling == "sum" for f in features)
         self._anchor = torch.zeros((), requires_grad=True)
+        # Evaluation reads rows through this, if set: e.g. as a serving shard of another
+        # storage type would return them (``protos.rowtypes.as_served``).
+        self.eval_rows: Callable[[npt.NDArray[np.float32]], npt.NDArray[np.float32]] | None = None
 
     # -- public ---------------------------------------------------------------------
     def create_tables(self) -> None:
@@ -185,7 +188,8 @@ class DistributedEmbedding(torch.nn.Module):
             # training steps and their prefetched lookups alone.
             plan = self._plan(batch)
             rows = self._pipeline.lookup(None, plan.unique).result()
-            tensors = [torch.from_numpy(rows[t]).to(self.device, non_blocking=True) for t in plan.unique]
+            read = self.eval_rows or (lambda r: r)
+            tensors = [torch.from_numpy(read(rows[t])).to(self.device, non_blocking=True) for t in plan.unique]
             return self._pool_all(batch, plan, dict(zip(plan.unique, tensors)))
         step = self._step
         pooled = None

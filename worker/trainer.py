@@ -41,6 +41,7 @@ in the last digits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -55,6 +56,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from client import ClientConfig, PSClient
+from protos.rowtypes import as_served
 from worker.command import parse, report
 from worker.config import TrainerConfig
 from worker.data import rare_key
@@ -266,9 +268,14 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
             if bar is not None:
                 bar.close()
             final: dict[str, float] = {}
+            served: dict[str, float] = {}
             if d.rank == 0:
                 labels, probs = predict(run.emb, run.model, held_out, d.device)
                 final = scores(labels, probs)
+                if config.eval_serve_dtype != "stored":  # the same model, rows as serving shards would hold them
+                    run.emb.eval_rows = functools.partial(as_served, config.eval_serve_dtype)
+                    served = scores(*predict(run.emb, run.model, held_out, d.device))
+                    run.emb.eval_rows = None
         finally:
             run.close()
         digests: list[Any] = [_digest(run.model)] * d.world
@@ -276,6 +283,8 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
             dist.all_gather_object(digests, _digest(run.model))
         shard_stats = client.stats() if d.rank == 0 else []
     metrics.update(run.stats(), evals=run.evals, final=final, dense_digests=digests)
+    if served:
+        metrics["final_served"] = {**served, "serve_dtype": config.eval_serve_dtype}
     if shard_stats:
         metrics["shards"] = _shard_totals(shard_stats)
     if data.bad_lines is not None and data.bad_lines.count:

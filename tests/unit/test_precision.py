@@ -354,3 +354,21 @@ def test_an_8_bit_serving_table_holds_quantized_rows_and_no_optimizer_state() ->
     assert table.bytes_per_row < Table(TableSpec("u", 16, optimizer=ADAGRAD)).bytes_per_row / 3
     with pytest.raises(InvalidRequest, match="int8 is for serving shards"):
         Shard(0, 1).create_table(spec)
+
+
+def test_a_trainer_scores_with_rows_exactly_as_serving_shards_return_them() -> None:
+    """``as_served`` (what ``eval_serve_dtype`` reads) is the serving shard's own conversion."""
+    from protos.rowtypes import as_served
+    from worker.config import TrainerConfig
+
+    rows = np.random.default_rng(8).standard_normal((300, 16)).astype(np.float32)
+    spec = TableSpec("t", 16, storage_dtype="int8")
+    table = Table(spec)
+    table.assign(np.arange(300), rows)
+    assert np.array_equal(as_served("int8", rows).view(np.uint32), table.lookup(np.arange(300)).view(np.uint32))
+    for kind in ("bfloat16", "float16"):
+        half = Table(TableSpec("h", 16, storage_dtype=kind))
+        half.assign(np.arange(300), rows)
+        assert np.array_equal(as_served(kind, rows), half.lookup(np.arange(300)))
+    with pytest.raises(ValueError, match="eval_serve_dtype='int4'"):
+        TrainerConfig(eval_serve_dtype="int4")
