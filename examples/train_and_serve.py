@@ -5,7 +5,8 @@
     python examples/train_and_serve.py --data ../shared/data/avazu_train_head10k.csv --schema avazu
 
 1. starts --num-shards (default 2) training shards (data dirs in a temporary directory) and as many serving shards
-   (``--mode serve --follow``) that stream every change of their training shard;
+   (``--mode serve --follow``) that stream every change of their training shard (holding the rows as
+   ``--eval-serve-dtype`` says: ``int8`` serves 8-bit rows, and training reports the score they give);
 2. trains DLRM on the training shards (every trainer flag works here: ``--model deepfm``,
    ``--train-samples``...); the run, with its exported model, goes to runs/<UTC time>/;
 3. waits until the serving shards hold every row training wrote, and says how far behind
@@ -80,7 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ps-train-and-serve-") as tmp:
         root = Path(tmp)
         trainers = LocalCluster(n, root / "train", extra_args=(f"--data-dir={root / 'train' / 'data-{shard}'}",))
-        with trainers, LocalCluster(n, root / "serve", follow=trainers.addresses) as servers:
+        # --eval-serve-dtype int8: the serving shards hold the rows as the trainer's second score assumed
+        held = () if config.eval_serve_dtype == "stored" else (f"--serve-dtype={config.eval_serve_dtype}",)
+        with trainers, LocalCluster(n, root / "serve", follow=trainers.addresses, extra_args=held) as servers:
             print(
                 f"training shards {','.join(trainers.addresses)}; serving shards (following) "
                 f"{','.join(servers.addresses)}",
@@ -94,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"model exported to {run}",
                 flush=True,
             )
+            if "final_served" in metrics:
+                print(f"served as {config.eval_serve_dtype}: AUC {metrics['final_served']['auc']:.4f}", flush=True)
             with PSClient(trainers.addresses) as train_client, PSClient(servers.addresses) as serve_client:
                 lag = [s["follow"]["lag_versions"] for s in serve_client.stats()]
                 started = time.monotonic()

@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from client import PredictClient, PredictError, PSClient
 from deploy.local import LocalCluster
 from protos import infer_pb2 as pb
+from protos import ps_pb2 as pb_ps
 from protos.columns import Column, columns_of, encode_request, request_of
 from tests.faults.proxy import FaultProxy
 from tests.integration.infer_helpers import (
@@ -174,6 +175,34 @@ def test_serving_replicas_that_follow_the_training_shards_give_the_same_scores(
                     np.testing.assert_array_equal(client.predict(ctx, cand), expected)
         finally:
             stop_infer(served)
+
+
+def test_scores_from_8_bit_serving_shards_equal_the_in_process_model_on_the_same_rows(
+    trained: Trained, infer: Infer, tmp_path: Path
+) -> None:
+    from worker.predictor import Predictor
+
+    ids, counts = raw_rows(64, seed=9)
+    ((ctx, cand),) = requests_of(ids, counts, [64])
+    with PredictClient(infer.address) as client:
+        full = client.predict(ctx, cand)  # float32 rows (creates the rows of unseen ids first)
+    int8 = ("--serve-dtype=int8",)
+    with LocalCluster(2, root=tmp_path / "q", follow=trained.addresses, extra_args=int8) as quantized:
+        with PSClient(quantized.addresses) as rows:
+            deadline = time.monotonic() + 60
+            while any(s["follow"]["lag_versions"] or not s["follow"]["connected"] for s in rows.stats()):
+                assert time.monotonic() < deadline, rows.stats()
+                time.sleep(0.05)
+            assert {t["storage_dtype"] for s in rows.stats() for t in s["tables"]} == {pb_ps.INT8}
+            local = Predictor.load(trained.run, rows).predict(ctx, cand)
+        served = start_infer(Trained([",".join(quantized.addresses)], trained.run), tmp_path, "int8")
+        try:
+            with PredictClient(served.address) as client:
+                got = client.predict(ctx, cand)
+        finally:
+            stop_infer(served)
+    np.testing.assert_array_equal(got, local)  # ps-infer on 8-bit rows = this process on them, bit for bit
+    assert not np.array_equal(got, full) and np.abs(got - full).max() < 0.01  # quantized, and close
 
 
 def test_past_max_concurrent_requests_are_refused_at_once(trained: Trained, tmp_path: Path) -> None:
