@@ -21,6 +21,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from protos import ps_pb2 as pb
+from protos import wire
+
 __all__ = [
     "BFLOAT16",
     "FLOAT16",
@@ -66,10 +69,7 @@ def encode_nearest(kind: str, rows: npt.NDArray[np.float32], counts: Rounding | 
         if counts is not None:
             counts.clamped += int(np.count_nonzero(big))
         return np.clip(x, -65504.0, 65504.0).astype(np.float16)
-    bits = x.view(np.uint32)
-    rounded = ((bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)).astype(
-        np.uint16
-    )
+    rounded = wire.rows_to_dtype(x, pb.BFLOAT16).view(np.uint16)  # to nearest, as 16-bit rows travel
     inf = (rounded & np.uint16(0x7FFF)) == np.uint16(0x7F80)
     if inf.any():  # a finite float32 above bfloat16's largest value
         rounded[inf] = (rounded[inf] & np.uint16(0x8000)) | _BF16_MAX_BITS

@@ -71,7 +71,6 @@ __all__ = [
     "from_bytes",
     "from_wire",
     "to_wire",
-    "decode_into",
     "dequantize",
     "quantize",
     "widen",
@@ -142,14 +141,6 @@ def widen(values: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
     if values.dtype == np.uint16:
         return decode(BFLOAT16, values)
     return np.asarray(values, dtype=np.float32)
-
-
-def decode_into(kind: str, stored: npt.NDArray[Any], out: npt.NDArray[np.float32]) -> None:
-    """Write ``decode(kind, stored)`` into ``out`` (same shape)."""
-    if kind == BFLOAT16:
-        np.left_shift(stored, 16, out=out.view(np.uint32), dtype=np.uint32)
-    else:
-        out[...] = stored
 
 
 @numba.njit(inline="always")

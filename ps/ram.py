@@ -330,16 +330,13 @@ class RamTier:
         fmt, spec = self.format, self.spec
         if fmt.values == precision.INT8:  # a serving table: a scale and a bias in place of state
             a.values[new], a.state[new] = precision.quantize(initial_rows(spec.initializer, spec.seed, keys, spec.dim))
-        elif fmt.values == precision.FLOAT32:
+        elif fmt.values == precision.FLOAT32 and fmt.state == precision.FLOAT32:
             fill_initial_rows(spec.initializer, spec.seed, keys, a.values, new)
-        else:
-            rows = initial_rows(spec.initializer, spec.seed, keys, spec.dim)
-            a.values[new] = precision.encode_nearest(fmt.values, rows, self.rounding)
-        if fmt.values == precision.INT8:  # its state columns hold the scale and bias set above
-            pass
-        elif fmt.state == precision.FLOAT32:
             optimizers.init_state(spec.optimizer, a.state, new)
-        elif fmt.state_width:
+        else:  # computed in float32, rounded to nearest
+            a.values[new] = precision.encode_nearest(
+                fmt.values, initial_rows(spec.initializer, spec.seed, keys, spec.dim), self.rounding
+            )
             state = np.empty((new.shape[0], fmt.state_width), np.float32)
             optimizers.init_state(spec.optimizer, state, np.arange(new.shape[0]))
             a.state[new] = precision.encode_nearest(fmt.state, state, self.rounding)

@@ -26,3 +26,15 @@ def cluster(tmp_path: Path) -> Iterator[list[RunningShard]]:
 @pytest.fixture
 def addresses(cluster: list[RunningShard]) -> list[str]:
     return [s.address for s in cluster]
+
+
+@pytest.fixture
+def procs() -> Iterator[list[RunningShard]]:
+    """Shard processes a test starts (it appends them); any still running at teardown (a
+    failed test) are killed."""
+    started: list[RunningShard] = []
+    yield started
+    for s in started:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()

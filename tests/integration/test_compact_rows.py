@@ -10,12 +10,10 @@ both: a row whose state or version changed on the way would come out different.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
-import pytest
 
 from client import PSClient
 from ps import precision
@@ -36,16 +34,6 @@ SPEC = TableSpec(
     state_dtype="bfloat16",
 )
 KEYS = np.unique(np.random.default_rng(9).integers(-(2**63), 2**63 - 1, 3000, dtype=np.int64))
-
-
-@pytest.fixture
-def procs() -> Iterator[list[RunningShard]]:
-    started: list[RunningShard] = []
-    yield started
-    for s in started:
-        if s.proc.poll() is None:
-            s.proc.kill()
-            s.proc.wait()
 
 
 def push_round(addresses: list[str], twin: Table, seed: int) -> None:

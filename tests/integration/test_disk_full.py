@@ -83,16 +83,6 @@ def checkpoint(address: str) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-@pytest.fixture
-def procs() -> Iterator[list[ShardProcess]]:
-    started: list[ShardProcess] = []
-    yield started
-    for s in started:
-        if s.proc.poll() is None:
-            s.proc.kill()
-            s.proc.wait()
-
-
 def start(procs: list[ShardProcess], root: Path, *args: str, limit: int | None = None) -> ShardProcess:
     shard = spawn_shard(root, "shard", *args, fsize_limit_bytes=limit)
     procs.append(shard)

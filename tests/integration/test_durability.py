@@ -12,14 +12,12 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import numpy as np
 import numpy.typing as npt
-import pytest
 
 from client import PSClient
 from tests.integration.durability_util import (
@@ -33,17 +31,6 @@ from tests.integration.durability_util import (
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 
 Push = tuple[str, int]
-
-
-@pytest.fixture
-def procs() -> Iterator[list[RunningShard]]:
-    """Shards a test started; any still running at teardown (a failed test) are killed."""
-    started: list[RunningShard] = []
-    yield started
-    for s in started:
-        if s.proc.poll() is None:
-            s.proc.kill()
-            s.proc.wait()
 
 
 def start(procs: list[RunningShard], root: Path, *args: str) -> RunningShard:
