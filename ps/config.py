@@ -269,9 +269,10 @@ class ServerConfig:
     serve_dtype: str = field(
         default="stored",
         metadata={
-            "help": "serve mode: hold the rows of tables taken from --follow as int8 (row-wise, a scale and a "
-            "bias per row, no optimizer state), float32, bfloat16 or float16; stored: as the training table "
-            "stores them. Chosen when the table is first taken (an existing --data-dir keeps its tables' type)"
+            "help": "serve mode: hold the rows as int8 (row-wise, a scale and a bias per row, no optimizer "
+            "state), float32, bfloat16 or float16; stored: as the training table stores them. Tables taken from "
+            "--follow are created so (an existing --data-dir of a follower keeps its tables' type); a --data-dir "
+            "served as it is and a pinned checkpoint (ps-admin serve-from) are converted as they open, into RAM"
         },
     )
     follow: str | None = field(

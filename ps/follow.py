@@ -29,6 +29,7 @@ its versions from 0 again, in a new history): ``lag_versions`` is then at least 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import random
 import threading
@@ -52,12 +53,12 @@ from ps.datadir import DataDirError
 from ps.errors import InvalidRequest
 from ps.lifecycle import Lifecycle
 from ps.rescue import read_base
-from ps.rows import RowFormat
+from ps.rows import RowFormat, Rows
 from ps.shard import Shard
 from ps.storage import Storage, StorageFailed
 from ps.table import Table
 
-__all__ = ["Source"]
+__all__ = ["Source", "held_as"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ class Source:
         self._resume.set()
         self._call: Any = None  # the open Follow call (an iterator that can be cancelled)
         self._thread: threading.Thread | None = None
+        if leader is None and serve_dtype != "stored":  # a data dir or checkpoint served as it is
+            shard.swap_tables({t.spec.name: held_as(t, serve_dtype) for t in shard.tables()})
         if leader is not None and shard.storage is not None:
             saved = shard.storage.get_meta(_STATE_KEY)
             if saved:
@@ -348,7 +351,8 @@ class Source:
         tables = {}
         for name, blob in sorted(storage.specs().items()):
             spec = spec_from_proto(pb.TableSpec.FromString(blob))
-            tables[name] = Table(spec, rows=storage.table(name, RowFormat.of(spec)), storage=storage)
+            table = Table(spec, rows=storage.table(name, RowFormat.of(spec)), storage=storage)
+            tables[name] = held_as(table, self.serve_dtype)
         self._resume.clear()  # pause following: the stream loop leaves at its next message
         if self._call is not None:
             self._call.cancel()
@@ -383,6 +387,33 @@ class Source:
             old.close()
         self._resume.set()
         log.info("unpinned: serving %s again", self.kind)
+
+
+def held_as(table: Table, kind: str) -> Table:
+    """``table`` with its values held as ``kind`` (``--serve-dtype``; "stored": ``table``
+    itself, as it is): a copy in RAM, without optimizer state, taking rows out of ``table``
+    a chunk at a time. ``table`` must not be in service yet (it is read without its lock)."""
+    if kind == "stored" or table.spec.storage_dtype == kind:
+        return table
+    copy = Table(dataclasses.replace(table.spec, storage_dtype=kind, lifecycle=Lifecycle()))
+    keys, slots = table.ram.items()
+    chunks: Iterable[Rows] = [table.ram.arena.rows(keys, slots)]
+    if table.disk is not None:
+        chunks = itertools.chain(chunks, (c[table.ram.slots(c.keys) < 0] for c in table.disk.scan()))
+    for rows in chunks:
+        if len(rows):
+            copy.assign(rows.keys, _values_float32(table.spec.storage_dtype, rows))
+    log.info(
+        "table %r: holding %d rows as %s (stored as %s)", table.spec.name, len(copy), kind, table.spec.storage_dtype
+    )
+    return copy
+
+
+def _values_float32(kind: str, rows: Rows) -> npt.NDArray[np.float32]:
+    """The values of ``rows`` stored as ``kind``, as float32 (8-bit codes dequantized)."""
+    if kind == precision.INT8:
+        return precision.dequantize(rows.values, rows.state)
+    return precision.decode(kind, rows.values)
 
 
 def _delta_rows(delta: pb.TableDelta, n: int) -> npt.NDArray[Any]:

@@ -171,6 +171,45 @@ def test_a_serving_shard_holds_8_bit_rows_of_its_training_shard(tmp_path: Path, 
     stop_shard(leader)
 
 
+def test_a_checkpoint_is_served_as_8_bit_rows_opened_or_pinned(tmp_path: Path, procs: list[RunningShard]) -> None:
+    checkpoints = tmp_path / "train" / "data" / "checkpoints"
+    leader = start_shard(0, 1, tmp_path / "train", f"--data-dir={tmp_path / 'train' / 'data'}")
+    procs.append(leader)
+    rng = np.random.default_rng(6)
+    with PSClient([leader.address]) as ps:
+        ps.create_table("f32", 16, optimizer="adagrad", lr=0.1)
+        ps.create_table("b16", 16, optimizer="adagrad", lr=0.1, storage_dtype="bfloat16")
+        for name in ("f32", "b16"):
+            ps.push(name, KEYS, rng.standard_normal((KEYS.shape[0], 16)).astype(np.float32))
+        trained = {name: ps.lookup(name, KEYS) for name in ("f32", "b16")}
+        (written,) = ps.checkpoint()
+        for name in ("f32", "b16"):  # later rows: a pinned shard must not serve them
+            ps.push(name, KEYS, rng.standard_normal((KEYS.shape[0], 16)).astype(np.float32))
+
+    def served_as_8_bit(address: str) -> None:
+        with PSClient([address]) as ps:
+            got = {name: ps.lookup(name, KEYS) for name in trained}
+            assert {t["storage_dtype"] for t in ps.stats()[0]["tables"]} == {4}
+        for name, rows in trained.items():
+            want = precision.dequantize(*precision.quantize(rows))
+            assert np.array_equal(got[name].view(np.uint32), want.view(np.uint32)), name
+
+    opened = start_shard(0, 1, tmp_path / "open", "--mode=serve", f"--data-dir={written['path']}", "--serve-dtype=int8")
+    procs.append(opened)
+    served_as_8_bit(opened.address)
+    stop_shard(opened)
+
+    follow_args = (f"--follow={leader.address}", "--serve-dtype=int8", f"--checkpoint-root={checkpoints}")
+    follower = start_shard(0, 1, tmp_path / "serve", "--mode=serve", *follow_args)
+    procs.append(follower)
+    wait_caught_up(follower.address, leader.address)
+    with PSClient([follower.address]) as ps:
+        assert ps.serve_from(written["name"])[0]["source"] == "checkpoint"
+    served_as_8_bit(follower.address)
+    stop_shard(follower)
+    stop_shard(leader)
+
+
 def test_serve_dtype_is_refused_on_a_training_shard(tmp_path: Path) -> None:
     import subprocess
     import sys
