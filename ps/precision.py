@@ -10,10 +10,14 @@ becomes ``hi`` with probability ``(x - lo) / (hi - lo)``, so the rounding error 
 zero and small updates are not lost. The random number of element ``j`` is a pure
 function of the table seed, the key, the row's version (its update count) and ``j``:
 
-    ``w = mix64(mix64(key ^ mix64(seed) ^ version * 0xD1B54A32D192ED03) + (j + 1) * 0x9E3779B97F4A7C15)``
+    ``r = mix64(key ^ mix64(seed) ^ version * 0xD1B54A32D192ED03)``
+    ``w(i) = mix64(r + (i + 1) * 0x9E3779B97F4A7C15)``
 
-so a run is reproducible, any cluster size rounds a row the same way, and a local twin
-that rounds alike gives the shards' rows bit for bit. State columns draw ``j + dim``.
+bfloat16 takes 16 bits per element, four to a word: element ``j`` adds bits
+``16 * (j % 4)`` and up of ``w(j // 4)`` below its kept bits. float16 takes the top 53 bits
+of ``w(j)`` as a uniform draw. So a run is reproducible, any cluster size rounds a row the
+same way, and a local twin that rounds alike gives the shards' rows bit for bit. State
+columns draw ``j + dim``.
 Initial rows (and any row written whole, such as a followed one) are rounded to the
 nearest stored value instead: they are deterministic already.
 
@@ -23,7 +27,7 @@ counted in ``Rounding.flushed``. bfloat16 has float32's range: only a result bey
 largest finite value is clamped.
 
 Example:
-    >>> x = np.full((1, 4), 1.0 + 2**-10, np.float32)  # between two bfloat16 neighbours
+    >>> x = np.full((1, 4), 1.0 + 2**-9, np.float32)  # a quarter of the way to the next bfloat16
     >>> bits = np.zeros((1, 4), np.uint16)
     >>> counts = Rounding()
     >>> round_into(BFLOAT16, x, bits, np.array([5]), np.array([1], np.uint32), seed=0, first=0, counts=counts)
@@ -68,6 +72,7 @@ __all__ = [
     "Rounding",
     "array_dtype",
     "decode",
+    "gather_float32",
     "from_bytes",
     "from_wire",
     "to_wire",
@@ -167,6 +172,35 @@ def float16_bits_to_float32_bits(h: np.uint16) -> np.uint32:
     return sign | ((exp + np.uint32(112)) << np.uint32(23)) | (man << np.uint32(13))
 
 
+def gather_float32(kind: str, stored: npt.NDArray[Any], slots: npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.float32]:
+    """The rows ``slots`` of ``stored`` (elements stored as ``kind``: float32 or 16-bit) as a
+    new float32 array: ``decode(kind, stored[slots])`` in one pass."""
+    if kind == FLOAT32:
+        return np.asarray(stored[slots], dtype=np.float32)
+    out = np.empty((slots.shape[0], stored.shape[1]), np.float32)
+    if kind == BFLOAT16:
+        _gather_widened(stored.view(np.uint16), slots, out.view(np.uint32), False)
+    elif kind == FLOAT16:
+        _gather_widened(stored.view(np.uint16), slots, out.view(np.uint32), True)
+    else:
+        raise ValueError(f"gather_float32: {kind} elements are not rounded by updates")
+    return out
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather_widened(
+    stored: npt.NDArray[np.uint16], slots: npt.NDArray[np.integer[Any]], out: npt.NDArray[np.uint32], half: bool
+) -> None:
+    for i in range(slots.shape[0]):
+        src = stored[slots[i]]
+        dst = out[i]
+        for j in range(src.shape[0]):
+            if half:
+                dst[j] = float16_bits_to_float32_bits(src[j])
+            else:
+                dst[j] = bfloat16_bits_to_float32_bits(src[j])
+
+
 # -- rounding to the stored type -----------------------------------------------------------
 
 
@@ -186,22 +220,36 @@ def _round_bfloat16(
     first: int,
     counts: npt.NDArray[np.int64],
 ) -> None:
+    # The noise of a row first (its words seen as 16-bit lanes, little-endian: lane l is
+    # bits 16*l and up), then one branch-free pass over the elements, whose types are
+    # spelled out so that it stays in 32-bit lanes (vectorised). A row that may clamp or
+    # flush to zero, known from its largest and smallest non-zero magnitude, is checked again.
+    skip = first & 3
+    words = np.empty((skip + x.shape[1] + 3) // 4, np.uint64)
+    noise = words.view(np.uint16)
     for i in range(x.shape[0]):
         base = mix64_step(keys[i] ^ seed_mix ^ (np.uint64(versions[i]) * _VERSION_MIX))
-        src = x[i]
-        dst = out[at[i]]
+        for q in range(words.shape[0]):
+            words[q] = _uniform_word(base, (first >> 2) + q)
+        row = at[i]
+        hi = np.uint32(0)
+        lo = np.uint32(0xFFFFFFFF)
         for j in range(x.shape[1]):
-            bits = src[j]
-            noise = np.uint32(_uniform_word(base, first + j) >> np.uint64(48))  # 16 random bits
+            bits = x[i, j]
             # Sign and magnitude: adding below the kept bits moves the magnitude up with
             # probability (dropped bits) / 2**16, whatever the sign.
-            r = np.uint16((bits + noise) >> np.uint32(16))
-            if (r & np.uint16(0x7F80)) == np.uint16(0x7F80):
-                r = (r & np.uint16(0x8000)) | _BF16_MAX_BITS
-                counts[0] += 1
-            elif (r & np.uint16(0x7FFF)) == 0 and (bits & np.uint32(0x7FFFFFFF)) != 0:
-                counts[1] += 1
-            dst[j] = r
+            out[row, j] = np.uint16(np.uint32(bits + np.uint32(noise[skip + j])) >> np.uint32(16))
+            magnitude = np.uint32(bits & np.uint32(0x7FFFFFFF))
+            hi = max(hi, magnitude)
+            lo = min(lo, np.uint32(magnitude - np.uint32(1)))  # zero wraps to the top
+        if hi >= np.uint32(0x7F7F0001) or lo < np.uint32(0xFFFF):
+            for j in range(x.shape[1]):
+                r = out[row, j]
+                if (r & np.uint16(0x7F80)) == np.uint16(0x7F80):
+                    out[row, j] = (r & np.uint16(0x8000)) | _BF16_MAX_BITS
+                    counts[0] += 1
+                elif (r & np.uint16(0x7FFF)) == 0 and (x[i, j] & np.uint32(0x7FFFFFFF)) != 0:
+                    counts[1] += 1
 
 
 @numba.njit(nogil=True, cache=True)

@@ -186,6 +186,16 @@ def _mark_pushed(
 
 
 @numba.njit(nogil=True, cache=True)
+def _next_versions(version: npt.NDArray[np.uint32], slots: npt.NDArray[np.int32]) -> npt.NDArray[np.uint32]:
+    """Count one more update of the rows at ``slots``; their new versions."""
+    out = np.empty(slots.shape[0], np.uint32)
+    for i in range(slots.shape[0]):
+        version[slots[i]] += np.uint32(1)
+        out[i] = version[slots[i]]
+    return out
+
+
+@numba.njit(nogil=True, cache=True)
 def _collect_dirty(
     tkeys: npt.NDArray[np.int64],
     tslots: npt.NDArray[np.int32],
@@ -386,10 +396,10 @@ class RamTier:
         """Apply the table's optimizer to the distinct rows of ``keys`` at ``slots``; they become ``DIRTY``."""
         a, fmt = self.arena, self.format
         if fmt.versioned:  # computed in float32, rounded back into place (ps.precision)
-            values, state = precision.decode(fmt.values, a.values[slots]), precision.decode(fmt.state, a.state[slots])
+            values = precision.gather_float32(fmt.values, a.values, slots)
+            state = precision.gather_float32(fmt.state, a.state, slots)
             optimizers.apply(self.spec.optimizer, values, state, np.arange(slots.shape[0], dtype=np.int32), grads)
-            a.version[slots] += np.uint32(1)
-            self._round(keys, a.version[slots], values, state, a.values, a.state, slots)
+            self._round(keys, _next_versions(a.version, slots), values, state, a.values, a.state, slots)
         else:
             optimizers.apply(self.spec.optimizer, a.values, a.state, slots, grads)
         _mark_pushed(slots, a.last_access, a.dirty, now)
