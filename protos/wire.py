@@ -162,12 +162,11 @@ def decode_keys(buf: bytes | memoryview, field: str) -> npt.NDArray[np.int64]:
 
 def _float32_to_bfloat16(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
     # Round to nearest even on the upper 16 bits; NaN stays NaN (quiet bit forced).
-    bits = np.ascontiguousarray(rows, dtype=_F32).view(np.uint32)
-    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-    out = (rounded >> np.uint32(16)).astype(_U16)
-    nan = np.isnan(rows)
-    if nan.any():
-        out[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(_U16)
+    from protos import rowkernels  # numba: loaded with the first 16-bit row
+
+    x = np.ascontiguousarray(rows, dtype=_F32)
+    out = np.empty(x.shape, _U16)
+    rowkernels.bfloat16_nearest(x.reshape(-1).view(np.uint32), out.reshape(-1))
     return out
 
 
@@ -201,7 +200,9 @@ def bfloat16_rows_into(buf: bytes | memoryview, out: npt.NDArray[np.float32], fi
         raise WireFormatError(
             f"{field}: {len(buf)} bytes, expected {out.size * 2} ({list(out.shape)} x 2 bytes BFLOAT16)"
         )
-    np.left_shift(np.frombuffer(buf, dtype=_U16).reshape(out.shape), 16, out=out.view(np.uint32), dtype=np.uint32)
+    from protos import rowkernels  # numba: loaded with the first 16-bit row
+
+    rowkernels.widen_bfloat16(np.frombuffer(buf, dtype=_U16), out.reshape(-1).view(np.uint32))
 
 
 def decode_rows(buf: bytes | memoryview, n: int, dim: int, dtype: int, field: str) -> npt.NDArray[np.float32]:
@@ -220,8 +221,9 @@ def decode_rows(buf: bytes | memoryview, n: int, dim: int, dtype: int, field: st
         return np.frombuffer(buf, dtype=_F32).reshape(n, dim)
     if dtype == pb.FLOAT16:
         return np.frombuffer(buf, dtype=_F16).astype(np.float32).reshape(n, dim)
-    bits = np.frombuffer(buf, dtype=_U16).astype(np.uint32) << np.uint32(16)
-    return bits.view(np.float32).reshape(n, dim)
+    out = np.empty((n, dim), np.float32)
+    bfloat16_rows_into(buf, out, field)
+    return out
 
 
 # --- Hand-rolled codecs for the two messages that carry rows -------------------------

@@ -47,6 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from protos import ps_pb2 as pb
+from protos import rowkernels
 from protos.hashing import mix64_step
 from protos.keys import mix64
 from protos.rowtypes import (
@@ -179,26 +180,32 @@ def gather_float32(kind: str, stored: npt.NDArray[Any], slots: npt.NDArray[np.in
         return np.asarray(stored[slots], dtype=np.float32)
     out = np.empty((slots.shape[0], stored.shape[1]), np.float32)
     if kind == BFLOAT16:
-        _gather_widened(stored.view(np.uint16), slots, out.view(np.uint32), False)
+        _gather_bfloat16(stored, slots, out.view(np.uint32))
     elif kind == FLOAT16:
-        _gather_widened(stored.view(np.uint16), slots, out.view(np.uint32), True)
+        _gather_float16(stored.view(np.uint16), slots, out.view(np.uint32))
     else:
         raise ValueError(f"gather_float32: {kind} elements are not rounded by updates")
     return out
 
 
 @numba.njit(nogil=True, cache=True)
-def _gather_widened(
-    stored: npt.NDArray[np.uint16], slots: npt.NDArray[np.integer[Any]], out: npt.NDArray[np.uint32], half: bool
+def _gather_bfloat16(
+    stored: npt.NDArray[np.uint16], slots: npt.NDArray[np.integer[Any]], out: npt.NDArray[np.uint32]
 ) -> None:
     for i in range(slots.shape[0]):
-        src = stored[slots[i]]
-        dst = out[i]
-        for j in range(src.shape[0]):
-            if half:
-                dst[j] = float16_bits_to_float32_bits(src[j])
-            else:
-                dst[j] = bfloat16_bits_to_float32_bits(src[j])
+        row = slots[i]
+        for j in range(stored.shape[1]):
+            out[i, j] = np.uint32(np.uint32(stored[row, j]) << np.uint32(16))
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather_float16(
+    stored: npt.NDArray[np.uint16], slots: npt.NDArray[np.integer[Any]], out: npt.NDArray[np.uint32]
+) -> None:
+    for i in range(slots.shape[0]):
+        row = slots[i]
+        for j in range(stored.shape[1]):
+            out[i, j] = float16_bits_to_float32_bits(stored[row, j])
 
 
 # -- rounding to the stored type -----------------------------------------------------------
@@ -328,23 +335,12 @@ def round_into(
 # -- lookups in a 16-bit wire type ----------------------------------------------------------
 
 
-@numba.njit(nogil=True, cache=True)
-def _bfloat16_nearest(x: npt.NDArray[np.uint32], out: npt.NDArray[np.uint16]) -> None:
-    for i in range(x.shape[0]):
-        src = x[i]
-        dst = out[i]
-        for j in range(x.shape[1]):
-            b = src[j]
-            if (b & np.uint32(0x7F800000)) == np.uint32(0x7F800000) and (b & np.uint32(0x7FFFFF)) != 0:
-                dst[j] = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))  # NaN stays a (quiet) NaN
-            else:
-                dst[j] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-
-
 def to_wire_rows(rows: npt.NDArray[np.float32], out: npt.NDArray[Any]) -> None:
     """Write float32 ``rows`` into ``out``, a float16 or bfloat16-bits (uint16) array of the
     same shape, rounded to nearest (what ``protos.wire.rows_to_dtype`` gives), in one pass."""
     if out.dtype == np.uint16:
-        _bfloat16_nearest(rows.view(np.uint32), out)
+        if not (rows.flags.c_contiguous and out.flags.c_contiguous):
+            raise ValueError("to_wire_rows: rows and out must be C-contiguous")
+        rowkernels.bfloat16_nearest(rows.reshape(-1).view(np.uint32), out.reshape(-1))
     else:
         np.copyto(out, rows, casting="same_kind")
