@@ -69,6 +69,14 @@ def report(res: dict[str, Any]) -> str:
             f"{COMPACT}: {c['ratio']:.2f}x ours pipelined at float32 (goal >= {c['goal']}x: "
             f"{'met' if c['pass'] else 'MISSED'}); the floor above bounds both"
         )
+        if "sparse_alone" in c:
+            a = c["sparse_alone"]
+            ms = a["ms_per_step"]
+            lines.append(
+                f"the sparse traffic alone (each step's lookups and pushes, no dense tower): float32 "
+                f"{ms['float32']:.1f} ms, 16-bit {ms['bfloat16']:.1f} ms per step ({a['ratio']:.2f}x): "
+                "what 16 bits could win at most"
+            )
     if any(s["clean_rounds"] == 0 for s in v.values()):
         lines.append(
             "WARNING: a variant had no clean round: its figures measure the contention, not us; "
