@@ -179,7 +179,7 @@ def gather_float32(kind: str, stored: npt.NDArray[Any], slots: npt.NDArray[np.in
     if kind == FLOAT32:
         return np.asarray(stored[slots], dtype=np.float32)
     out = np.empty((slots.shape[0], stored.shape[1]), np.float32)
-    if kind == BFLOAT16:
+    if kind == BFLOAT16:  # a kernel of its own: a branch-free loop that vectorises
         _gather_bfloat16(stored, slots, out.view(np.uint32))
     elif kind == FLOAT16:
         _gather_float16(stored.view(np.uint16), slots, out.view(np.uint32))

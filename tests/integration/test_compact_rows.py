@@ -134,19 +134,27 @@ def test_a_bfloat16_table_survives_kill_restart_checkpoint_reshard_and_follow(
         stop_shard(s)
 
 
+def train_two_tables(ps: PSClient, rng: np.random.Generator) -> dict[str, npt.NDArray[np.float32]]:
+    """A float32 and a bfloat16 Adagrad table ("f32", "b16", dim 16), pushed once: their rows."""
+    ps.create_table("f32", 16, optimizer="adagrad", lr=0.1)
+    ps.create_table("b16", 16, optimizer="adagrad", lr=0.1, storage_dtype="bfloat16")
+    push_both(ps, rng)
+    return {name: ps.lookup(name, KEYS) for name in ("f32", "b16")}
+
+
+def push_both(ps: PSClient, rng: np.random.Generator) -> None:
+    for name in ("f32", "b16"):
+        ps.push(name, KEYS, rng.standard_normal((KEYS.shape[0], 16)).astype(np.float32))
+
+
 def test_a_serving_shard_holds_8_bit_rows_of_its_training_shard(tmp_path: Path, procs: list[RunningShard]) -> None:
     leader = start_shard(0, 1, tmp_path / "train")
     procs.append(leader)
     serve_args = ("--mode=serve", f"--follow={leader.address}", "--serve-dtype=int8", f"--data-dir={tmp_path / 'sd'}")
     follower = start_shard(0, 1, tmp_path / "serve", *serve_args)
     procs.append(follower)
-    rng = np.random.default_rng(5)
     with PSClient([leader.address]) as ps:
-        ps.create_table("f32", 16, optimizer="adagrad", lr=0.1)
-        ps.create_table("b16", 16, optimizer="adagrad", lr=0.1, storage_dtype="bfloat16")
-        for name in ("f32", "b16"):
-            ps.push(name, KEYS, rng.standard_normal((KEYS.shape[0], 16)).astype(np.float32))
-        trained = {name: ps.lookup(name, KEYS) for name in ("f32", "b16")}
+        trained = train_two_tables(ps, np.random.default_rng(5))
     wait_caught_up(follower.address, leader.address)
 
     def served() -> dict[str, npt.NDArray[np.float32]]:
@@ -177,14 +185,9 @@ def test_a_checkpoint_is_served_as_8_bit_rows_opened_or_pinned(tmp_path: Path, p
     procs.append(leader)
     rng = np.random.default_rng(6)
     with PSClient([leader.address]) as ps:
-        ps.create_table("f32", 16, optimizer="adagrad", lr=0.1)
-        ps.create_table("b16", 16, optimizer="adagrad", lr=0.1, storage_dtype="bfloat16")
-        for name in ("f32", "b16"):
-            ps.push(name, KEYS, rng.standard_normal((KEYS.shape[0], 16)).astype(np.float32))
-        trained = {name: ps.lookup(name, KEYS) for name in ("f32", "b16")}
+        trained = train_two_tables(ps, rng)
         (written,) = ps.checkpoint()
-        for name in ("f32", "b16"):  # later rows: a pinned shard must not serve them
-            ps.push(name, KEYS, rng.standard_normal((KEYS.shape[0], 16)).astype(np.float32))
+        push_both(ps, rng)  # later rows: a pinned shard must not serve them
 
     def served_as_8_bit(address: str) -> None:
         with PSClient([address]) as ps:
