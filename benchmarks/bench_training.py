@@ -289,7 +289,7 @@ def sparse_alone(cluster: LocalCluster, batches: list[Prepared], warmup: int, pe
             steps(dtype, 0, warmup)
         times: dict[str, list[float]] = {d: [] for d in clients}
         for r in range(rounds):
-            for dtype in clients:
+            for dtype in sorted(clients, reverse=r % 2 == 1):  # each goes first in every other round
                 times[dtype].append(steps(dtype, warmup + r * per_round, per_round))
     finally:
         for client in clients.values():

@@ -200,9 +200,13 @@ def bfloat16_rows_into(buf: bytes | memoryview, out: npt.NDArray[np.float32], fi
         raise WireFormatError(
             f"{field}: {len(buf)} bytes, expected {out.size * 2} ({list(out.shape)} x 2 bytes BFLOAT16)"
         )
-    from protos import rowkernels  # numba: loaded with the first 16-bit row
+    bits = np.frombuffer(buf, dtype=_U16)
+    if out.flags.c_contiguous:
+        from protos import rowkernels  # numba: loaded with the first 16-bit row
 
-    rowkernels.widen_bfloat16(np.frombuffer(buf, dtype=_U16), out.reshape(-1).view(np.uint32))
+        rowkernels.widen_bfloat16(bits, out.reshape(-1).view(np.uint32))
+    else:  # reshape would copy: the rows would land in the copy
+        np.left_shift(bits.reshape(out.shape), 16, out=out.view(np.uint32), dtype=np.uint32)
 
 
 def decode_rows(buf: bytes | memoryview, n: int, dim: int, dtype: int, field: str) -> npt.NDArray[np.float32]:

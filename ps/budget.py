@@ -95,9 +95,10 @@ class MemoryBudget:
         """Spill rows in ``eviction`` order, across tables, down to ``LOW_WATER`` of the
         budget; returns rows moved."""
         with self._lock:
-            tables = list(self._tables())
+            # A table without a disk (``ps.follow.held_as``: converted to --serve-dtype) stays whole.
+            tables = [t for t in self._tables() if t.disk is not None]
             need = self.resident_bytes() - int(LOW_WATER * self.limit_bytes)
-            if need <= 0 or not self._writable():
+            if need <= 0 or not tables or not self._writable():
                 return 0
             now = now_tick()
             scans = [t.eviction_scan(now, self.eviction) for t in tables]

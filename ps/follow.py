@@ -108,6 +108,7 @@ class Source:
         self._thread: threading.Thread | None = None
         if leader is None and serve_dtype != "stored":  # a data dir or checkpoint served as it is
             shard.swap_tables({t.spec.name: held_as(t, serve_dtype) for t in shard.tables()})
+            _warn_over_budget(shard)
         if leader is not None and shard.storage is not None:
             saved = shard.storage.get_meta(_STATE_KEY)
             if saved:
@@ -349,10 +350,14 @@ class Source:
         except DataDirError as exc:
             raise InvalidRequest(f"checkpoint {checkpoint!r}: {exc}") from None
         tables = {}
-        for name, blob in sorted(storage.specs().items()):
-            spec = spec_from_proto(pb.TableSpec.FromString(blob))
-            table = Table(spec, rows=storage.table(name, RowFormat.of(spec)), storage=storage)
-            tables[name] = held_as(table, self.serve_dtype)
+        try:
+            for name, blob in sorted(storage.specs().items()):
+                spec = spec_from_proto(pb.TableSpec.FromString(blob))
+                table = Table(spec, rows=storage.table(name, RowFormat.of(spec)), storage=storage)
+                tables[name] = held_as(table, self.serve_dtype)
+        except BaseException:
+            storage.close()
+            raise
         self._resume.clear()  # pause following: the stream loop leaves at its next message
         if self._call is not None:
             self._call.cancel()
@@ -364,6 +369,8 @@ class Source:
             self._pinned_lineage = read_base(storage).lineage or ""
         if old is not None:
             old.close()
+        if self.serve_dtype != "stored":
+            _warn_over_budget(self.shard)
         log.info("serving checkpoint %s (pinned)", path)
         return path
 
@@ -391,8 +398,10 @@ class Source:
 
 def held_as(table: Table, kind: str) -> Table:
     """``table`` with its values held as ``kind`` (``--serve-dtype``; "stored": ``table``
-    itself, as it is): a copy in RAM, without optimizer state, taking rows out of ``table``
-    a chunk at a time. ``table`` must not be in service yet (it is read without its lock)."""
+    itself, as it is): a copy in RAM alone (the memory budget evicts none of it), taking
+    rows out of ``table`` a chunk at a time. An 8-bit copy keeps a scale and a bias per row
+    in place of optimizer state; a 16-bit or float32 one keeps the state as initialised.
+    ``table`` must not be in service yet (it is read without its lock)."""
     if kind == "stored" or table.spec.storage_dtype == kind:
         return table
     copy = Table(dataclasses.replace(table.spec, storage_dtype=kind, lifecycle=Lifecycle()))
@@ -407,6 +416,18 @@ def held_as(table: Table, kind: str) -> Table:
         "table %r: holding %d rows as %s (stored as %s)", table.spec.name, len(copy), kind, table.spec.storage_dtype
     )
     return copy
+
+
+def _warn_over_budget(shard: Shard) -> None:
+    budget = shard.budget
+    if budget.limit_bytes and budget.resident_bytes() > budget.limit_bytes:
+        log.warning(
+            "this shard's tables take %d bytes of RAM, over --memory-budget-bytes=%d, and those converted to "
+            "--serve-dtype are held whole (only rows on disk can be evicted): give the shard more memory, or serve "
+            "the stored type",
+            budget.resident_bytes(),
+            budget.limit_bytes,
+        )
 
 
 def _values_float32(kind: str, rows: Rows) -> npt.NDArray[np.float32]:

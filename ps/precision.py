@@ -227,17 +227,18 @@ def _round_bfloat16(
     first: int,
     counts: npt.NDArray[np.int64],
 ) -> None:
-    # The noise of a row first (its words seen as 16-bit lanes, little-endian: lane l is
-    # bits 16*l and up), then one branch-free pass over the elements, whose types are
-    # spelled out so that it stays in 32-bit lanes (vectorised). A row that may clamp or
-    # flush to zero, known from its largest and smallest non-zero magnitude, is checked again.
+    # The noise of a row first (lane l of a word is its bits 16*l and up), then one
+    # branch-free pass over the elements, whose types are spelled out so that it stays in
+    # 32-bit lanes (vectorised). A row that may clamp or flush to zero, known from its
+    # largest and smallest non-zero magnitude, is checked again.
     skip = first & 3
-    words = np.empty((skip + x.shape[1] + 3) // 4, np.uint64)
-    noise = words.view(np.uint16)
+    noise = np.empty(4 * ((skip + x.shape[1] + 3) // 4), np.uint16)
     for i in range(x.shape[0]):
         base = mix64_step(keys[i] ^ seed_mix ^ (np.uint64(versions[i]) * _VERSION_MIX))
-        for q in range(words.shape[0]):
-            words[q] = _uniform_word(base, (first >> 2) + q)
+        for q in range(noise.shape[0] // 4):
+            word = _uniform_word(base, (first >> 2) + q)
+            for lane in range(4):
+                noise[4 * q + lane] = np.uint16((word >> np.uint64(16 * lane)) & np.uint64(0xFFFF))
         row = at[i]
         hi = np.uint32(0)
         lo = np.uint32(0xFFFFFFFF)
@@ -339,8 +340,8 @@ def to_wire_rows(rows: npt.NDArray[np.float32], out: npt.NDArray[Any]) -> None:
     """Write float32 ``rows`` into ``out``, a float16 or bfloat16-bits (uint16) array of the
     same shape, rounded to nearest (what ``protos.wire.rows_to_dtype`` gives), in one pass."""
     if out.dtype == np.uint16:
-        if not (rows.flags.c_contiguous and out.flags.c_contiguous):
-            raise ValueError("to_wire_rows: rows and out must be C-contiguous")
+        if rows.shape != out.shape or not (rows.flags.c_contiguous and out.flags.c_contiguous):
+            raise ValueError(f"to_wire_rows: rows {rows.shape} and out {out.shape} must be alike and C-contiguous")
         rowkernels.bfloat16_nearest(rows.reshape(-1).view(np.uint32), out.reshape(-1))
     else:
         np.copyto(out, rows, casting="same_kind")

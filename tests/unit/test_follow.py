@@ -9,13 +9,18 @@ follower's old ones.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 
 from protos import ps_pb2 as pb
 from protos import wire
+from ps import precision
+from ps.config import Durability, TableSpec
 from ps.follow import Source
 from ps.shard import Shard
+from ps.storage import Storage
+from tests.fakes import lookup_rows
 
 DIM = 4
 
@@ -138,3 +143,29 @@ def test_a_follower_reports_the_lineage_of_the_rows_it_serves() -> None:
         pb.FollowBatch(history="B", version=2, leader_version=2, snapshot_end=True, in_snapshot=True, lineage="2")
     )
     assert source.lineage == "2" and shard.table("t").export().keys.size == 0  # data-1's rows are gone
+
+
+def test_a_checkpoint_converted_to_8_bits_serves_within_a_memory_budget(tmp_path: Path) -> None:
+    # The converted tables live in RAM alone: the budget has nothing of theirs to evict, and a
+    # lookup over it must still answer (it failed with "no storage to evict to").
+    training = Shard(0, 1, checkpoint_root=tmp_path)
+    training.create_table(TableSpec("a", dim=16))
+    keys = np.arange(20_000, dtype=np.int64)
+    want = lookup_rows(training, "a", keys)
+    path, _ = training.checkpoint(tmp_path / "ck")
+    storage = Storage(path, shard=0, num_shards=1, read_only=True)
+    served = Shard(
+        0,
+        1,
+        storage,
+        Durability("checkpoint-only"),
+        200_000,  # a fifth of what the 8-bit rows take
+        mode="serve",
+        source=lambda s: Source(s, None, serve_dtype="int8"),
+    )
+    assert served.table("a").spec.storage_dtype == "int8" and served.budget.resident_bytes() > 200_000
+    got = lookup_rows(served, "a", keys)
+    np.testing.assert_array_equal(got, precision.dequantize(*precision.quantize(want)))
+    served.close()
+    storage.close()
+    training.close()

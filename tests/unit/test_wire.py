@@ -20,6 +20,7 @@ from protos.wire import (
     LookupResponseWriter,
     WireFormatError,
     alloc_bytes,
+    bfloat16_rows_into,
     decode_keys,
     decode_lookup_response,
     decode_push_request,
@@ -160,6 +161,19 @@ def test_bfloat16_nan_stays_nan_and_inf_stays_inf() -> None:
     assert np.isnan(out[:7]).all(), out
     assert out[7] == np.inf and out[8] == -np.inf
     assert np.signbit(out[[1, 3, 5]]).all() and not np.signbit(out[[0, 2, 4]]).any()
+
+
+def test_bfloat16_rows_widen_into_any_float32_array_in_place() -> None:
+    rows = np.random.default_rng(4).standard_normal((3, 4)).astype(np.float32)
+    buf = encode_rows(rows, BFLOAT16)
+    want = decode_rows(buf, 3, 4, BFLOAT16, "r")
+    whole = np.zeros((3, 4), np.float32)
+    bfloat16_rows_into(buf, whole, "r")
+    wider = np.zeros((3, 8), np.float32)
+    bfloat16_rows_into(buf, wider[:, 2:6], "r")  # not contiguous: the rows must land in it all the same
+    np.testing.assert_array_equal(whole, want)
+    np.testing.assert_array_equal(wider[:, 2:6], want)
+    assert not wider[:, :2].any() and not wider[:, 6:].any()
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
