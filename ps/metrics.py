@@ -34,6 +34,8 @@ _TABLE_TOTALS = (
     ("pushes_dropped", "pushes_dropped", "Pushed rows dropped (key not admitted)"),
     ("rows_expired", "rows_expired", "Rows deleted by the TTL sweep"),
     ("rows_evicted_rare", "rows_evicted_rare", "Rows deleted for a low access count"),
+    ("values_clamped", "values_clamped", "Elements stored in 16 bits clamped to the type's largest finite value"),
+    ("values_flushed", "values_flushed", "Non-zero elements rounded to zero when stored in 16 bits"),
 )
 
 
@@ -62,6 +64,13 @@ class ShardCollector(Collector):
         hit = GaugeMetricFamily(
             "ps_table_ram_hit_ratio", "Share of looked-up existing rows found in RAM", labels=["table"]
         )
+        per_row = GaugeMetricFamily(
+            "ps_table_bytes_per_row",
+            "Bytes per row, by table and tier: in RAM what the memory budget charges per resident row; on disk "
+            "the table's RocksDB files over its rows (0 without a data dir)",
+            labels=["table", "tier"],
+        )
+        disk = GaugeMetricFamily("ps_table_disk_bytes", "The table's live RocksDB files", labels=["table"])
         totals = {f: CounterMetricFamily(f"ps_table_{name}", text, labels=["table"]) for f, name, text in _TABLE_TOTALS}
         for t in s.tables:
             rows.add_metric([t.name, "ram"], t.resident_rows)
@@ -69,9 +78,12 @@ class ShardCollector(Collector):
             estimated.add_metric([t.name], int(t.rows_estimated))
             mem.add_metric([t.name], t.memory_bytes)
             hit.add_metric([t.name], t.ram_hit_rate)
+            per_row.add_metric([t.name, "ram"], t.bytes_per_resident_row)
+            per_row.add_metric([t.name, "disk"], t.disk_bytes / t.rows if t.rows else 0.0)
+            disk.add_metric([t.name], t.disk_bytes)
             for f, family in totals.items():
                 family.add_metric([t.name], getattr(t, f))
-        yield from (rows, estimated, mem, hit, *totals.values())
+        yield from (rows, estimated, mem, hit, per_row, disk, *totals.values())
         yield GaugeMetricFamily("ps_tables", "Tables held", value=len(s.tables))
         yield CounterMetricFamily(
             "ps_push_duplicates",

@@ -71,21 +71,32 @@ def test_metrics_count_calls_rows_and_refusals(shard_with_metrics: RunningShard)
     port = _metrics_port(shard_with_metrics)
     with PSClient([shard_with_metrics.address]) as client:
         client.create_table("users", dim=8)
+        client.create_table("half", dim=8, optimizer="sgd", lr=1.0, storage_dtype="float16")
         for _ in range(5):
             client.lookup("users", np.arange(100))
         client.push("users", np.arange(10), np.ones((10, 8), np.float32))
         client.push("users", np.arange(10), np.ones((10, 8), np.float32))
+        client.push("half", np.arange(4), np.full((4, 8), 1e6, np.float32))  # past float16's range: clamped
         with pytest.raises(PSError):
             client.lookup("missing", np.arange(3))
+        tables = {t["name"]: t for t in client.stats()[0]["tables"]}
     m = _scrape(port)
     assert m['ps_rpcs_total{code="OK",method="Lookup"}'] == 5
-    assert m['ps_rpcs_total{code="OK",method="Push"}'] == 2
+    assert m['ps_rpcs_total{code="OK",method="Push"}'] == 3
     assert m['ps_rpc_seconds_count{code="OK",method="Lookup"}'] == 5
     assert m['ps_table_rows{table="users",tier="ram"}'] == 100
     assert m['ps_table_keys_looked_up_total{table="users"}'] == 500
     assert m['ps_table_rows_created_total{table="users"}'] == 100
     assert m['ps_table_memory_bytes{table="users"}'] > 0
-    assert m["ps_tables"] == 1
+    # Bytes per row in RAM (what the budget charges) and on disk, by table: 16-bit rows cost less.
+    for name, rows in (("users", 100), ("half", 4)):
+        assert m[f'ps_table_bytes_per_row{{table="{name}",tier="ram"}}'] == tables[name]["bytes_per_resident_row"]
+        disk = m[f'ps_table_disk_bytes{{table="{name}"}}']
+        assert m[f'ps_table_bytes_per_row{{table="{name}",tier="disk"}}'] == pytest.approx(disk / rows)
+    assert m['ps_table_bytes_per_row{table="half",tier="ram"}'] < m['ps_table_bytes_per_row{table="users",tier="ram"}']
+    assert m['ps_table_values_clamped_total{table="half"}'] == 32
+    assert m['ps_table_values_clamped_total{table="users"}'] == m['ps_table_values_flushed_total{table="users"}'] == 0
+    assert m["ps_tables"] == 2
     assert m["ps_storage_errors_total"] == 0
     assert m["ps_rpcs_in_flight"] == 0
     # Labels are methods, codes, tables and tiers only: never a key.
