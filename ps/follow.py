@@ -411,7 +411,7 @@ def held_as(table: Table, kind: str) -> Table:
         chunks = itertools.chain(chunks, (c[table.ram.slots(c.keys) < 0] for c in table.disk.scan()))
     for rows in chunks:
         if len(rows):
-            copy.assign(rows.keys, _values_float32(table.spec.storage_dtype, rows))
+            copy.assign(rows.keys, precision.travelling(table.spec.storage_dtype, rows.values, rows.state))
     log.info(
         "table %r: holding %d rows as %s (stored as %s)", table.spec.name, len(copy), kind, table.spec.storage_dtype
     )
@@ -428,13 +428,6 @@ def _warn_over_budget(shard: Shard) -> None:
             budget.resident_bytes(),
             budget.limit_bytes,
         )
-
-
-def _values_float32(kind: str, rows: Rows) -> npt.NDArray[np.float32]:
-    """The values of ``rows`` stored as ``kind``, as float32 (8-bit codes dequantized)."""
-    if kind == precision.INT8:
-        return precision.dequantize(rows.values, rows.state)
-    return precision.decode(kind, rows.values)
 
 
 def _delta_rows(delta: pb.TableDelta, n: int) -> npt.NDArray[Any]:

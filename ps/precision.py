@@ -77,6 +77,7 @@ __all__ = [
     "from_bytes",
     "from_wire",
     "to_wire",
+    "travelling",
     "dequantize",
     "quantize",
     "widen",
@@ -140,6 +141,14 @@ def from_bytes(kind: str, buf: bytes, n: int, dim: int, field: str) -> npt.NDArr
 
 
 # -- decoding ------------------------------------------------------------------------------
+
+
+def travelling(kind: str, values: npt.NDArray[Any], state: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """A table's stored ``values`` as rows travel to another table (Follow, ``Table.assign``):
+    8-bit codes dequantized with their scale and bias (``state``), other types as stored."""
+    if kind == INT8:  # codes mean nothing without their scale and bias
+        return dequantize(values, state)
+    return np.ascontiguousarray(values)
 
 
 def widen(values: npt.NDArray[Any]) -> npt.NDArray[np.float32]:

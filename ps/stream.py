@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -121,7 +120,7 @@ def _delta(
             delta = pb.TableDelta(
                 table=name,
                 keys=wire.encode_keys(rows.keys),
-                rows=_sendable(table, rows.values, rows.state).tobytes(),
+                rows=precision.travelling(table.spec.storage_dtype, rows.values, rows.state).tobytes(),
                 dim=table.dim,
                 dtype=_sent_type(table),
                 deleted_keys=wire.encode_keys(gone),
@@ -152,7 +151,9 @@ def _snapshot(log: ChangeLog, tables: Sequence[Table], limit: int) -> Generator[
             delta = pb.TableDelta(
                 table=table.spec.name,
                 keys=wire.encode_keys(keys[start : start + step]),
-                rows=_sendable(table, values[start : start + step], rows.state[start : start + step]).tobytes(),
+                rows=precision.travelling(
+                    table.spec.storage_dtype, values[start : start + step], rows.state[start : start + step]
+                ).tobytes(),
                 dim=table.dim,
                 dtype=_sent_type(table),
             )
@@ -175,9 +176,3 @@ def _sent_type(table: Table) -> pb.DType:
     """The dtype a table's rows travel in: their stored type (8-bit rows go as float32)."""
     kind = table.spec.storage_dtype
     return precision.to_wire(precision.FLOAT32 if kind == precision.INT8 else kind)
-
-
-def _sendable(table: Table, values: npt.NDArray[Any], state: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    if table.spec.storage_dtype == precision.INT8:  # codes mean nothing without their scale and bias
-        return precision.dequantize(values, state)
-    return np.ascontiguousarray(values)
