@@ -139,7 +139,17 @@ def _format_checkpoints(found: Sequence[dict[str, Any]]) -> str:
 # -- printing ----------------------------------------------------------------------------
 
 
-_SHORT_TYPES = {0: "f32", 1: "f32", 2: "f16", 3: "bf16"}  # ps.v1.DType numbers: values/state as stored
+_SHORT_TYPES = {0: "f32", 1: "f32", 2: "f16", 3: "bf16", 4: "i8"}  # ps.v1.DType numbers: values/state as stored
+
+
+def _stored(table: dict[str, Any]) -> str:
+    """``values/state`` as stored, e.g. ``bf16/f32``; ``i8/-`` for 8-bit serving rows (no state)."""
+
+    def short(number: int) -> str:
+        return _SHORT_TYPES.get(number, f"type {number}")
+
+    state = "-" if table["storage_dtype"] == 4 else short(table["state_dtype"])
+    return f"{short(table['storage_dtype'])}/{state}"
 
 
 def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
@@ -156,7 +166,7 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
         "durability",
         "writable",
     )
-    lines: list[tuple[str, ...]] = [header]
+    lines: list[tuple[str, ...] | str] = [header]
     estimated = False
     for s in stats:
         shard = f"{s['shard']}/{s['num_shards']}"
@@ -164,12 +174,9 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
         if s["mode"] == "serve":  # where the rows come from, and how fresh they are
             lag = f" lag={f['lag_versions']}v/{f['lag_s']:.2f}s" + ("" if f["connected"] else f" DOWN: {f['error']}")
             where = {"follow": f"following {f['leader']}{lag}", "checkpoint": f"pinned to {f['checkpoint']}"}
+            # A line of its own: a checkpoint path in the table column would pad every row to its width.
             lines.append(
-                (
-                    shard,
-                    f"[{s['address']} serve, version {s['version']}: {where.get(f['source'], 'data dir')}]",
-                    *[""] * (len(header) - 2),
-                )
+                f"{shard}  [{s['address']} serve, version {s['version']}: {where.get(f['source'], 'data dir')}]"
             )
         durability = s["durability"] or "ram-only"
         if s["mode"] == "serve":
@@ -185,7 +192,7 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
                 (
                     shard,
                     t["name"],
-                    f"{_SHORT_TYPES[t['storage_dtype']]}/{_SHORT_TYPES[t['state_dtype']]}",
+                    _stored(t),
                     f"{about}{t['rows']}",
                     str(t["resident_rows"]),
                     f"{about}{t['spilled_rows']}",
@@ -196,8 +203,12 @@ def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
                     writable,
                 )
             )
-    widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
-    table = "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+    rows = [line for line in lines if isinstance(line, tuple)]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    table = "\n".join(
+        line if isinstance(line, str) else "  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
     if estimated:
         table += (
             "\n~ about: the table was reopened from disk, and its rows there are RocksDB's estimate "

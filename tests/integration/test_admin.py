@@ -399,6 +399,9 @@ def test_checkpoint_list_serve_from_and_unpin_with_the_cli(tmp_path: Path) -> No
                 pinned = ok(ps_admin("serve-from", "--checkpoint", which, cwd=work, env=env))
                 assert pinned.count("serving ") == 2 and str(roots[0]) in pinned, pinned
                 np.testing.assert_array_equal(server.lookup("item", keys), v1)
+            stats = ok(ps_admin("stats", "--addresses", ",".join(serve), cwd=work)).splitlines()
+            assert sum(f"pinned to {roots[0]}" in line for line in stats) == 1, stats
+            assert stats[0].startswith("shard  table  stored  "), stats  # not padded to the checkpoint path's width
             missing = ps_admin("serve-from", "--checkpoint", "7", cwd=work, env=env)
             assert missing.returncode == 1 and "holds no checkpoint" in missing.stderr and name in missing.stderr
 

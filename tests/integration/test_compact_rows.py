@@ -169,6 +169,8 @@ def test_a_serving_shard_holds_8_bit_rows_of_its_training_shard(tmp_path: Path, 
     with PSClient([follower.address]) as ps:
         tables = {t["name"]: t for t in ps.stats()[0]["tables"]}
     assert {(t["storage_dtype"], t["record_bytes"]) for t in tables.values()} == {(4, 16 + 8 + 8)}
+    printed = ok(ps_admin("stats", "--addresses", follower.address, cwd=tmp_path)).splitlines()
+    assert {line.split()[1]: line.split()[2] for line in printed[2:4]} == {"f32": "i8/-", "b16": "i8/-"}, printed
 
     stop_shard(follower)  # its data dir keeps the 8-bit rows and their type
     follower = start_shard(0, 1, tmp_path / "serve", *serve_args)
