@@ -4,7 +4,7 @@
 
 * ``Processes``: every process a part starts (shards, echo servers, ``redis-server``,
   ``ps-infer``, the training load), stopped when the part ends, on an exception, on Ctrl-C
-  and on SIGTERM; each child also gets SIGTERM if the benchmark dies (``die_with_parent``).
+  and on SIGTERM; each child also gets SIGTERM if the benchmark dies (``protos.rpc.child``).
 * ``run_threads``: ``concurrency`` client threads, each its own request loop, for a time.
 * ``report``, ``chart``: the printed tables of every part's results, and their chart.
 
@@ -32,7 +32,8 @@ import numpy.typing as npt
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from deploy.local import ShardProcess, die_with_parent, start_shard, stop_shard  # noqa: E402
+from deploy.local import ShardProcess, start_shard, stop_shard  # noqa: E402
+from protos.rpc import child_command  # noqa: E402
 
 DIM, SHARDS, FEATURES, CANDIDATES = 64, 2, 26, 100
 KEYS = FEATURES * CANDIDATES  # keys per request
@@ -69,7 +70,7 @@ class Processes:
     """Every process a part starts; ``stop_all()`` (and leaving ``with``) ends them.
 
     Stopping sends SIGTERM and waits, then SIGKILL after ``grace_s``. Children are started
-    from the calling thread with ``die_with_parent``, so none outlives this process.
+    from the calling thread with ``protos.rpc.child_command``, so none outlives this process.
     """
 
     def __init__(self, grace_s: float = 15.0) -> None:
@@ -103,9 +104,7 @@ class Processes:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as out:
-            proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, preexec_fn=die_with_parent
-            )
+            proc = subprocess.Popen(child_command(cmd), stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         self._procs.append(proc)
         return proc
 

@@ -43,10 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deploy.launch_scale import SERVING_ADDRESSES_FILE, Scaler, ScaleRequest, request_scale
-from deploy.local import LocalCluster, ShardProcess, ShardStartError, die_with_parent, threads_beside_local_shards
+from deploy.local import LocalCluster, ShardProcess, ShardStartError, threads_beside_local_shards
 from deploy.replicas import ServingReplicas
 from deploy.workers import RENDEZVOUS_FILE, Elastic, Join, read_join, torchrun_command, write_join
 from protos.logs import configure_logging
+from protos.rpc import child_command
 
 __all__ = ["RestartPolicy", "main"]
 
@@ -385,10 +386,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         } | given
         write_join(root, Join(elastic, command, env))
         workers = subprocess.Popen(
-            torchrun_command(args.workers, command, elastic, host=root / RENDEZVOUS_FILE),
+            child_command(torchrun_command(args.workers, command, elastic, host=root / RENDEZVOUS_FILE)),
             env=os.environ | env,
             start_new_session=True,
-            preexec_fn=die_with_parent,
         )
         log.info(
             "workers: %d, elastic (--nnodes %s, --max-restarts %d); to add workers: ps-launch --join %s --workers N",
@@ -517,10 +517,9 @@ def _join(log_dir: Path, workers: int, interrupt: _Interrupt) -> int:
         env = os.environ | join.env
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(threads_beside_local_shards(workers)))
         proc = subprocess.Popen(
-            torchrun_command(workers, join.command, join.elastic, endpoint=endpoint),
+            child_command(torchrun_command(workers, join.command, join.elastic, endpoint=endpoint)),
             env=env,
             start_new_session=True,
-            preexec_fn=die_with_parent,
         )
         log.info("joining %d workers to the launch in %s (rendezvous %s)", workers, log_dir, endpoint)
         while (code := proc.poll()) is None:

@@ -19,33 +19,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["LocalCluster", "ShardProcess", "ShardStartError", "die_with_parent", "threads_beside_local_shards"]
+__all__ = ["LocalCluster", "ShardProcess", "ShardStartError", "threads_beside_local_shards"]
 
-from protos.servers import PARENT_PID_VARIABLE, sigterm_on_parent_death
+from protos.rpc import child_command
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent dies, so a program that is
-    not ours (torchrun, redis-server) never outlives its launcher (Linux; elsewhere a
-    no-op). Our servers ask for it themselves (``protos.servers.exit_with_parent``). Note
-    the "parent" is the thread that started the child: start clusters from a thread that
-    lives as long as they should."""
-    sigterm_on_parent_death()
-
-
-def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
-    def both() -> None:
-        first()
-        second()
-
-    return both
 
 
 def threads_beside_local_shards(workers: int = 1) -> int:
@@ -84,19 +67,22 @@ def start_shard(
     root: Path,
     *extra_args: str,
     timeout_s: float = 60.0,
-    in_child: Callable[[], None] | None = None,
+    file_size_limit_bytes: int | None = None,
     listen: str = "127.0.0.1:0",
 ) -> ShardProcess:
     """Start shard ``index`` of ``num_shards`` with files under ``root``; blocks until it serves.
 
     ``{shard}`` in an extra argument becomes the shard index, so that every shard gets its
-    own directory: ``--data-dir=/var/ps/shard-{shard}``. ``in_child`` runs in the child
-    before exec (after ``die_with_parent``), e.g. to set a resource limit. ``listen`` is
-    port 0 (the kernel picks) unless a restarted shard must keep its address.
+    own directory: ``--data-dir=/var/ps/shard-{shard}``. ``file_size_limit_bytes``: the
+    shard's soft ``RLIMIT_FSIZE`` (its disk "fills" there). ``listen`` is port 0 (the kernel
+    picks) unless a restarted shard must keep its address. The shard gets SIGTERM when the
+    thread that started it ends (``protos.rpc.child``).
 
     Raises ``ShardStartError`` (with the log tail) if it exits or is not ready in ``timeout_s``.
     """
-    shard = spawn_shard(index, num_shards, root, *extra_args, in_child=in_child, listen=listen)
+    shard = spawn_shard(
+        index, num_shards, root, *extra_args, file_size_limit_bytes=file_size_limit_bytes, listen=listen
+    )
     return await_shard(shard, root, timeout_s)
 
 
@@ -105,7 +91,7 @@ def spawn_shard(
     num_shards: int,
     root: Path,
     *extra_args: str,
-    in_child: Callable[[], None] | None = None,
+    file_size_limit_bytes: int | None = None,
     listen: str = "127.0.0.1:0",
 ) -> ShardProcess:
     """Start the process of shard ``index`` (``start_shard``'s arguments) without waiting for
@@ -116,27 +102,23 @@ def spawn_shard(
     port_file.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env[PARENT_PID_VARIABLE] = str(os.getpid())
     with log.open("ab") as out:
+        command = [
+            sys.executable,
+            "-m",
+            "ps",
+            f"--shard={index}",
+            f"--num-shards={num_shards}",
+            f"--listen={listen}",
+            f"--port-file={port_file}",
+            *(a.replace("{shard}", str(index)) for a in extra_args),
+        ]
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ps",
-                f"--shard={index}",
-                f"--num-shards={num_shards}",
-                f"--listen={listen}",
-                f"--port-file={port_file}",
-                *(a.replace("{shard}", str(index)) for a in extra_args),
-            ],
+            child_command(command, file_size_limit_bytes=file_size_limit_bytes),
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=root,
             env=env,
-            # No Python between fork and exec unless a caller asks for it (in_child): this
-            # process's other threads may be in gRPC calls, and gRPC's fork handlers then
-            # hang or crash the child. The shard follows our death itself (exit_with_parent).
-            preexec_fn=None if in_child is None else _then(die_with_parent, in_child),
         )
     return ShardProcess(index, "", proc, log)
 

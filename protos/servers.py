@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import logging
 import os
@@ -26,7 +25,7 @@ import signal
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -41,18 +40,15 @@ from protos.logs import configure_logging
 from protos.tls import TLSError, server_credentials
 
 __all__ = [
-    "PARENT_PID_VARIABLE",
     "Served",
     "ServerSettings",
     "Readiness",
     "Status",
     "Stop",
-    "exit_with_parent",
     "listen",
     "run_server",
     "server_security",
     "settle_heap",
-    "sigterm_on_parent_death",
     "status_boundary",
     "stop_on_signals",
     "write_port_file",
@@ -251,41 +247,6 @@ def write_port_file(path: Path, port: int) -> None:
     tmp.replace(path)
 
 
-PARENT_PID_VARIABLE = "EMBEDDING_PS_PARENT_PID"
-"""Set by a launcher (``deploy.local``) to its pid: the server then gets SIGTERM when the
-launcher's thread that started it exits (``exit_with_parent``)."""
-
-_PR_SET_PDEATHSIG = 1
-
-
-def sigterm_on_parent_death() -> bool:
-    """Ask Linux for SIGTERM when this process's parent (the thread that started it)
-    exits; False where that cannot be asked (not Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except OSError:
-        return False
-    return True
-
-
-def exit_with_parent(environ: Mapping[str, str]) -> None:
-    """If ``PARENT_PID_VARIABLE`` names this process's parent, ask Linux for SIGTERM when
-    that parent (the thread that started this process) exits, and exit at once if it
-    already has; elsewhere, or without the variable, do nothing.
-
-    The server asks for this itself, after exec, so that its launcher starts it without
-    running Python in the child between fork and exec: a process whose other threads
-    are in gRPC calls must not fork with code that runs there (gRPC's fork handlers
-    then hang or crash the child)."""
-    wanted = environ.get(PARENT_PID_VARIABLE, "")
-    if not wanted.isdigit():
-        return
-    if not sigterm_on_parent_death():
-        return
-    if os.getppid() != int(wanted):  # the launcher died before the request: nobody will send it
-        os._exit(1)
-
-
 class Stop:
     """Set by the first SIGTERM or SIGINT (``stop_on_signals``); ``signum`` says which,
     and a second signal sets ``now`` (a drain in progress ends at once)."""
@@ -396,7 +357,6 @@ def run_server(prog: str, parse: Callable[[], _S], start: Callable[[_S], Served]
     one line (starting, listening, shutting down, and how it stopped) in ``protos.logs``'
     format.
     """
-    exit_with_parent(os.environ)
     try:
         settings = parse()
     except ValueError as exc:

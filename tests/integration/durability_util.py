@@ -25,9 +25,10 @@ import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy import local
-from deploy.local import REPO, ShardProcess, die_with_parent
+from deploy.local import REPO, ShardProcess
 from protos import ps_pb2 as pb
 from protos import wire
+from protos.rpc import child_command
 
 __all__ = [
     "DIM",
@@ -113,12 +114,7 @@ def spawn_shard(
     Only the soft limit is set, so ``set_file_size_limit`` can lift it later (the
     "disk" gets space again) without privileges."""
 
-    def limit() -> None:
-        if fsize_limit_bytes is not None:
-            hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
-            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize_limit_bytes, hard))
-
-    return local.start_shard(0, 1, root / name, *args, timeout_s=timeout_s, in_child=limit)
+    return local.start_shard(0, 1, root / name, *args, timeout_s=timeout_s, file_size_limit_bytes=fsize_limit_bytes)
 
 
 def set_file_size_limit(pid: int, limit_bytes: int | None) -> None:
@@ -147,14 +143,15 @@ def run_to_exit(root: Path, *args: str, timeout_s: float = 60.0) -> tuple[int, s
     after ``timeout_s``."""
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "ps", "--listen=127.0.0.1:0", f"--port-file={root / 'port.refused'}", *args],
+            child_command(
+                [sys.executable, "-m", "ps", "--listen=127.0.0.1:0", f"--port-file={root / 'port.refused'}", *args]
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             cwd=root,
             env=_env(),
             timeout=timeout_s,
             check=False,
-            preexec_fn=die_with_parent,
         )
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode(errors="replace") if exc.stdout else ""

@@ -8,7 +8,6 @@ disk fails with ENOSPC); the restarted shard has none.
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,11 +44,6 @@ def shards() -> Iterator[dict[int, RunningShard]]:
             shard.proc.wait()
 
 
-def _limited(limit: int) -> None:
-    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-
-
 def test_a_full_disk_on_the_new_shard_fails_the_scale_fast_and_loses_nothing(
     tmp_path: Path, shards: dict[int, RunningShard]
 ) -> None:
@@ -62,7 +56,7 @@ def test_a_full_disk_on_the_new_shard_fails_the_scale_fast_and_loses_nothing(
         grads = np.random.default_rng(0).standard_normal((KEYS.size, DIM)).astype(np.float32)
         ps.push("t", KEYS, grads)
         before = ps.lookup("t", KEYS)
-    shards[2] = local.start_shard(2, 3, tmp_path, *shard_args(tmp_path), in_child=lambda: _limited(LIMIT))
+    shards[2] = local.start_shard(2, 3, tmp_path, *shard_args(tmp_path), file_size_limit_bytes=LIMIT)
     new = [*old, shards[2].address]
 
     began = time.monotonic()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import threading
@@ -134,6 +133,10 @@ def test_sigterm_to_ps_launch_stops_shards_and_workers(tmp_path: Path, when: str
     # Started the way a shell starts a background job (`ps-launch ... &`): SIGINT ignored.
     proc = subprocess.Popen(
         [
+            "sh",  # a shell's trap "" INT sets SIGINT to ignored, which exec keeps: no Python runs in the fork
+            "-c",
+            'trap "" INT; exec "$@"',
+            "sh",
             sys.executable,
             "-m",
             "deploy.launch",
@@ -150,7 +153,6 @@ def test_sigterm_to_ps_launch_stops_shards_and_workers(tmp_path: Path, when: str
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     assert proc.stderr is not None
     lines: list[str] = []
