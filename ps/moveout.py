@@ -52,14 +52,22 @@ def move_batches(
 ) -> Iterator[pb.MoveBatch]:
     """The stream of the rows of this shard that move to shard ``destination`` of ``to``,
     at most ``max_rows_per_s`` a second (0: no limit). Raises ``Moving`` before this shard
-    has prepared the reshard to ``to`` (retry), ``InvalidRequest`` for a destination that
-    gets no keys from it."""
+    has prepared the reshard to ``to`` (retry), ``InvalidRequest`` for a map it can never
+    prepare (its epoch is not the next one, or another reshard runs here) and for a
+    destination that gets no keys from it."""
     mv = reshard.move
-    if mv is None or mv.dst != to:
-        raise Moving(
-            f"shard {reshard.index} has not prepared the reshard to {to.describe()} "
-            f"(its own: {mv.dst.describe() if mv is not None else 'none'}): retry shortly"
+    if mv is not None and mv.dst != to and mv.phase in ("copying", "frozen"):
+        raise InvalidRequest(
+            f"shard {reshard.index} takes part in the reshard to {mv.dst.describe()}, not in one to {to.describe()}"
         )
+    if mv is None or mv.dst != to:
+        at = reshard.map.epoch
+        if to.epoch != at + 1:  # a reshard moves the epoch one on from where this shard is
+            raise InvalidRequest(
+                f"a reshard to {to.describe()} cannot be prepared on shard {reshard.index}, which is at epoch {at} "
+                f"(the next map is epoch {at + 1})"
+            )
+        raise Moving(f"shard {reshard.index} has not prepared the reshard to {to.describe()}: retry shortly")
     if not mv.is_source or reshard.index not in MoveState(destination, mv.src, mv.dst).sources:
         raise InvalidRequest(f"shard {destination} gets no keys from shard {reshard.index} in this reshard")
     if mv.phase not in ("copying", "frozen"):

@@ -25,7 +25,7 @@ from protos.keys import shard_of
 from ps.changes import ChangeLog
 from ps.cluster import ClusterMap, Route
 from ps.config import Durability, TableSpec
-from ps.errors import Moving, ShardMismatch, WrongShard
+from ps.errors import InvalidRequest, Moving, ShardMismatch, WrongShard
 from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.rows import RowFormat, Rows
 from ps.shard import LookupBatch, Shard
@@ -479,3 +479,21 @@ def test_a_copy_longer_than_the_change_log_holds_still_ends(cluster: Cluster) ->
             break
     _, want = s0.table("t").peek_rows(moving)
     np.testing.assert_array_equal(np.array([got[k] for k in moving.tolist()]), want.values)
+
+
+@pytest.mark.parametrize("epoch", [0, 2, 2**64 - 1])
+def test_rows_asked_for_a_map_that_can_never_be_prepared_are_refused_for_good(cluster: Cluster, epoch: int) -> None:
+    s0 = cluster.add(0, 2)
+    s0.create_table(SGD)
+    to = ClusterMap(epoch, 3, ("s0", "s1", "s2"))
+    with pytest.raises(InvalidRequest, match=f"epoch {epoch}.*cannot be prepared on shard 0, which is at epoch 0"):
+        next(iter(s0.move_rows(to, 2, lambda: True, 1 << 16)))
+    with pytest.raises(Moving, match="retry shortly"):  # the next map may be prepared any moment
+        next(iter(s0.move_rows(ClusterMap(1, 3, ("s0", "s1", "s2")), 2, lambda: True, 1 << 16)))
+    src, dst = ClusterMap(0, 2, ("s0", "s1")), ClusterMap(1, 3, ("s0", "s1", "s2"))
+    s0.reshard_request(
+        pb.ReshardRequest(phase=pb.ReshardRequest.PREPARE, to=dst.to_proto(), **{"from": src.to_proto()})
+    )
+    other = ClusterMap(1, 4, ("s0", "s1", "s2", "s3"))  # the same epoch, another map: never while this one runs
+    with pytest.raises(InvalidRequest, match="takes part in the reshard to epoch 1: 3 shards"):
+        next(iter(s0.move_rows(other, 2, lambda: True, 1 << 16)))
