@@ -237,8 +237,12 @@ class Shard:
 
     def install_table(self, spec: TableSpec, limited: bool = False) -> bool:
         """``create_table`` in any mode: how a serving shard takes its leader's tables
-        (``limited``: a new one must fit ``limits.max_tables``)."""
-        return self._tables.install(spec, limited)
+        (``limited``: a new one must fit ``limits.max_tables``). A new table is a change of
+        its own (a version with no keys): followers get its spec before it has a row."""
+        created = self._tables.install(spec, limited)
+        if created:
+            self.changes.record([])
+        return created
 
     def table(self, name: str) -> Table:
         """The table called ``name``; raises ``UnknownTable`` listing the ones that exist."""

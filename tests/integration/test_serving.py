@@ -159,6 +159,20 @@ def test_fresh_rows_reach_the_follower_within_a_second(leader: RunningShard, tmp
     assert float(np.percentile(lags, 99)) < 3.0, lags
 
 
+def test_a_table_created_without_rows_reaches_a_follower_that_is_already_streaming(
+    leader: RunningShard, tmp_path: Path
+) -> None:
+    follower = follower_of(leader, tmp_path / "serve")
+    with PSClient([leader.address], FAST) as train, PSClient([follower.address], FAST) as serve:
+        train.create_table("item", DIM)
+        train.lookup("item", np.array([7]))
+        wait_caught_up(follower.address, leader.address)
+        train.create_table("empty", DIM)  # no row yet: only the spec can tell the follower
+        wait_caught_up(follower.address, leader.address)
+        np.testing.assert_array_equal(serve.lookup("empty", np.array([1, 2])), np.zeros((2, DIM), np.float32))
+    stop_shard(follower)
+
+
 def test_follower_restart_continues_and_leader_restart_resyncs(leader: RunningShard, tmp_path: Path) -> None:
     serve_root = tmp_path / "serve"
     follower = follower_of(leader, serve_root, f"--data-dir={serve_root / 'data'}")

@@ -1,5 +1,5 @@
-"""The shape of ``ps/``: no import cycles between its modules, files of a readable size,
-and the servicer going through ``Shard`` only.
+"""The shape of ``ps/``: no import cycles between its modules, and the servicer going
+through ``Shard`` only. A file's size is a question for review, not an assertion.
 
 Imports are read from the source (``ast``), ``TYPE_CHECKING`` blocks included: a cycle
 that only type annotations close is still two modules that cannot be understood apart.
@@ -10,12 +10,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PS = ROOT / "ps"
 MODULES = sorted(f"ps.{p.stem}" for p in PS.glob("*.py") if p.stem != "__init__")
-MAX_LINES = 600  # STYLE.md section 2
 
 
 def ps_imports(module: str) -> set[str]:
@@ -68,12 +65,6 @@ def test_find_cycle_finds_one() -> None:
 def test_ps_modules_import_no_cycle() -> None:
     graph = {m: ps_imports(m) for m in MODULES}
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
-
-
-@pytest.mark.parametrize("module", MODULES)
-def test_ps_files_stay_readable(module: str) -> None:
-    lines = len((PS / f"{module.split('.')[1]}.py").read_text().splitlines())
-    assert lines <= MAX_LINES, f"{module}: {lines} lines, over {MAX_LINES}: split it by responsibility"
 
 
 def test_servicer_talks_to_the_shard_only() -> None:
