@@ -30,7 +30,7 @@ The steps, each waiting for every shard it concerns:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -112,6 +112,8 @@ def scale(
     training its share of a busy machine; 0: as fast as it goes."""
     src_addresses, dst_addresses = list(src_addresses), list(dst_addresses)
     _check_lists(src_addresses, dst_addresses)
+    if abort:
+        return _abort(shards, src_addresses, dst_addresses, say)
     deadline = time.monotonic() + timeout_s
     maps = {a: _get_map(shards, a) for a in dict.fromkeys(src_addresses + dst_addresses)}
     src, dst = _maps(maps, src_addresses, dst_addresses)
@@ -123,8 +125,6 @@ def scale(
         if serving is not None:  # serving replicas started since (an autoscaler's) take the serving map now
             _switch_serving(shards, serving[0], serving[1], deadline, poll_s, say)
         return report
-    if abort:
-        return _abort(shards, maps, src, dst, report, say)
     started = time.monotonic()
     if not any(_phase(maps[a], dst) for a in maps):
         _check_start(maps, src, dst)
@@ -362,31 +362,78 @@ def _record_received(shards: ShardCalls, dst_addresses: list[str], dst: ClusterM
 
 
 def _abort(
-    shards: ShardCalls,
-    maps: dict[str, pb.GetMapResponse],
-    src: ClusterMap,
-    dst: ClusterMap,
-    report: ScaleReport,
-    say: Callable[[str], None],
+    shards: ShardCalls, src_addresses: list[str], dst_addresses: list[str], say: Callable[[str], None]
 ) -> ScaleReport:
-    committed = [a for a, m in maps.items() if _phase(m, dst) in ("committed", "done") or m.map.epoch == dst.epoch]
+    """Undo the reshard from ``src_addresses`` that the shards record, as long as none
+    committed it. The shards' own record says which reshard that is (an operator may type
+    a replacement's address in ``--to``), and shards that cannot be reached are left out:
+    a lost new shard holds nothing of value. Returns once no reachable shard takes part
+    any more; raises ``ScaleError`` while an old owner (which may be frozen) cannot be
+    reached or still takes part."""
+    maps, lost = _reachable(shards, dict.fromkeys(src_addresses + dst_addresses))
+    recorded = {
+        (ClusterMap.from_proto(getattr(m.reshard, "from")), ClusterMap.from_proto(m.reshard.to))
+        for m in maps.values()
+        if m.reshard.phase and list(getattr(m.reshard, "from").addresses) == src_addresses
+    }
+    if not recorded:
+        if lost:
+            raise ScaleError(f"{_unreachable(lost)}; the others take part in no reshard from --addresses")
+        raise ScaleError("nothing to abort: no shard takes part in a reshard from the shards of --addresses")
+    if len(recorded) > 1:
+        raise ScaleError(f"the shards record different reshards: {', '.join(t.describe() for _, t in recorded)}")
+    ((src, dst),) = recorded
+    if list(dst.addresses) != dst_addresses:
+        say(f"the shards record the reshard to {dst.describe()}, not to the --to given: aborting theirs")
+    more, also_lost = _reachable(shards, [a for a in dst.addresses if a not in maps and a not in lost])
+    maps, lost = maps | more, lost | also_lost
+    committed = [a for a, m in maps.items() if _phase(m, dst) in ("committed", "done") or m.map == dst.to_proto()]
     if committed:
         raise ScaleError(
             f"{', '.join(committed)} committed the reshard to {dst.describe()}: it cannot be undone; "
             "run ps-admin scale without --abort to finish it"
         )
     abort = _request(pb.ReshardRequest.ABORT, dst)
-    for address, m in maps.items():
-        if _phase(m, dst):
+    for address in maps:  # the old owners first: their moving keys take pushes again
+        if _phase(maps[address], dst):
             try:
                 shards.reshard(address, abort)
             except RetryLater as exc:
                 raise ScaleError(f"abort on {address}: the shard is busy or restarting ({exc}); run it again") from None
             except Exception as exc:
                 raise ScaleError(f"abort on {address} failed: {exc}") from None
-    report.aborted = True
+    after, lost_now = _reachable(shards, list(maps))
+    still = [a for a, m in after.items() if _phase(m, dst)]
+    old_lost = [a for a in {**lost, **lost_now} if a in src.addresses]
+    if still or old_lost:
+        parts = [f"{', '.join(still)} still take part in it"] if still else []
+        parts += [_unreachable({a: (lost | lost_now)[a] for a in old_lost})] if old_lost else []
+        raise ScaleError(
+            f"the reshard to {dst.describe()} is not undone everywhere: {'; '.join(parts)}; "
+            "run ps-admin scale --abort again once they answer"
+        )
+    for address, why in lost.items():
+        say(
+            f"{address} could not be reached ({why}): it keeps its record of the reshard; if it comes back, "
+            "stop it and give its place a new shard with an empty data dir"
+        )
     say(f"aborted: the cluster stays at {src.describe()}; stop the new shards, they hold nothing")
-    return report
+    return ScaleReport(src, dst, aborted=True)
+
+
+def _reachable(shards: ShardCalls, addresses: Iterable[str]) -> tuple[dict[str, pb.GetMapResponse], dict[str, str]]:
+    """The cluster maps of the shards that answer, and why each other one did not."""
+    maps, lost = {}, {}
+    for address in addresses:
+        try:
+            maps[address] = shards.get_map(address)
+        except Exception as exc:
+            lost[address] = str(exc)
+    return maps, lost
+
+
+def _unreachable(lost: dict[str, str]) -> str:
+    return "; ".join(f"{a} could not be reached ({why})" for a, why in lost.items())
 
 
 def _undo_after_disk_failure(

@@ -195,6 +195,38 @@ def test_a_reshard_interrupted_by_kill_9_finishes_when_run_again(
     assert_owned(tmp_path, shards, 3)
 
 
+def test_an_abort_without_the_lost_new_shard_unfreezes_the_old_owners(
+    tmp_path: Path, shards: dict[int, RunningShard]
+) -> None:
+    for i in range(2):
+        shards[i] = start_shard(i, 2, tmp_path, *shard_args(tmp_path))
+    shards[2] = start_shard(2, 3, tmp_path, *shard_args(tmp_path))
+    src, dst = addresses(shards, 2), addresses(shards, 3)
+    calls = GrpcShards(10.0)
+    try:
+        to = ClusterMap(1, 3, tuple(dst)).to_proto()
+        prepare = pb.ReshardRequest(
+            phase=pb.ReshardRequest.PREPARE, to=to, **{"from": ClusterMap(0, 2, tuple(src)).to_proto()}
+        )
+        for address in dst:
+            calls.reshard(address, prepare)
+        for address in src:
+            calls.reshard(address, pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=to))
+        os.kill(shards[2].proc.pid, signal.SIGKILL)  # lost with its disk: nobody will listen there again
+        shards[2].proc.wait(30)
+        shards[3] = start_shard(2, 3, tmp_path / "replacement")  # the operator types its address instead
+        typed = [*src, shards[3].address]
+        done = ps_admin("scale", "--abort", "--addresses", ",".join(src), "--to", ",".join(typed), cwd=tmp_path)
+        said = ok(done) + done.stderr
+        assert "aborted" in said and f"{dst[2]} could not be reached" in said, said
+        assert all(not calls.get_map(a).reshard.phase for a in src)  # nobody frozen
+    finally:
+        calls.close()
+    with PSClient(src, FAST) as client:
+        client.create_table("t", 8, optimizer="sgd", lr=1.0, seed=11)
+        client.push("t", KEYS, np.full((KEYS.size, 8), STEP, np.float32))  # every key takes pushes again
+
+
 def test_spare_shards_join_grows_at_any_epoch(tmp_path: Path, shards: dict[int, RunningShard]) -> None:
     """Shards started past the end of the cluster they are told of (a StatefulSet's new pods,
     all given the same --num-shards) own nothing until a grow takes them in, at the first

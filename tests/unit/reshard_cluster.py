@@ -43,13 +43,18 @@ class Cluster:
         return shard
 
     def get_map(self, address: str) -> pb.GetMapResponse:
-        return self.shards[address].get_map()
+        return self._shard(address).get_map()
 
     def reshard(self, address: str, request: pb.ReshardRequest) -> pb.ReshardStatus:
         try:
-            return self.shards[address].reshard_request(request)
+            return self._shard(address).reshard_request(request)
         except Moving as exc:
             raise RetryLater(str(exc)) from None
+
+    def _shard(self, address: str) -> Shard:
+        if address not in self.shards:  # as a gRPC call to an address nobody listens on
+            raise ConnectionError(f"{address}: no shard answers there")
+        return self.shards[address]
 
     def stream(self, address: str, request: pb.MoveRowsRequest) -> Iterable[pb.MoveBatch]:
         to = ClusterMap.from_proto(request.to)

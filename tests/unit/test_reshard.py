@@ -305,6 +305,39 @@ def test_abort_before_the_commit_leaves_the_cluster_as_it_was(cluster: Cluster) 
     push(cluster.shards["s0"], "a", KEYS[shard_of(KEYS, 2) == 0][:2], np.ones((2, 3), np.float32))  # not frozen
 
 
+@pytest.mark.parametrize("typed", [("s0", "s1", "s2"), ("s0", "s1", "s3")])
+def test_abort_succeeds_without_the_lost_new_shard_and_never_leaves_one_frozen(
+    cluster: Cluster, typed: tuple[str, ...]
+) -> None:
+    for i in range(2):
+        cluster.add(i, 2)
+    seed_rows(cluster, 2)
+    cluster.add(2, 3)
+    src, dst = ClusterMap(0, 2, ("s0", "s1")), ClusterMap(1, 3, ("s0", "s1", "s2"))
+    prepare = pb.ReshardRequest(phase=pb.ReshardRequest.PREPARE, to=dst.to_proto(), **{"from": src.to_proto()})
+    for address in cluster.addresses(3):
+        cluster.reshard(address, prepare)
+    for address in ("s0", "s1"):
+        cluster.reshard(address, pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=dst.to_proto()))
+    cluster.shards.pop("s2").shutdown()  # the new shard is lost with its disk
+    if "s3" in typed:  # the operator typed the address of a replacement, started empty for place 2
+        cluster.shards["s3"] = Shard(2, 3)
+    said: list[str] = []
+    report = scale(cluster, ["s0", "s1"], list(typed), abort=True, say=said.append)
+    assert report.aborted
+    assert all(cluster.shards[a].reshard.move is None and not cluster.shards[a].reshard.frozen for a in ("s0", "s1"))
+    push(cluster.shards["s0"], "a", KEYS[shard_of(KEYS, 2) == 0][:2], np.ones((2, 3), np.float32))  # not frozen
+    assert any("s2" in line and "could not be reached" in line for line in said), said
+
+
+def test_abort_with_nothing_to_abort_says_so(cluster: Cluster) -> None:
+    for i in range(2):
+        cluster.add(i, 2)
+    cluster.add(2, 3)
+    with pytest.raises(ScaleError, match="nothing to abort"):
+        scale(cluster, cluster.addresses(2), cluster.addresses(3), abort=True)
+
+
 def send_like_a_client(cluster: Cluster, seq: int, grads: npt.NDArray[np.float32]) -> None:
     """One push of ``grads`` to every key, as a client sends it: planned by the map it
     knows; a part refused for now (``Moving``) is sent again; a part refused as routed by
