@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -48,22 +48,47 @@ from protos.keys import shard_of
 from protos.tls import open_channel
 from ps import precision
 from ps.checkpoint import resolve_existing_checkpoint
-from ps.config import spec_from_proto
+from ps.config import TableSpec, spec_from_proto
 from ps.datadir import DataDirError
 from ps.errors import InvalidRequest
 from ps.lifecycle import Lifecycle
 from ps.rescue import read_base
 from ps.rows import RowFormat, Rows
-from ps.shard import Shard
+from ps.rwlock import ReadWriteLock
 from ps.storage import Storage, StorageFailed
 from ps.table import Table
 
-__all__ = ["Source", "held_as"]
+__all__ = ["Served", "Source", "held_as"]
 
 log = logging.getLogger(__name__)
 
 _STATE_KEY = b"follow-state"  # "<history> <version> <lineage>" of the rows this data dir holds
 _SAVE_EVERY_S = 2.0
+
+
+class Served(Protocol):
+    """What a ``Source`` reads and changes of the serving shard it feeds (``ps.shard.Shard``
+    is one): which shard it is, its data dir and checkpoint root, and its tables, which
+    the source changes holding ``serve_lock`` to write (lookups hold it to read)."""
+
+    index: int
+    lineage: str  # of the shard's own data dir
+    storage: Storage | None
+    checkpoint_root: Path | None
+    serve_lock: ReadWriteLock
+
+    @property
+    def num_shards(self) -> int: ...
+
+    def tables(self) -> list[Table]: ...
+
+    def table(self, name: str) -> Table: ...
+
+    def install_table(self, spec: TableSpec, limited: bool = False) -> bool: ...
+
+    def swap_tables(self, tables: dict[str, Table]) -> dict[str, Table]: ...
+
+    def flush(self, metadata: bool = True) -> int: ...
 
 
 class Source:
@@ -72,7 +97,7 @@ class Source:
 
     def __init__(
         self,
-        shard: Shard,
+        shard: Served,
         leader: str | None = None,
         *,
         max_message_bytes: int = 64 << 20,
@@ -108,7 +133,6 @@ class Source:
         self._thread: threading.Thread | None = None
         if leader is None and serve_dtype != "stored":  # a data dir or checkpoint served as it is
             shard.swap_tables({t.spec.name: held_as(t, serve_dtype) for t in shard.tables()})
-            _warn_over_budget(shard)
         if leader is not None and shard.storage is not None:
             saved = shard.storage.get_meta(_STATE_KEY)
             if saved:
@@ -369,8 +393,6 @@ class Source:
             self._pinned_lineage = read_base(storage).lineage or ""
         if old is not None:
             old.close()
-        if self.serve_dtype != "stored":
-            _warn_over_budget(self.shard)
         log.info("serving checkpoint %s (pinned)", path)
         return path
 
@@ -416,18 +438,6 @@ def held_as(table: Table, kind: str) -> Table:
         "table %r: holding %d rows as %s (stored as %s)", table.spec.name, len(copy), kind, table.spec.storage_dtype
     )
     return copy
-
-
-def _warn_over_budget(shard: Shard) -> None:
-    budget = shard.budget
-    if budget.limit_bytes and budget.resident_bytes() > budget.limit_bytes:
-        log.warning(
-            "this shard's tables take %d bytes of RAM, over --memory-budget-bytes=%d, and those converted to "
-            "--serve-dtype are held whole (only rows on disk can be evicted): give the shard more memory, or serve "
-            "the stored type",
-            budget.resident_bytes(),
-            budget.limit_bytes,
-        )
 
 
 def _delta_rows(delta: pb.TableDelta, n: int) -> npt.NDArray[Any]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -28,14 +28,23 @@ from protos.names import addresses_of, dns_name
 from protos.services import PS_SERVICE
 from protos.tls import open_channel
 from ps.errors import ShardError
-from ps.shard import Shard
 
-__all__ = ["PEER_MAP_EVERY_S", "PeerMaps"]
+__all__ = ["PEER_MAP_EVERY_S", "MapHolder", "PeerMaps"]
 
 log = logging.getLogger(__name__)
 
 PEER_MAP_EVERY_S = 5.0
 """How often a serving replica asks its peers for their map."""
+
+
+class MapHolder(Protocol):
+    """The serving shard whose map ``PeerMaps`` keeps current (``ps.shard.Shard`` is one)."""
+
+    index: int
+
+    def get_map(self) -> pb.GetMapResponse: ...
+
+    def reshard_request(self, request: pb.ReshardRequest) -> pb.ReshardStatus: ...
 
 
 class PeerMaps:
@@ -44,7 +53,7 @@ class PeerMaps:
 
     def __init__(
         self,
-        shard: Shard,
+        shard: MapHolder,
         peers: Sequence[str],
         *,
         credentials: grpc.ChannelCredentials | None = None,

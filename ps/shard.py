@@ -249,8 +249,20 @@ class Shard:
         return self._tables.get(name)
 
     def swap_tables(self, tables: dict[str, Table]) -> dict[str, Table]:
-        """Serve ``tables`` from now on; returns the ones served until now (``ps.follow``)."""
-        return self._tables.swap(tables)
+        """Serve ``tables`` from now on; returns the ones served until now (``ps.follow``).
+        Logs a warning when they take more RAM than the memory budget allows and hold rows
+        it cannot evict (tables converted to ``--serve-dtype`` live in RAM alone)."""
+        previous = self._tables.swap(tables)
+        held_whole = any(t.disk is None for t in tables.values())
+        if held_whole and self.budget.limit_bytes and self.budget.resident_bytes() > self.budget.limit_bytes:
+            log.warning(
+                "this shard's tables take %d bytes of RAM, over --memory-budget-bytes=%d, and those converted to "
+                "--serve-dtype are held whole (only rows on disk can be evicted): give the shard more memory, or "
+                "serve the stored type",
+                self.budget.resident_bytes(),
+                self.budget.limit_bytes,
+            )
+        return previous
 
     def tables(self) -> list[Table]:
         """Every table, sorted by name (``ps.registry``)."""
