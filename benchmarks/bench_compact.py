@@ -47,13 +47,19 @@ from tier_zipf import ZIPF_S, Zipf  # noqa: E402
 from client import ClientConfig, PSClient  # noqa: E402
 from deploy import LocalCluster  # noqa: E402
 from protos.wire import tune_malloc  # noqa: E402
-from ps import precision  # noqa: E402
-from ps.config import Durability, TableSpec  # noqa: E402
-from ps.optimizers import OptimizerKind, OptimizerParams  # noqa: E402
-from ps.rows import RowFormat  # noqa: E402
+from ps.durability import Durability  # noqa: E402
 from ps.shard import Shard  # noqa: E402
-from ps.storage import COMPRESSIONS, Storage  # noqa: E402
-from ps.table import Table  # noqa: E402
+from ps.store import (  # noqa: E402
+    COMPRESSIONS,
+    Storage,
+    precision,  # noqa: E402
+)
+from ps.table import (  # noqa: E402
+    OptimizerKind,
+    OptimizerParams,
+    Table,  # noqa: E402
+    TableSpec,  # noqa: E402
+)
 
 RESULTS = REPO / "benchmarks" / "results"
 DIM = 64
@@ -191,7 +197,7 @@ def disk(rows: int, tmp: Path) -> dict[str, Any]:
         for compression in COMPRESSIONS:
             path = tmp / f"disk-{layout.replace(' ', '-')}-{compression}"
             with Storage(path, shard=0, num_shards=1, compression=compression) as st:
-                table = Table(spec(layout), rows=st.table("t", RowFormat.of(spec(layout))), storage=st)
+                table = Table(spec(layout), rows=st.table("t", spec(layout).row_format), storage=st)
                 table.push(keys, grads)
                 table.flush()
                 st.flush_memtables()

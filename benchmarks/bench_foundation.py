@@ -55,11 +55,14 @@ from client.routing import pack, plan_table  # noqa: E402
 from protos import ps_pb2 as pb  # noqa: E402
 from protos import wire  # noqa: E402
 from protos.wire import tune_malloc  # noqa: E402
-from ps.config import TableSpec  # noqa: E402
-from ps.optimizers import OptimizerKind, OptimizerParams  # noqa: E402
-from ps.servicer import Servicer  # noqa: E402
+from ps.service import Servicer  # noqa: E402
 from ps.shard import Shard  # noqa: E402
-from ps.table import Table  # noqa: E402
+from ps.table import (  # noqa: E402
+    OptimizerKind,
+    OptimizerParams,
+    Table,  # noqa: E402
+    TableSpec,  # noqa: E402
+)
 
 ROWS, DIM, MAX_MSG, RESIDENT = 65_536, 64, 64 << 20, 1_000_000
 TABLE, ECHO_SERVICE, SEED, KEY_SETS = "bench", "bench.Echo", 1234, 8

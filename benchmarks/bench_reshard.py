@@ -44,8 +44,11 @@ from deploy.local import start_shard, stop_shard  # noqa: E402
 from deploy.operations import GrpcShards  # noqa: E402
 from deploy.scale import scale  # noqa: E402
 from protos.keys import shard_of  # noqa: E402
-from ps.rows import RowFormat, Rows  # noqa: E402
-from ps.storage import Storage  # noqa: E402
+from ps.store import (  # noqa: E402
+    RowFormat,
+    Rows,
+    Storage,  # noqa: E402
+)
 
 DIM = 16
 ROW_BYTES = 8 + 4 * (DIM + DIM + 2)  # key, values, Adagrad state, last access, use count: what moves per row

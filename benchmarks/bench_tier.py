@@ -61,14 +61,17 @@ from tier_zipf import (  # noqa: E402
     served,
 )
 
-from ps.config import Durability, TableSpec  # noqa: E402
-from ps.rows import (
-    RowFormat,
-    Rows,  # noqa: E402
-)
+from ps.durability import Durability  # noqa: E402
 from ps.shard import Shard  # noqa: E402
-from ps.storage import Storage  # noqa: E402
-from ps.table import Table  # noqa: E402
+from ps.store import (
+    RowFormat,
+    Rows,
+    Storage,  # noqa: E402
+)
+from ps.table import (
+    Table,  # noqa: E402
+    TableSpec,  # noqa: E402
+)
 
 RESULTS = REPO / "benchmarks" / "results"
 MODES = (None, "interval:5", "interval:5/lru", "every-push")  # see tier_zipf.mode_name
@@ -116,7 +119,7 @@ def lookup_cost(n: int, warmup: int, steps: int, tmp: Path) -> dict[str, Any]:
     zipf = Zipf(n, ZIPF_S, seed=13)
     t0 = time.perf_counter()
     with Storage(data_dir, shard=0, num_shards=1) as storage:
-        from ps.config import spec_to_proto
+        from ps.table import spec_to_proto
 
         storage.save_spec("t", spec_to_proto(spec).SerializeToString())
         rows = storage.table("t", RowFormat(8, 0))

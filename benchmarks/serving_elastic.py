@@ -197,7 +197,7 @@ def _starts_only(
     does (the interpreter and the shard's modules) and exit, joining nothing."""
     config = ClientConfig(deadline_s=30, membership_refresh_s=0.5)
     starts: list[float] = []
-    command = [sys.executable, "-c", "import ps.server, ps.follow, client"]
+    command = [sys.executable, "-c", "import ps.service.server, ps.replication.follow, client"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     with PSClient(addresses_file=replicas.addresses_file, config=config) as client:
         client.lookup(TABLE, requests[0])

@@ -5,7 +5,7 @@ lookup cannot be cheaper than that echo plus the work every embedding store must
 it, so this module builds that and nothing else, for the benchmark to run beside the rest:
 
 * the floor server (a child process: ``python benchmarks/serving_floor.py --rows FILE
-  --port-file FILE``): one shard's rows in a ``ps.ram.RamTier`` (our key index and row
+  --port-file FILE``): one shard's rows in a ``ps.table.ram.RamTier`` (our key index and row
   arena); a call's body is the raw int64 keys, as the ceiling's; the handler probes the
   index and gathers the rows into the ``bytes`` it returns (raw float32 rows). No request
   message, checks, locks, counters or response framing.
@@ -35,10 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a pl
 
 from client.batching import fill_rows, plan_keys  # noqa: E402
 from protos.wire import alloc_bytes, tune_malloc  # noqa: E402
-from ps.config import TableSpec  # noqa: E402
-from ps.optimizers import OptimizerKind, OptimizerParams  # noqa: E402
-from ps.ram import RamTier  # noqa: E402
-from ps.rows import Rows  # noqa: E402
+from ps.store import Rows  # noqa: E402
+from ps.table import (  # noqa: E402
+    OptimizerKind,
+    OptimizerParams,
+    RamTier,  # noqa: E402
+    TableSpec,  # noqa: E402
+)
 
 FLOOR_METHOD = "/bench.Floor/Lookup"
 _F32, _I64 = np.dtype(np.float32), np.dtype(np.int64)

@@ -34,12 +34,16 @@ import rocksdict
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
 
-from ps.config import Durability, TableSpec  # noqa: E402
-from ps.lifecycle import Eviction  # noqa: E402
-from ps.optimizers import OptimizerKind, OptimizerParams  # noqa: E402
+from ps.durability import Durability  # noqa: E402
 from ps.shard import Shard  # noqa: E402
-from ps.storage import Storage, _table_options  # noqa: E402
-from ps.table import Table  # noqa: E402
+from ps.store import Storage, table_options  # noqa: E402
+from ps.table import (  # noqa: E402
+    Eviction,  # noqa: E402
+    OptimizerKind,
+    OptimizerParams,
+    Table,  # noqa: E402
+    TableSpec,  # noqa: E402
+)
 
 BATCH = 16_384  # Zipf draws per step (before dedup)
 ZIPF_S = 1.05
@@ -223,7 +227,7 @@ def served(work: Workload, mode: str | None, tmp: Path) -> dict[str, Any]:
 def io_floor(n: int, reads: int, writes: int, steps: int, tmp: Path) -> dict[str, float]:
     """ms per step of raw rocksdict I/O: a multi-get of ``reads`` random stored keys and a
     write batch of ``writes`` rows, on ``n`` stored rows of the tier's record size."""
-    opts = _table_options()
+    opts = table_options()
     opts.create_if_missing(True)
     opts.set_allow_mmap_reads(True)
     path = tmp / "io-floor"

@@ -266,7 +266,7 @@ class PSClient:
         created); ``storage_dtype``: how the shards store the rows' values, float32
         (default), bfloat16 or float16, and ``state_dtype`` their optimizer state, float32
         (default) or bfloat16 (16-bit rows are updated in float32 and rounded
-        stochastically: see ps/precision.py). Anything not given takes the shard's
+        stochastically: see ps/store/precision.py). Anything not given takes the shard's
         default. Raises ``TypeError`` for an unknown option, ``InvalidRequestError`` for
         a bad value, ``TableExistsError`` if the name exists with another spec (the
         message names each difference).
@@ -318,7 +318,7 @@ class PSClient:
 
         ``name`` is a directory under each shard's ``--checkpoint-root`` (relative: resolved
         under it; absolute: must lie below it), and shard ``i`` of ``n`` writes
-        ``name/shard-{i:05d}-of-{n:05d}`` (see ``ps.checkpoint``). None: the next version
+        ``name/shard-{i:05d}-of-{n:05d}`` (see ``ps.durability.checkpoint``). None: the next version
         number, which shard 0 picks (its root's next one) and every other shard then takes,
         so that the whole cluster's checkpoint has one name. The shards write in parallel
         (after shard 0 when it picks the name). Returns, in shard order, ``{"name": the

@@ -11,7 +11,7 @@ rounds, each a push of its own.
 If a shard refuses a part because the cluster moved to a newer map (a live reshard),
 ``reroute`` splits that part's keys over the new map's shards; each new part says where
 the keys were first planned (``planned``), so the shards apply it once per key against
-the records that moved with them (``ps.ledger.TableLedgers``).
+the records that moved with them (``ps.table.ledger.TableLedgers``).
 
 Example:
     >>> import numpy as np

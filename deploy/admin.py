@@ -1,7 +1,7 @@
 """``ps-admin``: operations on a whole cluster, or on its checkpoints.
 
 It talks to shards through ``client.PSClient`` (one channel setup and one error tree for
-every tool) and reads checkpoints offline with ``ps.storage``.
+every tool) and reads checkpoints offline with ``ps.store.storage``.
 
 * ``ps-admin checkpoint [--addresses A0,A1,...] [--out NAME]``: every shard writes its
   part of the checkpoint NAME to ``NAME/shard-{i:05d}-of-{n:05d}`` under its own
@@ -86,8 +86,7 @@ from deploy.operations import (
 from deploy.reshard import SCAN_CHUNK_ROWS, AdminError, read_cluster_manifest, reshard, shard_dir_name
 from deploy.scale import ScaleReport
 from protos.logs import configure_logging
-from ps.datadir import DataDirError
-from ps.storage import StorageFailed
+from ps.store import DataDirError, StorageFailed
 
 __all__ = [
     "AdminError",

@@ -37,8 +37,7 @@ from protos import ps_pb2 as pb
 from protos.auth import AuthError, bearer_metadata, read_client_token
 from protos.services import PS_SERVICE, SHARD_HEALTH
 from protos.tls import TLSError, channel_credentials, open_channel
-from ps.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
-from ps.storage import StorageFailed
+from ps.store import FORMAT_VERSION, DataDirError, StorageFailed, read_manifest, write_manifest
 
 __all__ = [
     "CLIENT_OPTIONS",

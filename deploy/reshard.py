@@ -21,12 +21,10 @@ from google.protobuf import json_format
 
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
-from ps.checkpoint import part_name
-from ps.config import TableSpec, spec_from_proto, spec_to_proto
-from ps.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
+from ps.durability import part_name
 from ps.errors import ShardError
-from ps.rows import RowFormat
-from ps.storage import Storage
+from ps.store import FORMAT_VERSION, DataDirError, Storage, read_manifest, write_manifest
+from ps.table import TableSpec, spec_from_proto, spec_to_proto
 
 __all__ = ["SCAN_CHUNK_ROWS", "AdminError", "now_stamp", "read_cluster_manifest", "reshard", "shard_dir_name"]
 
@@ -44,7 +42,7 @@ class AdminError(RuntimeError):
 
 
 def shard_dir_name(shard: int, num_shards: int) -> str:
-    """The directory of shard ``shard`` inside a cluster checkpoint (``ps.checkpoint.part_name``)."""
+    """The directory of shard ``shard`` inside a cluster checkpoint (``ps.durability.checkpoint.part_name``)."""
     return part_name(shard, num_shards)
 
 
@@ -156,7 +154,7 @@ def _reshard_into(src: Path, manifest: dict[str, Any], m: int, out: Path, chunk_
         tables = _source_specs(sources)
         targets = [stack.enter_context(Storage(out / name, shard=j, num_shards=m)) for j, name in enumerate(names)]
         for name, (spec, blob, holders) in sorted(tables.items()):
-            fmt = RowFormat.of(spec)
+            fmt = spec.row_format
             outs = []
             for j, t in enumerate(targets):
                 t.save_spec(name, blob)

@@ -4,7 +4,7 @@ reaching the shards.
 ``scale(shards, src_addresses, dst_addresses)`` moves a cluster from the shards at
 ``src_addresses`` to those at ``dst_addresses`` (one grown by new shards at its end, or
 the same list cut short), while training goes on. Each shard keeps its own record of
-where the reshard stands (``ps.cluster``), so ``scale`` reads the shards first and
+where the reshard stands (``ps.elastic.cluster``), so ``scale`` reads the shards first and
 carries on from there: run again after any failure (this process killed, a shard
 restarted), it finishes the reshard, or ``abort`` undoes one no shard committed yet.
 A new owner whose disk refuses the rows it takes in fails the reshard at once: ``scale``
@@ -36,7 +36,7 @@ from typing import Protocol
 
 from client.membership import addresses_of
 from protos import ps_pb2 as pb
-from ps.cluster import ClusterMap, MoveState
+from ps.elastic import ClusterMap, MoveState
 
 __all__ = ["RetryLater", "ScaleError", "ScaleReport", "ShardCalls", "scale"]
 

@@ -1,6 +1,6 @@
 """Replica entries that name several servers: ``dns:HOST:PORT`` is every address HOST
 resolves to, at PORT (a Kubernetes headless Service has one per ready pod). Clients
-(``client.membership``) and serving shards asking their peers (``ps.peers``) resolve them
+(``client.membership``) and serving shards asking their peers (``ps.replication.peers``) resolve them
 alike. Not imported by ``import protos``.
 
 Example:

@@ -1,5 +1,5 @@
 """Row element types both ends share: decoding stored 16-bit and 8-bit rows, and rounding
-float32 rows to them to nearest (numpy only: ``ps.precision`` adds the shards' stochastic
+float32 rows to them to nearest (numpy only: ``ps.store.precision`` adds the shards' stochastic
 rounding and gather kernels).
 
 ``as_served(kind, rows)`` is what a serving shard holding its rows as ``kind`` returns for

@@ -1,6 +1,6 @@
 """What every gRPC server of the system does alike: health, reflection, binding, port file.
 
-``ps-server`` (``ps.server``) and ``ps-infer`` (``worker.serving``) both start with
+``ps-server`` (``ps.service.server``) and ``ps-infer`` (``worker.serving``) both start with
 ``listen``, which registers gRPC health checking and server reflection for the given
 services, binds the address, starts the server and marks the services SERVING; and
 both tell launchers their real port with ``write_port_file``. Not imported by
@@ -75,7 +75,7 @@ def status_boundary(
     """End the call with ``status_of(exc, method)`` for an exception the handler body raises, or,
     for one ``status_of`` does not know (None), with INTERNAL naming an incident that
     ``process``'s log holds in full: no traceback, path or value leaves the server.
-    Every gRPC server of the system (``ps.servicer``, ``worker.serving``) uses this one."""
+    Every gRPC server of the system (``ps.service.servicer``, ``worker.serving``) uses this one."""
     try:
         yield
     except Exception as exc:

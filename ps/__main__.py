@@ -26,8 +26,7 @@ from collections.abc import Sequence
 
 from protos.servers import run_server
 from protos.wire import tune_malloc
-from ps.config import ServerConfig, load_config
-from ps.server import PSServer, build_server
+from ps.service import PSServer, ServerConfig, build_server, load_config
 
 log = logging.getLogger("ps")
 

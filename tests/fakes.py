@@ -1,7 +1,7 @@
 """``InProcessTransport``: a client ``Transport`` that runs real ``Servicer`` handlers in-process;
 ``push_request``/``lookup_rows``: the requests of ``Shard.push``/``Shard.lookup`` from arrays.
 
-Each request goes, as bytes, straight into ``ps.servicer.Servicer(shard, ...).<Method>``
+Each request goes, as bytes, straight into ``ps.service.servicer.Servicer(shard, ...).<Method>``
 with a fake ``ServicerContext``; the response is serialized as the real server's
 serializer would (``SerializeToString`` for protobuf messages, Lookup's bytes as they
 are). No sockets, no threads of its own: ``call()`` runs the handler synchronously and
@@ -39,8 +39,10 @@ from google.protobuf.message import Message
 
 from protos import ps_pb2 as pb
 from protos import wire
-from ps.servicer import Servicer, lookup_response
-from ps.shard import PushBatch, Route, Shard
+from ps.elastic import Route
+from ps.service import Servicer
+from ps.service.servicer import lookup_response
+from ps.shard import PushBatch, Shard
 
 __all__ = ["FakeRpcError", "InProcessTransport", "lookup_rows", "push_request"]
 

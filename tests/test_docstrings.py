@@ -21,9 +21,9 @@ def _modules() -> list[str]:
     names = []
     for package in PACKAGES:
         names.append(package)
-        for info in pkgutil.iter_modules([str(REPO / package)]):
-            if not info.name.endswith(("_pb2", "_pb2_grpc")) and info.name != "__main__":
-                names.append(f"{package}.{info.name}")
+        for info in pkgutil.walk_packages([str(REPO / package)], prefix=f"{package}."):
+            if not info.name.endswith(("_pb2", "_pb2_grpc", "__main__")):
+                names.append(info.name)
     return names
 
 

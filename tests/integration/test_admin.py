@@ -15,9 +15,8 @@ import numpy.typing as npt
 from client import PSClient
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
-from ps.config import spec_from_proto
-from ps.rows import RowFormat, Rows
-from ps.storage import Storage
+from ps.store import RowFormat, Rows, Storage
+from ps.table import spec_from_proto
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +65,7 @@ def read_checkpoint(ckpt: Path) -> tuple[dict[str, Rows], int]:
             assert st.identity() == (i, n)
             for table, blob in st.specs().items():
                 spec = spec_from_proto(pb.TableSpec.FromString(blob))
-                rows = st.table(table, RowFormat.of(spec))
+                rows = st.table(table, spec.row_format)
                 ledgers += len(rows.ledgers())
                 for rec in rows.scan(chunk=700):
                     assert (shard_of(rec.keys, n) == i).all(), f"{ckpt}/{name}: {table} holds another shard's keys"

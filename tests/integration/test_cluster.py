@@ -14,9 +14,8 @@ from client.transport import GrpcTransport
 from protos import ps_pb2 as pb
 from protos import wire
 from protos.keys import shard_of
-from ps import optimizers
-from ps.initializers import InitializerKind, InitializerParams, initial_rows
-from ps.optimizers import OptimizerKind, OptimizerParams
+from ps.table import InitializerKind, InitializerParams, OptimizerKind, OptimizerParams, optimizers
+from ps.table.initializers import initial_rows
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 
 RNG = np.random.default_rng(1234)

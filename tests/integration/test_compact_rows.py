@@ -16,10 +16,8 @@ import numpy as np
 import numpy.typing as npt
 
 from client import PSClient
-from ps import precision
-from ps.config import TableSpec
-from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.table import Table
+from ps.store import precision
+from ps.table import OptimizerKind, OptimizerParams, Table, TableSpec
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 from tests.integration.test_admin import ok, ps_admin
 from tests.integration.test_serving import wait_caught_up

@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from client import PSClient
-from ps.initializers import InitializerParams, initial_rows
+from ps.table import InitializerParams
+from ps.table.initializers import initial_rows
 
 
 def test_concurrent_pushes_and_lookups_lose_nothing(addresses: list[str]) -> None:

@@ -51,10 +51,9 @@ from client import ClientConfig, PSClient
 from client.predict import PredictClient
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
-from ps.config import spec_from_proto
-from ps.rows import RowFormat
 from ps.shard import Shard
-from ps.storage import Storage
+from ps.store import Storage
+from ps.table import spec_from_proto
 from tests.fakes import InProcessTransport
 from tests.integration.infer_helpers import raw_rows, requests_of, with_shared_context
 from tests.integration.shards import shard_pid
@@ -346,7 +345,7 @@ def stored_rows(data: Path, shards: int) -> list[dict[str, tuple[npt.NDArray[np.
             tables = {}
             for name, raw in st.specs().items():
                 spec = spec_from_proto(pb.TableSpec.FromString(raw))
-                parts = list(st.table(name, RowFormat.of(spec)).scan())
+                parts = list(st.table(name, spec.row_format).scan())
                 keys = np.concatenate([p.keys for p in parts] or [np.empty(0, np.int64)])
                 values = np.concatenate([p.values for p in parts] or [np.empty((0, spec.dim), np.float32)])
                 tables[name] = (keys, values)

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from client import PSClient
-from ps.initializers import InitializerParams, initial_rows
+from ps.table import InitializerParams
+from ps.table.initializers import initial_rows
 from worker import DistributedEmbedding, EmbeddingTableConfig, FeatureConfig, JaggedIds
 
 VOCAB, DIM, BATCH, STEPS = 40, 8, 16, 12

@@ -25,9 +25,8 @@ from client import ClientConfig, PSClient
 from deploy.operations import GrpcShards
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
-from ps.cluster import ClusterMap
-from ps.rows import RowFormat
-from ps.storage import Storage
+from ps.elastic import ClusterMap
+from ps.store import RowFormat, Storage
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 from tests.integration.test_admin import ok, ps_admin
 

@@ -18,8 +18,7 @@ import pytest
 from client import ClientConfig, PSClient
 from deploy import local
 from protos.keys import shard_of
-from ps.rows import RowFormat
-from ps.storage import Storage
+from ps.store import RowFormat, Storage
 from tests.integration.durability_util import terminate
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 from tests.integration.test_admin import ok, ps_admin

@@ -10,9 +10,9 @@ import numpy.typing as npt
 from client import (
     ClientConfig,
 )
-from ps.config import TableSpec
-from ps.initializers import initial_rows
 from ps.shard import Shard
+from ps.table import TableSpec
+from ps.table.initializers import initial_rows
 from tests.fakes import InProcessTransport
 
 F32 = npt.NDArray[np.float32]

@@ -35,7 +35,8 @@ from deploy.admin import build_parser as admin_parser
 from deploy.rendezvous import parse_args as rendezvous_args
 from protos.auth import Tokens, read_client_token
 from protos.settings import load_settings
-from ps.config import build_parser, load_config
+from ps.service import load_config
+from ps.service.config import build_parser
 from worker.config import ENV_PREFIX as TRAINER_PREFIX
 from worker.config import TrainerConfig
 from worker.serving import ENV_PREFIX as INFER_PREFIX

@@ -13,14 +13,11 @@ import numpy.typing as npt
 from deploy.scale import RetryLater
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
-from ps.cluster import ClusterMap, Route
-from ps.config import TableSpec
+from ps.elastic import ClusterMap, ReshardSettings, Route
 from ps.errors import Moving
-from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.reshard import ReshardSettings
-from ps.rows import RowFormat, Rows
 from ps.shard import PushBatch, Shard
-from ps.storage import Storage
+from ps.store import RowFormat, Rows, Storage
+from ps.table import OptimizerKind, OptimizerParams, TableSpec
 
 SGD = TableSpec("t", dim=4, seed=7, optimizer=OptimizerParams(OptimizerKind.SGD, lr=1.0))
 ADAGRAD = TableSpec("a", dim=3, seed=9, optimizer=OptimizerParams(OptimizerKind.ADAGRAD, lr=0.5))

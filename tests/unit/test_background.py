@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ps.background import EVICTOR, STORAGE_RECOVERY, TTL_SWEEP, LoopHealth, RateWindow
-from ps.config import Durability, TableSpec
-from ps.lifecycle import Lifecycle
-from ps.report import shard_stats
+from ps.durability import Durability
+from ps.service.report import shard_stats
 from ps.shard import Shard
-from ps.storage import Storage, StorageFailed
+from ps.shard.background import EVICTOR, STORAGE_RECOVERY, TTL_SWEEP, LoopHealth, RateWindow
+from ps.store import Storage, StorageFailed
+from ps.table import Lifecycle, TableSpec
 from tests.unit.test_rescue import Blocker, refuse_writes
 
 KEYS = np.arange(50, dtype=np.int64)
@@ -39,7 +39,7 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
 
 
 def test_a_loop_fails_in_a_row_and_clears_on_success(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="ps.background")
+    caplog.set_level(logging.WARNING, logger="ps.shard.background")
     health = LoopHealth()
     heard: list[bool] = []
     health.on_change(heard.append)

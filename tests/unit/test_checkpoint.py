@@ -10,12 +10,14 @@ import grpc
 import numpy as np
 import pytest
 
-from ps.checkpoint import MAX_PATH_BYTES, next_version_path, resolve_checkpoint_path, resolve_existing_checkpoint
-from ps.config import ConfigError, Durability, ServerConfig, TableSpec
-from ps.datadir import read_manifest
+from protos.settings import ConfigError
+from ps.durability import Durability, resolve_existing_checkpoint
+from ps.durability.checkpoint import MAX_PATH_BYTES, next_version_path, resolve_checkpoint_path
 from ps.errors import InvalidRequest, NotConfigured, ShardError
+from ps.service import ServerConfig
 from ps.shard import Shard
-from ps.storage import Storage
+from ps.store import Storage, read_manifest
+from ps.table import TableSpec
 
 
 @pytest.fixture
@@ -121,7 +123,7 @@ def test_versions_count_up(root: Path) -> None:
 
 
 def test_config_field_and_its_spellings(tmp_path: Path) -> None:
-    from ps.config import load_config
+    from ps.service import load_config
 
     assert load_config([f"--checkpoint-root={tmp_path}"], {}).checkpoint_root == tmp_path
     assert load_config([], {"PS_CHECKPOINT_ROOT": str(tmp_path)}).checkpoint_root == tmp_path

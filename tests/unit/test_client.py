@@ -25,11 +25,9 @@ from client import (
     TableNotFoundError,
 )
 from protos.keys import shard_of
-from ps.config import TableSpec
-from ps.initializers import InitializerKind, InitializerParams
-from ps.ledger import PushLedger
-from ps.optimizers import OptimizerKind, OptimizerParams
 from ps.shard import Shard
+from ps.table import InitializerKind, InitializerParams, OptimizerKind, OptimizerParams, TableSpec
+from ps.table.ledger import PushLedger
 from tests.fakes import InProcessTransport
 from tests.unit.client_cluster import (
     DIM,

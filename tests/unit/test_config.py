@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from ps.config import MAX_DIM, ConfigError, ServerConfig, TableSpec, load_config
-from ps.initializers import InitializerKind, InitializerParams
-from ps.optimizers import OptimizerKind, OptimizerParams
+from protos.settings import ConfigError
+from ps.service import ServerConfig, load_config
+from ps.table import InitializerKind, InitializerParams, OptimizerKind, OptimizerParams, TableSpec
+from ps.table.spec import MAX_DIM
 
 FIELDS = [f.name for f in dataclasses.fields(ServerConfig)]
 

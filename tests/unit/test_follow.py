@@ -15,11 +15,11 @@ import numpy as np
 
 from protos import ps_pb2 as pb
 from protos import wire
-from ps import precision
-from ps.config import Durability, TableSpec
-from ps.follow import Source
+from ps.durability import Durability
+from ps.replication import Source
 from ps.shard import Shard
-from ps.storage import Storage
+from ps.store import Storage, precision
+from ps.table import TableSpec
 from tests.fakes import lookup_rows
 
 DIM = 4

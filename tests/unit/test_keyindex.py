@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from ps.keyindex import KeyIndex, _home
+from ps.table.keyindex import KeyIndex, _home
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 EXTREMES = [0, -1, 1, INT64_MIN, INT64_MAX, INT64_MIN + 1, INT64_MAX - 1, 2**32, -(2**32)]

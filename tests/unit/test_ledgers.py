@@ -3,7 +3,7 @@ they merge back."""
 
 from __future__ import annotations
 
-from ps.ledger import PushLedger, TableLedgers
+from ps.table.ledger import PushLedger, TableLedgers
 
 
 def record(ledger: PushLedger, client: str, *seqs: int) -> None:

@@ -1,4 +1,4 @@
-"""ps.lifecycle (rules, admission sketch, recency clock, victim and expiry choice) and the
+"""ps.table.lifecycle (rules, admission sketch, recency clock, victim and expiry choice) and the
 config around it: ``Durability``, ``ServerConfig``'s storage settings, ``TableSpec.lifecycle``
 on the wire.
 """
@@ -15,29 +15,30 @@ import numpy.typing as npt
 import pytest
 
 from protos import ps_pb2 as pb
-from ps.config import (
-    ConfigError,
-    Durability,
-    ServerConfig,
+from protos.settings import ConfigError
+from ps.durability import Durability
+from ps.errors import InvalidRequest
+from ps.service import ServerConfig
+from ps.table import (
+    LFU_HALF_LIFE_S,
+    Eviction,
+    Lifecycle,
+    OptimizerKind,
+    OptimizerParams,
     TableSpec,
+    now_tick,
     spec_from_proto,
     spec_to_proto,
 )
-from ps.errors import InvalidRequest
-from ps.lifecycle import (
-    LFU_HALF_LIFE_S,
+from ps.table.lifecycle import (
     TICKS_PER_S,
     Admission,
-    Eviction,
-    Lifecycle,
     expired_keys,
-    now_tick,
     scan_ranks,
     select_victims,
     tick_to_unix,
     unchanged_ranks,
 )
-from ps.optimizers import OptimizerKind, OptimizerParams
 
 # -- Lifecycle ------------------------------------------------------------------------
 

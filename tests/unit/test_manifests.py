@@ -8,7 +8,7 @@ not know fails the test rather than being skipped), with and without the TLS com
 resource is validated against the Kubernetes API schema (strict: unknown fields are errors). Then
 each pod is expanded as the cluster would run it (ordinal, pod-index label, downward API,
 ``$(VAR)`` references) and each container's command line and environment go through the real
-parser of its program: ``ps.config.load_config`` for ps-server, ``load_settings(InferConfig)``
+parser of its program: ``ps.service.config.load_config`` for ps-server, ``load_settings(InferConfig)``
 for ps-infer, torch's own torchrun parser and ``load_settings(TrainerConfig)`` for the trainer,
 and ``ClientConfig`` for the ``PS_CLIENT_*`` settings. The wiring checks read those parsed
 configs: a renamed flag, or a shard count changed in one place only, fails here rather than in a
@@ -36,8 +36,8 @@ import yaml
 from client import ClientConfig, parse_addresses
 from protos.auth import allows
 from protos.services import PS_SERVICE
-from ps.checkpoint import checkpoint_target, resolve_existing_checkpoint
-from ps.server import ROLES as SHARD_ROLES
+from ps.durability import checkpoint_target, resolve_existing_checkpoint
+from ps.service.server import ROLES as SHARD_ROLES
 from tests.unit.k8s_model import (
     JOB_UID,
     K8S,

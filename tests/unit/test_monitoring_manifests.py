@@ -17,7 +17,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-import ps.metrics
+import ps.service.metrics
 from protos import ps_pb2 as pb
 from protos.guard import RpcMetrics
 from tests.unit.k8s_model import (
@@ -137,8 +137,8 @@ def shard_registry(monkeypatch: pytest.MonkeyPatch) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     RpcMetrics("ps", registry)
     stats = pb.StatsResponse(tables=[pb.TableStats(name="t")], follow=pb.FollowStatus(source="follow"))
-    monkeypatch.setattr(ps.metrics, "shard_stats", lambda shard: stats)
-    registry.register(ps.metrics.ShardCollector(SimpleNamespace(storage_errors=0)))
+    monkeypatch.setattr(ps.service.metrics, "shard_stats", lambda shard: stats)
+    registry.register(ps.service.metrics.ShardCollector(SimpleNamespace(storage_errors=0)))
     return registry
 
 

@@ -1,4 +1,4 @@
-"""ps.optimizers against torch.optim (SGD, Adagrad, Adam) and a float64 reference (FTRL).
+"""ps.table.optimizers against torch.optim (SGD, Adagrad, Adam) and a float64 reference (FTRL).
 
 What is bit-exact and what is not, and why:
 
@@ -28,13 +28,8 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from ps.optimizers import (
-    OptimizerKind,
-    OptimizerParams,
-    apply,
-    init_state,
-    state_width,
-)
+from ps.table import OptimizerKind, OptimizerParams
+from ps.table.optimizers import apply, init_state, state_width
 
 F32 = npt.NDArray[np.float32]
 ROWS, DIM, STEPS = 40, 19, 20  # DIM not a multiple of the SIMD width: tails get tested too

@@ -1,7 +1,7 @@
-"""16-bit row storage: the rounding in ``ps.precision`` and tables that store 16-bit rows.
+"""16-bit row storage: the rounding in ``ps.store.precision`` and tables that store 16-bit rows.
 
 The twin used for parity is written out here from the documented rule (update in
-float32 with ``ps.optimizers``, then round with ``precision.round_into`` drawn from
+float32 with ``ps.table.optimizers``, then round with ``precision.round_into`` drawn from
 (seed, key, version)), not taken from the table's code path.
 """
 
@@ -11,13 +11,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from ps import optimizers, precision
-from ps.config import TableSpec
-from ps.initializers import initial_rows
-from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.rows import RowFormat, Rows
-from ps.storage import Storage
-from ps.table import Table
+from ps.store import RowFormat, Rows, Storage, precision
+from ps.table import OptimizerKind, OptimizerParams, Table, TableSpec, optimizers
+from ps.table.initializers import initial_rows
 
 KINDS = [precision.BFLOAT16, precision.FLOAT16]
 
@@ -131,7 +127,7 @@ class Twin:
 
     def __init__(self, spec: TableSpec) -> None:
         self.spec = spec
-        self.fmt = RowFormat.of(spec)
+        self.fmt = spec.row_format
         self.rows: dict[int, tuple[npt.NDArray[np.float32], npt.NDArray[np.float32], int]] = {}
 
     def _row(self, key: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32], int]:
@@ -212,7 +208,7 @@ def test_a_16_bit_table_equals_a_twin_that_rounds_the_same_way(
 
 
 def test_updates_smaller_than_half_a_step_still_move_16_bit_rows() -> None:
-    from ps.initializers import InitializerKind, InitializerParams
+    from ps.table import InitializerKind, InitializerParams
 
     spec = TableSpec(
         "t",
@@ -240,7 +236,7 @@ def test_float16_rows_clamp_instead_of_overflowing() -> None:
 
 
 def test_stats_report_the_stored_types_their_bytes_and_the_clamps() -> None:
-    from ps.report import shard_stats
+    from ps.service.report import shard_stats
     from ps.shard import Shard
 
     shard = Shard(0, 1)
@@ -254,7 +250,7 @@ def test_stats_report_the_stored_types_their_bytes_and_the_clamps() -> None:
 
 
 def test_initial_rows_read_as_stored_whether_stored_or_not() -> None:
-    from ps.lifecycle import Lifecycle
+    from ps.table import Lifecycle
 
     spec = TableSpec("t", 16, seed=5, storage_dtype="bfloat16", lifecycle=Lifecycle(admit_after=3))
     keys = np.array([10, 20, 30])
@@ -275,7 +271,7 @@ def test_16_bit_rows_spill_and_come_back_bit_for_bit(tmp_path) -> None:  # type:
     rng = np.random.default_rng(3)
     with Storage(tmp_path, shard=0, num_shards=1) as st:
         st.save_spec("t", b"")
-        table = Table(spec, rows=st.table("t", RowFormat.of(spec)), storage=st)
+        table = Table(spec, rows=st.table("t", spec.row_format), storage=st)
         table.push(keys, rng.standard_normal((500, 8)).astype(np.float32))
         _, before = table.peek_rows(keys)
         assert table.evict(500) == 500 and len(table) == 0
@@ -336,7 +332,7 @@ def test_an_8_bit_serving_table_holds_quantized_rows_and_no_optimizer_state() ->
     from ps.shard import Shard
 
     spec = TableSpec("t", 16, optimizer=ADAGRAD, seed=3, storage_dtype="int8")
-    fmt = RowFormat.of(spec)
+    fmt = spec.row_format
     assert (fmt.state_width, fmt.versioned, fmt.record_bytes) == (2, False, 16 + 8 + 8)
     table = Table(spec)
     keys = np.arange(100)

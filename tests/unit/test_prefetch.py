@@ -7,8 +7,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from ps.keyindex import _AHEAD, KeyIndex
-from ps.prefetch import prefetch, prefetch_at, prefetch_row
+from ps.table.keyindex import _AHEAD, KeyIndex
+from ps.table.prefetch import prefetch, prefetch_at, prefetch_row
 
 
 @numba.njit(cache=False)

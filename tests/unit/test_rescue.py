@@ -20,15 +20,10 @@ import numpy.typing as npt
 import pytest
 import rocksdict
 
-from ps.config import Durability, TableSpec
-from ps.datadir import DataDirError
-from ps.initializers import InitializerKind, InitializerParams
-from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.rescue import apply_rescue, begin_epoch, dump_places, is_rescue_dump, save_rescue, settle_dumps
-from ps.rows import RowFormat
+from ps.durability import Durability, apply_rescue, begin_epoch, dump_places, is_rescue_dump, save_rescue, settle_dumps
 from ps.shard import Shard
-from ps.storage import Storage, StorageFailed
-from ps.table import Table
+from ps.store import DataDirError, RowFormat, Storage, StorageFailed
+from ps.table import InitializerKind, InitializerParams, OptimizerKind, OptimizerParams, Table, TableSpec
 from tests.fakes import push_request
 
 SPEC = TableSpec(

@@ -22,14 +22,13 @@ from deploy.scale import ScaleError, scale
 from protos import ps_pb2 as pb
 from protos import wire
 from protos.keys import shard_of
-from ps.changes import ChangeLog
-from ps.cluster import ClusterMap, Route
-from ps.config import Durability, TableSpec
+from ps.durability import Durability
+from ps.elastic import ClusterMap, Route
 from ps.errors import InvalidRequest, Moving, ShardMismatch, WrongShard
-from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.rows import RowFormat, Rows
+from ps.replication import ChangeLog
 from ps.shard import LookupBatch, Shard
-from ps.storage import Storage
+from ps.store import RowFormat, Rows, Storage
+from ps.table import OptimizerKind, OptimizerParams, TableSpec
 from tests.unit.reshard_cluster import (
     KEYS,
     SGD,

@@ -26,7 +26,7 @@ import yaml
 from deploy.admin import main as admin_main
 from protos.auth import allows
 from protos.services import PS_SERVICE
-from ps.server import ROLES as SHARD_ROLES
+from ps.service.server import ROLES as SHARD_ROLES
 from tests.unit.k8s_model import (
     K8S,
     K8S_VERSIONS,

@@ -14,7 +14,7 @@ import pytest
 from protos import ps_pb2 as pb
 from protos import wire
 from protos.keys import shard_of
-from ps.config import TableSpec, spec_from_proto, spec_to_proto
+from ps.elastic import Route
 from ps.errors import (
     InvalidRequest,
     RequestTooLarge,
@@ -25,12 +25,12 @@ from ps.errors import (
     WrongMode,
     WrongShard,
 )
-from ps.initializers import InitializerParams
-from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.report import shard_stats
-from ps.servicer import lookup_response
-from ps.shard import PushLedger, Route, Shard
-from ps.storage import Storage
+from ps.service.report import shard_stats
+from ps.service.servicer import lookup_response
+from ps.shard import Shard
+from ps.store import Storage
+from ps.table import InitializerParams, OptimizerKind, OptimizerParams, TableSpec, spec_from_proto, spec_to_proto
+from ps.table.ledger import PushLedger
 from tests.fakes import lookup_rows, push_request
 
 

@@ -11,19 +11,15 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-import ps.budget
-import ps.table
+import ps.shard.budget
+import ps.table.table
 from protos import ps_pb2 as pb
-from ps.checkpoint import copy_checkpoint
-from ps.config import Durability, TableSpec, spec_from_proto
-from ps.datadir import read_manifest
+from ps.durability import Durability, copy_checkpoint
 from ps.errors import TableExists
-from ps.ledger import PushLedger
-from ps.lifecycle import Lifecycle
-from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.rows import RowFormat
 from ps.shard import Shard
-from ps.storage import Storage
+from ps.store import RowFormat, Storage, read_manifest
+from ps.table import Lifecycle, OptimizerKind, OptimizerParams, TableSpec, spec_from_proto
+from ps.table.ledger import PushLedger
 from tests.fakes import push_request
 from tests.unit.test_tier import I64, SGD, Clock, assert_same_bits, grads_for, keys_of
 
@@ -31,7 +27,7 @@ from tests.unit.test_tier import I64, SGD, Clock, assert_same_bits, grads_for, k
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    for module in (ps.table, ps.budget):
+    for module in (ps.table.table, ps.shard.budget):
         monkeypatch.setattr(module, "now_tick", c)
     return c
 
@@ -71,7 +67,7 @@ def test_checkpoint_of_a_shard_without_storage_opens_read_only(tmp_path: Path, c
         assert specs == {"a": shard.table("a").spec, "b": shard.table("b").spec}
         for name in ("a", "b"):
             t = shard.table(name)
-            rows = ro.table(name, RowFormat.of(t.spec))
+            rows = ro.table(name, t.spec.row_format)
             found, rec = rows.get(keys[name])
             assert found.all()
             exported = t.export()
@@ -108,7 +104,7 @@ def test_checkpoint_with_storage_flushes_and_numbers_versions(tmp_path: Path, cl
         with Storage(p1, shard=0, num_shards=1, read_only=True) as ro:
             for name in ("a", "b"):
                 t = shard.table(name)
-                found, rec = ro.table(name, RowFormat.of(t.spec)).get(keys[name])
+                found, rec = ro.table(name, t.spec.row_format).get(keys[name])
                 assert found.all()
                 assert_same_bits(rec.values, t.lookup(keys[name], create=False))
     finally:

@@ -1,5 +1,5 @@
-"""ps.storage (one data directory: RocksDB rows, specs, ledgers, checkpoints) and the
-persisted form of ps.ledger.PushLedger.
+"""ps.store.storage (one data directory: RocksDB rows, specs, ledgers, checkpoints) and the
+persisted form of ps.table.ledger.PushLedger.
 
 Everything runs on a real RocksDB under ``tmp_path``. Rows are compared bit for bit
 (through ``uint32`` views), so NaN payloads, infinities and denormals must survive too.
@@ -18,11 +18,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from ps.checkpoint import copy_checkpoint
-from ps.datadir import DataDirError, read_manifest
-from ps.ledger import PushLedger
-from ps.rows import RowFormat, Rows
-from ps.storage import Storage, StorageFailed, TableRows
+from ps.durability import copy_checkpoint
+from ps.store import DataDirError, RowFormat, Rows, Storage, StorageFailed, TableRows, read_manifest
+from ps.table.ledger import PushLedger
 
 REPO = Path(__file__).resolve().parents[2]
 I64 = np.iinfo(np.int64)
@@ -216,8 +214,7 @@ def test_open_from_another_process_is_refused(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import sys
-        from ps.datadir import DataDirError
-        from ps.storage import Storage
+        from ps.store import DataDirError, Storage
         try:
             Storage({str(tmp_path)!r}, shard=0, num_shards=1)
         except DataDirError as exc:
@@ -473,7 +470,7 @@ def test_the_write_ahead_log_stays_bounded_while_the_meta_family_rarely_writes(
     # family. A WAL file lives until every family with writes in it has flushed, so
     # without a cap the meta family would keep all of them: a kill -9 then replays them
     # all at the next start (60 s of DLRM pushes: 2.3 GiB, a 5.9 s restart).
-    monkeypatch.setattr("ps.storage._MAX_WAL_BYTES", 8 << 20)
+    monkeypatch.setattr("ps.store.storage._MAX_WAL_BYTES", 8 << 20)
     keys = np.arange(8192, dtype=np.int64)
     with Storage(tmp_path, shard=0, num_shards=1) as st:
         rows = st.table("t", RowFormat(64, 64))

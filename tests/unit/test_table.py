@@ -13,11 +13,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from ps.config import TableSpec
 from ps.errors import InvalidRequest
-from ps.initializers import InitializerParams, initial_rows
-from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.table import Table
+from ps.table import InitializerParams, OptimizerKind, OptimizerParams, Table, TableSpec
+from ps.table.initializers import initial_rows
 
 F32 = npt.NDArray[np.float32]
 DIM = 5  # not a power of two

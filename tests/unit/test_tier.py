@@ -2,7 +2,7 @@
 admission, TTL, rare-row deletion) and ``Shard`` (memory budget, storage failure,
 checkpoints in test_shard_checkpoints.py).
 
-Time is controlled by a fake recency clock (``now_tick`` patched in ``ps.table``
+Time is controlled by a fake recency clock (``now_tick`` patched in ``ps.table.table``
 and ``ps.shard``), plus explicit ``now`` ticks where the API takes them.
 Storage failures are real: a ``Storage`` opened read-only makes RocksDB refuse writes.
 Expected rows come from a RAM-only twin ``Table`` fed the same operations, or from
@@ -19,19 +19,17 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-import ps.budget
-import ps.lifecycle
-import ps.table
-from ps.budget import LOW_WATER
-from ps.config import Durability, TableSpec
-from ps.initializers import initial_rows
-from ps.ledger import PushLedger
-from ps.lifecycle import TICKS_PER_S, Lifecycle, now_tick
-from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.rows import RowFormat, Rows
+import ps.shard.budget
+import ps.table.lifecycle
+import ps.table.table
+from ps.durability import Durability
 from ps.shard import Shard
-from ps.storage import Storage, StorageFailed
-from ps.table import Table
+from ps.shard.budget import LOW_WATER
+from ps.store import RowFormat, Rows, Storage, StorageFailed
+from ps.table import Lifecycle, OptimizerKind, OptimizerParams, Table, TableSpec, now_tick
+from ps.table.initializers import initial_rows
+from ps.table.ledger import PushLedger
+from ps.table.lifecycle import TICKS_PER_S
 from tests.fakes import push_request
 
 I64 = np.iinfo(np.int64)
@@ -54,7 +52,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
-    for module in (ps.table, ps.budget):
+    for module in (ps.table.table, ps.shard.budget):
         monkeypatch.setattr(module, "now_tick", c)
     return c
 
@@ -67,7 +65,7 @@ def storage(tmp_path: Path) -> Iterator[Storage]:
 
 
 def tiered(st: Storage, spec: TableSpec, every_push: bool = False) -> Table:
-    rows = st.table(spec.name, RowFormat.of(spec))
+    rows = st.table(spec.name, spec.row_format)
     return Table(spec, rows=rows, storage=st, every_push=every_push)
 
 
@@ -220,7 +218,7 @@ def test_every_push_writes_the_rows_and_ledger_before_returning(tmp_path: Path, 
         expected = twin.lookup(keys)
         for i, k in enumerate(keys.tolist()):
             assert disk[k][0] == bits(expected[i]).tolist()
-        assert PushLedger.decode(st.table("t", RowFormat.of(ADAM)).ledgers()["w"]) == (
+        assert PushLedger.decode(st.table("t", ADAM.row_format).ledgers()["w"]) == (
             1,
             [],
         )
@@ -443,7 +441,7 @@ def test_evict_keeps_rows_used_while_it_scanned_outside_the_lock(
     t, twin = tiered(storage, SGD), Table(SGD)
     keys = np.arange(10, dtype=np.int64)
     t.lookup(keys), twin.lookup(keys)
-    scan = ps.lifecycle.select_victims
+    scan = ps.table.lifecycle.select_victims
     used = keys_of(3, 7)
 
     def scan_then_use(*args: object, **kwargs: object) -> object:
@@ -452,7 +450,7 @@ def test_evict_keeps_rows_used_while_it_scanned_outside_the_lock(
         t.push(used[1:], grads_for(used[1:], SGD.dim))
         return found
 
-    monkeypatch.setattr(ps.table, "select_victims", scan_then_use)
+    monkeypatch.setattr(ps.table.table, "select_victims", scan_then_use)
     twin.push(used[1:], grads_for(used[1:], SGD.dim))
     assert t.evict(10, clock.advance(3)) == 8 and len(t) == 2
     assert resident(t, used) == 2

@@ -1,5 +1,5 @@
 """Spills racing requests. Eviction and the interval flush write their copies with the
-table lock released (``ps.tier``): while RocksDB writes, lookups and pushes go on.
+table lock released (``ps.table.tier``): while RocksDB writes, lookups and pushes go on.
 
 Each test runs threads against one real table on a real RocksDB directory, then checks
 every row, in RAM and on disk, bit for bit against a RAM-only twin fed the same pushes
@@ -20,13 +20,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from ps.config import Durability, TableSpec
-from ps.ledger import PushLedger
-from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.rows import RowFormat
+from ps.durability import Durability
 from ps.shard import Shard
-from ps.storage import Storage
-from ps.table import Table
+from ps.store import Storage
+from ps.table import OptimizerKind, OptimizerParams, Table, TableSpec
+from ps.table.ledger import PushLedger
 from tests.fakes import push_request
 
 SPEC = TableSpec("t", 6, optimizer=OptimizerParams(OptimizerKind.ADAGRAD, lr=0.1), seed=5)
@@ -111,7 +109,7 @@ def storage(tmp_path: Path) -> Iterator[Storage]:
 
 
 def tiered(st: Storage, every_push: bool) -> Table:
-    rows = st.table(SPEC.name, RowFormat.of(SPEC))
+    rows = st.table(SPEC.name, SPEC.row_format)
     return Table(SPEC, rows=rows, storage=st, every_push=every_push)
 
 
@@ -195,7 +193,7 @@ def test_checkpoints_taken_during_background_eviction_are_consistent_cuts(tmp_pa
     seen = set()
     for path in cuts:
         with Storage(path, shard=0, num_shards=1, read_only=True) as ck:
-            rows = ck.table(SPEC.name, RowFormat.of(SPEC))
+            rows = ck.table(SPEC.name, SPEC.row_format)
             low, done = PushLedger.decode(rows.ledgers()["w"])
             assert not done, "one pusher, in order: the applied pushes are a prefix"
             restored = Table(SPEC, rows=rows, storage=ck)

@@ -17,12 +17,13 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-import ps.budget
-import ps.table
-from ps.config import Durability, TableSpec
-from ps.lifecycle import TICKS_PER_S, Lifecycle
+import ps.shard.budget
+import ps.table.table
+from ps.durability import Durability
 from ps.shard import Shard
-from ps.storage import Storage
+from ps.store import Storage
+from ps.table import Lifecycle, TableSpec
+from ps.table.lifecycle import TICKS_PER_S
 from tests.profiles import long_run
 from tests.unit.tier_model import LIFECYCLE_SPECS, LONG, MODES, SHORT, SPECS, Clock, Mode, TierMachine
 
@@ -30,7 +31,7 @@ from tests.unit.tier_model import LIFECYCLE_SPECS, LONG, MODES, SHORT, SPECS, Cl
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
-    for module in (ps.table, ps.budget):
+    for module in (ps.table.table, ps.shard.budget):
         monkeypatch.setattr(module, "now_tick", clock)
     return clock
 

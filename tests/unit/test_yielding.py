@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ps import storage
-from ps.storage import Storage
+from ps.store import Storage, storage
 from ps.yielding import COPY_NICE, lower_this_thread, lowered, produced_apart
 
 

@@ -51,16 +51,20 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ps import optimizers
-from ps.checkpoint import copy_checkpoint
-from ps.config import Durability, TableSpec
-from ps.initializers import InitializerKind, InitializerParams, initial_rows
-from ps.ledger import PushLedger
-from ps.lifecycle import Lifecycle
-from ps.optimizers import OptimizerKind, OptimizerParams
-from ps.rows import RowFormat, Rows
+from ps.durability import Durability, copy_checkpoint
 from ps.shard import Shard
-from ps.storage import Storage
+from ps.store import RowFormat, Rows, Storage
+from ps.table import (
+    InitializerKind,
+    InitializerParams,
+    Lifecycle,
+    OptimizerKind,
+    OptimizerParams,
+    TableSpec,
+    optimizers,
+)
+from ps.table.initializers import initial_rows
+from ps.table.ledger import PushLedger
 from tests.fakes import push_request
 
 F32 = npt.NDArray[np.float32]
@@ -124,7 +128,7 @@ MODES = [
 
 
 class Clock:
-    """Stands in for ``ps.lifecycle.now_tick`` in ``ps.table`` and ``ps.shard``: one tick
+    """Stands in for ``ps.table.lifecycle.now_tick`` in ``ps.table`` and ``ps.shard``: one tick
     per step, so an eviction picks the same rows whenever hypothesis replays a step
     sequence (with the wall clock it would depend on timing, and shrinking would fail)."""
 

@@ -1,0 +1,46 @@
+"""Keeping a shard's rows through crashes and stops: when acknowledged pushes reach disk
+(``Durability``), checkpoints of a consistent cut, and rescue dumps of what a stop could not
+write.
+"""
+
+from __future__ import annotations
+
+from ps.durability.checkpoint import (
+    checkpoint_target,
+    copy_checkpoint,
+    part_name,
+    resolve_existing_checkpoint,
+    write_checkpoint,
+)
+from ps.durability.modes import Durability
+from ps.durability.rescue import (
+    RescueBase,
+    StopReport,
+    apply_rescue,
+    begin_epoch,
+    dump_places,
+    is_rescue_dump,
+    read_base,
+    rows_at_risk,
+    save_rescue,
+    settle_dumps,
+)
+
+__all__ = [
+    "Durability",
+    "RescueBase",
+    "StopReport",
+    "apply_rescue",
+    "begin_epoch",
+    "checkpoint_target",
+    "copy_checkpoint",
+    "dump_places",
+    "is_rescue_dump",
+    "part_name",
+    "read_base",
+    "resolve_existing_checkpoint",
+    "rows_at_risk",
+    "save_rescue",
+    "settle_dumps",
+    "write_checkpoint",
+]

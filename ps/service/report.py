@@ -1,0 +1,64 @@
+"""``Stats``: what a shard reports about itself and each of its tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from protos import ps_pb2 as pb
+from ps.shard import Shard
+from ps.store import precision
+
+__all__ = ["shard_stats"]
+
+
+def shard_stats(shard: Shard) -> pb.StatsResponse:
+    """Counters of ``shard`` and of every table, the background loops failing now, and
+    (a serving shard) where its rows come from."""
+    tables = []
+    for t in shard.tables():
+        c, resident = t.counters, len(t)
+        seen = c.ram_hits + c.ram_misses
+        spill_rate, fault_rate = shard.rates.rates(t.spec.name, 2)
+        tables.append(
+            pb.TableStats(
+                name=t.spec.name,
+                dim=t.dim,
+                rows=resident + t.spilled,
+                rows_estimated=t.disk is not None and t.disk.estimated,
+                memory_bytes=t.memory_bytes(),
+                resident_rows=resident,
+                spilled_rows=t.spilled,
+                bytes_per_resident_row=t.bytes_per_row,
+                ram_hit_rate=c.ram_hits / seen if seen else 1.0,
+                spill_rows_per_s=spill_rate,
+                fault_in_rows_per_s=fault_rate,
+                admission_bytes=t.admission_bytes(),
+                storage_dtype=precision.to_wire(t.spec.storage_dtype),
+                state_dtype=precision.to_wire(t.spec.state_dtype),
+                record_bytes=t.ram.format.record_bytes,
+                disk_bytes=t.disk.disk_bytes() if t.disk is not None else 0,
+                values_clamped=t.ram.rounding.clamped,
+                values_flushed=t.ram.rounding.flushed,
+                **dataclasses.asdict(c),  # every running total, under its own name
+            )
+        )
+    stored = shard.storage is not None
+    return pb.StatsResponse(
+        shard=shard.index,
+        num_shards=shard.num_shards,
+        mode=shard.mode,
+        uptime_s=time.monotonic() - shard.started,
+        tables=tables,
+        duplicate_pushes=shard.duplicate_pushes(),
+        memory_budget_bytes=shard.memory_budget_bytes,
+        resident_bytes=shard.resident_bytes(),
+        durability=str(shard.durability) if stored else "",
+        writable=shard.writable and shard.mode == "train",  # a serving shard refuses pushes by mode
+        storage_error=shard.storage_error,
+        last_durable_unix_s=shard.last_durable if stored else 0.0,
+        failing_loops=[pb.LoopFailure(**dataclasses.asdict(f)) for f in shard.health.failing()],
+        version=shard.changes.version if shard.source is None else shard.source.applied_version,
+        follow=shard.source.status() if shard.source is not None else None,
+        lineage=shard.lineage if shard.source is None else shard.source.lineage,
+    )

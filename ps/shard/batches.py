@@ -1,0 +1,86 @@
+"""What a ``Shard`` is asked: the decoded requests it takes, and the source of a serving
+shard's rows as the shard sees it.
+
+The servicer decodes a request's bytes (``ps.service.servicer``) into a ``LookupBatch`` or a
+``PushBatch`` and hands it to one ``Shard`` method; tests build them directly
+(``tests.fakes.push_request``).
+
+Example:
+    >>> import numpy as np
+    >>> batch = PushBatch([("t", np.array([1]), np.ones((1, 2), np.float32))], "w", 7, seqs=[0])
+    >>> batch.seq_of(0)
+    7
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from protos import ps_pb2 as pb
+from ps.elastic import Route
+
+__all__ = ["MODES", "LookupBatch", "Mode", "PushBatch", "Route", "RowSource"]
+
+_NO_ROUTE = Route()
+
+
+@dataclass(frozen=True)
+class LookupBatch:
+    """A decoded Lookup: ``(table, keys)`` per entry."""
+
+    entries: Sequence[tuple[str, npt.NDArray[np.int64]]]
+    route: Route = _NO_ROUTE
+
+
+@dataclass(frozen=True)
+class PushBatch:
+    """A decoded Push: ``(table, keys, grads)`` per entry, float32 ``[len(keys), dim]``
+    gradients (not yet checked against the table), each applied once per ``(client_id,
+    table, seq)``. ``seqs``: each entry's own seq (0 or none: ``seq``)."""
+
+    entries: Sequence[tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float32]]]
+    client_id: str = ""
+    seq: int = 0
+    route: Route = _NO_ROUTE
+    seqs: Sequence[int] = ()
+    planned_epoch: int | None = None  # a push routed again after a reshard: where it was first sent
+    planned_shard: int | None = None
+
+    @property
+    def planned(self) -> tuple[int, int | None]:
+        """``(epoch, shard)`` the push was first planned for: where it is routed now,
+        unless it was routed again after a reshard."""
+        if self.planned_epoch is not None:
+            return self.planned_epoch, self.planned_shard
+        return self.route.epoch, self.route.shard
+
+    def seq_of(self, i: int) -> int:
+        """The seq of entry ``i``."""
+        return (self.seqs[i] if i < len(self.seqs) else 0) or self.seq
+
+
+class RowSource(Protocol):
+    """Where a serving shard's rows come from (``ps.replication.follow.Source``), as the shard's
+    ``Stats``, health and ``ServeFrom`` use it."""
+
+    applied_version: int
+
+    @property
+    def lineage(self) -> str:
+        """The lineage of the rows served now (``Stats.lineage``); "" while unknown."""
+        ...
+
+    def status(self) -> pb.FollowStatus: ...
+
+    def serve_from(self, checkpoint: str) -> pb.FollowStatus:
+        """Serve ``checkpoint`` ("" : the source's own rows again); the status after."""
+        ...
+
+
+Mode = Literal["train", "serve"]
+MODES: tuple[Mode, ...] = ("train", "serve")
