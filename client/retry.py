@@ -307,10 +307,11 @@ class _Exchange:
     def _failed(self, i: int, attempt: _Attempt, exc: grpc.RpcError) -> None:
         r = self.requests[i]
         newer = map_epoch(exc) if self.epoch is not None else None
-        # A replica behind the cluster map (started after a live reshard, not given the new map
-        # yet) fails this call as a failing replica does: the others of its shard answer it.
+        # A replica behind the cluster map (started after a live reshard, or not reached yet by
+        # a serving map switch, which goes one replica at a time) fails this call as a failing
+        # replica does: the others of its shard answer it, or, alone, it is asked again.
         behind = newer is not None and self.epoch is not None and newer < self.epoch and r.pinned is None
-        retryable = is_retryable(exc) or (behind and len(self.replicas.endpoints(r.shard)) > 1)
+        retryable = is_retryable(exc) or behind
         self.replicas.release(attempt.pick, FAILED if retryable else NEUTRAL)
         r.error, r.error_endpoint = exc, attempt.pick.endpoint
         if newer is not None and self.epoch is not None and newer > self.epoch:

@@ -2,7 +2,7 @@
 Python run between ``fork`` and ``exec``.
 
 A process whose other threads are inside gRPC calls must not run code in a forked child
-before ``exec`` (``subprocess.Popen(preexec_fn=...)``): gRPC's fork handlers can then hang
+before ``exec`` (a pre-exec function given to ``subprocess.Popen``): gRPC's fork handlers can then hang
 the child in ``fork()`` for good, and the parent waits for it forever. So the child
 arranges its own fate once it has started: ``child_command(argv)`` is a command line that
 runs this file as a script (it imports nothing of the package, and starts in a few

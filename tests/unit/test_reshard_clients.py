@@ -13,6 +13,8 @@ import pytest
 
 from client import ClientConfig, PSClient
 from deploy.scale import scale
+from protos import ps_pb2 as pb
+from ps.elastic import ClusterMap
 from ps.shard import Shard
 from tests.fakes import InProcessTransport
 from tests.unit.reshard_cluster import KEYS, SGD, Cluster, owners_ok, running_cluster, wait_done
@@ -134,3 +136,25 @@ def test_a_trainer_through_grow_shrink_grow_applies_each_push_once_and_ledgers_s
     for _ in range(steps[0]):
         want = want - np.float32(0.25)
     np.testing.assert_array_equal(trainer.lookup("t", KEYS), want)
+
+
+def test_a_lone_serving_replica_behind_the_map_is_asked_again_until_it_switches() -> None:
+    # A serving map switch reaches replicas one at a time: a client that learned the new map
+    # from a switched one may reach the sole replica of another shard before its switch.
+    # That replica answers BehindMap; the client asks it again (no other replica to ask)
+    # until it switches, within the call's deadline.
+    serving = {f"r{i}": Shard(i, 2 if i < 2 else 3, mode="serve") for i in range(3)}
+    for shard in serving.values():
+        shard.install_table(SGD)
+    switch = pb.ReshardRequest(phase=pb.ReshardRequest.COMMIT, to=ClusterMap(1, 3, ("r0", "r1", "r2")).to_proto())
+    for address in ("r2", "r1"):  # new ones first, then down the shards: shard 0 is about to switch
+        serving[address].reshard_request(switch)
+    transport = InProcessTransport([serving["r0"], serving["r1"]], by_address=serving, addresses=["r0", "r1"])
+    fast = ClientConfig(backoff_initial_s=0.002, backoff_max_s=0.01, deadline_s=10.0, tune_malloc=False)
+    with PSClient(["r0", "r1"], fast, transport=transport) as reader:
+        later = threading.Timer(0.3, serving["r0"].reshard_request, [switch])
+        later.start()
+        rows = reader.lookup("t", KEYS)  # shard 1 refuses the keys that moved: the client learns epoch 1
+        later.join()
+        assert reader.epoch == 1
+    np.testing.assert_array_equal(rows, np.zeros((KEYS.size, 4), np.float32))  # serving defaults, from every shard
