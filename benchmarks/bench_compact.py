@@ -202,7 +202,7 @@ def disk(rows: int, tmp: Path) -> dict[str, Any]:
                 table.flush()
                 st.flush_memtables()
                 st.compact()
-                out.setdefault(layout, {})[compression] = table.disk.disk_bytes() / rows  # type: ignore[union-attr]
+                out.setdefault(layout, {})[compression] = table.disk_bytes() / rows
     return {"rows": rows, "bytes_per_row": out}
 
 

@@ -6,6 +6,7 @@ write.
 from __future__ import annotations
 
 from ps.durability.checkpoint import (
+    checkpoint_root_of,
     checkpoint_target,
     copy_checkpoint,
     part_name,
@@ -32,6 +33,7 @@ __all__ = [
     "StopReport",
     "apply_rescue",
     "begin_epoch",
+    "checkpoint_root_of",
     "checkpoint_target",
     "copy_checkpoint",
     "dump_places",

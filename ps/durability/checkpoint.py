@@ -50,7 +50,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, overload
 
 from google.protobuf import json_format
 
@@ -61,6 +61,7 @@ from ps.table import Table, held_tables, spec_to_proto
 
 __all__ = [
     "MAX_PATH_BYTES",
+    "checkpoint_root_of",
     "checkpoint_target",
     "copy_checkpoint",
     "next_version_path",
@@ -74,6 +75,22 @@ log = logging.getLogger(__name__)
 
 MAX_PATH_BYTES = 4095  # PATH_MAX (4096) less the terminating NUL
 _MAX_NAME_BYTES = 255  # NAME_MAX
+
+
+@overload
+def checkpoint_root_of(data_dir: Path, given: Path | None = None) -> Path: ...
+
+
+@overload
+def checkpoint_root_of(data_dir: Path | None, given: Path | None = None) -> Path | None: ...
+
+
+def checkpoint_root_of(data_dir: Path | None, given: Path | None = None) -> Path | None:
+    """Where a shard's checkpoints go (absolute): ``given`` (``--checkpoint-root``), else
+    next to its data, ``DATA_DIR/checkpoints``, where a checkpoint is hard links; None
+    without either (checkpoints are refused)."""
+    root = given if given is not None else data_dir / "checkpoints" if data_dir is not None else None
+    return Path(root).absolute() if root is not None else None
 
 
 def part_name(shard: int, num_shards: int) -> str:

@@ -263,8 +263,8 @@ class Intake:
                 table.ledgers.import_moved(source, entries.get(spec.name, {}))
         for admission in batch.admission:
             table = self._table(admission.table)
-            if table is not None and table.ram.admission is not None:
-                table.ram.admission.merge(admission.counters)
+            if table is not None:
+                table.merge_admission(admission.counters)
         t0 = time.monotonic()
         self._flush()  # every row and ledger that came is durable before the old owner may forget them
         self._on_complete(source)

@@ -195,28 +195,16 @@ def _copy(
     history = changes.history
     yield pb.MoveBatch(history=history, snapshot_begin=True, specs=[spec_to_proto(t.spec) for t in tables])
     for table in tables:
-        resident = table.resident_keys()
-        resident = np.sort(resident[moving(resident)].view(np.uint64)).view(np.int64)
-        step = _step(table, limit)
-        for start in range(0, resident.shape[0], step):
-            yield from _rows(reshard, history, version, table, resident[start : start + step], limit)
-        if table.disk is None or not (table.spilled or table.disk.estimated):
-            continue  # every row is in RAM (none was spilled, none came back from disk since a start)
-        for stored in table.disk.scan():
+        for stored in table.scan():  # values as stored; each moving key's row is read again as it is now
             keys = stored.keys[moving(stored.keys)]
-            if resident.size and keys.size:  # rows sent from RAM above are not sent again
-                at = np.searchsorted(resident.view(np.uint64), keys.view(np.uint64))
-                seen = (at < resident.shape[0]) & (resident[np.minimum(at, resident.shape[0] - 1)] == keys)
-                keys = keys[~seen]
             if keys.size:
-                keys = np.sort(keys.view(np.uint64)).view(np.int64)
-                yield from _rows(reshard, history, version, table, keys, limit)
+                yield from _rows(reshard, history, version, table, np.sort(keys.view(np.uint64)).view(np.int64), limit)
     yield pb.MoveBatch(history=history, version=version, snapshot_end=True, source_version=changes.version)
     return version
 
 
 def _step(table: Table, limit: int) -> int:
-    return max(1, limit // (8 + table.ram.format.record_bytes))
+    return max(1, limit // (8 + table.format.record_bytes))
 
 
 def _rows(
@@ -238,7 +226,7 @@ def _rows(
         moved = pb.MovedRows(
             table=table.spec.name,
             keys=wire.encode_keys(rows.keys),
-            rows=rows.packed(table.ram.format).tobytes(),
+            rows=rows.packed(table.format).tobytes(),
             deleted_keys=wire.encode_keys(part[~found]) if deletions else b"",
         )
         reshard.rows_out += len(rows)
@@ -256,9 +244,9 @@ def _last(tables: Sequence[Table], changes: ChangeLog, version: int) -> pb.MoveB
         for client in t.ledger.clients()
     ]
     admission = [
-        pb.MovedAdmission(table=t.spec.name, counters=t.ram.admission.counters())
+        pb.MovedAdmission(table=t.spec.name, counters=counters)
         for t in tables
-        if t.ram.admission is not None
+        if (counters := t.admission_counters()) is not None
     ]
     return pb.MoveBatch(
         history=changes.history,

@@ -124,7 +124,7 @@ class Reshard:
         mv = self.move
         return mv is not None and mv.phase in ("copying", "frozen")
 
-    def writing(self) -> contextlib.AbstractContextManager[object]:
+    def writing(self) -> contextlib.AbstractContextManager[None]:
         """Hold while checking and applying a write (a push, a lookup that creates rows)."""
         return self._gate.reading()
 

@@ -29,7 +29,6 @@ its versions from 0 again, in a new history): ``lag_versions`` is then at least 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import random
 import threading
@@ -49,7 +48,7 @@ from protos.tls import open_channel
 from ps.durability import read_base, resolve_existing_checkpoint
 from ps.errors import InvalidRequest
 from ps.rwlock import ReadWriteLock
-from ps.store import DataDirError, Rows, Storage, StorageFailed, precision
+from ps.store import DataDirError, Storage, StorageFailed, precision
 from ps.table import Lifecycle, Table, TableSpec, spec_from_proto
 
 __all__ = ["Served", "Source", "held_as"]
@@ -421,13 +420,8 @@ def held_as(table: Table, kind: str) -> Table:
     if kind == "stored" or table.spec.storage_dtype == kind:
         return table
     copy = Table(dataclasses.replace(table.spec, storage_dtype=kind, lifecycle=Lifecycle()))
-    keys, slots = table.ram.items()
-    chunks: Iterable[Rows] = [table.ram.arena.rows(keys, slots)]
-    if table.disk is not None:
-        chunks = itertools.chain(chunks, (c[table.ram.slots(c.keys) < 0] for c in table.disk.scan()))
-    for rows in chunks:
-        if len(rows):
-            copy.assign(rows.keys, precision.travelling(table.spec.storage_dtype, rows.values, rows.state))
+    for rows in table.scan():
+        copy.assign(rows.keys, precision.travelling(table.spec.storage_dtype, rows.values, rows.state))
     log.info(
         "table %r: holding %d rows as %s (stored as %s)", table.spec.name, len(copy), kind, table.spec.storage_dtype
     )

@@ -23,6 +23,7 @@ from pathlib import Path
 from protos import settings
 from protos.settings import ConfigError
 from ps.durability import Durability
+from ps.shard import check_budget
 from ps.store import precision
 from ps.table import (
     EVICTIONS,
@@ -303,12 +304,12 @@ class ServerConfig:
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level={self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
         Durability.parse(self.durability)
-        if self.memory_budget_bytes < 0:
-            raise ConfigError(f"memory_budget_bytes={self.memory_budget_bytes}: must be >= 0 (0: no limit)")
+        try:
+            check_budget(self.memory_budget_bytes, self.data_dir is not None)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.eviction not in EVICTIONS:
             raise ConfigError(f"eviction={self.eviction!r}: expected one of {', '.join(EVICTIONS)}")
-        if self.memory_budget_bytes and self.data_dir is None:
-            raise ConfigError("memory_budget_bytes needs data_dir: rows over the budget are moved to RocksDB there")
         if self.serve_dtype not in ("stored", *precision.SERVE_TYPES):
             raise ConfigError(f"serve_dtype={self.serve_dtype!r}: expected stored, {', '.join(precision.SERVE_TYPES)}")
         if self.serve_dtype != "stored" and self.mode != "serve":

@@ -25,7 +25,7 @@ def shard_stats(shard: Shard) -> pb.StatsResponse:
                 name=t.spec.name,
                 dim=t.dim,
                 rows=resident + t.spilled,
-                rows_estimated=t.disk is not None and t.disk.estimated,
+                rows_estimated=t.rows_estimated,
                 memory_bytes=t.memory_bytes(),
                 resident_rows=resident,
                 spilled_rows=t.spilled,
@@ -36,10 +36,10 @@ def shard_stats(shard: Shard) -> pb.StatsResponse:
                 admission_bytes=t.admission_bytes(),
                 storage_dtype=precision.to_wire(t.spec.storage_dtype),
                 state_dtype=precision.to_wire(t.spec.state_dtype),
-                record_bytes=t.ram.format.record_bytes,
-                disk_bytes=t.disk.disk_bytes() if t.disk is not None else 0,
-                values_clamped=t.ram.rounding.clamped,
-                values_flushed=t.ram.rounding.flushed,
+                record_bytes=t.format.record_bytes,
+                disk_bytes=t.disk_bytes(),
+                values_clamped=t.rounding.clamped,
+                values_flushed=t.rounding.flushed,
                 **dataclasses.asdict(c),  # every running total, under its own name
             )
         )
@@ -54,11 +54,11 @@ def shard_stats(shard: Shard) -> pb.StatsResponse:
         memory_budget_bytes=shard.memory_budget_bytes,
         resident_bytes=shard.resident_bytes(),
         durability=str(shard.durability) if stored else "",
-        writable=shard.writable and shard.mode == "train",  # a serving shard refuses pushes by mode
+        writable=shard.writable and shard.role.takes_writes,  # a serving shard refuses pushes by its role
         storage_error=shard.storage_error,
         last_durable_unix_s=shard.last_durable if stored else 0.0,
         failing_loops=[pb.LoopFailure(**dataclasses.asdict(f)) for f in shard.health.failing()],
-        version=shard.changes.version if shard.source is None else shard.source.applied_version,
+        version=shard.role.version,
         follow=shard.source.status() if shard.source is not None else None,
-        lineage=shard.lineage if shard.source is None else shard.source.lineage,
+        lineage=shard.role.lineage,
     )

@@ -33,6 +33,7 @@ from ps.durability import (
     StopReport,
     apply_rescue,
     begin_epoch,
+    checkpoint_root_of,
     copy_checkpoint,
     dump_places,
     is_rescue_dump,
@@ -239,7 +240,7 @@ def _open_shard(config: ServerConfig) -> Shard:
         raise RuntimeError(str(exc)) from None
     except OSError as exc:
         raise RuntimeError(f"data dir {config.data_dir}: {exc}") from None
-    checkpoint_root = config.checkpoint_root or data_dir / "checkpoints"  # as Shard decides it
+    checkpoint_root = checkpoint_root_of(data_dir, config.checkpoint_root)
     try:
         _check_rescue_dir(config, data_dir, checkpoint_root)
         if config.restore_from is not None and rescue:

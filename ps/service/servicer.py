@@ -35,7 +35,7 @@ from ps.errors import RequestTooLarge, ShardError
 from ps.service.report import shard_stats
 from ps.shard import LookupBatch, PushBatch, Shard
 from ps.store import precision
-from ps.table import spec_from_proto, spec_to_proto
+from ps.table import TableSpec, spec_from_proto, spec_to_proto
 from ps.yielding import produced_apart
 
 __all__ = [
@@ -147,7 +147,7 @@ class Servicer:
 
     def Push(self, request: bytes, context: grpc.ServicerContext) -> pb.PushResponse:
         with status_boundary(context, "Push"):
-            applied, rows = self._shard.push(push_batch(self._shard, wire.decode_push_request(request)))
+            applied, rows = self._shard.push(push_batch(wire.decode_push_request(request)))
             return pb.PushResponse(applied=applied, rows_updated=rows)
         raise AssertionError("unreachable: status_boundary aborts")
 
@@ -213,26 +213,34 @@ class Servicer:
 def lookup_response(
     shard: Shard, request: pb.LookupRequest, max_response_bytes: int, *, read_only: bool = False
 ) -> bytes:
-    """The encoded ``LookupResponse`` of ``shard`` to ``request``: the keys are decoded
-    (naming the entry and field of bad ones), the response is sized once the shard knows
-    each table's dim (``RequestTooLarge`` over ``max_response_bytes``), and the shard
-    gathers float32 rows, or a 16-bit table's rows in its own type, straight into it;
-    other 16-bit dtypes are gathered as float32 and converted after."""
+    """The encoded ``LookupResponse`` of ``shard`` to ``request``: the shard checks the
+    route, then the keys are decoded (naming the entry and field of bad ones), the
+    response is sized once the shard knows each entry's table (``RequestTooLarge`` over
+    ``max_response_bytes``), and the shard gathers float32 rows, or a 16-bit table's rows
+    in its own type, straight into it; other 16-bit dtypes are gathered as float32 and
+    converted after."""
     route = Route(request.num_shards, request.shard if request.HasField("shard") else None, request.epoch)
-    shard.check_request(route)  # a shard that is stopping or misaddressed says so first
-    entries, dtypes = [], []
-    for i, entry in enumerate(request.entries):
-        keys = wire.decode_keys(entry.keys, f"entries[{i}].keys (table {entry.table!r})")
-        dtype = entry.dtype or wire.FLOAT32
-        wire.dtype_itemsize(dtype, f"entries[{i}].dtype")
-        entries.append((entry.table, keys))
-        dtypes.append(dtype)
+    dtypes: list[int] = []
+
+    def entries() -> list[tuple[str, npt.NDArray[np.int64]]]:
+        decoded = []
+        for i, entry in enumerate(request.entries):
+            keys = wire.decode_keys(entry.keys, f"entries[{i}].keys (table {entry.table!r})")
+            dtype = entry.dtype or wire.FLOAT32
+            wire.dtype_itemsize(dtype, f"entries[{i}].dtype")
+            decoded.append((entry.table, keys))
+            dtypes.append(dtype)
+        return decoded
+
+    batch = LookupBatch(entries, route)
     writer: wire.LookupResponseWriter | None = None
     staged: list[tuple[int, Any]] = []
 
-    def response_rows(dims: Sequence[int]) -> list[npt.NDArray[np.float32]]:
+    def response_rows(specs: Sequence[TableSpec]) -> list[npt.NDArray[np.float32]]:
         nonlocal writer
-        layout = [(name, k.shape[0], dim, dt) for (name, k), dim, dt in zip(entries, dims, dtypes, strict=True)]
+        layout = [
+            (name, k.shape[0], spec.dim, dt) for (name, k), spec, dt in zip(batch.entries, specs, dtypes, strict=True)
+        ]
         total = sum(n * dim * wire.dtype_itemsize(dt) for _, n, dim, dt in layout)
         if total > max_response_bytes - _RESPONSE_OVERHEAD_BYTES:
             raise RequestTooLarge(
@@ -240,10 +248,9 @@ def lookup_response(
                 f"{max_response_bytes}: send fewer keys per request"
             )
         writer = wire.LookupResponseWriter(layout)
-        stored = [precision.to_wire(shard.table(name).spec.storage_dtype) for name, _ in entries]
         out = []
-        for i, (_, n, dim, dt) in enumerate(layout):
-            if dt in (wire.FLOAT32, stored[i]):  # the table's bits as they are, or float32
+        for i, ((_, n, dim, dt), spec) in enumerate(zip(layout, specs, strict=True)):
+            if dt in (wire.FLOAT32, precision.to_wire(spec.storage_dtype)):  # the table's bits as they are, or float32
                 out.append(cast("npt.NDArray[np.float32]", writer.rows(i)))
             else:  # gathered as float32 into this thread's scratch, converted below
                 staged.append((i, n * dim))
@@ -256,7 +263,7 @@ def lookup_response(
             at += size
         return out
 
-    shard.lookup(LookupBatch(entries, route), response_rows, read_only=read_only)
+    shard.lookup(batch, response_rows, read_only=read_only)
     if writer is None:  # no entries: the shard asked for no buffer
         writer = wire.LookupResponseWriter([])
     for i, rows in staged:
@@ -282,28 +289,26 @@ def _scratch(size: int) -> npt.NDArray[np.float32]:
     return buf[:size]
 
 
-def push_batch(shard: Shard, request: wire.PushRequestView) -> PushBatch:
-    """``request``'s entries decoded for ``shard``: gradients as float32 ``[len(keys), dim]``
-    of each entry's table. Raises what ``Shard.push`` would for a shard that is stopping,
-    misaddressed or read-only (first, as it checks), ``UnknownTable``, ``WireFormatError``
-    naming the entry and field."""
-    route = Route(request.num_shards, request.shard, request.epoch)
-    shard.check_request(route)
-    shard.check_writable()
-    entries = []
-    for i, entry in enumerate(request.entries):
-        shard.check_table_field(entry.table, f"entries[{i}].table")
-        field = f"entries[{i}] (table {entry.table!r})"
-        keys = wire.decode_keys(entry.keys, f"{field}.keys")
-        grads = wire.decode_rows(
-            entry.grads, keys.shape[0], shard.table(entry.table).dim, entry.dtype, f"{field}.grads"
-        )
-        entries.append((entry.table, keys, grads))
+def push_batch(request: wire.PushRequestView) -> PushBatch:
+    """``request`` as the shard takes it: its entries are decoded once the shard takes
+    writes, gradients as float32 ``[len(keys), dim]`` of each entry's table (the shard's
+    ``dim_of`` checks the table first); ``WireFormatError`` names the entry and field."""
+
+    def entries(dim_of: Callable[[int, str], int]) -> list[tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float32]]]:
+        decoded = []
+        for i, entry in enumerate(request.entries):
+            dim = dim_of(i, entry.table)
+            field = f"entries[{i}] (table {entry.table!r})"
+            keys = wire.decode_keys(entry.keys, f"{field}.keys")
+            grads = wire.decode_rows(entry.grads, keys.shape[0], dim, entry.dtype, f"{field}.grads")
+            decoded.append((entry.table, keys, grads))
+        return decoded
+
     return PushBatch(
         entries,
         request.client_id,
         request.seq,
-        route,
+        Route(request.num_shards, request.shard, request.epoch),
         [e.seq for e in request.entries],
         request.planned_epoch,
         request.planned_shard,

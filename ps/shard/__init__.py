@@ -6,7 +6,8 @@ talks to it, one method per RPC.
 from __future__ import annotations
 
 from ps.shard.batches import LookupBatch, Mode, PushBatch
+from ps.shard.budget import check_budget
 from ps.shard.limits import Limits
 from ps.shard.shard import Shard
 
-__all__ = ["Limits", "LookupBatch", "Mode", "PushBatch", "Shard"]
+__all__ = ["Limits", "LookupBatch", "Mode", "PushBatch", "Shard", "check_budget"]

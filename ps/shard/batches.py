@@ -14,8 +14,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal, Protocol
 
 import numpy as np
@@ -29,27 +30,44 @@ __all__ = ["MODES", "LookupBatch", "Mode", "PushBatch", "Route", "RowSource"]
 _NO_ROUTE = Route()
 
 
+Keys = npt.NDArray[np.int64]
+LookupEntries = Sequence[tuple[str, Keys]]
+PushEntries = Sequence[tuple[str, Keys, npt.NDArray[np.float32]]]
+
+
 @dataclass(frozen=True)
 class LookupBatch:
-    """A decoded Lookup: ``(table, keys)`` per entry."""
+    """A Lookup: ``(table, keys)`` per entry, or a function that decodes them, which the
+    shard calls once the request's route is checked (``entries``): a shard that is
+    stopping or misaddressed says so before it reads a byte of the keys."""
 
-    entries: Sequence[tuple[str, npt.NDArray[np.int64]]]
+    given: LookupEntries | Callable[[], LookupEntries]
     route: Route = _NO_ROUTE
+
+    @cached_property
+    def entries(self) -> LookupEntries:
+        return self.given() if callable(self.given) else self.given
 
 
 @dataclass(frozen=True)
 class PushBatch:
-    """A decoded Push: ``(table, keys, grads)`` per entry, float32 ``[len(keys), dim]``
-    gradients (not yet checked against the table), each applied once per ``(client_id,
-    table, seq)``. ``seqs``: each entry's own seq (0 or none: ``seq``)."""
+    """A Push: ``(table, keys, grads)`` per entry, float32 ``[len(keys), dim]`` gradients
+    (not yet checked against the table), each applied once per ``(client_id, table, seq)``;
+    or a function that decodes them given ``dim_of(i, table)`` (the shard's, which checks
+    the entry's table), called once the shard takes writes (``entries_with``). ``seqs``:
+    each entry's own seq (0 or none: ``seq``)."""
 
-    entries: Sequence[tuple[str, npt.NDArray[np.int64], npt.NDArray[np.float32]]]
+    given: PushEntries | Callable[[Callable[[int, str], int]], PushEntries]
     client_id: str = ""
     seq: int = 0
     route: Route = _NO_ROUTE
     seqs: Sequence[int] = ()
     planned_epoch: int | None = None  # a push routed again after a reshard: where it was first sent
     planned_shard: int | None = None
+
+    def entries_with(self, dim_of: Callable[[int, str], int]) -> PushEntries:
+        """The entries, decoded with the dim of each entry's table."""
+        return self.given(dim_of) if callable(self.given) else self.given
 
     @property
     def planned(self) -> tuple[int, int | None]:

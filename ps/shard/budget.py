@@ -12,8 +12,7 @@ and makes it read-only; the budget then waits, doing nothing, until the shard ca
 write again.
 
 Example:
-    >>> from ps.table import TableSpec
-    >>> from ps.table import Table
+    >>> from ps.table import Table, TableSpec
     >>> item = Table(TableSpec("item", dim=8))
     >>> budget = MemoryBudget(0, tables=lambda: [item], guard=lambda fn, *a: fn(*a), writable=lambda: True)
     >>> budget.limit_bytes, budget.resident_bytes() == item.resident_bytes()
@@ -34,7 +33,17 @@ from ps.shard.background import EVICTOR, LoopHealth
 from ps.store import StorageFailed
 from ps.table import EVICTIONS, Eviction, Table, now_tick
 
-__all__ = ["HIGH_WATER", "LOW_WATER", "MemoryBudget"]
+__all__ = ["HIGH_WATER", "LOW_WATER", "MemoryBudget", "check_budget"]
+
+
+def check_budget(memory_budget_bytes: int, has_data_dir: bool) -> None:
+    """Raise ``ValueError`` unless a shard may have ``memory_budget_bytes`` (0: no limit):
+    a budget needs a data dir, where the rows over it go."""
+    if memory_budget_bytes < 0:
+        raise ValueError(f"memory_budget_bytes={memory_budget_bytes}: must be >= 0 (0: no limit)")
+    if memory_budget_bytes and not has_data_dir:
+        raise ValueError("memory_budget_bytes needs data_dir: rows over the budget are moved to RocksDB there")
+
 
 # Above HIGH_WATER of the budget the evictor thread spills rows down to LOW_WATER.
 HIGH_WATER = 0.97
@@ -95,7 +104,7 @@ class MemoryBudget:
         budget; returns rows moved."""
         with self._lock:
             # A table without a disk (``ps.replication.follow.held_as``: converted to --serve-dtype) stays whole.
-            tables = [t for t in self._tables() if t.disk is not None]
+            tables = [t for t in self._tables() if t.evictable]
             need = self.resident_bytes() - int(LOW_WATER * self.limit_bytes)
             if need <= 0 or not tables or not self._writable():
                 return 0

@@ -26,7 +26,7 @@ Example:
     True
     >>> import numpy as np
     >>> rows = np.zeros((2, 8), dtype=np.float32)
-    >>> shard.lookup(LookupBatch([("item", np.array([3, 4]))]), lambda dims: [rows])
+    >>> shard.lookup(LookupBatch([("item", np.array([3, 4]))]), lambda specs: [rows])
     >>> bool(rows.any())  # the two new rows' initial values
     True
 """
@@ -50,6 +50,7 @@ from ps.durability import (
     Durability,
     RescueBase,
     StopReport,
+    checkpoint_root_of,
     checkpoint_target,
     dump_places,
     read_base,
@@ -62,17 +63,17 @@ from ps.errors import (
     InvalidRequest,
     ShardMismatch,
     ShuttingDown,
-    WrongMode,
 )
 from ps.replication import ChangeLog, follow_batches
 from ps.rwlock import ReadWriteLock
 from ps.shard.background import LoopHealth, RateWindow
 from ps.shard.batches import MODES, LookupBatch, Mode, PushBatch, RowSource
-from ps.shard.budget import MemoryBudget
+from ps.shard.budget import MemoryBudget, check_budget
 from ps.shard.limits import Limits
 from ps.shard.maintenance import Maintenance
 from ps.shard.recovery import ACKNOWLEDGED_ON_DISK, ROWS_FROM_SOURCE, StorageHealth, reopen_if_refusing
 from ps.shard.registry import TableRegistry
+from ps.shard.roles import Role, Serving, Training
 from ps.store import Storage, StorageFailed, precision
 from ps.table import Eviction, Table, TableSpec
 
@@ -117,21 +118,20 @@ class Shard:
     ) -> None:
         if index < 0 or num_shards < 1:
             raise ValueError(f"shard={index}, num_shards={num_shards}: need index >= 0 and num_shards >= 1")
-        if memory_budget_bytes and storage is None:
-            raise ValueError("memory_budget_bytes needs storage to spill rows to")
+        check_budget(memory_budget_bytes, storage is not None)
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
+        if source is not None and mode != "serve":
+            raise ValueError("source: only a serving shard (mode='serve') takes its rows from a source")
+        training = mode == "train"  # the one decision: a training or a serving shard (``ps.shard.roles``)
         self.index = index
         self.limits = limits or Limits()
-        self.mode = mode
         self.storage = storage
         self.durability = durability
         self.budget = MemoryBudget(
             memory_budget_bytes, eviction, tables=self.tables, guard=self._guard, writable=lambda: self.writable
         )
-        # The one place the default root is decided: next to the data, where a
-        # checkpoint is hard links; none without a data dir (checkpoints are refused).
-        if checkpoint_root is None and storage is not None:
-            checkpoint_root = storage.path / "checkpoints"
-        self.checkpoint_root = Path(checkpoint_root).absolute() if checkpoint_root is not None else None
+        self.checkpoint_root = checkpoint_root_of(storage.path if storage is not None else None, checkpoint_root)
         self.rescue_dir = rescue_dir  # --rescue-dir, tried first (``ps.durability.rescue.dump_places``)
         self.rescue_base = read_base(storage) if storage is not None else RescueBase()  # noted in a dump
         # Which data the rows are (``Stats.lineage``): the data dir's, made at its first start
@@ -162,7 +162,7 @@ class Shard:
             recover=self._recover,
             flush=lambda: self.flush(metadata=False),
             expire=self.expire,
-            sweep_ttls=lambda: self.writable and self._mode == "train" and not self.reshard.copying,
+            sweep_ttls=lambda: self.writable and self.role.takes_writes and not self.reshard.copying,
             flush_interval_s=durability.interval_s if durability.kind == "interval" and storage is not None else None,
         )
         self.changes = changes or ChangeLog()  # a training shard's versions, for serving shards that follow it
@@ -176,15 +176,19 @@ class Shard:
                 install_table=lambda spec: self.install_table(spec, limited=True),
                 changes=self.changes,
                 flush=lambda: self.flush(metadata=True),
-                settings=resharding if resharding is not None and mode == "train" else ReshardSettings(),
+                settings=resharding if resharding is not None and training else ReshardSettings(),
             ),
         )
         # A serving shard's lookups read under it, together; whatever swaps or changes its
         # rows (``ps.replication.follow``) writes under it, so a lookup sees a change batch whole or not at all.
         self.serve_lock = ReadWriteLock()
-        self.source: RowSource | None = None  # a serving shard's source of rows: in Stats and health
-        if source is not None:
-            self.source = source(self)
+        self.role: Role = (
+            Training(index, self.reshard.writing, self.changes, self.lineage)
+            if training
+            else Serving(index, self.serve_lock, lineage=self.lineage)
+        )
+        if isinstance(self.role, Serving) and source is not None:
+            self.role.source = source(self)
 
     @property
     def num_shards(self) -> int:
@@ -193,15 +197,13 @@ class Shard:
 
     @property
     def mode(self) -> Mode:
-        """``"train"`` or ``"serve"``; may be switched while the shard runs (a request reads
-        it once, so one in flight finishes in the mode it read)."""
-        return self._mode
+        """``"train"`` or ``"serve"`` (``role.mode``), as the shard was built."""
+        return self.role.mode
 
-    @mode.setter
-    def mode(self, mode: Mode) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}: expected one of {', '.join(MODES)}")
-        self._mode = mode
+    @property
+    def source(self) -> RowSource | None:
+        """Where a serving shard's rows come from (None on a training shard)."""
+        return self.role.source
 
     @property
     def memory_budget_bytes(self) -> int:
@@ -231,7 +233,7 @@ class Shard:
         field if the name is taken by another spec, ``StorageFailed`` if the spec cannot
         be stored.
         """
-        self.check_mode("CreateTable")
+        self.role.refuse_writes("CreateTable")
         if spec.storage_dtype == precision.INT8:
             raise InvalidRequest(f"table {spec.name!r}: storage_dtype int8 is for serving shards (--serve-dtype int8)")
         return self.install_table(spec, limited=True)
@@ -254,7 +256,7 @@ class Shard:
         Logs a warning when they take more RAM than the memory budget allows and hold rows
         it cannot evict (tables converted to ``--serve-dtype`` live in RAM alone)."""
         previous = self._tables.swap(tables)
-        held_whole = any(t.disk is None for t in tables.values())
+        held_whole = any(not t.evictable for t in tables.values())
         if held_whole and self.budget.limit_bytes and self.budget.resident_bytes() > self.budget.limit_bytes:
             log.warning(
                 "this shard's tables take %d bytes of RAM, over --memory-budget-bytes=%d, and those converted to "
@@ -283,16 +285,8 @@ class Shard:
     def check_writable(self) -> None:
         """Raise ``WrongMode`` if this shard refuses pushes (serving mode), ``StorageFailed``
         if its storage failed."""
-        self.check_mode("Push")
+        self.role.refuse_writes("Push")
         self._storage_health.check()
-
-    def check_mode(self, what: str) -> None:
-        """Raise ``WrongMode`` naming ``what`` and the mode unless this is a training shard."""
-        if self._mode != "train":
-            raise WrongMode(
-                f"{what} refused: shard {self.index} is read-only (mode={self._mode}); "
-                "send writes to the training shard it serves from"
-            )
 
     @staticmethod
     def check_table_field(name: str, field: str) -> None:
@@ -309,13 +303,14 @@ class Shard:
     def lookup(
         self,
         batch: LookupBatch,
-        out: Callable[[Sequence[int]], Sequence[npt.NDArray[np.float32]]],
+        out: Callable[[Sequence[TableSpec]], Sequence[npt.NDArray[np.float32]]],
         *,
         read_only: bool = False,
     ) -> None:
-        """Gather the rows of ``batch`` into the arrays ``out(dims)`` returns. ``out`` is
-        called once, after the route, key counts and tables are checked, with each entry's
-        table dim, and returns one writable float32 ``[len(keys), dim]`` array per entry
+        """Gather the rows of ``batch`` into the arrays ``out(specs)`` returns. The route is
+        checked first, then the entries are decoded (``LookupBatch.entries``); ``out`` is
+        called once, after the key counts and tables are checked, with the spec of each
+        entry's table, and returns one writable float32 ``[len(keys), dim]`` array per entry
         (the caller's response buffer; it may raise, e.g. ``RequestTooLarge``); then every
         key's owner is checked, and only then are rows created and gathered into them.
 
@@ -331,27 +326,25 @@ class Shard:
         # A serving shard's rows change only in whole batches (and its tables may be
         # swapped for a checkpoint's): it answers under the lock those changes take. A
         # training shard's lookups may create rows: they are writes a reshard's freeze waits for.
-        with self.serve_lock.reading() if self._mode != "train" else self.reshard.writing():
+        with self.role.reading():
             self._lookup(batch, out, read_only)
 
     def _lookup(
         self,
         batch: LookupBatch,
-        out: Callable[[Sequence[int]], Sequence[npt.NDArray[np.float32]]],
+        out: Callable[[Sequence[TableSpec]], Sequence[npt.NDArray[np.float32]]],
         read_only: bool,
     ) -> None:
         self.limits.check_keys("Lookup", (k.shape[0] for _, k in batch.entries))
         tables = [self._entry_table(name, i) for i, (name, _) in enumerate(batch.entries)]
-        rows = out([t.dim for t in tables])
-        train = self._mode == "train"
-        create = train and not read_only
+        rows = out([t.spec for t in tables])
+        create, touch = self.role.reads(read_only=read_only, budget_evicts=self.budget.limit_bytes > 0)
         # Keys a reshard is handing over are read without creating rows: their initial rows,
         # which their new owner creates.
         handing_over = self.reshard.check_keys("Lookup", batch.entries, write=False)
         initial = handing_over and create
-        create = create and not handing_over
-        # TTLs expire rows in training mode only, where a read-only caller changes no row's rank.
-        touch = create or (not train and self.budget.limit_bytes > 0)
+        if initial:
+            create = touch = False
         created: list[tuple[str, npt.NDArray[np.int64]]] = []
         for table, (_, keys), target in zip(tables, batch.entries, rows, strict=True):
             before = table.counters.rows_created
@@ -373,17 +366,18 @@ class Shard:
         """
         self.check_request(batch.route)
         self.check_writable()
-        self.limits.check_keys("Push", (k.shape[0] for _, k, _ in batch.entries))
+        entries = batch.entries_with(lambda i, name: self._entry_table(name, i).dim)
+        self.limits.check_keys("Push", (k.shape[0] for _, k, _ in entries))
         tables = []
-        for i, (name, keys, grads) in enumerate(batch.entries):
+        for i, (name, keys, grads) in enumerate(entries):
             table = self._entry_table(name, i)
             table.validate_grads(keys, grads)
             tables.append(table)
         with self.reshard.writing():
-            self.reshard.check_keys("Push", [(n, k) for n, k, _ in batch.entries], write=True)
+            self.reshard.check_keys("Push", [(n, k) for n, k, _ in entries], write=True)
             applied, rows = False, 0
             changed = []
-            for i, (table, (_, keys, grads)) in enumerate(zip(tables, batch.entries, strict=True)):
+            for i, (table, (_, keys, grads)) in enumerate(zip(tables, entries, strict=True)):
                 origins = self.reshard.origins(*batch.planned, keys)
                 if origins is not None and origins.skip:
                     continue
@@ -417,8 +411,7 @@ class Shard:
         (followers follow training shards), ``ShardMismatch`` when the follower's index or
         cluster size differ."""
         self.check_request()
-        if self._mode != "train":
-            raise WrongMode(f"Follow refused: shard {self.index} is a serving shard; follow its training shard")
+        self.role.refuse_following()
         sizes = self.reshard.sizes()
         if follower.shard != self.index or follower.num_shards not in sizes:
             raise ShardMismatch(
@@ -442,12 +435,7 @@ class Shard:
         returns its source's status. Raises ``WrongMode`` on a training shard,
         ``InvalidRequest`` for a checkpoint it cannot serve."""
         self.check_request()
-        if self.source is None:
-            raise WrongMode(
-                f"ServeFrom refused: shard {self.index} is a training shard (mode={self._mode}); "
-                "only serving shards switch sources"
-            )
-        return self.source.serve_from(checkpoint)
+        return self.role.serve_from(checkpoint)
 
     def get_map(self) -> pb.GetMapResponse:
         """The cluster map this shard routes by, and where a reshard stands here."""
@@ -460,7 +448,7 @@ class Shard:
         ``InvalidRequest`` for maps or a phase that do not fit, ``Moving`` for one to retry
         shortly, ``StorageFailed``."""
         self.check_request()
-        return self.reshard.request(request, serving=self._mode != "train")
+        return self.reshard.request(request, serving=not self.role.takes_writes)
 
     def move_rows(
         self, to: ClusterMap, destination: int, active: Callable[[], bool], max_bytes: int, max_rows_per_s: float = 0
@@ -469,7 +457,7 @@ class Shard:
         of ``to``. Raises ``WrongMode`` on a serving shard, ``Moving`` before the reshard is
         prepared here, ``InvalidRequest`` for a destination that gets nothing from it."""
         self.check_request()
-        self.check_mode("MoveRows")
+        self.role.refuse_writes("MoveRows")
         alive = self.reshard.alive(active, lambda: self._closing)
         return move_batches(self.reshard, self.tables, self.changes, to, destination, alive, max_bytes, max_rows_per_s)
 
@@ -502,7 +490,7 @@ class Shard:
         until its writes succeed again).
         """
         self.check_request()
-        self.check_mode("Checkpoint")
+        self.role.refuse_writes("Checkpoint")
         with self._checkpoint_lock:
             target = checkpoint_target(self.checkpoint_root, path, self.index, self.num_shards)
             manifest = write_checkpoint(
@@ -602,7 +590,7 @@ class Shard:
         try:
             data = self.storage.path.absolute()
             places = dump_places(data, self.rescue_dir, self.checkpoint_root)
-            serving, every_push = self.source is not None, self.durability.kind == "every-push"
+            serving, every_push = not self.role.takes_writes, self.durability.kind == "every-push"
             return self._storage_health.final_write(
                 grace_s,
                 reopen=self._reopen_if_refusing,

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["KeyOrigins", "PushLedger", "TableLedgers", "moved_key"]
+__all__ = ["KeyOrigins", "PushLedger", "PushRecord", "TableLedgers", "moved_key"]
 
 
 _RANGES = (1 << 64) - 2  # first word of the encoding with ranges (no low is that high)
@@ -369,12 +369,30 @@ class TableLedgers:
             return True
         return self.post is not None and self.post.has(client_id, seq)
 
-    def stored_name(self, ledger: PushLedger, client_id: str) -> str:
-        if ledger is self.main:
-            return client_id
-        if ledger is self.post:
-            return _post_key(client_id)
-        return moved_key(next(o for o, m in self.pre.items() if m is ledger), client_id)
+    def record_for(self, client_id: str, seq: int, keys: int, origins: KeyOrigins | None) -> PushRecord | None:
+        """Where a push of ``keys`` keys is recorded, and which of them take it; None when
+        it was applied before. The exactly-once choice, in one place: a push planned
+        before the last reshard goes by the ledger of the shard it was planned for, one
+        planned after it by ``post``, each key taking it unless its group had it (see the
+        class docstring); without a reshard kept apart, by ``main``. ``seq`` 0: never
+        deduplicated. Call it under the table's lock, and apply the push inside the
+        record's ``claim``."""
+        if origins is None or self.post is None:
+            return PushRecord(self.main, client_id)
+        if origins.fixed is not None:  # planned before the reshard: that shard's record
+            if seq and self.post.has(client_id, seq):
+                return None
+            group = None if origins.fixed == origins.index else origins.fixed
+            ledger = self.group(group)
+            name = client_id if group is None else moved_key(group, client_id)
+            return PushRecord(ledger, name)
+        fresh = None
+        if seq and origins.owners is not None:  # planned after: each key's group may have had it
+            fresh = np.ones(keys, np.bool_)
+            for owner in np.unique(origins.owners).tolist():
+                if self.applied(client_id, seq, None if owner == origins.index else owner):
+                    fresh[origins.owners == owner] = False
+        return PushRecord(self.post, _post_key(client_id), fresh)
 
     # -- a reshard ---------------------------------------------------------------------
 
@@ -499,6 +517,16 @@ class TableLedgers:
         for origin, moved in list(self.pre.items()):
             out += [(moved_key(origin, c), moved.encode(c)) for c in moved.clients()]
         return out
+
+
+@dataclass(frozen=True)
+class PushRecord:
+    """Where one push is recorded (``TableLedgers.record_for``): the ledger, the entry's
+    stored name, and which of its keys take it (None: all)."""
+
+    ledger: PushLedger
+    name: str
+    fresh: npt.NDArray[np.bool_] | None = None
 
 
 @dataclass(frozen=True)

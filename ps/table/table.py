@@ -46,12 +46,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from protos.rowtypes import Rounding
 from protos.wire import as_keys
-from ps.store import Rows, Storage, StorageFailed, TableRows
+from ps.store import RowFormat, Rows, Storage, StorageFailed, TableRows
 from ps.table.counters import TableCounters
 from ps.table.grads import check_grads
 from ps.table.held import HeldTable
-from ps.table.ledger import KeyOrigins, PushLedger, TableLedgers
+from ps.table.ledger import KeyOrigins, PushLedger, PushRecord, TableLedgers
 from ps.table.lifecycle import Eviction, EvictionScan, expired_keys, now_tick, scan_ranks, select_victims
 from ps.table.ram import CLEAN, DIRTY, RamTier
 from ps.table.spec import TableSpec
@@ -103,14 +104,28 @@ class Table:
         return self.ledgers.main
 
     @property
-    def ram(self) -> RamTier:
-        """The RAM half, for inspection (tests, tools): not thread-safe, use it inside ``held``."""
-        return self._ram
+    def format(self) -> RowFormat:
+        """How this table's rows are laid out and stored (``spec.row_format``)."""
+        return self._ram.format
 
     @property
-    def disk(self) -> DiskTier | None:
-        """The disk half (None without a data directory), for inspection; reads need no lock."""
-        return self._disk
+    def evictable(self) -> bool:
+        """Whether rows can leave RAM: the table has a data dir to spill them to."""
+        return self._disk is not None
+
+    @property
+    def rows_estimated(self) -> bool:
+        """Whether ``spilled`` started from RocksDB's estimate (a table reopened from disk)."""
+        return self._disk is not None and self._disk.estimated
+
+    def disk_bytes(self) -> int:
+        """What the table's rows take in the data dir (0 without one)."""
+        return self._disk.disk_bytes() if self._disk is not None else 0
+
+    @property
+    def rounding(self) -> Rounding:
+        """Elements clamped or flushed to zero on their way to the stored 16-bit type, so far."""
+        return self._ram.rounding
 
     def __len__(self) -> int:
         """Rows resident in RAM."""
@@ -217,21 +232,12 @@ class Table:
             self.validate_grads(k, g)
         now = now_tick()
         with self._lock:
-            ledgers = self.ledgers
-            if origins is None or ledgers.post is None:
-                return self._push_locked(k, g, client_id, seq, ledgers.main, now)
-            if origins.fixed is not None:  # planned before the reshard: that shard's record
-                if seq and ledgers.post.has(client_id, seq):
-                    return None
-                group = None if origins.fixed == origins.index else origins.fixed
-                return self._push_locked(k, g, client_id, seq, ledgers.group(group), now)
-            if seq and origins.owners is not None:  # planned after: each key's group may have had it
-                fresh = np.ones(k.shape[0], np.bool_)
-                for owner in np.unique(origins.owners).tolist():
-                    if ledgers.applied(client_id, seq, None if owner == origins.index else owner):
-                        fresh[origins.owners == owner] = False
-                k, g = k[fresh], g[fresh]
-            return self._push_locked(k, g, client_id, seq, ledgers.post, now)
+            record = self.ledgers.record_for(client_id, seq, k.shape[0], origins)
+            if record is None:
+                return None
+            if record.fresh is not None:
+                k, g = k[record.fresh], g[record.fresh]
+            return self._push_locked(k, g, client_id, seq, record, now)
 
     def _push_locked(
         self,
@@ -239,11 +245,11 @@ class Table:
         g: npt.NDArray[np.float32],
         client_id: str,
         seq: int,
-        ledger: PushLedger,
+        record: PushRecord,
         now: np.uint32,
     ) -> int | None:
-        """``push`` recorded in ``ledger`` (one of ``ledgers``). Caller holds the lock."""
-        with ledger.claim(client_id, seq) as fresh:
+        """``push`` recorded as ``record`` says. Caller holds the lock."""
+        with record.ledger.claim(client_id, seq) as fresh:
             # The claim is recorded when this block ends, still under the table lock: a
             # write of this table never sees rows with a push its ledger lacks.
             if not fresh:
@@ -255,7 +261,7 @@ class Table:
                 k, g, slots = k[kept], g[kept], slots[kept]
             slots, k, g = self._ram.merge_duplicates(slots, k, g)
             if self._every_push:
-                entry = (self.ledgers.stored_name(ledger, client_id), ledger.encode_after(client_id, seq))
+                entry = (record.name, record.ledger.encode_after(client_id, seq))
                 self.counters.rows_written += self._need_disk().push_durably(
                     self._ram, k, g, slots, now, entry if seq else None
                 )
@@ -384,6 +390,39 @@ class Table:
         """The keys of the rows in RAM (a copy)."""
         with self._lock:
             return self._ram.items()[0].copy()
+
+    def scan(self, chunk_rows: int = SPILL_CHUNK) -> Iterator[Rows]:
+        """Every row of the table whole, up to ``chunk_rows`` at a time: those in RAM when
+        the scan starts (each chunk read under the lock, as it is then), then those only on
+        disk, as stored (read without the lock: a caller that needs their newest values
+        reads them again with ``peek_rows``). Copies; nothing is created, counted or
+        faulted in."""
+        resident = np.sort(self.resident_keys().view(np.uint64)).view(np.int64)
+        for start in range(0, resident.shape[0], chunk_rows):
+            yield self.peek_rows(resident[start : start + chunk_rows])[1]
+        disk = self._disk
+        if disk is None or not (self.spilled or disk.estimated):
+            return  # every row is in RAM (none was spilled, none came back from disk since a start)
+        order = resident.view(np.uint64)
+        for stored in disk.scan():
+            if order.size and len(stored):  # rows read from RAM above are not read again
+                at = np.minimum(np.searchsorted(order, stored.keys.view(np.uint64)), order.shape[0] - 1)
+                stored = stored[order[at] != stored.keys.view(np.uint64)]
+            if len(stored):
+                yield stored
+
+    def admission_counters(self) -> bytes | None:
+        """The admission sketch's counters (None: the table admits every key at once), which
+        a reshard sends with the keys that move."""
+        with self._lock:
+            return self._ram.admission.counters() if self._ram.admission is not None else None
+
+    def merge_admission(self, counters: bytes) -> None:
+        """Take another shard's admission ``counters`` of this table (``Admission.merge``);
+        a table that admits every key at once keeps none."""
+        with self._lock:
+            if self._ram.admission is not None:
+                self._ram.admission.merge(counters)
 
     def assign(self, keys: npt.NDArray[np.int64], values: npt.NDArray[Any]) -> None:
         """Set the rows of the distinct ``keys`` to ``values`` (float32 or stored elements,

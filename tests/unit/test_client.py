@@ -254,14 +254,16 @@ def test_transport_dtype_float16_rounds_rows_and_grads(shards: list[Shard], tran
 
 def test_serving_shards_read_zeros_and_refuse_pushes(ps: PSClient, shards: list[Shard]) -> None:
     ps.lookup("t", [1, 2, 3])
-    for s in shards:
-        s.mode = "serve"
-    rows = ps.lookup("t", [1, 10_000])
-    np.testing.assert_array_equal(rows[0], initial(spec_of(shards), [1])[0])
-    np.testing.assert_array_equal(rows[1], np.zeros(DIM, np.float32))
-    assert sum(len(s.table("t")) for s in shards) == 3
-    with pytest.raises(PreconditionError, match="read-only") as info:
-        ps.push("t", [1], np.ones((1, DIM), np.float32))
+    serving = [Shard(i, N, mode="serve") for i in range(N)]
+    for trained, served in zip(shards, serving):  # serving shards holding the training shards' rows
+        served.swap_tables({"t": trained.table("t")})
+    with PSClient(addresses(), FAST, transport=InProcessTransport(serving)) as reader:
+        rows = reader.lookup("t", [1, 10_000])
+        np.testing.assert_array_equal(rows[0], initial(spec_of(shards), [1])[0])
+        np.testing.assert_array_equal(rows[1], np.zeros(DIM, np.float32))
+        assert sum(len(s.table("t")) for s in serving) == 3
+        with pytest.raises(PreconditionError, match="read-only") as info:
+            reader.push("t", [1], np.ones((1, DIM), np.float32))
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 

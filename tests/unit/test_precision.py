@@ -204,7 +204,7 @@ def test_a_16_bit_table_equals_a_twin_that_rounds_the_same_way(
     got = table.lookup(pool)
     assert np.array_equal(got.view(np.uint32), twin.values(pool).view(np.uint32))
     assert np.array_equal(stored_state(table, pool).view(np.uint32), twin.state(pool).view(np.uint32))
-    assert table.ram.arena.values.dtype == precision.array_dtype(values)
+    assert table._ram.arena.values.dtype == precision.array_dtype(values)
 
 
 def test_updates_smaller_than_half_a_step_still_move_16_bit_rows() -> None:
@@ -232,7 +232,7 @@ def test_float16_rows_clamp_instead_of_overflowing() -> None:
     table.push(np.array([1, 2]), np.array([[-1e5] * 4, [1e5] * 4], np.float32))
     got = table.lookup(np.array([1, 2]))
     assert got.tolist() == [[65504.0] * 4, [-65504.0] * 4]
-    assert table.ram.rounding.clamped == 8
+    assert table.rounding.clamped == 8
 
 
 def test_stats_report_the_stored_types_their_bytes_and_the_clamps() -> None:

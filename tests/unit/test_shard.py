@@ -305,12 +305,17 @@ def test_closed_shard_refuses_requests() -> None:
 
 
 def test_serving_shard_is_not_writable() -> None:
-    shard = Shard(0, 1)
-    shard.check_writable()
-    shard.mode = "serve"
+    Shard(0, 1).check_writable()
     with pytest.raises(WrongMode, match=r"read-only \(mode=serve\)") as info:
-        shard.check_writable()
+        Shard(0, 1, mode="serve").check_writable()
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_shard_is_built_training_or_serving_and_stays_so() -> None:
+    with pytest.raises(ValueError, match="only a serving shard"):
+        Shard(0, 1, source=lambda shard: None)  # type: ignore[arg-type,return-value]
+    with pytest.raises(AttributeError):
+        Shard(0, 1).mode = "serve"  # type: ignore[misc]
 
 
 def test_check_table_field_rejects_empty_name() -> None:
@@ -493,9 +498,10 @@ def test_shard_refuses_a_request_with_keys_it_does_not_own_before_applying_any()
     assert len(shard.table("a")) == 0 and shard.changes.version == created
     shard.push(push_request([("a", mine, np.ones((mine.size, 4), np.float32))], "w", 1))  # its own keys: fine
     assert len(shard.table("a")) == mine.size
-    shard.mode = "serve"  # a serving shard (a follower holds its leader's index) checks the same
+    serving = Shard(1, 3, mode="serve")  # a serving shard (a follower holds its leader's index) checks the same
+    serving.swap_tables({"a": shard.table("a")})
     with pytest.raises(WrongShard, match="belongs to shard"):
-        lookup_response(shard, lookup_request(("a", theirs[:1].tolist(), 1)), 1 << 20)
+        lookup_response(serving, lookup_request(("a", theirs[:1].tolist(), 1)), 1 << 20)
 
 
 def test_read_only_lookup_on_a_training_shard_creates_counts_and_records_nothing() -> None:

@@ -87,9 +87,9 @@ def grads_for(keys: npt.NDArray[np.int64], dim: int, seed: int = 0) -> npt.NDArr
 
 def stored(t: Table) -> dict[int, tuple[list[int], list[int], int, int]]:
     """What the table's column family holds: key -> (value bits, state bits, last_access, frequency)."""
-    assert t.disk is not None  # the tier under test
+    assert t._disk is not None  # the tier under test
     out = {}
-    for rec in t.disk.scan():
+    for rec in t._disk.scan():
         for i, k in enumerate(rec.keys.tolist()):
             out[k] = (
                 bits(rec.values[i]).tolist(),

@@ -308,7 +308,7 @@ class TierMachine(RuleBasedStateMachine):
         if not m.rows:
             return set()
         keys = np.fromiter(m.rows, np.int64, len(m.rows))
-        return set(keys[self._live().table(name).ram.slots(keys) >= 0].tolist())
+        return set(keys[self._live().table(name)._ram.slots(keys) >= 0].tolist())
 
     def _before(self) -> Before:
         self.clock.tick += 1
@@ -528,9 +528,9 @@ class TierMachine(RuleBasedStateMachine):
             spec, table, m = self.specs[name], shard.table(name), self.model[name]
             rows = table.export()
             assert_rows_equal(f"table {name!r} export", rows.keys.tolist(), rows.values, rows.state, m.rows)
-            assert table.disk is not None
+            assert table._disk is not None
             sw = optimizers.state_width(spec.optimizer, spec.dim)
-            disk = Rows.concat(list(table.disk.scan()), RowFormat(spec.dim, sw))
+            disk = Rows.concat(list(table._disk.scan()), RowFormat(spec.dim, sw))
             assert_rows_equal(f"table {name!r} on disk", disk.keys.tolist(), disk.values, disk.state, m.disk)
 
     @invariant()
@@ -543,12 +543,12 @@ class TierMachine(RuleBasedStateMachine):
                 continue
             table, m = shard.table(name), self.model[name]
             keys = np.fromiter(m.rows, np.int64, len(m.rows))
-            slots = table.ram.slots(keys)
-            in_ram = {int(k): int(table.ram.arena.frequency[s]) for k, s in zip(keys, slots) if s >= 0}
+            slots = table._ram.slots(keys)
+            in_ram = {int(k): int(table._ram.arena.frequency[s]) for k, s in zip(keys, slots) if s >= 0}
             expected = {k: m.count[k] for k in in_ram}
             assert in_ram == expected, f"table {name!r}: lookup counts in RAM {in_ram}, expected {expected}"
-            assert table.disk is not None
-            on_disk = {k: int(f) for rec in table.disk.scan() for k, f in zip(rec.keys.tolist(), rec.frequency)}
+            assert table._disk is not None
+            on_disk = {k: int(f) for rec in table._disk.scan() for k, f in zip(rec.keys.tolist(), rec.frequency)}
             assert on_disk == m.disk_count, f"table {name!r}: lookup counts on disk {on_disk}, expected {m.disk_count}"
 
     @invariant()
@@ -569,8 +569,8 @@ class TierMachine(RuleBasedStateMachine):
             table, m = shard.table(name), self.model[name]
             in_ram = ledger_sets({c: table.ledger.encode(c) for c in table.ledger.clients()})
             assert in_ram == m.ledger, f"table {name!r}: ledger in RAM {in_ram}, expected {m.ledger}"
-            assert table.disk is not None
-            on_disk = ledger_sets(table.disk.ledgers())
+            assert table._disk is not None
+            on_disk = ledger_sets(table._disk.ledgers())
             assert on_disk == m.disk_ledger, f"table {name!r}: ledger on disk {on_disk}, expected {m.disk_ledger}"
 
     def teardown(self) -> None:
