@@ -51,8 +51,7 @@ from client.tables import message_dict, table_config, table_spec
 from client.transport import GrpcTransport, Transport
 from protos import ps_pb2 as pb
 from protos import wire
-from protos.auth import AuthError, bearer_metadata, read_client_token
-from protos.tls import TLSError, channel_credentials
+from protos.rpc.security import caller_security
 
 __all__ = ["LookupResult", "PSClient", "PushResult"]
 
@@ -109,12 +108,15 @@ def _client_id(client_id: str | None) -> str:
 def _security(config: ClientConfig) -> dict[str, Any]:
     """The transport's TLS credentials and token metadata for ``config``; raises
     ``ValueError`` naming an unreadable file."""
-    try:
-        token = config.token if config.token is not None else read_client_token(config.token_file)
-        credentials = channel_credentials(config.tls_ca, config.tls_cert, config.tls_key) if config.tls else None
-    except (AuthError, TLSError) as exc:
-        raise ValueError(str(exc)) from None
-    return {"credentials": credentials, "metadata": bearer_metadata(token)}
+    security = caller_security(
+        tls=config.tls,
+        tls_ca=config.tls_ca,
+        tls_cert=config.tls_cert,
+        tls_key=config.tls_key,
+        token=config.token,
+        token_file=config.token_file,
+    )
+    return {"credentials": security.credentials, "metadata": security.metadata}
 
 
 class PSClient:

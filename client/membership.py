@@ -40,8 +40,8 @@ from typing import Protocol
 from client.cluster import ClusterView, ClusterViews
 from client.errors import InvalidRequestError
 from client.replicas import DNS_PREFIX, parse_addresses, placeholder
-from protos.names import addresses_of, resolve_name
-from protos.names import dns_name as _dns_name
+from protos.rpc.names import addresses_of, resolve_name
+from protos.rpc.names import dns_name as _dns_name
 
 __all__ = ["DNS_PREFIX", "Members", "MembershipWatcher", "addresses_of", "resolve_name"]
 

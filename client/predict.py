@@ -21,9 +21,9 @@ import numpy.typing as npt
 
 from protos import infer_pb2 as pb
 from protos import infer_pb2_grpc
-from protos.auth import bearer_metadata
 from protos.columns import encode_request
-from protos.tls import channel_credentials, open_channel
+from protos.rpc.security import caller_security
+from protos.rpc.tls import open_channel
 
 __all__ = ["PredictClient", "PredictError"]
 
@@ -62,8 +62,8 @@ class PredictClient:
         self.address, self.timeout_s = address, timeout_s
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("tls_cert and tls_key go together (mutual TLS): give both or neither")
-        self._metadata = bearer_metadata(token)
-        self._credentials = channel_credentials(tls_ca, tls_cert, tls_key) if tls_ca or tls_cert else None
+        security = caller_security(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, token=token)
+        self._metadata, self._credentials = security.metadata, security.credentials
         self._channel: grpc.Channel | None = None
         self._stub: Any = None
         self._lock = threading.Lock()

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from client.errors import InvalidRequestError
-from protos.names import DNS_PREFIX
+from protos.rpc.names import DNS_PREFIX
 
 __all__ = [
     "FAILED",

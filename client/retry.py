@@ -27,7 +27,6 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from client.config import ClientConfig
 from client.errors import DeadlineExceededError, PSError, convert, is_retryable, map_epoch
 from client.replicas import FAILED, NEUTRAL, OK, Outcome, Pick, ReplicaSet
 from client.transport import Call, Transport, when_done
+from protos.rpc.backoff import pause_s
 
 __all__ = ["Answer", "Rerouted", "backoff_s", "call_all"]
 
@@ -62,8 +62,9 @@ class Rerouted(NamedTuple):
 
 
 def backoff_s(attempt: int, config: ClientConfig) -> float:
-    """The pause after failed attempt ``attempt`` (0-based): full jitter below a capped exponential."""
-    return random.uniform(0.0, min(config.backoff_max_s, config.backoff_initial_s * (2.0 ** min(attempt, 60))))
+    """The pause after failed attempt ``attempt`` (0-based): full jitter below a capped exponential
+    (``protos.rpc.backoff``)."""
+    return pause_s(attempt, config.backoff_initial_s, config.backoff_max_s, jitter=1.0)
 
 
 _GATHER_S = 0.5  # after a non-retryable failure, how long the other attempts in flight may finish

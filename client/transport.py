@@ -25,8 +25,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
+from protos.rpc.tls import open_channel
 from protos.services import PS_SERVICE
-from protos.tls import open_channel
 
 __all__ = ["Call", "GrpcTransport", "Transport", "SERVICE_PATH", "when_done"]
 
@@ -259,7 +259,7 @@ class _CallThreads:
 
 class GrpcTransport:
     """One gRPC channel per endpoint address, opened by ``start()``: TLS with
-    ``credentials`` (``protos.tls.channel_credentials``), and ``metadata`` (a bearer
+    ``credentials`` (``protos.rpc.tls.channel_credentials``), and ``metadata`` (a bearer
     token) sent with every call.
 
     ``max_message_bytes`` is the largest message sent or accepted. A channel whose shard

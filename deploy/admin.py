@@ -85,7 +85,7 @@ from deploy.operations import (
 )
 from deploy.reshard import SCAN_CHUNK_ROWS, AdminError, read_cluster_manifest, reshard, shard_dir_name
 from deploy.scale import ScaleReport
-from protos.logs import configure_logging
+from protos.rpc.logs import configure_logging
 from ps.store import DataDirError, StorageFailed
 
 __all__ = [

@@ -46,8 +46,8 @@ from deploy.launch_scale import SERVING_ADDRESSES_FILE, Scaler, ScaleRequest, re
 from deploy.local import LocalCluster, ShardProcess, ShardStartError, threads_beside_local_shards
 from deploy.replicas import ServingReplicas
 from deploy.workers import RENDEZVOUS_FILE, Elastic, Join, read_join, torchrun_command, write_join
-from protos.logs import configure_logging
 from protos.rpc import child_command
+from protos.rpc.logs import configure_logging
 
 __all__ = ["RestartPolicy", "main"]
 

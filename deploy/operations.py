@@ -34,9 +34,9 @@ from client.membership import addresses_of
 from deploy.reshard import AdminError, now_stamp, shard_dir_name
 from deploy.scale import RetryLater, ScaleError, ScaleReport, scale
 from protos import ps_pb2 as pb
-from protos.auth import AuthError, bearer_metadata, read_client_token
+from protos.rpc.auth import AuthError, bearer_metadata, read_client_token
+from protos.rpc.tls import TLSError, channel_credentials, open_channel
 from protos.services import PS_SERVICE, SHARD_HEALTH
-from protos.tls import TLSError, channel_credentials, open_channel
 from ps.store import FORMAT_VERSION, DataDirError, StorageFailed, read_manifest, write_manifest
 
 __all__ = [

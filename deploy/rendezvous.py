@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported without __all__
 
-from protos.logs import configure_logging
+from protos.rpc.logs import configure_logging
 
 __all__ = ["host_store", "main", "parse_args"]
 

@@ -1,7 +1,9 @@
 """The wire contract: ``ps.proto``, its generated modules, key hashing and byte codecs.
 
 Both ends import this package; it depends on numpy, protobuf and grpc (and numba, for
-``protos.hashing`` only, which ``import protos`` does not load).
+``protos.hashing`` only, which ``import protos`` does not load). What the processes share
+besides the contract (server start-up, TLS and tokens, settings, logging) is the runtime
+subpackage ``protos.rpc``, which nothing here imports.
 """
 
 from __future__ import annotations

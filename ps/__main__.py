@@ -24,7 +24,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from protos.servers import run_server
+from protos.rpc.process import run_server
 from protos.wire import tune_malloc
 from ps.service import PSServer, ServerConfig, build_server, load_config
 
@@ -44,7 +44,7 @@ def _start(config: ServerConfig) -> PSServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``ps-server`` console script (``protos.servers.run_server``)."""
+    """Entry point of the ``ps-server`` console script (``protos.rpc.server.run_server``)."""
     return run_server(
         "ps-server", lambda: load_config(sys.argv[1:] if argv is None else argv, os.environ), _start, _describe
     )

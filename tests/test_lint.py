@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TYPED = ["ps", "client", "deploy", "worker", "protos/wire.py", "protos/keys.py"]
+TYPED = ["ps", "client", "deploy", "worker", "protos/wire.py", "protos/keys.py", "protos/rpc"]
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:

@@ -18,8 +18,8 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from protos.logs import configure_logging
-from protos.settings import load_settings
+from protos.rpc.logs import configure_logging
+from protos.rpc.settings import load_settings
 from worker.config import ENV_PREFIX, TrainerConfig
 
 __all__ = ["parse", "report"]

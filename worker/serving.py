@@ -39,28 +39,20 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
 import numpy.typing as npt
 import torch
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2
 
 from client import ClientConfig, PSClient, PSError, parse_addresses
 from protos import infer_pb2 as pb
 from protos.columns import Column, InvalidRequest, decode_request, request_of
-from protos.guard import Guard, RpcMetrics, serve_metrics
-from protos.servers import (
-    Status,
-    listen,
-    run_server,
-    server_security,
-    status_boundary,
-)
+from protos.rpc.process import run_server
+from protos.rpc.server import RunningServer, Status, start_server, status_boundary
+from protos.rpc.settings import load_settings
 from protos.services import PREDICT_SERVICE
-from protos.settings import load_settings
 from worker.export import load_model
 from worker.predictor import MIN_ROWS, Encoded, Predictor
 from worker.preflight import check_shards
@@ -370,30 +362,21 @@ def _status_of(exc: Exception, method: str) -> Status | None:
 
 
 class InferServer:
-    """A started predictor: ``port`` is the bound port; ``stop()`` drains it."""
+    """A started predictor: ``port`` is the bound port, ``metrics_port`` where its metrics
+    are served (None without ``--metrics-port``); ``stop()`` drains it."""
 
-    def __init__(
-        self, server: grpc.Server, port: int, batcher: Batcher, health_servicer: health.HealthServicer
-    ) -> None:
-        self.server, self.port, self._batcher, self._health = server, port, batcher, health_servicer
-        self.metrics_port: int | None = None
-        self.metrics_server: Any = None
+    def __init__(self, running: RunningServer, batcher: Batcher) -> None:
+        self._running, self._batcher = running, batcher
+        self.server, self.port, self.metrics_port = running.server, running.port, running.metrics_port
 
     def drain(self) -> None:
-        """NOT_SERVING from now on, every call still answered (``protos.servers.run_server``)."""
-        for service in ("", PREDICT_SERVICE):
-            self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        """NOT_SERVING from now on, every call still answered (``protos.rpc.process.run_server``)."""
+        self._running.drain()
 
     def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, refuse new calls, let calls in progress finish (up to ``grace_s``), stop the batcher."""
-        self._health.enter_graceful_shutdown()
-        # Bounded: a handler gRPC cannot cancel (a reflection stream fed bytes that do not
-        # decode) must not keep the process from exiting.
-        if not self.server.stop(grace_s).wait((grace_s or 0.0) + 5.0):
-            log.warning("calls still running %.0f s after the grace period; stopping anyway", 5.0)
+        self._running.stop(grace_s)
         self._batcher.close()
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
 
 
 def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
@@ -401,13 +384,12 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
 
     Raises ``RuntimeError`` naming the address when it cannot be bound.
     """
-    tokens, credentials = server_security(config.tls_cert, config.tls_key, config.tls_client_ca, config.auth_token_file)
-    registry = metrics = observe = None
+    metrics = observe = None
     if config.metrics_port is not None:
         from prometheus_client import CollectorRegistry, Histogram
 
         registry = CollectorRegistry(auto_describe=False)
-        metrics = RpcMetrics("ps_infer", registry)
+        metrics = ("ps_infer", registry)
         observe = Histogram(
             "ps_infer_batch_candidates",
             "Candidates scored per micro-batch (model call)",
@@ -422,34 +404,29 @@ def build_server(config: InferConfig, predictor: Predictor) -> InferServer:
         encoding=lambda: gate.encoding,
         observe=observe,
     )
-    threads = config.max_concurrent + _SPARE_THREADS
-    # Admission is the gate's (--max-concurrent); the guard checks tokens and keeps metrics.
-    guard = Guard("ps-infer", {f"/{PREDICT_SERVICE}/Predict": "read"}, tokens=tokens, metrics=metrics)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ps-infer"),
-        interceptors=[guard],
-        # Past this, gRPC itself refuses with RESOURCE_EXHAUSTED instead of queueing.
-        maximum_concurrent_rpcs=2 * threads,
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
-    )
     servicer = _Servicer(predictor, batcher, gate, predictor.model.run)
     predict = grpc.unary_unary_rpc_method_handler(
         servicer.Predict, request_deserializer=None, response_serializer=pb.PredictResponse.SerializeToString
     )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(PREDICT_SERVICE, {"Predict": predict}),))
+    threads = config.max_concurrent + _SPARE_THREADS
     try:
-        port, health_servicer = listen(server, config.listen, [PREDICT_SERVICE], credentials)
+        running = start_server(
+            config,
+            [PREDICT_SERVICE],
+            [grpc.method_handlers_generic_handler(PREDICT_SERVICE, {"Predict": predict})],
+            who="ps-infer",
+            # Admission is the gate's (--max-concurrent); the guard checks tokens and keeps metrics.
+            roles={f"/{PREDICT_SERVICE}/Predict": "read"},
+            threads=threads,
+            thread_name="ps-infer",
+            # Past this, gRPC itself refuses with RESOURCE_EXHAUSTED instead of queueing.
+            max_concurrent_rpcs=2 * threads,
+            metrics=metrics,
+        )
     except RuntimeError:
         batcher.close()
         raise
-    infer = InferServer(server, port, batcher, health_servicer)
-    if registry is not None and config.metrics_port is not None:
-        try:
-            infer.metrics_server, infer.metrics_port = serve_metrics(config.listen, config.metrics_port, registry)
-        except RuntimeError:
-            infer.stop(0)
-            raise
-    return infer
+    return InferServer(running, batcher)
 
 
 def _warm_up(predictor: Predictor) -> None:
@@ -473,7 +450,7 @@ _DESCRIPTION = (
 
 @dataclass
 class _Running:
-    """A started ``ps-infer`` with the shard client it owns (``protos.servers.Served``)."""
+    """A started ``ps-infer`` with the shard client it owns (``protos.rpc.server.Served``)."""
 
     server: InferServer
     client: PSClient
@@ -516,7 +493,7 @@ def _start(config: InferConfig) -> _Running:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``ps-infer`` console script (``protos.servers.run_server``)."""
+    """Entry point of the ``ps-infer`` console script (``protos.rpc.server.run_server``)."""
     return run_server(
         "ps-infer",
         lambda: load_settings(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from protos.settings import ConfigError
+from protos.rpc.settings import ConfigError
 
 __all__ = ["Durability"]
 

@@ -20,7 +20,6 @@ the rows) the thread tries again with backoff, from a new copy.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -32,8 +31,9 @@ import numpy as np
 from protos import ps_pb2 as pb
 from protos import wire
 from protos.keys import shard_of
+from protos.rpc.backoff import Backoff
+from protos.rpc.tls import open_channel
 from protos.services import PS_SERVICE
-from protos.tls import open_channel
 from ps.elastic.cluster import MoveState
 from ps.errors import ShardError
 from ps.replication import ChangeLog
@@ -178,11 +178,11 @@ class Intake:
     def _run(self, source: int) -> None:
         lower_this_thread()  # the copy takes the cores that requests leave idle
         progress = self.progress[source]
-        delay = _BACKOFF_S[0]
+        backoff = Backoff(*_BACKOFF_S)
         while not self._stop.is_set() and not progress.complete:
             try:
                 self._copy(source, progress)
-                delay = _BACKOFF_S[0]
+                backoff.reset()
             except grpc.RpcError as exc:
                 progress.error, progress.disk_failed = f"{exc.code().name}: {exc.details()}", False
             except StorageClosed as exc:  # this shard is stopping
@@ -201,8 +201,7 @@ class Intake:
                 log.warning(
                     "reshard: copy from shard %d (%s): %s; trying again", source, progress.address, progress.error
                 )
-            self._stop.wait(delay * random.uniform(0.5, 1.0))
-            delay = min(_BACKOFF_S[1], delay * 2)
+            self._stop.wait(backoff.next_s())
 
     def _copy(self, source: int, progress: SourceProgress) -> None:
         request = pb.MoveRowsRequest(

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import threading
 import time
 from collections.abc import Iterable
@@ -44,7 +43,8 @@ import numpy.typing as npt
 from protos import ps_pb2 as pb
 from protos import wire
 from protos.keys import shard_of
-from protos.tls import open_channel
+from protos.rpc.backoff import Backoff
+from protos.rpc.tls import open_channel
 from ps.durability import read_base, resolve_existing_checkpoint
 from ps.errors import InvalidRequest
 from ps.rwlock import ReadWriteLock
@@ -204,7 +204,7 @@ class Source:
     def _run(self) -> None:
         assert self.leader is not None
         options = [("grpc.max_receive_message_length", self.max_message_bytes)]
-        backoff = 0.05
+        backoff = Backoff(0.05, 2.0)
         with open_channel(self.leader, self.credentials, options) as channel:
             follow = channel.unary_stream(
                 f"/{pb.DESCRIPTOR.services_by_name['ParameterServer'].full_name}/Follow",
@@ -225,7 +225,8 @@ class Source:
                     self._call = follow(request, metadata=self.metadata)
                     for batch in self._call:
                         if not self.connected:
-                            self.connected, backoff = True, 0.05
+                            self.connected = True
+                            backoff.reset()
                             log.info("following %s from version %d", self.leader, self.applied_version)
                         self._apply(batch)
                         if not self._resume.is_set() or self._stop.is_set():
@@ -241,8 +242,7 @@ class Source:
                     if self._call is not None:
                         self._call.cancel()
                     self.connected = False
-                self._stop.wait(backoff * random.uniform(0.5, 1.0))
-                backoff = min(2.0, backoff * 2)
+                self._stop.wait(backoff.next_s())
 
     def _lost(self, error: str) -> None:
         if self.connected or error != self.error:

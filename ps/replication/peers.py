@@ -24,9 +24,9 @@ from typing import Any, Protocol
 import grpc
 
 from protos import ps_pb2 as pb
-from protos.names import addresses_of, dns_name
+from protos.rpc.names import addresses_of, dns_name
+from protos.rpc.tls import open_channel
 from protos.services import PS_SERVICE
-from protos.tls import open_channel
 from ps.errors import ShardError
 
 __all__ = ["PEER_MAP_EVERY_S", "MapHolder", "PeerMaps"]

@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protos import settings
-from protos.settings import ConfigError
+from protos.rpc import settings
+from protos.rpc.settings import ConfigError
 from ps.durability import Durability
 from ps.shard import check_budget
 from ps.store import precision
@@ -360,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_config(argv: Sequence[str], environ: Mapping[str, str]) -> ServerConfig:
     """Build a ``ServerConfig`` from flags, ``PS_*`` variables and an optional config file
-    (``protos.settings``).
+    (``protos.rpc.settings``).
 
     Raises ``ConfigError`` naming the setting for unknown names and bad values;
     ``SystemExit`` for ``--help`` and unparsable flags (argparse's behaviour).

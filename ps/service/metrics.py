@@ -1,6 +1,6 @@
 """Prometheus metrics of a shard (``ps-server --metrics-port``).
 
-RPC metrics (latency, codes, in flight, refusals) come from ``protos.guard.RpcMetrics``;
+RPC metrics (latency, codes, in flight, refusals) come from ``protos.rpc.guard.RpcMetrics``;
 everything else is read from the shard's own counters when Prometheus scrapes
 (``ShardCollector``), so serving a call costs no metric update beyond the RPC's. Names
 start with ``ps_``, carry their unit, and are labelled by table at most, never by key.

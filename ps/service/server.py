@@ -16,18 +16,14 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from pathlib import Path
 from typing import Any, cast
 
-import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
-from protos.auth import AuthError, bearer_metadata, read_client_token
-from protos.guard import Guard, RpcMetrics, serve_metrics
-from protos.servers import Readiness, listen, server_security
+from protos.rpc.security import caller_security
+from protos.rpc.server import Readiness, RunningServer, start_server
 from protos.services import BACKGROUND_HEALTH, FOLLOW_HEALTH, PS_SERVICE, WRITES_HEALTH
-from protos.tls import TLSError, channel_credentials
 from ps.durability import (
     Durability,
     StopReport,
@@ -80,48 +76,35 @@ ROLES = {
         ("Reshard", "admin"),
     ]
 }
-"""The token role each method needs (see ``protos.auth``). A Lookup with a read token
+"""The token role each method needs (see ``protos.rpc.auth``). A Lookup with a read token
 creates no rows (``Servicer.read_only_handlers``)."""
 
 log = logging.getLogger(__name__)
 
 
 class PSServer:
-    """A started shard server: ``port`` is the real bound port. Stop with ``stop()``."""
+    """A started shard server: ``port`` is the real bound port, ``metrics_port`` where its
+    metrics are served (None without ``--metrics-port``). Stop with ``stop()``."""
 
-    def __init__(
-        self, server: grpc.Server, port: int, shard: Shard, health: health.HealthServicer, readiness: Readiness
-    ) -> None:
-        self.server = server
-        self.port = port
-        self.metrics_port: int | None = None
-        self._metrics_server: Any = None
-        self.shard = shard
-        self._health = health
-        self.readiness = readiness
-        self.peers: PeerMaps | None = None  # --serving-peers
-        self._stopped = threading.Event()
+    def __init__(self, running: RunningServer, shard: Shard, peers: PeerMaps | None, stopped: threading.Event) -> None:
+        self._running, self.shard, self.peers, self._stopped = running, shard, peers, stopped
+        self.server, self.port, self.metrics_port = running.server, running.port, running.metrics_port
+        self.readiness = running.readiness
 
     def drain(self) -> None:
         """Health NOT_SERVING from now on; every call is still answered (see ``run_server``)."""
-        self.readiness.drain()
+        self._running.drain()
 
     def stop(self, grace_s: float | None = None) -> StopReport:
         """Refuse new calls, let in-flight ones finish for up to ``grace_s``, then write what
         is dirty and close the data directory (blocks). If the data directory refuses
         that write, retry for up to ``grace_s`` more, then save what it did not take to
         a rescue dump (see ``Shard.shutdown``); the report says how it went."""
-        self._health.enter_graceful_shutdown()
         self._stopped.set()
         if self.peers is not None:
             self.peers.stop()
         self.shard.close()
-        # Bounded: a handler gRPC cannot cancel (a reflection stream fed bytes that do not
-        # decode) must not keep the shard from writing its rows and exiting.
-        if not self.server.stop(grace_s).wait((grace_s or 0.0) + 5.0):
-            log.warning("calls still running 5 s after the grace period; stopping anyway")
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+        self._running.stop(grace_s)
         if isinstance(self.shard.source, Source):
             self.shard.source.stop()
         return self.shard.shutdown(grace_s or 0.0)
@@ -166,15 +149,15 @@ def _peer_credentials(config: ServerConfig) -> dict[str, Any]:
     """TLS credentials and token metadata a shard sends another: a follower its training
     shard, a new owner in a reshard the old owners it pulls rows from."""
     try:
-        tls = config.client_tls_ca or config.client_tls_cert
-        return {
-            "credentials": channel_credentials(config.client_tls_ca, config.client_tls_cert, config.client_tls_key)
-            if tls
-            else None,
-            "metadata": bearer_metadata(read_client_token(config.client_token_file)),
-        }
-    except (AuthError, TLSError) as exc:
+        peer = caller_security(
+            tls_ca=config.client_tls_ca,
+            tls_cert=config.client_tls_cert,
+            tls_key=config.client_tls_key,
+            token_file=config.client_token_file,
+        )
+    except ValueError as exc:
         raise RuntimeError(str(exc)) from None
+    return {"credentials": peer.credentials, "metadata": peer.metadata}
 
 
 def _open_shard(config: ServerConfig) -> Shard:
@@ -309,47 +292,39 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     Raises ``RuntimeError`` naming the address when it cannot be bound, or the data
     directory when it cannot be used.
     """
-    tokens, credentials = server_security(config.tls_cert, config.tls_key, config.tls_client_ca, config.auth_token_file)
     shard = shard or open_shard(config)
-    registry = metrics = None
+    servicer = Servicer(shard, config.max_message_bytes)
+    metrics = None
     if config.metrics_port is not None:
         from ps.service.metrics import shard_registry
 
-        registry = shard_registry(shard)
-        metrics = RpcMetrics("ps", registry)
-    servicer = Servicer(shard, config.max_message_bytes)
-    guard = Guard(
-        f"shard {config.shard}",
-        ROLES,
-        tokens=tokens,
-        read_only=servicer.read_only_handlers(),
-        max_in_flight=config.threads,
-        max_per_peer=config.max_calls_per_client or max(1, config.threads * 3 // 4),
-        max_streams=config.max_follow_streams,
-        metrics=metrics,
-        limits_flag="--threads",
-    )
-    server = grpc.server(
-        futures.ThreadPoolExecutor(
-            max_workers=config.threads + config.max_follow_streams + SPARE_THREADS, thread_name_prefix="ps-rpc"
-        ),
-        interceptors=[guard],
-        options=[
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes),
-            # Two shards must never share a port by accident.
-            ("grpc.so_reuseport", 0),
-        ],
-    )
-    server.add_generic_rpc_handlers((servicer.handler(),))
+        metrics = ("ps", shard_registry(shard))
+    source = shard.source if isinstance(shard.source, Source) and shard.source.leader is not None else None
     try:
-        port, health_servicer = listen(server, config.listen, [PS_SERVICE], credentials, serving=config.follow is None)
+        running = start_server(
+            config,
+            [PS_SERVICE],
+            [servicer.handler()],
+            who=f"shard {config.shard}",
+            roles=ROLES,
+            threads=config.threads + config.max_follow_streams + SPARE_THREADS,
+            thread_name="ps-rpc",
+            max_message_bytes=config.max_message_bytes,
+            metrics=metrics,
+            ready=source is None,
+            read_only=servicer.read_only_handlers(),
+            max_in_flight=config.threads,
+            max_per_peer=config.max_calls_per_client or max(1, config.threads * 3 // 4),
+            max_streams=config.max_follow_streams,
+            limits_flag="--threads",
+        )
     except RuntimeError:
         shard.shutdown()
         raise
+    health_servicer = running.health
     # Not services: reflection skips them. A serving shard takes no writes, so it has no
     # write health at all (NOT_FOUND) rather than a SERVING one that says otherwise.
-    writes = shard.mode == "train"
+    writes = shard.role.takes_writes
     for service in (WRITES_HEALTH, BACKGROUND_HEALTH) if writes else (BACKGROUND_HEALTH,):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
 
@@ -363,30 +338,22 @@ def build_server(config: ServerConfig, shard: Shard | None = None) -> PSServer:
     if writes:
         shard.on_writable_change(listener(WRITES_HEALTH))
     shard.health.on_change(listener(BACKGROUND_HEALTH))
-    readiness = Readiness(health_servicer, (PS_SERVICE,), ready=config.follow is None)
     shard.start()
-    ps_server = PSServer(server, port, shard, health_servicer, readiness)
-    if registry is not None and config.metrics_port is not None:
-        try:
-            ps_server._metrics_server, ps_server.metrics_port = serve_metrics(
-                config.listen, config.metrics_port, registry
-            )
-        except RuntimeError:
-            ps_server.stop(grace_s=0)
-            raise
-    if isinstance(shard.source, Source) and shard.source.leader is not None:
-        shard.source.start()
+    stopped = threading.Event()
+    peers = None
+    if source is not None:
+        source.start()
         follow_health = listener(FOLLOW_HEALTH)
         follow_health(False)
         threading.Thread(
             target=_watch_follower,
-            args=(shard.source, follow_health, readiness, ps_server._stopped),
+            args=(source, follow_health, running.readiness, stopped),
             name="ps-follow-health",
             daemon=True,
         ).start()
         if config.serving_peers:
-            ps_server.peers = PeerMaps(shard, config.serving_peers, **_peer_credentials(config)).start()
-    return ps_server
+            peers = PeerMaps(shard, config.serving_peers, **_peer_credentials(config)).start()
+    return PSServer(running, shard, peers, stopped)
 
 
 def _watch_follower(

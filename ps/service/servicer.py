@@ -27,8 +27,9 @@ import numpy.typing as npt
 from google.protobuf.message import DecodeError
 
 from protos import ps_pb2 as pb
-from protos import servers, wire
-from protos.servers import Status
+from protos import wire
+from protos.rpc import server
+from protos.rpc.server import Status
 from protos.services import PS_SERVICE
 from ps.elastic import ClusterMap, Route
 from ps.errors import RequestTooLarge, ShardError
@@ -68,7 +69,7 @@ def status_of(exc: Exception, method: str) -> Status | None:
 
 def status_boundary(context: grpc.ServicerContext, method: str) -> contextlib.AbstractContextManager[None]:
     """Turn exceptions from a handler body into gRPC statuses (``status_of``)."""
-    return servers.status_boundary(context, method, status_of, "shard")
+    return server.status_boundary(context, method, status_of, "shard")
 
 
 def _unary(fn: Callable[[bytes, grpc.ServicerContext], Any], encode: bool) -> grpc.RpcMethodHandler:  # type: ignore[type-arg]
@@ -117,7 +118,7 @@ class Servicer:
 
     def read_only_handlers(self) -> dict[str, grpc.RpcMethodHandler]:  # type: ignore[type-arg]
         """What a caller whose token does not allow writes runs instead, by full method
-        name (``protos.guard.Guard``'s ``read_only``): a Lookup that creates no rows."""
+        name (``protos.rpc.guard.Guard``'s ``read_only``): a Lookup that creates no rows."""
         return {f"/{PS_SERVICE}/Lookup": _unary(self.LookupReadOnly, False)}
 
     def CreateTable(self, request: bytes, context: grpc.ServicerContext) -> pb.CreateTableResponse:

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from protos.rpc.backoff import Backoff
 from ps.durability import StopReport
 from ps.shard.background import Listeners
 from ps.store import Storage, StorageFailed
@@ -48,6 +49,12 @@ log = logging.getLogger(__name__)
 # time up to _RETRY_MAX_S (each try reopens RocksDB, which replays its write-ahead log).
 _RETRY_FIRST_S = 0.5
 _RETRY_MAX_S = 5.0
+
+
+def _retry_backoff() -> Backoff:
+    return Backoff(_RETRY_FIRST_S, _RETRY_MAX_S, jitter=0.0)
+
+
 # Why a stop that could not write everything lost nothing (``final_write``'s ``why_safe``).
 ROWS_FROM_SOURCE = (
     "this serving shard holds no acknowledged push: its rows come from its source, and a follower's restart "
@@ -74,7 +81,7 @@ class StorageHealth:
         self.errors = 0  # storage failures seen (each failed write or recovery try)
         self._failed_at = 0.0
         self._retry_at = 0.0
-        self._retry_delay_s = _RETRY_FIRST_S
+        self._backoff = _retry_backoff()
         self._listeners = Listeners(lambda: self.writable)
 
     def on_change(self, listener: Callable[[bool], None]) -> None:
@@ -106,8 +113,8 @@ class StorageHealth:
         self.writable = False
         self.error = error
         self._failed_at = time.monotonic()
-        self._retry_delay_s = _RETRY_FIRST_S
-        self._retry_at = self._failed_at + _RETRY_FIRST_S
+        self._backoff.reset()
+        self._retry_at = self._failed_at + self._backoff.next_s()
         log.error("storage failed, refusing writes (reads continue); retrying in the background: %s", error)
         self._listeners.tell()
 
@@ -127,9 +134,9 @@ class StorageHealth:
         except StorageFailed as exc:
             self.error = str(exc)
             self.errors += 1
-            self._retry_delay_s = min(2 * self._retry_delay_s, _RETRY_MAX_S)
-            self._retry_at = time.monotonic() + self._retry_delay_s
-            log.warning("storage still failing, next try in %.1f s: %s", self._retry_delay_s, exc)
+            delay = self._backoff.next_s()
+            self._retry_at = time.monotonic() + delay
+            log.warning("storage still failing, next try in %.1f s: %s", delay, exc)
             raise
         self.writable = True
         self.error = ""
@@ -157,7 +164,7 @@ class StorageHealth:
         retry with backoff until ``grace_s`` has passed, then hand the last error to
         ``rescue``. Blocks for up to ``grace_s`` plus the rescue."""
         deadline = time.monotonic() + grace_s
-        delay = _RETRY_FIRST_S
+        backoff = _retry_backoff()
         while True:
             try:
                 if not self.writable:
@@ -175,6 +182,7 @@ class StorageHealth:
             left = deadline - time.monotonic()
             if left <= 0:
                 return rescue(error)
+            delay = backoff.next_s()
             log.warning(
                 "final flush failed, %d rows changed by acknowledged pushes are only in RAM; retrying in %.1f s "
                 "(grace period ends in %.1f s): %s",
@@ -184,7 +192,6 @@ class StorageHealth:
                 error,
             )
             time.sleep(min(delay, left))  # the last try is at the end of the grace period
-            delay = min(2 * delay, _RETRY_MAX_S)
 
 
 def reopen_if_refusing(storage: Storage, quiesced: Callable[[], contextlib.AbstractContextManager[None]]) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from protos import ps_pb2 as pb
 from protos import wire
-from protos.settings import ConfigError
+from protos.rpc.settings import ConfigError
 from ps.errors import InvalidRequest
 from ps.store import RowFormat, precision
 from ps.table import optimizers

@@ -105,7 +105,7 @@ _OVERFLOWING_VARINT = re.compile(rb"(?<![\x80-\xff])[\x80-\xff]{9}[\x02-\x7f]")
 # Health checking and reflection (registered with protobuf classes) let gRPC decode their
 # requests: bytes that did not decode got INTERNAL, and gRPC Python 1.85's server kept each such
 # call's state for good (~20 kB of RSS a call; a reflection stream's also held a graceful stop
-# until its bounded wait gave up). protos.servers decodes them itself now: INVALID_ARGUMENT
+# until its bounded wait gave up). protos.rpc.server decodes them itself now: INVALID_ARGUMENT
 # (test_undecodable_requests_to_grpc_services_leak_nothing).
 MAX_TABLES = 6  # the training shard's --max-tables: each table costs its RocksDB column family ~0.5 MB of RSS
 GRACE_S = 1  # the servers' --grace-s

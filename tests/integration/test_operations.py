@@ -447,7 +447,7 @@ def test_follow_streams_do_not_take_the_call_slots(tmp_path: Path) -> None:
 def test_ps_infer_call_counters_start_at_zero() -> None:
     from prometheus_client import CollectorRegistry
 
-    from protos.guard import Guard, RpcMetrics
+    from protos.rpc.guard import Guard, RpcMetrics
 
     registry = CollectorRegistry(auto_describe=False)
     Guard("ps-infer", {"/ps.v1.Predictor/Predict": "read"}, metrics=RpcMetrics("ps_infer", registry))

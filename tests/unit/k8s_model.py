@@ -33,8 +33,8 @@ from torch.distributed.run import get_args_parser as torchrun_parser
 from client import ClientConfig
 from deploy.admin import build_parser as admin_parser
 from deploy.rendezvous import parse_args as rendezvous_args
-from protos.auth import Tokens, read_client_token
-from protos.settings import load_settings
+from protos.rpc.auth import Tokens, read_client_token
+from protos.rpc.settings import load_settings
 from ps.service import load_config
 from ps.service.config import build_parser
 from worker.config import ENV_PREFIX as TRAINER_PREFIX

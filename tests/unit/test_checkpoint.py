@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from protos.settings import ConfigError
+from protos.rpc.settings import ConfigError
 from ps.durability import Durability, resolve_existing_checkpoint
 from ps.durability.checkpoint import MAX_PATH_BYTES, next_version_path, resolve_checkpoint_path
 from ps.errors import InvalidRequest, NotConfigured, ShardError

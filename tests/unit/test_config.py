@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from protos.settings import ConfigError
+from protos.rpc.settings import ConfigError
 from ps.service import ServerConfig, load_config
 from ps.table import InitializerKind, InitializerParams, OptimizerKind, OptimizerParams, TableSpec
 from ps.table.spec import MAX_DIM
@@ -282,7 +282,7 @@ def _commands() -> list[tuple[str, type, str]]:
 
 @pytest.mark.parametrize("command", ["ps-server", "ps-infer", "trainer"])
 def test_every_command_reports_a_config_file_that_does_not_parse(command: str, tmp_path: Path) -> None:
-    from protos.settings import load_settings
+    from protos.rpc.settings import load_settings
 
     (prog, cls, prefix) = next(c for c in _commands() if c[0] == command)
     bad = write(tmp_path / "bad.toml", "threads = = 2\n")
@@ -294,7 +294,7 @@ def test_every_command_reports_a_config_file_that_does_not_parse(command: str, t
 
 @pytest.mark.parametrize("command", ["ps-server", "ps-infer", "trainer"])
 def test_every_command_names_where_a_bad_value_came_from(command: str) -> None:
-    from protos.settings import load_settings
+    from protos.rpc.settings import load_settings
 
     (prog, cls, prefix) = next(c for c in _commands() if c[0] == command)
     field = next(f.name for f in dataclasses.fields(cls) if f.type in ("int", int))

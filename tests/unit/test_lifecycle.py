@@ -15,7 +15,7 @@ import numpy.typing as npt
 import pytest
 
 from protos import ps_pb2 as pb
-from protos.settings import ConfigError
+from protos.rpc.settings import ConfigError
 from ps.durability import Durability
 from ps.errors import InvalidRequest
 from ps.service import ServerConfig

@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from client import ClientConfig, parse_addresses
-from protos.auth import allows
+from protos.rpc.auth import allows
 from protos.services import PS_SERVICE
 from ps.durability import checkpoint_target, resolve_existing_checkpoint
 from ps.service.server import ROLES as SHARD_ROLES

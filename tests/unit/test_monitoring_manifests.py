@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 
 import ps.service.metrics
 from protos import ps_pb2 as pb
-from protos.guard import RpcMetrics
+from protos.rpc.guard import RpcMetrics
 from tests.unit.k8s_model import (
     NS,
     ROOT,

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from deploy.admin import main as admin_main
-from protos.auth import allows
+from protos.rpc.auth import allows
 from protos.services import PS_SERVICE
 from ps.service.server import ROLES as SHARD_ROLES
 from tests.unit.k8s_model import (

@@ -3,7 +3,7 @@ admission control and RPC metrics, as one gRPC server interceptor.
 
 In order, for each call to a guarded service (health checks and reflection pass freely):
 
-1. **Token** (when the server has a token file, see ``protos.auth``): none or an unknown
+1. **Token** (when the server has a token file, see ``protos.rpc.auth``): none or an unknown
    one gets UNAUTHENTICATED; a role below what the method needs gets PERMISSION_DENIED.
    A method may have a read-only twin that a caller without a ``write`` token runs
    instead (``Lookup`` that creates no rows).
@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 
-from protos.auth import Tokens, allows, bearer_token
+from protos.rpc.auth import Tokens, allows, bearer_token
 
 __all__ = ["OPEN_SERVICES", "Guard", "RpcMetrics", "serve_metrics"]
 
