@@ -44,7 +44,7 @@ def _start(config: ServerConfig) -> PSServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``ps-server`` console script (``protos.rpc.server.run_server``)."""
+    """Entry point of the ``ps-server`` console script (``protos.rpc.process.run_server``)."""
     return run_server(
         "ps-server", lambda: load_config(sys.argv[1:] if argv is None else argv, os.environ), _start, _describe
     )

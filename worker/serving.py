@@ -450,7 +450,7 @@ _DESCRIPTION = (
 
 @dataclass
 class _Running:
-    """A started ``ps-infer`` with the shard client it owns (``protos.rpc.server.Served``)."""
+    """A started ``ps-infer`` with the shard client it owns (``protos.rpc.process.Served``)."""
 
     server: InferServer
     client: PSClient
@@ -493,7 +493,7 @@ def _start(config: InferConfig) -> _Running:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``ps-infer`` console script (``protos.rpc.server.run_server``)."""
+    """Entry point of the ``ps-infer`` console script (``protos.rpc.process.run_server``)."""
     return run_server(
         "ps-infer",
         lambda: load_settings(
