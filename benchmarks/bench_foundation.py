@@ -495,7 +495,7 @@ def main(quick: bool) -> None:
                 resident, _ = workload()
                 for i in range(0, RESIDENT, ROWS):
                     c.lookup(TABLE, resident[i : i + ROWS])
-                res["ps_stats_after_populate"] = c.stats()
+                res["ps_stats_after_populate"] = c.admin.stats()
             common = ["--echo", echo, "--ps", ps_addr, "--calls", str(calls), "--warmup", str(warmup)]
             runs = {"default": child("--client-run", *common), "tuned": child("--client-run", "--tuned", *common)}
         finally:

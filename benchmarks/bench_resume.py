@@ -86,7 +86,7 @@ class Counters:
         self.client = client
 
     def __call__(self) -> tuple[int, int]:
-        stats = self.client.stats()
+        stats = self.client.admin.stats()
         pushed = sum(int(t["pushes"]) for s in stats for t in s["tables"])
         return pushed, sum(int(s.get("duplicate_pushes", 0)) for s in stats)
 

@@ -187,7 +187,7 @@ def split(keys: Keys) -> list[Keys]:
 
 def ours(addresses: list[str], work: Workload) -> System:
     client = PSClient(addresses).start()  # thread-safe: every client thread shares it
-    client.tables()
+    client.admin.tables()
     reqs = work.requests
     return Threaded("ours", lambda i: client.lookup_many({TABLE: reqs[i % len(reqs)]}), client.close)
 

@@ -186,7 +186,7 @@ def restart_time(data_dir: Path, budget: int, tmp: Path) -> float:
     shard = start_shard(0, 1, tmp / "restart", f"--data-dir={data_dir}", f"--memory-budget-bytes={budget}")
     try:
         with PSClient([shard.address]) as client:
-            client.tables()
+            client.admin.tables()
             client.lookup("t", np.arange(1024, dtype=np.int64))
         ready = time.perf_counter() - t0
     finally:

@@ -12,7 +12,7 @@ Adagrad lr 0.05. Variants:
    the loop of ``worker/trainer.py``), and in ``mode="sync"``; and pipelined with torch limited to 1
    intra-op thread, leaving a core to the client's threads and the shards (for information; the
    goal is judged on the default). Also: the shards' counters per step
-   (``PSClient.stats()``), their CPU time (``/proc/<pid>/stat``) and the wall time of the client's
+   (``AdminClient.stats()``), their CPU time (``/proc/<pid>/stat``) and the wall time of the client's
    ``lookup_many``/``push_many`` calls (they run on the pipeline's background threads).
 2. (a) In-process: 26 ``nn.EmbeddingBag(min(vocab, 1M), 16, mode="sum", sparse=True)`` (key %
    rows: collisions do not matter for throughput) + ``torch.optim.Adagrad`` on the sparse grads.
@@ -244,7 +244,7 @@ def ours(
         }
         for s in cluster.shards:
             c[f"shard{s.index}_cpu_s"] = proc_cpu_s(s.proc.pid)
-        for st in client.stats():
+        for st in client.admin.stats():
             mine = [t for t in st["tables"] if t["name"].startswith(prefix)]
             for k in ("lookups", "pushes", "rows_created"):
                 c[f"shard{st['shard']}_{k}"] = sum(t[k] for t in mine)

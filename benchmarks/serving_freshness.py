@@ -61,7 +61,7 @@ def wait_following(addresses: list[str], timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     with PSClient(addresses) as client:
         while True:
-            stats = client.stats()
+            stats = client.admin.stats()
             if all(s["follow"]["connected"] and MARKER_TABLE in {t["name"] for t in s["tables"]} for s in stats):
                 return
             if time.monotonic() > deadline:
@@ -146,7 +146,7 @@ def freshness_part(setup: Setup, procs: Processes) -> dict[str, Any]:
         )
         time.sleep(1.0)  # the load is under way (its imports done, pushes flowing)
         loaded = lag_samples(leader, follower, 3 + idle_n, load_n)
-        follow_stats = [s["follow"] for s in follower.stats()]
+        follow_stats = [s["follow"] for s in follower.admin.stats()]
         if procs.stop(load) != 0 or not load_out.exists():
             raise RuntimeError(f"training load failed:\n{(root / 'load.log').read_text(errors='replace')[-3000:]}")
     load_stats = json.loads(load_out.read_text())

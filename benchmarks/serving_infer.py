@@ -94,7 +94,7 @@ class RecordingClient:
 
     def ram_rows(self) -> RamRows:
         rows = {n: (np.fromiter(s, np.int64, len(s)), np.stack(list(s.values()))) for n, s in self.seen.items() if s}
-        return RamRows(rows, self._client.tables())
+        return RamRows(rows, self._client.admin.tables())
 
 
 def infer_requests(run_dir: Path, n: int, seed: int = 7) -> list[bytes]:

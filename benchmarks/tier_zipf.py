@@ -208,13 +208,13 @@ def served(work: Workload, mode: str | None, tmp: Path) -> dict[str, Any]:
                 client.lookup("t", keys)
                 client.push("t", keys, work.grads[: keys.shape[0]])
 
-            warmup = _warm_up(work, step, lambda: cast(dict[str, int], client.stats()[0]["tables"][0]))
-            c0 = client.stats()[0]["tables"][0]
+            warmup = _warm_up(work, step, lambda: cast(dict[str, int], client.admin.stats()[0]["tables"][0]))
+            c0 = client.admin.stats()[0]["tables"][0]
             t0 = time.perf_counter()
             for seq, keys in enumerate(work.batches[work.warmup :], work.warmup + 1):
                 step(seq, keys)
             elapsed = time.perf_counter() - t0
-            c1 = client.stats()[0]["tables"][0]
+            c1 = client.admin.stats()[0]["tables"][0]
     finally:
         stop_shard(shard)
         shutil.rmtree(root, ignore_errors=True)

@@ -1,7 +1,10 @@
-"""Talking to a parameter-server cluster: ``PSClient`` and its errors. Never imports torch."""
+"""Talking to a parameter-server cluster: ``PSClient`` (lookups and pushes), ``AdminClient``
+(tables, stats, checkpoints), ``PredictClient`` (``ps-infer``), and their errors, all
+``PSError``. Never imports torch."""
 
 from __future__ import annotations
 
+from client.admin import AdminClient, CheckpointError, ShardByAddress
 from client.client import LookupResult, PSClient, PushResult
 from client.config import ClientConfig, TableConfig
 from client.errors import (
@@ -24,6 +27,8 @@ from client.routing import TablePlan
 from client.transport import GrpcTransport, Transport
 
 __all__ = [
+    "AdminClient",
+    "CheckpointError",
     "ClientConfig",
     "DeadlineExceededError",
     "GrpcTransport",
@@ -38,6 +43,7 @@ __all__ = [
     "PredictError",
     "PushResult",
     "ResourceExhaustedError",
+    "ShardByAddress",
     "ShardUnavailableError",
     "TableConfig",
     "TableExistsError",

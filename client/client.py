@@ -14,44 +14,37 @@ Example (needs running shards, see the README):
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import itertools
-import json
 import logging
-import math
 import os
-import posixpath
 import threading
-import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, overload
 
-import grpc
 import numpy as np
 import numpy.typing as npt
-from google.protobuf.message import DecodeError
 
+from client.admin import AdminClient
 from client.batching import sum_duplicates
-from client.cluster import ClusterView, ClusterViews
+from client.cluster import ClusterView
 from client.config import ClientConfig, TableConfig
-from client.errors import InternalServerError, InvalidRequestError, PreconditionError, PSError, TableNotFoundError
+from client.errors import InvalidRequestError, TableNotFoundError
+from client.link import Budget, ClusterLink
 from client.lookups import encode_lookups, fill_results
-from client.membership import Members, MembershipWatcher
-from client.pushes import encode_part, reroute, split_push
+from client.membership import Members
+from client.pushes import PushPart, encode_part, reroute, split_push
 from client.replicas import normalize_addresses
-from client.retry import Answer, Rerouted, call_all
+from client.retry import Answer, Rerouted
 from client.routing import TablePlan, plan_table
-from client.tables import message_dict, table_config, table_spec
-from client.transport import GrpcTransport, Transport
+from client.tables import list_tables, table_config, table_spec
+from client.transport import Transport
 from protos import ps_pb2 as pb
 from protos import wire
-from protos.rpc.security import caller_security
 
 __all__ = ["LookupResult", "PSClient", "PushResult"]
 
@@ -83,10 +76,6 @@ class PushResult:
     duplicates: int = 0
 
 
-_NO_MAP = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-"""GetMap failures a first call goes on past: a shard older than maps (epoch 0), or one not there."""
-
-
 def _as_keys(keys: npt.ArrayLike, table: str) -> npt.NDArray[np.int64]:
     try:
         return wire.as_keys(keys, f"table {table!r}: keys")
@@ -103,20 +92,6 @@ def _client_id(client_id: str | None) -> str:
     ):
         raise ValueError(f"client_id={client_id!r}: must be 1 to 128 printable ASCII characters")
     return client_id
-
-
-def _security(config: ClientConfig) -> dict[str, Any]:
-    """The transport's TLS credentials and token metadata for ``config``; raises
-    ``ValueError`` naming an unreadable file."""
-    security = caller_security(
-        tls=config.tls,
-        tls_ca=config.tls_ca,
-        tls_cert=config.tls_cert,
-        tls_key=config.tls_key,
-        token=config.token,
-        token_file=config.token_file,
-    )
-    return {"credentials": security.credentials, "metadata": security.metadata}
 
 
 class PSClient:
@@ -165,25 +140,7 @@ class PSClient:
             members = Members(normalize_addresses(addresses))
         self.config = config = config or ClientConfig()
         self.client_id = _client_id(client_id)
-        security = _security(config) if transport is None else {}
-
-        def connect(endpoints: list[str]) -> Transport:
-            # A transport is addressed by endpoint: the index into a view's ``addresses``.
-            if transport is None:
-                return GrpcTransport(
-                    endpoints, config.max_message_bytes, reconnect_max_s=config.backoff_max_s, **security
-                )
-            for_addresses = getattr(transport, "for_addresses", None)
-            if for_addresses is None:
-                raise PreconditionError(
-                    f"the cluster moved to a new map ({', '.join(endpoints)}), which this client's "
-                    "transport cannot reach (it has no for_addresses)"
-                )
-            return cast("Transport", for_addresses(endpoints))
-
-        self._views = ClusterViews(members.spec, config, connect=connect, transport=transport)
-        self._watcher = MembershipWatcher(self._views, members, config.membership_refresh_s)
-        self._mapped = False  # whether the cluster map was asked for (``_current``)
+        self._link = ClusterLink(members, config, transport=transport)
         self._dtype: Any = _DTYPES[self.config.transport_dtype]  # a wire DType number
         self._tables: dict[str, TableConfig] = {}
         self._seqs: dict[str, Iterator[int]] = {}  # each table's push numbers (``push_many``)
@@ -195,22 +152,22 @@ class PSClient:
     @property
     def replicas(self) -> list[tuple[str, ...]]:
         """Each shard's addresses, in shard order (of the current cluster map)."""
-        return list(self._views.current.replicas)
+        return list(self._link.view.replicas)
 
     @property
     def addresses(self) -> list[str]:
         """Every replica's address, shard by shard (one per shard without replicas)."""
-        return self._views.current.addresses
+        return self._link.view.addresses
 
     @property
     def num_shards(self) -> int:
-        return self._views.current.num_shards
+        return self._link.view.num_shards
 
     @property
     def epoch(self) -> int:
         """The epoch of the cluster map this client routes by: 0 until a live reshard
         (``ps-admin scale``) moves the cluster on, which the client learns from a shard."""
-        return self._views.current.epoch
+        return self._link.view.epoch
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> PSClient:
@@ -219,22 +176,25 @@ class PSClient:
             if not self._started:
                 if self.config.tune_malloc:
                     wire.tune_malloc()
-                self._views.start()
+                self._link.start()
                 self._pool = ThreadPoolExecutor(self.config.push_threads, thread_name_prefix="ps-push")
-                self._watcher.start_if_needed()
                 self._started = True
         return self
 
     def close(self) -> None:
         """Wait for pending async pushes, then close the channels."""
         with self._lock:
-            self._watcher.close()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
-            if self._started:
-                self._views.close()
-                self._started = False
+            self._link.close()
+            self._started = False
+
+    @property
+    def admin(self) -> AdminClient:
+        """The cluster's tables, stats, checkpoints and serving pins, over this client's own
+        link (``client.admin.AdminClient``)."""
+        return AdminClient(link=self._link)
 
     def __enter__(self) -> PSClient:
         return self.start()
@@ -285,99 +245,11 @@ class PSClient:
             **params,
         )
         request = pb.CreateTableRequest(spec=spec).SerializeToString()
-        replies = self._call("CreateTable", [(s, request) for s in range(self.num_shards)])
-        with self._reply("CreateTable", 0, replies[0].endpoint):
+        replies = self._link.call("CreateTable", [(s, request) for s in range(self.num_shards)])
+        with self._link.reply("CreateTable", 0, replies[0].endpoint):
             table = table_config(pb.CreateTableResponse.FromString(replies[0].data).spec)
         self._tables[name] = table
         return table
-
-    def tables(self) -> dict[str, TableConfig]:
-        """Every table of the cluster (as shard 0, any of its replicas, reports them), by name."""
-        return self._list_tables(None)
-
-    def stats(self) -> list[dict[str, Any]]:
-        """Each replica's ``Stats`` as a dict with its ``"address"`` added, in the order of
-        ``addresses`` (shard order when every shard has one address)."""
-        view = self._views.current
-        endpoints = view.replica_set.endpoints()
-        requests = [(view.replica_set.shard_of(e), b"") for e in endpoints]
-        replies = self._call("Stats", requests, pinned=endpoints, view=view)
-        out = []
-        for (s, _), r in zip(requests, replies):
-            with self._reply("Stats", s, r.endpoint, view):
-                out.append({**message_dict(pb.StatsResponse.FromString(r.data)), "address": view.address(r.endpoint)})
-        return out
-
-    def replica_health(self) -> list[dict[str, Any]]:
-        """The client's view of each replica, in the order of ``addresses``: ``address``,
-        ``shard``, ``state`` (``in_service``, ``ejected``, or ``probing``: its probe is in
-        flight), ``ejected_for_s`` (time left), ``inflight`` calls and ``failures`` in a row.
-        Needs no I/O."""
-        return self._views.current.replica_set.health()
-
-    def checkpoint(self, name: str | None = None, *, deadline_s: float | None = None) -> list[dict[str, Any]]:
-        """Have every shard write its part of the checkpoint ``name``; blocks until all are done.
-
-        ``name`` is a directory under each shard's ``--checkpoint-root`` (relative: resolved
-        under it; absolute: must lie below it), and shard ``i`` of ``n`` writes
-        ``name/shard-{i:05d}-of-{n:05d}`` (see ``ps.durability.checkpoint``). None: the next version
-        number, which shard 0 picks (its root's next one) and every other shard then takes,
-        so that the whole cluster's checkpoint has one name. The shards write in parallel
-        (after shard 0 when it picks the name). Returns, in shard order, ``{"name": the
-        checkpoint's name, "path": the part written, "manifest": its manifest.json}``;
-        ``name`` is what ``serve_from`` takes. Not retried (a checkpoint whose answer was
-        lost has still been written); raises the first failing shard's ``PSError``, e.g.
-        ``InvalidRequestError`` for a name outside a shard's checkpoint root.
-
-        Example (shards with ``--data-dir``): ``PSClient(addresses).checkpoint()[0]["name"]`` is ``"000001"``.
-        """
-        budget = self._budget(deadline_s, dataclasses.replace(self.config, max_attempts=1))
-        out: list[dict[str, Any]] = []
-        first = 0
-        if name is None:
-            out += self._checkpoint([0], "", budget)
-            name, first = posixpath.basename(posixpath.dirname(out[0]["path"])), 1
-        else:
-            name = str(name)
-        out += self._checkpoint(range(first, self.num_shards), name, budget)
-        for entry in out:
-            entry["name"] = name
-        return out
-
-    def _checkpoint(self, shards: Iterable[int], name: str, budget: tuple[ClientConfig, float]) -> list[dict[str, Any]]:
-        body = pb.CheckpointRequest(path=name).SerializeToString()
-        requests = [(s, body) for s in shards]
-        if not requests:
-            return []
-        replies = self._call("Checkpoint", requests, budget=budget)
-        out = []
-        for (s, _), answer in zip(requests, replies, strict=True):
-            with self._reply("Checkpoint", s, answer.endpoint):
-                reply = pb.CheckpointResponse.FromString(answer.data)
-                out.append({"path": reply.path, "manifest": json.loads(reply.manifest_json or "{}")})
-        return out
-
-    def serve_from(self, checkpoint: str | None) -> list[dict[str, Any]]:
-        """Pin every serving replica to ``checkpoint`` (the name ``checkpoint()`` returned, a
-        version number such as ``"3"``, or a path under each replica's ``--checkpoint-root``;
-        each replica serves its shard's part of it), or with None switch each back
-        to its own source (its data dir, or the training shard it follows: it catches up).
-
-        Returns each replica's ``FollowStatus`` as a dict with its ``"address"``, in the
-        order of ``addresses``. Raises ``PreconditionError`` from a training shard,
-        ``InvalidRequestError`` naming a checkpoint a replica does not have.
-        """
-        view = self._views.current
-        endpoints = view.replica_set.endpoints()
-        body = pb.ServeFromRequest(checkpoint=checkpoint or "").SerializeToString()
-        requests = [(view.replica_set.shard_of(e), body) for e in endpoints]
-        replies = self._call("ServeFrom", requests, pinned=endpoints, view=view)
-        out = []
-        for (s, _), r in zip(requests, replies):
-            with self._reply("ServeFrom", s, r.endpoint, view):
-                status = pb.ServeFromResponse.FromString(r.data).status
-                out.append({**message_dict(status), "address": view.address(r.endpoint)})
-        return out
 
     # -- lookup ---------------------------------------------------------------------
     @overload
@@ -478,7 +350,7 @@ class PSClient:
         degrade: bool,
     ) -> tuple[dict[str, F32], list[int]]:
         """Rows by table, and the shards that degraded (with repeats)."""
-        budget = self._budget(deadline_s)
+        budget = self._link.budget(deadline_s)
         dims = {t: self._dim(t, budget) for t in requests}
         results: dict[str, F32] = {}
         for t, k in requests.items():
@@ -492,21 +364,21 @@ class PSClient:
                 )
             results[t] = buf
         itemsize = wire.dtype_itemsize(self._dtype)
-        for _ in range(_MAX_MAP_CHANGES):
-            view = self._current(budget)
+
+        def attempt(view: ClusterView) -> tuple[dict[str, F32], list[int]] | Rerouted:
             plans = [self._plan_of(t, k, dims[t], view.num_shards) for t, k in requests.items()]
             flat, encoded = encode_lookups(
                 plans, view.num_shards, view.epoch, self._dtype, itemsize, self.config.max_message_bytes
             )
-            replies = self._send("Lookup", encoded, budget, degrade=degrade, view=view)
+            replies = self._link.send("Lookup", encoded, budget, degrade=degrade, view=view)
             moved = next((r for r in replies if isinstance(r, Rerouted)), None)
             if moved is not None:  # the cluster changed: route every key again
-                self._follow_map(view, moved, budget)
-                continue
+                return moved
             answers = [r if isinstance(r, Answer) else None for r in replies]
-            decoding = functools.partial(self._reply, "Lookup", view=view)
+            decoding = functools.partial(self._link.reply, "Lookup", view=view)
             return results, fill_results(results, flat, answers, view.num_shards, decoding)
-        raise PreconditionError(f"Lookup: the cluster map changed {_MAX_MAP_CHANGES} times during one call")
+
+        return self._link.routed("Lookup", budget, attempt)
 
     # -- push -----------------------------------------------------------------------
     def push(self, table: str, keys: npt.ArrayLike, grads: npt.ArrayLike, *, seq: int | None = None) -> PushResult:
@@ -537,8 +409,43 @@ class PSClient:
         """
         if seq is not None and not (isinstance(seq, int) and not isinstance(seq, bool) and 1 <= seq < 1 << 64):
             raise InvalidRequestError(f"seq={seq!r}: must be an integer in [1, 2**64)")
-        budget = self._budget(None)
-        view = self._current(budget)
+        budget = self._link.budget()
+        itemsize = wire.dtype_itemsize(self._dtype)
+        replies: list[pb.PushResponse] = []
+        parts: list[PushPart] | None = None
+        moved: list[PushPart] = []
+
+        def attempt(view: ClusterView) -> PushResult | Rerouted:
+            nonlocal parts, moved
+            if parts is None:  # planned by the first map; later, only the refused parts go again
+                parts = self._push_parts(updates, view, seq, itemsize)
+            else:  # each refused part goes to its keys' new owners, saying where it was first planned
+                parts = [q for part in moved for q in reroute(part, view.num_shards)]
+            if not parts:
+                return PushResult(rows_updated=0)
+            encoded = [
+                (p.shard, encode_part(p, view.num_shards, view.epoch, self.client_id, self._dtype)) for p in parts
+            ]
+            moved, rerouted = [], None
+            for part, (s, _), answer in zip(parts, encoded, self._link.send("Push", encoded, budget, view=view)):
+                if isinstance(answer, Rerouted):
+                    moved.append(part)
+                    rerouted = rerouted or answer
+                elif answer is not None:
+                    with self._link.reply("Push", s, answer.endpoint, view):
+                        replies.append(pb.PushResponse.FromString(answer.data))
+            if rerouted is not None:
+                return rerouted
+            return PushResult(
+                rows_updated=sum(r.rows_updated for r in replies), duplicates=sum(not r.applied for r in replies)
+            )
+
+        return self._link.routed("Push", budget, attempt)
+
+    def _push_parts(
+        self, updates: Mapping[str, tuple[Keys, npt.ArrayLike]], view: ClusterView, seq: int | None, itemsize: int
+    ) -> list[PushPart]:
+        """The per-shard parts of a push, planned by ``view``'s map (checks the gradients)."""
         prepared = []
         for table, (keys, grads) in updates.items():
             k = keys.keys if isinstance(keys, TablePlan) else _as_keys(keys, table)
@@ -554,31 +461,9 @@ class PSClient:
             if seq is not None or k.shape[0]:  # numbered by the client: a table without keys takes no number
                 prepared.append((plan, g))
         if not prepared:
-            return PushResult(rows_updated=0)
-        itemsize = wire.dtype_itemsize(self._dtype)
+            return []
         max_bytes = self.config.max_message_bytes
-        parts = split_push(prepared, view.num_shards, view.epoch, max_bytes, itemsize, self._next_seq, seq)
-        replies: list[pb.PushResponse] = []
-        for _ in range(_MAX_MAP_CHANGES):
-            encoded = [
-                (p.shard, encode_part(p, view.num_shards, view.epoch, self.client_id, self._dtype)) for p in parts
-            ]
-            moved = []
-            for part, (s, _), answer in zip(parts, encoded, self._send("Push", encoded, budget, view=view)):
-                if isinstance(answer, Rerouted):
-                    moved.append((part, answer))
-                elif answer is not None:
-                    with self._reply("Push", s, answer.endpoint, view):
-                        replies.append(pb.PushResponse.FromString(answer.data))
-            if not moved:
-                return PushResult(
-                    rows_updated=sum(r.rows_updated for r in replies), duplicates=sum(not r.applied for r in replies)
-                )
-            # The cluster changed: the refused parts go to their keys' new owners, each
-            # saying where it was first planned (applied once per key there).
-            view = self._follow_map(view, moved[0][1], budget)
-            parts = [q for part, _ in moved for q in reroute(part, view.num_shards)]
-        raise PreconditionError(f"Push: the cluster map changed {_MAX_MAP_CHANGES} times during one call")
+        return split_push(prepared, view.num_shards, view.epoch, max_bytes, itemsize, self._next_seq, seq)
 
     def _next_seq(self, table: str) -> int:
         with self._lock:
@@ -611,7 +496,9 @@ class PSClient:
         step looks up, then pushes, the same keys). ``plan.keys`` are ``keys``; the plan
         is immutable and routed for the cluster's size when it was made (a call given a
         plan for another size, after a live reshard, routes its keys again)."""
-        return plan_table(table, _as_keys(keys, table), self._dim(table, self._budget(deadline_s)), self.num_shards)
+        return plan_table(
+            table, _as_keys(keys, table), self._dim(table, self._link.budget(deadline_s)), self.num_shards
+        )
 
     # -- internals ------------------------------------------------------------------
     def _plan_of(self, table: str, keys: Keys, dim: int, num_shards: int | None = None) -> TablePlan:
@@ -630,129 +517,12 @@ class PSClient:
         """Ask shard 0 for the cluster map now (``GetMap``) and route by it if it is newer
         than the one this client has; returns the epoch routed by. Lookups and pushes do
         this by themselves (on first use, and when a shard says the map moved); call it
-        before reading ``num_shards``, ``addresses`` or ``stats()`` of a cluster that may
-        have resharded since the addresses were given."""
-        self._mapped = False
-        return self._current(self._budget(None)).epoch
+        before reading ``num_shards``, ``addresses`` or ``admin.stats()`` of a cluster that
+        may have resharded since the addresses were given."""
+        return self._link.refresh(self._link.budget())
 
-    def _current(self, budget: tuple[ClientConfig, float]) -> ClusterView:
-        """The view lookups and pushes route by. The first asks shard 0 for the cluster map
-        (``GetMap``, once): a client given the addresses of a cluster that resharded since
-        learns its epoch, or its new addresses, before it routes anything. If shard 0 does
-        not answer, the call goes on with the addresses given; a shard that moved to a newer
-        map refuses keys naming its epoch, and ``_follow_map`` learns it then."""
-        if not self._mapped:
-            view = self._views.current
-            once = (dataclasses.replace(budget[0], max_attempts=1), min(budget[1], time.monotonic() + 5.0))
-            try:
-                (answer,) = self._call("GetMap", [(0, b"")], budget=once, view=view)
-            except PSError as exc:
-                if exc.code not in _NO_MAP:
-                    raise
-            else:
-                with self._reply("GetMap", 0, answer.endpoint, view):
-                    reply = pb.GetMapResponse.FromString(answer.data)
-                if reply.map.epoch > view.epoch and len(reply.map.addresses) == reply.map.num_shards:
-                    self._views.update(reply.map.epoch, list(reply.map.addresses))
-                    self._watcher.start_if_needed()
-            self._mapped = True
-        return self._views.current
-
-    def _follow_map(self, view: ClusterView, moved: Rerouted, budget: tuple[ClientConfig, float]) -> ClusterView:
-        """The view of the map a shard refused a request for (a newer one than ``view``'s):
-        asked of that shard (``GetMap``) and made current."""
-        (answer,) = self._call("GetMap", [(moved.shard, b"")], budget=budget, pinned=[moved.endpoint], view=view)
-        with self._reply("GetMap", moved.shard, answer.endpoint, view):
-            reply = pb.GetMapResponse.FromString(answer.data)
-        if reply.map.epoch <= view.epoch or len(reply.map.addresses) != reply.map.num_shards:
-            raise InternalServerError(
-                f"shard {moved.shard} ({view.address(moved.endpoint)}): refused keys under a newer cluster map "
-                f"(epoch {moved.epoch}) but answers GetMap with epoch {reply.map.epoch}"
-            )
-        current = self._views.update(reply.map.epoch, list(reply.map.addresses))
-        if current.epoch == reply.map.epoch and current is not view:
-            log.info("the cluster moved to epoch %d: %s", current.epoch, ", ".join(current.addresses))
-            self._watcher.start_if_needed()
-        return current
-
-    def _budget(self, deadline_s: float | None, config: ClientConfig | None = None) -> tuple[ClientConfig, float]:
-        """The config of a call (with its own ``deadline_s``, if given) and its deadline."""
-        config = config or self.config
-        if deadline_s is not None:
-            if not (isinstance(deadline_s, int | float) and math.isfinite(deadline_s) and deadline_s > 0):
-                raise InvalidRequestError(f"deadline_s={deadline_s!r}: must be a positive number of seconds")
-            # An attempt limit that only followed the config's deadline follows this one.
-            follows = config.attempt_timeout_s == config.deadline_s
-            config = dataclasses.replace(
-                config, deadline_s=deadline_s, attempt_timeout_s=None if follows else config.attempt_timeout_s
-            )
-        return config, time.monotonic() + config.deadline_s
-
-    def _call(
-        self,
-        method: str,
-        requests: list[tuple[int, bytes]],
-        *,
-        budget: tuple[ClientConfig, float] | None = None,
-        pinned: Sequence[int] | None = None,
-        view: ClusterView | None = None,
-    ) -> list[Answer]:
-        return [a for a in self._send(method, requests, budget, pinned=pinned, view=view) if isinstance(a, Answer)]
-
-    def _send(
-        self,
-        method: str,
-        requests: list[tuple[int, bytes]],
-        budget: tuple[ClientConfig, float] | None,
-        *,
-        pinned: Sequence[int] | None = None,
-        degrade: bool = False,
-        view: ClusterView | None = None,
-    ) -> list[Answer | Rerouted | None]:
-        """``call_all`` over ``view`` (the current one by default). Lookups and pushes come
-        back ``Rerouted`` where a shard refused keys under a newer cluster map."""
-        if not self._started:
-            self.start()
-        view = view or self._views.current
-        if method in _WRITES:
-            for s in sorted({s for s, _ in requests}):
-                if len(view.replicas[s]) > 1:
-                    raise InvalidRequestError(
-                        f"{method}: shard {s} has {len(view.replicas[s])} replicas ({'|'.join(view.replicas[s])}); "
-                        "replicas are read-only serving copies: push to the training shard they follow",
-                        shard=s,
-                    )
-        config, deadline = budget or self._budget(None)
-        return call_all(
-            view.transport,
-            view.replica_set,
-            method,
-            requests,
-            config,
-            deadline,
-            pinned=pinned,
-            hedge=method in _READS,
-            degrade=degrade,
-            epoch=view.epoch if method in ("Lookup", "Push") else None,
-        )
-
-    @contextlib.contextmanager
-    def _reply(self, method: str, shard: int, endpoint: int, view: ClusterView | None = None) -> Iterator[None]:
-        """Turn an undecodable reply of ``shard`` (from ``endpoint``) into ``InternalServerError``."""
-        try:
-            yield
-        except (wire.WireFormatError, DecodeError, json.JSONDecodeError) as exc:
-            raise InternalServerError(
-                f"shard {shard} ({(view or self._views.current).address(endpoint)}): {method} reply does not "
-                f"decode ({exc}); is that address a ps-server of this version?",
-                shard=shard,
-            ) from exc
-
-    def _list_tables(self, budget: tuple[ClientConfig, float] | None) -> dict[str, TableConfig]:
-        (answer,) = self._call("ListTables", [(0, b"")], budget=budget)
-        with self._reply("ListTables", 0, answer.endpoint):
-            reply = pb.ListTablesResponse.FromString(answer.data)
-        found = {t.name: table_config(t) for t in reply.tables}
+    def _list_tables(self, budget: Budget) -> dict[str, TableConfig]:
+        found = list_tables(self._link, budget)
         self._tables.update(found)
         return found
 

@@ -72,17 +72,14 @@ class ClusterView:
         (``server_names``: the TLS name of a resolved address). Raises ``PreconditionError``
         when the transport cannot reach new addresses (it has no ``add``)."""
         with self._lock:
-            add = getattr(self.transport, "add", None)
-            if add is None and any(a not in self.replica_set.all_addresses for a in addresses):
+            if not self.transport.grows and any(a not in self.replica_set.all_addresses for a in addresses):
                 raise PreconditionError(
-                    f"shard {shard}: new replicas {', '.join(addresses)}, which this client's transport cannot reach "
-                    "(it has no add)"
+                    f"shard {shard}: new replicas {', '.join(addresses)}, which this client's transport cannot reach"
                 )
             change = self.replica_set.set_members(shard, addresses, admit=admit)
             for endpoint in change.joined:
                 address = self.replica_set.address(endpoint)
-                assert add is not None
-                if add(address, (server_names or {}).get(address)) != endpoint:
+                if self.transport.add(address, (server_names or {}).get(address)) != endpoint:
                     raise RuntimeError(f"shard {shard}: {address} numbered apart by the transport and the replicas")
             return change
 

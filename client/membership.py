@@ -35,7 +35,6 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
 
 from client.cluster import ClusterView, ClusterViews
 from client.errors import InvalidRequestError
@@ -138,10 +137,6 @@ class Members:
         return out, dict(self.server_names)
 
 
-class _Checks(Protocol):
-    def check(self, endpoint: int, timeout_s: float) -> bool | None: ...
-
-
 class MembershipWatcher:
     """Keeps ``views``' current view's replicas in step with ``members`` and their health
     (see the module docstring): ``start()`` runs a first round at once, then one every
@@ -233,14 +228,13 @@ class MembershipWatcher:
             if replicas.state(endpoint) != "gone":  # it came back
                 del self._leaving[endpoint]
             elif replicas.inflight(endpoint) == 0:
-                drop = getattr(view.transport, "drop", None)
-                if drop is not None and view is self._views.current:
-                    drop(endpoint)
+                if view is self._views.current:
+                    view.transport.drop(endpoint)
                 del self._leaving[endpoint]
 
     def _check(self, view: ClusterView) -> None:
-        checks: _Checks | None = view.transport if hasattr(view.transport, "check") else None  # type: ignore[assignment]
-        if checks is None or self._pool is None:
+        checks = view.transport
+        if self._pool is None:
             return
         replicas = view.replica_set
         endpoints = [

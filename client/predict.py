@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
+from client.errors import PSError
 from protos import infer_pb2 as pb
 from protos import infer_pb2_grpc
 from protos.columns import encode_request
@@ -30,12 +31,11 @@ __all__ = ["PredictClient", "PredictError"]
 F32 = npt.NDArray[np.float32]
 
 
-class PredictError(Exception):
+class PredictError(PSError):
     """A ``Predict`` call failed: ``code`` is the gRPC status (see protos/infer.proto), the message the server's."""
 
     def __init__(self, message: str, code: grpc.StatusCode) -> None:
-        super().__init__(message)
-        self.code = code
+        super().__init__(message, code=code)
 
 
 class PredictClient:

@@ -156,7 +156,7 @@ class _Exchange:
             lean = self.hedge_after_s is None
             # The last first attempt is made on this thread, which would only wait for it
             # otherwise (not when degrading: a failure meanwhile should still be retried).
-            here = getattr(self.transport, "call_here", None) if lean and not self.degrade else None
+            here = self.transport.call_here if lean and not self.degrade else None
             last = len(self.requests) - 1
             for i in range(len(self.requests)):
                 self._send(i, notify=not lean, here=here if i == last else None)
@@ -418,8 +418,7 @@ class _Exchange:
 
     def _tls(self) -> bool | None:
         """Whether the transport speaks TLS, if it says (``GrpcTransport.tls``)."""
-        tls = getattr(self.transport, "tls", None)
-        return tls if isinstance(tls, bool) else None
+        return self.transport.tls
 
     def _also(self, others: Sequence[int]) -> str:
         """``; shard 1 (ADDRESS) failed too: STATUS: first line`` for each other failing request."""

@@ -52,14 +52,55 @@ class Call(Protocol):
 
 class Transport(Protocol):
     """Moves encoded requests to endpoints (``endpoint``: index into the address list).
-    Implementations are thread-safe. One may also have ``call_here`` (as ``call``, but the
-    call is made on the caller's thread and returned finished): a caller that would only
-    wait for its last call anyway saves a thread hand-off with it."""
+    Implementations are thread-safe. These are every method the client calls; a transport
+    that subclasses ``Transport`` gets the defaults of the last six: one that reaches only
+    the endpoints it was made with, runs each call as ``call`` does and checks no health."""
 
-    def start(self) -> None: ...
+    def start(self) -> None:
+        """Open the connections (idempotent); no I/O before it."""
+        ...
+
     def close(self) -> None: ...
-    def address(self, endpoint: int) -> str: ...
-    def call(self, endpoint: int, method: str, request: bytes, timeout_s: float) -> Call: ...
+
+    def address(self, endpoint: int) -> str:
+        """The address of ``endpoint``, for messages."""
+        ...
+
+    def call(self, endpoint: int, method: str, request: bytes, timeout_s: float) -> Call:
+        """Send ``request`` to ``endpoint``'s ``method`` (``Lookup``...); the call in flight."""
+        ...
+
+    def call_here(self, endpoint: int, method: str, request: bytes, timeout_s: float) -> Call:
+        """``call``, made on this thread and returned finished: a caller that would only wait
+        for its last call anyway saves a thread hand-off with it."""
+        return self.call(endpoint, method, request, timeout_s)
+
+    @property
+    def tls(self) -> bool | None:
+        """Whether the connections use TLS (errors then say so when a server disagrees); None: not known."""
+        return None
+
+    @property
+    def grows(self) -> bool:
+        """Whether ``add`` reaches new addresses (replicas that join while the client runs)."""
+        return False
+
+    def add(self, address: str, server_name: str | None = None) -> int:
+        """The endpoint of ``address``, new or known (``grows``); ``server_name``: the name its
+        TLS certificate must carry when ``address`` is a resolved IP."""
+        raise NotImplementedError(f"this transport reaches no new address ({address})")
+
+    def drop(self, endpoint: int) -> None:
+        """Close ``endpoint``'s connection (a replica that left); a later call opens it again."""
+
+    def check(self, endpoint: int, timeout_s: float) -> bool | None:
+        """Ask ``endpoint``'s health service about the server as a whole: True SERVING, False
+        anything else, None when it does not answer (or the transport cannot ask)."""
+        return None
+
+    def for_addresses(self, addresses: Sequence[str]) -> Transport:
+        """A transport of the same kind to ``addresses`` (a new cluster map)."""
+        raise NotImplementedError(f"this transport reaches no other cluster ({', '.join(addresses)})")
 
 
 def when_done(call: Call, fn: Callable[[], None]) -> None:
@@ -257,7 +298,7 @@ class _CallThreads:
             del call  # not kept alive (its answer, or its error) while waiting for the next
 
 
-class GrpcTransport:
+class GrpcTransport(Transport):
     """One gRPC channel per endpoint address, opened by ``start()``: TLS with
     ``credentials`` (``protos.rpc.tls.channel_credentials``), and ``metadata`` (a bearer
     token) sent with every call.
@@ -381,6 +422,20 @@ class GrpcTransport:
     def tls(self) -> bool:
         """Whether the channels use TLS (errors say so when a server disagrees)."""
         return self._credentials is not None
+
+    @property
+    def grows(self) -> bool:
+        return True
+
+    def for_addresses(self, addresses: Sequence[str]) -> GrpcTransport:
+        return GrpcTransport(
+            addresses,
+            self._max_bytes,
+            self._reconnect_max_ms / 1000,
+            self._threads,
+            credentials=self._credentials,
+            metadata=self._metadata,
+        )
 
     def call(self, endpoint: int, method: str, request: bytes, timeout_s: float) -> Call:
         stub = self._stub(endpoint, method)

@@ -9,7 +9,7 @@ every tool) and reads checkpoints offline with ``ps.store.storage``.
   shards in parallel). A relative NAME is resolved under each shard's root, never
   against ps-admin's working directory; an absolute one must lie under every shard's
   root (shards sharing one root). Without ``--out``, NAME is the next version number
-  (``000001``, ...: shard 0 picks it, the others follow), as ``PSClient.checkpoint()``
+  (``000001``, ...: shard 0 picks it, the others follow), as ``AdminClient.checkpoint()``
   names them. It prints NAME, which ``serve-from --checkpoint`` takes. When every part
   lies in one directory ps-admin sees, ``NAME/manifest.json`` (the cluster manifest) is
   written there, last and atomically: what ``reshard`` reads. Each shard checkpoints at
@@ -71,9 +71,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from client import ClientConfig
 from client import parse_addresses as client_parse_addresses
 from deploy.operations import (
-    CLIENT_OPTIONS,
     checkpoint_cluster,
     cluster_health,
     cluster_stats,
@@ -519,13 +519,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ps-admin`` console script; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(args.log_level)
-    CLIENT_OPTIONS.clear()
-    for flag in ("tls_ca", "tls_cert", "tls_key", "token_file"):
-        if getattr(args, flag) is not None:
-            CLIENT_OPTIONS[flag] = getattr(args, flag)
     try:
+        # TLS and token of every call this command makes: the flags given, else PS_CLIENT_*.
+        given = {f: getattr(args, f) for f in ("tls_ca", "tls_cert", "tls_key", "token_file") if getattr(args, f)}
+        security = ClientConfig(**given)
         if args.command == "checkpoint":
-            manifest = checkpoint_cluster(args.addresses, args.out, args.timeout_s)
+            manifest = checkpoint_cluster(args.addresses, args.out, args.timeout_s, security)
             if args.json:
                 print(json.dumps(manifest, indent=2, sort_keys=True))
                 return 0
@@ -551,8 +550,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print_rows(manifest)
         elif args.command in ("serve-from", "unpin"):
             unpin = args.command == "unpin" or args.unpin
-            with open_cluster(args.addresses, args.timeout_s) as client:
-                statuses = client.serve_from(None if unpin else args.checkpoint)
+            with open_cluster(args.addresses, args.timeout_s, security) as client:
+                statuses = client.admin.serve_from(None if unpin else args.checkpoint)
             if args.json:
                 print(json.dumps(statuses, indent=2, sort_keys=True))
                 return 0
@@ -562,10 +561,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             found = list_checkpoints(args.root)
             print(json.dumps(found, indent=2, sort_keys=True) if args.json else _format_checkpoints(found))
         elif args.command == "tables":
-            tables = cluster_tables(args.addresses, args.timeout_s)
+            tables = cluster_tables(args.addresses, args.timeout_s, security)
             print(json.dumps(tables, indent=2, sort_keys=True) if args.json else _format_tables(tables))
         elif args.command == "create-table":
-            table = create_table(args.addresses, args.name, args.dim, dict(args.option), args.timeout_s)
+            table = create_table(args.addresses, args.name, args.dim, dict(args.option), args.timeout_s, security)
             print(json.dumps(table, indent=2, sort_keys=True) if args.json else _format_tables([table]))
         elif args.command == "scale":
             src = [_single(shard, "--addresses") for shard in args.addresses]
@@ -584,14 +583,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 serving=serving,
                 say=lambda line: print(line, file=sys.stderr, flush=True),
                 max_rows_per_s=args.max_rows_per_s,
+                security=security,
             )
             print(json.dumps(_scale_json(report), indent=2, sort_keys=True) if args.json else _format_scale(report))
         elif args.command == "health":
-            rows = cluster_health(args.addresses, args.timeout_s)
+            rows = cluster_health(args.addresses, args.timeout_s, security)
             print(json.dumps(rows, indent=2, sort_keys=True) if args.json else _format_health(rows))
             return 0 if all(r["serving"] for r in rows) else 1
         else:
-            stats = cluster_stats(args.addresses, args.timeout_s)
+            stats = cluster_stats(args.addresses, args.timeout_s, security)
             print(json.dumps(stats, indent=2, sort_keys=True) if args.json else _format_stats(stats))
     except AdminError as exc:
         print(f"ps-admin {args.command}: {exc}", file=sys.stderr)

@@ -26,6 +26,7 @@ from types import TracebackType
 
 __all__ = ["LocalCluster", "ShardProcess", "ShardStartError", "threads_beside_local_shards"]
 
+from client.errors import PSError
 from protos.rpc import child_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def threads_beside_local_shards(workers: int = 1) -> int:
     return max(1, (cores - 1) // max(1, workers))
 
 
-class ShardStartError(RuntimeError):
+class ShardStartError(PSError):
     """A shard process did not come up or did not stop cleanly; the message has its log tail."""
 
 

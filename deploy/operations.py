@@ -1,9 +1,10 @@
 """What ``ps-admin`` does to a running cluster and to checkpoints, as functions
 (``deploy.admin`` is its command line around them).
 
-Each call opens one ``PSClient`` (``CLIENT_OPTIONS``: TLS and token) that waits for no
-shard: an unreachable shard fails the call at once with an ``AdminError`` that says what
-to check, instead of the training client's retries.
+Each call opens one client of the cluster with ``security`` (a ``ClientConfig`` whose TLS
+and token the command line filled in; by default the ``PS_CLIENT_*`` environment's) that
+waits for no shard: an unreachable shard fails the call at once with an ``AdminError``
+that says what to check, instead of the training client's retries.
 
 * ``checkpoint_cluster``: every shard writes its part of one named checkpoint;
   ``list_checkpoints``: offline, what checkpoint roots hold.
@@ -23,24 +24,24 @@ import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import ClientConfig, PSClient, PSError, ShardUnavailableError
+from client import CheckpointError, ClientConfig, PSClient, PSError, ShardUnavailableError
+from client.admin import ShardByAddress
 from client.errors import tls_hint
 from client.membership import addresses_of
 from deploy.reshard import AdminError, now_stamp, shard_dir_name
 from deploy.scale import RetryLater, ScaleError, ScaleReport, scale
 from protos import ps_pb2 as pb
-from protos.rpc.auth import AuthError, bearer_metadata, read_client_token
-from protos.rpc.tls import TLSError, channel_credentials, open_channel
-from protos.services import PS_SERVICE, SHARD_HEALTH
+from protos.rpc.security import CallerSecurity, caller_security
+from protos.rpc.tls import open_channel
+from protos.services import SHARD_HEALTH
 from ps.store import FORMAT_VERSION, DataDirError, StorageFailed, read_manifest, write_manifest
 
 __all__ = [
-    "CLIENT_OPTIONS",
     "GrpcShards",
     "checkpoint_cluster",
     "cluster_health",
@@ -53,21 +54,21 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-CLIENT_OPTIONS: dict[str, Any] = {}
-"""TLS and token settings of every client ``ps-admin`` opens (``main`` fills it from
-``--tls-ca``/``--tls-cert``/``--tls-key``/``--token-file``; unset ones come from the
-``PS_CLIENT_*`` environment, see ``ClientConfig``)."""
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
-def open_cluster(addresses: Sequence[str | Sequence[str]], timeout_s: float) -> Iterator[PSClient]:
-    """A ``PSClient`` of ``addresses`` whose errors become ``AdminError`` with a hint.
+def open_cluster(
+    addresses: Sequence[str | Sequence[str]], timeout_s: float, security: ClientConfig | None = None
+) -> Iterator[PSClient]:
+    """A ``PSClient`` of ``addresses`` (its ``admin`` for the cluster's tables, stats and
+    checkpoints) whose errors become ``AdminError`` with a hint; TLS and token from
+    ``security``.
 
     ``ps-admin`` waits for no shard: an unreachable one fails the command at once (one
     attempt per call), instead of the training client's retries.
     """
-    config = ClientConfig(deadline_s=timeout_s, max_attempts=1, tune_malloc=False, **CLIENT_OPTIONS)
+    config = dataclasses.replace(security or ClientConfig(), deadline_s=timeout_s, max_attempts=1, tune_malloc=False)
     try:
         with PSClient(addresses, config) as client:
             yield client
@@ -82,7 +83,7 @@ def open_cluster(addresses: Sequence[str | Sequence[str]], timeout_s: float) -> 
 def _check_order(client: PSClient) -> list[dict[str, Any]]:
     """Every shard's Stats; ``AdminError`` unless address ``i`` is shard ``i`` of ``n``."""
     n = client.num_shards
-    stats = client.stats()
+    stats = client.admin.stats()
     problems = []
     shard_of = [i for i, replicas in enumerate(client.replicas) for _ in replicas]
     for i, s in zip(shard_of, stats, strict=True):
@@ -120,11 +121,14 @@ def _merge_tables(per_shard: Sequence[Sequence[dict[str, Any]]], where: Sequence
 
 
 def checkpoint_cluster(
-    addresses: Sequence[str | Sequence[str]], out: str | Path | None = None, timeout_s: float = 600.0
+    addresses: Sequence[str | Sequence[str]],
+    out: str | Path | None = None,
+    timeout_s: float = 600.0,
+    security: ClientConfig | None = None,
 ) -> dict[str, Any]:
     """Checkpoint every shard of the cluster at ``addresses`` (shard order) as one checkpoint.
 
-    ``out`` is the checkpoint's name (``PSClient.checkpoint``): a directory each shard
+    ``out`` is the checkpoint's name (``AdminClient.checkpoint``): a directory each shard
     creates under its own ``--checkpoint-root`` (relative: resolved there, never against
     this process's working directory; absolute: must lie under every shard's root), in
     which shard ``i`` writes its part ``shard-{i:05d}-of-{n:05d}``. None: the next version
@@ -140,11 +144,11 @@ def checkpoint_cluster(
     """
     name = None if out is None else str(out)
     n = len(addresses)
-    with open_cluster(addresses, timeout_s) as client:
+    with open_cluster(addresses, timeout_s, security) as client:
         _check_order(client)
         where = client.addresses
         try:
-            replies = client.checkpoint(name)
+            replies = client.admin.checkpoint(name)
         except PSError as exc:
             hint = ""
             if "checkpoint root" in str(exc) and name is not None and Path(name).is_absolute():
@@ -153,10 +157,12 @@ def checkpoint_cluster(
                     f"own (the default: <data-dir>/checkpoints) need a relative --out such as {Path(name).name}, "
                     "which each shard resolves under its own root"
                 )
+            written = exc.written if isinstance(exc, CheckpointError) else ()
             left = (
-                f"\nparts other shards wrote under {repr(name) if name else 'the new version number'} make an "
-                "incomplete checkpoint: remove them, or checkpoint again under a new name"
-                if n > 1
+                f"\nthe parts shards {', '.join(map(str, written))} wrote under "
+                f"{repr(name) if name else 'the new version number'} make an incomplete checkpoint: remove them, "
+                "or checkpoint again under a new name"
+                if written
                 else ""
             )
             raise AdminError(f"{exc}{hint}{left}") from None
@@ -251,30 +257,41 @@ def list_checkpoints(roots: Sequence[Path]) -> list[dict[str, Any]]:
     return out
 
 
-def cluster_stats(addresses: Sequence[str | Sequence[str]], timeout_s: float = 10.0) -> list[dict[str, Any]]:
-    """The Stats of every shard (``PSClient.stats()``), in address order; ``AdminError`` naming unreachable ones."""
-    with open_cluster(addresses, timeout_s) as client:
-        return client.stats()
+def cluster_stats(
+    addresses: Sequence[str | Sequence[str]], timeout_s: float = 10.0, security: ClientConfig | None = None
+) -> list[dict[str, Any]]:
+    """The Stats of every shard (``AdminClient.stats()``), in address order; ``AdminError`` naming unreachable ones."""
+    with open_cluster(addresses, timeout_s, security) as client:
+        return client.admin.stats()
 
 
-def cluster_tables(addresses: Sequence[str | Sequence[str]], timeout_s: float = 10.0) -> list[dict[str, Any]]:
+def cluster_tables(
+    addresses: Sequence[str | Sequence[str]], timeout_s: float = 10.0, security: ClientConfig | None = None
+) -> list[dict[str, Any]]:
     """Every table of the cluster, as shard 0 reports it."""
-    with open_cluster(addresses, timeout_s) as client:
-        return [dataclasses.asdict(t) for _, t in sorted(client.tables().items())]
+    with open_cluster(addresses, timeout_s, security) as client:
+        return [dataclasses.asdict(t) for _, t in sorted(client.admin.tables().items())]
 
 
 def create_table(
-    addresses: Sequence[str | Sequence[str]], name: str, dim: int, options: dict[str, Any], timeout_s: float = 30.0
+    addresses: Sequence[str | Sequence[str]],
+    name: str,
+    dim: int,
+    options: dict[str, Any],
+    timeout_s: float = 30.0,
+    security: ClientConfig | None = None,
 ) -> dict[str, Any]:
     """Create ``name`` on every shard (``PSClient.create_table``); the table as created."""
-    with open_cluster(addresses, timeout_s) as client:
+    with open_cluster(addresses, timeout_s, security) as client:
         try:
             return dataclasses.asdict(client.create_table(name, dim, **options))
         except (TypeError, ValueError) as exc:
             raise AdminError(str(exc)) from None
 
 
-def cluster_health(addresses: Sequence[str | Sequence[str]], timeout_s: float = 5.0) -> list[dict[str, Any]]:
+def cluster_health(
+    addresses: Sequence[str | Sequence[str]], timeout_s: float = 5.0, security: ClientConfig | None = None
+) -> list[dict[str, Any]]:
     """The gRPC health status of every address and health service (no token needed).
 
     Each row: ``address``, ``services`` (service -> status, or the error of the call),
@@ -295,7 +312,7 @@ def cluster_health(addresses: Sequence[str | Sequence[str]], timeout_s: float = 
     for address in flat:
         row: dict[str, Any] = {"address": address, "services": {}, "hint": ""}
         try:
-            credentials = _health_credentials()
+            credentials = _caller(security).credentials
             with open_channel(address, credentials, []) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 for service in SHARD_HEALTH:
@@ -309,65 +326,47 @@ def cluster_health(addresses: Sequence[str | Sequence[str]], timeout_s: float = 
                         row["hint"] = tls_hint(exc.code(), str(exc.details()), address, credentials is not None)
                         break  # unreachable: the other services would only say so again
                     row["services"][service or "(server)"] = status
-        except TLSError as exc:
+        except ValueError as exc:  # a TLS file that cannot be used
             raise AdminError(str(exc)) from None
         row["serving"] = bool(row["services"]) and all(v == "SERVING" for v in row["services"].values())
         out.append(row)
     return out
 
 
-def _health_credentials() -> grpc.ChannelCredentials | None:
-    config = ClientConfig(**CLIENT_OPTIONS)
-    return channel_credentials(config.tls_ca, config.tls_cert, config.tls_key) if config.tls else None
+def _caller(security: ClientConfig | None) -> CallerSecurity:
+    c = security or ClientConfig()
+    return caller_security(
+        tls=c.tls, tls_ca=c.tls_ca, tls_cert=c.tls_cert, tls_key=c.tls_key, token=c.token, token_file=c.token_file
+    )
 
 
 class GrpcShards:
-    """``deploy.scale.ShardCalls`` over gRPC, with ``ps-admin``'s TLS and token
-    (``CLIENT_OPTIONS``): one channel per address, each call limited to ``timeout_s``."""
+    """``deploy.scale.ShardCalls`` over ``AdminClient``'s calls to one shard by address
+    (TLS and token from ``security``), each limited to ``timeout_s``: a shard asking to be
+    asked again (UNAVAILABLE, no TLS mismatch) raises ``RetryLater``, any other failure
+    ``AdminError`` naming the address."""
 
-    def __init__(self, timeout_s: float) -> None:
-        config = ClientConfig(**CLIENT_OPTIONS)
+    def __init__(self, timeout_s: float, security: ClientConfig | None = None) -> None:
+        self._shards = ShardByAddress(dataclasses.replace(security or ClientConfig(), deadline_s=timeout_s))
+
+    def _call(self, call: Callable[[], T]) -> T:
         try:
-            self._credentials = (
-                channel_credentials(config.tls_ca, config.tls_cert, config.tls_key) if config.tls else None
-            )
-            token = config.token if config.token is not None else read_client_token(config.token_file)
-        except (TLSError, AuthError) as exc:
+            return call()
+        except ShardUnavailableError as exc:
+            if exc.hint:
+                raise AdminError(str(exc)) from None
+            raise RetryLater(str(exc)) from None
+        except PSError as exc:
             raise AdminError(str(exc)) from None
-        self._metadata = bearer_metadata(token)
-        self._timeout_s = timeout_s
-        self._channels: dict[str, grpc.Channel] = {}
-
-    def _unary(self, address: str, method: str) -> Any:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = open_channel(address, self._credentials, [])
-        return channel.unary_unary(f"/{PS_SERVICE}/{method}", request_serializer=None, response_deserializer=None)
-
-    def _call(self, address: str, method: str, request: Any, parse: Any) -> Any:
-        try:
-            data = self._unary(address, method)(
-                request.SerializeToString(), timeout=self._timeout_s, metadata=self._metadata
-            )
-        except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details()
-            hint = tls_hint(code, str(details), address, self._credentials is not None)
-            message = f"{address}: {code.name}: {details}" + (f": {hint}" if hint else "")
-            if code == grpc.StatusCode.UNAVAILABLE and not hint:
-                raise RetryLater(message) from None
-            raise AdminError(message) from None
-        return parse(data)
 
     def get_map(self, address: str) -> pb.GetMapResponse:
-        return self._call(address, "GetMap", pb.GetMapRequest(), pb.GetMapResponse.FromString)  # type: ignore[no-any-return]
+        return self._call(lambda: self._shards.get_map(address))
 
     def reshard(self, address: str, request: pb.ReshardRequest) -> pb.ReshardStatus:
-        return self._call(address, "Reshard", request, pb.ReshardStatus.FromString)  # type: ignore[no-any-return]
+        return self._call(lambda: self._shards.reshard(address, request))
 
     def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
-        self._channels.clear()
+        self._shards.close()
 
 
 def scale_cluster(
@@ -380,11 +379,12 @@ def scale_cluster(
     serving: tuple[Sequence[Sequence[str]], Sequence[Sequence[str]]] | None = None,
     say: Callable[[str], None] = log.info,
     max_rows_per_s: float = 0.0,
+    security: ClientConfig | None = None,
 ) -> ScaleReport:
     """``deploy.scale.scale`` of the running cluster at ``addresses`` to ``to`` (and of its
     ``serving`` shards, before and after), over gRPC, saying its progress through ``say``;
     ``AdminError`` (with what to do) on failure."""
-    shards = GrpcShards(call_timeout_s)
+    shards = GrpcShards(call_timeout_s, security)
     try:
         return scale(
             shards,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from google.protobuf import json_format
 
+from client.errors import PSError
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
 from ps.durability import part_name
@@ -37,8 +38,9 @@ _LEDGERS_DROPPED = (
 )
 
 
-class AdminError(RuntimeError):
-    """A ``ps-admin`` operation failed; the message says what to do (exit code 1)."""
+class AdminError(PSError):
+    """A ``ps-admin`` operation failed; the message says what to do (exit code 1). A
+    ``client.PSError``, as every error of the system a caller sees is."""
 
 
 def shard_dir_name(shard: int, num_shards: int) -> str:

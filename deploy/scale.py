@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from client.membership import addresses_of
+from deploy.reshard import AdminError
 from protos import ps_pb2 as pb
 from ps.elastic import ClusterMap, MoveState
 
@@ -44,7 +45,7 @@ _CAUGHT_UP_VERSIONS = 50  # a copy this close to its old owner's changes is read
 _FROZEN_POLL_S = 0.01  # while frozen, how often the new owners are asked whether their rows are all in
 
 
-class ScaleError(RuntimeError):
+class ScaleError(AdminError):
     """The reshard cannot go on; the message says why and what to do."""
 
 

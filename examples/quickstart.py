@@ -34,7 +34,7 @@ def main() -> None:
             after = ps.lookup("user", keys)
             print(f"\nlookup again; change per row (Adagrad, lr=0.1):\n{after - before}")
 
-            for s in ps.stats():
+            for s in ps.admin.stats():
                 t = s["tables"][0]
                 print(f"shard {s['shard']}: {t['rows']} rows, {t['lookups']} keys looked up, {t['pushes']} rows pushed")
     print("\nstopped both shards")

@@ -45,8 +45,8 @@ CANDIDATES = 100
 
 def caught_up(train: PSClient, serve: PSClient) -> bool:
     """Whether every serving shard applied its training shard's newest version."""
-    leader = [s["version"] for s in train.stats()]
-    follow = [s["follow"] for s in serve.stats()]
+    leader = [s["version"] for s in train.admin.stats()]
+    follow = [s["follow"] for s in serve.admin.stats()]
     return all(f["connected"] and f["applied_version"] >= v for f, v in zip(follow, leader, strict=True))
 
 
@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "final_served" in metrics:
                 print(f"served as {config.eval_serve_dtype}: AUC {metrics['final_served']['auc']:.4f}", flush=True)
             with PSClient(trainers.addresses) as train_client, PSClient(servers.addresses) as serve_client:
-                lag = [s["follow"]["lag_versions"] for s in serve_client.stats()]
+                lag = [s["follow"]["lag_versions"] for s in serve_client.admin.stats()]
                 started = time.monotonic()
                 while not caught_up(train_client, serve_client):
                     time.sleep(0.01)

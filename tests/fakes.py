@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf.message import Message
 
+from client.transport import Transport
 from protos import ps_pb2 as pb
 from protos import wire
 from ps.elastic import Route
@@ -124,7 +125,7 @@ class _Fault:
     shard: int | None
 
 
-class InProcessTransport:
+class InProcessTransport(Transport):
     """Client ``Transport`` over real ``Shard`` objects; ``shards[i]`` is shard ``i``.
 
     ``max_message_bytes`` is the shards' limit, as on a real server: a request or

@@ -101,7 +101,7 @@ def _look(manifest: Mapping[str, Any], dims: Mapping[str, int], client: PSClient
     """One check of every replica (``check_shards``)."""
     n = client.num_shards
     try:
-        stats = client.stats()
+        stats = client.admin.stats()
     except PSError as exc:
         # Not answering yet (starting, restarting) may pass; anything else will not.
         waiting = exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -152,7 +152,7 @@ def _look(manifest: Mapping[str, Any], dims: Mapping[str, int], client: PSClient
         found.problems += problems
         found.passing = found.passing and (not problems or bool(loading))
     if not found.problems:
-        tables = client.tables()
+        tables = client.admin.tables()
         seeds = {t["name"]: t.get("seed") for t in manifest.get("tables", [])}
         for table, seed in seeds.items():
             if table in tables and isinstance(seed, int) and tables[table].seed != seed:

@@ -281,7 +281,7 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
         digests: list[Any] = [_digest(run.model)] * d.world
         if d.world > 1:
             dist.all_gather_object(digests, _digest(run.model))
-        shard_stats = client.stats() if d.rank == 0 else []
+        shard_stats = client.admin.stats() if d.rank == 0 else []
     metrics.update(run.stats(), evals=run.evals, final=final, dense_digests=digests)
     if served:
         metrics["final_served"] = {**served, "serve_dtype": config.eval_serve_dtype}

@@ -11,7 +11,7 @@ path, resolved under the root, or an absolute one below it; a version number ``3
 (``part_name``), whether the shards share one root (then ``NAME`` holds every part, and
 ``ps-admin checkpoint`` adds the cluster's ``NAME/manifest.json``) or each has its own
 (``<data-dir>/checkpoints`` by default). Without a NAME a shard takes the root's next
-version number (``next_version_path``). Every tool speaks NAME: ``PSClient.checkpoint``,
+version number (``next_version_path``). Every tool speaks NAME: ``AdminClient.checkpoint``,
 ``ps-admin checkpoint --out``, ``ps-admin serve-from --checkpoint`` and a serving
 shard's ``pin`` (``resolve_existing_checkpoint`` finds its part; a directory that is a
 shard checkpoint itself, as older versions wrote ``<root>/NNNNNN``, is served as is).

@@ -156,7 +156,7 @@ def test_calls_end_in_time_and_pushes_apply_once_through_a_faulty_network(
     time.sleep(0.2)  # the shard has handled what the proxy forwarded last
     with PSClient([shard.address]) as direct:
         rows = direct.lookup(TABLE, np.arange(caller.pushes * KEYS_PER_PUSH)).reshape(caller.pushes, -1)
-        duplicates = direct.stats()[0]["duplicate_pushes"]
+        duplicates = direct.admin.stats()[0]["duplicate_pushes"]
     applied = rows[:, 0]
     assert (rows == applied[:, None]).all(), "a push was applied to some of its rows only"
 

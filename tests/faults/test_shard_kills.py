@@ -60,7 +60,7 @@ class _Steps:
         self.seen = [0] * client.num_shards
 
     def __call__(self) -> int:
-        self.seen = [int(s["version"]) for s in self.client.stats()]
+        self.seen = [int(s["version"]) for s in self.client.admin.stats()]
         return max(c + v for c, v in zip(self.carried, self.seen))
 
     def killed(self, shard: int) -> None:

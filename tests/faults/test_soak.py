@@ -77,7 +77,7 @@ def test_connection_churn_soak(tmp_path: Path, request: pytest.FixtureRequest) -
                 client.close()
         rss_end = _rss(shard.proc.pid)
         with PSClient([shard.address]) as check:
-            pushed_keys = check.stats()[0]["tables"][0]["pushes"]
+            pushed_keys = check.admin.stats()[0]["tables"][0]["pushes"]
         growth = rss_end / rss_after_warm_up - 1
         print(
             f"soak {seconds:.0f} s: {rounds} rounds, {acknowledged} acknowledged pushes, {abandoned} abandoned "

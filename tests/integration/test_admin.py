@@ -92,7 +92,7 @@ def train(addresses: list[str], rng: np.random.Generator) -> dict[str, npt.NDArr
                 some = rng.choice(k, size=k.shape[0] // 2, replace=False)
                 dim = 8 if table == "user" else 4
                 ps.push(table, some, rng.standard_normal((some.shape[0], dim)).astype(np.float32))
-        spilled = sum(t["spilled_rows"] for s in ps.stats() for t in s["tables"])
+        spilled = sum(t["spilled_rows"] for s in ps.admin.stats() for t in s["tables"])
         assert spilled > 0, "the memory budget should have moved rows to RocksDB"
     return keys
 
@@ -383,7 +383,7 @@ def test_checkpoint_list_serve_from_and_unpin_with_the_cli(tmp_path: Path) -> No
             named = ok(ps_admin("checkpoint", "--out", "nightly", cwd=work, env=env))
             assert named.startswith("checkpoint nightly of 2 shards") and not (work / "nightly").exists()
             assert (roots[1] / "nightly" / "shard-00001-of-00002").is_dir()
-            python_name = trainer.checkpoint()[0]["name"]  # Python names them the same way
+            python_name = trainer.admin.checkpoint()[0]["name"]  # Python names them the same way
             assert python_name == "000002"
 
             trainer.push("item", keys, np.ones((200, 4), np.float32))  # a bad update, say
@@ -470,3 +470,20 @@ def test_help_lists_every_command_with_one_line_each(tmp_path: Path) -> None:
     assert "$PS_ADDRESSES" in words and "$SERVING_ADDRESSES" in words
     unset = ps_admin("stats", cwd=tmp_path)  # no --addresses and no $PS_ADDRESSES
     assert unset.returncode == 2 and "--addresses" in unset.stderr
+
+
+def test_a_checkpoint_refused_names_the_parts_written_and_only_those(tmp_path: Path) -> None:
+    # Shard 0 keeps a data dir (and so a checkpoint root), shard 1 has none: it refuses.
+    mixed = [start_shard(0, 2, tmp_path / "a", f"--data-dir={tmp_path / 'd0'}"), start_shard(1, 2, tmp_path / "a")]
+    bare = [start_shard(i, 2, tmp_path / "b") for i in range(2)]
+    try:
+        part = ps_admin("checkpoint", "--addresses", ",".join(s.address for s in mixed), "--out", "v1", cwd=tmp_path)
+        assert part.returncode == 1 and "Traceback" not in part.stderr, part.stderr
+        assert "the parts shards 0 wrote under 'v1' make an incomplete checkpoint" in part.stderr, part.stderr
+        assert (tmp_path / "d0" / "checkpoints" / "v1" / "shard-00000-of-00002").is_dir()
+        none = ps_admin("checkpoint", "--addresses", ",".join(s.address for s in bare), "--out", "v1", cwd=tmp_path)
+        assert none.returncode == 1 and "checkpoint root" in none.stderr, none.stderr
+        assert "incomplete" not in none.stderr, none.stderr  # nothing was written: nothing to clean up
+    finally:
+        for s in mixed + bare:
+            stop_shard(s)

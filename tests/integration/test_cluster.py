@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from client import ClientConfig, PSClient, PushResult
-from client.transport import GrpcTransport
+from client.transport import GrpcTransport, Transport
 from protos import ps_pb2 as pb
 from protos import wire
 from protos.keys import shard_of
@@ -37,7 +37,7 @@ def test_rows_are_deterministic_and_stable(addresses: list[str]) -> None:
         np.testing.assert_array_equal(first, expected)
         np.testing.assert_array_equal(again, expected)
         # Both shards took part, and each holds only its own keys.
-        per_shard = [s["tables"][0]["rows"] for s in ps.stats()]
+        per_shard = [s["tables"][0]["rows"] for s in ps.admin.stats()]
         assert sum(per_shard) == len(np.unique(keys))
         assert per_shard == np.bincount(shard_of(np.unique(keys), 2), minlength=2).tolist()
 
@@ -149,7 +149,7 @@ def test_16_bit_transport(addresses: list[str], dtype: str) -> None:
         assert not np.array_equal(got, want)  # really went through 16 bits
 
 
-class _LoseFirstReply:
+class _LoseFirstReply(Transport):
     """A transport whose first Push reaches the shard, but whose reply is lost (as on a timeout)."""
 
     def __init__(self, inner: GrpcTransport) -> None:
@@ -201,7 +201,7 @@ def test_retried_push_is_applied_once(addresses: list[str]) -> None:
         assert flaky.lost == 1
         assert result.duplicates == 1  # the retry found the push already applied
         np.testing.assert_allclose(ps.lookup("once", key), before - 1.0, atol=1e-7)
-        assert sum(s["duplicate_pushes"] for s in ps.stats()) == 1
+        assert sum(s["duplicate_pushes"] for s in ps.admin.stats()) == 1
 
 
 def test_same_raw_push_twice_is_applied_once(cluster: list[RunningShard]) -> None:

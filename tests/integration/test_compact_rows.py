@@ -114,7 +114,7 @@ def test_a_bfloat16_table_survives_kill_restart_checkpoint_reshard_and_follow(
     push_round(addresses, twin, 4)
     assert_same(addresses, twin, "pushed after the reshard")
     with PSClient(addresses) as ps:
-        stats = [t for s in ps.stats() for t in s["tables"]]
+        stats = [t for s in ps.admin.stats() for t in s["tables"]]
     # values 8 x 2 B, state 8 x 2 B, version, last use and use count 3 x 4 B
     assert [(t["name"], t["storage_dtype"], t["state_dtype"], t["record_bytes"]) for t in stats] == [
         ("emb", 3, 3, 44)
@@ -165,7 +165,7 @@ def test_a_serving_shard_holds_8_bit_rows_of_its_training_shard(tmp_path: Path, 
         assert np.array_equal(got[name].view(np.uint32), precision.dequantize(codes, params).view(np.uint32)), name
         assert (np.abs(got[name] - rows) <= params[:, :1] / 2 + 1e-6).all(), name
     with PSClient([follower.address]) as ps:
-        tables = {t["name"]: t for t in ps.stats()[0]["tables"]}
+        tables = {t["name"]: t for t in ps.admin.stats()[0]["tables"]}
     assert {(t["storage_dtype"], t["record_bytes"]) for t in tables.values()} == {(4, 16 + 8 + 8)}
     printed = ok(ps_admin("stats", "--addresses", follower.address, cwd=tmp_path)).splitlines()
     assert {line.split()[1]: line.split()[2] for line in printed[2:4]} == {"f32": "i8/-", "b16": "i8/-"}, printed
@@ -186,13 +186,13 @@ def test_a_checkpoint_is_served_as_8_bit_rows_opened_or_pinned(tmp_path: Path, p
     rng = np.random.default_rng(6)
     with PSClient([leader.address]) as ps:
         trained = train_two_tables(ps, rng)
-        (written,) = ps.checkpoint()
+        (written,) = ps.admin.checkpoint()
         push_both(ps, rng)  # later rows: a pinned shard must not serve them
 
     def served_as_8_bit(address: str) -> None:
         with PSClient([address]) as ps:
             got = {name: ps.lookup(name, KEYS) for name in trained}
-            assert {t["storage_dtype"] for t in ps.stats()[0]["tables"]} == {4}
+            assert {t["storage_dtype"] for t in ps.admin.stats()[0]["tables"]} == {4}
         for name, rows in trained.items():
             want = precision.dequantize(*precision.quantize(rows))
             assert np.array_equal(got[name].view(np.uint32), want.view(np.uint32)), name
@@ -207,7 +207,7 @@ def test_a_checkpoint_is_served_as_8_bit_rows_opened_or_pinned(tmp_path: Path, p
     procs.append(follower)
     wait_caught_up(follower.address, leader.address)
     with PSClient([follower.address]) as ps:
-        assert ps.serve_from(written["name"])[0]["source"] == "checkpoint"
+        assert ps.admin.serve_from(written["name"])[0]["source"] == "checkpoint"
     served_as_8_bit(follower.address)
     stop_shard(follower)
     stop_shard(leader)

@@ -47,6 +47,6 @@ def test_concurrent_pushes_and_lookups_lose_nothing(addresses: list[str]) -> Non
         covering = np.array([sum(1000 + 100 * t <= k < 1300 + 100 * t for t in range(threads)) for k in keys])
         want = initial_rows(InitializerParams(), 4, keys, dim) - 0.5 * covering[:, None].astype(np.float32)
         np.testing.assert_allclose(ps.lookup("other", keys), want, rtol=0, atol=1e-6)
-        stats = ps.stats()
+        stats = ps.admin.stats()
         assert sum(s["tables"][1]["rows"] for s in stats) == 20  # "shared" sorted after "other"
         assert sum(s["tables"][0]["rows"] for s in stats) == 600  # one row per key, never two

@@ -70,7 +70,7 @@ def lost_and_extra(actual: npt.NDArray[np.float32], pushes: list[Push]) -> tuple
 
 def stats(address: str) -> dict:  # type: ignore[type-arg]
     with PSClient([address]) as ps:
-        return ps.stats()[0]
+        return ps.admin.stats()[0]
 
 
 def checkpoint(address: str) -> grpc.StatusCode:

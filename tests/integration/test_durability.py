@@ -210,7 +210,7 @@ def test_interval_mode_keeps_everything_before_the_last_flush(tmp_path: Path, pr
     time.sleep(1.5)
     with PSClient([shard.address]) as ps:
         deadline = time.monotonic() + 20
-        while ps.stats()[0]["last_durable_unix_s"] < pushed_a:
+        while ps.admin.stats()[0]["last_durable_unix_s"] < pushed_a:
             assert time.monotonic() < deadline, "interval:1: no flush started within 21 s of the last push"
             time.sleep(0.05)
     with Pusher(shard.address) as pusher:
@@ -281,14 +281,14 @@ def test_restart_serves_spilled_rows_bit_exactly(tmp_path: Path, procs: list[Run
             ps.lookup("big", chunk)
             ps.push("big", chunk, rng.standard_normal((chunk.shape[0], 8)).astype(np.float32))
         before = ps.lookup("big", keys)
-        table = ps.stats()[0]["tables"][0]
+        table = ps.admin.stats()[0]["tables"][0]
     assert table["spilled_rows"] > 0 and table["resident_rows"] < keys.shape[0], f"nothing spilled: {table}"
     stop_shard(shard)
 
     shard = start(procs, tmp_path, *args)
     with PSClient([shard.address]) as ps:
         after = ps.lookup("big", keys)
-        table = ps.stats()[0]["tables"][0]
+        table = ps.admin.stats()[0]["tables"][0]
     mismatched = int((before.view(np.uint32) != after.view(np.uint32)).any(axis=1).sum())
     assert mismatched == 0, f"{mismatched} of {keys.shape[0]} rows differ after restart"
     assert table["rows_created"] == 0, f"{table['rows_created']} rows were re-initialised after restart: {table}"
@@ -303,13 +303,13 @@ def test_row_counts_read_back_from_disk_say_they_are_estimates(tmp_path: Path, p
     with PSClient([shard.address]) as ps:
         ps.create_table("t", 4, optimizer="sgd")
         ps.push("t", np.arange(500), np.ones((500, 4), np.float32))
-        assert ps.stats()[0]["tables"][0]["rows_estimated"] is False  # counted as made: exact
+        assert ps.admin.stats()[0]["tables"][0]["rows_estimated"] is False  # counted as made: exact
     assert "~" not in ps_admin("stats", "--addresses", shard.address, cwd=tmp_path).stdout
     stop_shard(shard)
 
     shard = start(procs, tmp_path, *args)
     with PSClient([shard.address]) as ps:
-        assert ps.stats()[0]["tables"][0]["rows_estimated"] is True
+        assert ps.admin.stats()[0]["tables"][0]["rows_estimated"] is True
     printed = ps_admin("stats", "--addresses", shard.address, cwd=tmp_path).stdout
     header, row = (
         next(line for line in printed.splitlines() if cond(line))

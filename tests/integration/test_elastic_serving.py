@@ -101,7 +101,7 @@ class Lookups:
 def lookups_served(address: str) -> int:
     """Keys the replica at ``address`` looked up, by its own Stats."""
     with PSClient([address]) as client:
-        return sum(t["lookups"] for t in client.stats()[0]["tables"])
+        return sum(t["lookups"] for t in client.admin.stats()[0]["tables"])
 
 
 def test_replicas_join_drain_and_die_under_lookups_without_a_failed_call(
@@ -116,7 +116,7 @@ def test_replicas_join_drain_and_die_under_lookups_without_a_failed_call(
             for _ in range(2):  # a second replica of each shard, then a third
                 added = [replicas.add(s) for s in range(2)]
                 for r in added:  # it takes calls once it has its rows: its own counters say so
-                    until(lambda r=r: lookups_served(r.address) > 0, lambda: client.replica_health())
+                    until(lambda r=r: lookups_served(r.address) > 0, lambda: client.admin.replica_health())
                 load.more()
             assert [len(a) for a in replicas.addresses] == [3, 3]
             first = replicas.addresses[0][0]
@@ -125,7 +125,7 @@ def test_replicas_join_drain_and_die_under_lookups_without_a_failed_call(
             load.more()
             assert replicas.remove(replicas.addresses[1][0], kill=True) == -signal.SIGKILL
             load.more()
-            until(lambda: len(client.addresses) == 4, lambda: client.replica_health())
+            until(lambda: len(client.addresses) == 4, lambda: client.admin.replica_health())
             load.more()
         assert load.failures == []
         assert client.replicas == [tuple(a) for a in replicas.addresses]
@@ -150,10 +150,13 @@ def test_a_new_follower_is_not_ready_until_it_has_its_rows(training: tuple[Local
             time.sleep(1.0)  # several membership rounds: the late replica stays out
             load.more()
             assert lookups_served(late.address) == 0
-            assert {h["address"]: h["state"] for h in client.replica_health()}[late.address] in ("pending", "draining")
+            assert {h["address"]: h["state"] for h in client.admin.replica_health()}[late.address] in (
+                "pending",
+                "draining",
+            )
             proxy.set_mode("pass")
             until(lambda: health(late.address) == "SERVING", lambda: late.log_tail())
-            until(lambda: lookups_served(late.address) > 0, lambda: client.replica_health())
+            until(lambda: lookups_served(late.address) > 0, lambda: client.admin.replica_health())
             load.more()
         assert load.failures == []
 

@@ -123,7 +123,7 @@ def start_infer(run: Path, ps_file: Path, root: Path) -> tuple[subprocess.Popen[
 
 def served(address: str) -> int:
     with PSClient([address]) as client:
-        return sum(t["lookups"] for t in client.stats()[0]["tables"])
+        return sum(t["lookups"] for t in client.admin.stats()[0]["tables"])
 
 
 @pytest.mark.slow

@@ -81,7 +81,7 @@ def test_eval_forward_pushes_nothing(addresses: list[str]) -> None:
                 out = emb(batch())["f"]
             assert not out.requires_grad
         emb.close()
-        assert sum(s["tables"][0]["pushes"] for s in client.stats()) == 0
+        assert sum(s["tables"][0]["pushes"] for s in client.admin.stats()) == 0
 
 
 def test_batch_must_match_the_features(addresses: list[str]) -> None:
@@ -99,7 +99,7 @@ def test_batch_must_match_the_features(addresses: list[str]) -> None:
 
 
 def shard_lookups(client: PSClient) -> int:
-    return sum(s["tables"][0]["lookups"] for s in client.stats())
+    return sum(s["tables"][0]["lookups"] for s in client.admin.stats())
 
 
 def test_a_prefetched_batch_is_planned_off_the_training_thread(addresses: list[str]) -> None:

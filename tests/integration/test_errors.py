@@ -190,7 +190,7 @@ def test_every_bad_input_gets_its_status_and_the_shard_keeps_serving(shard: Runn
     with PSClient([shard.address]) as ps:
         rows = ps.lookup("emb", np.array([1, 2]))
         assert rows.shape == (2, 8) and np.isfinite(rows).all()
-        assert ps.stats()[0]["tables"][0]["pushes"] == 0
+        assert ps.admin.stats()[0]["tables"][0]["pushes"] == 0
 
 
 def test_empty_requests_with_unknown_fields_are_accepted(shard: RunningShard) -> None:
@@ -246,7 +246,7 @@ def test_checkpoints_are_written_only_under_the_checkpoint_root(tmp_path: Path) 
         code, details, written = checkpoint(s.address, "")
         assert code == grpc.StatusCode.OK and Path(written) == root / "000001" / "shard-00000-of-00001", details
         with PSClient([s.address]) as ps:
-            assert ps.stats()[0]["writable"] is True  # refusals never made the shard read-only
+            assert ps.admin.stats()[0]["writable"] is True  # refusals never made the shard read-only
     finally:
         stop_shard(s)
 
@@ -310,7 +310,7 @@ def test_keys_of_another_shard_are_refused_naming_their_owner(tmp_path: Path) ->
             err = convert(info.value, 0, shards[0].address)
             assert isinstance(err, WrongShardError) and isinstance(err, PreconditionError) and err.owner == 1
         with PSClient([shards[0].address], ClientConfig(deadline_s=10)) as one:
-            (stats,) = one.stats()  # nothing of either request was applied
+            (stats,) = one.admin.stats()  # nothing of either request was applied
         assert stats["tables"][0]["rows"] == 0 and stats["version"] == 1  # the table's creation, and no write since
     finally:
         for s in shards:

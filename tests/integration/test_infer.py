@@ -164,8 +164,8 @@ def test_serving_replicas_that_follow_the_training_shards_give_the_same_scores(
         for replicas in (a, b):
             with PSClient(replicas.addresses) as followers:
                 deadline = time.monotonic() + 60
-                while any(s["follow"]["lag_versions"] or not s["follow"]["connected"] for s in followers.stats()):
-                    assert time.monotonic() < deadline, followers.stats()
+                while any(s["follow"]["lag_versions"] or not s["follow"]["connected"] for s in followers.admin.stats()):
+                    assert time.monotonic() < deadline, followers.admin.stats()
                     time.sleep(0.05)
         ps = ",".join(f"{x}|{y}" for x, y in zip(a.addresses, b.addresses))
         served = start_infer(Trained([ps], trained.run), tmp_path, "replicas")
@@ -190,10 +190,10 @@ def test_scores_from_8_bit_serving_shards_equal_the_in_process_model_on_the_same
     with LocalCluster(2, root=tmp_path / "q", follow=trained.addresses, extra_args=int8) as quantized:
         with PSClient(quantized.addresses) as rows:
             deadline = time.monotonic() + 60
-            while any(s["follow"]["lag_versions"] or not s["follow"]["connected"] for s in rows.stats()):
-                assert time.monotonic() < deadline, rows.stats()
+            while any(s["follow"]["lag_versions"] or not s["follow"]["connected"] for s in rows.admin.stats()):
+                assert time.monotonic() < deadline, rows.admin.stats()
                 time.sleep(0.05)
-            assert {t["storage_dtype"] for s in rows.stats() for t in s["tables"]} == {pb_ps.INT8}
+            assert {t["storage_dtype"] for s in rows.admin.stats() for t in s["tables"]} == {pb_ps.INT8}
             local = Predictor.load(trained.run, rows).predict(ctx, cand)
         served = start_infer(Trained([",".join(quantized.addresses)], trained.run), tmp_path, "int8")
         try:
@@ -490,8 +490,8 @@ def test_infer_waits_for_serving_shards_still_loading(trained: Trained, infer: I
         try:
             with PSClient(followers.addresses) as client:
                 deadline = time.monotonic() + 60
-                while any(s["follow"]["lag_versions"] or not s["follow"]["connected"] for s in client.stats()):
-                    assert time.monotonic() < deadline, client.stats()
+                while any(s["follow"]["lag_versions"] or not s["follow"]["connected"] for s in client.admin.stats()):
+                    assert time.monotonic() < deadline, client.admin.stats()
                     time.sleep(0.05)
             with PredictClient(served.address) as client:
                 np.testing.assert_array_equal(client.predict(ctx, cand), expected)
@@ -503,8 +503,8 @@ def test_plus_separates_replicas_unquoted_in_bash(trained: Trained, tmp_path: Pa
     with LocalCluster(2, root=tmp_path / "f", follow=trained.addresses) as followers:
         with PSClient(followers.addresses) as client:
             deadline = time.monotonic() + 60
-            while any(s["follow"]["lag_versions"] or not s["follow"]["connected"] for s in client.stats()):
-                assert time.monotonic() < deadline, client.stats()
+            while any(s["follow"]["lag_versions"] or not s["follow"]["connected"] for s in client.admin.stats()):
+                assert time.monotonic() < deadline, client.admin.stats()
                 time.sleep(0.05)
         # Replicas of shard 0 only: shard 1 is missing, so it must refuse naming the count,
         # which proves bash passed the '+' list through as one argument.

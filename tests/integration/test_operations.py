@@ -79,7 +79,7 @@ def test_metrics_count_calls_rows_and_refusals(shard_with_metrics: RunningShard)
         client.push("half", np.arange(4), np.full((4, 8), 1e6, np.float32))  # past float16's range: clamped
         with pytest.raises(PSError):
             client.lookup("missing", np.arange(3))
-        tables = {t["name"]: t for t in client.stats()[0]["tables"]}
+        tables = {t["name"]: t for t in client.admin.stats()[0]["tables"]}
     m = _scrape(port)
     assert m['ps_rpcs_total{code="OK",method="Lookup"}'] == 5
     assert m['ps_rpcs_total{code="OK",method="Push"}'] == 3
@@ -115,10 +115,10 @@ def test_tokens_by_role_and_health_without_one(tmp_path: Path) -> None:
             return PSClient([shard.address], ClientConfig(token=token, deadline_s=5, max_attempts=1))
 
         with client(None) as c, pytest.raises(UnauthenticatedError) as exc:
-            c.tables()
+            c.admin.tables()
         assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED
         with client("x" * 20) as c, pytest.raises(PSError) as exc:
-            c.tables()
+            c.admin.tables()
         assert exc.value.code == grpc.StatusCode.UNAUTHENTICATED and "x" * 20 not in str(exc.value)
         with client(tokens["read"]) as c, pytest.raises(PermissionDeniedError) as exc:
             c.create_table("t", dim=4)
@@ -128,7 +128,7 @@ def test_tokens_by_role_and_health_without_one(tmp_path: Path) -> None:
             c.create_table("t", dim=4)
             c.create_table("t", dim=4)
         with client(tokens["write"]) as c, pytest.raises(PermissionDeniedError) as exc:
-            c.checkpoint()
+            c.admin.checkpoint()
         assert "needs an admin token, this one is write" in str(exc.value)
         with client(tokens["admin"]) as c:
             c.create_table("t", dim=4)
@@ -200,7 +200,7 @@ def test_read_token_lookup_on_a_training_shard_creates_and_streams_nothing(tmp_p
 
         def stats(address: str) -> dict:  # type: ignore[type-arg]
             with PSClient([address], ClientConfig(token=tokens["read"], **quick)) as c:
-                return c.stats()[0]
+                return c.admin.stats()[0]
 
         deadline = time.monotonic() + 20
         while stats(follower.address)["follow"]["applied_version"] < stats(leader.address)["version"]:
@@ -287,7 +287,7 @@ def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
             c.create_table("t", dim=4)
             assert c.lookup("t", np.arange(3)).shape == (3, 4)
         with PSClient([shard.address], ClientConfig(**quick)) as c, pytest.raises(PSError) as plain:
-            c.tables()  # plain text to a TLS port
+            c.admin.tables()  # plain text to a TLS port
         assert f"the server at {shard.address} expects TLS: pass --tls-ca" in str(plain.value)
         admin = ps_admin("stats", "--addresses", shard.address, cwd=tmp_path)
         assert admin.returncode == 1 and admin.stderr.count("\n") == 1, admin.stderr
@@ -305,7 +305,7 @@ def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
     try:
         with PSClient([plain_shard.address], ClientConfig(tls_ca=str(tmp_path / "ca.pem"), **quick)) as c:
             with pytest.raises(PSError, match=f"the server at {plain_shard.address} does not use TLS"):
-                c.tables()  # TLS to a plain-text port
+                c.admin.tables()  # TLS to a plain-text port
         health = ps_admin(
             "--tls-ca",
             tmp_path / "ca.pem",
@@ -333,7 +333,7 @@ def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
             c.create_table("t", dim=4)
         with PSClient([shard.address], ClientConfig(tls_ca=str(tmp_path / "ca.pem"), **quick)) as c:
             with pytest.raises(PSError):
-                c.tables()  # no client certificate
+                c.admin.tables()  # no client certificate
     finally:
         stop_shard(shard)
 
@@ -353,7 +353,7 @@ def test_table_and_key_limits(tmp_path: Path) -> None:
             with pytest.raises(PSError, match="--max-keys-per-request=1000"):
                 client.push("a", np.arange(1001), np.ones((1001, 4), np.float32))
             assert client.lookup("a", np.arange(1000)).shape == (1000, 4)
-            assert {s["name"] for s in client.stats()[0]["tables"]} == {"a", "b"}
+            assert {s["name"] for s in client.admin.stats()[0]["tables"]} == {"a", "b"}
     finally:
         stop_shard(shard)
 

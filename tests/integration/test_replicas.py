@@ -62,7 +62,7 @@ def processes() -> Iterator[list[RunningShard]]:
 
 def lookups_on(ps: PSClient, address: str) -> int:
     """Keys the replica at ``address`` looked up since it started (from its Stats)."""
-    (stats,) = [s for s in ps.stats() if s["address"] == address]
+    (stats,) = [s for s in ps.admin.stats() if s["address"] == address]
     return sum(t["lookups"] for t in stats["tables"])
 
 
@@ -102,13 +102,17 @@ def test_reads_survive_a_killed_replica_and_it_comes_back(tmp_path: Path, proces
             time.sleep(0.3)
             a.proc.kill()  # kill -9: no goodbye, the address refuses connections
             a.proc.wait()
-            wait_for(lambda: ps.replica_health()[0]["state"] != "in_service", 3.0, "the killed replica is ejected")
+            wait_for(
+                lambda: ps.admin.replica_health()[0]["state"] != "in_service", 3.0, "the killed replica is ejected"
+            )
             before = done
             time.sleep(0.3)
             assert done > before, "reads stopped while the other replica serves"
             restarted = start_replica(tmp_path / "a", listen=a.address)  # same port, same data dir
             processes.append(restarted)
-            wait_for(lambda: ps.replica_health()[0]["state"] == "in_service", 5.0, "the restarted replica is back")
+            wait_for(
+                lambda: ps.admin.replica_health()[0]["state"] == "in_service", 5.0, "the restarted replica is back"
+            )
             # Back in service, it takes its share of reads again (far more than one probe).
             wait_for(lambda: lookups_on(ps, a.address) >= 5 * len(KEYS), 3.0, "reads reach the restarted replica")
         finally:
@@ -133,7 +137,7 @@ def test_hedged_reads_go_around_a_stopped_replica(tmp_path: Path, processes: lis
                 started = time.monotonic()
                 np.testing.assert_array_equal(ps.lookup("t", KEYS), want)
                 slowest = max(slowest, time.monotonic() - started)
-            health = ps.replica_health()
+            health = ps.admin.replica_health()
         finally:
             os.kill(a.proc.pid, signal.SIGCONT)
     assert slowest < 1.0, f"slowest read {slowest:.3f} s with hedge_after_s=0.05, deadline_s=5"
@@ -179,9 +183,9 @@ def test_writes_to_a_replicated_shard_are_refused(tmp_path: Path, processes: lis
         with pytest.raises(InvalidRequestError, match=refused):
             ps.create_table("u", DIM)
         with pytest.raises(InvalidRequestError, match=refused):
-            ps.checkpoint()
-        stats = ps.stats()
-        assert ps.tables()["t"].dim == DIM
+            ps.admin.checkpoint()
+        stats = ps.admin.stats()
+        assert ps.admin.tables()["t"].dim == DIM
     assert [s["address"] for s in stats] == [a.address, b.address]
     assert [(s["shard"], s["num_shards"]) for s in stats] == [(0, 1), (0, 1)]
     assert all(t["pushes"] == 0 for s in stats for t in s["tables"])  # nothing reached either replica

@@ -132,7 +132,7 @@ def test_a_cluster_grows_and_shrinks_while_a_client_trains(tmp_path: Path, shard
     deadline = time.monotonic() + 30
     while True:  # the retired shard drops what it gave away, then holds nothing
         with PSClient([shards[2].address], FAST) as one:
-            rows = one.stats()[0]["tables"][0]["rows"]
+            rows = one.admin.stats()[0]["tables"][0]["rows"]
         if rows == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -143,7 +143,7 @@ def test_a_cluster_grows_and_shrinks_while_a_client_trains(tmp_path: Path, shard
         shards[i] = start_shard(i, 2 if i < 2 else 3, tmp_path, *shard_args(tmp_path), listen=shards[i].address)
     with PSClient(addresses(shards, 2), FAST) as client:
         np.testing.assert_array_equal(client.lookup("t", KEYS), got)
-        assert client.stats()[0]["num_shards"] == 2
+        assert client.admin.stats()[0]["num_shards"] == 2
 
 
 def test_a_reshard_interrupted_by_kill_9_finishes_when_run_again(

@@ -28,7 +28,7 @@ FAST = ClientConfig(deadline_s=10)
 
 def stats(address: str) -> dict:  # type: ignore[type-arg]
     with PSClient([address], FAST) as c:
-        return c.stats()[0]
+        return c.admin.stats()[0]
 
 
 def wait_caught_up(follower: str, leader: str, timeout_s: float = 20.0, snapshots: int = 0) -> dict:  # type: ignore[type-arg]
@@ -76,7 +76,7 @@ def test_serving_shard_refuses_every_write_and_creates_nothing(tmp_path: Path) -
     serving = start_shard(0, 1, tmp_path / "serve", "--mode=serve", f"--data-dir={data}")
     try:
         with PSClient([serving.address], FAST) as c:
-            before = c.stats()[0]
+            before = c.admin.stats()[0]
             rows = c.lookup("item", np.array([3, 1000, 0, 10**12]))
             np.testing.assert_array_equal(rows[[0, 2]], expected[[3, 0]])
             assert not rows[[1, 3]].any(), "unknown keys read as the serving default, zeros"
@@ -84,11 +84,11 @@ def test_serving_shard_refuses_every_write_and_creates_nothing(tmp_path: Path) -
             for write, name in [
                 (lambda: c.push("item", np.array([1]), np.ones((1, DIM), np.float32)), "Push"),
                 (lambda: c.create_table("other", DIM), "CreateTable"),
-                (lambda: c.checkpoint(), "Checkpoint"),
+                (lambda: c.admin.checkpoint(), "Checkpoint"),
             ]:
                 with pytest.raises(PreconditionError, match=rf"{name} refused: .*mode=serve"):
                     write()
-            after = c.stats()[0]
+            after = c.admin.stats()[0]
             np.testing.assert_array_equal(c.lookup("item", np.arange(10)), expected)
         assert after["mode"] == "serve" and after["follow"]["source"] == "data-dir"
         (_, b), (_, a) = before["tables"], after["tables"]  # init, item
@@ -122,8 +122,8 @@ def test_follower_converges_exactly_under_concurrent_pushes(leader: RunningShard
         try:
             seen_versions = []
             for _ in range(30):  # reads meanwhile never fail and versions only grow
-                serve.lookup("item", rng.choice(keys, 500)) if serve.tables() else None
-                seen_versions.append(serve.stats()[0]["follow"]["applied_version"])
+                serve.lookup("item", rng.choice(keys, 500)) if serve.admin.tables() else None
+                seen_versions.append(serve.admin.stats()[0]["follow"]["applied_version"])
                 time.sleep(0.05)
         finally:
             stop.set()
@@ -216,7 +216,7 @@ def test_pin_to_a_checkpoint_and_roll_forward_again(leader: RunningShard, tmp_pa
         train.create_table("item", DIM, optimizer="sgd", lr=1.0)
         train.push("item", keys, np.ones((100, DIM), np.float32))
         v1 = train.lookup("item", keys)
-        (written,) = train.checkpoint()
+        (written,) = train.admin.checkpoint()
         path = written["path"]
         train.push("item", keys, np.ones((100, DIM), np.float32))  # a bad update, say
         wait_caught_up(follower.address, leader.address)
@@ -224,20 +224,20 @@ def test_pin_to_a_checkpoint_and_roll_forward_again(leader: RunningShard, tmp_pa
         assert not np.array_equal(v1, latest)
 
         assert written["name"] == "000001"
-        status = serve.serve_from(written["name"])[0]  # roll back
+        status = serve.admin.serve_from(written["name"])[0]  # roll back
         assert status["source"] == "checkpoint" and status["checkpoint"] == path
         np.testing.assert_array_equal(serve.lookup("item", keys), v1)
         train.push("item", keys[:5], np.ones((5, DIM), np.float32))  # followed on, not served
         time.sleep(0.3)
         np.testing.assert_array_equal(serve.lookup("item", keys), v1)
 
-        assert serve.serve_from(None)[0]["source"] == "follow"  # forward again: catches up
+        assert serve.admin.serve_from(None)[0]["source"] == "follow"  # forward again: catches up
         wait_caught_up(follower.address, leader.address)
         np.testing.assert_array_equal(serve.lookup("item", keys), train.lookup("item", keys))
         with pytest.raises(PreconditionError, match="training shard"):
-            train.serve_from("1")
+            train.admin.serve_from("1")
         with pytest.raises(Exception, match="holds no checkpoint"):
-            serve.serve_from("999")
+            serve.admin.serve_from("999")
     stop_shard(follower)
 
 
@@ -299,15 +299,15 @@ def test_lineage_follows_the_data_not_the_process(leader: RunningShard, tmp_path
         train.create_table("item", DIM, optimizer="sgd", lr=1.0)
         train.push("item", keys, np.ones((100, DIM), np.float32))
         assert wait_caught_up(follower.address, leader.address)["lineage"] == lineage
-        (written,) = train.checkpoint()
+        (written,) = train.admin.checkpoint()
         train.push("item", keys, np.ones((100, DIM), np.float32))  # training goes on: the same data
         assert stats(leader.address)["lineage"] == lineage
     manifest = json.loads((Path(written["path"]) / "manifest.json").read_text())
     assert manifest["lineage"] == lineage
     with PSClient([follower.address], FAST) as serve:
-        assert serve.serve_from(written["name"])[0]["source"] == "checkpoint"
+        assert serve.admin.serve_from(written["name"])[0]["source"] == "checkpoint"
         assert stats(follower.address)["lineage"] == lineage  # the checkpoint's rows: the same data
-        serve.serve_from(None)
+        serve.admin.serve_from(None)
     stop_shard(follower)
 
     address = leader.address

@@ -291,7 +291,7 @@ def test_single_shard_push_with_duplicates() -> None:
 def test_table_created_elsewhere_is_found_and_unknown_table_is_not(ps: PSClient, shards: list[Shard]) -> None:
     with PSClient(addresses(), FAST, transport=InProcessTransport(shards)) as other:
         np.testing.assert_array_equal(other.lookup("t", [4]), initial(spec_of(shards), [4]))
-        assert set(other.tables()) == {"t"}
+        assert set(other.admin.tables()) == {"t"}
         with pytest.raises(TableNotFoundError, match=r"'nope' does not exist \(tables: t\)") as info:
             other.lookup("nope", [1])
     assert info.value.code == grpc.StatusCode.NOT_FOUND and info.value.shard is None
@@ -359,7 +359,7 @@ def test_a_push_over_the_message_limit_takes_several_numbered_rounds(shards: lis
 
 def test_stats_report_rows_per_shard(ps: PSClient, shards: list[Shard]) -> None:
     ps.lookup("t", KEYS)
-    stats = ps.stats()
+    stats = ps.admin.stats()
     assert [s["shard"] for s in stats] == [0, 1, 2]
     assert all(s["num_shards"] == N and s["mode"] == "train" for s in stats)
     rows = [s["tables"][0]["rows"] for s in stats]

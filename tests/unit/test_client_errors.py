@@ -51,7 +51,7 @@ def test_push_retried_after_deadline_exceeded_is_applied_once(
     assert requests_per_shard(transport, "Push") == [2, 1, 1]
     assert shards[0].duplicate_pushes() == 1
     np.testing.assert_array_equal(ps.lookup("t", KEYS), start - np.float32(0.5))  # moved once
-    assert [s["duplicate_pushes"] for s in ps.stats()] == [1, 0, 0]
+    assert [s["duplicate_pushes"] for s in ps.admin.stats()] == [1, 0, 0]
 
 
 def test_unavailable_before_push_applies_it_on_retry(
@@ -164,3 +164,15 @@ def test_keys_a_shard_does_not_own_are_a_wrong_shard_error_naming_the_owner() ->
     assert type(again) is WrongShardError and again.owner == 1 and str(again).endswith("(gave up)")
     other = convert(FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "read-only"), 0)
     assert type(other) is PreconditionError
+
+
+def test_every_error_a_caller_sees_is_a_ps_error() -> None:
+    from client import CheckpointError, PredictError
+    from deploy.local import ShardStartError
+    from deploy.reshard import AdminError
+    from deploy.scale import ScaleError
+
+    for cls in (PredictError, CheckpointError, AdminError, ScaleError, ShardStartError):
+        assert issubclass(cls, PSError), cls
+    assert issubclass(ScaleError, AdminError)
+    assert PredictError("no", grpc.StatusCode.UNAVAILABLE).code == grpc.StatusCode.UNAVAILABLE

@@ -80,8 +80,8 @@ def test_client_takes_strings_or_replica_lists_and_does_no_io() -> None:
     assert ps.num_shards == 3
     assert ps.replicas == [("h:1", "h:2"), ("h:3",), ("h:4",)]
     assert ps.addresses == ["h:1", "h:2", "h:3", "h:4"]  # the order of stats() and replica_health()
-    assert [h["shard"] for h in ps.replica_health()] == [0, 0, 1, 2]
-    assert {h["state"] for h in ps.replica_health()} == {"in_service"}
+    assert [h["shard"] for h in ps.admin.replica_health()] == [0, 0, 1, 2]
+    assert {h["state"] for h in ps.admin.replica_health()} == {"in_service"}
 
 
 @pytest.mark.parametrize(
@@ -305,7 +305,7 @@ def test_reads_spread_over_replicas_and_answer_alike(ps: PSClient, transport: _R
     for _ in range(10):
         np.testing.assert_array_equal(ps.lookup("t", KEYS), want)
     assert transport.count("Lookup", 0) == transport.count("Lookup", 1) == 5
-    stats = ps.stats()
+    stats = ps.admin.stats()
     assert [s["address"] for s in stats] == ["inproc:0", "inproc:1"] and [s["shard"] for s in stats] == [0, 0]
 
 
@@ -317,14 +317,14 @@ def test_a_failing_replica_fails_over_at_once_and_is_ejected(ps: PSClient, trans
     assert time.monotonic() - started < 2.0
     assert transport.count("Lookup", 0) == 3  # eject_after_failures, then no more reads there
     assert transport.count("Lookup", 1) == 20
-    assert [h["state"] for h in ps.replica_health()] == ["ejected", "in_service"]
+    assert [h["state"] for h in ps.admin.replica_health()] == ["ejected", "in_service"]
 
 
 def test_writes_to_a_replicated_shard_are_refused_before_any_rpc(ps: PSClient, transport: _Replicas) -> None:
     for write in (
         lambda: ps.push("t", [1], np.ones((1, DIM), np.float32)),
         lambda: ps.create_table("u", DIM),
-        lambda: ps.checkpoint(),
+        lambda: ps.admin.checkpoint(),
     ):
         with pytest.raises(
             InvalidRequestError,
@@ -344,7 +344,7 @@ def test_hedge_goes_to_the_other_replica_and_wins(two: list[Shard], transport: _
         for _ in range(6):
             np.testing.assert_array_equal(ps.lookup("t", KEYS), expected(two[1], KEYS))
         took = time.monotonic() - started
-        health = ps.replica_health()
+        health = ps.admin.replica_health()
     assert took < 2.0
     assert len(transport.hung) == 3  # three hedge races lost, then ejected
     assert [h["state"] for h in health] == ["ejected", "in_service"] and health[0]["inflight"] == 0
@@ -417,22 +417,22 @@ def test_an_ejected_replica_is_probed_with_a_copy_of_a_read_and_comes_back(two: 
         transport.fail_next("Lookup", grpc.StatusCode.UNAVAILABLE, times=3, shard=0)
         for _ in range(6):  # reads alternate: three of these reach replica 0
             ps.lookup("t", KEYS)
-        assert ps.replica_health()[0]["state"] == "ejected" and transport.count("Lookup", 0) == 3
+        assert ps.admin.replica_health()[0]["state"] == "ejected" and transport.count("Lookup", 0) == 3
         transport.hanging = {0}  # now it hangs: the probe must not hold the read up
         time.sleep(0.06)
         started = time.monotonic()
         ps.lookup("t", KEYS)
         assert time.monotonic() - started < 0.5
-        assert len(transport.hung) == 1 and ps.replica_health()[0]["state"] == "probing"
+        assert len(transport.hung) == 1 and ps.admin.replica_health()[0]["state"] == "probing"
         transport.hung[0].cancel()  # the probe fails: ejected again, for twice as long
-        assert ps.replica_health()[0]["state"] == "ejected"
-        assert 0.05 < ps.replica_health()[0]["ejected_for_s"] <= 0.1
+        assert ps.admin.replica_health()[0]["state"] == "ejected"
+        assert 0.05 < ps.admin.replica_health()[0]["ejected_for_s"] <= 0.1
         transport.hanging = set()
         time.sleep(0.11)
         before = transport.count("Lookup", 0)
         ps.lookup("t", KEYS)  # its copy is the probe, and it answers
         assert transport.count("Lookup", 0) == before + 1
-        assert [h["state"] for h in ps.replica_health()] == ["in_service", "in_service"]
+        assert [h["state"] for h in ps.admin.replica_health()] == ["in_service", "in_service"]
         for _ in range(10):
             ps.lookup("t", KEYS)
     assert transport.count("Lookup", 0) == before + 6  # reads spread again

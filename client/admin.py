@@ -1,0 +1,291 @@
+"""``AdminClient``: operate a cluster. Its tables, each replica's ``Stats`` and health as
+this client sees it, checkpoints, and pinning serving shards to one; and the calls a live
+reshard makes to one shard by its address (``get_map``, ``reshard``).
+
+The data path (lookups, pushes) is ``PSClient``'s; ``PSClient.admin`` is an
+``AdminClient`` over the same link to the cluster.
+
+Example (needs running shards, see the README):
+    with AdminClient(["127.0.0.1:50051", "127.0.0.1:50052"]) as admin:
+        [s["version"] for s in admin.stats()]
+        admin.checkpoint()[0]["name"]                          # "000001" with --data-dir
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import posixpath
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from client.config import ClientConfig, TableConfig
+from client.errors import InternalServerError, PSError, error_for, tls_hint
+from client.link import Budget, ClusterLink
+from client.membership import Members
+from client.replicas import normalize_addresses
+from client.tables import list_tables, message_dict
+from client.transport import Transport
+from protos import ps_pb2 as pb
+from protos.rpc.security import CallerSecurity, caller_security
+from protos.rpc.tls import open_channel
+from protos.services import PS_SERVICE
+
+__all__ = ["AdminClient", "CheckpointError", "ShardByAddress"]
+
+
+class CheckpointError(PSError):
+    """A checkpoint some shards refused after others wrote their part: the first refusal's
+    status and message, and ``written``, the shards that wrote (an incomplete checkpoint,
+    to remove or to write again under a new name). A checkpoint no shard wrote raises the
+    refusal itself."""
+
+    def __init__(self, first: PSError, written: Sequence[int]) -> None:
+        super().__init__(str(first), code=first.code, shard=first.shard, hint=first.hint)
+        self.written = tuple(written)
+
+
+class AdminClient:
+    """Operating the cluster at ``addresses`` (as ``PSClient`` takes them), or over a
+    ``PSClient``'s ``link``. The constructor does no I/O; channels open on first use.
+    Thread-safe. Calls block and raise ``client.errors.PSError`` subclasses; a reply's
+    dicts are new and the caller's."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str | Sequence[str]] | None = None,
+        config: ClientConfig | None = None,
+        *,
+        addresses_file: str | os.PathLike[str] | None = None,
+        transport: Transport | None = None,
+        link: ClusterLink | None = None,
+    ) -> None:
+        if link is None:
+            if (addresses is None) == (addresses_file is None):
+                raise ValueError("give the shards' addresses or addresses_file, one of the two")
+            members = Members(path=Path(addresses_file)) if addresses_file is not None else None
+            if members is None:
+                assert addresses is not None
+                members = Members(normalize_addresses(addresses))
+            link = ClusterLink(members, config or ClientConfig(), transport=transport)
+            self._owns_link = True
+        else:
+            self._owns_link = False
+        self._link = link
+        self.config = link.config
+        self._by_address = ShardByAddress(self.config)
+
+    # -- lifecycle ------------------------------------------------------------------
+    def __enter__(self) -> AdminClient:
+        self._link.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close what this client opened (a shared link stays open)."""
+        self._by_address.close()
+        if self._owns_link:
+            self._link.close()
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every replica's address, shard by shard (the order of ``stats()``)."""
+        return self._link.view.addresses
+
+    @property
+    def replicas(self) -> list[tuple[str, ...]]:
+        return list(self._link.view.replicas)
+
+    @property
+    def num_shards(self) -> int:
+        return self._link.view.num_shards
+
+    def refresh_map(self) -> int:
+        """Route by the cluster's newest map (``PSClient.refresh_map``); the epoch."""
+        return self._link.refresh(self._link.budget())
+
+    # -- the cluster ----------------------------------------------------------------
+    def tables(self) -> dict[str, TableConfig]:
+        """Every table of the cluster (as shard 0, any of its replicas, reports them), by name."""
+        return list_tables(self._link, self._link.budget())
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each replica's ``Stats`` as a dict with its ``"address"`` added, in the order of
+        ``addresses`` (shard order when every shard has one address)."""
+        view = self._link.view
+        endpoints = view.replica_set.endpoints()
+        requests = [(view.replica_set.shard_of(e), b"") for e in endpoints]
+        replies = self._link.call("Stats", requests, pinned=endpoints, view=view)
+        out = []
+        for (s, _), r in zip(requests, replies):
+            with self._link.reply("Stats", s, r.endpoint, view):
+                out.append({**message_dict(pb.StatsResponse.FromString(r.data)), "address": view.address(r.endpoint)})
+        return out
+
+    def replica_health(self) -> list[dict[str, Any]]:
+        """This client's view of each replica, in the order of ``addresses``: ``address``,
+        ``shard``, ``state`` (``in_service``, ``ejected``, or ``probing``: its probe is in
+        flight), ``ejected_for_s`` (time left), ``inflight`` calls and ``failures`` in a row.
+        Needs no I/O."""
+        return self._link.view.replica_set.health()
+
+    def checkpoint(self, name: str | None = None, *, deadline_s: float | None = None) -> list[dict[str, Any]]:
+        """Have every shard write its part of the checkpoint ``name``; blocks until all are done.
+
+        ``name`` is a directory under each shard's ``--checkpoint-root`` (relative: resolved
+        under it; absolute: must lie below it), and shard ``i`` of ``n`` writes
+        ``name/shard-{i:05d}-of-{n:05d}`` (see ``ps.durability.checkpoint``). None: the next
+        version number, which shard 0 picks (its root's next one) and every other shard
+        then takes, so that the whole cluster's checkpoint has one name. The shards write in
+        parallel (after shard 0 when it picks the name). Returns, in shard order, ``{"name":
+        the checkpoint's name, "path": the part written, "manifest": its manifest.json}``;
+        ``name`` is what ``serve_from`` takes. Not retried (a checkpoint whose answer was
+        lost has still been written). Raises the first refusal's ``PSError`` when no shard
+        wrote its part, ``CheckpointError`` (naming the shards that did) when some did.
+        """
+        budget = self._link.budget(deadline_s, dataclasses.replace(self.config, max_attempts=1))
+        written: dict[int, dict[str, Any]] = {}
+        if name is None:
+            written.update(self._checkpoint([0], "", budget, written))
+            name = posixpath.basename(posixpath.dirname(written[0]["path"]))
+        else:
+            name = str(name)
+        written.update(self._checkpoint(range(len(written), self.num_shards), name, budget, written))
+        return [{**written[s], "name": name} for s in range(self.num_shards)]
+
+    def _checkpoint(
+        self, shards: range | list[int], name: str, budget: Budget, written: dict[int, dict[str, Any]]
+    ) -> dict[int, dict[str, Any]]:
+        """Each of ``shards`` writes its part, in parallel; raises ``CheckpointError`` (naming
+        every shard that wrote, ``written`` included) when one refuses."""
+        body = pb.CheckpointRequest(path=name).SerializeToString()
+
+        def one(s: int) -> dict[str, Any]:
+            (answer,) = self._link.call("Checkpoint", [(s, body)], budget=budget)
+            with self._link.reply("Checkpoint", s, answer.endpoint):
+                reply = pb.CheckpointResponse.FromString(answer.data)
+                return {"path": reply.path, "manifest": json.loads(reply.manifest_json or "{}")}
+
+        shards = list(shards)
+        if not shards:
+            return {}
+        with ThreadPoolExecutor(len(shards), thread_name_prefix="ps-checkpoint") as pool:
+            futures = {s: pool.submit(one, s) for s in shards}
+        out, refused = {}, []
+        for s, future in futures.items():
+            error = future.exception()
+            if error is None:
+                out[s] = future.result()
+            elif isinstance(error, PSError):
+                refused.append(error)
+            else:
+                raise error
+        if refused:
+            first = refused[0]
+            also = "".join(f"; and {str(e).splitlines()[0]}" for e in refused[1:])  # each names its shard
+            first = first.reworded(f"{first}{also}") if also else first
+            done = sorted([*written, *out])
+            if not done:  # nothing was written: the refusal as it is
+                raise first
+            raise CheckpointError(first, done) from first
+        return out
+
+    def serve_from(self, checkpoint: str | None) -> list[dict[str, Any]]:
+        """Pin every serving replica to ``checkpoint`` (the name ``checkpoint()`` returned, a
+        version number such as ``"3"``, or a path under each replica's ``--checkpoint-root``;
+        each replica serves its shard's part of it), or with None switch each back to its
+        own source (following its training shard again). Returns each replica's follow
+        status as a dict, in the order of ``addresses``. Raises ``PreconditionError`` for a
+        training shard, ``InvalidRequestError`` for a checkpoint a replica cannot serve."""
+        view = self._link.view
+        endpoints = view.replica_set.endpoints()
+        body = pb.ServeFromRequest(checkpoint=checkpoint or "").SerializeToString()
+        requests = [(view.replica_set.shard_of(e), body) for e in endpoints]
+        replies = self._link.call("ServeFrom", requests, pinned=endpoints, view=view)
+        out = []
+        for (s, _), r in zip(requests, replies):
+            with self._link.reply("ServeFrom", s, r.endpoint, view):
+                status = message_dict(pb.ServeFromResponse.FromString(r.data).status)
+            out.append({**status, "address": view.address(r.endpoint)})
+        return out
+
+    # -- one shard by its address (a live reshard) ----------------------------------
+    def get_map(self, address: str, *, timeout_s: float | None = None) -> pb.GetMapResponse:
+        """The cluster map the shard at ``address`` routes by, and where a reshard stands there."""
+        return self._by_address.get_map(address, timeout_s=timeout_s)
+
+    def reshard(self, address: str, request: pb.ReshardRequest, *, timeout_s: float | None = None) -> pb.ReshardStatus:
+        """One phase of a live reshard on the shard at ``address``; its status after it."""
+        return self._by_address.reshard(address, request, timeout_s=timeout_s)
+
+
+class ShardByAddress:
+    """Calls to one shard by its address, outside any cluster map (a live reshard's steps:
+    ``get_map``, ``reshard``), with ``config``'s TLS and token, each limited to
+    ``config.deadline_s`` unless given, never retried. A failure raises the ``PSError`` of
+    its status, naming the address (with a hint when one side speaks TLS and the other
+    does not). Thread-safe; one channel per address, closed by ``close``."""
+
+    def __init__(self, config: ClientConfig | None = None) -> None:
+        self.config = config or ClientConfig()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._security: CallerSecurity | None = None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+    def get_map(self, address: str, *, timeout_s: float | None = None) -> pb.GetMapResponse:
+        return self._unary(address, "GetMap", pb.GetMapRequest(), pb.GetMapResponse, timeout_s)  # type: ignore[no-any-return]
+
+    def reshard(self, address: str, request: pb.ReshardRequest, *, timeout_s: float | None = None) -> pb.ReshardStatus:
+        return self._unary(address, "Reshard", request, pb.ReshardStatus, timeout_s)  # type: ignore[no-any-return]
+
+    def _unary(self, address: str, method: str, request: Any, reply: Any, timeout_s: float | None) -> Any:
+        """One call to ``address`` (no retry), with this client's TLS and token; a failure
+        raises the ``PSError`` of its status, naming the address."""
+        with self._lock:
+            if self._security is None:
+                c = self.config
+                self._security = caller_security(
+                    tls=c.tls,
+                    tls_ca=c.tls_ca,
+                    tls_cert=c.tls_cert,
+                    tls_key=c.tls_key,
+                    token=c.token,
+                    token_file=c.token_file,
+                )
+            security = self._security
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = open_channel(address, security.credentials, [])
+        call = channel.unary_unary(f"/{PS_SERVICE}/{method}", request_serializer=None, response_deserializer=None)
+        try:
+            data = call(
+                request.SerializeToString(),
+                timeout=timeout_s if timeout_s is not None else self.config.deadline_s,
+                metadata=security.metadata,
+            )
+        except grpc.RpcError as exc:
+            code, details = exc.code(), str(exc.details())
+            hint = tls_hint(code, details, address, security.credentials is not None)
+            message = f"{address}: {code.name}: {details}" + (f": {hint}" if hint else "")
+            raise error_for(code)(message, code=code, hint=hint) from None
+        try:
+            return reply.FromString(data)
+        except DecodeError as exc:
+            raise InternalServerError(
+                f"{address}: {method} reply does not decode ({exc}): is it a ps-server?"
+            ) from None
