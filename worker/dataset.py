@@ -138,8 +138,7 @@ def cv_fold(rows: ClickLog, folds: int, k: int) -> tuple[ClickLog, int]:
     lo, hi = n * k // folds, n * (k + 1) // folds
     if hi == lo or hi - lo == n:
         raise ValueError(f"fold {k} of {folds}: {n} rows are too few to cut into {folds} blocks")
-    order = np.r_[0:lo, hi:n, lo:hi]
-    return ClickLog(rows.labels[order], rows.dense[order], rows.keys[:, order], rows.features), n - (hi - lo)
+    return rows.take(np.r_[0:lo, hi:n, lo:hi]), n - (hi - lo)
 
 
 def count_lines(path: Path) -> int:
