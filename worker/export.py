@@ -20,6 +20,8 @@ A run directory (``runs/<time>/``) holds, besides ``dense.pt`` and ``metrics.jso
 
 ``manifest["schema"]`` describes the raw columns a request carries:
 
+* ``source``: ``"synthetic"``, a built-in schema's name, or the schema file's path (then
+  ``toml`` holds its text, to read the same log again).
 * ``categorical``: ``[{"column", "values", "seed"}]``: a column is one key feature of
   the same name; its values are hashed with ``protos.keys.hash_feature(value, seed)``.
   ``values`` says how training saw them: ``"string"`` for click logs (the field's bytes
@@ -55,8 +57,9 @@ import torch
 from protos.columns import ValueType
 from worker.config import EmbeddingTableConfig, FeatureConfig
 from worker.data import SchemaColumns, feature_seed, schema_columns
-from worker.dataset import SCHEMAS
+from worker.dataset import SCHEMAS, schema_of
 from worker.fields import MISSING_BUCKET
+from worker.schemafile import load_schema_file
 
 __all__ = [
     "FORMAT_VERSION",
@@ -78,9 +81,10 @@ _SIGMOID_SLICE = 16384  # below torch's grain size (32768): one thread, one vect
 
 
 def describe_data(source: str, data_path: str | Path, features: Sequence[str], num_dense: int) -> dict[str, Any]:
-    """``manifest["schema"]`` of a run on ``source`` (``"synthetic"`` or a schema name of
-    ``worker.dataset.SCHEMAS``) whose batches have the key ``features`` and ``num_dense``
-    dense columns. Raises ``ValueError`` when the schema does not give those features."""
+    """``manifest["schema"]`` of a run on ``source`` (``"synthetic"``, a schema name of
+    ``worker.dataset.SCHEMAS`` or a schema file's path) whose batches have the key
+    ``features`` and ``num_dense`` dense columns. Raises ``ValueError`` when the schema does
+    not give those features."""
     if source == "synthetic":
         # worker.synthetic: feature C{f+1} is hash_features(id, feature_seed(name)), dense
         # column j is log1p(count); no buckets.
@@ -89,7 +93,7 @@ def describe_data(source: str, data_path: str | Path, features: Sequence[str], n
         values: ValueType = "int64"
         log_transform = True
     else:
-        schema = SCHEMAS[source]()
+        schema = schema_of(source)
         cols = schema_columns(data_path, schema)
         values, log_transform = "string", schema.log_transform
     if [*cols.categorical, *cols.buckets] != list(features) or len(cols.dense) != num_dense:
@@ -98,8 +102,10 @@ def describe_data(source: str, data_path: str | Path, features: Sequence[str], n
             f"{len(cols.dense)} dense columns; the batches have {list(features)} and {num_dense}"
         )
     buckets = dict(zip(cols.dense, cols.buckets))
-    return {
-        "source": source,
+    described: dict[str, Any] = {"source": source}
+    if source != "synthetic" and source not in SCHEMAS:
+        described["toml"] = load_schema_file(source).text
+    return described | {
         "log_transform": log_transform,
         "categorical": [{"column": c, "values": values, "seed": cols.seeds[c]} for c in cols.categorical],
         "dense": [
