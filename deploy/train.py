@@ -22,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from deploy.local import LocalCluster, threads_beside_local_shards
 from worker.command import parse, report
+from worker.dataset import open_data
 from worker.distributed import Dist, init_distributed
 from worker.mistakes import run_or_explain
 from worker.resume import CheckpointError
@@ -82,11 +83,15 @@ def _shards(config: TrainerConfig, d: Dist) -> Iterator[list[str]]:
 
 
 def run(config: TrainerConfig) -> dict[str, Any]:
-    """Train ``config``, with local shards if it names no addresses; returns the metrics."""
+    """Train ``config``, with local shards if it names no addresses; returns the metrics.
+
+    The data is read (or, streamed, its first rows) before any shard starts: a file that
+    does not read as its schema costs no shard start-up, and leaves no shard behind."""
     d = init_distributed(config.device)
     try:
+        data = open_data(config)
         with _shards(config, d) as addresses:
-            return train(config, addresses, d)
+            return train(config, addresses, d, data)
     finally:
         if d.world > 1 and dist.is_initialized():
             dist.destroy_process_group()

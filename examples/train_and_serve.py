@@ -3,6 +3,7 @@
     python examples/train_and_serve.py                       # generated Criteo-like data
     python examples/train_and_serve.py --data ../shared/data/criteo_kaggle_train_head10k.txt
     python examples/train_and_serve.py --data ../shared/data/avazu_train_head10k.csv --schema avazu
+    python examples/train_and_serve.py --data clicks.csv --schema clicks.toml   # your own log (docs/guides/custom-data.md)
 
 1. starts --num-shards (default 2) training shards (data dirs in a temporary directory) and as many serving shards
    (``--mode serve --follow``) that stream every change of their training shard (holding the rows as
@@ -35,7 +36,7 @@ from client import PredictClient, PSClient
 from deploy import LocalCluster
 from worker.command import parse
 from worker.data import raw_columns
-from worker.dataset import SCHEMAS
+from worker.dataset import open_data, schema_of
 from worker.mistakes import run_or_explain
 from worker.predictor import Predictor
 from worker.trainer import train
@@ -59,7 +60,7 @@ def request(config: Any, train_rows: int) -> tuple[dict[str, Any], dict[str, Any
         candidates = {f"C{i}": (ids * 7 + i) % 101 for i in range(2, 27)} | {f"I{j}": ids % 5 for j in range(2, 14)}
         return {"C1": 3, "I1": 2}, candidates, [f"item {i}" for i in ids]
     # A click log: 100 held-out rows, their fields as text exactly as in the file.
-    columns = raw_columns(config.data, SCHEMAS[config.schema](), train_rows, CANDIDATES)
+    columns = raw_columns(config.data, schema_of(config.schema), train_rows, CANDIDATES)
     n = len(next(iter(columns.values())))
     return {}, columns, [f"row {train_rows + i}" for i in range(n)]
 
@@ -78,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("train_and_serve: --addresses is not taken: this example starts its own shards", file=sys.stderr)
         return 2
     n = config.num_shards
+    data = run_or_explain(lambda: open_data(config), config, "train_and_serve")  # a wrong schema: before any shard
     with tempfile.TemporaryDirectory(prefix="ps-train-and-serve-") as tmp:
         root = Path(tmp)
         trainers = LocalCluster(n, root / "train", extra_args=(f"--data-dir={root / 'train' / 'data-{shard}'}",))
@@ -90,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
             trained = dataclasses.replace(config, addresses=tuple(trainers.addresses))
-            metrics = run_or_explain(lambda: train(trained, trainers.addresses), config, "train_and_serve")
+            metrics = run_or_explain(lambda: train(trained, trainers.addresses, data=data), config, "train_and_serve")
             run = Path(metrics["output_dir"])
             print(
                 f"trained: AUC {metrics['final']['auc']:.4f} on {int(metrics['final']['samples'])} held-out samples; "

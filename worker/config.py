@@ -100,7 +100,13 @@ class TrainerConfig:
     data: str = field(
         default="synthetic", metadata=_help("'synthetic' (Criteo-like, planted model) or a click-log path")
     )
-    schema: str = field(default="criteo", metadata=_help("layout of a click-log file: criteo, avazu or movielens"))
+    schema: str = field(
+        default="criteo",
+        metadata=_help(
+            "layout of a click-log file: criteo, avazu, movielens, or the path of a TOML schema file naming its "
+            "delimiter, header, label and each column's kind (docs/guides/custom-data.md)"
+        ),
+    )
     bad_lines: str = field(
         default="error",
         metadata=_help(
@@ -220,7 +226,11 @@ class TrainerConfig:
             (self.mode in ("sync", "pipelined"), f"mode={self.mode!r}: expected sync or pipelined"),
             (self.device in ("auto", "cpu", "cuda"), f"device={self.device!r}: expected auto, cpu or cuda"),
             (self.bad_lines in ("error", "skip"), f"bad_lines={self.bad_lines!r}: expected error or skip"),
-            (self.schema in SCHEMA_NAMES, f"schema={self.schema!r}: expected one of {', '.join(SCHEMA_NAMES)}"),
+            (
+                self.schema in SCHEMA_NAMES or Path(self.schema).is_file(),
+                f"schema={self.schema!r}: expected {', '.join(SCHEMA_NAMES)} or the path of a TOML schema file "
+                "(no such file)",
+            ),
             (self.dim >= 1, f"dim={self.dim}: must be >= 1"),
             (self.batch_size >= 0 and self.epochs >= 0, "batch_size and epochs must be >= 0 (0: chosen for you)"),
             (self.num_shards >= 1, f"num_shards={self.num_shards}: must be >= 1"),

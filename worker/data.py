@@ -4,7 +4,8 @@ is in ``worker.synthetic``; ``auc`` and ``logloss``, in ``worker.metrics``, are 
 A sample is one row of ``Batch.dense``, one label and, per categorical feature,
 exactly one key ``protos.keys.hash_feature(raw_value, feature_seed)``. The raw value
 is the field's bytes as they appear in the file; an empty field hashes as ``""``, so
-"missing" learns its own row. The default seed of a feature is
+"missing" learns its own row. A multi-valued feature has any number of keys per sample,
+one per value of its field (``worker.multivalued``). The default seed of a feature is
 ``feature_seed(name) = hash_feature(name, 0) mod 2**64``, so every process agrees.
 
 Hot paths make no Python object per value: a file is read in byte chunks that numba
@@ -33,8 +34,10 @@ from protos.keys import hash_feature
 from worker.fields import bucket_keys, dense_values, parse_numbers
 from worker.jagged import JaggedIds
 from worker.metrics import auc, logloss
+from worker.multivalued import JaggedKeys, split_keys
 from worker.schema import (
     BadLines,
+    ColumnNotFound,
     ColumnSchema,
     DataError,
     Layout,
@@ -51,6 +54,7 @@ __all__ = [
     "ClickLog",
     "DataError",
     "ColumnSchema",
+    "JaggedKeys",
     "SchemaColumns",
     "auc",
     "feature_seed",
@@ -133,18 +137,24 @@ def raw_columns(path: str | os.PathLike[str], schema: ColumnSchema, first: int, 
         f.seek(start)
         lines = [line for _, line in zip(range(first + count), f)][first:]
     fields = [line.decode("utf-8").rstrip("\r\n").split(schema.sep) for line in lines]
-    names = {**dict(zip(lay.features, lay.cat)), **dict(zip(lay.dense_names, lay.dense))}
+    names = {
+        **dict(zip(lay.features, lay.cat)),
+        **dict(zip(lay.dense_names, lay.dense)),
+        **dict(zip(lay.features[lay.key_rows :], lay.multi)),
+    }
     return {name: [row[int(i)] for row in fields] for name, i in names.items()}
 
 
 @dataclass(frozen=True)
 class _Rows:
-    """Parsed rows: labels 0/1 ``[n]``, final dense values ``[n, D]``, keys ``[F, n]``, order ``[n]`` or None."""
+    """Parsed rows: labels 0/1 ``[n]``, final dense values ``[n, D]``, keys ``[F, n]``, order
+    ``[n]`` or None, and the keys of each multi-valued feature."""
 
     labels: npt.NDArray[np.float32]
     dense: npt.NDArray[np.float32]
     keys: I64
     order: F64 | None
+    bags: tuple[JaggedKeys, ...] = ()
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -183,10 +193,11 @@ def _parse_lines(
     def field(i: int, col: int) -> bytes:
         return bytes(buf[starts[i, col] : ends[i, col]])
 
-    def refuse(rows: I64, message: str) -> None:
-        """Raise for the first of ``rows`` (``message`` names it), or drop them all when skipping."""
+    def refuse(rows: I64, col: int, message: str) -> None:
+        """Raise for the first of ``rows`` (``message`` names it, and column ``col``), or drop them all when skipping."""
         if skipped is None:
-            raise DataError(f"{where}:{line_nos[rows[0]]}: {message}", where, int(line_nos[rows[0]]))
+            line = int(line_nos[rows[0]])
+            raise DataError(f"{where}:{line}: {message}", where, line, lay.names[col])
         drop[rows] = True
 
     def numbers(cols: I64) -> tuple[F64, npt.NDArray[np.bool_]]:
@@ -195,6 +206,7 @@ def _parse_lines(
             i, c = bad[0]
             refuse(
                 bad[:, 0],
+                int(cols[c]),
                 f"column {lay.names[cols[c]]!r} (field {cols[c] + 1}): {field(i, cols[c])[:100]!r} is not a finite number",
             )
         return out, empty
@@ -210,24 +222,35 @@ def _parse_lines(
         labels = (labels >= schema.label_threshold).astype(np.float64)
     if wrong.size:
         i = int(wrong[0])
-        refuse(wrong, f"column {lay.names[col]!r} (field {col + 1}): label {field(i, col)[:100]!r}, {expected}")
+        refuse(wrong, col, f"column {lay.names[col]!r} (field {col + 1}): label {field(i, col)[:100]!r}, {expected}")
     raw, empty = numbers(lay.dense)  # empty -> 0 already
     order = None
     if lay.order.shape[0]:
         values, empty_order = numbers(lay.order)
         if empty_order.any():
-            refuse(np.flatnonzero(empty_order[:, 0]), f"column {lay.names[lay.order[0]]!r} (order_by) is empty")
+            where_empty = np.flatnonzero(empty_order[:, 0])
+            refuse(where_empty, int(lay.order[0]), f"column {lay.names[lay.order[0]]!r} (order_by) is empty")
         order = values[:, 0]
     if skipped is not None and drop.any():  # (without skipped, refuse() raised)
         skipped.add(line_nos[drop])
         keep = ~drop
         starts, ends, labels, raw, empty = starts[keep], ends[keep], labels[keep], raw[keep], empty[keep]
         order = None if order is None else order[keep]
-    keys = np.empty((len(lay.features), starts.shape[0]), np.uint64)
+    keys = np.empty((lay.key_rows, starts.shape[0]), np.uint64)
     hash_fields(buf, starts, ends, lay.cat, lay.bases, keys)
     for j, seed in enumerate(lay.bucket_seeds):
         keys[lay.cat.shape[0] + j] = bucket_keys(raw[:, j], empty[:, j], seed).view(np.uint64)
-    return _Rows(labels[:, 0].astype(np.float32), dense_values(raw, schema.log_transform), keys.view(np.int64), order)
+    bags = tuple(
+        split_keys(buf, starts[:, col], ends[:, col], sep, basis)
+        for col, sep, basis in zip(lay.multi.tolist(), lay.multi_seps, lay.multi_bases)
+    )
+    return _Rows(
+        labels[:, 0].astype(np.float32),
+        dense_values(raw, schema.log_transform),
+        keys[: lay.key_rows].view(np.int64),
+        order,
+        bags,
+    )
 
 
 def _concat(parts: Sequence[_Rows]) -> _Rows:
@@ -239,12 +262,17 @@ def _concat(parts: Sequence[_Rows]) -> _Rows:
         np.concatenate([p.dense for p in parts]),
         np.concatenate([p.keys for p in parts], axis=1),
         np.concatenate(orders) if orders else None,
+        tuple(JaggedKeys.concat(bag) for bag in zip(*(p.bags for p in parts))),
     )
 
 
 def _take(rows: _Rows, lo: int, hi: int) -> _Rows:
     return _Rows(
-        rows.labels[lo:hi], rows.dense[lo:hi], rows.keys[:, lo:hi], None if rows.order is None else rows.order[lo:hi]
+        rows.labels[lo:hi],
+        rows.dense[lo:hi],
+        rows.keys[:, lo:hi],
+        None if rows.order is None else rows.order[lo:hi],
+        tuple(b.rows(lo, hi) for b in rows.bags),
     )
 
 
@@ -289,7 +317,8 @@ def _read_rows(
                     try:
                         lay = resolve_layout(schema, header, bytes(buf[line_starts[lo] : line_ends[lo]]))
                     except ValueError as exc:
-                        raise DataError(f"{where}: {exc}", where) from None
+                        column = str(exc.column) if isinstance(exc, ColumnNotFound) else None
+                        raise DataError(f"{where}: {exc}", where, column=column) from None
                 rows = _parse_lines(
                     buf, line_starts[lo:hi], line_ends[lo:hi], line_no + lo + 1, lay, schema, where, bad_lines
                 )
@@ -302,7 +331,10 @@ def _read_rows(
 
 def _make_batch(rows: _Rows, features: tuple[str, ...]) -> Batch:
     offsets = torch.arange(len(rows) + 1)
-    sparse = {f: JaggedIds(torch.from_numpy(rows.keys[c]), offsets) for c, f in enumerate(features)}
+    keyed = features[: rows.keys.shape[0]]
+    sparse = {f: JaggedIds(torch.from_numpy(rows.keys[c]), offsets) for c, f in enumerate(keyed)}
+    for f, bag in zip(features[len(keyed) :], rows.bags):
+        sparse[f] = JaggedIds(torch.from_numpy(bag.values), torch.from_numpy(bag.offsets))
     return Batch(torch.from_numpy(rows.dense), sparse, torch.from_numpy(rows.labels))
 
 
@@ -363,7 +395,8 @@ class ClickLog:
     """A whole click log parsed into memory (``load_click_log``), in row order.
 
     ``labels`` float32 ``[n]`` of 0/1, ``dense`` float32 ``[n, D]`` (transformed as the
-    schema says), ``keys`` int64 ``[F, n]``: one key per row of each of ``features``.
+    schema says), ``keys`` int64 ``[F, n]``: one key per row of each of the first ``F`` of
+    ``features``; ``bags``: the keys of each of the others (multi-valued features), in order.
     Immutable by convention: slices and batches are views of these arrays.
 
     >>> import tempfile, pathlib
@@ -378,6 +411,7 @@ class ClickLog:
     dense: npt.NDArray[np.float32]
     keys: I64
     features: tuple[str, ...]
+    bags: tuple[JaggedKeys, ...] = ()
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -387,13 +421,24 @@ class ClickLog:
         lo, hi, step = rows.indices(len(self))
         if step != 1:
             raise ValueError(f"ClickLog[{rows}]: only contiguous slices")
-        return ClickLog(self.labels[lo:hi], self.dense[lo:hi], self.keys[:, lo:hi], self.features)
+        bags = tuple(b.rows(lo, hi) for b in self.bags)
+        return ClickLog(self.labels[lo:hi], self.dense[lo:hi], self.keys[:, lo:hi], self.features, bags)
+
+    def take(self, order: I64) -> ClickLog:
+        """The rows ``order`` (row indices, in that order), as copies."""
+        bags = tuple(b.take(order) for b in self.bags)
+        return ClickLog(self.labels[order], self.dense[order], self.keys[:, order], self.features, bags)
+
+    def _feature_keys(self) -> Iterator[tuple[str, I64]]:
+        """Every feature's keys, all rows together."""
+        yield from zip(self.features, [*self.keys, *(b.values for b in self.bags)])
 
     def frequent_keys(self, min_count: int) -> dict[str, I64]:
-        """Per feature, the sorted keys found in at least ``min_count`` rows (the vocabulary)."""
+        """Per feature, the sorted keys found at least ``min_count`` times (the vocabulary;
+        in as many rows, but for a multi-valued feature that holds a value twice in a row)."""
         out: dict[str, I64] = {}
-        for f, name in enumerate(self.features):
-            values, counts = np.unique(self.keys[f], return_counts=True)
+        for name, keys in self._feature_keys():
+            values, counts = np.unique(keys, return_counts=True)
             out[name] = values[counts >= min_count]
         return out
 
@@ -410,10 +455,16 @@ class ClickLog:
         counted = self if counted_in is None else counted_in
         if counted.features != self.features:
             raise ValueError(f"features differ: {self.features} vs {counted.features}")
-        keys = self.keys.copy()
-        for f, (name, frequent) in enumerate(counted.frequent_keys(min_count).items()):
-            keys[f, ~np.isin(keys[f], frequent)] = rare_key(name)
-        return ClickLog(self.labels, self.dense, keys, self.features)
+        vocabulary = counted.frequent_keys(min_count)
+
+        def shared(name: str, keys: I64) -> I64:
+            out: I64 = np.where(np.isin(keys, vocabulary[name]), keys, np.int64(rare_key(name)))
+            return out
+
+        nkeyed = self.keys.shape[0]
+        keys = np.stack([shared(n, k) for n, k in zip(self.features, self.keys)]) if nkeyed else self.keys.copy()
+        bags = tuple(b.with_values(shared(n, b.values)) for n, b in zip(self.features[nkeyed:], self.bags))
+        return ClickLog(self.labels, self.dense, keys.reshape(self.keys.shape), self.features, bags)
 
     def batches(self, batch_size: int, *, rank: int = 0, world_size: int = 1, start: int = 0) -> Iterator[Batch]:
         """Batches of ``batch_size`` rows in order (the last may be short); ``rank`` of
@@ -421,7 +472,7 @@ class ClickLog:
         (``start``: the batches before it were trained on already)."""
         if batch_size < 1 or not 0 <= rank < world_size or start < 0:
             raise ValueError(f"batch_size={batch_size}, rank={rank}, world_size={world_size}, start={start}")
-        rows = _Rows(self.labels, self.dense, self.keys, None)
+        rows = _Rows(self.labels, self.dense, self.keys, None, self.bags)
         for lo in range((start + rank) * batch_size, len(self), batch_size * world_size):
             yield _make_batch(_take(rows, lo, lo + batch_size), self.features)
 
@@ -454,7 +505,5 @@ def load_click_log(
         skipped = f" ({bad_lines})" if bad_lines is not None and bad_lines.count else ""
         raise DataError(f"{os.fspath(path)}: no data rows{skipped}", os.fspath(path))
     rows = _concat(parts)
-    if rows.order is not None:
-        idx = np.argsort(rows.order, kind="stable")
-        return ClickLog(rows.labels[idx], rows.dense[idx], rows.keys[:, idx], features)
-    return ClickLog(rows.labels, rows.dense, rows.keys, features)
+    log = ClickLog(rows.labels, rows.dense, rows.keys, features, rows.bags)
+    return log if rows.order is None else log.take(np.argsort(rows.order, kind="stable"))

@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from worker.config import TrainerConfig
 from worker.data import BadLines, Batch, ClickLog, ColumnSchema, DataError, load_click_log, read_click_log
+from worker.schemafile import load_schema_file
 from worker.synthetic import synthetic_criteo
 
 __all__ = [
@@ -45,20 +46,33 @@ __all__ = [
     "eval_batches",
     "micro_batches",
     "open_data",
+    "schema_of",
     "steps_per_epoch",
 ]
 
 SCHEMAS = {"criteo": ColumnSchema.criteo, "avazu": ColumnSchema.avazu, "movielens": ColumnSchema.movielens}
+CHECK_ROWS = 4096  # a streamed log: rows read before training starts, to find a wrong schema early
 IN_MEMORY_BYTES = 256 << 20  # click logs up to this size are read whole (ordered, several epochs)
 STEPS_PER_EPOCH = 128  # what batch_size=0 aims at
 EVAL_BATCH_SIZE = 4096  # click logs; synthetic evaluation uses batch_size (its samples depend on it)
+
+
+def schema_of(spec: str) -> ColumnSchema:
+    """The layout ``--schema spec`` names: a name in ``SCHEMAS``, or the path of a TOML schema
+    file (``worker.schemafile``; raises its ``SchemaFileError``, one line, for a bad one).
+
+    >>> schema_of("avazu").label
+    'click'
+    """
+    make = SCHEMAS.get(spec)
+    return make() if make is not None else load_schema_file(spec).schema
 
 
 @dataclass(frozen=True)
 class RunData:
     """The rows of a run: synthetic, a click log in memory (``train``/``test``), or one streamed."""
 
-    source: str  # "synthetic" or the schema name
+    source: str  # "synthetic", or the schema's name or file
     train_rows: int  # all workers together
     eval_rows: int
     train: ClickLog | None = None  # in memory, rare keys shared (see ClickLog.with_rare_keys)
@@ -78,10 +92,13 @@ class RunData:
 
 
 def open_data(config: TrainerConfig) -> RunData:
-    """The rows ``config`` names; reads a click log that fits in memory (raises ``ValueError`` for bad rows)."""
+    """The rows ``config`` names; reads a click log that fits in memory, and the first
+    ``CHECK_ROWS`` rows of a larger one, so that a schema that does not fit the file fails
+    here, before any training (raises ``ValueError``: ``DataError`` for bad rows,
+    ``SchemaFileError`` for a bad schema file)."""
     if config.data == "synthetic":
         return RunData("synthetic", config.train_samples, config.eval_samples)
-    schema, path = SCHEMAS[config.schema](), Path(config.data)
+    schema, path = schema_of(config.schema), Path(config.data)
     bad = BadLines() if config.bad_lines == "skip" else None
     if schema.order_by is not None or path.stat().st_size <= IN_MEMORY_BYTES:
         rows = load_click_log(path, schema, bad_lines=bad)
@@ -98,6 +115,8 @@ def open_data(config: TrainerConfig) -> RunData:
             f"folds={config.folds}: cross-validation needs the log in memory; {path} is over "
             f"{IN_MEMORY_BYTES >> 20} MiB and is streamed"
         )
+    for _ in read_click_log(path, schema, CHECK_ROWS, limit=CHECK_ROWS, bad_lines=BadLines() if bad else None):
+        pass
     # Streamed: rows are lines (a skipped malformed line shortens the pass it is in).
     total = count_lines(path) - (1 if schema.header else 0)
     n_train = int(total * config.train_fraction)
@@ -138,8 +157,7 @@ def cv_fold(rows: ClickLog, folds: int, k: int) -> tuple[ClickLog, int]:
     lo, hi = n * k // folds, n * (k + 1) // folds
     if hi == lo or hi - lo == n:
         raise ValueError(f"fold {k} of {folds}: {n} rows are too few to cut into {folds} blocks")
-    order = np.r_[0:lo, hi:n, lo:hi]
-    return ClickLog(rows.labels[order], rows.dense[order], rows.keys[:, order], rows.features), n - (hi - lo)
+    return rows.take(np.r_[0:lo, hi:n, lo:hi]), n - (hi - lo)
 
 
 def count_lines(path: Path) -> int:
@@ -232,7 +250,7 @@ def epoch_batches(
             config.train_samples, batch_size, seed=config.seed + 1000 * epoch, rank=rank, world_size=world, start=start
         )
     if data.path is not None:
-        schema = SCHEMAS[config.schema]()
+        schema = schema_of(config.schema)
         # Without skipped lines a micro-batch is rows [i * batch_size, (i + 1) * batch_size) of
         # the file; a skipped line shifts the rows after it, so the stream is read from its start.
         skip = start * batch_size if data.bad_lines is None else 0
@@ -251,7 +269,7 @@ def eval_batches(config: TrainerConfig, data: RunData, batch_size: int) -> list[
     if data.source == "synthetic":
         return list(synthetic_criteo(config.eval_samples, batch_size, seed=config.seed + 7_777_777))
     if data.path is not None:
-        schema = SCHEMAS[config.schema]()
+        schema = schema_of(config.schema)
         return list(read_click_log(data.path, schema, EVAL_BATCH_SIZE, skip=data.train_rows, bad_lines=data.bad_lines))
     if data.test is None:
         raise ValueError(f"{data.source}: no evaluation rows")

@@ -8,7 +8,7 @@ A run directory (``runs/<time>/``) holds, besides ``dense.pt`` and ``metrics.jso
   ``[B, num_dense]`` and a dict of pooled rows ``{feature: float32 [B, dim of its table]}``
   for every feature of ``manifest["program"]["embeddings"]``, in that order; it returns
   the logits float32 ``[B]``. ``B`` is dynamic.
-* ``manifest.json`` (``FORMAT_VERSION``): ``tables`` (name, dim, optimizer, initializer,
+* ``manifest.json`` (``format_version``: 1, or 2 when a column is multi-valued): ``tables`` (name, dim, optimizer, initializer,
   seed, params), ``features`` (name, table, pooling, and ``keys``: the key feature whose
   keys it reads; ``C1.wide`` reads ``C1``'s keys from the table ``wide``),
   ``wide_suffix``, ``program`` (file and input order), ``schema`` (below), and, when
@@ -20,11 +20,16 @@ A run directory (``runs/<time>/``) holds, besides ``dense.pt`` and ``metrics.jso
 
 ``manifest["schema"]`` describes the raw columns a request carries:
 
+* ``source``: ``"synthetic"``, a built-in schema's name, or the schema file's path (then
+  ``toml`` holds its text, to read the same log again).
 * ``categorical``: ``[{"column", "values", "seed"}]``: a column is one key feature of
   the same name; its values are hashed with ``protos.keys.hash_feature(value, seed)``.
   ``values`` says how training saw them: ``"string"`` for click logs (the field's bytes
   exactly as in the file; an empty field is ``""``) and ``"int64"`` for synthetic data
-  (the integer ids ``worker.synthetic`` draws, hashed as integers).
+  (the integer ids ``worker.synthetic`` draws, hashed as integers). An entry with a
+  ``separator`` (format 2) is multi-valued: a value is split there into any number of
+  keys (``worker.multivalued.split_keys``), all pooled into its feature. A manifest of
+  format 1 has no such entry and reads as before.
 * ``dense``: ``[{"column", "bucket_feature", "bucket_seed"}]``, in the order of the
   model's dense input. A value is a number (parsed from text as the click-log readers
   do) or missing (an empty field, or NaN); missing counts as 0. The model sees
@@ -55,8 +60,9 @@ import torch
 from protos.columns import ValueType
 from worker.config import EmbeddingTableConfig, FeatureConfig
 from worker.data import SchemaColumns, feature_seed, schema_columns
-from worker.dataset import SCHEMAS
+from worker.dataset import SCHEMAS, schema_of
 from worker.fields import MISSING_BUCKET
+from worker.schemafile import load_schema_file
 
 __all__ = [
     "FORMAT_VERSION",
@@ -70,7 +76,8 @@ __all__ = [
     "serving_manifest",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this code writes for a run with a multi-valued column; without one, 1
+READABLE_VERSIONS = (1, 2)
 PROGRAM_FILE = "model.pt2"
 _EXAMPLE_BATCH = 16  # torch.export specialises sizes 0 and 1, so the example batch is larger
 _SIGMOID_ALIGN = 64  # a multiple of two vectors of every SIMD width torch uses (AVX-512: 2 x 16 floats)
@@ -78,9 +85,10 @@ _SIGMOID_SLICE = 16384  # below torch's grain size (32768): one thread, one vect
 
 
 def describe_data(source: str, data_path: str | Path, features: Sequence[str], num_dense: int) -> dict[str, Any]:
-    """``manifest["schema"]`` of a run on ``source`` (``"synthetic"`` or a schema name of
-    ``worker.dataset.SCHEMAS``) whose batches have the key ``features`` and ``num_dense``
-    dense columns. Raises ``ValueError`` when the schema does not give those features."""
+    """``manifest["schema"]`` of a run on ``source`` (``"synthetic"``, a schema name of
+    ``worker.dataset.SCHEMAS`` or a schema file's path) whose batches have the key
+    ``features`` and ``num_dense`` dense columns. Raises ``ValueError`` when the schema does
+    not give those features."""
     if source == "synthetic":
         # worker.synthetic: feature C{f+1} is hash_features(id, feature_seed(name)), dense
         # column j is log1p(count); no buckets.
@@ -89,19 +97,23 @@ def describe_data(source: str, data_path: str | Path, features: Sequence[str], n
         values: ValueType = "int64"
         log_transform = True
     else:
-        schema = SCHEMAS[source]()
+        schema = schema_of(source)
         cols = schema_columns(data_path, schema)
         values, log_transform = "string", schema.log_transform
-    if [*cols.categorical, *cols.buckets] != list(features) or len(cols.dense) != num_dense:
+    keyed = [*cols.categorical, *cols.buckets, *cols.multi]
+    if keyed != list(features) or len(cols.dense) != num_dense:
         raise ValueError(
-            f"{source}: schema gives features {[*cols.categorical, *cols.buckets]} and "
+            f"{source}: schema gives features {keyed} and "
             f"{len(cols.dense)} dense columns; the batches have {list(features)} and {num_dense}"
         )
     buckets = dict(zip(cols.dense, cols.buckets))
-    return {
-        "source": source,
+    multi = [{"column": c, "values": "string", "seed": cols.seeds[c], "separator": s} for c, s in cols.multi.items()]
+    described: dict[str, Any] = {"source": source}
+    if source != "synthetic" and source not in SCHEMAS:
+        described["toml"] = load_schema_file(source).text
+    return described | {
         "log_transform": log_transform,
-        "categorical": [{"column": c, "values": values, "seed": cols.seeds[c]} for c in cols.categorical],
+        "categorical": [{"column": c, "values": values, "seed": cols.seeds[c]} for c in cols.categorical] + multi,
         "dense": [
             {"column": d, "bucket_feature": buckets.get(d), "bucket_seed": cols.seeds.get(buckets.get(d, ""))}
             for d in cols.dense
@@ -141,8 +153,10 @@ def serving_manifest(
     def keys_of(name: str) -> str:
         return name.removesuffix(wide_suffix) if wide_suffix and name.endswith(wide_suffix) else name
 
+    multi_valued = any("separator" in c for c in schema["categorical"])
     return {
-        "format_version": FORMAT_VERSION,
+        # Format 1 predictors (no multi-valued columns) still read a run that has none.
+        "format_version": FORMAT_VERSION if multi_valued else 1,
         "run": out.resolve().name,
         "program": {
             "file": PROGRAM_FILE,
@@ -182,7 +196,8 @@ def probabilities(logits: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class KeyFeature:
-    """A feature whose keys come from one raw column: hashed (``string``/``int64``) or bucketed (``bucket``)."""
+    """A feature whose keys come from one raw column: hashed (``string``/``int64``) or bucketed
+    (``bucket``); with a ``separator``, a string column whose every value holds any number of keys."""
 
     name: str
     column: str
@@ -190,6 +205,7 @@ class KeyFeature:
     seed: int
     vocabulary: npt.NDArray[np.int64] | None  # sorted; other keys become rare_key
     rare_key: int
+    separator: str | None = None  # multi-valued: the values are split at it
 
 
 @dataclass(frozen=True)
@@ -231,10 +247,11 @@ def load_model(run_dir: str | Path) -> ServingModel:
         manifest = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: {exc}") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READABLE_VERSIONS:
         raise ValueError(
             f"{path}: format_version {manifest.get('format_version')!r}, this predictor reads "
-            f"{FORMAT_VERSION} (runs trained before models were exported have none: train again)"
+            f"{' and '.join(map(str, READABLE_VERSIONS))} (runs trained before models were exported have none: "
+            "train again)"
         )
     try:
         return _parse(run_dir, manifest)
@@ -251,10 +268,14 @@ def _parse(run_dir: Path, manifest: dict[str, Any]) -> ServingModel:
             vocab = {name: np.asarray(npz[name], dtype=np.int64) for name in npz.files}
     rare_keys: dict[str, int] = dict(rare["rare_keys"]) if rare else {}
 
-    def key_feature(name: str, column: str, hashing: str, seed: int) -> KeyFeature:
-        return KeyFeature(name, column, hashing, int(seed), vocab.get(name), int(rare_keys.get(name, 0)))
+    def key_feature(name: str, column: str, hashing: str, seed: int, separator: str | None = None) -> KeyFeature:
+        if separator is not None and (not isinstance(separator, str) or len(separator) != 1 or hashing != "string"):
+            raise ValueError(f"{run_dir / 'manifest.json'}: column {column!r}: separator {separator!r} of {hashing}")
+        return KeyFeature(name, column, hashing, int(seed), vocab.get(name), int(rare_keys.get(name, 0)), separator)
 
-    keys = [key_feature(c["column"], c["column"], c["values"], c["seed"]) for c in schema["categorical"]]
+    keys = [
+        key_feature(c["column"], c["column"], c["values"], c["seed"], c.get("separator")) for c in schema["categorical"]
+    ]
     keys += [
         key_feature(d["bucket_feature"], d["column"], "bucket", d["bucket_seed"])
         for d in schema["dense"]

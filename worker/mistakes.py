@@ -2,8 +2,9 @@
 
 ``run_or_explain(fn, config, prog)`` runs ``fn`` and turns a mistake into one line on
 stderr and an exit status instead of a traceback: a token the shards refuse (status 2,
-naming the role a trainer needs); a data file that does not read as ``--schema`` (naming
-the schema it reads as), a malformed line (offering ``--bad-lines skip``), ``--device
+naming the role a trainer needs); a schema file with a mistake (naming the key or column),
+a data file that does not read as ``--schema`` (naming the schema it reads as, or what the
+schema file says of the column), a malformed line (offering ``--bad-lines skip``), ``--device
 cuda`` without CUDA, a checkpoint directory of another run, a path that may not be read or written (status 1). Anything else is
 a bug or a failure of the cluster and keeps its traceback.
 
@@ -20,11 +21,12 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from client import PermissionDeniedError, UnauthenticatedError
-from worker.config import TrainerConfig
+from worker.config import SCHEMA_NAMES, TrainerConfig
 from worker.data import DataError
 from worker.dataset import OneLabelError, schemas_that_fit
 from worker.distributed import DeviceError
 from worker.resume import CheckpointError
+from worker.schemafile import SchemaFileError, load_schema_file
 
 __all__ = ["run_or_explain", "user_error"]
 
@@ -36,8 +38,10 @@ def user_error(exc: BaseException, config: TrainerConfig) -> str | None:
     for (a data file that does not read as ``--schema``, a malformed line, ``--device cuda``
     without CUDA, a path that may not be read or written); None for any other error, which
     is a bug or a failure of the cluster and keeps its traceback."""
-    if isinstance(exc, OneLabelError):  # the file reads fine: its rows are too few, or one-sided
+    if isinstance(exc, OneLabelError | SchemaFileError):  # the file reads fine, or the schema file does not
         return str(exc)
+    if isinstance(exc, DataError) and config.schema not in SCHEMA_NAMES:
+        return _against_schema_file(exc, config.schema)
     if isinstance(exc, DataError):
         if exc.line <= 2:  # the file as a whole, or its first data line, fails: its layout may be another
             others = [n for n in schemas_that_fit(exc.path) if n != config.schema]
@@ -63,6 +67,22 @@ def user_error(exc: BaseException, config: TrainerConfig) -> str | None:
         what = exc.filename if exc.filename is not None else "a file or directory"
         return f"permission denied: {what}: change its permissions, or pass another --data, --output-dir or --checkpoint-dir"
     return None
+
+
+def _against_schema_file(exc: DataError, path: str) -> str:
+    """A data file that does not read as the schema file ``path`` says: the reader's line,
+    and what the schema file says of the column (a built-in layout is no likelier to fit)."""
+    try:
+        about = load_schema_file(path).describe(exc.column) if exc.column else ""
+    except SchemaFileError as bad:
+        return str(bad)
+    said = f" (schema {path}: {about})" if about else f" (schema {path})"
+    if exc.line:
+        return (
+            f"{exc}{said}: fix the line, or pass --bad-lines skip to leave malformed lines out (they are counted "
+            "and logged)"
+        )
+    return f"{exc}{said}"
 
 
 def run_or_explain(fn: Callable[[], _T], config: TrainerConfig, prog: str) -> _T:

@@ -7,8 +7,10 @@ Given a run directory (``worker.export``) and anything with ``lookup_many`` (a
    keys and dense values with the training readers' own functions: strings through the
    FNV kernel ``protos.hashing.hash_fields`` (byte ranges of one buffer), integers through
    ``protos.keys.hash_features``, dense values through ``worker.fields`` (number parsing,
-   ``log1p``, bucket keys); keys outside the training vocabulary become the feature's rare
-   key, as in training. No Python object per value.
+   ``log1p``, bucket keys), multi-valued columns through ``worker.multivalued.split_keys``
+   (a candidate's value is one string, its values joined by the column's separator, as in
+   the training file: a request's columns hold one string per candidate); keys outside the
+   training vocabulary become the feature's rare key, as in training. No Python object per value.
 2. ``score``: for one or many encoded requests together, one ``lookup_many`` (one RPC
    per shard) of each table's unique keys, pooling as ``DistributedEmbedding`` pools
    (``F.embedding_bag``), one call of the exported dense program, and
@@ -46,6 +48,7 @@ from protos.hashing import fnv_basis, hash_fields
 from protos.keys import hash_features
 from worker.export import KeyFeature, ServingModel, load_model, probabilities
 from worker.fields import bucket_keys, dense_values, parse_numbers
+from worker.multivalued import JaggedKeys, split_keys
 
 __all__ = ["MIN_ROWS", "PAD_ROWS", "Encoded", "Predictor", "RowSource"]
 
@@ -65,11 +68,13 @@ class RowSource(Protocol):
 
 @dataclass(frozen=True)
 class Encoded:
-    """One request, encoded: ``keys`` int64 ``[key features, n]`` (``ServingModel.key_features``
-    order) and ``dense`` float32 ``[n, dense columns]``."""
+    """One request, encoded: ``keys`` int64 ``[key features, n]`` (the ``ServingModel.key_features``
+    with one key per candidate, in order), ``dense`` float32 ``[n, dense columns]``, and
+    ``bags``: the keys of each multi-valued key feature, in order."""
 
     keys: I64
     dense: F32
+    bags: tuple[JaggedKeys, ...] = ()
 
     @property
     def n(self) -> int:
@@ -89,11 +94,17 @@ class Predictor:
         if max_candidates < 1:
             raise ValueError(f"max_candidates={max_candidates}: must be >= 1")
         self.model, self.rows, self.max_candidates = model, rows, max_candidates
-        self._position = {k.name: i for i, k in enumerate(model.key_features)}
+        self._keyed = [k for k in model.key_features if k.separator is None]
+        self._multi = [k for k in model.key_features if k.separator is not None]
+        self._position = {k.name: i for i, k in enumerate(self._keyed)}
+        self._bag_position = {k.name: i for i, k in enumerate(self._multi)}
         self._bases = {k.name: fnv_basis(k.seed) for k in model.key_features}
-        self._readers: dict[str, list[tuple[str, str, int]]] = {}  # table -> (feature, pooling, key row)
-        for name, table, pooling, key_row in model.embeddings:
-            self._readers.setdefault(table, []).append((name, pooling, key_row))
+        # table -> (feature, pooling, whether it reads a bag, its key row or bag)
+        self._readers: dict[str, list[tuple[str, str, bool, int]]] = {}
+        for name, table, pooling, index in model.embeddings:
+            k = model.key_features[index]
+            at = (True, self._bag_position[k.name]) if k.separator is not None else (False, self._position[k.name])
+            self._readers.setdefault(table, []).append((name, pooling, *at))
         self._accepts: dict[str, tuple[ValueType, ...]] = {c: (t,) for c, t in model.categorical.items()}
         self._accepts |= dict.fromkeys(model.dense, _NUMBER_TYPES)
 
@@ -133,10 +144,11 @@ class Predictor:
         if missing := [c for c in accepts if c not in where]:
             raise InvalidRequest(f"missing features: {', '.join(missing)} (each goes in context or candidates)")
         columns = {**context, **candidates}
-        keys = np.empty((len(self.model.key_features), n), np.int64)
-        for k in self.model.key_features:
+        keys = np.empty((len(self._keyed), n), np.int64)
+        for k in self._keyed:
             if k.hashing != "bucket":
                 keys[self._position[k.name]] = self._vocabulary(k, self._hash(k, columns[k.column]))
+        bags = tuple(self._split(k, columns[k.column], n) for k in self._multi)
         dense = np.empty((n, len(self.model.dense)), np.float32)
         buckets = {k.column: k for k in self.model.key_features if k.hashing == "bucket"}
         for j, name in enumerate(self.model.dense):
@@ -144,7 +156,16 @@ class Predictor:
             dense[:, j] = dense_values(raw, self.model.log_transform)
             if (b := buckets.get(name)) is not None:
                 keys[self._position[b.name]] = self._vocabulary(b, bucket_keys(raw, empty, b.seed))
-        return Encoded(keys, dense)
+        return Encoded(keys, dense, bags)
+
+    def _split(self, k: KeyFeature, col: Column, n: int) -> JaggedKeys:
+        """A multi-valued column's keys for ``n`` candidates (a context column: its one value's, for each)."""
+        starts, ends = col.ranges()
+        buf = col.values if col.values.shape[0] else np.zeros(1, np.uint8)
+        if len(col) != n:  # the context: the same value for every candidate
+            starts, ends = np.repeat(starts, n), np.repeat(ends, n)
+        bag = split_keys(buf, starts, ends, ord(k.separator or ""), self._bases[k.name])
+        return bag.with_values(self._vocabulary(k, bag.values))
 
     def _hash(self, k: KeyFeature, col: Column) -> I64:
         if col.type == "int64":
@@ -179,26 +200,38 @@ class Predictor:
             return [np.empty(0, np.float32) for _ in batches]
         keys = np.concatenate([b.keys for b in batches], axis=1) if len(batches) > 1 else batches[0].keys
         dense = np.concatenate([b.dense for b in batches]) if len(batches) > 1 else batches[0].dense
+        bags = [JaggedKeys.concat(parts) for parts in zip(*(b.bags for b in batches))]
         if pad := max(MIN_ROWS - n, -n % PAD_ROWS):
             keys = np.concatenate([keys, np.repeat(keys[:, -1:], pad, axis=1)], axis=1)
             dense = np.concatenate([dense, np.repeat(dense[-1:], pad, axis=0)])
+            last = np.r_[0:n, np.full(pad, n - 1)]
+            bags = [bag.take(last) for bag in bags]
         rows_n = n + pad
+        one_each = np.arange(rows_n + 1, dtype=np.int64)
+
+        def ids_of(bag: bool, at: int) -> tuple[I64, I64]:
+            """A reader's keys and offsets (``rows_n + 1``)."""
+            return (bags[at].values, bags[at].offsets) if bag else (keys[at], one_each)
+
         unique: dict[str, I64] = {}
         index: dict[str, I64] = {}
         for table, readers in self._readers.items():
             # Features reading one table share a lookup, as in DistributedEmbedding.
-            parts = np.concatenate([keys[r] for _, _, r in readers]) if len(readers) > 1 else keys[readers[0][2]]
-            unique[table], index[table] = dedup(parts)
+            parts = [ids_of(bag, at)[0] for _, _, bag, at in readers]
+            unique[table], index[table] = dedup(np.concatenate(parts) if len(parts) > 1 else parts[0])
         rows = self.rows.lookup_many(unique)
-        offsets = torch.arange(rows_n, dtype=torch.int64)
         pooled: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for table, readers in self._readers.items():
                 weight = torch.from_numpy(np.ascontiguousarray(rows[table]))
                 inverse = torch.from_numpy(index[table])
-                for i, (name, pooling, _) in enumerate(readers):
-                    ids = inverse[i * rows_n : (i + 1) * rows_n]
-                    pooled[name] = F.embedding_bag(ids, weight, offsets, mode=pooling)
+                lo = 0
+                for name, pooling, bag, at in readers:
+                    values, offsets = ids_of(bag, at)
+                    ids = inverse[lo : lo + values.shape[0]]
+                    lo += values.shape[0]
+                    starts = torch.from_numpy(offsets[:-1])
+                    pooled[name] = F.embedding_bag(ids, weight, starts, mode=pooling)
             inputs = {name: pooled[name] for name, _, _, _ in self.model.embeddings}
             logits = self.model.program(torch.from_numpy(dense), inputs)
             scores = probabilities(logits).numpy()

@@ -1,5 +1,5 @@
-"""What a delimited click log's columns are: ``ColumnSchema`` (label, dense and
-categorical columns, by name or index) resolved against a file's header or first line,
+"""What a delimited click log's columns are: ``ColumnSchema`` (label, dense, categorical and
+multi-valued columns, by name or index) resolved against a file's header or first line,
 the feature names and hash seeds it gives (``feature_seed``), and ``DataError`` for a
 file that does not read as its schema says. The readers are in ``worker.data``.
 
@@ -24,6 +24,7 @@ from protos.keys import hash_feature
 
 __all__ = [
     "BadLines",
+    "ColumnNotFound",
     "ColumnSchema",
     "DataError",
     "Layout",
@@ -51,11 +52,21 @@ def feature_seed(feature: str) -> int:
 
 class DataError(ValueError):
     """A data file that does not read as its schema says. The message names the file and,
-    for one line, its 1-based number (``line``; 0 when it is about the file as a whole)."""
+    for one line, its 1-based number (``line``; 0 when it is about the file as a whole),
+    and ``column``, the column it is about (None: the line or file as a whole)."""
 
-    def __init__(self, message: str, path: str, line: int = 0) -> None:
+    def __init__(self, message: str, path: str, line: int = 0, column: str | None = None) -> None:
         super().__init__(message)
-        self.path, self.line = path, line
+        self.path, self.line, self.column = path, line, column
+
+
+class ColumnNotFound(ValueError):
+    """A schema's ``column`` that a file does not have (not in its header or names, or an
+    index past its fields)."""
+
+    def __init__(self, message: str, column: str | int) -> None:
+        super().__init__(message)
+        self.column = column
 
 
 @dataclass
@@ -89,7 +100,7 @@ class BadLines:
 
 @dataclass(frozen=True)
 class ColumnSchema:
-    """Layout of a delimited click log: which columns are the label, dense and categorical.
+    """Layout of a delimited click log: which columns are the label, dense, categorical and multi-valued.
 
     Columns are named (resolved against the header, or ``names`` for a file without
     one) or 0-based indices. A categorical feature is named after its column; an
@@ -97,6 +108,10 @@ class ColumnSchema:
     for the j-th categorical. ``sep`` is one ASCII character; fields are not quoted.
     ``seeds`` overrides ``feature_seed(name)`` per feature (unknown names raise at read
     time). Dense values: empty -> 0, then ``log1p(max(x, 0))`` when ``log_transform``.
+    ``multi_valued`` maps a column to its separator (one ASCII character, not ``sep``): its
+    field holds any number of values, every one a key of the feature named after the column
+    (``M{j+1}`` when index-addressed without names), pooled like any jagged feature (see
+    ``worker.multivalued`` for how a field splits).
 
     Derived columns:
 
@@ -129,10 +144,17 @@ class ColumnSchema:
     label_threshold: float | None = None
     dense_buckets: bool = False
     order_by: str | int | None = None
+    multi_valued: Mapping[str | int, str] | None = None
 
     def __post_init__(self) -> None:
         if len(self.sep) != 1 or not self.sep.isascii():
             raise ValueError(f"sep={self.sep!r}: must be one ASCII character")
+        for col, sep in (self.multi_valued or {}).items():
+            if len(sep) != 1 or not sep.isascii() or sep in "\r\n" or sep == self.sep:
+                raise ValueError(
+                    f"multi_valued[{col!r}]: separator {sep!r} must be one ASCII character other than "
+                    f"sep={self.sep!r} and a line break"
+                )
         if self.label_threshold is not None and not math.isfinite(self.label_threshold):
             raise ValueError(f"label_threshold={self.label_threshold}: must be finite")
         for name, value in (("dense", self.dense), ("categorical", self.categorical), ("names", self.names)):
@@ -200,6 +222,14 @@ class Layout:
     bucket_seeds: tuple[int, ...]  # hash seeds of the bucket features
     dense_names: tuple[str, ...]  # the dense columns' names (I{j+1} without names)
     seeds: tuple[int, ...]  # hash seed of every feature
+    multi: I64  # the multi-valued columns
+    multi_seps: tuple[int, ...]  # their separator bytes
+    multi_bases: tuple[int, ...]  # their FNV bases
+
+    @property
+    def key_rows(self) -> int:
+        """Features with one key per row (categorical, then bucket features), before the multi-valued ones."""
+        return len(self.features) - int(self.multi.shape[0])
 
 
 def resolve_layout(schema: ColumnSchema, header: list[str] | None, first_line: bytes) -> Layout:
@@ -212,27 +242,31 @@ def resolve_layout(schema: ColumnSchema, header: list[str] | None, first_line: b
         if isinstance(col, str):
             if names is None or col not in names:
                 shown = repr(names)[:200] + ("..." if len(repr(names)) > 200 else "") if names else ""
-                raise ValueError(f"column {col!r} not in {shown or 'a file without header or names'}")
+                raise ColumnNotFound(f"column {col!r} not in {shown or 'a file without header or names'}", col)
             return names.index(col)
         if not 0 <= col < nfields:
-            raise ValueError(f"column index {col} out of range: rows have {nfields} fields")
+            raise ColumnNotFound(f"column index {col} out of range: rows have {nfields} fields", col)
         return col
 
     dense, cat = [index(c) for c in schema.dense], [index(c) for c in schema.categorical]
     order = [] if schema.order_by is None else [index(schema.order_by)]
-    cols = [index(schema.label), *dense, *cat, *order]
+    multi_seps = dict(schema.multi_valued or {})
+    multi = [index(c) for c in multi_seps]
+    cols = [index(schema.label), *dense, *cat, *order, *multi]
     if len(set(cols)) != len(cols):
-        raise ValueError(f"a column is used twice: label, dense, categorical, order_by = {cols}")
+        raise ValueError(f"a column is used twice: label, dense, categorical, order_by, multi_valued = {cols}")
     cat_names = [names[i] if names is not None else f"C{j + 1}" for j, i in enumerate(cat)]
     dense_names = [names[i] if names is not None else f"I{j + 1}" for j, i in enumerate(dense)]
+    multi_names = [names[i] if names is not None else f"M{j + 1}" for j, i in enumerate(multi)]
     buckets = [f"{d}_bucket" for d in dense_names]
-    features = tuple(cat_names + (buckets if schema.dense_buckets else []))
+    features = tuple(cat_names + (buckets if schema.dense_buckets else []) + multi_names)
     if len(set(features)) != len(features):
         raise ValueError(f"two categorical columns share a feature name: {features}")
     seeds = dict(schema.seeds or {})
     if unknown := set(seeds) - set(features):
         raise ValueError(f"seeds for unknown features {sorted(unknown)}; features are {list(features)}")
     key_seeds = [seeds.get(f, feature_seed(f)) & _MASK64 for f in features]
+    nkeyed = len(features) - len(multi)
     return Layout(
         nfields,
         tuple(names if names is not None else (f"column {i}" for i in range(nfields))),
@@ -242,9 +276,12 @@ def resolve_layout(schema: ColumnSchema, header: list[str] | None, first_line: b
         np.array(order, np.int64),
         features,
         np.array([fnv_basis(k) for k in key_seeds[: len(cat)]], np.uint64),
-        tuple(key_seeds[len(cat) :]),
+        tuple(key_seeds[len(cat) : nkeyed]),
         tuple(dense_names),
         tuple(key_seeds),
+        np.array(multi, np.int64),
+        tuple(ord(s) for s in multi_seps.values()),
+        tuple(fnv_basis(k) for k in key_seeds[nkeyed:]),
     )
 
 
@@ -264,13 +301,15 @@ class SchemaColumns:
 
     ``categorical``: the categorical features (named after their columns); ``dense``: the
     dense columns in ``Batch.dense`` order; ``buckets``: their bucket features (empty
-    without ``dense_buckets``); ``seeds``: the hash seed of every categorical and bucket feature.
+    without ``dense_buckets``); ``multi``: each multi-valued feature's separator;
+    ``seeds``: the hash seed of every categorical, bucket and multi-valued feature.
     """
 
     categorical: tuple[str, ...]
     dense: tuple[str, ...]
     buckets: tuple[str, ...]
     seeds: Mapping[str, int]
+    multi: Mapping[str, str] = field(default_factory=dict)
 
 
 def schema_columns(path: str | os.PathLike[str], schema: ColumnSchema) -> SchemaColumns:
@@ -288,5 +327,8 @@ def schema_columns(path: str | os.PathLike[str], schema: ColumnSchema) -> Schema
     with open(path, "rb") as f:
         header = read_header(f, schema, os.fspath(path))
         lay = resolve_layout(schema, header, f.readline())
-    ncat = lay.cat.shape[0]
-    return SchemaColumns(lay.features[:ncat], lay.dense_names, lay.features[ncat:], dict(zip(lay.features, lay.seeds)))
+    ncat, nkeyed = lay.cat.shape[0], lay.key_rows
+    multi = {name: chr(sep) for name, sep in zip(lay.features[nkeyed:], lay.multi_seps)}
+    return SchemaColumns(
+        lay.features[:ncat], lay.dense_names, lay.features[ncat:nkeyed], dict(zip(lay.features, lay.seeds)), multi
+    )

@@ -169,8 +169,14 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None) -> dict[str, Any]:
+def train(
+    config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None, data: RunData | None = None
+) -> dict[str, Any]:
     """Train ``config`` on the cluster at ``addresses``; returns the metrics (also written to the run directory).
+
+    ``data``: the rows, ``open_data(config)`` (read here when None): a caller that starts
+    shards for the run reads them first, so that a file that does not fit its schema fails
+    before any shard starts.
 
     With ``config.checkpoint_dir``, resumes from the newest checkpoint there and writes
     new ones (``worker.resume``). Raises the client's ``PSError`` subclasses if the shards
@@ -179,7 +185,7 @@ def train(config: TrainerConfig, addresses: Sequence[str], d: Dist | None = None
     ``init_distributed()``; the caller owns the process group).
     """
     d = d or init_distributed(config.device)
-    data = open_data(config)
+    data = data if data is not None else open_data(config)
     if data.train_rows == 0:
         raise ValueError(f"no training steps: {data.source} has no training rows")
     choose = config.epochs == 0 and _can_choose_epochs(data)
