@@ -89,7 +89,7 @@ def _check_order(client: PSClient) -> list[dict[str, Any]]:
     for i, s in zip(shard_of, stats, strict=True):
         if s["num_shards"] != n:
             problems.append(
-                f"{s['address']} is shard {s['shard']} of a {s['num_shards']}-shard cluster, but --addresses "
+                f"{s['address']} is shard {s['shard']} of {s['num_shards']} shards, but --addresses "
                 f"lists {n}: list every shard's address, in shard order"
             )
         elif s["shard"] != i:

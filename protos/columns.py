@@ -59,7 +59,7 @@ class Column:
     def ranges(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """``(starts, ends)`` int64 byte ranges of a string column's values in ``values``."""
         if self.lengths is None:
-            raise TypeError(f"a {self.type} column has no byte ranges")
+            raise TypeError(f"{self.type} columns have no byte ranges (only strings do)")
         ends = np.cumsum(self.lengths, dtype=np.int64)
         return ends - self.lengths, ends
 
@@ -186,7 +186,9 @@ def _from_wire(msg: pb.Column, field: str) -> Column:
         raise InvalidRequest(f"{field}.type: {msg.type}, expected VALUE_TYPE_STRING, _INT64 or _FLOAT64")
     if value_type != "string":
         if msg.lengths:
-            raise InvalidRequest(f"{field}.lengths: set for a {value_type} column (only strings have lengths)")
+            raise InvalidRequest(
+                f"{field}.lengths: set, but only string columns have lengths (this one is {value_type})"
+            )
         if len(msg.values) % 8:
             raise InvalidRequest(f"{field}.values: {len(msg.values)} bytes, not a multiple of 8 ({value_type})")
         return Column(value_type, np.frombuffer(msg.values, dtype="<i8" if value_type == "int64" else "<f8"))

@@ -145,7 +145,7 @@ def _convert(name: str, hint: Any, raw: Any, source: str) -> Any:
     target = typing.get_origin(hint) or hint
     type_name = getattr(target, "__name__", str(target))
     if raw is None:
-        raise ConfigError(f"{source}: {name} needs a {type_name} value, got None")
+        raise ConfigError(f"{source}: {name} needs a value of type {type_name}, got None")
     try:
         if target is tuple:
             items = raw.split(",") if isinstance(raw, str) else list(raw)

@@ -327,7 +327,14 @@ def wire(name: str, type_: int, values: bytes, lengths: bytes = b"") -> pb.Colum
         (wire("a", pb.VALUE_TYPE_STRING, b"ab", b"\x02\0\0"), r"candidates\['a'\].lengths: 3 bytes"),
         (wire("a", pb.VALUE_TYPE_STRING, b"ab", np.array([3], "<i4").tobytes()), "add up to 3 bytes, values has 2"),
         (wire("a", pb.VALUE_TYPE_STRING, b"", np.array([-1, 1], "<i4").tobytes()), "a negative length"),
-        (wire("a", pb.VALUE_TYPE_FLOAT64, bytes(8), b"\0\0\0\0"), "set for a float64 column"),
+        (
+            wire("a", pb.VALUE_TYPE_FLOAT64, bytes(8), b"\0\0\0\0"),
+            r"only string columns have lengths \(this one is float64\)",
+        ),
+        (
+            wire("a", pb.VALUE_TYPE_INT64, bytes(8), b"\0\0\0\0"),
+            r"only string columns have lengths \(this one is int64\)",
+        ),
     ],
 )
 def test_wire_columns_are_checked(column: pb.Column, message: str) -> None:
