@@ -280,7 +280,7 @@ class ShardByAddress:
             )
         except grpc.RpcError as exc:
             code, details = exc.code(), str(exc.details())
-            hint = tls_hint(code, details, address, security.credentials is not None)
+            hint = tls_hint(code, details, address, security.credentials is not None, security.client_certificate)
             message = f"{address}: {code.name}: {details}" + (f": {hint}" if hint else "")
             raise error_for(code)(message, code=code, hint=hint) from None
         try:

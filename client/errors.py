@@ -212,7 +212,9 @@ def error_for(code: grpc.StatusCode) -> type[PSError]:
     return _BY_CODE.get(code, InternalServerError)
 
 
-def convert(exc: grpc.RpcError, shard: int | None, address: str = "", tls: bool | None = None) -> PSError:
+def convert(
+    exc: grpc.RpcError, shard: int | None, address: str = "", tls: bool | None = None, client_certificate: bool = False
+) -> PSError:
     """A ``PSError`` for a failed RPC, its message prefixed with the shard and address.
 
     With ``tls`` (whether the channel used TLS) known, a connection that failed because
@@ -228,18 +230,21 @@ def convert(exc: grpc.RpcError, shard: int | None, address: str = "", tls: bool 
             return WrongShardError(
                 f"{where}: {details}", code=code, shard=shard, owner=int(owner) if owner.isdigit() else None
             )
-    hint = tls_hint(code, str(details), address, tls) if tls is not None and address else ""
+    hint = tls_hint(code, str(details), address, tls, client_certificate) if tls is not None and address else ""
     return error_for(code)(f"{where}: {details}", code=code, shard=shard, hint=hint)
 
 
-def tls_hint(code: grpc.StatusCode, details: str, address: str, tls: bool) -> str:
+def tls_hint(code: grpc.StatusCode, details: str, address: str, tls: bool, client_certificate: bool = False) -> str:
     """What to do when a connection to ``address`` failed over TLS on one side only, else "".
 
     A plain-text channel to a TLS port fails with "Socket closed", as a shard that went
     away would: the address is then asked for a TLS handshake (one connection, at most
     ``PROBE_TIMEOUT_S``) to tell the two apart. A TLS channel to a plain-text port fails
     its handshake with WRONG_VERSION_NUMBER, and one to a certificate the CA did not sign
-    with CERTIFICATE_VERIFY_FAILED; both say so in ``details``.
+    with CERTIFICATE_VERIFY_FAILED; both say so in ``details``. A TLS channel without a
+    client certificate (``client_certificate`` False) to a server of mutual TLS fails with
+    "Socket closed" too: the server closes it right after the handshake, which a probe
+    connection tells apart from a server that went away.
     """
     if code != grpc.StatusCode.UNAVAILABLE:
         return ""
@@ -250,6 +255,11 @@ def tls_hint(code: grpc.StatusCode, details: str, address: str, tls: bool) -> st
             return (
                 f"the certificate of the server at {address} is not signed by --tls-ca (PS_CLIENT_TLS_CA), or "
                 "does not name that address: pass the CA that signed it"
+            )
+        if "Socket closed" in details and not client_certificate and _wants_client_certificate(address):
+            return (
+                f"the server at {address} asks for a client certificate (mutual TLS): pass --tls-cert and "
+                "--tls-key (PS_CLIENT_TLS_CERT, PS_CLIENT_TLS_KEY) with one its --tls-client-ca signed"
             )
         return ""
     if "Socket closed" in details and _answers_tls(address):
@@ -276,6 +286,27 @@ def _answers_tls(address: str) -> bool:
         ):
             return True
     except (OSError, ValueError):  # ssl.SSLError is an OSError: a plain-text server, or none
+        return False
+
+
+def _wants_client_certificate(address: str) -> bool:
+    """Whether the TLS server at ``HOST:PORT`` closes a connection that brought no client
+    certificate right after the handshake, where a gRPC server sends its HTTP/2 settings
+    first (the certificate is not checked)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return False
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with (
+            socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S) as sock,
+            context.wrap_socket(sock, server_hostname=None) as tls,
+        ):
+            return tls.recv(1) == b""
+    except (OSError, ValueError):  # a plain-text server, none, or one that said nothing in time
         return False
 
 

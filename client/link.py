@@ -80,6 +80,7 @@ class ClusterLink:
                     reconnect_max_s=config.backoff_max_s,
                     credentials=security.credentials,
                     metadata=security.metadata,
+                    client_certificate=security.client_certificate,
                 )
             assert transport is not None
             try:

@@ -365,7 +365,13 @@ class _Exchange:
         others = [j for j, o in enumerate(self.requests) if j != i and o.error is not None and o.answer is None]
         if why is not None:
             raise self._gave_up([i, *others], why) from r.error
-        err = convert(r.error, r.shard, self.transport.address(r.error_endpoint), self._tls())
+        err = convert(
+            r.error,
+            r.shard,
+            self.transport.address(r.error_endpoint),
+            self.transport.tls,
+            self.transport.client_certificate,
+        )
         raise err.reworded(f"{err}{self._also(others)}{_hinted(err)}") from r.error
 
     def _expire(self) -> None:
@@ -412,13 +418,9 @@ class _Exchange:
                 code=grpc.StatusCode.DEADLINE_EXCEEDED,
                 shard=r.shard,
             )
-        err = convert(r.error, r.shard, self._where(r), self._tls())
+        err = convert(r.error, r.shard, self._where(r), self.transport.tls, self.transport.client_certificate)
         err.shard = r.shard
         return err.reworded(f"{err} (gave up after {tries} attempts, {why}){also}{_hinted(err)}")
-
-    def _tls(self) -> bool | None:
-        """Whether the transport speaks TLS, if it says (``GrpcTransport.tls``)."""
-        return self.transport.tls
 
     def _also(self, others: Sequence[int]) -> str:
         """``; shard 1 (ADDRESS) failed too: STATUS: first line`` for each other failing request."""

@@ -81,6 +81,11 @@ class Transport(Protocol):
         return None
 
     @property
+    def client_certificate(self) -> bool:
+        """Whether the connections present a client certificate (mutual TLS)."""
+        return False
+
+    @property
     def grows(self) -> bool:
         """Whether ``add`` reaches new addresses (replicas that join while the client runs)."""
         return False
@@ -319,9 +324,11 @@ class GrpcTransport(Transport):
         threads: int | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         metadata: tuple[tuple[str, str], ...] = (),
+        client_certificate: bool = False,
     ) -> None:
         self._addresses = list(addresses)
         self._credentials, self._metadata = credentials, metadata
+        self._client_certificate = client_certificate
         self._max_bytes = max_message_bytes
         self._reconnect_max_ms = max(100, int(reconnect_max_s * 1000))
         self._channels: list[grpc.Channel | None] = []  # None: closed by ``drop``
@@ -424,6 +431,10 @@ class GrpcTransport(Transport):
         return self._credentials is not None
 
     @property
+    def client_certificate(self) -> bool:
+        return self._client_certificate
+
+    @property
     def grows(self) -> bool:
         return True
 
@@ -435,6 +446,7 @@ class GrpcTransport(Transport):
             self._threads,
             credentials=self._credentials,
             metadata=self._metadata,
+            client_certificate=self._client_certificate,
         )
 
     def call(self, endpoint: int, method: str, request: bytes, timeout_s: float) -> Call:

@@ -312,7 +312,8 @@ def cluster_health(
     for address in flat:
         row: dict[str, Any] = {"address": address, "services": {}, "hint": ""}
         try:
-            credentials = _caller(security).credentials
+            caller = _caller(security)
+            credentials = caller.credentials
             with open_channel(address, credentials, []) as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 for service in SHARD_HEALTH:
@@ -323,7 +324,9 @@ def cluster_health(
                         if exc.code() == grpc.StatusCode.NOT_FOUND:
                             continue  # not a service of this kind of shard
                         row["services"][service or "(server)"] = f"{exc.code().name}: {exc.details()}"
-                        row["hint"] = tls_hint(exc.code(), str(exc.details()), address, credentials is not None)
+                        row["hint"] = tls_hint(
+                            exc.code(), str(exc.details()), address, credentials is not None, caller.client_certificate
+                        )
                         break  # unreachable: the other services would only say so again
                     row["services"][service or "(server)"] = status
         except ValueError as exc:  # a TLS file that cannot be used

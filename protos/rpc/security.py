@@ -30,6 +30,7 @@ class CallerSecurity:
 
     credentials: grpc.ChannelCredentials | None = None
     metadata: tuple[tuple[str, str], ...] = ()
+    client_certificate: bool = False  # whether the credentials present one (mutual TLS)
 
 
 def caller_security(
@@ -49,7 +50,7 @@ def caller_security(
         given = token if token is not None else read_client_token(token_file)
     except (AuthError, TLSError) as exc:
         raise ValueError(str(exc)) from None
-    return CallerSecurity(credentials, bearer_metadata(given))
+    return CallerSecurity(credentials, bearer_metadata(given), credentials is not None and tls_cert is not None)
 
 
 def server_security(
