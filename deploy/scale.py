@@ -136,7 +136,12 @@ def scale(
     )
     committed = any(_phase(maps[a], dst) in ("committed", "done") for a in maps)
     if not committed:
-        _each(shards, maps, prepare, deadline, say, "prepare")
+        try:
+            _each(shards, maps, prepare, deadline, say, "prepare")
+        except ScaleError as exc:  # e.g. a new owner that reaches another shard at an old owner's address
+            kept = _undo(shards, src, dst)
+            undone = f"undoing it failed on {', '.join(kept)}" if kept else "the reshard was undone"
+            raise ScaleError(f"{exc}; {undone}: the cluster stays at {src.describe()}") from None
         report.seconds["prepare"] = time.monotonic() - started
         t = time.monotonic()
         try:
@@ -437,20 +442,28 @@ def _unreachable(lost: dict[str, str]) -> str:
     return "; ".join(f"{a} could not be reached ({why})" for a, why in lost.items())
 
 
+def _undo(shards: ShardCalls, src: ClusterMap, dst: ClusterMap) -> list[str]:
+    """Abort the reshard on every shard that takes part (the old owners of moving keys
+    first: those keys take pushes again); the addresses where that failed."""
+    abort = _request(pb.ReshardRequest.ABORT, dst)
+    givers = [a for i, a in enumerate(src.addresses) if MoveState(i, src, dst).is_source]
+    kept: list[str] = []
+    for address in dict.fromkeys([*givers, *src.addresses, *dst.addresses]):
+        try:
+            if _phase(shards.get_map(address), dst):  # a shard never prepared has nothing to undo
+                shards.reshard(address, abort)
+        except Exception:  # the failed disk itself may refuse to forget what it took in
+            kept.append(address)
+    return kept
+
+
 def _undo_after_disk_failure(
     shards: ShardCalls, maps: dict[str, pb.GetMapResponse], src: ClusterMap, dst: ClusterMap, failed: _DiskFailed
 ) -> str:
     """Abort the reshard on every shard that takes part (the old owners of moving keys
     first: those keys take pushes again); returns the one line that says what happened
     and what to do."""
-    abort = _request(pb.ReshardRequest.ABORT, dst)
-    givers = [a for i, a in enumerate(src.addresses) if MoveState(i, src, dst).is_source]
-    kept: list[str] = []
-    for address in dict.fromkeys([*givers, *src.addresses, *dst.addresses]):
-        try:
-            shards.reshard(address, abort)
-        except Exception:  # the failed disk itself may refuse to forget what it took in
-            kept.append(address)
+    kept = _undo(shards, src, dst)
     stays = f"the cluster stays at {src.describe()}"
     if not kept:
         undone = f"the reshard was undone and {stays}"

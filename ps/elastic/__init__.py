@@ -5,7 +5,7 @@ the phases of a reshard, and the rows that move out of an old owner and into a n
 from __future__ import annotations
 
 from ps.elastic.cluster import ClusterMap, MoveState, Route
-from ps.elastic.intake import grpc_move_stream
+from ps.elastic.intake import grpc_identify, grpc_move_stream
 from ps.elastic.moveout import move_batches
 from ps.elastic.reshard import Reshard, ReshardParts, ReshardSettings
 
@@ -16,6 +16,7 @@ __all__ = [
     "ReshardParts",
     "ReshardSettings",
     "Route",
+    "grpc_identify",
     "grpc_move_stream",
     "move_batches",
 ]

@@ -41,7 +41,7 @@ from ps.store import Rows, StorageClosed, StorageFailed
 from ps.table import Table, TableSpec, spec_from_proto
 from ps.yielding import lower_this_thread
 
-__all__ = ["Intake", "MoveStream", "SourceProgress", "grpc_move_stream"]
+__all__ = ["Intake", "MoveStream", "SourceProgress", "grpc_identify", "grpc_move_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,23 @@ def grpc_move_stream(
         return _MoveCall(channel, move_rows(request, metadata=metadata))
 
     return open_stream
+
+
+def grpc_identify(
+    credentials: grpc.ChannelCredentials | None, metadata: tuple[tuple[str, str], ...], timeout_s: float = 2.0
+) -> Callable[[str], int | None]:
+    """``ReshardSettings.identify`` over gRPC: the shard index a ``GetMap`` at the address
+    answers with, None when nothing answers within ``timeout_s``."""
+
+    def identify(address: str) -> int | None:
+        with open_channel(address, credentials, []) as channel:
+            get_map = channel.unary_unary(f"/{PS_SERVICE}/GetMap", None, pb.GetMapResponse.FromString)
+            try:
+                return int(get_map(pb.GetMapRequest().SerializeToString(), timeout=timeout_s, metadata=metadata).shard)
+            except grpc.RpcError:
+                return None
+
+    return identify
 
 
 @dataclass

@@ -55,10 +55,13 @@ class ReshardSettings:
     """How a shard takes part in reshards: ``stream`` opens another shard's ``MoveRows``
     (None: it cannot pull rows); ``settle_s``: how long after a commit pushes planned
     before it may still come (clients retry for their deadline), during which a new
-    owner keeps the push ledgers of the keys that came apart."""
+    owner keeps the push ledgers of the keys that came apart. ``identify(address)``: the
+    index of the shard that answers at an address (None: none answers), which a new owner
+    checks its old owners' addresses with before it prepares (None: not checked)."""
 
     stream: MoveStream | None = None
     settle_s: float = 120.0
+    identify: Callable[[str], int | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -348,9 +351,27 @@ class Reshard:
                 f"shard {self.index} is new in the map of epoch {dst.epoch} but already holds rows: "
                 "start it with an empty data dir"
             )
-        self.set_phase(MoveState(self.index, src, dst, "copying", max_rows_per_s=max_rows_per_s))
+        state = MoveState(self.index, src, dst, "copying", max_rows_per_s=max_rows_per_s)
+        self._check_sources(state)
+        self.set_phase(state)
         log.info("reshard: prepared from %s to %s", src.describe(), dst.describe())
         self._resume()
+
+    def _check_sources(self, state: MoveState) -> None:
+        """Raise ``InvalidRequest`` when an address of an old owner this shard pulls rows from
+        reaches another shard from here (one that does not answer is tried again later)."""
+        identify = self._parts.settings.identify
+        if identify is None:
+            return
+        for source in state.sources:
+            address = state.src.addresses[source]
+            answered = identify(address)
+            if answered is not None and answered != source:
+                raise InvalidRequest(
+                    f"{address}, the address of shard {source}, reaches shard {answered} from shard {self.index}'s "
+                    "host: give addresses every shard can dial (127.0.0.1 reaches only the host it is dialled from; "
+                    "use each host's IP or DNS name)"
+                )
 
     def _adopt(self, dst: ClusterMap) -> None:
         """A serving shard routes by ``dst`` from now on, and drops the rows of keys it no

@@ -35,7 +35,7 @@ from ps.durability import (
     is_rescue_dump,
     settle_dumps,
 )
-from ps.elastic import ReshardSettings, grpc_move_stream
+from ps.elastic import ReshardSettings, grpc_identify, grpc_move_stream
 from ps.replication import ChangeLog, PeerMaps, Source
 from ps.service.config import ServerConfig
 from ps.service.servicer import Servicer
@@ -179,7 +179,9 @@ def _open_shard(config: ServerConfig) -> Shard:
             config.num_shards,
         )
     resharding = ReshardSettings(
-        grpc_move_stream(peer["credentials"], peer["metadata"], config.max_message_bytes), config.reshard_settle_s
+        grpc_move_stream(peer["credentials"], peer["metadata"], config.max_message_bytes),
+        config.reshard_settle_s,
+        grpc_identify(peer["credentials"], peer["metadata"]),
     )
 
     def shard(storage: Storage | None, durability: Durability, memory_budget_bytes: int) -> Shard:

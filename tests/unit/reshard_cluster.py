@@ -31,9 +31,10 @@ class Cluster:
     def __init__(self) -> None:
         self.shards: dict[str, Shard] = {}
         self.closed = False
+        self.reaches: dict[str, int] = {}  # an address that reaches another shard than its name says
 
     def add(self, index: int, num_shards: int, storage: Storage | None = None, **kwargs: object) -> Shard:
-        resharding = ReshardSettings(self.stream, settle_s=0.5)
+        resharding = ReshardSettings(self.stream, settle_s=0.5, identify=self.identify)
         shard = Shard(index, num_shards, storage, resharding=resharding, **kwargs)  # type: ignore[arg-type]
         shard.start()
         self.shards[f"s{index}"] = shard
@@ -47,6 +48,11 @@ class Cluster:
             return self._shard(address).reshard_request(request)
         except Moving as exc:
             raise RetryLater(str(exc)) from None
+
+    def identify(self, address: str) -> int | None:
+        if address in self.reaches:
+            return self.reaches[address]
+        return self.shards[address].index if address in self.shards else None
 
     def _shard(self, address: str) -> Shard:
         if address not in self.shards:  # as a gRPC call to an address nobody listens on

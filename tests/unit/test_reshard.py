@@ -337,6 +337,22 @@ def test_abort_with_nothing_to_abort_says_so(cluster: Cluster) -> None:
         scale(cluster, cluster.addresses(2), cluster.addresses(3), abort=True)
 
 
+def test_a_new_owner_that_reaches_another_shard_at_an_old_owners_address_fails_the_scale_fast(
+    cluster: Cluster,
+) -> None:
+    # As on another host, where 127.0.0.1:PORT typed for shard 0 reaches the new shard itself.
+    for i in range(2):
+        cluster.add(i, 2)
+    seed_rows(cluster, 2)
+    cluster.add(2, 3)
+    cluster.reaches["s0"] = 2
+    with pytest.raises(ScaleError, match="s0, the address of shard 0, reaches shard 2 from shard 2's host") as info:
+        scale(cluster, cluster.addresses(2), cluster.addresses(3))
+    assert "the reshard was undone: the cluster stays at epoch 0" in str(info.value)
+    assert all(s.reshard.move is None and s.reshard.map.epoch == 0 for s in cluster.shards.values())
+    push(cluster.shards["s0"], "a", KEYS[shard_of(KEYS, 2) == 0][:2], np.ones((2, 3), np.float32))  # takes pushes
+
+
 def send_like_a_client(cluster: Cluster, seq: int, grads: npt.NDArray[np.float32]) -> None:
     """One push of ``grads`` to every key, as a client sends it: planned by the map it
     knows; a part refused for now (``Moving``) is sent again; a part refused as routed by
