@@ -42,12 +42,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from deploy.launch_scale import SERVING_ADDRESSES_FILE, Scaler, ScaleRequest, request_scale
 from deploy.local import LocalCluster, ShardProcess, ShardStartError, threads_beside_local_shards
 from deploy.replicas import ServingReplicas
 from deploy.workers import RENDEZVOUS_FILE, Elastic, Join, read_join, torchrun_command, write_join
 from protos.rpc import child_command
 from protos.rpc.logs import configure_logging
+from protos.rpc.tls import open_channel
 
 __all__ = ["RestartPolicy", "main"]
 
@@ -142,6 +145,20 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         help="at start: R serving replicas of each training shard (implies --followers; default 1). With --scale "
         "LOG_DIR: give each shard of that launch R replicas now (new ones are called once ready; extra ones drain, "
         "then stop)",
+    )
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the host (interface) the shards listen on, port 0 each (default 127.0.0.1: this machine only; "
+        "0.0.0.0: every interface, for workers on other machines)",
+    )
+    parser.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST",
+        help="the host the workers (and ps-launch --join) dial the shards at (default: --listen, or for 0.0.0.0 "
+        "this machine's own address); give the name or IP other machines reach this one by",
     )
     parser.add_argument(
         "--shard-arg",
@@ -245,6 +262,23 @@ class RestartPolicy:
         return self._fast[shard] < self.max_fast_failures
 
 
+def _check_reachable(cluster: LocalCluster, *, tls: bool) -> None:
+    """Raise ``ShardStartError`` when a shard does not answer at the address its workers
+    are given (``--advertise``), dialled from here; shards with TLS are not checked."""
+    if tls:
+        return
+    for address in cluster.addresses:
+        with open_channel(address, None, []) as channel:
+            check = channel.unary_unary("/grpc.health.v1.Health/Check", None, None)
+            try:
+                check(b"", timeout=5.0)
+            except grpc.RpcError as exc:
+                raise ShardStartError(
+                    f"the workers would dial {address}, where no shard answers ({exc.code().name}): the shards "
+                    f"listen on {cluster.listen_host}; give --advertise a host they are reached at (or --listen 0.0.0.0)"
+                ) from None
+
+
 def _describe_exit(code: int | None) -> str:
     if code is not None and code < 0:
         try:
@@ -327,11 +361,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.scale is not None:
         request = ScaleRequest(args.to or 0, args.max_rows_per_s, replicas=args.serving_replicas or 0)
         return _scale(args.scale, request, interrupt)
-    cluster = LocalCluster(args.shards, args.log_dir, tuple(args.shard_arg))
+    cluster = LocalCluster(
+        args.shards, args.log_dir, tuple(args.shard_arg), listen_host=args.listen, advertise_host=args.advertise
+    )
     followers: ServingReplicas | None = None
     try:
         cluster.start()
         interrupt.check()
+        _check_reachable(cluster, tls=any(a.startswith("--tls-") for a in args.shard_arg))
         if args.followers or args.serving_replicas:
             assert cluster.root is not None
             followers = ServingReplicas(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -124,8 +125,35 @@ def spawn_shard(
     return ShardProcess(index, "", proc, log)
 
 
-def await_shard(shard: ShardProcess, root: Path, timeout_s: float = 60.0) -> ShardProcess:
-    """Wait until the spawned ``shard`` (files under ``root``) serves; returns it with its address.
+def advertised_host(listen_host: str) -> str:
+    """The host others dial to reach a server listening on ``listen_host``: that host itself,
+    or, for every interface (``0.0.0.0``, ``::``, empty), this machine's own address (the
+    first non-loopback address its name resolves to, else the one its default route leaves
+    from, else 127.0.0.1).
+
+    >>> advertised_host("127.0.0.1"), advertised_host("10.0.0.5")
+    ('127.0.0.1', '10.0.0.5')
+    """
+    if listen_host.strip("[]") not in ("", "0.0.0.0", "::"):
+        return listen_host
+    try:
+        found = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)
+        outside = [str(sockaddr[0]) for *_, sockaddr in found if not str(sockaddr[0]).startswith("127.")]
+        if outside:
+            return outside[0]
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the route's source address
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def await_shard(shard: ShardProcess, root: Path, timeout_s: float = 60.0, *, host: str = "127.0.0.1") -> ShardProcess:
+    """Wait until the spawned ``shard`` (files under ``root``) serves; returns it with its
+    address, ``host:PORT`` (``host``: the one others dial, see ``advertised_host``).
 
     Raises ``ShardStartError`` (with the log tail) if it exits or is not ready in
     ``timeout_s``; the process is killed then (also on an interrupt).
@@ -142,7 +170,7 @@ def await_shard(shard: ShardProcess, root: Path, timeout_s: float = 60.0) -> Sha
         proc.kill()
         proc.wait()
         raise
-    shard.address = f"127.0.0.1:{port_file.read_text().strip()}"
+    shard.address = f"{host}:{port_file.read_text().strip()}"
     return shard
 
 
@@ -168,12 +196,15 @@ def stop_shard(shard: ShardProcess, timeout_s: float = 30.0, *, drain: bool = Fa
 
 @dataclass
 class LocalCluster:
-    """``num_shards`` shard processes on 127.0.0.1; files under ``root`` (a temp dir if None).
+    """``num_shards`` shard processes on this machine; files under ``root`` (a temp dir if None).
 
     ``start()`` (or ``with``) starts them all; ``stop()`` stops them all and raises
     ``ShardStartError`` if any did not exit 0. Not thread-safe. ``follow``: the addresses
     of a training cluster, shard order; each shard is then a serving shard following
-    its training shard (``--mode=serve --follow=...``).
+    its training shard (``--mode=serve --follow=...``). The shards listen on
+    ``listen_host`` (127.0.0.1: this machine only; ``0.0.0.0``: every interface), port 0,
+    and ``addresses`` name them by ``advertise_host`` (None: ``advertised_host(listen_host)``),
+    the host other machines dial.
     """
 
     num_shards: int
@@ -181,7 +212,17 @@ class LocalCluster:
     extra_args: tuple[str, ...] = ()
     follow: Sequence[str] | None = None
     shards: list[ShardProcess] = field(default_factory=list)
+    listen_host: str = "127.0.0.1"
+    advertise_host: str | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def host(self) -> str:
+        """The host in ``addresses``: what other machines dial."""
+        return self.advertise_host or advertised_host(self.listen_host)
+
+    def _listen(self, port: int = 0) -> str:
+        return f"[{self.listen_host}]:{port}" if ":" in self.listen_host else f"{self.listen_host}:{port}"
 
     def _args(self, index: int) -> tuple[str, ...]:
         if self.follow is None:
@@ -201,9 +242,9 @@ class LocalCluster:
         try:
             # All spawned first, then awaited: the shards start together.
             for i in range(self.num_shards):
-                self.shards.append(spawn_shard(i, self.num_shards, self.root, *self._args(i)))
+                self.shards.append(spawn_shard(i, self.num_shards, self.root, *self._args(i), listen=self._listen()))
             for shard in self.shards:
-                await_shard(shard, self.root)
+                await_shard(shard, self.root, host=self.host)
         except BaseException:
             self._stop_quietly()
             if self._tmp is not None:
@@ -233,10 +274,11 @@ class LocalCluster:
             if old.proc.poll() is None:
                 out[index] = ShardStartError(f"shard {index} (pid {old.proc.pid}) is still running")
                 continue
-            spawned.append(spawn_shard(index, self.num_shards, root, *self._args(index), listen=old.address))
+            port = int(old.address.rpartition(":")[2])
+            spawned.append(spawn_shard(index, self.num_shards, root, *self._args(index), listen=self._listen(port)))
         for shard in spawned:
             try:
-                self.shards[shard.index] = out[shard.index] = await_shard(shard, root, timeout_s)
+                self.shards[shard.index] = out[shard.index] = await_shard(shard, root, timeout_s, host=self.host)
             except ShardStartError as exc:
                 out[shard.index] = exc
             except BaseException:
@@ -259,10 +301,13 @@ class LocalCluster:
                 raise ValueError(f"follow: {len(follow)} addresses for {count} new serving shards")
             self.follow = [*self.follow, *follow]
         first = len(self.shards)
-        spawned = [spawn_shard(i, self.num_shards, self.root, *self._args(i)) for i in range(first, first + count)]
+        spawned = [
+            spawn_shard(i, self.num_shards, self.root, *self._args(i), listen=self._listen())
+            for i in range(first, first + count)
+        ]
         try:
             for shard in spawned:
-                await_shard(shard, self.root)
+                await_shard(shard, self.root, host=self.host)
         except BaseException:
             for shard in spawned:
                 if shard.proc.poll() is None:

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-from client import PermissionDeniedError, UnauthenticatedError
+from client import PermissionDeniedError, ShardUnavailableError, UnauthenticatedError
 from worker.config import SCHEMA_NAMES, TrainerConfig
 from worker.data import DataError
 from worker.dataset import OneLabelError, schemas_that_fit
@@ -63,6 +63,11 @@ def user_error(exc: BaseException, config: TrainerConfig) -> str | None:
         return str(exc)
     if isinstance(exc, DeviceError | CheckpointError):
         return str(exc)
+    if isinstance(exc, ShardUnavailableError):
+        return (
+            f"{exc}: cannot reach the shards; are they running, and can this host dial the addresses given "
+            "(--addresses or TRAINER_ADDRESSES; ps-launch --advertise sets the host its workers dial)?"
+        )
     if isinstance(exc, PermissionError):
         what = exc.filename if exc.filename is not None else "a file or directory"
         return f"permission denied: {what}: change its permissions, or pass another --data, --output-dir or --checkpoint-dir"

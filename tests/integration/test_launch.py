@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from deploy.launch import RestartPolicy, _Interrupt
-from deploy.local import threads_beside_local_shards
+from deploy.local import advertised_host, threads_beside_local_shards
 from tests.integration.shards import shard_pid
 
 REPO = Path(__file__).resolve().parents[2]
@@ -204,3 +204,35 @@ def test_a_relative_log_dir_works(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "logs" / "shard.0.log").exists() and (tmp_path / "logs" / "workers.json").exists()
+
+
+def test_workers_dial_the_advertised_host_and_a_host_they_cannot_dial_fails_the_launch(tmp_path: Path) -> None:
+    # Listening on every interface, the workers are given this machine's own address (not
+    # 127.0.0.1, which other machines cannot dial) and reach the shards there.
+    dial = (
+        "import os; from client import PSClient; a = os.environ['TRAINER_ADDRESSES']; print('dial', a, flush=True); "
+        "c = PSClient(a.split(',')); c.create_table('t', 4); c.close()"
+    )
+    everywhere = subprocess.run(
+        _launch("--shards", "1", "--listen", "0.0.0.0", "--log-dir", str(tmp_path / "a"), "--", "python", "-c", dial),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert everywhere.returncode == 0, everywhere.stderr[-2000:]
+    (line,) = [x for x in everywhere.stdout.splitlines() if x.startswith("dial ")]
+    assert line.split()[1].rpartition(":")[0] == advertised_host("0.0.0.0")
+    # Advertised at a host where nothing listens: the launch fails before any worker starts.
+    code = "print('worker ran', flush=True)"
+    nowhere = subprocess.run(
+        _launch(
+            "--shards", "1", "--advertise", "127.0.0.2", "--log-dir", str(tmp_path / "b"), "--", "python", "-c", code
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert nowhere.returncode == 1 and "worker ran" not in nowhere.stdout
+    assert "the workers would dial 127.0.0.2:" in nowhere.stderr and "--advertise" in nowhere.stderr, nowhere.stderr
