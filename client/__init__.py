@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import protos  # noqa: F401 -- first: it sets gRPC's log level before gRPC loads (protos/__init__.py)
 from client.admin import AdminClient, CheckpointError, ShardByAddress
 from client.client import LookupResult, PSClient, PushResult
 from client.config import ClientConfig, TableConfig

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import protos  # noqa: F401 -- first: it sets gRPC's log level before gRPC loads (protos/__init__.py)
 from deploy.local import LocalCluster, ShardProcess, ShardStartError
 from deploy.replicas import ServingReplicas
 

@@ -8,9 +8,16 @@ subpackage ``protos.rpc``, which nothing here imports.
 
 from __future__ import annotations
 
-from protos import ps_pb2, ps_pb2_grpc
-from protos.keys import hash_feature, hash_features, jump_hash, mix64, shard_of
-from protos.wire import WireFormatError, decode_keys, decode_rows, encode_keys, encode_rows
+import os
+
+# Before gRPC loads: its C core logs each failed TLS handshake (a port scan, a client without
+# TLS) at INFO on stderr, a flood in a server's log; the processes say what matters in their
+# own lines. GRPC_VERBOSITY=INFO shows them again.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from protos import ps_pb2, ps_pb2_grpc  # noqa: E402
+from protos.keys import hash_feature, hash_features, jump_hash, mix64, shard_of  # noqa: E402
+from protos.wire import WireFormatError, decode_keys, decode_rows, encode_keys, encode_rows  # noqa: E402
 
 __all__ = [
     "WireFormatError",

@@ -19,6 +19,7 @@ Beside them, ``errors`` (a failure, its status code), ``rwlock`` and ``yielding`
 
 from __future__ import annotations
 
+import protos  # noqa: F401 -- first: it sets gRPC's log level before gRPC loads (protos/__init__.py)
 from ps.errors import (
     InvalidRequest,
     NotConfigured,

@@ -17,7 +17,6 @@ Exit codes:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -25,14 +24,11 @@ import sys
 from collections.abc import Sequence
 
 from protos.rpc.process import run_server
+from protos.rpc.settings import describe_settings
 from protos.wire import tune_malloc
 from ps.service import PSServer, ServerConfig, build_server, load_config
 
 log = logging.getLogger("ps")
-
-
-def _describe(config: ServerConfig) -> str:
-    return " ".join(f"{k}={v}" for k, v in dataclasses.asdict(config).items())
 
 
 def _start(config: ServerConfig) -> PSServer:
@@ -46,7 +42,7 @@ def _start(config: ServerConfig) -> PSServer:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ps-server`` console script (``protos.rpc.process.run_server``)."""
     return run_server(
-        "ps-server", lambda: load_config(sys.argv[1:] if argv is None else argv, os.environ), _start, _describe
+        "ps-server", lambda: load_config(sys.argv[1:] if argv is None else argv, os.environ), _start, describe_settings
     )
 
 

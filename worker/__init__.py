@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import protos  # noqa: F401 -- first: it sets gRPC's log level before gRPC loads (protos/__init__.py)
 from worker.config import EmbeddingTableConfig, FeatureConfig
 from worker.embedding import DistributedEmbedding
 from worker.jagged import JaggedIds

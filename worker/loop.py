@@ -187,13 +187,17 @@ class TrainingPass:
                 self._idle_step(None if index is None else plan.seq(index))
             self.steps += 1
             now = time.perf_counter()
-            if now - self._logged_at >= LOG_EVERY_S:
+            if bar is None and now - self._logged_at >= LOG_EVERY_S:  # a bar says it all, in one line
                 self._logged_at = now
                 self._log_progress(self.train_s + now - started)
             if bar is not None:
                 recent = self.losses[-20:]
                 rate = self.samples * self.d.world / max(1e-9, self.train_s + now - started)
-                bar.set_postfix(loss=f"{sum(recent) / max(1, len(recent)):.4f}", samples_s=f"{rate:,.0f}")
+                bar.set_postfix(
+                    loss=f"{sum(recent) / max(1, len(recent)):.4f}",
+                    samples_s=f"{rate:,.0f}",
+                    lookup_wait_s=f"{self.phases['lookup']:.1f}",
+                )
                 bar.update(1)
             if self.config.eval_every and held_out and self.steps % self.config.eval_every == 0 and self.d.rank == 0:
                 t6 = time.perf_counter()

@@ -51,7 +51,7 @@ from protos import infer_pb2 as pb
 from protos.columns import Column, InvalidRequest, decode_request, request_of
 from protos.rpc.process import run_server
 from protos.rpc.server import RunningServer, Status, start_server, status_boundary
-from protos.rpc.settings import load_settings
+from protos.rpc.settings import describe_settings, load_settings
 from protos.services import PREDICT_SERVICE
 from worker.export import load_model
 from worker.predictor import MIN_ROWS, Encoded, Predictor
@@ -500,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             InferConfig, sys.argv[1:] if argv is None else argv, os.environ, ENV_PREFIX, "ps-infer", _DESCRIPTION
         ),
         _start,
-        lambda config: " ".join(f"{k}={v}" for k, v in vars(config).items()),
+        describe_settings,
     )
 
 

@@ -340,6 +340,9 @@ def _steps_left(state: Progress, rows: int, world: int) -> int:
     return steps_per_epoch(rows, state.batch_size, world, state.position) + (epochs - state.epoch - 1) * per_epoch
 
 
+_ALWAYS_SHOWN = ("model", "data", "addresses")
+
+
 def _log_config(
     config: TrainerConfig, resolved: TrainerConfig, data: RunData, d: Dist, choose: bool, probing: bool
 ) -> None:
@@ -365,7 +368,15 @@ def _log_config(
     if config.checkpoint_dir is None:
         del shown["checkpoint_every"]
     shown["workers"] = d.world
-    log.info("config %s", " ".join(f"{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in shown.items()))
+
+    def words(items: dict[str, Any]) -> str:
+        return " ".join(f"{k}={','.join(v) if isinstance(v, tuple) else v}" for k, v in items.items())
+
+    # At INFO what differs from the defaults (and what was chosen for the user); the whole at DEBUG.
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainerConfig)}
+    told = {k: v for k, v in shown.items() if k not in defaults or v != defaults[k] or k in _ALWAYS_SHOWN}
+    log.info("config %s (--log-level DEBUG: every setting)", words(told))
+    log.debug("config %s", words(shown))
 
 
 # --- output: run directory, progress, files

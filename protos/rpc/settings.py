@@ -177,3 +177,18 @@ def _convert(name: str, hint: Any, raw: Any, source: str) -> Any:
         return str(raw)
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: {raw!r} is not a valid {type_name} for {name}") from None
+
+
+def describe_settings(settings: Any) -> str:
+    """The settings of a frozen dataclass that differ from its defaults, ``key=value`` on
+    one line (what a server logs as it starts; the whole is a ``--help`` away). Files are
+    named, never read, so a token file's content never reaches a log."""
+    out = []
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        if value != default:
+            out.append(f"{f.name}={','.join(map(str, value)) if isinstance(value, tuple) else value}")
+    return " ".join(out) or "defaults"

@@ -270,7 +270,7 @@ def ca() -> trustme.CA:
     return trustme.CA()
 
 
-def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
+def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA, monkeypatch: pytest.MonkeyPatch) -> None:
     server_cert = ca.issue_cert("127.0.0.1", "localhost")
     server_cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "server.pem"))
     server_cert.private_key_pem.write_to_path(str(tmp_path / "server.key"))
@@ -281,6 +281,7 @@ def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
     tls = (f"--tls-cert={tmp_path / 'server.pem'}", f"--tls-key={tmp_path / 'server.key'}")
     quick = {"deadline_s": 3.0, "max_attempts": 1}
 
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)  # the shard's own default, not this process's
     shard = start_shard(0, 1, tmp_path / "tls", *tls)
     try:
         with PSClient([shard.address], ClientConfig(tls_ca=str(tmp_path / "ca.pem"), **quick)) as c:
@@ -289,6 +290,7 @@ def test_tls_and_mutual_tls(tmp_path: Path, ca: trustme.CA) -> None:
         with PSClient([shard.address], ClientConfig(**quick)) as c, pytest.raises(PSError) as plain:
             c.admin.tables()  # plain text to a TLS port
         assert f"the server at {shard.address} expects TLS: pass --tls-ca" in str(plain.value)
+        assert "Handshake failed" not in shard.log.read_text()  # gRPC's own lines of it stay out of the log
         admin = ps_admin("stats", "--addresses", shard.address, cwd=tmp_path)
         assert admin.returncode == 1 and admin.stderr.count("\n") == 1, admin.stderr
         assert "expects TLS: pass --tls-ca" in admin.stderr and "is it running" not in admin.stderr

@@ -115,6 +115,10 @@ def test_the_config_line_says_what_was_used(tmp_path: Path, caplog: pytest.LogCa
         _log_config(config, resumed, data, Dist(), choose=True, probing=False)
     assert "epochs=4(auto,chosen_before_a_restart)" in caplog.records[-1].getMessage().split()
     assert "train_samples" not in line  # synthetic-only settings are left out
+    assert "dense_lr=" not in line and len(line) < 400, line  # settings left at their defaults are not repeated
+    with caplog.at_level(logging.DEBUG, logger="worker.trainer"):
+        _log_config(config, resolved, data, Dist(), choose=False, probing=False)
+    assert "dense_lr=" in caplog.records[-1].getMessage()  # every setting, at DEBUG
 
 
 def test_rare_keys_are_counted_on_the_training_rows(tmp_path: Path) -> None:
