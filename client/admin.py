@@ -241,6 +241,12 @@ class ShardByAddress:
         self._security: CallerSecurity | None = None
         self._lock = threading.Lock()
 
+    def __enter__(self) -> ShardByAddress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         with self._lock:
             for channel in self._channels.values():
@@ -270,7 +276,9 @@ class ShardByAddress:
             security = self._security
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = open_channel(address, security.credentials, [])
+                # A shard that is starting is tried again within a second, not after gRPC's backoff of minutes.
+                reconnect = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+                channel = self._channels[address] = open_channel(address, security.credentials, reconnect)
         call = channel.unary_unary(f"/{PS_SERVICE}/{method}", request_serializer=None, response_deserializer=None)
         try:
             data = call(

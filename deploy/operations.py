@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,6 +37,7 @@ from client.membership import addresses_of
 from deploy.reshard import AdminError, now_stamp, shard_dir_name
 from deploy.scale import RetryLater, ScaleError, ScaleReport, scale
 from protos import ps_pb2 as pb
+from protos.rpc.backoff import Backoff
 from protos.rpc.security import CallerSecurity, caller_security
 from protos.rpc.tls import open_channel
 from protos.services import SHARD_HEALTH
@@ -69,15 +71,49 @@ def open_cluster(
     attempt per call), instead of the training client's retries.
     """
     config = dataclasses.replace(security or ClientConfig(), deadline_s=timeout_s, max_attempts=1, tune_malloc=False)
+    wait_s = min(timeout_s, REACH_S)
+    _wait_reachable(addresses, config, wait_s)
     try:
         with PSClient(addresses, config) as client:
             yield client
     except PSError as exc:
         if isinstance(exc, ShardUnavailableError) and not exc.hint:
-            raise AdminError(f"{exc}: cannot reach the shard: is it running, and is the address right?") from None
+            raise AdminError(
+                f"{exc}: cannot reach the shard: is it running, and is the address right? (--timeout-s sets how "
+                "long to wait)"
+            ) from None
         if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
             raise AdminError(f"{exc}: raise --timeout-s, or check the shard's log") from None
         raise AdminError(str(exc)) from None
+
+
+REACH_S = 10.0
+"""How long a command waits for a shard that does not answer yet (one starting), at most."""
+
+
+def _wait_reachable(addresses: Sequence[str | Sequence[str]], config: ClientConfig, wait_s: float) -> None:
+    """Ask each address for its cluster map, again with backoff while it does not answer, for
+    up to ``wait_s``; ``AdminError`` naming the first that never answers. A shard that
+    answers with a refusal (a token, TLS) is reached: the command itself says what is wrong."""
+    deadline = time.monotonic() + wait_s
+    with ShardByAddress(dataclasses.replace(config, deadline_s=1.0)) as shards:
+        for entry in (a for shard in addresses for a in ([shard] if isinstance(shard, str) else shard)):
+            if entry.startswith("dns:"):
+                continue  # a name of several replicas: the client resolves it
+            backoff = Backoff(0.1, 1.0)
+            while True:
+                try:
+                    shards.get_map(entry, timeout_s=max(0.1, min(1.0, deadline - time.monotonic())))
+                    break
+                except ShardUnavailableError as exc:
+                    if exc.hint or time.monotonic() >= deadline:
+                        hint = "" if exc.hint else ": cannot reach the shard: is it running, and is the address right?"
+                        raise AdminError(
+                            f"{exc}{hint} (waited {wait_s:g} s for it; --timeout-s sets how long)"
+                        ) from None
+                    time.sleep(min(backoff.next_s(), max(0.0, deadline - time.monotonic())))
+                except PSError:
+                    break
 
 
 def _check_order(client: PSClient) -> list[dict[str, Any]]:

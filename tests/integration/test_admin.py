@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -487,3 +488,31 @@ def test_a_checkpoint_refused_names_the_parts_written_and_only_those(tmp_path: P
     finally:
         for s in mixed + bare:
             stop_shard(s)
+
+
+def test_ps_admin_waits_a_little_for_a_shard_that_is_starting(tmp_path: Path) -> None:
+    shard = start_shard(0, 1, tmp_path / "s", f"--data-dir={tmp_path / 'd'}")
+    address = shard.address
+    stop_shard(shard)
+    restarted: list[RunningShard] = []
+    done = threading.Event()
+
+    def restart() -> None:  # the thread that starts a shard lives as long as it (its death stops the shard)
+        time.sleep(1.5)
+        restarted.append(start_shard(0, 1, tmp_path / "s", f"--data-dir={tmp_path / 'd'}", listen=address))
+        done.wait(120)
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    try:
+        stats = ps_admin("stats", "--addresses", address, cwd=tmp_path)  # asked while the shard is down
+        assert stats.returncode == 0 and "0/1" in stats.stdout, stats.stderr
+    finally:
+        while thread.is_alive() and not restarted:
+            time.sleep(0.1)
+        for s in restarted:
+            stop_shard(s)
+        done.set()
+        thread.join()
+    gone = ps_admin("stats", "--addresses", address, "--timeout-s", "1", cwd=tmp_path)
+    assert gone.returncode == 1 and "cannot reach the shard" in gone.stderr and "--timeout-s" in gone.stderr
