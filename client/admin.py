@@ -31,7 +31,7 @@ from client.errors import InternalServerError, PSError, error_for, tls_hint
 from client.link import Budget, ClusterLink
 from client.membership import Members
 from client.replicas import normalize_addresses
-from client.tables import list_tables, message_dict
+from client.tables import message_dict
 from client.transport import Transport
 from protos import ps_pb2 as pb
 from protos.rpc.security import CallerSecurity, caller_security
@@ -116,7 +116,7 @@ class AdminClient:
     # -- the cluster ----------------------------------------------------------------
     def tables(self) -> dict[str, TableConfig]:
         """Every table of the cluster (as shard 0, any of its replicas, reports them), by name."""
-        return list_tables(self._link, self._link.budget())
+        return self._link.list_tables(self._link.budget())
 
     def stats(self) -> list[dict[str, Any]]:
         """Each replica's ``Stats`` as a dict with its ``"address"`` added, in the order of

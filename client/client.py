@@ -41,7 +41,7 @@ from client.pushes import PushPart, encode_part, reroute, split_push
 from client.replicas import normalize_addresses
 from client.retry import Answer, Rerouted
 from client.routing import TablePlan, plan_table
-from client.tables import list_tables, table_config, table_spec
+from client.tables import table_config, table_spec
 from client.transport import Transport
 from protos import ps_pb2 as pb
 from protos import wire
@@ -522,7 +522,7 @@ class PSClient:
         return self._link.refresh(self._link.budget())
 
     def _list_tables(self, budget: Budget) -> dict[str, TableConfig]:
-        found = list_tables(self._link, budget)
+        found = self._link.list_tables(budget)
         self._tables.update(found)
         return found
 

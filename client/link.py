@@ -28,10 +28,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from client.cluster import ClusterView, ClusterViews
-from client.config import ClientConfig
+from client.config import ClientConfig, TableConfig
 from client.errors import InternalServerError, InvalidRequestError, PreconditionError, PSError
 from client.membership import Members, MembershipWatcher
 from client.retry import Answer, Rerouted, call_all
+from client.tables import table_config
 from client.transport import GrpcTransport, Transport
 from protos import ps_pb2 as pb
 from protos import wire
@@ -239,6 +240,13 @@ class ClusterLink:
             degrade=degrade,
             epoch=view.epoch if method in ("Lookup", "Push") else None,
         )
+
+    def list_tables(self, budget: Budget) -> dict[str, TableConfig]:
+        """Every table of the cluster, by name, as shard 0 (any of its replicas) reports them."""
+        (answer,) = self.call("ListTables", [(0, b"")], budget=budget)
+        with self.reply("ListTables", 0, answer.endpoint):
+            reply = pb.ListTablesResponse.FromString(answer.data)
+        return {t.name: table_config(t) for t in reply.tables}
 
     @contextlib.contextmanager
     def reply(self, method: str, shard: int, endpoint: int, view: ClusterView | None = None) -> Iterator[None]:

@@ -18,10 +18,9 @@ from google.protobuf.message import Message
 
 from client.config import TableConfig
 from client.errors import InvalidRequestError
-from client.link import Budget, ClusterLink
 from protos import ps_pb2 as pb
 
-__all__ = ["list_tables", "message_dict", "table_config", "table_spec"]
+__all__ = ["message_dict", "table_config", "table_spec"]
 
 _OPTIMIZERS = {k.lower(): v for k, v in pb.OptimizerSpec.Kind.items() if v}
 _INITIALIZERS = {k.lower(): v for k, v in pb.InitializerSpec.Kind.items() if v}
@@ -110,11 +109,3 @@ def _choice(field: str, value: str, choices: Mapping[str, int]) -> int:
         return choices[value.lower()]
     except KeyError:
         raise InvalidRequestError(f"{field}={value!r}: expected one of {', '.join(choices)}") from None
-
-
-def list_tables(link: ClusterLink, budget: Budget) -> dict[str, TableConfig]:
-    """Every table of the cluster, by name, as shard 0 (any of its replicas) reports them."""
-    (answer,) = link.call("ListTables", [(0, b"")], budget=budget)
-    with link.reply("ListTables", 0, answer.endpoint):
-        reply = pb.ListTablesResponse.FromString(answer.data)
-    return {t.name: table_config(t) for t in reply.tables}
