@@ -217,7 +217,8 @@ class ClusterLink:
         """``call_all`` over ``view`` (the current one by default). Lookups and pushes come
         back ``Rerouted`` where a shard refused keys under a newer cluster map. A write to a
         shard with several replicas raises ``InvalidRequestError`` before any call."""
-        self.start()
+        if not self._started:
+            self.start()
         view = view or self._views.current
         if method in _WRITES:
             for s in sorted({s for s, _ in requests}):
