@@ -350,6 +350,8 @@ class PSClient:
         degrade: bool,
     ) -> tuple[dict[str, F32], list[int]]:
         """Rows by table, and the shards that degraded (with repeats)."""
+        if not self._started:
+            self.start()
         budget = self._link.budget(deadline_s)
         dims = {t: self._dim(t, budget) for t in requests}
         results: dict[str, F32] = {}
@@ -409,6 +411,8 @@ class PSClient:
         """
         if seq is not None and not (isinstance(seq, int) and not isinstance(seq, bool) and 1 <= seq < 1 << 64):
             raise InvalidRequestError(f"seq={seq!r}: must be an integer in [1, 2**64)")
+        if not self._started:
+            self.start()
         budget = self._link.budget()
         itemsize = wire.dtype_itemsize(self._dtype)
         replies: list[pb.PushResponse] = []
