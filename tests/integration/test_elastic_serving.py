@@ -249,9 +249,9 @@ def test_serving_replicas_grow_with_a_training_reshard(tmp_path: Path) -> None:
                 load.more()
                 assert client.num_shards == 3 and client.epoch >= 1  # learnt from a serving shard
                 replicas.set_size(3)
-                until(lambda: client.replicas == [tuple(a) for a in replicas.addresses], client.replica_health)
+                until(lambda: client.replicas == [tuple(a) for a in replicas.addresses], client.admin.replica_health)
                 for replica in replicas.replicas[2]:
-                    until(lambda r=replica: lookups_served(r.address) > 0, client.replica_health)
+                    until(lambda r=replica: lookups_served(r.address) > 0, client.admin.replica_health)
                 load.more()
                 # A replica started now by hand follows its training shard but routes by the map it
                 # started with (epoch 0): it refuses what clients route by the new one, and they
@@ -267,7 +267,7 @@ def test_serving_replicas_grow_with_a_training_reshard(tmp_path: Path) -> None:
                     members = tmp_path / "members"
                     members.write_text(f"{listed[0]}+{late.address}+{auto.address},{listed[1]},{listed[2]}\n")
                     members.replace(replicas.addresses_file)
-                    until(lambda: late.address in client.addresses, client.replica_health)
+                    until(lambda: late.address in client.addresses, client.admin.replica_health)
                     until(lambda: lookups_served(auto.address) > 0, auto.log_tail)
                     assert "took the serving map of peer" in auto.log_tail()
                     load.more()
@@ -276,7 +276,7 @@ def test_serving_replicas_grow_with_a_training_reshard(tmp_path: Path) -> None:
                     after[0] = f"{after[0]}+{late.address}"
                     again = scale()
                     assert "nothing to do" in again, again
-                    until(lambda: lookups_served(late.address) > 0, client.replica_health)
+                    until(lambda: lookups_served(late.address) > 0, client.admin.replica_health)
                     load.more()
                 finally:
                     _kill(late)
