@@ -20,7 +20,6 @@ import posixpath
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -29,12 +28,11 @@ from google.protobuf.message import DecodeError
 from client.config import ClientConfig, TableConfig
 from client.errors import InternalServerError, PSError, error_for, tls_hint
 from client.link import Budget, ClusterLink
-from client.membership import Members
-from client.replicas import normalize_addresses
+from client.membership import members_of
 from client.tables import message_dict
 from client.transport import Transport
 from protos import ps_pb2 as pb
-from protos.rpc.security import CallerSecurity, caller_security
+from protos.rpc.security import CallerSecurity
 from protos.rpc.tls import open_channel
 from protos.services import PS_SERVICE
 
@@ -68,13 +66,7 @@ class AdminClient:
         link: ClusterLink | None = None,
     ) -> None:
         if link is None:
-            if (addresses is None) == (addresses_file is None):
-                raise ValueError("give the shards' addresses or addresses_file, one of the two")
-            members = Members(path=Path(addresses_file)) if addresses_file is not None else None
-            if members is None:
-                assert addresses is not None
-                members = Members(normalize_addresses(addresses))
-            link = ClusterLink(members, config or ClientConfig(), transport=transport)
+            link = ClusterLink(members_of(addresses, addresses_file), config or ClientConfig(), transport=transport)
             self._owns_link = True
         else:
             self._owns_link = False
@@ -264,15 +256,7 @@ class ShardByAddress:
         raises the ``PSError`` of its status, naming the address."""
         with self._lock:
             if self._security is None:
-                c = self.config
-                self._security = caller_security(
-                    tls=c.tls,
-                    tls_ca=c.tls_ca,
-                    tls_cert=c.tls_cert,
-                    tls_key=c.tls_key,
-                    token=c.token,
-                    token_file=c.token_file,
-                )
+                self._security = self.config.caller_security()
             security = self._security
             channel = self._channels.get(address)
             if channel is None:

@@ -23,7 +23,6 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -36,9 +35,8 @@ from client.config import ClientConfig, TableConfig
 from client.errors import InvalidRequestError, TableNotFoundError
 from client.link import Budget, ClusterLink
 from client.lookups import encode_lookups, fill_results
-from client.membership import Members
+from client.membership import members_of
 from client.pushes import PushPart, encode_part, reroute, split_push
-from client.replicas import normalize_addresses
 from client.retry import Answer, Rerouted
 from client.routing import TablePlan, plan_table
 from client.tables import table_config, table_spec
@@ -99,12 +97,16 @@ class PSClient:
     of them for a shard served by several replicas (``parse_addresses`` reads
     ``h:1+h:2,h:3`` from a command line).
 
-    Replicas are read-only serving copies: reads (``lookup``, ``tables``) go to one
-    in-service replica per shard, the one with the fewest calls in flight; a retry goes
-    to another replica; failing replicas are ejected and probed back, and slow reads
-    may be hedged (see ``ClientConfig``). Writes (``push``, ``create_table``,
-    ``checkpoint``) to a shard with several replicas raise ``InvalidRequestError``. With
-    one address per shard (a training cluster) none of this changes anything.
+    ``PSClient`` is the data path: tables created, rows looked up, gradients pushed.
+    Operating the cluster (its tables, stats, checkpoints, serving pins) is ``admin``'s,
+    an ``AdminClient`` over the same connections.
+
+    Replicas are read-only serving copies: reads (``lookup``) go to one in-service
+    replica per shard, the one with the fewest calls in flight; a retry goes to another
+    replica; failing replicas are ejected and probed back, and slow reads may be hedged
+    (see ``ClientConfig``). Writes (``push``, ``create_table``, ``admin.checkpoint``) to
+    a shard with several replicas raise ``InvalidRequestError``. With one address per
+    shard (a training cluster) none of this changes anything.
 
     The constructor does no I/O; channels open on ``start()``, ``with``, or first use.
     Thread-safe: many threads may call one client. Every call blocks until all shards
@@ -117,7 +119,7 @@ class PSClient:
     resumed from its checkpoint) passes the same one.
 
     Attributes: ``replicas[s]``, shard ``s``'s addresses; ``addresses``, all of them in
-    that order (one per shard without replicas; the order of ``stats()``).
+    that order (one per shard without replicas; the order of ``admin.stats()``).
     """
 
     def __init__(
@@ -129,18 +131,11 @@ class PSClient:
         transport: Transport | None = None,
         client_id: str | None = None,
     ) -> None:
-        if (addresses is None) == (addresses_file is None):
-            raise InvalidRequestError(
-                "give the shards' addresses or addresses_file (a file of them, re-read as it changes), one of the two"
-            )
-        if addresses_file is not None:
-            members = Members(path=Path(addresses_file))
-        else:
-            assert addresses is not None
-            members = Members(normalize_addresses(addresses))
+        members = members_of(addresses, addresses_file)
         self.config = config = config or ClientConfig()
         self.client_id = _client_id(client_id)
         self._link = ClusterLink(members, config, transport=transport)
+        self._admin = AdminClient(link=self._link)
         self._dtype: Any = _DTYPES[self.config.transport_dtype]  # a wire DType number
         self._tables: dict[str, TableConfig] = {}
         self._seqs: dict[str, Iterator[int]] = {}  # each table's push numbers (``push_many``)
@@ -187,6 +182,7 @@ class PSClient:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+            self._admin.close()
             self._link.close()
             self._started = False
 
@@ -194,7 +190,7 @@ class PSClient:
     def admin(self) -> AdminClient:
         """The cluster's tables, stats, checkpoints and serving pins, over this client's own
         link (``client.admin.AdminClient``)."""
-        return AdminClient(link=self._link)
+        return self._admin
 
     def __enter__(self) -> PSClient:
         return self.start()

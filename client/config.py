@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from protos.rpc.security import CallerSecurity, caller_security
+
 __all__ = ["ClientConfig", "TableConfig"]
 
 TransportDType = Literal["float32", "float16", "bfloat16"]
@@ -132,6 +134,18 @@ class ClientConfig:
                 raise ValueError(f"{name}={value}: must be a positive number of seconds")
         if self.eject_s > self.eject_max_s:
             raise ValueError(f"eject_s={self.eject_s}: must be <= eject_max_s={self.eject_max_s}")
+
+    def caller_security(self) -> CallerSecurity:
+        """The TLS credentials and token these settings present (read from their files now);
+        ``ValueError`` naming a file that cannot be used."""
+        return caller_security(
+            tls=self.tls,
+            tls_ca=self.tls_ca,
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
+            token=self.token,
+            token_file=self.token_file,
+        )
 
 
 def _env(name: str) -> str | None:

@@ -306,6 +306,8 @@ def _wants_client_certificate(address: str) -> bool:
             context.wrap_socket(sock, server_hostname=None) as tls,
         ):
             return tls.recv(1) == b""
+    except ssl.SSLError as exc:  # under TLS 1.3 a server may say so with an alert
+        return "CERTIFICATE_REQUIRED" in str(exc)
     except (OSError, ValueError):  # a plain-text server, none, or one that said nothing in time
         return False
 

@@ -36,7 +36,6 @@ from client.tables import table_config
 from client.transport import GrpcTransport, Transport
 from protos import ps_pb2 as pb
 from protos import wire
-from protos.rpc.security import caller_security
 
 __all__ = ["Budget", "ClusterLink", "MAX_MAP_CHANGES"]
 
@@ -48,6 +47,10 @@ Budget = tuple[ClientConfig, float]
 MAX_MAP_CHANGES = 8
 """Times the cluster map may change during one call before it gives up."""
 
+_TRANSPORT_METHODS = (
+    *("start", "close", "address", "call", "call_here", "tls", "client_certificate", "grows"),
+    *("add", "drop", "check", "for_addresses"),
+)
 _WRITES = frozenset({"CreateTable", "Push", "Checkpoint"})
 _READS = frozenset({"Lookup", "ListTables"})  # may be hedged
 _NO_MAP = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -60,17 +63,17 @@ class ClusterLink:
     (a test's in-process one; by default gRPC channels with ``config``'s TLS and token)."""
 
     def __init__(self, members: Members, config: ClientConfig, *, transport: Transport | None = None) -> None:
+        if transport is not None:
+            missing = [m for m in _TRANSPORT_METHODS if not hasattr(transport, m)]
+            if missing:  # one that matches by shape alone must have them all
+                raise TypeError(
+                    f"transport {type(transport).__name__} lacks {', '.join(missing)}: subclass client.Transport, "
+                    "whose defaults fill them"
+                )
         self.config = config
         security = None
         if transport is None:
-            security = caller_security(
-                tls=config.tls,
-                tls_ca=config.tls_ca,
-                tls_cert=config.tls_cert,
-                tls_key=config.tls_key,
-                token=config.token,
-                token_file=config.token_file,
-            )
+            security = config.caller_security()
 
         def connect(endpoints: list[str]) -> Transport:
             # A transport is addressed by endpoint: the index into a view's ``addresses``.

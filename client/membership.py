@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from client.cluster import ClusterView, ClusterViews
 from client.errors import InvalidRequestError
-from client.replicas import DNS_PREFIX, parse_addresses, placeholder
+from client.replicas import DNS_PREFIX, normalize_addresses, parse_addresses, placeholder
 from protos.rpc.names import addresses_of, resolve_name
 from protos.rpc.names import dns_name as _dns_name
 
@@ -135,6 +136,21 @@ class Members:
                     self.server_names[address] = name[0]
             out.append(list(addresses))
         return out, dict(self.server_names)
+
+
+def members_of(
+    addresses: Sequence[str | Sequence[str]] | None, addresses_file: str | os.PathLike[str] | None
+) -> Members:
+    """The members a client is given: ``addresses`` (each shard's, or its replicas'), or an
+    ``addresses_file`` re-read as it changes; ``InvalidRequestError`` unless exactly one."""
+    if (addresses is None) == (addresses_file is None):
+        raise InvalidRequestError(
+            "give the shards' addresses or addresses_file (a file of them, re-read as it changes), one of the two"
+        )
+    if addresses_file is not None:
+        return Members(path=Path(addresses_file))
+    assert addresses is not None
+    return Members(normalize_addresses(addresses))
 
 
 class MembershipWatcher:

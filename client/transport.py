@@ -338,6 +338,7 @@ class GrpcTransport(Transport):
         self._started = False
         # Threads start as calls need them. 8 callers x 2 shards already need 16: past the
         # limit a call goes out as a gRPC future, which starts a thread of gRPC's per call.
+        self._threads_given = threads
         self._threads = threads if threads is not None else max(64, 8 * len(self._addresses))
         self._calls: _CallThreads | None = None
 
@@ -443,7 +444,7 @@ class GrpcTransport(Transport):
             addresses,
             self._max_bytes,
             self._reconnect_max_ms / 1000,
-            self._threads,
+            self._threads_given,
             credentials=self._credentials,
             metadata=self._metadata,
             client_certificate=self._client_certificate,

@@ -1,7 +1,7 @@
 """``ps-admin``: operations on a whole cluster, or on its checkpoints.
 
-It talks to shards through ``client.PSClient`` (one channel setup and one error tree for
-every tool) and reads checkpoints offline with ``ps.store.storage``.
+It talks to shards through ``client.PSClient`` and its ``AdminClient`` (one channel setup and
+one error tree for every tool) and reads checkpoints offline with ``ps.store``.
 
 * ``ps-admin checkpoint [--addresses A0,A1,...] [--out NAME]``: every shard writes its
   part of the checkpoint NAME to ``NAME/shard-{i:05d}-of-{n:05d}`` under its own

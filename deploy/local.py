@@ -170,7 +170,8 @@ def await_shard(shard: ShardProcess, root: Path, timeout_s: float = 60.0, *, hos
         proc.kill()
         proc.wait()
         raise
-    shard.address = f"{host}:{port_file.read_text().strip()}"
+    port = port_file.read_text().strip()
+    shard.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 host is bracketed
     return shard
 
 
@@ -218,8 +219,10 @@ class LocalCluster:
 
     @property
     def host(self) -> str:
-        """The host in ``addresses``: what other machines dial."""
-        return self.advertise_host or advertised_host(self.listen_host)
+        """The host in ``addresses``: what other machines dial (found once, then kept)."""
+        if self.advertise_host is None:
+            self.advertise_host = advertised_host(self.listen_host)
+        return self.advertise_host
 
     def _listen(self, port: int = 0) -> str:
         return f"[{self.listen_host}]:{port}" if ":" in self.listen_host else f"{self.listen_host}:{port}"

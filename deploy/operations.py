@@ -35,10 +35,10 @@ from client.admin import ShardByAddress
 from client.errors import tls_hint
 from client.membership import addresses_of
 from deploy.reshard import AdminError, now_stamp, shard_dir_name
-from deploy.scale import RetryLater, ScaleError, ScaleReport, scale
+from deploy.scale import RetryLater, ScaleReport, scale
 from protos import ps_pb2 as pb
 from protos.rpc.backoff import Backoff
-from protos.rpc.security import CallerSecurity, caller_security
+from protos.rpc.security import CallerSecurity
 from protos.rpc.tls import open_channel
 from protos.services import SHARD_HEALTH
 from ps.store import FORMAT_VERSION, DataDirError, StorageFailed, read_manifest, write_manifest
@@ -106,10 +106,13 @@ def _wait_reachable(addresses: Sequence[str | Sequence[str]], config: ClientConf
                     shards.get_map(entry, timeout_s=max(0.1, min(1.0, deadline - time.monotonic())))
                     break
                 except ShardUnavailableError as exc:
-                    if exc.hint or time.monotonic() >= deadline:
-                        hint = "" if exc.hint else ": cannot reach the shard: is it running, and is the address right?"
+                    if exc.hint:  # it answers, in another language (TLS): waiting changes nothing
+                        raise AdminError(str(exc), code=exc.code) from None
+                    if time.monotonic() >= deadline:
                         raise AdminError(
-                            f"{exc}{hint} (waited {wait_s:g} s for it; --timeout-s sets how long)"
+                            f"{exc}: cannot reach the shard: is it running, and is the address right? (waited "
+                            f"{wait_s:g} s for it; --timeout-s sets how long)",
+                            code=exc.code,
                         ) from None
                     time.sleep(min(backoff.next_s(), max(0.0, deadline - time.monotonic())))
                 except PSError:
@@ -373,10 +376,7 @@ def cluster_health(
 
 
 def _caller(security: ClientConfig | None) -> CallerSecurity:
-    c = security or ClientConfig()
-    return caller_security(
-        tls=c.tls, tls_ca=c.tls_ca, tls_cert=c.tls_cert, tls_key=c.tls_key, token=c.token, token_file=c.token_file
-    )
+    return (security or ClientConfig()).caller_security()
 
 
 class GrpcShards:
@@ -393,10 +393,10 @@ class GrpcShards:
             return call()
         except ShardUnavailableError as exc:
             if exc.hint:
-                raise AdminError(str(exc)) from None
+                raise AdminError(str(exc), code=exc.code) from None
             raise RetryLater(str(exc)) from None
         except PSError as exc:
-            raise AdminError(str(exc)) from None
+            raise AdminError(str(exc), code=exc.code) from None
 
     def get_map(self, address: str) -> pb.GetMapResponse:
         return self._call(lambda: self._shards.get_map(address))
@@ -435,7 +435,5 @@ def scale_cluster(
             serving=serving,
             max_rows_per_s=max_rows_per_s,
         )
-    except ScaleError as exc:
-        raise AdminError(str(exc)) from None
     finally:
         shards.close()

@@ -34,15 +34,19 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import grpc
+
 from client.membership import addresses_of
 from deploy.reshard import AdminError
 from protos import ps_pb2 as pb
+from protos.rpc.backoff import Backoff
 from ps.elastic import ClusterMap, MoveState
 
 __all__ = ["RetryLater", "ScaleError", "ScaleReport", "ShardCalls", "scale"]
 
 _CAUGHT_UP_VERSIONS = 50  # a copy this close to its old owner's changes is ready for the freeze
 _FROZEN_POLL_S = 0.01  # while frozen, how often the new owners are asked whether their rows are all in
+_REACH_S = 10.0  # how long --abort asks again a shard that does not answer before it counts as lost
 
 
 class ScaleError(AdminError):
@@ -138,7 +142,10 @@ def scale(
     if not committed:
         try:
             _each(shards, maps, prepare, deadline, say, "prepare")
-        except ScaleError as exc:  # e.g. a new owner that reaches another shard at an old owner's address
+        except ScaleError as exc:
+            if exc.code != grpc.StatusCode.INVALID_ARGUMENT:
+                raise  # busy or out of time: running the command again carries on
+            # Refused for good (e.g. a new owner that reaches another shard at an old owner's address).
             kept = _undo(shards, src, dst)
             undone = f"undoing it failed on {', '.join(kept)}" if kept else "the reshard was undone"
             raise ScaleError(f"{exc}; {undone}: the cluster stays at {src.describe()}") from None
@@ -156,7 +163,7 @@ def scale(
             # Pushes to moving keys wait from here to the commit: look often.
             _wait(shards, dst_addresses, dst, deadline, min(poll_s, _FROZEN_POLL_S), say, report, lambda s: s.complete)
         except _DiskFailed as exc:
-            raise ScaleError(_undo_after_disk_failure(shards, maps, src, dst, exc)) from None
+            raise ScaleError(_undo_after_disk_failure(shards, src, dst, exc)) from None
         report.seconds["freeze"] = time.monotonic() - t
     t = time.monotonic()
     commit = _request(pb.ReshardRequest.COMMIT, dst)
@@ -298,8 +305,8 @@ def _each(
                 if time.monotonic() > deadline:
                     raise ScaleError(f"{what} on {address}: still refused at the deadline: {exc}") from None
                 time.sleep(0.2)
-            except Exception as exc:
-                raise ScaleError(f"{what} on {address} failed: {exc}") from None
+            except Exception as exc:  # the refusal's status goes with it (a bad map is INVALID_ARGUMENT)
+                raise ScaleError(f"{what} on {address} failed: {exc}", code=getattr(exc, "code", None)) from None
 
 
 @dataclass
@@ -427,14 +434,27 @@ def _abort(
     return ScaleReport(src, dst, aborted=True)
 
 
-def _reachable(shards: ShardCalls, addresses: Iterable[str]) -> tuple[dict[str, pb.GetMapResponse], dict[str, str]]:
-    """The cluster maps of the shards that answer, and why each other one did not."""
+def _reachable(
+    shards: ShardCalls, addresses: Iterable[str], wait_s: float = _REACH_S
+) -> tuple[dict[str, pb.GetMapResponse], dict[str, str]]:
+    """The cluster maps of the shards that answer, and why each other one did not: one that
+    asks to be asked again (busy, restarting, not listening yet) is asked again for up to
+    ``wait_s`` before it counts as lost."""
     maps, lost = {}, {}
     for address in addresses:
-        try:
-            maps[address] = shards.get_map(address)
-        except Exception as exc:
-            lost[address] = str(exc)
+        backoff, deadline = Backoff(0.1, 1.0), time.monotonic() + wait_s
+        while True:
+            try:
+                maps[address] = shards.get_map(address)
+                break
+            except RetryLater as exc:
+                if time.monotonic() >= deadline:
+                    lost[address] = str(exc)
+                    break
+                time.sleep(backoff.next_s())
+            except Exception as exc:
+                lost[address] = str(exc)
+                break
     return maps, lost
 
 
@@ -457,9 +477,7 @@ def _undo(shards: ShardCalls, src: ClusterMap, dst: ClusterMap) -> list[str]:
     return kept
 
 
-def _undo_after_disk_failure(
-    shards: ShardCalls, maps: dict[str, pb.GetMapResponse], src: ClusterMap, dst: ClusterMap, failed: _DiskFailed
-) -> str:
+def _undo_after_disk_failure(shards: ShardCalls, src: ClusterMap, dst: ClusterMap, failed: _DiskFailed) -> str:
     """Abort the reshard on every shard that takes part (the old owners of moving keys
     first: those keys take pushes again); returns the one line that says what happened
     and what to do."""

@@ -153,6 +153,7 @@ def run_server(prog: str, parse: Callable[[], _S], start: Callable[[_S], Served]
     configure_logging(settings.log_level)
     log = logging.getLogger(prog)  # the process's own lines: logger=ps-server, logger=ps-infer
     log.info("starting %s", describe(settings))
+    log.debug("settings %s", " ".join(f"{k}={v}" for k, v in vars(settings).items()))  # every one, as used
     try:
         served = start(settings)
     except (RuntimeError, ValueError) as exc:

@@ -127,8 +127,7 @@ class Readiness:
     is SERVING and stop sending to one that is not. Thread-safe."""
 
     def __init__(self, health: health.HealthServicer, services: tuple[str, ...], ready: bool) -> None:
-        self.health = health
-        self._health, self._services = health, ("", *services)
+        self.health, self._services = health, ("", *services)
         self._lock = threading.Lock()
         self.ready, self.draining = ready, False
         self._publish()
@@ -147,7 +146,7 @@ class Readiness:
         serving = self.ready and not self.draining
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in self._services:
-            self._health.set(service, status)
+            self.health.set(service, status)
 
 
 class _Handlers:

@@ -195,8 +195,8 @@ def _copy(
     history = changes.history
     yield pb.MoveBatch(history=history, snapshot_begin=True, specs=[spec_to_proto(t.spec) for t in tables])
     for table in tables:
-        for stored in table.scan():  # values as stored; each moving key's row is read again as it is now
-            keys = stored.keys[moving(stored.keys)]
+        for stored in table.stored_keys():  # each moving key's row is read as it is now
+            keys = stored[moving(stored)]
             if keys.size:
                 yield from _rows(reshard, history, version, table, np.sort(keys.view(np.uint64)).view(np.int64), limit)
     yield pb.MoveBatch(history=history, version=version, snapshot_end=True, source_version=changes.version)

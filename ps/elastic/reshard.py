@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -242,8 +243,6 @@ class Reshard:
 
     # -- phases -----------------------------------------------------------------------
 
-    # -- phases -----------------------------------------------------------------------
-
     def start(self) -> None:
         """Carry on with a reshard the data dir recorded: a new owner pulls again, an old
         owner that committed drops what it gave away."""
@@ -299,6 +298,8 @@ class Reshard:
         if phase != pb.ReshardRequest.STATUS:
             if dst is None:
                 raise InvalidRequest("ReshardRequest.to: the map to move to is missing")
+            if phase == pb.ReshardRequest.PREPARE and not serving and src is not None:
+                self._check_sources(src, dst)  # over the network: before the lock every phase takes
             with self._lock:
                 if serving:
                     if phase != pb.ReshardRequest.COMMIT:
@@ -351,21 +352,24 @@ class Reshard:
                 f"shard {self.index} is new in the map of epoch {dst.epoch} but already holds rows: "
                 "start it with an empty data dir"
             )
-        state = MoveState(self.index, src, dst, "copying", max_rows_per_s=max_rows_per_s)
-        self._check_sources(state)
-        self.set_phase(state)
+        self.set_phase(MoveState(self.index, src, dst, "copying", max_rows_per_s=max_rows_per_s))
         log.info("reshard: prepared from %s to %s", src.describe(), dst.describe())
         self._resume()
 
-    def _check_sources(self, state: MoveState) -> None:
-        """Raise ``InvalidRequest`` when an address of an old owner this shard pulls rows from
-        reaches another shard from here (one that does not answer is tried again later)."""
+    def _check_sources(self, src: ClusterMap, dst: ClusterMap) -> None:
+        """Raise ``InvalidRequest`` when an address of an old owner this shard would pull rows
+        from reaches another shard from here (one that does not answer is tried again
+        later). The old owners are asked together (``identify``: a couple of seconds each at most)."""
         identify = self._parts.settings.identify
-        if identify is None:
+        if identify is None or len(src.addresses) != src.num_shards or len(dst.addresses) != dst.num_shards:
+            return  # maps that do not fit are refused under the lock, with the reason
+        sources = [s for s in MoveState(self.index, src, dst, "copying").sources if s < len(src.addresses)]
+        if not sources:
             return
-        for source in state.sources:
-            address = state.src.addresses[source]
-            answered = identify(address)
+        with ThreadPoolExecutor(len(sources), thread_name_prefix="ps-identify") as pool:
+            answers = list(pool.map(lambda s: identify(src.addresses[s]), sources))
+        for source, answered in zip(sources, answers):
+            address = src.addresses[source]
             if answered is not None and answered != source:
                 raise InvalidRequest(
                     f"{address}, the address of shard {source}, reaches shard {answered} from shard {self.index}'s "

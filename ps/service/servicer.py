@@ -222,9 +222,9 @@ def lookup_response(
     converted after."""
     route = Route(request.num_shards, request.shard if request.HasField("shard") else None, request.epoch)
     dtypes: list[int] = []
+    decoded: list[tuple[str, npt.NDArray[np.int64]]] = []
 
     def entries() -> list[tuple[str, npt.NDArray[np.int64]]]:
-        decoded = []
         for i, entry in enumerate(request.entries):
             keys = wire.decode_keys(entry.keys, f"entries[{i}].keys (table {entry.table!r})")
             dtype = entry.dtype or wire.FLOAT32
@@ -239,9 +239,7 @@ def lookup_response(
 
     def response_rows(specs: Sequence[TableSpec]) -> list[npt.NDArray[np.float32]]:
         nonlocal writer
-        layout = [
-            (name, k.shape[0], spec.dim, dt) for (name, k), spec, dt in zip(batch.entries, specs, dtypes, strict=True)
-        ]
+        layout = [(name, k.shape[0], spec.dim, dt) for (name, k), spec, dt in zip(decoded, specs, dtypes, strict=True)]
         total = sum(n * dim * wire.dtype_itemsize(dt) for _, n, dim, dt in layout)
         if total > max_response_bytes - _RESPONSE_OVERHEAD_BYTES:
             raise RequestTooLarge(

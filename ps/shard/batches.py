@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Literal, Protocol
 
 import numpy as np
@@ -25,7 +24,7 @@ import numpy.typing as npt
 from protos import ps_pb2 as pb
 from ps.elastic import Route
 
-__all__ = ["MODES", "LookupBatch", "Mode", "PushBatch", "Route", "RowSource"]
+__all__ = ["MODES", "LookupBatch", "LookupEntries", "Mode", "PushBatch", "PushEntries", "Route", "RowSource"]
 
 _NO_ROUTE = Route()
 
@@ -38,14 +37,14 @@ PushEntries = Sequence[tuple[str, Keys, npt.NDArray[np.float32]]]
 @dataclass(frozen=True)
 class LookupBatch:
     """A Lookup: ``(table, keys)`` per entry, or a function that decodes them, which the
-    shard calls once the request's route is checked (``entries``): a shard that is
+    shard calls once the request's route is checked (``decoded``): a shard that is
     stopping or misaddressed says so before it reads a byte of the keys."""
 
     given: LookupEntries | Callable[[], LookupEntries]
     route: Route = _NO_ROUTE
 
-    @cached_property
-    def entries(self) -> LookupEntries:
+    def decoded(self) -> LookupEntries:
+        """The entries (decoded now, when ``given`` is a function: call it once)."""
         return self.given() if callable(self.given) else self.given
 
 

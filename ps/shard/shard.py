@@ -67,7 +67,7 @@ from ps.errors import (
 from ps.replication import ChangeLog, follow_batches
 from ps.rwlock import ReadWriteLock
 from ps.shard.background import LoopHealth, RateWindow
-from ps.shard.batches import MODES, LookupBatch, Mode, PushBatch, RowSource
+from ps.shard.batches import MODES, LookupBatch, LookupEntries, Mode, PushBatch, RowSource
 from ps.shard.budget import MemoryBudget, check_budget
 from ps.shard.limits import Limits
 from ps.shard.maintenance import Maintenance
@@ -308,7 +308,7 @@ class Shard:
         read_only: bool = False,
     ) -> None:
         """Gather the rows of ``batch`` into the arrays ``out(specs)`` returns. The route is
-        checked first, then the entries are decoded (``LookupBatch.entries``); ``out`` is
+        checked first, then the entries are decoded (``LookupBatch.decoded``); ``out`` is
         called once, after the key counts and tables are checked, with the spec of each
         entry's table, and returns one writable float32 ``[len(keys), dim]`` array per entry
         (the caller's response buffer; it may raise, e.g. ``RequestTooLarge``); then every
@@ -323,30 +323,31 @@ class Shard:
         ``InvalidRequest`` (naming the entry and field), ``UnknownTable``; ``StorageFailed``
         if disk reads fail."""
         self.check_request(batch.route)
+        entries = batch.decoded()
         # A serving shard's rows change only in whole batches (and its tables may be
         # swapped for a checkpoint's): it answers under the lock those changes take. A
         # training shard's lookups may create rows: they are writes a reshard's freeze waits for.
         with self.role.reading():
-            self._lookup(batch, out, read_only)
+            self._lookup(entries, out, read_only)
 
     def _lookup(
         self,
-        batch: LookupBatch,
+        entries: LookupEntries,
         out: Callable[[Sequence[TableSpec]], Sequence[npt.NDArray[np.float32]]],
         read_only: bool,
     ) -> None:
-        self.limits.check_keys("Lookup", (k.shape[0] for _, k in batch.entries))
-        tables = [self._entry_table(name, i) for i, (name, _) in enumerate(batch.entries)]
+        self.limits.check_keys("Lookup", (k.shape[0] for _, k in entries))
+        tables = [self._entry_table(name, i) for i, (name, _) in enumerate(entries)]
         rows = out([t.spec for t in tables])
         create, touch = self.role.reads(read_only=read_only, budget_evicts=self.budget.limit_bytes > 0)
         # Keys a reshard is handing over are read without creating rows: their initial rows,
         # which their new owner creates.
-        handing_over = self.reshard.check_keys("Lookup", batch.entries, write=False)
+        handing_over = self.reshard.check_keys("Lookup", entries, write=False)
         initial = handing_over and create
         if initial:
             create = touch = False
         created: list[tuple[str, npt.NDArray[np.int64]]] = []
-        for table, (_, keys), target in zip(tables, batch.entries, rows, strict=True):
+        for table, (_, keys), target in zip(tables, entries, rows, strict=True):
             before = table.counters.rows_created
             table.lookup(keys, target, create=create, touch=touch, initial=initial)
             if table.counters.rows_created != before:  # new rows: followers must see them too
@@ -576,7 +577,7 @@ class Shard:
         each one before acknowledging it), write them to a rescue dump. The report
         says what happened; blocks for up to ``grace_s`` plus the dump's write.
 
-        A serving shard (one with a ``source``) tries the final write once and never
+        A serving shard (``role``: ``Serving``) tries the final write once and never
         writes a dump (``ps.durability.rescue``): it acknowledged no push, and its rows come from
         its source (a follower saves the version it reached only once the rows are
         written, so a restart streams again what it could not write).

@@ -394,18 +394,33 @@ class Table:
     def scan(self, chunk_rows: int = SPILL_CHUNK) -> Iterator[Rows]:
         """Every row of the table whole, up to ``chunk_rows`` at a time: those in RAM when
         the scan starts (each chunk read under the lock, as it is then), then those only on
-        disk, as stored (read without the lock: a caller that needs their newest values
-        reads them again with ``peek_rows``). Copies; nothing is created, counted or
+        disk, as stored (read without the lock). Copies; nothing is created, counted or
         faulted in."""
-        resident = np.sort(self.resident_keys().view(np.uint64)).view(np.int64)
+        resident = self._sorted_resident_keys()
         for start in range(0, resident.shape[0], chunk_rows):
             yield self.peek_rows(resident[start : start + chunk_rows])[1]
+        yield from self._disk_only(resident)
+
+    def stored_keys(self) -> Iterator[npt.NDArray[np.int64]]:
+        """The key of every row, without reading the rows in RAM: those in RAM when the scan
+        starts (one sorted array), then, a chunk at a time, those only on disk (read without
+        the lock). A caller reads the rows it wants with ``peek_rows``, as they are then."""
+        resident = self._sorted_resident_keys()
+        yield resident
+        for stored in self._disk_only(resident):
+            yield stored.keys
+
+    def _sorted_resident_keys(self) -> npt.NDArray[np.int64]:
+        return np.sort(self.resident_keys().view(np.uint64)).view(np.int64)
+
+    def _disk_only(self, resident: npt.NDArray[np.int64]) -> Iterator[Rows]:
+        """The rows on disk whose keys are not among the sorted ``resident`` keys, as stored."""
         disk = self._disk
         if disk is None or not (self.spilled or disk.estimated):
             return  # every row is in RAM (none was spilled, none came back from disk since a start)
         order = resident.view(np.uint64)
         for stored in disk.scan():
-            if order.size and len(stored):  # rows read from RAM above are not read again
+            if order.size and len(stored):  # rows in RAM when the scan began are not read again
                 at = np.minimum(np.searchsorted(order, stored.keys.view(np.uint64)), order.shape[0] - 1)
                 stored = stored[order[at] != stored.keys.view(np.uint64)]
             if len(stored):
