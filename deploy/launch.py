@@ -264,15 +264,20 @@ class RestartPolicy:
 
 def _check_reachable(cluster: LocalCluster, *, tls: bool) -> None:
     """Raise ``ShardStartError`` when a shard does not answer at the address its workers
-    are given (``--advertise``), dialled from here; shards with TLS are not checked."""
-    if tls:
+    are given (``--advertise``), dialled from here. Shards dialled at the host they listen on,
+    shards with TLS and shards that already exited (their restart is the policy's) are not
+    checked."""
+    if tls or cluster.host == cluster.listen_host:
         return
-    for address in cluster.addresses:
+    for shard in cluster.shards:
+        address = shard.address
         with open_channel(address, None, []) as channel:
             check = channel.unary_unary("/grpc.health.v1.Health/Check", None, None)
             try:
                 check(b"", timeout=5.0)
             except grpc.RpcError as exc:
+                if shard.proc.poll() is not None:
+                    continue
                 raise ShardStartError(
                     f"the workers would dial {address}, where no shard answers ({exc.code().name}): the shards "
                     f"listen on {cluster.listen_host}; give --advertise a host they are reached at (or --listen 0.0.0.0)"
