@@ -12,6 +12,10 @@ record per table, a ``("send", seq, pushes)`` record before each push and an ``(
 seq, monotonic time)`` record once it was acknowledged, flushed each time; and one line
 ``seq time`` per acknowledged push to ``acks.txt`` there (the progress a test watches).
 What a killed process sent but never saw acknowledged stays a send without an ack.
+
+With ``$RECORD_HOLD`` (a path) the worker, once trained, writes ``<path>.trained`` and
+waits up to 15 minutes for the path to exist before it exits: the launch, and the shards
+it stops with its workers, stay up until the test has done what needs them.
 """
 
 from __future__ import annotations
@@ -76,6 +80,11 @@ class RecordingClient(PSClient):
 if __name__ == "__main__":
     trainer.PSClient = RecordingClient  # type: ignore[misc]
     trainer.main(sys.argv[1:])
+    if os.environ.get("RECORD_HOLD"):
+        hold, deadline = Path(os.environ["RECORD_HOLD"]), time.monotonic() + 900
+        hold.with_name(hold.name + ".trained").touch()
+        while not hold.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     if STREAM is None:
         with open(os.environ["RECORD_PUSHES"], "wb") as f:
             pickle.dump(LOG, f)

@@ -93,16 +93,21 @@ def launch_command(root: Path, samples: int, followers: bool) -> list[str]:
 
 @dataclass
 class Run:
-    """One ``ps-launch`` of the recording worker; its records stream to ``root/pushes``."""
+    """One ``ps-launch`` of the recording worker; its records stream to ``root/pushes``.
+    With ``held`` the worker, once trained, waits for ``finish`` before it exits (and the
+    launch stops its shards): what the test does last never races the end of training."""
 
     root: Path
     samples: int
     followers: bool = False
+    held: bool = False
     proc: subprocess.Popen[bytes] = field(init=False)
 
     def __post_init__(self) -> None:
         (self.root / "pushes").mkdir(parents=True)
         env = dict(os.environ, RECORD_STREAM=str(self.root / "pushes"))
+        if self.held:
+            env["RECORD_HOLD"] = str(self.root / "release")
         self.log = (self.root / "launch.log").open("w")
         command = launch_command(self.root, self.samples, self.followers)
         self.proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -120,12 +125,14 @@ class Run:
         lines = path.read_text().splitlines() if path.exists() else []
         return [(int(s), float(t)) for s, t in (line.split() for line in lines if line.count(" ") == 1)]
 
+    def training(self) -> bool:
+        """True until the worker trained all its samples (a held one then waits for ``finish``)."""
+        return self.proc.poll() is None and not (self.root / "release.trained").exists()
+
     def wait_steps(self, steps: int, timeout_s: float = 900) -> None:
         deadline = time.monotonic() + timeout_s
         while len(self.acks()) < steps:
-            assert self.proc.poll() is None, (
-                f"training ended before step {steps}: raise the samples\n{self.text()[-3000:]}"
-            )
+            assert self.training(), f"training ended before step {steps}: raise the samples\n{self.text()[-3000:]}"
             assert time.monotonic() < deadline, self.text()[-3000:]
             time.sleep(0.05)
 
@@ -153,6 +160,7 @@ class Run:
         return [p for p in pids if _parent(p) not in pids]
 
     def finish(self, timeout_s: float = 1800) -> dict[str, Any]:
+        (self.root / "release").touch()
         try:
             code = self.proc.wait(timeout=timeout_s)
         finally:
@@ -383,7 +391,7 @@ def test_the_cluster_grows_and_shrinks_under_training_and_serving(
     warm_samples, samples = (100_000, 2_000_000) if long else (20_000, 500_000)
     warm = Run(tmp_path / "a" / "warm", warm_samples)
     warm.finish()
-    run = Run(tmp_path / "a" / "main", samples, followers=True)
+    run = Run(tmp_path / "a" / "main", samples, followers=True, held=True)
     moves: list[Scale] = []
     infer: subprocess.Popen[bytes] | None = None
     load: PredictLoad | None = None
@@ -404,7 +412,7 @@ def test_the_cluster_grows_and_shrinks_under_training_and_serving(
         moves[-1].finish()
         next_checkpoint = run.newest_checkpoint() + 1
         while run.newest_checkpoint() < next_checkpoint:
-            assert run.proc.poll() is None, "training ended before the worker could be killed: raise the samples"
+            assert run.training(), "training ended before the worker could be killed: raise the samples"
             time.sleep(0.02)
         time.sleep(0.3)  # a few steps past the checkpoint: the resumed worker sends them again
         (worker,) = run.worker_pids()
