@@ -199,9 +199,9 @@ def run(rows: int, chunk: int, batch: int, steady_s: float, root: Path) -> dict[
                 "batch": batch,
                 "steady": trainer.between(steady_t0, steady_t1),
                 "during_move": trainer.between(busy_t0, busy_t1)
-                | {"move_s": busy_t1 - busy_t0, "rows_sent": busy.rows_moved},
+                | {"move_s": busy_t1 - busy_t0, "rows_sent": busy.rows_sent},
                 "during_paced_move": trainer.between(paced_t0, paced_t1)
-                | {"move_s": paced_t1 - paced_t0, "rows_sent": paced.rows_moved, "max_rows_per_s_per_copy": pace},
+                | {"move_s": paced_t1 - paced_t0, "rows_sent": paced.rows_sent, "max_rows_per_s_per_copy": pace},
             },
         }
     finally:

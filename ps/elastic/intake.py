@@ -114,7 +114,9 @@ class SourceProgress:
     connected: bool = False
     snapshot_done: bool = False
     complete: bool = False
-    rows: int = 0
+    rows: int = 0  # every row received: the first copy, then each change after it
+    first_copy_rows: int = 0  # the rows of the (last) first copy, each moving row once
+    copy_from: int = 0  # ``rows`` when that copy began
     bytes: int = 0
     version: int = 0
     source_version: int = 0
@@ -129,6 +131,7 @@ class SourceProgress:
             snapshot_done=self.snapshot_done,
             complete=self.complete,
             rows=self.rows,
+            first_copy_rows=self.first_copy_rows,
             bytes=self.bytes,
             lag_versions=max(0, self.source_version - self.version),
             error=self.error,
@@ -243,6 +246,7 @@ class Intake:
             if dropped:
                 log.info("reshard: dropped %d rows of an earlier copy from shard %d", dropped, source)
             progress.snapshot_done = False
+            progress.copy_from = progress.rows
         for spec in batch.specs:
             self._install_table(spec_from_proto(spec))
         changed = []
@@ -265,7 +269,8 @@ class Intake:
         progress.version, progress.source_version = batch.version, batch.source_version
         if batch.snapshot_end:
             progress.snapshot_done = True
-            log.info("reshard: first copy from shard %d arrived (%d rows so far)", source, progress.rows)
+            progress.first_copy_rows = progress.rows - progress.copy_from
+            log.info("reshard: first copy from shard %d arrived (%d rows)", source, progress.first_copy_rows)
         if batch.done:
             self._finish(source, progress, batch)
 
@@ -286,9 +291,10 @@ class Intake:
         self._on_complete(source)
         progress.complete = True
         log.info(
-            "reshard: every row from shard %d is here and durable (%d rows, %.0f ms to write)",
+            "reshard: every row from shard %d is here and durable (%d rows, %d changes after, %.0f ms to write)",
             source,
-            progress.rows,
+            progress.first_copy_rows,
+            progress.rows - progress.first_copy_rows,
             1000 * (time.monotonic() - t0),
         )
 

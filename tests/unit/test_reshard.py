@@ -403,8 +403,9 @@ def test_concurrent_pushes_during_a_whole_scale_are_each_applied_once(cluster: C
 
     thread = threading.Thread(target=pusher)
     thread.start()
-    time.sleep(0.2)
-    scale(cluster, cluster.addresses(2), cluster.addresses(3))
+    while len(sent) < 2:  # every key has a row before the move starts
+        time.sleep(0.01)
+    report = scale(cluster, cluster.addresses(2), cluster.addresses(3))
     time.sleep(0.2)
     stop.set()
     thread.join(30)
@@ -412,6 +413,10 @@ def test_concurrent_pushes_during_a_whole_scale_are_each_applied_once(cluster: C
     for seq in sent:
         push(twin, "t", KEYS, grads, client_id="p", seq=seq)
     assert len(sent) > 5
+    # Rows moved: each moving row once, however often the pushes changed it during the copy
+    # (the changes sent after the first copy are counted apart).
+    assert report.rows_moved == int((shard_of(KEYS, 3) == 2).sum()), (report.rows_moved, report.rows_sent)
+    assert report.rows_sent >= report.rows_moved
     owners_ok(cluster, 3, "t")
     np.testing.assert_array_equal(all_rows(cluster.shards.values(), "t").values, all_rows([twin], "t").values)
 
