@@ -71,6 +71,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from client import ClientConfig
 from client import parse_addresses as client_parse_addresses
 from deploy.operations import (
@@ -264,6 +266,7 @@ def _scale_json(report: ScaleReport) -> dict[str, Any]:
         "aborted": report.aborted,
         "already_done": report.already_done,
         "rows_moved": report.rows_moved,
+        "rows_sent": report.rows_sent,
         "bytes_moved": report.bytes_received,
         "received": {str(d): {str(s): n for s, n in by.items()} for d, by in report.received.items()},
         "seconds": report.seconds,
@@ -280,7 +283,11 @@ def _format_scale(report: ScaleReport) -> str:
         parts = ", ".join(f"{n} from shard {s}" for s, n in sorted(by_source.items()))
         lines.append(f"  shard {d} got {parts}")
     seconds = ", ".join(f"{k} {v:.2f} s" for k, v in report.seconds.items())
-    lines.append(f"  {report.rows_moved} rows, {report.bytes_received / 1e6:.1f} MB moved; {seconds}")
+    changes = report.rows_sent - report.rows_moved
+    lines.append(
+        f"  {report.rows_moved} rows moved, {changes} changes to them sent during the move, "
+        f"{report.bytes_received / 1e6:.1f} MB in all; {seconds}"
+    )
     return "\n".join(lines)
 
 
@@ -594,7 +601,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             stats = cluster_stats(args.addresses, args.timeout_s, security)
             print(json.dumps(stats, indent=2, sort_keys=True) if args.json else _format_stats(stats))
     except AdminError as exc:
-        print(f"ps-admin {args.command}: {exc}", file=sys.stderr)
+        # The status a shard answered, where the message does not say it already: a script
+        # can tell a refusal (PERMISSION_DENIED) from a shard it did not reach (UNAVAILABLE).
+        status = exc.code.name if exc.code != grpc.StatusCode.UNKNOWN and not str(exc).startswith(exc.code.name) else ""
+        print(f"ps-admin {args.command}: {status + ': ' if status else ''}{exc}", file=sys.stderr)
         return 1
     except ValueError as exc:  # a bad --tls-*/--token-file (unreadable file, a cert without its key)
         print(f"ps-admin {args.command}: {exc}", file=sys.stderr)

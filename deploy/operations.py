@@ -80,11 +80,12 @@ def open_cluster(
         if isinstance(exc, ShardUnavailableError) and not exc.hint:
             raise AdminError(
                 f"{exc}: cannot reach the shard: is it running, and is the address right? (--timeout-s sets how "
-                "long to wait)"
+                "long to wait)",
+                code=exc.code,
             ) from None
         if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            raise AdminError(f"{exc}: raise --timeout-s, or check the shard's log") from None
-        raise AdminError(str(exc)) from None
+            raise AdminError(f"{exc}: raise --timeout-s, or check the shard's log", code=exc.code) from None
+        raise AdminError(str(exc), code=exc.code) from None
 
 
 REACH_S = 10.0
@@ -204,7 +205,7 @@ def checkpoint_cluster(
                 if written
                 else ""
             )
-            raise AdminError(f"{exc}{hint}{left}") from None
+            raise AdminError(f"{exc}{hint}{left}", code=exc.code) from None
     checkpoint_name = str(replies[0]["name"])
     parts = [str(r["path"]) for r in replies]
     manifests = [r["manifest"] for r in replies]

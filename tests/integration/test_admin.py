@@ -322,11 +322,13 @@ def test_tables_create_table_health_and_json_with_a_token(tmp_path: Path) -> Non
         )
         assert (
             denied.returncode == 1
+            and denied.stderr.startswith("ps-admin create-table: PERMISSION_DENIED: ")  # a script can tell
             and "CreateTable refused: needs a write token, this one is read" in denied.stderr
             and read_token not in denied.stderr
         )
         no_token = ps_admin("tables", "--addresses", addresses, cwd=tmp_path)
         assert no_token.returncode == 1 and "no bearer token" in no_token.stderr
+        assert no_token.stderr.startswith("ps-admin tables: UNAUTHENTICATED: "), no_token.stderr
         assert "items: dim 8, optimizer adagrad" in ok(
             ps_admin(*as_admin, "tables", "--addresses", addresses, cwd=tmp_path)
         )
