@@ -16,7 +16,9 @@ Workers are elastic (``deploy.workers``): a worker that dies makes torchrun rest
 group, up to ``--max-restarts`` times, and ``ps-launch --join`` adds workers to a running
 launch (``--nnodes MIN:MAX`` bounds the torchrun agents: this one and those that join).
 The trainer resumes from its checkpoint each time: ``TRAINER_CHECKPOINT_DIR`` is set to
-``<log-dir>/checkpoints/<launch id>`` unless the environment sets it.
+``<log-dir>/checkpoints/<launch id>`` unless the environment sets it. Each worker writes its
+pid to ``<log-dir>/workers/rank-<RANK>.pid`` (``worker.distributed``), so a script can signal
+one worker of this launch and no other process.
 
 The shards grow and shrink while the workers train: ``ps-launch --scale LOG_DIR --to N``
 asks the launch to start the new shards and move keys to them (``deploy.launch_scale``).
@@ -51,6 +53,7 @@ from deploy.workers import RENDEZVOUS_FILE, Elastic, Join, read_join, torchrun_c
 from protos.rpc import child_command
 from protos.rpc.logs import configure_logging
 from protos.rpc.tls import open_channel
+from worker.distributed import PID_DIR_ENV
 
 __all__ = ["RestartPolicy", "main"]
 
@@ -421,6 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "TRAINER_ADDRESSES": ",".join(cluster.addresses),
             # A restarted group resumes from there; a launch of its own is a run of its own.
             "TRAINER_CHECKPOINT_DIR": str(root / "checkpoints" / elastic.rdzv_id),
+            # Each worker writes its pid there as rank-<RANK>.pid (worker.distributed).
+            PID_DIR_ENV: str(root.absolute() / "workers"),
             # The shards share this machine: leave them a core. torchrun sets no thread count for a
             # single worker, and torch's spinning OpenMP threads on every core starve the shards
             # (2 cores, DLRM: 1.2K samples/s with 2 torch threads against 11.8K with 1).

@@ -1,6 +1,10 @@
 """This process's place in a training job: ``Dist`` (rank, world size, device) and
 ``init_distributed``, which joins the torchrun job (gloo on CPU, nccl on CUDA).
 
+Under ``ps-launch`` (which sets ``PS_WORKER_PID_DIR``) each worker also writes its pid to
+``LOG_DIR/workers/rank-<RANK>.pid`` as it joins, and removes it when it exits normally:
+``kill -9 "$(cat LOG_DIR/workers/rank-1.pid)"`` stops exactly that launch's worker 1.
+
 Example:
     >>> init_distributed("cpu")
     Dist(rank=0, world=1, device=device(type='cpu'))
@@ -8,13 +12,18 @@ Example:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DeviceError", "Dist", "init_distributed"]
+__all__ = ["PID_DIR_ENV", "DeviceError", "Dist", "init_distributed"]
+
+PID_DIR_ENV = "PS_WORKER_PID_DIR"  # where a worker writes rank-<RANK>.pid (ps-launch sets it)
 
 
 @dataclass
@@ -55,8 +64,26 @@ def init_distributed(device: str = "auto") -> Dist:
         )
     if cuda:
         torch.cuda.set_device(local_rank)  # streams and allocations that name no device land there
+    if os.environ.get(PID_DIR_ENV):
+        _write_pid(Path(os.environ[PID_DIR_ENV]) / f"rank-{os.environ.get('RANK', '0')}.pid")
     if world == 1:
         return Dist(device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     return Dist(dist.get_rank(), world, torch.device("cuda", local_rank) if cuda else torch.device("cpu"))
+
+
+def _write_pid(path: Path) -> None:
+    """This process's pid in ``path`` (replaced whole), removed at a normal exit unless a
+    newer worker of the same rank wrote its own since."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}")
+    temp.write_text(f"{os.getpid()}\n")
+    temp.replace(path)
+
+    def remove() -> None:
+        with contextlib.suppress(OSError):
+            if path.read_text().strip() == str(os.getpid()):
+                path.unlink()
+
+    atexit.register(remove)

@@ -131,10 +131,14 @@ def test_a_worker_killed_mid_epoch_restarts_the_group_which_resumes(
     time.sleep(0.3)  # a few steps past the checkpoint: their pushes are sent again after the restart
     victims = run.workers()
     assert len(victims) == 2, victims
-    os.kill(victims[-1], signal.SIGKILL)
+    # Each worker wrote its pid, by rank, where the launch logs: a script kills exactly that one.
+    by_rank = {p.name: int(p.read_text()) for p in (run.logs / "workers").glob("rank-*.pid")}
+    assert sorted(by_rank.values()) == sorted(victims), (by_rank, victims)
+    os.kill(by_rank["rank-1.pid"], signal.SIGKILL)
     metrics = run.finish()
     text = run.text()
     assert "resuming from" in text and "failed (exitcode: -9)" in text, text[-4000:]
+    assert not list((run.logs / "workers").glob("rank-*.pid")), "a worker that ended normally left its pid file"
     _check_exactly_once(metrics, samples, epochs)
     if long_run(request.config):
         clean = _Launch(tmp_path / "clean", workers=2, samples=samples, epochs=epochs).finish()
