@@ -6,17 +6,23 @@ a missing page or an unresolved API reference fails) and runs every ``bash``/``s
 
 How shell blocks run: the blocks of one page run in order as one bash script
 (``set -euo pipefail``), so a variable or a server started in one block serves the next.
-The working directory is a fresh temp dir holding a link to each top-level entry of the
+Every page runs in the same working directory, one after another, as a reader typing
+them all in one checkout would: a temp dir holding a link to each top-level entry of the
 repository (``examples/``, ``deploy/`` ...), and ``../shared`` beside it when the checkout
 has one, so relative paths in the docs work and what the commands write (``runs/``,
-``ps-data/``) stays out of the checkout. A command ending in ``&`` runs in the background
-(a server); when the page ends, its whole process group is stopped. A block waits for a
-server with its ``--port-file`` (the pages define a small ``wait_for``).
+``ps-data/``) stays out of the checkout. So pages must not step on each other: each keeps
+its files in a folder of its own (``ps-data/<page>/``) and its servers bind port 0 (no
+block names a fixed port). A command ending in ``&`` runs in the background (a server);
+when the page ends, its whole process group is stopped. A block waits for a server with
+its ``--port-file``, through the one ``wait_for`` every page defines alike (``WAIT_FOR``),
+which fails when the server exits first or after 60 s.
 
 A block that cannot run in a test says so just above its fence, visibly:
 ``<!-- not-run: REASON -->`` with REASON one of ``NOT_RUN`` below, each checked against
 what the block holds. ``<!-- requires: PROGRAM -->`` runs the block only where PROGRAM
-is installed (an optional client such as grpcurl) and skips it elsewhere.
+is installed (an optional client such as grpcurl) and skips it elsewhere. ``<!-- host:
+NAME ... -->`` marks a block typed on the hosts named (the multi-host guide): those run in
+network namespaces of their own, in ``tests/integration/test_multi_host_guide.py``.
 """
 
 from __future__ import annotations
@@ -52,7 +58,16 @@ NOT_RUN = {
 # Waits a page describes that its test may shorten (the commands stay as written): the
 # operations page shrinks right after it grows, which waits --reshard-settle-s (120 s) first.
 PAGE_ENV = {"docs/guides/operations.md": {"PS_RESHARD_SETTLE_S": "2"}}
-_MARKER = re.compile(r"<!-- (?P<kind>not-run|requires): (?P<value>[\w.-]+) -->\s*$")
+# How every page waits for a server it started: the port file, the server's pid.
+WAIT_FOR = """\
+wait_for() {  # wait_for PORT_FILE PID: until the server PID writes its port; fails if it exits, or after 60 s
+  for _ in $(seq 600); do [ -s "$1" ] && return; kill -0 "$2" 2>/dev/null || break; sleep 0.1; done
+  echo "no port in $1: the server (pid $2) exited or did not start within 60 s; its log says why" >&2; return 1
+}
+"""
+# A server bound to a fixed port (a page run after another, or twice, would find it taken).
+_FIXED_PORT = re.compile(r"--(?:listen|metrics-port)[ =](?:\S*:)?(?!0\b)\d+(?![\d.:])|\b127\.0\.0\.1:[1-9]\d*")
+_MARKER = re.compile(r"<!-- (?P<kind>not-run|requires|host): (?P<value>[\w.-]+(?: [\w.-]+)*) -->\s*$")
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
 
 
@@ -130,6 +145,41 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\s-]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
 
 
+def test_pages_wait_alike_and_bind_no_fixed_port() -> None:
+    """Every runnable shell block defines ``wait_for`` as ``WAIT_FOR`` does (or not at all),
+    and none binds or dials a fixed port."""
+    for page in PAGES:
+        for b in blocks(page):
+            if b.lang not in SHELL or (b.marker and b.marker[0] == "not-run"):
+                continue
+            where = f"{_name(page)}:{b.line}"
+            if "wait_for()" in b.code:
+                assert WAIT_FOR in b.code, f"{where}: define wait_for as tests/test_docs.py's WAIT_FOR does"
+            if b.marker and b.marker[0] == "host":
+                continue  # a host of its own: its ports are the host's to choose
+            found = _FIXED_PORT.search(b.code)
+            assert found is None, f"{where}: {found[0]!r}: bind port 0 and read the port back from --port-file"
+
+
+@pytest.mark.parametrize("exits", [False, True], ids=["server-writes-its-port", "server-exits-first"])
+def test_the_pages_wait_for_notices_a_server_that_exits(tmp_path: Path, exits: bool) -> None:
+    """The pages' ``wait_for`` returns once the port file is written, and fails at once,
+    saying so, when the server exits before it writes it (it does not wait for good)."""
+    server = "sleep 0.3; exit 1" if exits else "sleep 0.3; echo 4242 > port; sleep 5"
+    script = f"set -euo pipefail\n{WAIT_FOR}bash -c '{server}' &\nwait_for port $!\necho ready $(cat port)\n"
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    if exits:
+        assert done.returncode == 1 and "exited or did not start" in done.stderr, done
+    else:
+        assert done.returncode == 0 and done.stdout == "ready 4242\n", done
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one working directory every page's shell blocks run in, in turn."""
+    return _workdir(tmp_path_factory.mktemp("docs"))
+
+
 def _workdir(tmp: Path) -> Path:
     work = tmp / "work"
     work.mkdir()
@@ -146,7 +196,7 @@ def _script(page: Path) -> str | None:
     for b in blocks(page):
         if b.lang not in SHELL:
             continue
-        if b.marker and b.marker[0] == "not-run":
+        if b.marker and b.marker[0] in ("not-run", "host"):
             continue
         if b.marker and b.marker[0] == "requires" and shutil.which(b.marker[1]) is None:
             continue
@@ -155,13 +205,12 @@ def _script(page: Path) -> str | None:
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if any(b.lang in SHELL for b in blocks(p))], ids=_name)
-def test_shell_blocks_run(page: Path, tmp_path: Path) -> None:
+def test_shell_blocks_run(page: Path, tmp_path: Path, workdir: Path) -> None:
     script = _script(page)
     if script is None:
         pytest.skip(
             "no shell block of this page runs here (each is marked not-run, or requires a program not installed)"
         )
-    work = _workdir(tmp_path)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
@@ -170,7 +219,7 @@ def test_shell_blocks_run(page: Path, tmp_path: Path) -> None:
     with log.open("w") as out:  # a file, not a pipe: servers left running in the background hold it open
         proc = subprocess.Popen(
             ["bash", "-c", script],
-            cwd=work,
+            cwd=workdir,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
