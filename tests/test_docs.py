@@ -271,6 +271,12 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-6000:]}"
     assert (tmp_path / "site" / "reference" / "configuration" / "index.html").is_file()
+    # The diagrams' library is in the site (offline readers see diagrams), unless this machine
+    # could not fetch it, which the build then says.
+    mermaid = tmp_path / "site" / "javascripts" / "mermaid.min.js"
+    assert (mermaid.is_file() and b'globalThis["mermaid"]' in mermaid.read_bytes()[-4096:]) or (
+        "not fetched" in result.stderr
+    ), result.stderr[-3000:]
 
 
 def test_every_ps_admin_command_has_its_help_in_the_cli_reference() -> None:
