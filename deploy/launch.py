@@ -384,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cluster.root / "serving",
                 per_shard=args.serving_replicas or 1,
                 addresses_file=cluster.root / SERVING_ADDRESSES_FILE,
+                listen_host=cluster.listen_host,
+                host=cluster.host,
             )
             followers.start()
             interrupt.check()

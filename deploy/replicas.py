@@ -38,8 +38,10 @@ class ServingReplicas:
     """Serving shards following the training shards at ``follow`` (shard order), under
     ``root``, with ``per_shard`` replicas each at ``start()``; their addresses in
     ``addresses_file`` (``root/serving-addresses`` unless given). ``extra_args`` go to
-    every replica (``{shard}`` becomes its index). ``add`` and ``remove`` may run on
-    several threads at once (a replica drains for seconds); the rest is not thread-safe."""
+    every replica (``{shard}`` becomes its index). Replicas listen on ``listen_host`` and
+    are listed at ``host`` (what clients dial; as ``LocalCluster``'s). ``add`` and
+    ``remove`` may run on several threads at once (a replica drains for seconds); the rest
+    is not thread-safe."""
 
     def __init__(
         self,
@@ -49,6 +51,8 @@ class ServingReplicas:
         per_shard: int = 1,
         addresses_file: Path | None = None,
         extra_args: Sequence[str] = (),
+        listen_host: str = "127.0.0.1",
+        host: str = "127.0.0.1",
     ) -> None:
         if per_shard < 1:
             raise ValueError(f"per_shard={per_shard}: each shard needs at least one replica")
@@ -57,6 +61,7 @@ class ServingReplicas:
         self.per_shard = per_shard
         self.addresses_file = addresses_file or self.root / "serving-addresses"
         self.extra_args = tuple(extra_args)
+        self.listen_host, self.host = listen_host, host
         self.replicas: list[list[ShardProcess]] = [[] for _ in self.follow]
         self.size = len(self.follow)  # the shards listed in the file (spares a grow started are not)
         self._started_as = len(self.follow)  # --num-shards of every replica
@@ -233,14 +238,15 @@ class ServingReplicas:
             root = self.root / f"replica-{self._count}"
             self._count += 1
         args = ("--mode=serve", f"--follow={self.follow[shard]}", *self.extra_args)
-        replica = self._starter.submit(spawn_shard, shard, self._started_as, root, *args).result()
+        listen = f"[{self.listen_host}]:0" if ":" in self.listen_host else f"{self.listen_host}:0"
+        replica = self._starter.submit(spawn_shard, shard, self._started_as, root, *args, listen=listen).result()
         with self._lock:
             self.replicas[shard].append(replica)
         return replica
 
     def _await(self, replica: ShardProcess) -> ShardProcess:
         try:
-            await_shard(replica, replica.log.parent)
+            await_shard(replica, replica.log.parent, host=self.host)
         except BaseException:
             with self._lock:
                 self.replicas[replica.index].remove(replica)

@@ -209,12 +209,27 @@ def test_a_relative_log_dir_works(tmp_path: Path) -> None:
 def test_workers_dial_the_advertised_host_and_a_host_they_cannot_dial_fails_the_launch(tmp_path: Path) -> None:
     # Listening on every interface, the workers are given this machine's own address (not
     # 127.0.0.1, which other machines cannot dial) and reach the shards there.
+    # So are the serving shards that follow them, listed for ps-infer --ps-file.
+    serving = tmp_path / "a" / "serving-addresses"
     dial = (
         "import os; from client import PSClient; a = os.environ['TRAINER_ADDRESSES']; print('dial', a, flush=True); "
+        f"print('serving', open({str(serving)!r}).read().strip(), flush=True); "
         "c = PSClient(a.split(',')); c.create_table('t', 4); c.close()"
     )
     everywhere = subprocess.run(
-        _launch("--shards", "1", "--listen", "0.0.0.0", "--log-dir", str(tmp_path / "a"), "--", "python", "-c", dial),
+        _launch(
+            "--shards",
+            "1",
+            "--listen",
+            "0.0.0.0",
+            "--followers",
+            "--log-dir",
+            str(tmp_path / "a"),
+            "--",
+            "python",
+            "-c",
+            dial,
+        ),
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -223,6 +238,8 @@ def test_workers_dial_the_advertised_host_and_a_host_they_cannot_dial_fails_the_
     assert everywhere.returncode == 0, everywhere.stderr[-2000:]
     (line,) = [x for x in everywhere.stdout.splitlines() if x.startswith("dial ")]
     assert line.split()[1].rpartition(":")[0] == advertised_host("0.0.0.0")
+    (line,) = [x for x in everywhere.stdout.splitlines() if x.startswith("serving ")]
+    assert line.split()[1].rpartition(":")[0] == advertised_host("0.0.0.0"), line
     # Advertised at a host where nothing listens: the launch fails before any worker starts.
     code = "print('worker ran', flush=True)"
     nowhere = subprocess.run(
