@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,13 +103,19 @@ def namespaces() -> Iterator[dict[str, str]]:
         yield made
     finally:
         for ns in made.values():
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+            for _ in range(50):  # until nothing runs there (a process may start another meanwhile)
+                pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+                if not pids:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
+                time.sleep(0.1)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for n in range(len(hosts)):  # a veth left outside when its move failed (gone with its namespace else)
+            subprocess.run(["ip", "link", "del", f"psv{tag}x{n}"], capture_output=True)
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 
@@ -148,20 +155,21 @@ def test_the_multi_host_guide_runs_as_written(namespaces: dict[str, str], tmp_pa
                     ),
                 )
             )
-        for host, log, proc in procs:
+        failed = []
+        for host, log, proc in procs:  # every host's run of the block ends before any is judged
             try:
                 code = proc.wait(timeout=BLOCK_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 code = proc.wait()
             log.close()
-            output = Path(log.name).read_text()[-4000:]
-            servers = _server_logs(work)
-            assert code == 0, f"line {block.line} on {host}: exit {code}\n{output}\n{servers}"
+            if code != 0:
+                failed.append(f"line {block.line} on {host}: exit {code}\n{Path(log.name).read_text()[-4000:]}")
+        assert not failed, "\n".join(failed) + "\n" + _server_logs(work)
         ran += 1
     assert ran >= 6  # certificates, shards, serving shards, training, ps-infer, the checks
     scores = Path(tmp_path / f"operator-{_last_operator_line()}.log").read_text()
-    assert re.search(r"\[0\.\d+ 0\.\d+ 0\.\d+ 0\.\d+ 0\.\d+\]", scores), scores[-2000:]
+    assert re.search(r"\[(0\.\d+\s+){4}0\.\d+\s*\]", scores), scores[-2000:]  # 5 probabilities
 
 
 def _last_operator_line() -> int:
