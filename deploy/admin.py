@@ -266,6 +266,7 @@ def _scale_json(report: ScaleReport) -> dict[str, Any]:
         "aborted": report.aborted,
         "already_done": report.already_done,
         "rows_moved": report.rows_moved,
+        "rows_changed": report.rows_changed,
         "rows_sent": report.rows_sent,
         "bytes_moved": report.bytes_received,
         "received": {str(d): {str(s): n for s, n in by.items()} for d, by in report.received.items()},
@@ -283,9 +284,8 @@ def _format_scale(report: ScaleReport) -> str:
         parts = ", ".join(f"{n} from shard {s}" for s, n in sorted(by_source.items()))
         lines.append(f"  shard {d} got {parts}")
     seconds = ", ".join(f"{k} {v:.2f} s" for k, v in report.seconds.items())
-    changes = report.rows_sent - report.rows_moved
     lines.append(
-        f"  {report.rows_moved} rows moved, {changes} changes to them sent during the move, "
+        f"  {report.rows_moved} rows moved, {report.rows_changed} changes to them sent during the move, "
         f"{report.bytes_received / 1e6:.1f} MB in all; {seconds}"
     )
     return "\n".join(lines)

@@ -78,13 +78,14 @@ class ShardCalls(Protocol):
 @dataclass
 class ScaleReport:
     """What a ``scale`` did: the maps, per new owner the rows it received from each old
-    owner (the first copy: each moving row once), every row sent (``rows_sent``: the first
-    copies and each change sent after them while training went on), the seconds of each
-    step, and how long pushes to moving keys waited."""
+    owner (the first copy: each moving row once), the changes to those rows sent after it
+    while training went on (``rows_changed``), every row sent (``rows_sent``: copies begun
+    again included), the seconds of each step, and how long pushes to moving keys waited."""
 
     src: ClusterMap
     dst: ClusterMap
     received: dict[int, dict[int, int]] = field(default_factory=dict)
+    rows_changed: int = 0
     rows_sent: int = 0
     bytes_received: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
@@ -181,7 +182,7 @@ def scale(
         report.seconds["serving"] = time.monotonic() - t
     say(
         f"committed: the cluster routes by {dst.describe()}; {report.rows_moved} rows moved "
-        f"({report.rows_sent - report.rows_moved} changes to them sent during the move, "
+        f"({report.rows_changed} changes to them sent during the move, "
         f"{report.bytes_received / 1e6:.1f} MB in all); old owners drop the rows they gave away in the background"
     )
     report.seconds["total"] = time.monotonic() - started
@@ -375,6 +376,7 @@ def _record_received(shards: ShardCalls, dst_addresses: list[str], dst: ClusterM
             continue
         for s in status.sources:
             report.received.setdefault(d, {})[s.shard] = int(s.first_copy_rows)
+            report.rows_changed += int(s.changed_rows)
             report.rows_sent += int(s.rows)
             report.bytes_received += int(s.bytes)
 

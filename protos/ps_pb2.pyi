@@ -513,7 +513,7 @@ class ReshardRequest(_message.Message):
     def __init__(self, phase: _Optional[_Union[ReshardRequest.Phase, str]] = ..., to: _Optional[_Union[ClusterMap, _Mapping]] = ..., max_rows_per_s: _Optional[float] = ..., **kwargs) -> None: ...
 
 class MoveSource(_message.Message):
-    __slots__ = ("shard", "address", "connected", "snapshot_done", "complete", "rows", "bytes", "lag_versions", "error", "disk_failed", "first_copy_rows")
+    __slots__ = ("shard", "address", "connected", "snapshot_done", "complete", "rows", "bytes", "lag_versions", "error", "disk_failed", "first_copy_rows", "changed_rows")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
@@ -525,6 +525,7 @@ class MoveSource(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DISK_FAILED_FIELD_NUMBER: _ClassVar[int]
     FIRST_COPY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_ROWS_FIELD_NUMBER: _ClassVar[int]
     shard: int
     address: str
     connected: bool
@@ -536,7 +537,8 @@ class MoveSource(_message.Message):
     error: str
     disk_failed: bool
     first_copy_rows: int
-    def __init__(self, shard: _Optional[int] = ..., address: _Optional[str] = ..., connected: _Optional[bool] = ..., snapshot_done: _Optional[bool] = ..., complete: _Optional[bool] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., lag_versions: _Optional[int] = ..., error: _Optional[str] = ..., disk_failed: _Optional[bool] = ..., first_copy_rows: _Optional[int] = ...) -> None: ...
+    changed_rows: int
+    def __init__(self, shard: _Optional[int] = ..., address: _Optional[str] = ..., connected: _Optional[bool] = ..., snapshot_done: _Optional[bool] = ..., complete: _Optional[bool] = ..., rows: _Optional[int] = ..., bytes: _Optional[int] = ..., lag_versions: _Optional[int] = ..., error: _Optional[str] = ..., disk_failed: _Optional[bool] = ..., first_copy_rows: _Optional[int] = ..., changed_rows: _Optional[int] = ...) -> None: ...
 
 class ReshardStatus(_message.Message):
     __slots__ = ("phase", "to", "sources", "rows_out", "bytes_out", "rows_dropped", "pending_ledgers")

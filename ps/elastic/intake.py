@@ -116,6 +116,7 @@ class SourceProgress:
     complete: bool = False
     rows: int = 0  # every row received: the first copy, then each change after it
     first_copy_rows: int = 0  # the rows of the (last) first copy, each moving row once
+    changed_rows: int = 0  # rows received after it: changes to moving rows
     copy_from: int = 0  # ``rows`` when that copy began
     bytes: int = 0
     version: int = 0
@@ -132,6 +133,7 @@ class SourceProgress:
             complete=self.complete,
             rows=self.rows,
             first_copy_rows=self.first_copy_rows,
+            changed_rows=self.changed_rows,
             bytes=self.bytes,
             lag_versions=max(0, self.source_version - self.version),
             error=self.error,
@@ -246,7 +248,7 @@ class Intake:
             if dropped:
                 log.info("reshard: dropped %d rows of an earlier copy from shard %d", dropped, source)
             progress.snapshot_done = False
-            progress.copy_from = progress.rows
+            progress.copy_from, progress.changed_rows = progress.rows, 0
         for spec in batch.specs:
             self._install_table(spec_from_proto(spec))
         changed = []
@@ -263,6 +265,8 @@ class Intake:
                 table.remove(deleted)
             changed.append((moved.table, np.concatenate([keys, deleted])))
             progress.rows += len(rows) + int(deleted.size)
+            if progress.snapshot_done:
+                progress.changed_rows += len(rows) + int(deleted.size)
             progress.bytes += len(moved.rows) + len(moved.keys)
         if changed:
             self._changes.record(changed)
@@ -294,7 +298,7 @@ class Intake:
             "reshard: every row from shard %d is here and durable (%d rows, %d changes after, %.0f ms to write)",
             source,
             progress.first_copy_rows,
-            progress.rows - progress.first_copy_rows,
+            progress.changed_rows,
             1000 * (time.monotonic() - t0),
         )
 
