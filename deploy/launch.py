@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -433,6 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # (2 cores, DLRM: 1.2K samples/s with 2 torch threads against 11.8K with 1).
             "OMP_NUM_THREADS": str(threads_beside_local_shards(args.workers)),
         } | given
+        shutil.rmtree(root / "workers", ignore_errors=True)  # pid files of an earlier launch in this --log-dir
         write_join(root, Join(elastic, command, env))
         workers = subprocess.Popen(
             child_command(torchrun_command(args.workers, command, elastic, host=root / RENDEZVOUS_FILE)),
