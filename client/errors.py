@@ -272,19 +272,9 @@ PROBE_TIMEOUT_S = 1.0
 
 def _answers_tls(address: str) -> bool:
     """Whether ``HOST:PORT`` completes a TLS handshake (the certificate is not checked)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        return False  # a resolver name (dns:///...) or a unix socket: no probe
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
     try:
-        with (
-            socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S) as sock,
-            context.wrap_socket(sock, server_hostname=None),
-        ):
-            return True
+        with _tls_probe(address) as tls:
+            return tls is not None
     except (OSError, ValueError):  # ssl.SSLError is an OSError: a plain-text server, or none
         return False
 
@@ -293,23 +283,33 @@ def _wants_client_certificate(address: str) -> bool:
     """Whether the TLS server at ``HOST:PORT`` closes a connection that brought no client
     certificate right after the handshake, where a gRPC server sends its HTTP/2 settings
     first (the certificate is not checked)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        return False
-    context = ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_NONE
-    context.set_alpn_protocols(["h2"])
     try:
-        with (
-            socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S) as sock,
-            context.wrap_socket(sock, server_hostname=None) as tls,
-        ):
-            return tls.recv(1) == b""
+        with _tls_probe(address) as tls:
+            return tls is not None and tls.recv(1) == b""
     except ssl.SSLError as exc:  # under TLS 1.3 a server may say so with an alert
         return "CERTIFICATE_REQUIRED" in str(exc)
     except (OSError, ValueError):  # a plain-text server, none, or one that said nothing in time
         return False
+
+
+@contextlib.contextmanager
+def _tls_probe(address: str) -> Iterator[ssl.SSLSocket | None]:
+    """A TLS connection to ``HOST:PORT`` offering HTTP/2 and no client certificate, the
+    server's certificate unchecked; None for an address that names no port (a resolver
+    name such as ``dns:///...``, a unix socket): nothing to probe. Raises ``OSError``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        yield None
+        return
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    with (
+        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S) as sock,
+        context.wrap_socket(sock, server_hostname=None) as tls,
+    ):
+        yield tls
 
 
 @contextlib.contextmanager
