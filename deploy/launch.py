@@ -42,14 +42,14 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from deploy.launch_scale import SERVING_ADDRESSES_FILE, Scaler, ScaleRequest, request_scale
-from deploy.local import LocalCluster, ShardProcess, ShardStartError, threads_beside_local_shards
+from deploy.local import LocalCluster, ShardStartError, threads_beside_local_shards
 from deploy.replicas import ServingReplicas
+from deploy.restarts import RestartPolicy, describe_exit, replace_followers, revive
 from deploy.workers import RENDEZVOUS_FILE, Elastic, Join, read_join, torchrun_command, write_join
 from protos.rpc import child_command
 from protos.rpc.logs import configure_logging
@@ -242,30 +242,6 @@ def _parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, command
 
 
-@dataclass
-class RestartPolicy:
-    """When to restart a dead shard, and when to give up.
-
-    A shard that dies within ``fast_s`` of its (re)start, or fails to come back, counts
-    as a fast failure; ``max_fast_failures`` in a row for one shard end the run. A shard
-    that ran longer than ``fast_s`` starts its count afresh.
-    """
-
-    fast_s: float = 5.0
-    max_fast_failures: int = 3
-    _started: dict[int, float] = field(default_factory=dict)
-    _fast: dict[int, int] = field(default_factory=dict)
-
-    def started(self, shard: int) -> None:
-        self._started[shard] = time.monotonic()
-
-    def died(self, shard: int) -> bool:
-        """Record a death (or failed restart) of ``shard``; True if it may be restarted again."""
-        ran_s = time.monotonic() - self._started.get(shard, float("-inf"))
-        self._fast[shard] = self._fast.get(shard, 0) + 1 if ran_s < self.fast_s else 0
-        return self._fast[shard] < self.max_fast_failures
-
-
 def _check_reachable(cluster: LocalCluster, *, tls: bool) -> None:
     """Raise ``ShardStartError`` when a shard does not answer at the address its workers
     are given (``--advertise``), dialled from here. Shards dialled at the host they listen on,
@@ -286,73 +262,6 @@ def _check_reachable(cluster: LocalCluster, *, tls: bool) -> None:
                     f"the workers would dial {address}, where no shard answers ({exc.code().name}): the shards "
                     f"listen on {cluster.listen_host}; give --advertise a host they are reached at (or --listen 0.0.0.0)"
                 ) from None
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"status {code}"
-
-
-def _revive(cluster: LocalCluster, dead: Sequence[ShardProcess], policy: RestartPolicy) -> list[int]:
-    """Restart every shard of ``dead`` until it serves, all of them together: each round
-    spawns every shard still down, then waits for all (``LocalCluster.restart_all``).
-    Returns the indices of those the policy gave up on (their log tails printed)."""
-    reasons = {s.index: _describe_exit(s.proc.returncode) for s in dead}
-    down = [s.index for s in dead]
-    lost: list[int] = []
-    while down:
-        again = []
-        for index in down:
-            shard = cluster.shards[index]
-            if not policy.died(index):
-                _give_up(shard, policy, reasons[index])
-                lost.append(index)
-                continue
-            log.warning(
-                "shard %d (%s, pid %d) died with %s; restarting it on the same address and data dir",
-                index,
-                shard.address,
-                shard.proc.pid,
-                reasons[index],
-            )
-            again.append(index)
-        if not again:
-            break
-        t0 = time.monotonic()
-        results = cluster.restart_all(again)
-        down = []
-        for index in again:
-            policy.started(index)  # a start that failed counts as a fast failure too
-            result = results[index]
-            if isinstance(result, ShardStartError):
-                reasons[index] = f"a failed restart ({str(result).splitlines()[0]})"
-                down.append(index)
-                continue
-            log.info(
-                "shard %d is back on %s (pid %d) after %.1f s",
-                index,
-                result.address,
-                result.proc.pid,
-                time.monotonic() - t0,
-            )
-    return lost
-
-
-def _give_up(shard: ShardProcess, policy: RestartPolicy, reason: str) -> None:
-    log.error(
-        "shard %d (%s) failed %d times in a row within %.0f s of starting (last: %s); giving up. Its log (%s):\n%s",
-        shard.index,
-        shard.address,
-        policy.max_fast_failures,
-        policy.fast_s,
-        reason,
-        shard.log,
-        shard.log_tail(),
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -454,12 +363,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if code is not None:
                 status = code if code >= 0 else 128 - code  # killed by a signal: shell convention
                 if code:
-                    log.error("workers exited with %s (the failing worker's error is above)", _describe_exit(status))
+                    log.error("workers exited with %s (the failing worker's error is above)", describe_exit(status))
                 else:
                     log.info("workers exited with status 0")
                 break
             scaler.poll()
-            if followers is not None and not scaler.busy and _replace_followers(followers, follower_policy):
+            if followers is not None and not scaler.busy and replace_followers(followers, follower_policy):
                 _stop(workers)
                 break
             dead = [s for s in cluster.shards if s.proc.poll() is not None]
@@ -471,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 time.sleep(_SETTLE_S)
                 dead = [s for s in cluster.shards if s.proc.poll() is not None]
             if dead and args.restart_shards:
-                lost = _revive(cluster, dead, policy)
+                lost = revive(cluster, dead, policy)
                 if not lost:
                     continue
                 reported.update(lost)  # _revive printed their log tails
@@ -485,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "or no --data-dir, so it would come back empty). "
                         "Its log (%s):\n%s",
                         s.index,
-                        _describe_exit(s.proc.returncode),
+                        describe_exit(s.proc.returncode),
                         s.log,
                         s.log_tail(),
                     )
@@ -509,24 +418,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log.error("a serving replica did not stop cleanly: %s", exc)
         status = _stop_cluster(cluster, reported, status)
     return status
-
-
-def _replace_followers(followers: ServingReplicas, policy: RestartPolicy) -> bool:
-    """Start a serving replica in place of each that died (one holds no rows of its own: a
-    new one loads them from its training shard). True when one failed too often: give up."""
-    for dead, new in followers.replace_dead():
-        if isinstance(new, ShardStartError) or not policy.died(dead.index):
-            log.error("serving replica %s of shard %d died and does not come back:\n%s", dead.address, dead.index, new)
-            return True
-        policy.started(dead.index)
-        log.warning(
-            "serving replica %s of shard %d died with %s; %s replaces it",
-            dead.address,
-            dead.index,
-            _describe_exit(dead.proc.returncode),
-            new.address,
-        )
-    return False
 
 
 def _scale(log_dir: Path, request: ScaleRequest, interrupt: _Interrupt) -> int:
@@ -582,7 +473,7 @@ def _join(log_dir: Path, workers: int, interrupt: _Interrupt) -> int:
             _stop(proc)
         return 130
     status = code if code >= 0 else 128 - code
-    (log.error if status else log.info)("joined workers exited with %s", _describe_exit(status))
+    (log.error if status else log.info)("joined workers exited with %s", describe_exit(status))
     return status
 
 
@@ -618,7 +509,7 @@ def _stop_cluster(cluster: LocalCluster, reported: set[int], status: int) -> int
                 log.error(
                     "shard %d exited with %s at shutdown. Its log (%s):\n%s",
                     s.index,
-                    _describe_exit(s.proc.returncode),
+                    describe_exit(s.proc.returncode),
                     s.log,
                     s.log_tail(),
                 )

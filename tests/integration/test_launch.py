@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy.launch import RestartPolicy, _Interrupt
+from deploy.launch import _Interrupt
 from deploy.local import advertised_host, threads_beside_local_shards
+from deploy.restarts import RestartPolicy
 from tests.integration.shards import shard_pid
 
 REPO = Path(__file__).resolve().parents[2]
