@@ -75,6 +75,15 @@ import grpc
 
 from client import ClientConfig
 from client import parse_addresses as client_parse_addresses
+from deploy.admin_output import (
+    format_checkpoints,
+    format_health,
+    format_scale,
+    format_stats,
+    format_tables,
+    print_rows,
+    scale_json,
+)
 from deploy.operations import (
     checkpoint_cluster,
     cluster_health,
@@ -86,7 +95,6 @@ from deploy.operations import (
     scale_cluster,
 )
 from deploy.reshard import SCAN_CHUNK_ROWS, AdminError, read_cluster_manifest, reshard, shard_dir_name
-from deploy.scale import ScaleReport
 from protos.rpc.logs import configure_logging
 from ps.store import DataDirError, StorageFailed
 
@@ -110,132 +118,6 @@ def parse_addresses(text: str) -> list[list[str]]:
     return client_parse_addresses(text)
 
 
-# After a listing whose row counts are marked with "~" (a checkpoint's ``rows_estimated``).
-_CHECKPOINT_ESTIMATE_NOTE = (
-    "~ about: RocksDB's estimate of the rows on disk (the shard had reopened the table from disk, so it "
-    "counts those rows from the estimate)"
-)
-
-
-def _format_checkpoints(found: Sequence[dict[str, Any]]) -> str:
-    if not found:
-        return "no checkpoints"
-    lines = []
-    estimated = False
-    for c in found:
-        parts = c["parts"]
-        n = parts[0]["num_shards"]
-        shards = ",".join(str(p["shard"]) for p in parts)
-        state = "all shards" if c["complete"] else "INCOMPLETE"
-        created = max(str(p["created"]) for p in parts)
-        rows = sum(p["rows"] for p in parts)
-        about = "~" if any(p.get("rows_estimated") for p in parts) else ""
-        estimated = estimated or bool(about)
-        lines.append(f"{c['name']}: shards {shards} of {n} ({state}), created {created}, {about}{rows} rows")
-    if estimated:
-        lines.append(_CHECKPOINT_ESTIMATE_NOTE)
-    return "\n".join(lines)
-
-
-# -- printing ----------------------------------------------------------------------------
-
-
-_SHORT_TYPES = {0: "f32", 1: "f32", 2: "f16", 3: "bf16", 4: "i8"}  # ps.v1.DType numbers: values/state as stored
-
-
-def _stored(table: dict[str, Any]) -> str:
-    """``values/state`` as stored, e.g. ``bf16/f32``; ``i8/-`` for 8-bit serving rows (no state)."""
-
-    def short(number: int) -> str:
-        return _SHORT_TYPES.get(number, f"type {number}")
-
-    state = "-" if table["storage_dtype"] == 4 else short(table["state_dtype"])
-    return f"{short(table['storage_dtype'])}/{state}"
-
-
-def _format_stats(stats: Sequence[dict[str, Any]]) -> str:
-    header = (
-        "shard",
-        "table",
-        "stored",
-        "rows",
-        "resident",
-        "spilled",
-        "hit_rate",
-        "bytes/row",
-        "disk_bytes/row",
-        "durability",
-        "writable",
-    )
-    lines: list[tuple[str, ...] | str] = [header]
-    estimated = False
-    for s in stats:
-        shard = f"{s['shard']}/{s['num_shards']}"
-        f = s["follow"]
-        if s["mode"] == "serve":  # where the rows come from, and how fresh they are
-            lag = f" lag={f['lag_versions']}v/{f['lag_s']:.2f}s" + ("" if f["connected"] else f" DOWN: {f['error']}")
-            where = {"follow": f"following {f['leader']}{lag}", "checkpoint": f"pinned to {f['checkpoint']}"}
-            # A line of its own: a checkpoint path in the table column would pad every row to its width.
-            lines.append(
-                f"{shard}  [{s['address']} serve, version {s['version']}: {where.get(f['source'], 'data dir')}]"
-            )
-        durability = s["durability"] or "ram-only"
-        if s["mode"] == "serve":
-            writable = "read-only (serve)" + (f"; storage NO: {s['storage_error']}" if s["storage_error"] else "")
-        else:
-            writable = "yes" if s["writable"] else f"NO: {s['storage_error']}"
-        if not s["tables"]:
-            lines.append((shard, "-", "-", "0", "0", "0", "-", "-", "-", durability, writable))
-        for t in s["tables"]:
-            about = "~" if t["rows_estimated"] else ""  # RocksDB's estimate: see the note below
-            estimated = estimated or bool(about)
-            lines.append(
-                (
-                    shard,
-                    t["name"],
-                    _stored(t),
-                    f"{about}{t['rows']}",
-                    str(t["resident_rows"]),
-                    f"{about}{t['spilled_rows']}",
-                    f"{t['ram_hit_rate']:.3f}",
-                    f"{t['bytes_per_resident_row']:.0f}",
-                    f"{t['disk_bytes'] / t['rows']:.0f}" if t["disk_bytes"] and t["rows"] else "-",
-                    durability,
-                    writable,
-                )
-            )
-    rows = [line for line in lines if isinstance(line, tuple)]
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    table = "\n".join(
-        line if isinstance(line, str) else "  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip()
-        for line in lines
-    )
-    if estimated:
-        table += (
-            "\n~ about: the table was reopened from disk, and its rows there are RocksDB's estimate "
-            "(shards holding the same keys may differ)"
-        )
-    return table
-
-
-def _format_health(rows: Sequence[dict[str, Any]]) -> str:
-    lines = []
-    for r in rows:
-        states = ", ".join(f"{k}={v}" for k, v in r["services"].items())
-        hint = f"; {r['hint']}" if r.get("hint") else ""
-        lines.append(f"{r['address']}: {'SERVING' if r['serving'] else 'NOT SERVING'} ({states}){hint}")
-    return "\n".join(lines)
-
-
-def _format_tables(tables: Sequence[dict[str, Any]]) -> str:
-    if not tables:
-        return "no tables"
-    return "\n".join(
-        f"{t['name']}: dim {t['dim']}, optimizer {t['optimizer']}, initializer {t['initializer']}, seed {t['seed']}"
-        for t in tables
-    )
-
-
 def _non_negative(text: str) -> float:
     try:
         value = float(text)
@@ -257,38 +139,6 @@ def _single(shard: Sequence[str], flag: str) -> str:
             f"{flag}: {'+'.join(shard)} is a shard with replicas; a live reshard takes the training shards"
         )
     return shard[0]
-
-
-def _scale_json(report: ScaleReport) -> dict[str, Any]:
-    return {
-        "from": report.src.to_json(),
-        "to": report.dst.to_json(),
-        "aborted": report.aborted,
-        "already_done": report.already_done,
-        "rows_moved": report.rows_moved,
-        "rows_changed": report.rows_changed,
-        "rows_sent": report.rows_sent,
-        "bytes_moved": report.bytes_received,
-        "received": {str(d): {str(s): n for s, n in by.items()} for d, by in report.received.items()},
-        "seconds": report.seconds,
-    }
-
-
-def _format_scale(report: ScaleReport) -> str:
-    if report.aborted:
-        return f"aborted: the cluster stays at {report.src.describe()}"
-    if report.already_done:
-        return f"nothing to do: the cluster is at {report.dst.describe()}"
-    lines = [f"resharded from {report.src.num_shards} to {report.dst.num_shards} shards: {report.dst.describe()}"]
-    for d, by_source in sorted(report.received.items()):
-        parts = ", ".join(f"{n} from shard {s}" for s, n in sorted(by_source.items()))
-        lines.append(f"  shard {d} got {parts}")
-    seconds = ", ".join(f"{k} {v:.2f} s" for k, v in report.seconds.items())
-    lines.append(
-        f"  {report.rows_moved} rows moved, {report.rows_changed} changes to them sent during the move, "
-        f"{report.bytes_received / 1e6:.1f} MB in all; {seconds}"
-    )
-    return "\n".join(lines)
 
 
 def _table_option(text: str) -> tuple[str, Any]:
@@ -506,22 +356,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_rows(manifest: dict[str, Any]) -> None:
-    per_shard = manifest.get("shard_rows") or []
-    per_shard_estimated = manifest.get("shard_rows_estimated") or [{} for _ in per_shard]
-    estimated = manifest.get("rows_estimated") or {}
-    for table, total in sorted((manifest.get("rows") or {}).items()):
-        parts = ", ".join(
-            f"{'~' if about.get(table) else ''}{r.get(table, 0)}"
-            for r, about in zip(per_shard, per_shard_estimated, strict=True)
-        )
-        print(f"  table {table}: {'~' if estimated.get(table) else ''}{total} rows (by shard: {parts})")
-    if not manifest.get("rows"):
-        print("  no tables")
-    elif any(estimated.values()):
-        print(f"  {_CHECKPOINT_ESTIMATE_NOTE}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ps-admin`` console script; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -543,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if manifest["manifest_path"]
                 else "  no cluster manifest: the parts lie under different roots (reshard needs a shared root)"
             )
-            _print_rows(manifest)
+            print_rows(manifest)
             print(f"serve it: ps-admin serve-from --addresses SERVING_SHARDS --checkpoint {manifest['name']}")
         elif args.command == "reshard":
             manifest = reshard(args.src, args.to_shards, args.out, args.chunk_rows)
@@ -554,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"resharded {args.src.absolute()} ({manifest['resharded_from']['num_shards']} shards) into "
                 f"{args.out.absolute()} ({manifest['num_shards']} shards); push ledgers were not carried over"
             )
-            _print_rows(manifest)
+            print_rows(manifest)
         elif args.command in ("serve-from", "unpin"):
             unpin = args.command == "unpin" or args.unpin
             with open_cluster(args.addresses, args.timeout_s, security) as client:
@@ -566,13 +400,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{st['address']}: serving {st['checkpoint'] or st['source']}, version {st['applied_version']}")
         elif args.command == "list":
             found = list_checkpoints(args.root)
-            print(json.dumps(found, indent=2, sort_keys=True) if args.json else _format_checkpoints(found))
+            print(json.dumps(found, indent=2, sort_keys=True) if args.json else format_checkpoints(found))
         elif args.command == "tables":
             tables = cluster_tables(args.addresses, args.timeout_s, security)
-            print(json.dumps(tables, indent=2, sort_keys=True) if args.json else _format_tables(tables))
+            print(json.dumps(tables, indent=2, sort_keys=True) if args.json else format_tables(tables))
         elif args.command == "create-table":
             table = create_table(args.addresses, args.name, args.dim, dict(args.option), args.timeout_s, security)
-            print(json.dumps(table, indent=2, sort_keys=True) if args.json else _format_tables([table]))
+            print(json.dumps(table, indent=2, sort_keys=True) if args.json else format_tables([table]))
         elif args.command == "scale":
             src = [_single(shard, "--addresses") for shard in args.addresses]
             serving = None
@@ -592,14 +426,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 max_rows_per_s=args.max_rows_per_s,
                 security=security,
             )
-            print(json.dumps(_scale_json(report), indent=2, sort_keys=True) if args.json else _format_scale(report))
+            print(json.dumps(scale_json(report), indent=2, sort_keys=True) if args.json else format_scale(report))
         elif args.command == "health":
             rows = cluster_health(args.addresses, args.timeout_s, security)
-            print(json.dumps(rows, indent=2, sort_keys=True) if args.json else _format_health(rows))
+            print(json.dumps(rows, indent=2, sort_keys=True) if args.json else format_health(rows))
             return 0 if all(r["serving"] for r in rows) else 1
         else:
             stats = cluster_stats(args.addresses, args.timeout_s, security)
-            print(json.dumps(stats, indent=2, sort_keys=True) if args.json else _format_stats(stats))
+            print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats(stats))
     except AdminError as exc:
         # The status a shard answered, where the message does not say it already: a script
         # can tell a refusal (PERMISSION_DENIED) from a shard it did not reach (UNAVAILABLE).
