@@ -123,14 +123,18 @@ class TrainerConfig:
     train_samples: int = field(default=200_000, metadata=_help("synthetic samples to train on (all workers together)"))
     eval_samples: int = field(default=20_000, metadata=_help("synthetic samples to evaluate on"))
     train_fraction: float = field(
-        default=0.8, metadata=_help("click logs: the first fraction of the rows trains, the rest evaluates")
+        default=0.8,
+        metadata=_help(
+            "click logs: the first fraction of the rows trains, the rest evaluates; with folds, the rows cut "
+            "into blocks (1: every row)"
+        ),
     )
     folds: int = field(
         default=0,
         metadata=_help(
             "click logs in memory, cross-validation: K >= 2 cuts the first train_fraction of the rows into K "
             "contiguous blocks; block eval_fold evaluates, the other K-1 train, the rows after train_fraction "
-            "are not read (0: off)"
+            "are not read (train_fraction=1: every row is in a block; 0: off)"
         ),
     )
     eval_fold: int = field(default=0, metadata=_help("with folds=K: the block that evaluates, 0 (first) to K-1"))
@@ -236,7 +240,10 @@ class TrainerConfig:
             (self.num_shards >= 1, f"num_shards={self.num_shards}: must be >= 1"),
             (self.checkpoint_every >= 1, f"checkpoint_every={self.checkpoint_every}: must be >= 1"),
             (self.admit_after >= 1 and self.min_count >= 1, "admit_after and min_count must be >= 1"),
-            (0 < self.train_fraction < 1, f"train_fraction={self.train_fraction}: must be in (0, 1)"),
+            (
+                0 < self.train_fraction < 1 or (self.folds >= 2 and self.train_fraction == 1),
+                f"train_fraction={self.train_fraction}: must be in (0, 1), or 1 with folds (every row in a block)",
+            ),
             (self.folds == 0 or self.folds >= 2, f"folds={self.folds}: must be 0 (off) or >= 2"),
             (
                 0 <= self.eval_fold < max(1, self.folds),

@@ -154,6 +154,31 @@ def test_a_fold_evaluates_one_block_of_the_training_rows(tmp_path: Path) -> None
     assert (counted.test.keys[0, frequent] == raw.keys[0, 200:400][frequent]).all()
 
 
+def test_folds_over_every_row_make_the_last_block_the_default_split(tmp_path: Path) -> None:
+    """folds=5 with train_fraction=1 cuts every row into fifths: block 0 evaluates a model
+    trained on the four after it, and block 4 is exactly the split a run without folds makes
+    (the first 80% train, the last 20% evaluate)."""
+    path = write_movielens(tmp_path / "u.data", 1000)
+    raw = load_click_log(path, ColumnSchema.movielens())
+    first = open_data(
+        TrainerConfig(data=str(path), schema="movielens", folds=5, eval_fold=0, train_fraction=1, min_count=1)
+    )
+    assert first.train is not None and first.test is not None
+    assert (first.train_rows, first.eval_rows) == (800, 200)
+    assert (first.test.keys == raw.keys[:, :200]).all() and (first.test.labels == raw.labels[:200]).all()
+    assert (first.train.keys == raw.keys[:, 200:]).all() and (first.train.labels == raw.labels[200:]).all()
+    last = open_data(TrainerConfig(data=str(path), schema="movielens", folds=5, eval_fold=4, train_fraction=1))
+    plain = open_data(TrainerConfig(data=str(path), schema="movielens"))
+    for a, b in ((last.train, plain.train), (last.test, plain.test)):
+        assert a is not None and b is not None
+        assert (a.keys == b.keys).all() and (a.labels == b.labels).all()
+
+
+def test_every_row_in_a_block_needs_folds() -> None:
+    with pytest.raises(ValueError, match="train_fraction=1.0: must be in \\(0, 1\\), or 1 with folds"):
+        TrainerConfig(train_fraction=1.0)
+
+
 @pytest.mark.parametrize(("folds", "eval_fold"), [(1, 0), (-2, 0), (4, 4), (4, -1), (0, 1)])
 def test_bad_folds_are_refused(folds: int, eval_fold: int) -> None:
     with pytest.raises(ValueError, match="fold"):
