@@ -30,11 +30,11 @@ import numpy.typing as npt
 import torch
 
 from protos.hashing import hash_fields, hash_strings
-from protos.keys import hash_feature
 from worker.fields import bucket_keys, dense_values, parse_numbers
 from worker.jagged import JaggedIds
 from worker.metrics import auc, logloss
 from worker.multivalued import JaggedKeys, split_keys
+from worker.rare import rare_key, share_rare
 from worker.schema import (
     BadLines,
     ColumnNotFound,
@@ -362,6 +362,7 @@ def read_click_log(
     A schema with ``order_by`` raises ``ValueError``: use ``load_click_log``.
 
     >>> import tempfile, pathlib
+    >>> from protos.keys import hash_feature
     >>> p = pathlib.Path(tempfile.mkdtemp()) / "log.csv"
     >>> _ = p.write_text("y,n,c\\n1,3,a\\n0,,\\n")
     >>> b = next(read_click_log(p, ColumnSchema("y", ["n"], ["c"], sep=",", header=True), 8))
@@ -447,10 +448,8 @@ class ClickLog:
         (default: this log) is replaced by its feature's rare key, ``rare_key(feature)``.
 
         Count on the training rows and apply the result to them and to the evaluation
-        rows: values too rare to learn from (and values never trained) then share one row
-        per feature that is trained on all of them, instead of a row each that can only
-        memorise its few labels or was never trained at all. (A model served later must
-        map keys outside ``frequent_keys`` the same way.)
+        rows: the keys the trainer's embeddings read (``worker.rare``, which the trainer
+        applies batch by batch, leaving the first-order weights every value).
         """
         counted = self if counted_in is None else counted_in
         if counted.features != self.features:
@@ -458,8 +457,7 @@ class ClickLog:
         vocabulary = counted.frequent_keys(min_count)
 
         def shared(name: str, keys: I64) -> I64:
-            out: I64 = np.where(np.isin(keys, vocabulary[name]), keys, np.int64(rare_key(name)))
-            return out
+            return share_rare(keys, vocabulary[name], rare_key(name))
 
         nkeyed = self.keys.shape[0]
         keys = np.stack([shared(n, k) for n, k in zip(self.features, self.keys)]) if nkeyed else self.keys.copy()
@@ -475,16 +473,6 @@ class ClickLog:
         rows = _Rows(self.labels, self.dense, self.keys, None, self.bags)
         for lo in range((start + rank) * batch_size, len(self), batch_size * world_size):
             yield _make_batch(_take(rows, lo, lo + batch_size), self.features)
-
-
-def rare_key(feature: str) -> int:
-    """The key ``ClickLog.with_rare_keys`` gives to ``feature``'s rare values (a value no
-    text field holds, hashed with the feature's default seed).
-
-    >>> rare_key("C1") == hash_feature(b"\\0rare", feature_seed("C1"))
-    True
-    """
-    return hash_feature(b"\0rare", feature_seed(feature))
 
 
 def load_click_log(

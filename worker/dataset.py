@@ -2,8 +2,8 @@
 
 A click log of at most ``IN_MEMORY_BYTES`` (or one that must be sorted, MovieLens) is
 read whole and split in row order: the first ``train_fraction`` of the rows trains, the
-rest evaluates, and values found in fewer than ``min_count`` training rows share one
-"rare" key per feature (``ClickLog.with_rare_keys``). With ``folds=K`` the run is one
+rest evaluates, and the embeddings read values found in fewer than ``min_count`` training
+rows as one "rare" key per feature (``RunData.rare``, see ``worker.rare``). With ``folds=K`` the run is one
 fold of a cross-validation inside the training rows (``cv_fold``): the evaluation block is
 moved behind the K-1 training blocks, so everything downstream still sees "the first
 ``train_rows`` train, the rest evaluates". A larger log is streamed from
@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from worker.config import TrainerConfig
 from worker.data import BadLines, Batch, ClickLog, ColumnSchema, DataError, load_click_log, read_click_log
+from worker.rare import RareValues
 from worker.schemafile import load_schema_file
 from worker.synthetic import synthetic_criteo
 
@@ -75,20 +76,19 @@ class RunData:
     source: str  # "synthetic", or the schema's name or file
     train_rows: int  # all workers together
     eval_rows: int
-    train: ClickLog | None = None  # in memory, rare keys shared (see ClickLog.with_rare_keys)
+    train: ClickLog | None = None  # in memory, keys as read
     test: ClickLog | None = None
     rows: ClickLog | None = None  # in memory, as read: the probe splits the training rows again
+    rare: RareValues | None = None  # in memory with min_count > 1: the training rows' vocabulary
     path: Path | None = None  # a streamed log
     bad_lines: BadLines | None = None  # malformed lines left out (--bad-lines skip), over every read
 
-    def split(self, n: int, end: int, min_count: int) -> tuple[ClickLog, ClickLog]:
-        """Rows ``[0, n)`` and ``[n, end)`` of an in-memory log, rare keys counted in the first part."""
+    def split(self, n: int, end: int, min_count: int) -> tuple[ClickLog, ClickLog, RareValues | None]:
+        """Rows ``[0, n)`` and ``[n, end)`` of an in-memory log, and the vocabulary of the first part."""
         if self.rows is None:
             raise ValueError(f"{self.source}: only a click log held in memory can be split")
         head, tail = self.rows[:n], self.rows[n:end]
-        if min_count <= 1:
-            return head, tail
-        return head.with_rare_keys(min_count), tail.with_rare_keys(min_count, counted_in=head)
+        return head, tail, RareValues.counted(head, min_count)
 
 
 def open_data(config: TrainerConfig) -> RunData:
@@ -106,10 +106,10 @@ def open_data(config: TrainerConfig) -> RunData:
         if config.folds:
             rows, n_train = cv_fold(rows[:n_train], config.folds, config.eval_fold)
         data = RunData(config.schema, n_train, len(rows) - n_train, rows=rows, bad_lines=bad)
-        train, test = data.split(n_train, len(rows), config.min_count)
+        train, test, rare = data.split(n_train, len(rows), config.min_count)
         _check_both_labels(path, test.labels, "held-out")
         _check_both_labels(path, train.labels, "training")
-        return dataclasses.replace(data, train=train, test=test)
+        return dataclasses.replace(data, train=train, test=test, rare=rare)
     if config.folds:
         raise ValueError(
             f"folds={config.folds}: cross-validation needs the log in memory; {path} is over "

@@ -8,15 +8,18 @@ A run directory (``runs/<time>/``) holds, besides ``dense.pt`` and ``metrics.jso
   ``[B, num_dense]`` and a dict of pooled rows ``{feature: float32 [B, dim of its table]}``
   for every feature of ``manifest["program"]["embeddings"]``, in that order; it returns
   the logits float32 ``[B]``. ``B`` is dynamic.
-* ``manifest.json`` (``format_version``: 1, or 2 when a column is multi-valued): ``tables`` (name, dim, optimizer, initializer,
+* ``manifest.json`` (``format_version``: 1; 2 when a column is multi-valued; 3 when some
+  table keeps rare values, which predictors of formats 1 and 2 would share): ``tables`` (name, dim, optimizer, initializer,
   seed, params), ``features`` (name, table, pooling, and ``keys``: the key feature whose
   keys it reads; ``C1.wide`` reads ``C1``'s keys from the table ``wide``),
   ``wide_suffix``, ``program`` (file and input order), ``schema`` (below), and, when
   rare values shared a row in training, ``rare_values`` (``min_count``, the vocabulary
-  file, the rare key of every feature).
+  file, the rare key of every feature, and ``shared_by``: the tables whose readers shared
+  them; format 3, and absent in formats 1 and 2, where every table's readers did).
 * ``vocabulary.npz`` (only with ``rare_values``): per key feature, the sorted keys seen
   in at least ``min_count`` training rows. Any other key of that feature was trained
-  as, and is served as, the feature's rare key.
+  as, and is served as, the feature's rare key, by the tables in ``shared_by``
+  (``worker.rare``: the embeddings share rare values, the first-order weights keep them).
 
 ``manifest["schema"]`` describes the raw columns a request carries:
 
@@ -76,8 +79,8 @@ __all__ = [
     "serving_manifest",
 ]
 
-FORMAT_VERSION = 2  # what this code writes for a run with a multi-valued column; without one, 1
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # the newest format this code writes; a run gets the oldest that holds it
+READABLE_VERSIONS = (1, 2, 3)
 PROGRAM_FILE = "model.pt2"
 _EXAMPLE_BATCH = 16  # torch.export specialises sizes 0 and 1, so the example batch is larger
 _SIGMOID_ALIGN = 64  # a multiple of two vectors of every SIMD width torch uses (AVX-512: 2 x 16 floats)
@@ -143,9 +146,11 @@ def serving_manifest(
     num_dense: int,
     schema: dict[str, Any],
     wide_suffix: str | None,
+    rare_values: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Export ``model`` to ``out/model.pt2``; returns the manifest entries serving needs
-    beyond the trainer's own (``program``, ``schema``, each feature's ``keys``)."""
+    beyond the trainer's own (``program``, ``schema``, each feature's ``keys``, and
+    ``rare_values`` as given)."""
     started = time.perf_counter()
     dims = {t.name: t.dim for t in tables}
     export_program(model, num_dense, {f.name: dims[f.table] for f in features}, out / PROGRAM_FILE)
@@ -154,9 +159,11 @@ def serving_manifest(
         return name.removesuffix(wide_suffix) if wide_suffix and name.endswith(wide_suffix) else name
 
     multi_valued = any("separator" in c for c in schema["categorical"])
+    kept = rare_values is not None and set(rare_values["shared_by"]) != {t.name for t in tables}
+    # Older predictors still read a run that needs nothing newer.
     return {
-        # Format 1 predictors (no multi-valued columns) still read a run that has none.
-        "format_version": FORMAT_VERSION if multi_valued else 1,
+        "format_version": 3 if kept else 2 if multi_valued else 1,
+        **({"rare_values": dict(rare_values)} if rare_values is not None else {}),
         "run": out.resolve().name,
         "program": {
             "file": PROGRAM_FILE,
@@ -228,6 +235,7 @@ class ServingModel:
     key_features: tuple[KeyFeature, ...]
     embeddings: tuple[tuple[str, str, str, int], ...]
     dims: Mapping[str, int]
+    rare_shared_by: frozenset[str] | None = None  # tables reading rare values as the rare key; None: all
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -267,6 +275,7 @@ def _parse(run_dir: Path, manifest: dict[str, Any]) -> ServingModel:
         with np.load(run_dir / rare["vocabulary"]) as npz:
             vocab = {name: np.asarray(npz[name], dtype=np.int64) for name in npz.files}
     rare_keys: dict[str, int] = dict(rare["rare_keys"]) if rare else {}
+    shared_by = frozenset(rare["shared_by"]) if rare and "shared_by" in rare else None
 
     def key_feature(name: str, column: str, hashing: str, seed: int, separator: str | None = None) -> KeyFeature:
         if separator is not None and (not isinstance(separator, str) or len(separator) != 1 or hashing != "string"):
@@ -299,4 +308,5 @@ def _parse(run_dir: Path, manifest: dict[str, Any]) -> ServingModel:
         key_features=tuple(keys),
         embeddings=embeddings,
         dims=dims,
+        rare_shared_by=shared_by,
     )

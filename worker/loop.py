@@ -31,6 +31,7 @@ from worker.embedding import DistributedEmbedding
 from worker.export import probabilities
 from worker.jagged import JaggedIds
 from worker.models import DLRM, DeepFM
+from worker.rare import RareValues
 
 __all__ = ["WIDE", "TrainingPass", "dense_adam", "evaluate", "predict", "scores", "trainer_tables"]
 
@@ -55,9 +56,14 @@ def dense_adam(params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.A
     return torch.optim.Adam(params, lr=lr, fused=True if fused else None)
 
 
-def _inputs(sparse: Mapping[str, JaggedIds], features: Sequence[str]) -> dict[str, JaggedIds]:
-    """The batch as ``DistributedEmbedding`` wants it: feature ``f + WIDE`` reads ``f``'s ids."""
-    return {f: sparse[f.removesuffix(WIDE)] if f.endswith(WIDE) else sparse[f] for f in features}
+def _inputs(sparse: Mapping[str, JaggedIds], features: Sequence[str], rare: RareValues | None) -> dict[str, JaggedIds]:
+    """The batch as ``DistributedEmbedding`` wants it: feature ``f + WIDE`` reads ``f``'s ids
+    as they are (a weight per value), the embeddings read them with ``rare`` values shared."""
+    out = {f: sparse[f.removesuffix(WIDE)] for f in features if f.endswith(WIDE)}
+    for f in features:
+        if not f.endswith(WIDE):
+            out[f] = sparse[f] if rare is None else rare.ids(f, sparse[f])
+    return out
 
 
 def trainer_tables(config: TrainerConfig, prefix: str = "") -> list[EmbeddingTableConfig]:
@@ -111,9 +117,11 @@ class TrainingPass:
         num_dense: int,
         prefix: str = "",
         dense_state: Mapping[str, Any] | None = None,
+        rare: RareValues | None = None,
     ) -> None:
-        """``dense_state``: the ``model``, ``optimizer`` and ``rng`` state of a checkpoint to resume from."""
-        self.config, self.d, self.num_dense = config, d, num_dense
+        """``dense_state``: the ``model``, ``optimizer`` and ``rng`` state of a checkpoint to resume from;
+        ``rare``: the vocabulary of the rows this pass trains on (None: every value its own row)."""
+        self.config, self.d, self.num_dense, self.rare = config, d, num_dense, rare
         dense_state = dense_state or {}
         self.tables = trainer_tables(config, prefix)
         self.features = [FeatureConfig(f, prefix + "embedding") for f in features]
@@ -167,7 +175,7 @@ class TrainingPass:
             if step >= plan.steps or plan.index(step) is None:
                 return None, {}
             batch = next(batches, None)  # None: a streamed log that ran short
-            return (batch, _inputs(batch.sparse, names)) if batch is not None else (None, {})
+            return (batch, _inputs(batch.sparse, names, self.rare)) if batch is not None else (None, {})
 
         cur, cur_in = take(0)
         if cur is not None:
@@ -258,7 +266,7 @@ class TrainingPass:
         )
 
     def evaluate(self, batches: Sequence[Batch]) -> dict[str, float]:
-        return evaluate(self.emb, self.model, batches, self.d.device)
+        return evaluate(self.emb, self.model, batches, self.d.device, self.rare)
 
     def close(self) -> None:
         self.emb.close()
@@ -282,13 +290,18 @@ class TrainingPass:
 
 
 def predict(
-    emb: DistributedEmbedding, model: torch.nn.Module, batches: Sequence[Batch], device: torch.device
+    emb: DistributedEmbedding,
+    model: torch.nn.Module,
+    batches: Sequence[Batch],
+    device: torch.device,
+    rare: RareValues | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels and predicted probabilities (``worker.export.probabilities`` of the logits, as
     the predictor computes them) of every sample of ``batches``, on CPU (no pushes; rows
     as the shards hold them now).
 
-    Features of ``emb`` named ``f + ".wide"`` read the ids of feature ``f``.
+    Features of ``emb`` named ``f + ".wide"`` read the ids of feature ``f``; the others read
+    them with ``rare`` values shared (the vocabulary the model trained with).
     """
     emb.eval()
     model.eval()
@@ -296,7 +309,7 @@ def predict(
     names = list(emb.features)
     with torch.no_grad():
         for b in batches:
-            logits = model(b.dense.to(device), emb(_inputs(b.sparse, names)))
+            logits = model(b.dense.to(device), emb(_inputs(b.sparse, names, rare)))
             labels.append(b.labels)
             probs.append(probabilities(logits.cpu()))
     emb.train()
@@ -305,10 +318,14 @@ def predict(
 
 
 def evaluate(
-    emb: DistributedEmbedding, model: torch.nn.Module, batches: Sequence[Batch], device: torch.device
+    emb: DistributedEmbedding,
+    model: torch.nn.Module,
+    batches: Sequence[Batch],
+    device: torch.device,
+    rare: RareValues | None = None,
 ) -> dict[str, float]:
     """AUC and logloss of ``model`` on ``batches`` (see ``predict``)."""
-    return scores(*predict(emb, model, batches, device))
+    return scores(*predict(emb, model, batches, device, rare))
 
 
 def scores(y: torch.Tensor, p: torch.Tensor) -> dict[str, float]:

@@ -9,10 +9,11 @@ Given a run directory (``worker.export``) and anything with ``lookup_many`` (a
    ``protos.keys.hash_features``, dense values through ``worker.fields`` (number parsing,
    ``log1p``, bucket keys), multi-valued columns through ``worker.multivalued.split_keys``
    (a candidate's value is one string, its values joined by the column's separator, as in
-   the training file: a request's columns hold one string per candidate); keys outside the
-   training vocabulary become the feature's rare key, as in training. No Python object per value.
-2. ``score``: for one or many encoded requests together, one ``lookup_many`` (one RPC
-   per shard) of each table's unique keys, pooling as ``DistributedEmbedding`` pools
+   the training file: a request's columns hold one string per candidate). No Python object per value.
+2. ``score``: for one or many encoded requests together, keys outside the training
+   vocabulary become the feature's rare key for the tables that shared rare values in
+   training (``worker.rare.share_rare``: the embeddings, not the first-order weights), then
+   one ``lookup_many`` (one RPC per shard) of each table's unique keys, pooling as ``DistributedEmbedding`` pools
    (``F.embedding_bag``), one call of the exported dense program, and
    ``worker.export.probabilities`` (sigmoid).
 
@@ -49,6 +50,7 @@ from protos.keys import hash_features
 from worker.export import KeyFeature, ServingModel, load_model, probabilities
 from worker.fields import bucket_keys, dense_values, parse_numbers
 from worker.multivalued import JaggedKeys, split_keys
+from worker.rare import share_rare
 
 __all__ = ["MIN_ROWS", "PAD_ROWS", "Encoded", "Predictor", "RowSource"]
 
@@ -99,12 +101,15 @@ class Predictor:
         self._position = {k.name: i for i, k in enumerate(self._keyed)}
         self._bag_position = {k.name: i for i, k in enumerate(self._multi)}
         self._bases = {k.name: fnv_basis(k.seed) for k in model.key_features}
-        # table -> (feature, pooling, whether it reads a bag, its key row or bag)
-        self._readers: dict[str, list[tuple[str, str, bool, int]]] = {}
+        # table -> (feature, pooling, whether it reads a bag, its key row or bag, the key
+        # feature whose rare values it reads as the rare key, or None: every key as it is)
+        self._readers: dict[str, list[tuple[str, str, bool, int, KeyFeature | None]]] = {}
+        shared_by = model.rare_shared_by
         for name, table, pooling, index in model.embeddings:
             k = model.key_features[index]
             at = (True, self._bag_position[k.name]) if k.separator is not None else (False, self._position[k.name])
-            self._readers.setdefault(table, []).append((name, pooling, *at))
+            shares = k.vocabulary is not None and (shared_by is None or table in shared_by)
+            self._readers.setdefault(table, []).append((name, pooling, *at, k if shares else None))
         self._accepts: dict[str, tuple[ValueType, ...]] = {c: (t,) for c, t in model.categorical.items()}
         self._accepts |= dict.fromkeys(model.dense, _NUMBER_TYPES)
 
@@ -147,7 +152,7 @@ class Predictor:
         keys = np.empty((len(self._keyed), n), np.int64)
         for k in self._keyed:
             if k.hashing != "bucket":
-                keys[self._position[k.name]] = self._vocabulary(k, self._hash(k, columns[k.column]))
+                keys[self._position[k.name]] = self._hash(k, columns[k.column])
         bags = tuple(self._split(k, columns[k.column], n) for k in self._multi)
         dense = np.empty((n, len(self.model.dense)), np.float32)
         buckets = {k.column: k for k in self.model.key_features if k.hashing == "bucket"}
@@ -155,7 +160,7 @@ class Predictor:
             raw, empty = _numbers(columns[name], where[name])
             dense[:, j] = dense_values(raw, self.model.log_transform)
             if (b := buckets.get(name)) is not None:
-                keys[self._position[b.name]] = self._vocabulary(b, bucket_keys(raw, empty, b.seed))
+                keys[self._position[b.name]] = bucket_keys(raw, empty, b.seed)
         return Encoded(keys, dense, bags)
 
     def _split(self, k: KeyFeature, col: Column, n: int) -> JaggedKeys:
@@ -164,8 +169,7 @@ class Predictor:
         buf = col.values if col.values.shape[0] else np.zeros(1, np.uint8)
         if len(col) != n:  # the context: the same value for every candidate
             starts, ends = np.repeat(starts, n), np.repeat(ends, n)
-        bag = split_keys(buf, starts, ends, ord(k.separator or ""), self._bases[k.name])
-        return bag.with_values(self._vocabulary(k, bag.values))
+        return split_keys(buf, starts, ends, ord(k.separator or ""), self._bases[k.name])
 
     def _hash(self, k: KeyFeature, col: Column) -> I64:
         if col.type == "int64":
@@ -178,17 +182,6 @@ class Predictor:
         )
         keys: I64 = out[0].view(np.int64)
         return keys
-
-    @staticmethod
-    def _vocabulary(k: KeyFeature, keys: I64) -> I64:
-        """``keys`` with every key outside the training vocabulary replaced by the rare key."""
-        if k.vocabulary is None:
-            return keys
-        if k.vocabulary.shape[0] == 0:
-            return np.full_like(keys, k.rare_key)
-        at = np.minimum(np.searchsorted(k.vocabulary, keys), k.vocabulary.shape[0] - 1)
-        out: I64 = np.where(k.vocabulary[at] == keys, keys, np.int64(k.rare_key))
-        return out
 
     # -- score ----------------------------------------------------------------------
     def score(self, batches: Sequence[Encoded]) -> list[F32]:
@@ -209,15 +202,20 @@ class Predictor:
         rows_n = n + pad
         one_each = np.arange(rows_n + 1, dtype=np.int64)
 
-        def ids_of(bag: bool, at: int) -> tuple[I64, I64]:
-            """A reader's keys and offsets (``rows_n + 1``)."""
-            return (bags[at].values, bags[at].offsets) if bag else (keys[at], one_each)
+        def ids_of(bag: bool, at: int, shares: KeyFeature | None) -> tuple[I64, I64]:
+            """A reader's keys (rare values shared if it ``shares`` them) and offsets (``rows_n + 1``)."""
+            values, offsets = (bags[at].values, bags[at].offsets) if bag else (keys[at], one_each)
+            if shares is not None and shares.vocabulary is not None:
+                values = share_rare(values, shares.vocabulary, shares.rare_key)
+            return values, offsets
 
         unique: dict[str, I64] = {}
         index: dict[str, I64] = {}
+        inputs: dict[str, list[tuple[I64, I64]]] = {}
         for table, readers in self._readers.items():
             # Features reading one table share a lookup, as in DistributedEmbedding.
-            parts = [ids_of(bag, at)[0] for _, _, bag, at in readers]
+            inputs[table] = [ids_of(bag, at, shares) for _, _, bag, at, shares in readers]
+            parts = [values for values, _ in inputs[table]]
             unique[table], index[table] = dedup(np.concatenate(parts) if len(parts) > 1 else parts[0])
         rows = self.rows.lookup_many(unique)
         pooled: dict[str, torch.Tensor] = {}
@@ -226,14 +224,13 @@ class Predictor:
                 weight = torch.from_numpy(np.ascontiguousarray(rows[table]))
                 inverse = torch.from_numpy(index[table])
                 lo = 0
-                for name, pooling, bag, at in readers:
-                    values, offsets = ids_of(bag, at)
+                for (name, pooling, *_), (values, offsets) in zip(readers, inputs[table]):
                     ids = inverse[lo : lo + values.shape[0]]
                     lo += values.shape[0]
                     starts = torch.from_numpy(offsets[:-1])
                     pooled[name] = F.embedding_bag(ids, weight, starts, mode=pooling)
-            inputs = {name: pooled[name] for name, _, _, _ in self.model.embeddings}
-            logits = self.model.program(torch.from_numpy(dense), inputs)
+            program_inputs = {name: pooled[name] for name, _, _, _ in self.model.embeddings}
+            logits = self.model.program(torch.from_numpy(dense), program_inputs)
             scores = probabilities(logits).numpy()
         bounds = np.cumsum([0, *sizes])
         return [scores[lo:hi].copy() for lo, hi in zip(bounds[:-1], bounds[1:])]

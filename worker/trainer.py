@@ -16,8 +16,9 @@ Criteo, Avazu and MovieLens samples; see the README for the AUC each reaches):
   embeddings with a small learning rate: on a few thousand rows the interaction terms
   overfit within an epoch or two, while the first-order weights need several;
 * the rows come from ``worker.dataset``: a click log that fits in memory is split in
-  row order (first ``train_fraction`` trains, the rest evaluates) and values seen in
-  fewer than ``min_count`` training rows share one row per feature;
+  row order (first ``train_fraction`` trains, the rest evaluates); the embeddings read
+  values seen in fewer than ``min_count`` training rows as one row per feature, the
+  first-order weights keep every value (``worker.rare``);
 * ``batch_size=0`` takes about 128 steps per pass over the training rows (a power of
   two in [32, 1024]); ``epochs=0`` trains a probe model (tables ``probe.*``) on the
   training rows without their last ``VALIDATION_FRACTION``, evaluates that tail after
@@ -59,7 +60,6 @@ from client import ClientConfig, PSClient
 from protos.rowtypes import as_served
 from worker.command import parse, report
 from worker.config import TrainerConfig
-from worker.data import rare_key
 from worker.dataset import (
     EVAL_BATCH_SIZE,
     EpochPlan,
@@ -107,9 +107,9 @@ def _choose_epochs(
 ) -> tuple[int, dict[str, Any]]:
     """Train a probe (tables ``probe.*``) on the training rows but their tail; the best epoch count on the tail."""
     n_val = int(data.train_rows * VALIDATION_FRACTION)
-    fit, val = data.split(data.train_rows - n_val, data.train_rows, config.min_count)
+    fit, val, rare = data.split(data.train_rows - n_val, data.train_rows, config.min_count)
     val_batches = list(val.batches(EVAL_BATCH_SIZE))
-    probe = TrainingPass(config, d, client, features, num_dense, prefix="probe.")
+    probe = TrainingPass(config, d, client, features, num_dense, prefix="probe.", rare=rare)
     history: list[dict[str, float]] = []
     best = 1
     bar = progress(
@@ -249,7 +249,7 @@ def train(
         if state.epoch_choice is not None:
             metrics["epoch_choice"] = state.epoch_choice
             metrics["config"]["epochs"] = str(state.epochs)
-        run = TrainingPass(config, d, client, features, num_dense, dense_state=dense_state)
+        run = TrainingPass(config, d, client, features, num_dense, dense_state=dense_state, rare=data.rare)
         run.steps, run.evals = state.steps, state.evals
 
         def after_step(position: int) -> None:
@@ -276,11 +276,11 @@ def train(
             final: dict[str, float] = {}
             served: dict[str, float] = {}
             if d.rank == 0:
-                labels, probs = predict(run.emb, run.model, held_out, d.device)
+                labels, probs = predict(run.emb, run.model, held_out, d.device, data.rare)
                 final = scores(labels, probs)
                 if config.eval_serve_dtype != "stored":  # the same model, rows as serving shards would hold them
                     run.emb.eval_rows = functools.partial(as_served, config.eval_serve_dtype)
-                    served = scores(*predict(run.emb, run.model, held_out, d.device))
+                    served = scores(*predict(run.emb, run.model, held_out, d.device, data.rare))
                     run.emb.eval_rows = None
         finally:
             run.close()
@@ -412,17 +412,19 @@ def _save(
         # Which data each shard's rows are (Stats.lineage): ps-infer refuses shards of another.
         "shard_lineages": [s.get("lineage", "") for s in shard_stats],
     }
-    if data.rows is not None and config.min_count > 1:
-        # Serving must send keys outside the training vocabulary to the rare row, as training did.
-        vocabulary = data.rows[: data.train_rows].frequent_keys(config.min_count)
-        np.savez_compressed(out / "vocabulary.npz", **vocabulary)  # type: ignore[arg-type]
-        manifest["rare_values"] = {
-            "min_count": config.min_count,
+    rare_values = None
+    if data.rare is not None:
+        # Serving must send keys outside the training vocabulary to the rare row, as training
+        # did, for the embeddings only: the first-order weights keep every value (worker.rare).
+        np.savez_compressed(out / "vocabulary.npz", **data.rare.vocabulary)  # type: ignore[arg-type]
+        rare_values = {
+            "min_count": data.rare.min_count,
             "vocabulary": "vocabulary.npz",
-            "rare_keys": {f: rare_key(f) for f in vocabulary},
+            "rare_keys": data.rare.rare_keys(),
+            "shared_by": sorted({f.table for f in run.features if not f.name.endswith(WIDE)}),
         }
     manifest |= serving_manifest(
-        run.model, out, run.tables, run.features, num_dense, schema, WIDE if config.wide else None
+        run.model, out, run.tables, run.features, num_dense, schema, WIDE if config.wide else None, rare_values
     )
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))

@@ -74,8 +74,19 @@ def criteo_lines(n: int, seed: int = 0) -> list[str]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run directory as the trainer writes it, for a small DLRM on a Criteo-format file."""
-    out = tmp_path_factory.mktemp("run")
+    """A run directory of format 1, for a small DLRM on a Criteo-format file: every table
+    read rare values as the rare key (as runs did before the first-order weights kept them)."""
+    return write_run(tmp_path_factory.mktemp("run"), shared_by=None)
+
+
+@pytest.fixture(scope="module")
+def run_keeping(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run as the trainer writes it now (format 3): the embeddings share rare
+    values, the first-order weights (table ``wide``) keep every value."""
+    return write_run(tmp_path_factory.mktemp("run"), shared_by=["embedding"])
+
+
+def write_run(out: Path, shared_by: list[str] | None) -> Path:
     (out / "log.txt").write_text("\n".join(criteo_lines(16)) + "\n")
     torch.manual_seed(0)
     model = DLRM(13, KEY_FEATURES, DIM, bottom=[8], top=[8], wide=[f + ".wide" for f in KEY_FEATURES])
@@ -87,30 +98,30 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     log = load_click_log(out / "log.txt", ColumnSchema.criteo())
     vocabulary = log[:12].frequent_keys(2)
     np.savez_compressed(out / "vocabulary.npz", **vocabulary)  # type: ignore[arg-type]
-    manifest: dict[str, Any] = {
-        "rare_values": {
-            "min_count": 2,
-            "vocabulary": "vocabulary.npz",
-            "rare_keys": {f: rare_key(f) for f in vocabulary},
-        },
-        "tables": [{"name": t.name, "dim": t.dim} for t in tables],
-    }
+    rare_values = {"min_count": 2, "vocabulary": "vocabulary.npz", "rare_keys": {f: rare_key(f) for f in vocabulary}}
+    manifest: dict[str, Any] = {"tables": [{"name": t.name, "dim": t.dim} for t in tables]}
     schema = describe_data("criteo", out / "log.txt", KEY_FEATURES, 13)
-    manifest |= serving_manifest(model, out, tables, features, 13, schema, ".wide")
+    if shared_by is None:
+        manifest |= serving_manifest(model, out, tables, features, 13, schema, ".wide") | {"rare_values": rare_values}
+    else:
+        rare_values["shared_by"] = shared_by
+        manifest |= serving_manifest(model, out, tables, features, 13, schema, ".wide", rare_values)
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
 
 
-def reference(run: Path, rows: MemoryRows, lo: int, hi: int) -> npt.NDArray[np.float32]:
-    """The eager model on the reader's keys (rare values shared as in training) for log rows [lo, hi)."""
+def reference(run: Path, rows: MemoryRows, lo: int, hi: int, wide_keeps: bool = False) -> npt.NDArray[np.float32]:
+    """The eager model on the reader's keys for log rows [lo, hi): rare values shared as in
+    training, by the embeddings and (unless ``wide_keeps``) the first-order weights."""
     log = load_click_log(run / "log.txt", ColumnSchema.criteo())
     batch = next(log.with_rare_keys(2, counted_in=log[:12])[lo:hi].batches(hi - lo))
+    as_read = next(log[lo:hi].batches(hi - lo))
     model = DLRM(13, KEY_FEATURES, DIM, bottom=[8], top=[8], wide=[f + ".wide" for f in KEY_FEATURES])
     model.load_state_dict(torch.load(run / "dense.pt"))
     pooled = {}
     for f in KEY_FEATURES:
         for name, table in ((f, "embedding"), (f + ".wide", "wide")):
-            keys = batch.sparse[f].values.numpy()
+            keys = (as_read if wide_keeps and table == "wide" else batch).sparse[f].values.numpy()
             weight = torch.from_numpy(rows.lookup_many({table: keys})[table])
             pooled[name] = F.embedding_bag(torch.arange(len(keys)), weight, torch.arange(len(keys)), mode="sum")
     # At the predictor's smallest call: smaller matrices may take other kernel paths (other bits).
@@ -184,6 +195,22 @@ def test_scores_from_raw_text_equal_the_eager_model_on_the_readers_keys(run: Pat
     columns = raw_columns(run, 0, 16)
     scores = p.predict({}, columns)
     np.testing.assert_array_equal(scores, reference(run, rows, 0, 16))
+
+
+def test_first_order_weights_that_keep_rare_values_read_every_key_as_it_is(run_keeping: Path) -> None:
+    """Format 3: the embeddings read keys outside the vocabulary as the rare key, the
+    first-order weights read each key as it is; bit-exact against the eager model."""
+    manifest = json.loads((run_keeping / "manifest.json").read_text())
+    assert manifest["format_version"] == 3 and manifest["rare_values"]["shared_by"] == ["embedding"]
+    model = load_model(run_keeping)
+    assert model.rare_shared_by == {"embedding"}
+    rows = MemoryRows({"embedding": DIM, "wide": 1})
+    scores = Predictor(model, rows).predict({}, raw_columns(run_keeping, 0, 16))
+    asked = rows.asked[-1]
+    rare = [rare_key(f) for f in KEY_FEATURES]
+    assert np.isin(rare, asked["embedding"]).any() and not np.isin(rare, asked["wide"]).any()
+    np.testing.assert_array_equal(scores, reference(run_keeping, rows, 0, 16, wide_keeps=True))
+    assert not np.array_equal(scores, reference(run_keeping, rows, 0, 16))  # the keys do differ here
 
 
 def test_context_values_apply_to_every_candidate(run: Path) -> None:

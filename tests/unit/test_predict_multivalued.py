@@ -23,6 +23,7 @@ from worker.dataset import schema_of
 from worker.export import describe_data, load_model, probabilities, serving_manifest
 from worker.models import DLRM
 from worker.predictor import MIN_ROWS, PAD_ROWS, Predictor
+from worker.rare import share_rare
 
 DIM = 4
 FEATURES = ["user", "tags"]
@@ -133,11 +134,16 @@ def test_a_multi_valued_context_and_batched_requests(run: Path) -> None:
     alone = [predictor.score([r])[0] for r in requests]
     for a, b in zip(alone, together):
         np.testing.assert_array_equal(a, b)
-    # The keys of "t1|t2": the reader's, in order; "" is no key at all.
-    # "t1|t2" holds two keys, "" none, and a value training never saw is the rare key.
+    # The keys of "t1|t2": the reader's, in order; "" is no key at all. Encoding keeps the
+    # keys as read; a value training never saw becomes the rare key for the readers that
+    # shared rare values (every table here: the manifest is of format 2).
     bag = predictor.encode(*_columns({**shared, "tags": ["t1|t2", "", "never-seen|t1"] * 3 + [""]})).bags[0]
     assert bag.offsets.tolist()[:4] == [0, 2, 2, 4]
-    assert bag.values[2] == rare_key("tags") and bag.values[3] == bag.values[0] != rare_key("tags")
+    assert bag.values[3] == bag.values[0] != bag.values[2]
+    tags = next(k for k in predictor.model.key_features if k.name == "tags")
+    assert tags.vocabulary is not None and predictor.model.rare_shared_by is None
+    read = share_rare(bag.values, tags.vocabulary, tags.rare_key)
+    assert read[2] == rare_key("tags") and read[3] == read[0] == bag.values[0]
 
 
 def test_a_multi_valued_column_takes_strings(run: Path) -> None:

@@ -122,16 +122,22 @@ def test_the_config_line_says_what_was_used(tmp_path: Path, caplog: pytest.LogCa
 
 
 def test_rare_keys_are_counted_on_the_training_rows(tmp_path: Path) -> None:
+    """The rows keep their keys as read (the first-order weights read every value); the
+    vocabulary is counted on the training rows only, and the embeddings read every other
+    key, in training and evaluation rows alike, as the feature's rare key."""
     path = write_movielens(tmp_path / "u.data", 1000)
-    data = open_data(TrainerConfig(data=str(path), schema="movielens", min_count=5))
+    data = open_data(TrainerConfig(data=str(path), schema="movielens", min_count=30))
     raw = load_click_log(path, ColumnSchema.movielens())
-    assert data.train is not None and data.test is not None
+    assert data.train is not None and data.test is not None and data.rare is not None
+    assert (data.train.keys == raw.keys[:, :800]).all() and (data.test.keys == raw.keys[:, 800:]).all()
     users, counts = np.unique(raw.keys[0, :800], return_counts=True)
-    frequent = set(users[counts >= 5].tolist())
-    for log_, rows in ((data.train, raw[:800]), (data.test, raw[800:])):
-        keep = np.isin(rows.keys[0], list(frequent))
-        assert (log_.keys[0, keep] == rows.keys[0, keep]).all()
-        assert (log_.keys[0, ~keep] == rare_key("user_id")).all()
+    assert data.rare.vocabulary["user_id"].tolist() == users[counts >= 30].tolist()
+    for rows in (raw[:800], raw[800:]):
+        keep = np.isin(rows.keys[0], users[counts >= 30])
+        assert keep.any() and (~keep).any()  # both kinds of value are there
+        read = data.rare.keys("user_id", rows.keys[0])
+        assert (read[keep] == rows.keys[0, keep]).all() and (read[~keep] == rare_key("user_id")).all()
+    assert open_data(TrainerConfig(data=str(path), schema="movielens", min_count=1)).rare is None
     assert isinstance(data, RunData) and isinstance(data.train, ClickLog)
 
 
@@ -146,12 +152,11 @@ def test_a_fold_evaluates_one_block_of_the_training_rows(tmp_path: Path) -> None
     assert (data.test.keys == raw.keys[:, 200:400]).all()
     assert (data.train.keys == np.concatenate([raw.keys[:, :200], raw.keys[:, 400:800]], axis=1)).all()
     assert (data.rows.labels[:600] == data.train.labels).all()  # the epoch probe splits these rows again
-    counted = open_data(TrainerConfig(data=str(path), schema="movielens", folds=4, eval_fold=1, min_count=5))
-    assert counted.test is not None
+    counted = open_data(TrainerConfig(data=str(path), schema="movielens", folds=4, eval_fold=1, min_count=22))
+    assert counted.rare is not None
     users, counts = np.unique(data.train.keys[0], return_counts=True)
-    frequent = np.isin(raw.keys[0, 200:400], users[counts >= 5])
-    assert (counted.test.keys[0, ~frequent] == rare_key("user_id")).all()
-    assert (counted.test.keys[0, frequent] == raw.keys[0, 200:400][frequent]).all()
+    assert counted.rare.vocabulary["user_id"].tolist() == users[counts >= 22].tolist()
+    assert 0 < len(counted.rare.vocabulary["user_id"]) < len(users)
 
 
 def test_folds_over_every_row_make_the_last_block_the_default_split(tmp_path: Path) -> None:
