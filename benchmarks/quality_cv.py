@@ -9,7 +9,9 @@ size and epochs on those rows as it always does), for ``--seeds`` seeds. The las
 README's split. ``--training-rows-only`` cuts only the first 80% into blocks (the last 20% never
 read). Per dataset and model: the mean AUC, its standard deviation and min-max over every (fold,
 seed), how many runs beat the hashed LR on the same block, and the mean difference from it on
-each block.
+each block; then, per block, that difference with its 95% interval from a paired bootstrap of
+the block's rows (``BOOTSTRAP`` resamples, each scoring the LR and every seed's model), so a
+shortfall within the noise of a block of 2,000 rows reads as such.
 
 The hashed LR is the sanity baseline of ``../shared/data/README.md``, written again here: one-hot
 logistic regression on 2^20 hashed buckets (the keys the trainer's readers make, Criteo's counts
@@ -27,7 +29,8 @@ already holds, so an interrupted run can go on.
 
 Usage: ``python benchmarks/quality_cv.py [--quick] [--folds 5] [--seeds 2] [--datasets criteo,avazu]
 [--models dlrm,deepfm] [--set NAME:key=value,...] [--training-rows-only] [--final] [--resume]``
--> ``benchmarks/results/quality_cv.{json,png}``. ``--quick`` (a few minutes): fold 0 only, one
+-> ``benchmarks/results/quality_cv.{json,png,npz}`` (the npz: every run's predictions, for the
+intervals and ``--resume``). ``--quick`` (a few minutes): fold 0 only, one
 seed (6 training runs). The full run (every fifth of the three samples, 2 models, 2 seeds: 60
 training runs) takes about 20 minutes on 2 shared cores; each ``--set`` adds about 10 per seed.
 """
@@ -114,7 +117,7 @@ def hashed_lr(schema: str, fold: int, folds: int, fraction: float) -> dict[str, 
     z = np.clip(w[buckets[n_train:]].sum(axis=1), -35.0, 35.0)
     p = 1.0 / (1.0 + np.exp(-z))
     y = labels[n_train:]
-    return {"auc": auc(y, p), "logloss": logloss(y, p), "samples": float(len(y))}
+    return {"auc": auc(y, p), "logloss": logloss(y, p), "samples": float(len(y)), "labels": y, "predictions": p}
 
 
 # --- the trainer's models
@@ -140,8 +143,10 @@ def train_once(
             **overrides,
         )
         m = run(config)
+        predictions = np.load(Path(out) / "predictions.npy")  # the evaluation block's, in row order
     return {
         **m["final"],
+        "predictions": predictions,
         "epochs": int(m["config"]["epochs"]),
         "batch_size": int(m["config"]["batch_size"]),
         "train_rows": m["data"]["train_rows"],
@@ -214,6 +219,47 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+BOOTSTRAP = 1000  # resamples of a block's evaluation rows for the 95% interval of (model - LR)
+
+
+def block_intervals(runs: list[dict[str, Any]], arrays: dict[str, npt.NDArray[Any]]) -> list[dict[str, Any]]:
+    """Per (dataset, variant, block): the model's AUC minus the LR's, averaged over seeds, and
+    its 95% interval from a paired bootstrap of the block's rows (the same resample scores the
+    LR and every seed's model), so a difference within the noise of the block says so."""
+    out = []
+    keyed = {(r["dataset"], r["variant"], r["fold"], r["seed"]) for r in runs}
+    for dataset, variant, fold in sorted({(d, v, f) for d, v, f, _ in keyed if v != "hashed LR" and f != FINAL}):
+        y, base = arrays.get(f"labels|{dataset}|{fold}"), arrays.get(f"{dataset}|hashed LR|{fold}|None")
+        seeds = sorted(s for d, v, f, s in keyed if (d, v, f) == (dataset, variant, fold))
+        models = [arrays.get(f"{dataset}|{variant}|{fold}|{s}") for s in seeds]
+        if y is None or base is None or any(m is None or m.shape != y.shape for m in models):
+            continue
+        rng = np.random.default_rng(0)
+        diffs = []
+        for _ in range(BOOTSTRAP):
+            i = rng.integers(0, len(y), len(y))
+            if 0 < y[i].sum() < len(i):
+                diffs.append(statistics.fmean(auc(y[i], m[i]) for m in models) - auc(y[i], base[i]))  # type: ignore[index]
+        point = statistics.fmean(auc(y, m) for m in models) - auc(y, base)  # type: ignore[arg-type]
+        lo, hi = np.percentile(diffs, [2.5, 97.5])
+        out.append(
+            {"dataset": dataset, "variant": variant, "block": fold, "seeds": len(seeds), "minus_lr": point}
+            | {"ci95": [float(lo), float(hi)]}
+        )
+    return out
+
+
+def block_table(blocks: list[dict[str, Any]]) -> str:
+    lines = ["| data | model | block | seeds | AUC − LR | 95% interval |", "|---|---|---|---|---|---|"]
+    for b in blocks:
+        lo, hi = b["ci95"]
+        lines.append(
+            f"| {b['dataset']} | {b['variant']} | {b['block']} | {b['seeds']} | {b['minus_lr']:+.4f} | "
+            f"[{lo:+.4f}, {hi:+.4f}] |"
+        )
+    return "\n".join(lines)
 
 
 def table(summary: list[dict[str, Any]]) -> str:
@@ -298,6 +344,12 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = json.loads(out.read_text())["runs"] if args.resume and out.exists() else []
+    # Every run's predictions on its block and each block's labels, for the intervals (beside the JSON).
+    stored = out.with_suffix(".npz")
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    if args.resume and stored.exists():
+        with np.load(stored) as npz:
+            arrays = {k: npz[k] for k in npz.files}
     done = {(r["dataset"], r["variant"], r["fold"], r.get("seed")) for r in runs}
     splits = folds + ([FINAL] if args.final else [])
     fraction = TRAIN_FRACTION if args.training_rows_only else 1.0
@@ -314,12 +366,20 @@ def main() -> None:
             "summary": summarize(runs),
         }
         out.write_text(json.dumps(res, indent=2))
+        np.savez_compressed(stored, **arrays)  # type: ignore[arg-type]
+
+    def keep(r: dict[str, Any], dataset: str, variant: str, fold: int, seed: int | None) -> dict[str, Any]:
+        """``r`` without its arrays, which go to ``arrays``."""
+        arrays[f"{dataset}|{variant}|{fold}|{seed}"] = np.asarray(r.pop("predictions"), np.float64)
+        if "labels" in r:
+            arrays[f"labels|{dataset}|{fold}"] = np.asarray(r.pop("labels"), np.float64)
+        return r
 
     for dataset in datasets:
         for fold in splits:
             if (dataset, "hashed LR", fold, None) not in done:
                 t0 = time.perf_counter()
-                r = hashed_lr(dataset, fold, args.folds, fraction)
+                r = keep(hashed_lr(dataset, fold, args.folds, fraction), dataset, "hashed LR", fold, None)
                 runs.append({"dataset": dataset, "variant": "hashed LR", "fold": fold, "seed": None, **r})
                 runs[-1]["wall_s"] = time.perf_counter() - t0
                 print(f"{dataset} fold {fold} hashed LR: AUC {r['auc']:.4f}", flush=True)
@@ -329,7 +389,13 @@ def main() -> None:
                     if (dataset, name, fold, seed) in done:
                         continue
                     t0 = time.perf_counter()
-                    r = train_once(dataset, model, fold, args.folds, fraction, seed, overrides)
+                    r = keep(
+                        train_once(dataset, model, fold, args.folds, fraction, seed, overrides),
+                        dataset,
+                        name,
+                        fold,
+                        seed,
+                    )
                     runs.append(
                         {"dataset": dataset, "variant": name, "fold": fold, "seed": seed, "overrides": overrides, **r}
                     )
@@ -340,9 +406,13 @@ def main() -> None:
                         flush=True,
                     )
                     save()
+    blocks = block_intervals(runs, arrays)
     save()
+    out.write_text(json.dumps(json.loads(out.read_text()) | {"blocks": blocks}, indent=2))
     print()
     print(table(summarize(runs)))
+    print()
+    print(block_table(blocks))
     try:
         chart(runs, out.with_suffix(".png"))
     except ImportError:

@@ -2,7 +2,7 @@
 
     python examples/train_dlrm.py                       # generated Criteo-like data, 2 local shards
     python examples/train_dlrm.py --data ../shared/data/criteo_kaggle_train_head10k.txt
-    python examples/train_dlrm.py --data ../shared/data/movielens_ml-100k_u.data --schema movielens --min-count 1
+    python examples/train_dlrm.py --data ../shared/data/movielens_ml-100k_u.data --schema movielens
     ps-launch --shards 2 --workers 2 -- python examples/train_dlrm.py
 
 A click log trains on its first 80% of rows and reports AUC on the rest; batch size and
