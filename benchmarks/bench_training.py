@@ -29,10 +29,8 @@ quiet and record the cores they used during it (``/proc/stat`` minus our process
 they used >= 0.2 cores are left out (and a round stops after 8 s, 4 s with ``--quick``: contention
 can slow one down 50x); the headline is the median clean round. Samples per
 CPU-second (our processes' CPU, spin-waiting OpenMP threads included) says what a sample costs.
-TorchRec is not a pyproject extra: its metadata requires ``fbgemm-gpu`` (the CUDA build) and
-``torchmetrics==1.0.3``, which pip would resolve. Install it without resolving, into the venv:
-``pip install --no-deps -c constraints.txt torchrec==1.9.2 fbgemm-gpu-cpu==1.8.0 tensordict pyvers
-cloudpickle pyre-extensions typing-inspect``.
+TorchRec comes with the dev set-up (the ``torchrec`` extra, FBGEMM's CPU build through
+``./deploy/fbgemm-gpu-cpu``; see the README); without it that variant is skipped.
 On a machine with more cores, ``--worker-cpus 0-1 --shard-cpus 2-5`` pins this process (every
 variant, TorchRec's included, and torch's threads, which default to the worker's cores) and the
 shards to CPUs of their own: the deployment a parameter server exists for, shards beside the worker.

@@ -122,7 +122,7 @@ def test_markers_are_used_only_where_they_must() -> None:
 def test_readme_first_commands_are_the_documented_ones() -> None:
     """README's set-up + first command, and its test command (which .ci/run runs), stay as they are."""
     text = (ROOT / "README.md").read_text()
-    setup = "python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt -e '.[dev]'"
+    setup = "python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt -e '.[dev]' ./deploy/fbgemm-gpu-cpu"
     assert f"{setup}\npython examples/train_and_serve.py\n" in text
     assert f"{setup} && python -m pytest -q\n" in text
     assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
