@@ -214,7 +214,7 @@ class PSClient:
     ) -> TableConfig:
         """Create ``name`` on every shard (idempotent for an identical spec).
 
-        ``optimizer``: sgd (default), adagrad, adam or ftrl; ``initializer``: uniform
+        ``optimizer``: sgd (default), adagrad, adam, ftrl or rowwise_adagrad; ``initializer``: uniform
         (default), normal, zeros or constant; ``params``: hyper-parameters by name
         (lr, weight_decay, eps, initial_accumulator_value, beta1, beta2, l1, l2,
         lr_power, beta; low, high, mean, std, value) and feature-lifecycle rules

@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="create a table on every shard",
         description="Create NAME on every shard (nothing changes if an identical table exists; a different "
         "one with that name is an error naming each difference). Options are NAME=VALUE: optimizer "
-        "(sgd, adagrad, adam, ftrl), initializer (uniform, normal, zeros, constant), seed, serving_default "
+        "(sgd, adagrad, adam, ftrl, rowwise_adagrad), initializer (uniform, normal, zeros, constant), seed, serving_default "
         "(zeros, initial) and numbers such as lr=0.05, ttl_seconds=86400, admit_after=2.",
     )
     addresses(ct)

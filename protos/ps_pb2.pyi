@@ -66,11 +66,13 @@ class OptimizerSpec(_message.Message):
         ADAGRAD: _ClassVar[OptimizerSpec.Kind]
         ADAM: _ClassVar[OptimizerSpec.Kind]
         FTRL: _ClassVar[OptimizerSpec.Kind]
+        ROWWISE_ADAGRAD: _ClassVar[OptimizerSpec.Kind]
     KIND_UNSPECIFIED: OptimizerSpec.Kind
     SGD: OptimizerSpec.Kind
     ADAGRAD: OptimizerSpec.Kind
     ADAM: OptimizerSpec.Kind
     FTRL: OptimizerSpec.Kind
+    ROWWISE_ADAGRAD: OptimizerSpec.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]

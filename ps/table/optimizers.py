@@ -36,6 +36,13 @@ Math and state layout (per element, float32 unless noted):
   z += g - (n'**q - n**q)/alpha * w; n = n';
   w = 0 if |z| <= l1 else (sign(z)*l1 - z) / ((beta + n**q)/alpha + 2*l2)``.
   State ``[z(dim), n(dim)]``, computed in float64 and stored as float32.
+- Row-wise Adagrad, FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (TorchRec's default) with L2 weight
+  decay (its ``weight_decay_mode`` L2): per row, ``s = sum_j (g_j + wd*p_j)**2`` added up in
+  column order, ``acc += s / dim; m = lr / (sqrt(acc) + eps); p_j = (1 - m*wd)*p_j - m*g_j``.
+  State ``[acc]``: one float per row whatever the dim, so a row costs about half an Adagrad row
+  (a third with bfloat16 values). Every operation is a float32 operation rounded on its own
+  (no fused multiply-add), so a numpy loop in the same order matches it bit for bit.
+  FBGEMM's CPU kernel adds the squares up in another order: the two agree within float rounding.
 
 The SGD, Adagrad and Adam kernels use the operation order of torch 2.13's single-tensor
 (``foreach=False``) implementations, with fused multiply-adds exactly where torch's CPU kernels
@@ -111,6 +118,7 @@ class OptimizerKind(enum.IntEnum):
     ADAGRAD = 2
     ADAM = 3
     FTRL = 4
+    ROWWISE_ADAGRAD = 5
 
 
 # torch's defaults; SGD and FTRL have no eps, so it only needs to be a valid number there.
@@ -119,6 +127,7 @@ _DEFAULT_EPS = {
     OptimizerKind.ADAGRAD: 1e-10,
     OptimizerKind.ADAM: 1e-8,
     OptimizerKind.FTRL: 1e-8,
+    OptimizerKind.ROWWISE_ADAGRAD: 1e-8,  # FBGEMM's default
 }
 
 
@@ -191,7 +200,8 @@ class OptimizerParams:
 def state_width(params: OptimizerParams, dim: int) -> int:
     """Number of float32 state columns per row for ``params.kind`` and row width ``dim``.
 
-    SGD 0; Adagrad ``dim`` (sum); Adam ``2*dim + 1`` (m, v, step); FTRL ``2*dim`` (z, n).
+    SGD 0; Adagrad ``dim`` (sum); Adam ``2*dim + 1`` (m, v, step); FTRL ``2*dim`` (z, n);
+    row-wise Adagrad 1 (the row's accumulator).
 
     >>> state_width(OptimizerParams(kind=OptimizerKind.ADAM), 8)
     17
@@ -207,6 +217,8 @@ def state_width(params: OptimizerParams, dim: int) -> int:
         return 2 * dim + 1
     if kind == OptimizerKind.FTRL:
         return 2 * dim
+    if kind == OptimizerKind.ROWWISE_ADAGRAD:
+        return 1
     raise ValueError(f"optimizer.kind={kind!r}: unknown")
 
 
@@ -217,7 +229,7 @@ def init_state(
 ) -> None:
     """Set the state rows of newly created ``slots`` to the optimizer's initial state.
 
-    Adagrad: every column ``initial_accumulator_value``; Adam: zeros (step 0); FTRL: zeros;
+    Adagrad (either): every column ``initial_accumulator_value``; Adam: zeros (step 0); FTRL: zeros;
     SGD: nothing (``state`` has width 0). Writes ``state`` in place and nothing else; releases
     the GIL while filling. Raises ``ValueError`` on a bad dtype, shape or out-of-range slot.
 
@@ -232,7 +244,8 @@ def init_state(
     slots = _check_slots(slots, state.shape[0])
     if state.shape[1] == 0 or slots.shape[0] == 0:
         return
-    fill = params.initial_accumulator_value if params.kind == OptimizerKind.ADAGRAD else 0.0
+    adagrad = params.kind in (OptimizerKind.ADAGRAD, OptimizerKind.ROWWISE_ADAGRAD)
+    fill = params.initial_accumulator_value if adagrad else 0.0
     _fill_rows(state, slots, np.float32(fill))
 
 
@@ -312,6 +325,17 @@ def apply(
             lerp_weight,
             np.float32(beta2),
             np.float32(1.0 - beta2),
+            np.float32(wd),
+            wd != 0.0,
+            np.float32(_eps(params)),
+        )
+    elif kind == OptimizerKind.ROWWISE_ADAGRAD:
+        _rowwise_adagrad(
+            values,
+            state,
+            slots,
+            grads,
+            np.float32(params.lr),
             np.float32(wd),
             wd != 0.0,
             np.float32(_eps(params)),
@@ -473,6 +497,42 @@ def _adagrad(
             state_sum[j] = acc
             std = np.sqrt(acc) + eps
             param[j] = p + (neg_lr * g) / std  # param.addcdiv_(grad, std, value=-lr)
+
+
+@_kernel
+def _rowwise_adagrad(
+    values: npt.NDArray[np.float32],
+    state: npt.NDArray[np.float32],
+    slots: npt.NDArray[np.integer[Any]],
+    grads: npt.NDArray[np.float32],
+    lr: np.float32,
+    wd: np.float32,
+    use_wd: bool,
+    eps: np.float32,
+) -> None:
+    dim = values.shape[1]
+    inv = np.float32(dim)
+    one = np.float32(1.0)
+    count = slots.shape[0]
+    for i in range(count):
+        if i + _AHEAD < count:
+            prefetch(values, slots[i + _AHEAD])
+            prefetch(state, slots[i + _AHEAD])
+        s = slots[i]
+        param = values[s]
+        grad = grads[i]
+        square = np.float32(0.0)
+        for j in range(dim):
+            g = grad[j]
+            if use_wd:
+                g = g + wd * param[j]
+            square = square + g * g
+        acc = state[s, 0] + square / inv
+        state[s, 0] = acc
+        step = lr / (np.sqrt(acc) + eps)
+        keep = one - step * wd if use_wd else one
+        for j in range(dim):
+            param[j] = keep * param[j] - grad[j] * step
 
 
 _ADAM_MEMO_STEPS = 4096

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from client import PSClient
 from ps.table import InitializerParams
 from ps.table.initializers import initial_rows
+from tests.twins import RowwiseAdagrad
 from worker import DistributedEmbedding, EmbeddingTableConfig, FeatureConfig, JaggedIds
 
 VOCAB, DIM, BATCH, STEPS = 40, 8, 16, 12
@@ -85,6 +86,8 @@ def local_embeddings(weights: dict[str, torch.nn.Parameter], batch: dict[str, Ja
             lambda p: torch.optim.Adagrad(p, lr=0.3, initial_accumulator_value=0.1),
             2e-6,
         ),
+        # Row-wise Adagrad: the twin is the kernel's float32 operations in numpy, bit for bit.
+        ("rowwise_adagrad", {"lr": 0.3}, lambda p: RowwiseAdagrad(p, lr=0.3), 0.0),
     ],
 )
 def test_parity_sync_training_matches_local_embedding_bag(

@@ -424,7 +424,9 @@ def test_create_table_unknown_option_is_a_type_error(ps: PSClient, transport: In
         TypeError, match=r"unknown option 'learning_rate'; valid: lr, weight_decay, .*beta, low, .*value"
     ):
         ps.create_table("x", 4, learning_rate=0.1)
-    with pytest.raises(InvalidRequestError, match=r"optimizer='adamw': expected one of sgd, adagrad, adam, ftrl"):
+    with pytest.raises(
+        InvalidRequestError, match=r"optimizer='adamw': expected one of sgd, adagrad, adam, ftrl, rowwise_adagrad"
+    ):
         ps.create_table("x", 4, optimizer="adamw")
     with pytest.raises(InvalidRequestError, match=r"initializer='xavier'"):
         ps.create_table("x", 4, initializer="xavier")

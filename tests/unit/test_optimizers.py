@@ -325,6 +325,7 @@ def test_ftrl_matches_float64_reference(extra: dict[str, float]) -> None:
         (OptimizerKind.ADAGRAD, 8),
         (OptimizerKind.ADAM, 17),
         (OptimizerKind.FTRL, 16),
+        (OptimizerKind.ROWWISE_ADAGRAD, 1),
     ],
 )
 def test_state_width(kind: OptimizerKind, width: int) -> None:
@@ -390,7 +391,7 @@ def test_int32_slots_readonly_grads_and_empty_push() -> None:
         ("lr_power", 0.5, "optimizer.lr_power=0.5: must be <= 0"),
         ("beta", -1.0, "optimizer.beta=-1.0: must be >= 0"),
         ("lr", "0.1", "optimizer.lr='0.1': must be a real number"),
-        ("kind", 7, "optimizer.kind=7: must be one of SGD=1, ADAGRAD=2, ADAM=3, FTRL=4"),
+        ("kind", 7, "optimizer.kind=7: must be one of SGD=1, ADAGRAD=2, ADAM=3, FTRL=4, ROWWISE_ADAGRAD=5"),
     ],
 )
 def test_params_validation(field: str, value: Any, message: str) -> None:
