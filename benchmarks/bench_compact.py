@@ -5,8 +5,9 @@ One run measures, each figure next to its float32 peer from the same run:
 1. Resident bytes per row: RSS growth of a fresh process inserting N keys (default
    10M) into a dim-64 Adagrad ``Table`` stored as float32, bfloat16 values + float32
    state, bfloat16 both, and as a serving shard's 8-bit table (``--serve-dtype int8``:
-   codes, a scale and a bias, no optimizer state); next to the bytes the memory budget
-   charges per row.
+   codes, a scale and a bias, no optimizer state); and with row-wise Adagrad (one float32
+   accumulator per row), float32 or bfloat16 values; next to the bytes the memory budget
+   charges per row. ``--memory-only`` runs just this part.
 3. Lookups of 64Ki keys x dim 64 from one ``ps-server`` (1M-row tables), the wire
    float32 or bfloat16 (``ClientConfig.transport_dtype``), from a float32 and from a
    bfloat16 table, rounds interleaved; beside them a float32 dim-32 table, whose replies
@@ -64,21 +65,25 @@ from ps.table import (  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 DIM = 64
 ADAGRAD = OptimizerParams(OptimizerKind.ADAGRAD, lr=0.05)
-LAYOUTS = {  # name -> (values, state)
-    "float32": ("float32", "float32"),
-    "bf16 values": ("bfloat16", "float32"),
-    "bf16 both": ("bfloat16", "bfloat16"),
-    "int8 serving": ("int8", "float32"),  # a serving shard's table: codes, scale and bias, no optimizer state
+ROWWISE = OptimizerParams(OptimizerKind.ROWWISE_ADAGRAD, lr=0.05)
+LAYOUTS = {  # name -> (values, state, optimizer)
+    "float32": ("float32", "float32", ADAGRAD),
+    "bf16 values": ("bfloat16", "float32", ADAGRAD),
+    "bf16 both": ("bfloat16", "bfloat16", ADAGRAD),
+    "int8 serving": ("int8", "float32", ADAGRAD),  # a serving shard's table: codes, scale and bias, no state
+    "rowwise fp32": ("float32", "float32", ROWWISE),  # one float32 accumulator per row
+    "rowwise bf16": ("bfloat16", "float32", ROWWISE),
 }
-GOALS = {"bf16 values": 0.65, "bf16 both": 0.40, "int8 serving": 0.20}  # resident bytes per row vs float32, at most
+# Resident bytes per row vs float32 (per-element Adagrad), at most.
+GOALS = {"bf16 values": 0.65, "bf16 both": 0.40, "int8 serving": 0.20, "rowwise fp32": 0.60, "rowwise bf16": 0.40}
 TIER_GOAL = 1.8  # rows held in the same budget, bf16 both vs float32, at least
 WIRE_GOAL = 1.4  # 16-bit lookups (bfloat16 table, bfloat16 wire) vs float32, times faster, at least
 BATCH = 16_384
 
 
 def spec(layout: str, name: str = "t") -> TableSpec:
-    values, state = LAYOUTS[layout]
-    return TableSpec(name, DIM, optimizer=ADAGRAD, seed=3, storage_dtype=values, state_dtype=state)
+    values, state, optimizer = LAYOUTS[layout]
+    return TableSpec(name, DIM, optimizer=optimizer, seed=3, storage_dtype=values, state_dtype=state)
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -173,15 +178,17 @@ def tier(n: int, steps: int, warmup: int, tmp: Path) -> dict[str, Any]:
 
 
 def values_and_state_floor(memory: dict[str, Any]) -> dict[str, float]:
-    """Bytes of values and Adagrad state alone (dim elements each) over float32's measured
-    bytes per row: no layout of these types can go below it."""
+    """Bytes of values and optimizer state alone (dim elements each, one state element per row
+    for row-wise Adagrad) over float32's measured bytes per row: no layout of these types can
+    go below it."""
     base = memory["float32"]["bytes_per_row"]
 
     def raw(layout: str) -> int:
-        values, state = LAYOUTS[layout]
+        values, state, optimizer = LAYOUTS[layout]
         if values == precision.INT8:
             return DIM + 8  # codes, scale and bias
-        return DIM * (precision.itemsize(values) + precision.itemsize(state))
+        width = 1 if optimizer.kind == OptimizerKind.ROWWISE_ADAGRAD else DIM
+        return DIM * precision.itemsize(values) + width * precision.itemsize(state)
 
     return {k: raw(k) / base for k in memory}
 
@@ -240,7 +247,10 @@ def wire(rows: int, rounds: int) -> dict[str, Any]:
 
 
 def report(res: dict[str, Any]) -> str:
-    lines = [f"Resident bytes per row, dim {DIM} Adagrad, {res['memory']['float32']['rows']:,} rows (RSS growth)"]
+    lines = [
+        f"Resident bytes per row, dim {DIM}, Adagrad per element or per row (rowwise), "
+        f"{res['memory']['float32']['rows']:,} rows (RSS growth)"
+    ]
     lines.append(f"{'layout':<14}{'B/row':>9}{'charged':>9}{'vs fp32':>9}{'goal':>8}")
     for layout, m in res["memory"].items():
         goal = f"<={GOALS[layout]:.2f}" if layout in GOALS else "-"
@@ -287,13 +297,20 @@ def chart(res: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
+    full = "tier" in res
+    fig, axes = plt.subplots(1, 3 if full else 1, figsize=(15 if full else 7, 4), squeeze=False)
+    a, *rest = axes[0]
     names = list(res["memory"])
-    a.bar(
-        names, [res["memory"][k]["bytes_per_row"] for k in names], color=["gray", "tab:blue", "tab:green", "tab:orange"]
-    )
+    colors = ["gray", "tab:blue", "tab:green", "tab:orange", "tab:purple", "tab:red"]
+    a.bar(names, [res["memory"][k]["bytes_per_row"] for k in names], color=colors[: len(names)])
     a.set_ylabel("resident bytes per row")
-    a.set_title(f"dim {DIM} Adagrad")
+    a.set_title(f"dim {DIM}, Adagrad per element or per row")
+    a.tick_params(axis="x", labelsize=7)
+    if not full:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return
+    b, c = rest
     t = res["tier"]
     b.bar(
         ["float32", "bf16 both"],
@@ -315,6 +332,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1M rows, fewer tier steps")
     parser.add_argument("--rows", type=int, default=None, help="rows of the memory part (default 10M, quick 1M)")
+    parser.add_argument("--memory-only", action="store_true", help="only the resident bytes per row")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
@@ -322,6 +340,12 @@ def main() -> None:
         return
     rows = args.rows or (1_000_000 if args.quick else 10_000_000)
     res: dict[str, Any] = {"memory": memory(rows)}
+    if args.memory_only:
+        print(report(res))
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "compact-memory.json").write_text(json.dumps(res, indent=1))
+        chart(res, RESULTS / "compact-memory.png")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         n = 200_000 if args.quick else 1_000_000
         res["tier"] = tier(n, steps=100 if args.quick else 300, warmup=200 if args.quick else 600, tmp=Path(tmp))
