@@ -191,6 +191,30 @@ class AdminClient:
             raise CheckpointError(first, done) from first
         return out
 
+    def load_checkpoint(
+        self, name: str, num_shards: int, tables: Sequence[str], *, deadline_s: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Make the rows of ``tables`` on every shard exactly those of checkpoint ``name``, which
+        a cluster of ``num_shards`` shards wrote (``checkpoint()``'s name): each shard drops its
+        rows of those tables and installs the checkpoint's rows it owns, in parallel. The
+        cluster may have another size than the one that wrote it; every shard then reads every
+        part under its own checkpoint root (a root the shards share holds them all). Returns, in
+        shard order, ``{"rows": {table: rows installed}, "parts": [parts read]}``. Not retried.
+        Raises the first shard's ``PSError`` (each names its shard); the shards that answered
+        have loaded their part, so a failed load is repaired by loading again."""
+        budget = self._link.budget(deadline_s, dataclasses.replace(self.config, max_attempts=1))
+        body = pb.LoadCheckpointRequest(checkpoint=name, num_shards=num_shards, tables=list(tables)).SerializeToString()
+
+        def one(s: int) -> dict[str, Any]:
+            (answer,) = self._link.call("LoadCheckpoint", [(s, body)], budget=budget)
+            with self._link.reply("LoadCheckpoint", s, answer.endpoint):
+                reply = pb.LoadCheckpointResponse.FromString(answer.data)
+                return {"rows": dict(reply.rows), "parts": list(reply.parts)}
+
+        with ThreadPoolExecutor(self.num_shards, thread_name_prefix="ps-load") as pool:
+            futures = [pool.submit(one, s) for s in range(self.num_shards)]
+        return [f.result() for f in futures]
+
     def serve_from(self, checkpoint: str | None) -> list[dict[str, Any]]:
         """Pin every serving replica to ``checkpoint`` (the name ``checkpoint()`` returned, a
         version number such as ``"3"``, or a path under each replica's ``--checkpoint-root``;

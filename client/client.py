@@ -47,7 +47,7 @@ from protos import wire
 __all__ = ["LookupResult", "PSClient", "PushResult"]
 
 _DTYPES = {"float32": wire.FLOAT32, "float16": wire.FLOAT16, "bfloat16": wire.BFLOAT16}
-_WRITES = frozenset({"CreateTable", "Push", "Checkpoint"})
+_WRITES = frozenset({"CreateTable", "Push", "Checkpoint", "LoadCheckpoint"})
 _READS = frozenset({"Lookup", "ListTables"})  # may be hedged
 F32 = npt.NDArray[np.float32]
 Keys = npt.ArrayLike | TablePlan  # keys, or a plan of them made by PSClient.plan

@@ -465,6 +465,31 @@ class CheckpointResponse(_message.Message):
     manifest_json: str
     def __init__(self, path: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
 
+class LoadCheckpointRequest(_message.Message):
+    __slots__ = ("checkpoint", "num_shards", "tables")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    num_shards: int
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, checkpoint: _Optional[str] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadCheckpointResponse(_message.Message):
+    __slots__ = ("rows", "parts")
+    class RowsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.ScalarMap[str, int]
+    parts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rows: _Optional[_Mapping[str, int]] = ..., parts: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ClusterMap(_message.Message):
     __slots__ = ("epoch", "num_shards", "addresses")
     EPOCH_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_ps__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=protos_dot_ps__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.LoadCheckpoint = channel.unary_unary(
+                '/ps.v1.ParameterServer/LoadCheckpoint',
+                request_serializer=protos_dot_ps__pb2.LoadCheckpointRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.LoadCheckpointResponse.FromString,
+                _registered_method=True)
         self.Follow = channel.unary_stream(
                 '/ps.v1.ParameterServer/Follow',
                 request_serializer=protos_dot_ps__pb2.FollowRequest.SerializeToString,
@@ -125,6 +130,12 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Checkpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadCheckpoint(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -192,6 +203,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=protos_dot_ps__pb2.CheckpointRequest.FromString,
                     response_serializer=protos_dot_ps__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'LoadCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadCheckpoint,
+                    request_deserializer=protos_dot_ps__pb2.LoadCheckpointRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.LoadCheckpointResponse.SerializeToString,
             ),
             'Follow': grpc.unary_stream_rpc_method_handler(
                     servicer.Follow,
@@ -381,6 +397,33 @@ class ParameterServer:
             '/ps.v1.ParameterServer/Checkpoint',
             protos_dot_ps__pb2.CheckpointRequest.SerializeToString,
             protos_dot_ps__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/LoadCheckpoint',
+            protos_dot_ps__pb2.LoadCheckpointRequest.SerializeToString,
+            protos_dot_ps__pb2.LoadCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

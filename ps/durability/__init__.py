@@ -1,6 +1,6 @@
 """Keeping a shard's rows through crashes and stops: when acknowledged pushes reach disk
-(``Durability``), checkpoints of a consistent cut, and rescue dumps of what a stop could not
-write.
+(``Durability``), checkpoints of a consistent cut (and loading one into a running shard,
+from a cluster of any size), and rescue dumps of what a stop could not write.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from ps.durability.checkpoint import (
     resolve_existing_checkpoint,
     write_checkpoint,
 )
+from ps.durability.load import checkpoint_parts, read_parts, rows_owned
 from ps.durability.modes import Durability
 from ps.durability.rescue import (
     RescueBase,
@@ -33,6 +34,7 @@ __all__ = [
     "StopReport",
     "apply_rescue",
     "begin_epoch",
+    "checkpoint_parts",
     "checkpoint_root_of",
     "checkpoint_target",
     "copy_checkpoint",
@@ -40,8 +42,10 @@ __all__ = [
     "is_rescue_dump",
     "part_name",
     "read_base",
+    "read_parts",
     "resolve_existing_checkpoint",
     "rows_at_risk",
+    "rows_owned",
     "save_rescue",
     "settle_dumps",
     "write_checkpoint",

@@ -70,6 +70,7 @@ ROLES = {
         ("Push", "write"),
         ("CreateTable", "write"),
         ("Checkpoint", "admin"),
+        ("LoadCheckpoint", "admin"),
         ("ServeFrom", "admin"),
         ("GetMap", "read"),
         ("MoveRows", "write"),

@@ -104,6 +104,7 @@ class Servicer:
                 "Push": _unary(self.Push, True),
                 "Stats": _unary(self.Stats, True),
                 "Checkpoint": _unary(self.Checkpoint, True),
+                "LoadCheckpoint": _unary(self.LoadCheckpoint, True),
                 "Follow": grpc.unary_stream_rpc_method_handler(
                     self.Follow, request_deserializer=None, response_serializer=lambda m: m.SerializeToString()
                 ),
@@ -162,6 +163,13 @@ class Servicer:
         with status_boundary(context, "Checkpoint"):
             path, manifest = self._shard.checkpoint(pb.CheckpointRequest.FromString(request).path or None)
             return pb.CheckpointResponse(path=str(path), manifest_json=json.dumps(manifest, sort_keys=True))
+        raise AssertionError("unreachable: status_boundary aborts")
+
+    def LoadCheckpoint(self, request: bytes, context: grpc.ServicerContext) -> pb.LoadCheckpointResponse:
+        with status_boundary(context, "LoadCheckpoint"):
+            load = pb.LoadCheckpointRequest.FromString(request)
+            rows, parts = self._shard.load_checkpoint(load.checkpoint, load.num_shards, list(load.tables))
+            return pb.LoadCheckpointResponse(rows=rows, parts=[str(p) for p in parts])
         raise AssertionError("unreachable: status_boundary aborts")
 
     def Follow(self, request: bytes, context: grpc.ServicerContext) -> Iterator[pb.FollowBatch]:

@@ -50,11 +50,14 @@ from ps.durability import (
     Durability,
     RescueBase,
     StopReport,
+    checkpoint_parts,
     checkpoint_root_of,
     checkpoint_target,
     dump_places,
     read_base,
+    read_parts,
     rows_at_risk,
+    rows_owned,
     save_rescue,
     write_checkpoint,
 )
@@ -507,6 +510,43 @@ class Shard:
             if self.storage is not None:
                 self.last_durable = manifest["created_unix_s"]
             return target, manifest
+
+    def load_checkpoint(self, name: str, saved_shards: int, tables: Sequence[str]) -> tuple[dict[str, int], list[Path]]:
+        """Make ``tables``' rows here exactly the rows checkpoint ``name`` (written by
+        ``saved_shards`` shards) holds for the keys this shard owns (``ps.durability.load``):
+        drop every row of those tables, then install the checkpoint's. Returns the rows
+        installed per table and the parts read. Followers see every change. Raises
+        ``WrongMode`` (serving), ``NotConfigured`` without a root, ``InvalidRequest`` for a
+        part, a table or spec that does not match, or while a reshard runs; ``StorageFailed``."""
+        self.check_request()
+        self.role.refuse_writes("LoadCheckpoint")
+        self._storage_health.check()
+        if not tables:
+            raise InvalidRequest("LoadCheckpoint: tables is empty: name the tables to load")
+        mine = {t: self.table(t) for t in tables}
+        parts = checkpoint_parts(self.checkpoint_root, name, saved_shards, index=self.index, num_shards=self.num_shards)
+        installed = dict.fromkeys(tables, 0)
+        with read_parts(parts, saved_shards) as sources, self.reshard.writing():
+            if self.reshard.move is not None and self.reshard.copying:
+                raise InvalidRequest("LoadCheckpoint: a reshard is under way: load once it is done")
+            for (_, specs), part in zip(sources, parts):
+                for t, table in mine.items():
+                    diff = table.spec.differences(specs[t]) if t in specs else []
+                    if diff:
+                        raise InvalidRequest(f"LoadCheckpoint: table {t!r} in {part} differs: {'; '.join(diff)}")
+            for t, table in mine.items():
+                dropped = table.remove_where(lambda keys: np.ones(keys.shape[0], bool))
+                if dropped.size:
+                    self.changes.record([(t, dropped)])
+                for storage, specs in sources:
+                    if t not in specs:
+                        continue
+                    for rows in rows_owned(storage, table.spec, index=self.index, num_shards=self.num_shards):
+                        self._guard(table.install_rows, rows)
+                        self.changes.record([(t, rows.keys.copy())])
+                        installed[t] += len(rows)
+        log.info("loaded checkpoint %s (%d shards) rows=%s", name, saved_shards, installed)
+        return installed, parts
 
     def expire(self) -> int:
         """Apply every table's TTL now; returns rows deleted."""

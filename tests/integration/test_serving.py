@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import PSClient
 from client.config import ClientConfig
-from client.errors import PreconditionError
+from client.errors import InvalidRequestError, PreconditionError
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 
 DIM = 8
@@ -336,3 +336,32 @@ def test_lineage_follows_the_data_not_the_process(leader: RunningShard, tmp_path
     finally:
         stop_shard(restored)
         stop_shard(ram)
+
+
+def test_a_loaded_checkpoint_reaches_the_follower_and_a_serving_shard_refuses_it(
+    leader: RunningShard, tmp_path: Path
+) -> None:
+    """LoadCheckpoint replaces the table's rows on the training shard: rows the checkpoint holds
+    come back as they were, rows created after it are gone, and the follower serves exactly that."""
+    follower = follower_of(leader, tmp_path / "serve")
+    keys, later = np.arange(50), np.arange(50, 80)
+    with PSClient([leader.address], FAST) as train, PSClient([follower.address], FAST) as serve:
+        train.create_table("item", DIM, optimizer="rowwise_adagrad", lr=0.5, serving_default="zeros")
+        train.push("item", keys, np.ones((50, DIM), np.float32))
+        saved = train.lookup("item", keys)
+        (written,) = train.admin.checkpoint()
+        train.push("item", np.concatenate([keys, later]), np.ones((80, DIM), np.float32))
+        wait_caught_up(follower.address, leader.address)
+        assert not np.array_equal(serve.lookup("item", keys), saved)
+
+        (loaded,) = train.admin.load_checkpoint(written["name"], 1, ["item"])
+        assert loaded["rows"] == {"item": 50}
+        assert stats(leader.address)["tables"][0]["rows"] == 50  # the rows made after it are gone
+        wait_caught_up(follower.address, leader.address)
+        np.testing.assert_array_equal(serve.lookup("item", keys), saved)
+        np.testing.assert_array_equal(serve.lookup("item", later), 0)  # no row: the serving default
+        with pytest.raises(PreconditionError, match="LoadCheckpoint refused: .*mode=serve"):
+            serve.admin.load_checkpoint(written["name"], 1, ["item"])
+        with pytest.raises(InvalidRequestError, match="tables is empty"):
+            train.admin.load_checkpoint(written["name"], 1, [])
+    stop_shard(follower)
