@@ -29,6 +29,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, 
 from client import PSClient
 from worker.embedding import DistributedEmbedding, Mode
 from worker.jagged import JaggedIds
+from worker.torchrec.checkpoint import TablesState, load_tables, torchrec_state_dict
 from worker.torchrec.configs import output_names, shard_tables
 
 __all__ = ["PSEmbeddingBagCollection", "PSEmbeddingCollection"]
@@ -64,6 +65,8 @@ class _Embeddings:
         self.check_ids = check_ids
         self.names = [n for names in output_names(configs) for n in names]
         # Per output: the KJT key it reads, and its table's num_embeddings.
+        self.client = client
+        self.tables = tables
         self.reads = [(f, c) for c in configs for f in c.feature_names]
         self.keys = list(dict.fromkeys(f for f, _ in self.reads))
         self._ahead: deque[tuple[KeyedJaggedTensor, dict[str, JaggedIds]]] = deque(maxlen=_PREFETCH_DEPTH)
@@ -186,6 +189,12 @@ class PSEmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore
     def is_weighted(self) -> bool:
         return self._is_weighted
 
+    def torchrec_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The tables as TorchRec's own ``EmbeddingBagCollection`` state dict, for tables small
+        enough (``worker.torchrec.checkpoint.torchrec_state_dict``)."""
+        self.flush()
+        return torchrec_state_dict(self._e.client, self._configs, prefix)
+
     @property
     def device(self) -> torch.device:
         return self._e.device
@@ -193,6 +202,15 @@ class PSEmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore
     def flush(self) -> None:
         """Block until every push so far is applied on the shards."""
         self.embedding.flush()
+
+    def get_extra_state(self) -> TablesState:
+        """The tables' entry of ``state_dict()`` (``worker.torchrec.checkpoint``); flushes pushes."""
+        self.flush()
+        return TablesState(self._e.client, self._e.tables)
+
+    def set_extra_state(self, state: object) -> None:
+        """Load the tables a saved state dict names into the shards (``worker.torchrec.checkpoint``)."""
+        load_tables(self._e.client, self._e.tables, state)
 
     def close(self) -> None:
         """Flush and stop the background threads (the client stays open)."""
@@ -277,6 +295,15 @@ class PSEmbeddingCollection(EmbeddingCollectionInterface):  # type: ignore[misc]
     def flush(self) -> None:
         """Block until every push so far is applied on the shards."""
         self.embedding.flush()
+
+    def get_extra_state(self) -> TablesState:
+        """The tables' entry of ``state_dict()`` (``worker.torchrec.checkpoint``); flushes pushes."""
+        self.flush()
+        return TablesState(self._e.client, self._e.tables)
+
+    def set_extra_state(self, state: object) -> None:
+        """Load the tables a saved state dict names into the shards (``worker.torchrec.checkpoint``)."""
+        load_tables(self._e.client, self._e.tables, state)
 
     def close(self) -> None:
         """Flush and stop the background threads (the client stays open)."""
