@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -365,3 +367,48 @@ def test_embedding_collection_needs_one_dim(addresses: list[str]) -> None:
     ]
     with PSClient(addresses) as client, pytest.raises(ValueError, match=r"embedding_dim differs \(a: 4, b: 8\)"):
         PSEmbeddingCollection(tables, client)
+
+
+CRITEO = Path(__file__).resolve().parents[3] / "shared" / "data" / "criteo_kaggle_train_head10k.txt"
+
+
+@pytest.mark.skipif(not CRITEO.is_file(), reason=f"no Criteo sample at {CRITEO}")
+def test_torchrec_criteo_pipeline_batches_train_with_raw_ids(addresses: list[str], tmp_path: Path) -> None:
+    """TorchRec's Criteo pipeline (TSV -> .npy -> ``InMemoryBinaryCriteoIterDataPipe``) feeds its
+    ``Batch``es to a DLRM on the shards unchanged. Without ``hashes`` its ids are the raw hashed
+    values (up to 2**32): each is a key of its own, so the shards hold one row per distinct id."""
+    pytest.importorskip("iopath", reason="iopath not installed (TorchRec's datasets extra)")
+    from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, BinaryCriteoUtils, InMemoryBinaryCriteoIterDataPipe
+
+    files = [str(tmp_path / f"{n}.npy") for n in ("dense", "sparse", "labels")]
+    BinaryCriteoUtils.tsv_to_npys(str(CRITEO), *files, dataset_name="criteo_kaggle")
+    pipe = InMemoryBinaryCriteoIterDataPipe("train", [files[0]], [files[1]], [files[2]], 512, rank=0, world_size=1)
+    names = list(DEFAULT_CAT_NAMES)
+    tables = [
+        EmbeddingBagConfig(name=f"criteo_{f}", embedding_dim=DIM, num_embeddings=1000, feature_names=[f]) for f in names
+    ]
+    with PSClient(addresses) as client:
+        ebc = PSEmbeddingBagCollection(tables, client, {"learning_rate": 0.05})
+        torch.manual_seed(0)
+        model = DLRM(ebc, dense_in_features=13, dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1])
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.05)
+        seen = []
+        for batch in itertools.islice(pipe, 6):
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                model(batch.dense_features, batch.sparse_features).squeeze(-1), batch.labels.float()
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            assert torch.isfinite(loss)
+            seen.append(batch.sparse_features)
+        ebc.flush()
+        rows = {t["name"]: 0 for t in client.admin.stats()[0]["tables"]}
+        for shard in client.admin.stats():
+            for t in shard["tables"]:
+                rows[t["name"]] += int(t["rows"])
+        ebc.close()
+    for f in ("cat_0", "cat_2"):
+        ids = torch.cat([kjt[f].values() for kjt in seen])
+        assert int(ids.max()) > 1000  # raw ids, far past num_embeddings
+        assert rows[f"criteo_{f}"] == int(torch.unique(ids).numel())
