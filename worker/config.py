@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "SCHEMA_NAMES",
@@ -49,6 +49,18 @@ class EmbeddingTableConfig:
     def __post_init__(self) -> None:
         if self.dim < 1:
             raise ValueError(f"table {self.name!r}: dim={self.dim}, must be >= 1")
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of ``PSClient.create_table`` (and ``client.tables.table_spec``) after name and dim."""
+        return {
+            "optimizer": self.optimizer,
+            "initializer": self.initializer,
+            "seed": self.seed,
+            "serving_default": self.serving_default,
+            "storage_dtype": self.storage_dtype,
+            "state_dtype": self.state_dtype,
+            **dict(self.params),
+        }
 
 
 @dataclass(frozen=True)

@@ -123,17 +123,7 @@ class DistributedEmbedding(torch.nn.Module):
     def create_tables(self) -> None:
         """Create every table on the shards (idempotent; forward does it on first use)."""
         for t in self.tables.values():
-            self.client.create_table(
-                t.name,
-                t.dim,
-                optimizer=t.optimizer,
-                initializer=t.initializer,
-                seed=t.seed,
-                serving_default=t.serving_default,
-                storage_dtype=t.storage_dtype,
-                state_dtype=t.state_dtype,
-                **dict(t.params),
-            )
+            self.client.create_table(t.name, t.dim, **t.options())
         self._created = True
 
     def prefetch(self, batch: Mapping[str, JaggedIds]) -> None:

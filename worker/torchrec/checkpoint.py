@@ -67,17 +67,7 @@ class TablesState:
 
 
 def _spec(t: EmbeddingTableConfig) -> Any:
-    return table_spec(
-        t.name,
-        t.dim,
-        optimizer=t.optimizer,
-        initializer=t.initializer,
-        seed=t.seed,
-        serving_default=t.serving_default,
-        storage_dtype=t.storage_dtype,
-        state_dtype=t.state_dtype,
-        **dict(t.params),
-    )
+    return table_spec(t.name, t.dim, **t.options())
 
 
 def load_tables(client: PSClient, tables: Sequence[EmbeddingTableConfig], state: object) -> None:

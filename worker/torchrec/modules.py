@@ -127,7 +127,44 @@ class _Embeddings:
         return {name: by_key[key] for name, (key, _) in zip(self.names, self.reads)}
 
 
-class PSEmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[misc]  # TorchRec is untyped
+class _OnShards:
+    """What both modules do alike, through their ``_Embeddings``: prefetching, flushing, closing,
+    and the tables as the module's extra state."""
+
+    _e: _Embeddings
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Start looking up ``features`` for a later ``forward(features)`` (the same object)."""
+        self._e.prefetch(features)
+
+    @property
+    def device(self) -> torch.device:
+        return self._e.device
+
+    @property
+    def embedding(self) -> DistributedEmbedding:
+        """The ``DistributedEmbedding`` underneath."""
+        return self._e.embedding
+
+    def flush(self) -> None:
+        """Block until every push so far is applied on the shards."""
+        self.embedding.flush()
+
+    def get_extra_state(self) -> TablesState:
+        """The tables' entry of ``state_dict()`` (``worker.torchrec.checkpoint``); flushes pushes."""
+        self.flush()
+        return TablesState(self._e.client, self._e.tables)
+
+    def set_extra_state(self, state: object) -> None:
+        """Load the tables a saved state dict names into the shards (``worker.torchrec.checkpoint``)."""
+        load_tables(self._e.client, self._e.tables, state)
+
+    def close(self) -> None:
+        """Flush and stop the background threads (the client stays open)."""
+        self.embedding.close()
+
+
+class PSEmbeddingBagCollection(_OnShards, EmbeddingBagCollectionInterface):  # type: ignore[misc]  # TorchRec is untyped
     """TorchRec's ``EmbeddingBagCollection`` with its tables on the shards.
 
     ``tables``: ``EmbeddingBagConfig``s (``worker.torchrec.configs`` says how each field maps);
@@ -171,17 +208,12 @@ class PSEmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore
             seed=seed,
             check_ids=check_ids,
         )
-        self.embedding = self._e.embedding  # the DistributedEmbedding underneath
         self._dims = [c.embedding_dim for c in self._configs for _ in c.feature_names]
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         pooled = self.embedding(self._e.batch(features))
         values = torch.cat([pooled[n] for n in self._e.names], dim=1)
         return KeyedTensor(keys=self._e.names, length_per_key=self._dims, values=values)
-
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
-        """Start looking up ``features`` for a later ``forward(features)`` (the same object)."""
-        self._e.prefetch(features)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -195,29 +227,8 @@ class PSEmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore
         self.flush()
         return torchrec_state_dict(self._e.client, self._configs, prefix)
 
-    @property
-    def device(self) -> torch.device:
-        return self._e.device
 
-    def flush(self) -> None:
-        """Block until every push so far is applied on the shards."""
-        self.embedding.flush()
-
-    def get_extra_state(self) -> TablesState:
-        """The tables' entry of ``state_dict()`` (``worker.torchrec.checkpoint``); flushes pushes."""
-        self.flush()
-        return TablesState(self._e.client, self._e.tables)
-
-    def set_extra_state(self, state: object) -> None:
-        """Load the tables a saved state dict names into the shards (``worker.torchrec.checkpoint``)."""
-        load_tables(self._e.client, self._e.tables, state)
-
-    def close(self) -> None:
-        """Flush and stop the background threads (the client stays open)."""
-        self.embedding.close()
-
-
-class PSEmbeddingCollection(EmbeddingCollectionInterface):  # type: ignore[misc]  # TorchRec is untyped
+class PSEmbeddingCollection(_OnShards, EmbeddingCollectionInterface):  # type: ignore[misc]  # TorchRec is untyped
     """TorchRec's ``EmbeddingCollection`` (unpooled rows, for sequence features) on the shards.
 
     ``forward(kjt)`` returns ``{output name: JaggedTensor}``: each id's row, ``[ids, dim]``, with
@@ -257,7 +268,6 @@ class PSEmbeddingCollection(EmbeddingCollectionInterface):  # type: ignore[misc]
             seed=seed,
             check_ids=check_ids,
         )
-        self.embedding = self._e.embedding
         self._dim = next(iter(dims)) if dims else 0
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
@@ -272,10 +282,6 @@ class PSEmbeddingCollection(EmbeddingCollectionInterface):  # type: ignore[misc]
             for n in self._e.names
         }
 
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
-        """Start looking up ``features`` for a later ``forward(features)`` (the same object)."""
-        self._e.prefetch(features)
-
     def embedding_configs(self) -> list[EmbeddingConfig]:
         return self._configs
 
@@ -287,24 +293,3 @@ class PSEmbeddingCollection(EmbeddingCollectionInterface):  # type: ignore[misc]
 
     def embedding_names_by_table(self) -> list[list[str]]:
         return output_names(self._configs)
-
-    @property
-    def device(self) -> torch.device:
-        return self._e.device
-
-    def flush(self) -> None:
-        """Block until every push so far is applied on the shards."""
-        self.embedding.flush()
-
-    def get_extra_state(self) -> TablesState:
-        """The tables' entry of ``state_dict()`` (``worker.torchrec.checkpoint``); flushes pushes."""
-        self.flush()
-        return TablesState(self._e.client, self._e.tables)
-
-    def set_extra_state(self, state: object) -> None:
-        """Load the tables a saved state dict names into the shards (``worker.torchrec.checkpoint``)."""
-        load_tables(self._e.client, self._e.tables, state)
-
-    def close(self) -> None:
-        """Flush and stop the background threads (the client stays open)."""
-        self.embedding.close()
