@@ -157,7 +157,11 @@ class TrainerConfig:
         ),
     )
     sparse_optimizer: str = field(
-        default="adagrad", metadata=_help("optimizer the shards run: sgd, adagrad, adam, ftrl, rowwise_adagrad")
+        default="rowwise_adagrad",
+        metadata=_help(
+            "optimizer the shards run on the embeddings: rowwise_adagrad (one accumulator per row), adagrad, "
+            "sgd, adam, ftrl"
+        ),
     )
     sparse_lr: float = field(default=0.003, metadata=_help("learning rate of the embedding tables"))
     wide: bool = field(default=True, metadata=_help("learn a first-order weight per feature value (the table 'wide')"))
