@@ -201,7 +201,9 @@ class AdminClient:
         part under its own checkpoint root (a root the shards share holds them all). Returns, in
         shard order, ``{"rows": {table: rows installed}, "parts": [parts read]}``. Not retried.
         Raises the first shard's ``PSError`` (each names its shard); the shards that answered
-        have loaded their part, so a failed load is repaired by loading again."""
+        have loaded their part, so a failed load is repaired by loading again. Load before
+        training pushes to those tables: a push that lands while a shard loads may be
+        overwritten by the checkpoint's row."""
         budget = self._link.budget(deadline_s, dataclasses.replace(self.config, max_attempts=1))
         body = pb.LoadCheckpointRequest(checkpoint=name, num_shards=num_shards, tables=list(tables)).SerializeToString()
 
