@@ -13,7 +13,7 @@ from ps.durability.checkpoint import (
     resolve_existing_checkpoint,
     write_checkpoint,
 )
-from ps.durability.load import checkpoint_parts, read_parts, rows_owned
+from ps.durability.load import checkpoint_parts, read_parts, replace_rows
 from ps.durability.modes import Durability
 from ps.durability.rescue import (
     RescueBase,
@@ -43,9 +43,9 @@ __all__ = [
     "part_name",
     "read_base",
     "read_parts",
+    "replace_rows",
     "resolve_existing_checkpoint",
     "rows_at_risk",
-    "rows_owned",
     "save_rescue",
     "settle_dumps",
     "write_checkpoint",

@@ -4,9 +4,9 @@
 shards) that may hold keys shard ``index`` of ``m`` owns: its own part when ``n == m`` (a key
 stays with the same shard), every part otherwise. Each must lie under this shard's
 checkpoint root; a root that all shards share holds every part. ``read_parts`` opens them
-read-only and checks that each is the part it claims to be; ``rows_owned`` yields, chunk by
-chunk, a table's rows of those parts that this shard owns under ``protos.keys.shard_of``.
-``Shard.load_checkpoint`` installs them (``ps.shard``).
+read-only and checks that each is the part it claims to be; ``replace_rows`` makes tables'
+rows those of the parts that this shard owns under ``protos.keys.shard_of``, chunk by chunk
+(``Shard.load_checkpoint`` runs it under the shard's checks and locks).
 
 Example:
     >>> import tempfile
@@ -19,19 +19,23 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from protos import ps_pb2 as pb
 from protos.keys import shard_of
 from ps.durability.checkpoint import part_name
 from ps.errors import InvalidRequest, NotConfigured, ShardError
 from ps.store import DataDirError, Rows, Storage
-from ps.table import TableSpec, spec_from_proto
+from ps.table import Table, TableSpec, spec_from_proto
 
-__all__ = ["checkpoint_parts", "read_parts", "rows_owned"]
+__all__ = ["checkpoint_parts", "read_parts", "replace_rows"]
+
+Sources = list[tuple[Storage, dict[str, TableSpec]]]
+Changes = Callable[[list[tuple[str, npt.NDArray[np.int64]]]], object]  # the change log's record
 
 SCAN_ROWS = 1 << 16
 
@@ -73,7 +77,7 @@ def checkpoint_parts(root: Path | None, name: str, saved_shards: int, *, index: 
 
 
 @contextlib.contextmanager
-def read_parts(parts: Sequence[Path], saved_shards: int) -> Iterator[list[tuple[Storage, dict[str, TableSpec]]]]:
+def read_parts(parts: Sequence[Path], saved_shards: int) -> Iterator[Sources]:
     """Each part opened read-only, with the specs of its tables; ``InvalidRequest`` for a part
     that is not what its name says."""
     with contextlib.ExitStack() as stack:
@@ -98,7 +102,42 @@ def read_parts(parts: Sequence[Path], saved_shards: int) -> Iterator[list[tuple[
         yield out
 
 
-def rows_owned(
+def replace_rows(
+    tables: Mapping[str, Table],
+    sources: Sources,
+    parts: Sequence[Path],
+    *,
+    index: int,
+    num_shards: int,
+    record: Changes,
+    install: Callable[[Table, Rows], None],
+) -> dict[str, int]:
+    """Make each of ``tables``' rows exactly those of ``sources`` (the parts ``read_parts``
+    opened) that shard ``index`` of ``num_shards`` owns: check every part's spec of each table
+    first (``InvalidRequest`` naming the part and the differences), then drop the table's rows
+    and ``install`` the owned ones, a chunk at a time. ``record`` gets every key that changed,
+    the dropped ones included. Returns the rows installed per table."""
+    for (_, specs), part in zip(sources, parts, strict=True):
+        for name, table in tables.items():
+            diff = table.spec.differences(specs[name]) if name in specs else []
+            if diff:
+                raise InvalidRequest(f"LoadCheckpoint: table {name!r} in {part} differs: {'; '.join(diff)}")
+    installed = dict.fromkeys(tables, 0)
+    for name, table in tables.items():
+        dropped = table.remove_where(lambda keys: np.ones(keys.shape[0], bool))
+        if dropped.size:
+            record([(name, dropped)])
+        for storage, specs in sources:
+            if name not in specs:
+                continue
+            for rows in _rows_owned(storage, table.spec, index=index, num_shards=num_shards):
+                install(table, rows)
+                record([(name, rows.keys.copy())])
+                installed[name] += len(rows)
+    return installed
+
+
+def _rows_owned(
     part: Storage, spec: TableSpec, *, index: int, num_shards: int, chunk_rows: int = SCAN_ROWS
 ) -> Iterator[Rows]:
     """The rows of ``spec``'s table in ``part`` that shard ``index`` of ``num_shards`` owns."""

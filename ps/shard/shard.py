@@ -56,8 +56,8 @@ from ps.durability import (
     dump_places,
     read_base,
     read_parts,
+    replace_rows,
     rows_at_risk,
-    rows_owned,
     save_rescue,
     write_checkpoint,
 )
@@ -525,26 +525,18 @@ class Shard:
             raise InvalidRequest("LoadCheckpoint: tables is empty: name the tables to load")
         mine = {t: self.table(t) for t in tables}
         parts = checkpoint_parts(self.checkpoint_root, name, saved_shards, index=self.index, num_shards=self.num_shards)
-        installed = dict.fromkeys(tables, 0)
         with read_parts(parts, saved_shards) as sources, self.reshard.writing():
-            if self.reshard.move is not None and self.reshard.copying:
+            if self.reshard.copying:
                 raise InvalidRequest("LoadCheckpoint: a reshard is under way: load once it is done")
-            for (_, specs), part in zip(sources, parts):
-                for t, table in mine.items():
-                    diff = table.spec.differences(specs[t]) if t in specs else []
-                    if diff:
-                        raise InvalidRequest(f"LoadCheckpoint: table {t!r} in {part} differs: {'; '.join(diff)}")
-            for t, table in mine.items():
-                dropped = table.remove_where(lambda keys: np.ones(keys.shape[0], bool))
-                if dropped.size:
-                    self.changes.record([(t, dropped)])
-                for storage, specs in sources:
-                    if t not in specs:
-                        continue
-                    for rows in rows_owned(storage, table.spec, index=self.index, num_shards=self.num_shards):
-                        self._guard(table.install_rows, rows)
-                        self.changes.record([(t, rows.keys.copy())])
-                        installed[t] += len(rows)
+            installed = replace_rows(
+                mine,
+                sources,
+                parts,
+                index=self.index,
+                num_shards=self.num_shards,
+                record=self.changes.record,
+                install=lambda table, rows: self._guard(table.install_rows, rows),
+            )
         log.info("loaded checkpoint %s (%d shards) rows=%s", name, saved_shards, installed)
         return installed, parts
 
