@@ -64,11 +64,12 @@ class _Embeddings:
         self.weighted = weighted
         self.check_ids = check_ids
         self.names = [n for names in output_names(configs) for n in names]
-        # Per output: the KJT key it reads, and its table's num_embeddings.
         self.client = client
         self.tables = tables
+        # Per output: the KJT key it reads, and its table's config; the keys read, in order.
         self.reads = [(f, c) for c in configs for f in c.feature_names]
         self.keys = list(dict.fromkeys(f for f, _ in self.reads))
+        self._known = frozenset(self.keys)
         self._ahead: deque[tuple[KeyedJaggedTensor, dict[str, JaggedIds]]] = deque(maxlen=_PREFETCH_DEPTH)
 
     def batch(self, kjt: KeyedJaggedTensor) -> dict[str, JaggedIds]:
@@ -92,7 +93,7 @@ class _Embeddings:
         keys = kjt.keys()
         index = {k: i for i, k in enumerate(keys)}
         missing = [k for k in self.keys if k not in index]
-        extra = [k for k in keys if k not in set(self.keys)]
+        extra = [k for k in keys if k not in self._known]
         if missing or extra:
             raise ValueError(
                 f"features: KeyedJaggedTensor keys {keys}: no key for {missing} (read by the tables), "
