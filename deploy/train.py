@@ -26,6 +26,7 @@ from worker.dataset import open_data
 from worker.distributed import Dist, init_distributed
 from worker.mistakes import run_or_explain
 from worker.resume import CheckpointError
+from worker.stream import is_stream
 from worker.trainer import TrainerConfig, train
 
 __all__ = ["main", "run"]
@@ -89,7 +90,7 @@ def run(config: TrainerConfig) -> dict[str, Any]:
     does not read as its schema costs no shard start-up, and leaves no shard behind."""
     d = init_distributed(config.device)
     try:
-        data = open_data(config)
+        data = None if is_stream(config.data) else open_data(config)
         with _shards(config, d) as addresses:
             return train(config, addresses, d, data)
     finally:

@@ -110,7 +110,11 @@ class TrainerConfig:
     addresses: tuple[str, ...] = field(default=(), metadata=_help("shard addresses in shard order, comma-separated"))
     num_shards: int = field(default=2, metadata=_help("local shards to start when no addresses are given"))
     data: str = field(
-        default="synthetic", metadata=_help("'synthetic' (Criteo-like, planted model) or a click-log path")
+        default="synthetic",
+        metadata=_help(
+            "'synthetic' (Criteo-like, planted model), a click-log path, or a stream to train on online: "
+            "dir:PATH (a directory files land in) or redis://HOST:PORT/STREAM (docs/guides/online.md)"
+        ),
     )
     schema: str = field(
         default="criteo",
@@ -206,6 +210,27 @@ class TrainerConfig:
         default=1, metadata=_help("pipelined mode: step t reads rows without the pushes of the last N steps")
     )
     eval_every: int = field(default=0, metadata=_help("evaluate every N steps (0: only at the end)"))
+    idle_exit_s: float = field(
+        default=0.0,
+        metadata=_help(
+            "streams: end the run cleanly (final checkpoint and outputs written, exit 0) after this many seconds "
+            "without a new row; 0: wait for rows forever"
+        ),
+    )
+    stream_window_ms: int = field(
+        default=100,
+        metadata=_help(
+            "Redis streams: a batch holds the entries of one tick of this many milliseconds of their IDs (and at "
+            "most batch_size), so a restarted trainer cuts the same batches; the longest a row waits for its batch"
+        ),
+    )
+    validation_window: int = field(
+        default=10_000,
+        metadata=_help(
+            "streams: rows per progressive-validation window (every batch is scored before it trains; AUC, "
+            "logloss and calibration per window)"
+        ),
+    )
     output_dir: Path | None = field(
         default=None,
         metadata=_help(
@@ -266,9 +291,12 @@ class TrainerConfig:
                 f"eval_fold={self.eval_fold}: must be in [0, {max(1, self.folds) - 1}] (folds={self.folds})",
             ),
             (
-                self.data == "synthetic" or Path(self.data).is_file(),
-                f"data={self.data!r}: not 'synthetic' and no such file",
+                self.data == "synthetic" or self.data.startswith(("dir:", "redis://")) or Path(self.data).is_file(),
+                f"data={self.data!r}: not 'synthetic', dir:PATH, redis://HOST:PORT/STREAM or an existing file",
             ),
+            (self.idle_exit_s >= 0, f"idle_exit_s={self.idle_exit_s}: must be >= 0 (0: wait forever)"),
+            (self.stream_window_ms >= 1, f"stream_window_ms={self.stream_window_ms}: must be >= 1"),
+            (self.validation_window >= 1, f"validation_window={self.validation_window}: must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

@@ -61,6 +61,7 @@ __all__ = [
     "hash_strings",
     "load_click_log",
     "logloss",
+    "parse_lines",
     "rare_key",
     "raw_columns",
     "read_click_log",
@@ -336,6 +337,28 @@ def _make_batch(rows: _Rows, features: tuple[str, ...]) -> Batch:
     for f, bag in zip(features[len(keyed) :], rows.bags):
         sparse[f] = JaggedIds(torch.from_numpy(bag.values), torch.from_numpy(bag.offsets))
     return Batch(torch.from_numpy(rows.dense), sparse, torch.from_numpy(rows.labels))
+
+
+def parse_lines(
+    data: bytes, schema: ColumnSchema, layout: Layout, where: str, first_line: int, bad_lines: BadLines | None = None
+) -> Batch:
+    """The complete lines of ``data`` (each ending in ``\\n``) as one ``Batch``: rows that
+    arrive a few at a time (``worker.stream``). ``where`` and ``first_line`` (the 1-based
+    number of the first line) name a malformed line in the ``DataError`` raised for it; with
+    ``bad_lines`` it is left out instead, and counted there (the batch may then be empty).
+
+    >>> from worker.schema import resolve_layout
+    >>> s = ColumnSchema("y", ["n"], ["c"], sep=",", names=["y", "n", "c"])
+    >>> lay = resolve_layout(s, None, b"1,3,a")
+    >>> parse_lines(b"1,3,a\\n0,1,b\\n", s, lay, "clicks", 1).labels.tolist()
+    [1.0, 0.0]
+    """
+    buf = np.frombuffer(data, dtype=np.uint8)
+    line_ends = np.flatnonzero(buf == 10)
+    line_starts = np.concatenate(([0], line_ends[:-1] + 1)).astype(np.int64)
+    return _make_batch(
+        _parse_lines(buf, line_starts, line_ends, first_line, layout, schema, where, bad_lines), layout.features
+    )
 
 
 def read_click_log(

@@ -111,6 +111,8 @@ class DistributedEmbedding(torch.nn.Module):
         self._prefetched: deque[_Prefetched] = deque()
         self._created = False
         self._step = 0
+        self._hold = False  # hold_next_push() was called
+        self._held: tuple[int, int | None, Updates] | None = None
         # Pipelined sum pooling on CPU runs in one node (worker/pooling.py); this tensor
         # ties that node into the graph.
         self._fusable = mode == "pipelined" and self.device.type == "cpu" and all(f.pooling == "sum" for f in features)
@@ -248,6 +250,34 @@ class DistributedEmbedding(torch.nn.Module):
         self._ensure_tables()
         self.client.push_many(self._no_keys(), seq=seq)
 
+    def hold_next_push(self) -> None:
+        """Sync mode: keep the next step's push instead of sending it, until ``send_held()``.
+
+        For a write-ahead checkpoint: the step's dense update and its sparse gradients
+        (``held_push()``) are made durable together before the push leaves, so a process
+        killed at any moment resumes with dense weights that match the rows on the shards.
+        ``send_held()`` must come before the next step's lookup.
+        """
+        if self.mode != "sync":
+            raise ValueError("hold_next_push: only sync mode sends a step's push before the next lookup")
+        self._hold = True
+
+    def held_push(self) -> tuple[int | None, dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]]] | None:
+        """The held push as ``(seq, {table: (keys, gradients)})`` (None: none held), what
+        ``PSClient.push_many(updates, seq=seq)`` sends again after a restart."""
+        if self._held is None:
+            return None
+        _, seq, updates = self._held
+        return seq, {t: (k.keys if isinstance(k, TablePlan) else np.asarray(k), g) for t, (k, g) in updates.items()}
+
+    def send_held(self) -> None:
+        """Send the held push (if any) and wait until the shards applied it."""
+        self._hold = False
+        if self._held is not None:
+            step, seq, updates = self._held
+            self._held = None
+            self._pipeline.push(step, updates, wait=True, seq=seq)
+
     def push_latency(self) -> dict[str, float]:
         """Acknowledged pushes so far: how many, their mean and max latency in seconds, and
         how many shard requests the shards had applied before (``push_duplicates``: pushes
@@ -338,6 +368,10 @@ class DistributedEmbedding(torch.nn.Module):
             # A numbered push names every table, so each table's seqs stay without gaps.
             return out if seq is None else self._no_keys() | out
 
+        if self._hold:
+            self._hold = False
+            self._held = (step, seq, updates())
+            return
         self._pipeline.push(step, updates if callable(grads) else updates(), wait=self.mode == "sync", seq=seq)
 
     def _no_keys(self) -> Updates:

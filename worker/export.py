@@ -87,7 +87,13 @@ _SIGMOID_ALIGN = 64  # a multiple of two vectors of every SIMD width torch uses 
 _SIGMOID_SLICE = 16384  # below torch's grain size (32768): one thread, one vector loop per slice
 
 
-def describe_data(source: str, data_path: str | Path, features: Sequence[str], num_dense: int) -> dict[str, Any]:
+def describe_data(
+    source: str,
+    data_path: str | Path,
+    features: Sequence[str],
+    num_dense: int,
+    columns: SchemaColumns | None = None,
+) -> dict[str, Any]:
     """``manifest["schema"]`` of a run on ``source`` (``"synthetic"``, a schema name of
     ``worker.dataset.SCHEMAS`` or a schema file's path) whose batches have the key
     ``features`` and ``num_dense`` dense columns. Raises ``ValueError`` when the schema does
@@ -101,7 +107,7 @@ def describe_data(source: str, data_path: str | Path, features: Sequence[str], n
         log_transform = True
     else:
         schema = schema_of(source)
-        cols = schema_columns(data_path, schema)
+        cols = columns if columns is not None else schema_columns(data_path, schema)
         values, log_transform = "string", schema.log_transform
     keyed = [*cols.categorical, *cols.buckets, *cols.multi]
     if keyed != list(features) or len(cols.dense) != num_dense:

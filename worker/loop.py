@@ -217,11 +217,27 @@ class TrainingPass:
         self.emb.flush()
         self.train_s += time.perf_counter() - started - (self.phases["eval"] - eval_s)
 
-    def _step(self, batch: Batch, inputs: dict[str, JaggedIds], seq: int, scale: float | None, t1: float) -> None:
-        """One micro-batch: lookup, forward, backward (its push as ``seq``), dense step.
-        ``scale``: multiplies the loss when only some workers train this step, so DDP's
-        average over all of them is the average over those. ``t1``: when the lookup phase
-        began (the next batch's prefetch counts in it)."""
+    def inputs(self, batch: Batch) -> dict[str, JaggedIds]:
+        """``batch`` as the embeddings read it (what ``prefetch`` and ``train`` take)."""
+        return _inputs(batch.sparse, [f.name for f in self.features], self.rare)
+
+    def prefetch(self, inputs: dict[str, JaggedIds]) -> None:
+        self.emb.prefetch(inputs)
+
+    def train(self, batch: Batch, inputs: dict[str, JaggedIds], seq: int) -> torch.Tensor:
+        """Train one batch outside an ``EpochPlan`` (a stream's): its push as ``seq``. Returns
+        the logits the model gave the batch before it trained on it (detached)."""
+        logits = self._step(batch, inputs, seq, None, time.perf_counter())
+        self.steps += 1
+        return logits
+
+    def _step(
+        self, batch: Batch, inputs: dict[str, JaggedIds], seq: int, scale: float | None, t1: float
+    ) -> torch.Tensor:
+        """One micro-batch: lookup, forward, backward (its push as ``seq``), dense step; the
+        logits (detached). ``scale``: multiplies the loss when only some workers train this
+        step, so DDP's average over all of them is the average over those. ``t1``: when the
+        lookup phase began (the next batch's prefetch counts in it)."""
         out = self.emb(inputs, seq=seq)
         t2 = time.perf_counter()
         logits = self.dense(batch.dense.to(self.d.device), out)
@@ -236,6 +252,7 @@ class TrainingPass:
             self.phases[k] += b - a
         self.samples += batch.batch_size
         self.losses.append(float(loss.detach()))
+        return logits.detach()
 
     def _idle_step(self, seq: int | None) -> None:
         """A step without a micro-batch: DDP's allreduce needs every worker, so this one

@@ -69,6 +69,8 @@ _MAY_CHANGE = frozenset(
         "log_level",
         "checkpoint_dir",
         "checkpoint_every",
+        "idle_exit_s",
+        "validation_window",
     }
 )
 

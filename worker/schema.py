@@ -32,6 +32,7 @@ __all__ = [
     "feature_seed",
     "read_header",
     "resolve_layout",
+    "columns_of",
     "schema_columns",
 ]
 
@@ -326,7 +327,12 @@ def schema_columns(path: str | os.PathLike[str], schema: ColumnSchema) -> Schema
     """
     with open(path, "rb") as f:
         header = read_header(f, schema, os.fspath(path))
-        lay = resolve_layout(schema, header, f.readline())
+        return columns_of(schema, header, f.readline())
+
+
+def columns_of(schema: ColumnSchema, header: Sequence[str] | None, first_line: bytes) -> SchemaColumns:
+    """``schema_columns`` of rows with this ``header`` (None: none) and ``first_line``."""
+    lay = resolve_layout(schema, None if header is None else list(header), first_line)
     ncat, nkeyed = lay.cat.shape[0], lay.key_rows
     multi = {name: chr(sep) for name, sep in zip(lay.features[nkeyed:], lay.multi_seps)}
     return SchemaColumns(

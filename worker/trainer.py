@@ -44,14 +44,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -72,11 +70,13 @@ from worker.dataset import (
     steps_per_epoch,
 )
 from worker.distributed import Dist, init_distributed
-from worker.export import describe_data, serving_manifest
-from worker.loop import WIDE, TrainingPass, dense_adam, evaluate, predict, scores
+from worker.loop import TrainingPass, dense_adam, evaluate, predict, scores
 from worker.mistakes import run_or_explain
+from worker.online import train_online
 from worker.output import progress, run_dir
+from worker.results import save_run
 from worker.resume import CheckpointDir, Progress, resume, save
+from worker.stream import is_stream
 
 __all__ = [
     "TrainerConfig",
@@ -185,6 +185,8 @@ def train(
     ``init_distributed()``; the caller owns the process group).
     """
     d = d or init_distributed(config.device)
+    if is_stream(config.data):
+        return train_online(config, addresses, d)
     data = data if data is not None else open_data(config)
     if data.train_rows == 0:
         raise ValueError(f"no training steps: {data.source} has no training rows")
@@ -299,7 +301,19 @@ def train(
             log.warning("%s: %s (--bad-lines skip)", config.data, data.bad_lines)
     if out is not None:
         metrics["output_dir"] = str(out)
-        _save(config, out, run, data, features, num_dense, list(addresses), shard_stats, metrics, probs)
+        save_run(
+            config,
+            out,
+            run,
+            data.source,
+            features,
+            num_dense,
+            list(addresses),
+            shard_stats,
+            metrics,
+            data.rare,
+            probs=probs,
+        )
         log.info(
             "final AUC %.4f logloss %.4f (%d eval samples), %.0f samples/s; wrote %s",
             final["auc"],
@@ -377,57 +391,6 @@ def _log_config(
     told = {k: v for k, v in shown.items() if k not in defaults or v != defaults[k] or k in _ALWAYS_SHOWN}
     log.info("config %s (--log-level DEBUG: every setting)", words(told))
     log.debug("config %s", words(shown))
-
-
-# --- output: run directory, progress, files
-
-
-def _save(
-    config: TrainerConfig,
-    out: Path,
-    run: TrainingPass,
-    data: RunData,
-    features: list[str],
-    num_dense: int,
-    addresses: list[str],
-    shard_stats: list[dict[str, Any]],
-    metrics: dict[str, Any],
-    probs: torch.Tensor,
-) -> None:
-    """The run directory: dense weights, the exported model and its manifest (``worker.export``),
-    metrics, and the final evaluation's predicted probabilities in row order (``predictions.npy``)."""
-    torch.save({k: v.detach().cpu() for k, v in run.model.state_dict().items()}, out / "dense.pt")
-    np.save(out / "predictions.npy", probs.numpy().astype(np.float32))
-    schema = describe_data(data.source, config.data, features, num_dense)
-    manifest = {
-        "model": config.model,
-        "dim": config.dim,
-        "num_dense": num_dense,
-        # The cluster's size when training ended (a live reshard may have changed it).
-        "num_shards": int(shard_stats[0]["num_shards"]) if shard_stats else len(addresses),
-        "tables": [dataclasses.asdict(t) | {"params": dict(t.params)} for t in run.tables],
-        "features": [dataclasses.asdict(f) for f in run.features],
-        "wide_suffix": WIDE if config.wide else None,
-        "shard_rows": [sum(t["rows"] for t in s["tables"]) for s in shard_stats],
-        # Which data each shard's rows are (Stats.lineage): ps-infer refuses shards of another.
-        "shard_lineages": [s.get("lineage", "") for s in shard_stats],
-    }
-    rare_values = None
-    if data.rare is not None:
-        # Serving must send keys outside the training vocabulary to the rare row, as training
-        # did, for the embeddings only: the first-order weights keep every value (worker.rare).
-        np.savez_compressed(out / "vocabulary.npz", **data.rare.vocabulary)  # type: ignore[arg-type]
-        rare_values = {
-            "min_count": data.rare.min_count,
-            "vocabulary": "vocabulary.npz",
-            "rare_keys": data.rare.rare_keys(),
-            "shared_by": sorted({f.table for f in run.features if not f.name.endswith(WIDE)}),
-        }
-    manifest |= serving_manifest(
-        run.model, out, run.tables, run.features, num_dense, schema, WIDE if config.wide else None, rare_values
-    )
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
 
 
 @record  # under torchrun, the error reaches ps-launch's one-line summary of a failed worker
