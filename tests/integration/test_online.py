@@ -1,0 +1,231 @@
+"""Online training as a user runs it: ``python -m worker.trainer --data dir:PATH`` (or a
+Redis stream) against real shard processes, killed with SIGKILL at any moment.
+
+The proof of exactly-once in sync mode: a run whose trainer and shards are killed and
+restarted (the documented restart: the same command, the same ``--checkpoint-dir``; a
+shard on its data dir and address) ends with every row and every dense weight bit-equal
+to a run never killed over the same stream. A plain run kills a few times; ``pytest -m
+slow`` kills many more times over a longer stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from client import PSClient
+from tests.integration.shards import RunningShard, start_shard, stop_shard
+from tests.profiles import long_run
+from tests.redis_server import redis_server
+from worker.data import ColumnSchema, read_click_log
+
+CRITEO = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "criteo_kaggle_train_head10k.txt"
+needs_criteo = pytest.mark.skipif(not CRITEO.exists(), reason=f"{CRITEO} is not on this machine")
+REPO = Path(__file__).resolve().parents[2]
+
+
+def land_files(directory: Path, rows: int, per_file: int, start: int = 0) -> None:
+    """Criteo rows ``[start, start + rows)`` as files of ``per_file`` rows, renamed in."""
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = CRITEO.read_bytes().splitlines(keepends=True)[start : start + rows]
+    for k in range(0, len(lines), per_file):
+        tmp = directory / f".part-{start + k:08d}.tmp"
+        tmp.write_bytes(b"".join(lines[k : k + per_file]))
+        os.replace(tmp, directory / f"part-{start + k:08d}.tsv")
+
+
+def trainer_command(addresses: list[str], data: str, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "worker.trainer",
+        f"--addresses={','.join(addresses)}",
+        f"--data={data}",
+        f"--output-dir={out}",
+        "--progress=false",
+        "--idle-exit-s=1",
+        *extra,
+    ]
+
+
+def start_shards(root: Path, procs: list[RunningShard], n: int = 2) -> list[RunningShard]:
+    shards = [start_shard(i, n, root, "--data-dir=data-{shard}", "--durability=every-push") for i in range(n)]
+    procs.extend(shards)
+    return shards
+
+
+def all_keys(directory: Path) -> np.ndarray:
+    """Every key the Criteo rows in ``directory`` give (each table of the trainer reads them all)."""
+    keys = [
+        np.concatenate([j.values.numpy() for j in batch.sparse.values()])
+        for path in sorted(directory.glob("part-*.tsv"))
+        for batch in read_click_log(path, ColumnSchema.criteo(), 4096)
+    ]
+    return np.unique(np.concatenate(keys))
+
+
+def final_state(addresses: list[str], keys: np.ndarray, out: Path) -> dict[str, np.ndarray]:
+    with PSClient(addresses) as client:
+        state = {table: client.lookup(table, keys) for table in ("embedding", "wide")}
+    dense = torch.load(out / "dense.pt", weights_only=True)
+    return state | {f"dense.{k}": v.numpy() for k, v in dense.items()}
+
+
+def newest_checkpoint(ckpt: Path) -> int:
+    steps = [
+        int(m.group(1)) for p in ckpt.glob("checkpoint-*.pt") if (m := re.fullmatch(r"checkpoint-(\d+)\.pt", p.name))
+    ]
+    return max(steps, default=-1)
+
+
+@needs_criteo
+def test_kill_anywhere_in_sync_mode_ends_bit_equal_to_a_run_never_killed(
+    tmp_path: Path, procs: list[RunningShard], request: pytest.FixtureRequest
+) -> None:
+    long = long_run(request.config)
+    rows, batch = (4000, 64) if long else (1280, 64)
+    data = tmp_path / "landed"
+    land_files(data, rows, 320)
+    batches = -(-320 // batch) * (rows // 320)
+    keys = all_keys(data)
+    sync = ("--mode=sync", "--batch-size=64", "--checkpoint-every=1", "--validation-window=320")
+
+    # Never killed.
+    shards = start_shards(tmp_path / "ref", procs)
+    addresses = [s.address for s in shards]
+    cmd = trainer_command(addresses, f"dir:{data}", tmp_path / "ref-out", f"--checkpoint-dir={tmp_path / 'ref-ckpt'}")
+    subprocess.run([*cmd, *sync], check=True, cwd=REPO, timeout=600)
+    expected = final_state(addresses, keys, tmp_path / "ref-out")
+    for s in shards:
+        stop_shard(s)
+
+    # Killed: the trainer, a shard, or both, at random batches; restarted as documented.
+    rng = random.Random(7)
+    victims = ["trainer", "shard", "trainer", "both", "trainer"] * (4 if long else 1)
+    victims = victims[: 12 if long else 3]
+    at = sorted(rng.sample(range(2, batches - 1), len(victims)))
+    shards = start_shards(tmp_path / "killed", procs)
+    addresses = [s.address for s in shards]
+    ckpt = tmp_path / "killed-ckpt"
+    cmd = [*trainer_command(addresses, f"dir:{data}", tmp_path / "killed-out", f"--checkpoint-dir={ckpt}"), *sync]
+    log = (tmp_path / "trainer.log").open("ab")
+
+    def start_trainer() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+
+    trainer = start_trainer()
+    restarts = 0
+    try:
+        for victim, when in zip(victims, at):
+            deadline = time.monotonic() + 120
+            while newest_checkpoint(ckpt) < when:
+                if trainer.poll() is not None:  # died of a shard's absence: the documented restart
+                    restarts += 1
+                    trainer = start_trainer()
+                assert time.monotonic() < deadline, f"no progress to batch {when} in 120 s"
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0, 0.05))
+            if victim in ("shard", "both"):
+                k = rng.randrange(len(shards))
+                port = shards[k].address.rsplit(":", 1)[1]
+                os.kill(shards[k].proc.pid, signal.SIGKILL)
+                shards[k].proc.wait()
+            if victim in ("trainer", "both"):
+                trainer.kill()
+                trainer.wait()
+            if victim in ("shard", "both"):
+                shards[k] = start_shard(
+                    k,
+                    len(shards),
+                    tmp_path / "killed",
+                    "--data-dir=data-{shard}",
+                    "--durability=every-push",
+                    listen=f"127.0.0.1:{port}",
+                )
+                procs.append(shards[k])
+            if trainer.poll() is not None:
+                restarts += 1
+                trainer = start_trainer()
+        while (rc := trainer.wait(timeout=300)) != 0:
+            restarts += 1
+            assert restarts < 20, f"the trainer keeps failing (rc {rc}): see {tmp_path / 'trainer.log'}"
+            trainer = start_trainer()
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        log.close()
+    got = final_state(addresses, keys, tmp_path / "killed-out")
+    assert sorted(got) == sorted(expected)
+    differ = [name for name in expected if not np.array_equal(got[name], expected[name])]
+    assert not differ, (
+        f"after {len(victims)} kills ({victims} at batches {at}): {differ} differ from the run never killed"
+    )
+    metrics = json.loads((tmp_path / "killed-out" / "metrics.json").read_text())
+    assert metrics["batches"] == batches and metrics["rows"] == rows
+
+
+@needs_criteo
+def test_a_directory_run_scores_each_batch_before_training_and_serves(
+    tmp_path: Path, procs: list[RunningShard]
+) -> None:
+    data = tmp_path / "landed"
+    land_files(data, 1000, 250)
+    with (data / "part-00000250.tsv").open("ab") as f:  # one malformed row in the middle
+        f.write(b"not a row\n")
+    shards = start_shards(tmp_path / "shards", procs)
+    out = tmp_path / "out"
+    cmd = trainer_command(
+        [s.address for s in shards], f"dir:{data}", out, "--validation-window=500", "--bad-lines=skip"
+    )
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["rows"] == 1000 and metrics["bad_lines"]["count"] == 1
+    assert metrics["bad_lines"]["first"] == [f"{data / 'part-00000250.tsv'}:251"]
+    windows = metrics["windows"]
+    assert [w["window"] for w in windows] == [1, 2] and all(w["rows"] >= 500 for w in windows)
+    assert all(0.0 < w["auc"] < 1.0 and w["logloss"] > 0 and w["calibration"] > 0 for w in windows)
+    assert "window 2: rows=" in done.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["schema"]["source"] == "criteo" and len(manifest["features"]) == 2 * 39
+
+
+def test_a_redis_stream_trains_until_idle(tmp_path: Path, procs: list[RunningShard]) -> None:
+    import redis
+
+    with redis_server(tmp_path / "redis") as port:
+        r = redis.Redis("127.0.0.1", port)
+        rng = np.random.default_rng(0)
+        for i in range(600):
+            r.xadd("clicks", {"row": f"{int(rng.random() < 0.3)},{rng.integers(0, 9)},u{rng.integers(0, 50)}"})
+        schema = tmp_path / "clicks.toml"
+        schema.write_text(
+            'header = false\nnames = ["y", "n", "user"]\nlabel = "y"\n[columns]\nn = "numeric"\nuser = "categorical"\n'
+        )
+        last = r.xinfo_stream("clicks")["last-generated-id"].decode()
+        shards = start_shards(tmp_path / "shards", procs)
+        out = tmp_path / "out"
+        cmd = trainer_command(
+            [s.address for s in shards],
+            f"redis://127.0.0.1:{port}/clicks",
+            out,
+            f"--schema={schema}",
+            "--validation-window=200",
+            "--batch-size=100",
+        )
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["rows"] == 600 and len(metrics["windows"]) == 3
+    assert metrics["position"] == {"last": last, "next": None}
