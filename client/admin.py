@@ -236,6 +236,42 @@ class AdminClient:
             out.append({**status, "address": view.address(r.endpoint)})
         return out
 
+    def publish(self, name: str = "", *, hold: bool | None = None, wait_s: float = 0.0) -> list[dict[str, Any]]:
+        """Publish every training shard's rows as they are now under ``name``, for serving
+        shards started with ``--published-only`` (``ps.replication.publish``): send no push
+        until it returns. With ``hold`` True or False (and no name), hold or release
+        publishing instead. Returns each shard's answer, in shard order, as a dict:
+        ``version``, ``held`` (publishing is held: nothing was published), ``followers``,
+        ``exact`` (followers that took it whole), ``published``, ``held_by``. Not retried:
+        a publication sent again would be a second one. Raises ``PreconditionError`` for a
+        serving shard, ``InvalidRequestError`` for a bad name."""
+        budget = self._link.budget(None, dataclasses.replace(self.config, max_attempts=1))
+        kind = pb.PublishRequest.KEEP if hold is None else pb.PublishRequest.HOLD if hold else pb.PublishRequest.RELEASE
+        body = pb.PublishRequest(name=name, hold=kind, wait_s=wait_s).SerializeToString()
+        replies = self._link.call("Publish", [(s, body) for s in range(self.num_shards)], budget=budget)
+        out = []
+        for s, r in enumerate(replies):
+            with self._link.reply("Publish", s, r.endpoint):
+                out.append(message_dict(pb.PublishResponse.FromString(r.data)))
+        return out
+
+    def roll_back(self) -> list[dict[str, Any]]:
+        """Have every serving replica (``--published-only``) serve the publication before the
+        one it serves; returns each replica's follow status, in the order of ``addresses``.
+        Raises ``PreconditionError`` for a training shard, ``InvalidRequestError`` for a
+        replica with no publication to go back to."""
+        view = self._link.view
+        endpoints = view.replica_set.endpoints()
+        body = pb.RollBackRequest().SerializeToString()
+        requests = [(view.replica_set.shard_of(e), body) for e in endpoints]
+        replies = self._link.call("RollBack", requests, pinned=endpoints, view=view)
+        out = []
+        for (s, _), r in zip(requests, replies):
+            with self._link.reply("RollBack", s, r.endpoint, view):
+                status = message_dict(pb.RollBackResponse.FromString(r.data).status)
+            out.append({**status, "address": view.address(r.endpoint)})
+        return out
+
     # -- one shard by its address (a live reshard) ----------------------------------
     def get_map(self, address: str, *, timeout_s: float | None = None) -> pb.GetMapResponse:
         """The cluster map the shard at ``address`` routes by, and where a reshard stands there."""

@@ -47,7 +47,7 @@ from protos import wire
 __all__ = ["LookupResult", "PSClient", "PushResult"]
 
 _DTYPES = {"float32": wire.FLOAT32, "float16": wire.FLOAT16, "bfloat16": wire.BFLOAT16}
-_WRITES = frozenset({"CreateTable", "Push", "Checkpoint", "LoadCheckpoint"})
+_WRITES = frozenset({"CreateTable", "Push", "Checkpoint", "LoadCheckpoint", "Publish"})
 _READS = frozenset({"Lookup", "ListTables"})  # may be hedged
 F32 = npt.NDArray[np.float32]
 Keys = npt.ArrayLike | TablePlan  # keys, or a plan of them made by PSClient.plan
@@ -57,13 +57,17 @@ log = logging.getLogger(__name__)
 
 
 class LookupResult(dict[str, F32]):
-    """``lookup_many(..., degrade=True)``'s rows by table, and ``degraded``: the indices of
-    the shards (sorted) whose keys got default rows (zeros) because the shard had not
-    answered by the deadline. Empty when every shard answered."""
+    """``lookup_many``'s rows by table, and ``degraded``: the indices of the shards
+    (sorted) whose keys got default rows (zeros) because the shard had not answered by
+    the deadline (``degrade=True``; empty when every shard answered). ``publications``:
+    the publications the rows are of, sorted (serving shards started with
+    ``--published-only`` name theirs; "" stands for any other shard, or one before its
+    first publication)."""
 
-    def __init__(self, rows: Mapping[str, F32], degraded: Sequence[int] = ()) -> None:
+    def __init__(self, rows: Mapping[str, F32], degraded: Sequence[int] = (), publications: Sequence[str] = ()) -> None:
         super().__init__(rows)
         self.degraded: tuple[int, ...] = tuple(sorted(set(degraded)))
+        self.publications: tuple[str, ...] = tuple(sorted(set(publications)))
 
 
 @dataclass(frozen=True)
@@ -335,8 +339,9 @@ class PSClient:
         plus ``degraded``, the indices of those shards. Statuses that are not retried
         (``InvalidRequestError``, ``TableNotFoundError``...) raise either way.
         """
-        rows, degraded = self._lookup(requests, out, deadline_s, degrade)
-        return LookupResult(rows, degraded) if degrade else rows
+        publications: set[str] = set()
+        rows, degraded = self._lookup(requests, out, deadline_s, degrade, publications)
+        return LookupResult(rows, degraded, publications)
 
     def _lookup(
         self,
@@ -344,8 +349,10 @@ class PSClient:
         out: Mapping[str, F32] | None,
         deadline_s: float | None,
         degrade: bool,
+        publications: set[str] | None = None,
     ) -> tuple[dict[str, F32], list[int]]:
-        """Rows by table, and the shards that degraded (with repeats)."""
+        """Rows by table, and the shards that degraded (with repeats); the publications
+        the rows are of go into ``publications``."""
         if not self._started:
             self.start()
         budget = self._link.budget(deadline_s)
@@ -374,7 +381,9 @@ class PSClient:
                 return moved
             answers = [r if isinstance(r, Answer) else None for r in replies]
             decoding = functools.partial(self._link.reply, "Lookup", view=view)
-            return results, fill_results(results, flat, answers, view.num_shards, decoding)
+            if publications is not None:
+                publications.clear()  # of this attempt only
+            return results, fill_results(results, flat, answers, view.num_shards, decoding, publications)
 
         return self._link.routed("Lookup", budget, attempt)
 

@@ -51,7 +51,7 @@ _TRANSPORT_METHODS = (
     *("start", "close", "address", "call", "call_here", "tls", "client_certificate", "grows"),
     *("add", "drop", "check", "for_addresses"),
 )
-_WRITES = frozenset({"CreateTable", "Push", "Checkpoint", "LoadCheckpoint"})
+_WRITES = frozenset({"CreateTable", "Push", "Checkpoint", "LoadCheckpoint", "Publish"})
 _READS = frozenset({"Lookup", "ListTables"})  # may be hedged
 _NO_MAP = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 """GetMap failures a first call goes on past: a shard older than maps (epoch 0), or one not there."""

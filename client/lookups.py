@@ -52,10 +52,13 @@ def fill_results(
     replies: Sequence[Answer | None],
     num_shards: int,
     decoding: Callable[[int, int], contextlib.AbstractContextManager[None]],
+    publications: set[str] | None = None,
 ) -> list[int]:
     """Copy each request's rows into ``results`` (by table); returns the shards whose
     request has no reply (they degraded: zeros). ``decoding(shard, endpoint)`` wraps the
-    decoding of a reply (a reply that does not decode becomes the caller's error)."""
+    decoding of a reply (a reply that does not decode becomes the caller's error).
+    ``publications`` gets the publication each reply's rows are of (``--published-only``
+    serving shards; "" from the others)."""
     degraded = []
     for (s, parts), reply in zip(flat, replies):
         if reply is None:
@@ -65,7 +68,9 @@ def fill_results(
                 fill_rows(results[part.plan.table], zeros, part.plan.slots, part.start)
             continue
         with decoding(s, reply.endpoint):
-            decoded = wire.decode_lookup_response(reply.data)
+            decoded, publication = wire.decode_lookup_reply(reply.data)
+            if publications is not None:
+                publications.add(publication)
             if len(decoded) != len(parts):
                 raise wire.WireFormatError(f"{len(decoded)} results for {len(parts)} tables")
             answers: list[F32 | None] = []

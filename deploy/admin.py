@@ -295,6 +295,30 @@ def build_parser() -> argparse.ArgumentParser:
     addresses(up, "SERVING_ADDRESSES")
     up.add_argument("--timeout-s", type=_positive_seconds, default=30.0, help="per-shard limit (default 30)")
 
+    pb_ = sub.add_parser(
+        "publish",
+        help="hold or release what online training publishes to --published-only serving shards",
+        description="Training shards: --hold refuses the online trainer's publications (serving shards started "
+        "with --published-only keep serving the last one) until --release; the trainer logs each refusal. "
+        "Without either, says what was published last.",
+    )
+    addresses(pb_, "TRAINING_ADDRESSES")
+    hold = pb_.add_mutually_exclusive_group()
+    hold.add_argument("--hold", action="store_true", help="hold publishing")
+    hold.add_argument("--release", action="store_true", help="release a hold")
+    pb_.add_argument("--timeout-s", type=_positive_seconds, default=10.0, help="per-shard limit (default 10)")
+
+    rb = sub.add_parser(
+        "rollback",
+        help="have --published-only serving shards serve the publication before the current one",
+        description="Serving shards started with --published-only go back one publication (each keeps the last "
+        "4); ps-infer scores their rows with that publication's dense weights. Hold publishing first "
+        "(ps-admin publish --hold on the training shards), or the trainer's next publication moves them forward "
+        "again.",
+    )
+    addresses(rb, "SERVING_ADDRESSES")
+    rb.add_argument("--timeout-s", type=_positive_seconds, default=30.0, help="per-shard limit (default 30)")
+
     tb = sub.add_parser("tables", help="list the cluster's tables")
     addresses(tb)
     tb.add_argument("--timeout-s", type=_positive_seconds, default=10.0, help="per-shard limit (default 10)")
@@ -398,6 +422,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
             for st in statuses:
                 print(f"{st['address']}: serving {st['checkpoint'] or st['source']}, version {st['applied_version']}")
+        elif args.command == "publish":
+            with open_cluster(args.addresses, args.timeout_s, security) as client:
+                answers = client.admin.publish(hold=True if args.hold else False if args.release else None)
+            if args.json:
+                print(json.dumps(answers, indent=2, sort_keys=True))
+                return 0
+            for i, a in enumerate(answers):
+                state = f"held: {a['held_by']}" if a["held_by"] else "not held"
+                print(f"shard {i}: last published {a['published'] or 'nothing'}, {state}")
+        elif args.command == "rollback":
+            with open_cluster(args.addresses, args.timeout_s, security) as client:
+                statuses = client.admin.roll_back()
+            if args.json:
+                print(json.dumps(statuses, indent=2, sort_keys=True))
+                return 0
+            for st in statuses:
+                print(f"{st['address']}: serving publication {st['publication']}, version {st['applied_version']}")
         elif args.command == "list":
             found = list_checkpoints(args.root)
             print(json.dumps(found, indent=2, sort_keys=True) if args.json else format_checkpoints(found))

@@ -194,10 +194,12 @@ class LookupResult(_message.Message):
     def __init__(self, table: _Optional[str] = ..., rows: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ..., dim: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "publication")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    PUBLICATION_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[LookupResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[LookupResult, _Mapping]]] = ...) -> None: ...
+    publication: str
+    def __init__(self, results: _Optional[_Iterable[_Union[LookupResult, _Mapping]]] = ..., publication: _Optional[str] = ...) -> None: ...
 
 class PushEntry(_message.Message):
     __slots__ = ("table", "keys", "grads", "dtype", "seq")
@@ -360,7 +362,7 @@ class StatsResponse(_message.Message):
     def __init__(self, shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ..., memory_budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., durability: _Optional[str] = ..., writable: _Optional[bool] = ..., storage_error: _Optional[str] = ..., last_durable_unix_s: _Optional[float] = ..., failing_loops: _Optional[_Iterable[_Union[LoopFailure, _Mapping]]] = ..., version: _Optional[int] = ..., follow: _Optional[_Union[FollowStatus, _Mapping]] = ..., lineage: _Optional[str] = ...) -> None: ...
 
 class FollowStatus(_message.Message):
-    __slots__ = ("source", "leader", "checkpoint", "connected", "applied_version", "leader_version", "lag_versions", "lag_s", "snapshots", "batches", "error")
+    __slots__ = ("source", "leader", "checkpoint", "connected", "applied_version", "leader_version", "lag_versions", "lag_s", "snapshots", "batches", "error", "publication", "publications", "staged_batches", "published_only")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +374,10 @@ class FollowStatus(_message.Message):
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PUBLICATION_FIELD_NUMBER: _ClassVar[int]
+    PUBLICATIONS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_ONLY_FIELD_NUMBER: _ClassVar[int]
     source: str
     leader: str
     checkpoint: str
@@ -383,7 +389,11 @@ class FollowStatus(_message.Message):
     snapshots: int
     batches: int
     error: str
-    def __init__(self, source: _Optional[str] = ..., leader: _Optional[str] = ..., checkpoint: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., leader_version: _Optional[int] = ..., lag_versions: _Optional[int] = ..., lag_s: _Optional[float] = ..., snapshots: _Optional[int] = ..., batches: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    publication: str
+    publications: int
+    staged_batches: int
+    published_only: bool
+    def __init__(self, source: _Optional[str] = ..., leader: _Optional[str] = ..., checkpoint: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., leader_version: _Optional[int] = ..., lag_versions: _Optional[int] = ..., lag_s: _Optional[float] = ..., snapshots: _Optional[int] = ..., batches: _Optional[int] = ..., error: _Optional[str] = ..., publication: _Optional[str] = ..., publications: _Optional[int] = ..., staged_batches: _Optional[int] = ..., published_only: _Optional[bool] = ...) -> None: ...
 
 class FollowRequest(_message.Message):
     __slots__ = ("history", "version", "shard", "num_shards")
@@ -414,7 +424,7 @@ class TableDelta(_message.Message):
     def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., dim: _Optional[int] = ..., deleted_keys: _Optional[bytes] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class FollowBatch(_message.Message):
-    __slots__ = ("history", "version", "leader_version", "version_unix_s", "specs", "deltas", "snapshot_begin", "snapshot_end", "in_snapshot", "num_shards", "lineage")
+    __slots__ = ("history", "version", "leader_version", "version_unix_s", "specs", "deltas", "snapshot_begin", "snapshot_end", "in_snapshot", "num_shards", "lineage", "published", "published_exact")
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LEADER_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -426,6 +436,8 @@ class FollowBatch(_message.Message):
     IN_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_EXACT_FIELD_NUMBER: _ClassVar[int]
     history: str
     version: int
     leader_version: int
@@ -437,7 +449,53 @@ class FollowBatch(_message.Message):
     in_snapshot: bool
     num_shards: int
     lineage: str
-    def __init__(self, history: _Optional[str] = ..., version: _Optional[int] = ..., leader_version: _Optional[int] = ..., version_unix_s: _Optional[float] = ..., specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., deltas: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., snapshot_begin: _Optional[bool] = ..., snapshot_end: _Optional[bool] = ..., in_snapshot: _Optional[bool] = ..., num_shards: _Optional[int] = ..., lineage: _Optional[str] = ...) -> None: ...
+    published: str
+    published_exact: bool
+    def __init__(self, history: _Optional[str] = ..., version: _Optional[int] = ..., leader_version: _Optional[int] = ..., version_unix_s: _Optional[float] = ..., specs: _Optional[_Iterable[_Union[TableSpec, _Mapping]]] = ..., deltas: _Optional[_Iterable[_Union[TableDelta, _Mapping]]] = ..., snapshot_begin: _Optional[bool] = ..., snapshot_end: _Optional[bool] = ..., in_snapshot: _Optional[bool] = ..., num_shards: _Optional[int] = ..., lineage: _Optional[str] = ..., published: _Optional[str] = ..., published_exact: _Optional[bool] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("name", "hold", "wait_s")
+    class Hold(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KEEP: _ClassVar[PublishRequest.Hold]
+        HOLD: _ClassVar[PublishRequest.Hold]
+        RELEASE: _ClassVar[PublishRequest.Hold]
+    KEEP: PublishRequest.Hold
+    HOLD: PublishRequest.Hold
+    RELEASE: PublishRequest.Hold
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    hold: PublishRequest.Hold
+    wait_s: float
+    def __init__(self, name: _Optional[str] = ..., hold: _Optional[_Union[PublishRequest.Hold, str]] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("version", "held", "followers", "exact", "published", "held_by")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWERS_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    HELD_BY_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    held: bool
+    followers: int
+    exact: int
+    published: str
+    held_by: str
+    def __init__(self, version: _Optional[int] = ..., held: _Optional[bool] = ..., followers: _Optional[int] = ..., exact: _Optional[int] = ..., published: _Optional[str] = ..., held_by: _Optional[str] = ...) -> None: ...
+
+class RollBackRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RollBackResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: FollowStatus
+    def __init__(self, status: _Optional[_Union[FollowStatus, _Mapping]] = ...) -> None: ...
 
 class ServeFromRequest(_message.Message):
     __slots__ = ("checkpoint",)

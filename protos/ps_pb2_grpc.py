@@ -69,6 +69,16 @@ class ParameterServerStub:
                 request_serializer=protos_dot_ps__pb2.LoadCheckpointRequest.SerializeToString,
                 response_deserializer=protos_dot_ps__pb2.LoadCheckpointResponse.FromString,
                 _registered_method=True)
+        self.Publish = channel.unary_unary(
+                '/ps.v1.ParameterServer/Publish',
+                request_serializer=protos_dot_ps__pb2.PublishRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.PublishResponse.FromString,
+                _registered_method=True)
+        self.RollBack = channel.unary_unary(
+                '/ps.v1.ParameterServer/RollBack',
+                request_serializer=protos_dot_ps__pb2.RollBackRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.RollBackResponse.FromString,
+                _registered_method=True)
         self.Follow = channel.unary_stream(
                 '/ps.v1.ParameterServer/Follow',
                 request_serializer=protos_dot_ps__pb2.FollowRequest.SerializeToString,
@@ -141,6 +151,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Publish(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollBack(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Follow(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -208,6 +230,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.LoadCheckpoint,
                     request_deserializer=protos_dot_ps__pb2.LoadCheckpointRequest.FromString,
                     response_serializer=protos_dot_ps__pb2.LoadCheckpointResponse.SerializeToString,
+            ),
+            'Publish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Publish,
+                    request_deserializer=protos_dot_ps__pb2.PublishRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.PublishResponse.SerializeToString,
+            ),
+            'RollBack': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollBack,
+                    request_deserializer=protos_dot_ps__pb2.RollBackRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.RollBackResponse.SerializeToString,
             ),
             'Follow': grpc.unary_stream_rpc_method_handler(
                     servicer.Follow,
@@ -424,6 +456,60 @@ class ParameterServer:
             '/ps.v1.ParameterServer/LoadCheckpoint',
             protos_dot_ps__pb2.LoadCheckpointRequest.SerializeToString,
             protos_dot_ps__pb2.LoadCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Publish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/Publish',
+            protos_dot_ps__pb2.PublishRequest.SerializeToString,
+            protos_dot_ps__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollBack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/RollBack',
+            protos_dot_ps__pb2.RollBackRequest.SerializeToString,
+            protos_dot_ps__pb2.RollBackResponse.FromString,
             options,
             channel_credentials,
             insecure,

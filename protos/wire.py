@@ -62,6 +62,7 @@ __all__ = [
     "alloc_bytes",
     "as_keys",
     "decode_keys",
+    "decode_lookup_reply",
     "decode_lookup_response",
     "decode_push_request",
     "bfloat16_rows_into",
@@ -270,9 +271,11 @@ class LookupResponseWriter:
         3
     """
 
-    def __init__(self, results: Sequence[tuple[str, int, int, int]]) -> None:
+    def __init__(self, results: Sequence[tuple[str, int, int, int]], publication: str = "") -> None:
+        """``publication``: ``LookupResponse.publication``, written after the results."""
         framed: list[tuple[bytes, int, bytes]] = []
-        total = 0
+        trailer = str_field(2, publication) if publication else b""
+        total = len(trailer)
         for table, n, dim, dtype in results:
             name, itemsize, tail = _result_frame(table, dim, dtype)
             size = n * dim * itemsize
@@ -294,6 +297,7 @@ class LookupResponseWriter:
             pos += size
             raw[pos : pos + len(tail)] = tail
             pos += len(tail)
+        raw[pos : pos + len(trailer)] = trailer
 
     def rows(self, i: int) -> npt.NDArray[np.generic]:
         """Writable ``[num_keys, dim]`` array for result ``i`` in its wire dtype (uint16 for bfloat16)."""
@@ -365,6 +369,11 @@ def decode_lookup_response(data: bytes) -> list[LookupResultView]:
     groups skipped, the last of a repeated scalar winning, integers truncated to the
     field's width); raises ``WireFormatError`` where protobuf raises ``DecodeError``.
     """
+    return decode_lookup_reply(data)[0]
+
+
+def decode_lookup_reply(data: bytes) -> tuple[list[LookupResultView], str]:
+    """``decode_lookup_response`` and the response's ``publication`` ("" when unset)."""
     try:
         fast = _decode_lookup_as_written(data)
     except WireFormatError:
@@ -372,12 +381,19 @@ def decode_lookup_response(data: bytes) -> list[LookupResultView]:
     return fast if fast is not None else _decode_lookup_response(data)
 
 
-def _decode_lookup_as_written(data: bytes) -> list[LookupResultView] | None:
-    """``decode_lookup_response`` for the layout ``LookupResponseWriter`` writes (each field
+def _decode_lookup_as_written(data: bytes) -> tuple[list[LookupResultView], str] | None:
+    """``decode_lookup_reply`` for the layout ``LookupResponseWriter`` writes (each field
     once, in number order), without a generator per message; None for any other layout."""
     view, end, pos = memoryview(data), len(data), 0
     results: list[LookupResultView] = []
+    publication = ""
     while pos < end:
+        if data[pos] == 0x12 and not publication:  # the publication, after the results
+            length, pos = read_length(data, pos + 1, end, "publication", 2)
+            if pos + length != end:
+                return None
+            publication, pos = text(data, pos, end, "publication"), end
+            break
         if data[pos] != 0x0A:
             return None
         length, pos = read_length(data, pos + 1, end, "LookupResponse", 1)
@@ -400,13 +416,16 @@ def _decode_lookup_as_written(data: bytes) -> list[LookupResultView] | None:
         if pos != stop:
             return None
         results.append(LookupResultView(table, rows, dtype, dim))
-    return results
+    return results, publication
 
 
-def _decode_lookup_response(data: bytes) -> list[LookupResultView]:
+def _decode_lookup_response(data: bytes) -> tuple[list[LookupResultView], str]:
     view = memoryview(data)
     results: list[LookupResultView] = []
+    publication = ""
     for field_no, wire_type, a, b in fields(data, 0, len(data), "LookupResponse", MAX_DEPTH):
+        if field_no == 2 and wire_type == 2:
+            publication = text(data, a, b, "publication")
         if field_no != 1 or wire_type != 2:
             continue
         name = f"results[{len(results)}]"
@@ -421,7 +440,7 @@ def _decode_lookup_response(data: bytes) -> list[LookupResultView]:
             elif f == 4 and wt == 0:
                 dim = uint32(x)
         results.append(LookupResultView(table, rows, dtype, dim))
-    return results
+    return results, publication
 
 
 @dataclass(frozen=True)

@@ -231,6 +231,30 @@ class TrainerConfig:
             "logloss and calibration per window)"
         ),
     )
+    publish: bool = field(
+        default=True,
+        metadata=_help(
+            "streams: publish each validation window that passes its guards to serving shards started with "
+            "--published-only (dense weights under OUTPUT_DIR/published/)"
+        ),
+    )
+    guard_auc_drop: float = field(
+        default=0.02,
+        metadata=_help("streams: a window fails when its AUC is below the trailing baseline by more than this"),
+    )
+    guard_calibration_min: float = field(
+        default=0.5, metadata=_help("streams: a window fails when mean prediction / mean label is below this")
+    )
+    guard_calibration_max: float = field(
+        default=2.0, metadata=_help("streams: a window fails when mean prediction / mean label is above this")
+    )
+    metrics_port: int | None = field(
+        default=None,
+        metadata=_help(
+            "streams: serve Prometheus metrics (windows, guards, publications, stream lag) at "
+            "http://0.0.0.0:PORT/metrics (0: any free port, logged)"
+        ),
+    )
     output_dir: Path | None = field(
         default=None,
         metadata=_help(
@@ -297,6 +321,16 @@ class TrainerConfig:
             (self.idle_exit_s >= 0, f"idle_exit_s={self.idle_exit_s}: must be >= 0 (0: wait forever)"),
             (self.stream_window_ms >= 1, f"stream_window_ms={self.stream_window_ms}: must be >= 1"),
             (self.validation_window >= 1, f"validation_window={self.validation_window}: must be >= 1"),
+            (self.guard_auc_drop >= 0, f"guard_auc_drop={self.guard_auc_drop}: must be >= 0"),
+            (
+                self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+                f"metrics_port={self.metrics_port}: must be in [0, 65535]",
+            ),
+            (
+                0 <= self.guard_calibration_min <= 1 <= self.guard_calibration_max,
+                f"guard_calibration_min={self.guard_calibration_min}, guard_calibration_max="
+                f"{self.guard_calibration_max}: need 0 <= min <= 1 <= max",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -242,6 +242,7 @@ class ServingModel:
     embeddings: tuple[tuple[str, str, str, int], ...]
     dims: Mapping[str, int]
     rare_shared_by: frozenset[str] | None = None  # tables reading rare values as the rare key; None: all
+    directory: str = ""  # the run directory it was loaded from (its published/ weights: worker.published)
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -315,4 +316,5 @@ def _parse(run_dir: Path, manifest: dict[str, Any]) -> ServingModel:
         embeddings=embeddings,
         dims=dims,
         rare_shared_by=shared_by,
+        directory=str(run_dir),
     )

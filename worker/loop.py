@@ -155,6 +155,8 @@ class TrainingPass:
         self._logged_at = time.perf_counter()
         self.losses: list[float] = []
         self.evals: list[dict[str, Any]] = []
+        self.skip_nonfinite = False  # a batch whose loss is NaN or Inf is not trained (online runs)
+        self.skipped = 0
 
     def epoch(
         self,
@@ -242,6 +244,11 @@ class TrainingPass:
         t2 = time.perf_counter()
         logits = self.dense(batch.dense.to(self.d.device), out)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(self.d.device))
+        if self.skip_nonfinite and not bool(torch.isfinite(loss)):
+            # Not trained: the graph goes without a backward, so the step pushes no keys
+            # under its seq (DistributedEmbedding); the online guard counts it.
+            self.skipped += 1
+            return logits.detach()
         t3 = time.perf_counter()
         self.optimizer.zero_grad()
         (loss if scale is None else loss * scale).backward()  # type: ignore[no-untyped-call]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -45,9 +46,12 @@ from worker.data import Batch, ColumnSchema, parse_lines
 from worker.dataset import schema_of
 from worker.distributed import Dist
 from worker.export import probabilities
+from worker.guard import WindowGuard, finite
 from worker.loop import TrainingPass
 from worker.metrics import auc, logloss
+from worker.online_metrics import OnlineMetrics
 from worker.output import run_dir
+from worker.published import published_dir
 from worker.results import save_run
 from worker.resume import CheckpointDir, CheckpointError, fingerprint
 from worker.schema import BadLines, DataError, Layout, SchemaColumns, columns_of, resolve_layout
@@ -59,6 +63,9 @@ log = logging.getLogger("worker.trainer")
 
 STREAM_BATCH_SIZE = 512  # batch_size=0 on a stream: the whole stream is not there to size it by
 POLL_S = 1.0  # longest wait for a batch before the loop looks at the clock again
+LAG_EVERY_S = 5.0  # how often the stream's lag is read
+BEHIND_S = 60.0  # lag that makes the trainer say it does not keep up (at most every BEHIND_SAY_EVERY_S)
+BEHIND_SAY_EVERY_S = 60.0
 WINDOWS_KEPT = 1000  # in the checkpoint and metrics: the latest windows
 
 
@@ -73,6 +80,7 @@ class OnlineProgress:
     rows: int = 0
     position: dict[str, Any] | None = None
     output_dir: str | None = None
+    published: str = ""  # the newest publication (worker.published)
     windows: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -248,25 +256,72 @@ def _train(
     progress: OnlineProgress,
     out: Path,
 ) -> dict[str, Any]:
-    rows = _Rows(schema, config.bad_lines == "skip")
-    validation = ProgressiveValidation(config.validation_window, first=len(progress.windows) + 1)
     wire = ClientConfig(transport_dtype=config.wire_dtype)  # type: ignore[arg-type]
-    run: TrainingPass | None = None
-    features: list[str] = []
-    num_dense = 0
+    metrics = OnlineMetrics(config.metrics_port)
     started = time.perf_counter()
-    with PSClient(addresses, wire, client_id=progress.run_id) as client:
-        if saved is not None and saved.get("held"):
-            held = saved["held"]
-            updates = {t: (k.numpy(), g.numpy()) for t, (k, g) in held["updates"].items()}
-            client.push_many(updates, seq=held["seq"])  # skipped by the shards if it was applied
-        dense_state = {k: saved[k] for k in ("model", "optimizer", "rng") if saved is not None and k in saved}
+    try:
+        with PSClient(addresses, wire, client_id=progress.run_id) as client:
+            if saved is not None and saved.get("held"):
+                held = saved["held"]
+                updates = {t: (k.numpy(), g.numpy()) for t, (k, g) in held["updates"].items()}
+                client.push_many(updates, seq=held["seq"])  # skipped by the shards if it was applied
+            dense_state = {k: saved[k] for k in ("model", "optimizer", "rng") if saved is not None and k in saved}
+            online = _Online(config, d, client, source, _Rows(schema, config.bad_lines == "skip"), metrics)
+            online.loop(progress, ckpts, dense_state, out, list(addresses))
+            shard_stats = client.admin.stats()
+    finally:
+        metrics.close()
+    return online.finish(progress, out, list(addresses), shard_stats, time.perf_counter() - started)
+
+
+class _Online:
+    """The loop of an online run: read, score, train, checkpoint, validate, publish."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        d: Dist,
+        client: PSClient,
+        source: StreamSource,
+        rows: _Rows,
+        metrics: OnlineMetrics,
+    ) -> None:
+        self.config, self.d, self.client, self.source, self.rows, self.metrics = (
+            config,
+            d,
+            client,
+            source,
+            rows,
+            metrics,
+        )
+        self.run: TrainingPass | None = None
+        self.features: list[str] = []
+        self.num_dense = 0
+        self.guard = WindowGuard(config.guard_auc_drop, config.guard_calibration_min, config.guard_calibration_max)
+        self.trained_s = 0.0
+        self.run_written = False  # the run directory ps-infer loads (at the first publication)
+        self._skipped_at = 0  # run.skipped when the window began
+        self._lag_at = 0.0
+        self._lag_s = float("inf")  # the lag read before: a warning needs it to grow
+        self._behind_said = 0.0
+
+    def loop(
+        self,
+        progress: OnlineProgress,
+        ckpts: CheckpointDir | None,
+        dense_state: dict[str, Any],
+        out: Path,
+        addresses: list[str],
+    ) -> None:
+        config, source = self.config, self.source
+        validation = ProgressiveValidation(config.validation_window, first=len(progress.windows) + 1)
+        self.run_written = bool(progress.published) and (out / "manifest.json").exists()
         idle_since = time.monotonic()
         ahead: Lines | None = None
         ahead_batch: tuple[Batch, dict[str, Any]] | None = None
-        trained_s = 0.0
         try:
             while True:
+                self._watch_lag()
                 lines, ahead = ahead, None
                 if lines is None:
                     wait = POLL_S if not config.idle_exit_s else min(POLL_S, config.idle_exit_s)
@@ -278,89 +333,211 @@ def _train(
                     continue
                 idle_since = time.monotonic()
                 t0 = time.perf_counter()
-                if ahead_batch is not None:
-                    batch, inputs = ahead_batch
-                    ahead_batch = None
-                else:
-                    batch = rows.batch(lines)
-                    inputs = None
-                if run is None:
-                    features, num_dense = list(batch.sparse), int(batch.dense.shape[1])
-                    run = TrainingPass(config, d, client, features, num_dense, dense_state=dense_state)
-                if inputs is None:
-                    inputs = run.inputs(batch)
+                batch, inputs = ahead_batch if ahead_batch is not None else (self.rows.batch(lines), None)
+                ahead_batch = None
+                run = self._pass(batch, dense_state)
+                inputs = inputs if inputs is not None else run.inputs(batch)
                 # The next batch, if it is complete already: its lookup overlaps this step.
                 ahead = source.next_batch(progress.batch_size, 0.0)
                 if ahead is not None:
-                    nxt = rows.batch(ahead)
+                    nxt = self.rows.batch(ahead)
                     ahead_batch = (nxt, run.inputs(nxt))
                     if nxt.batch_size:
                         run.prefetch(ahead_batch[1])
-                seq = progress.batches + 1
-                checkpoint = ckpts is not None and seq % config.checkpoint_every == 0
-                hold = checkpoint and config.mode == "sync"
-                if batch.batch_size == 0:  # every row malformed and skipped: the seq stays used
-                    run.emb.push_nothing(seq)
-                else:
-                    if hold:
-                        run.emb.hold_next_push()
-                    logits = run.train(batch, inputs, seq)
-                    window = validation.add(batch.labels, probabilities(logits.cpu()))
-                    if window is not None:
-                        window["batch"] = seq
-                        progress.windows = [*progress.windows, window][-WINDOWS_KEPT:]
-                        _log_window(window)
-                progress.batches, progress.rows, progress.position = seq, progress.rows + batch.batch_size, lines.end
-                if checkpoint and ckpts is not None:
-                    if hold:
-                        _save(ckpts, config, progress, run, run.emb.held_push())
-                        run.emb.send_held()
-                    else:
-                        run.emb.flush()
-                        _save(ckpts, config, progress, run)
-                trained_s += time.perf_counter() - t0
-            if run is not None:
-                run.emb.flush()
+                window = self._step(run, batch, inputs, progress, ckpts, lines, validation)
+                self.trained_s += time.perf_counter() - t0
+                if lines.appended_s is not None:
+                    self.metrics.event_to_trained_seconds.set(max(0.0, time.time() - lines.appended_s))
+                if window is not None:
+                    self._window(window, progress, out, addresses)
+            if self.run is not None:
+                self.run.emb.flush()
                 if ckpts is not None:
-                    _save(ckpts, config, progress, run)
+                    _save(ckpts, config, progress, self.run)
         finally:
-            if run is not None:
-                run.close()
-        shard_stats = client.admin.stats()
-    metrics: dict[str, Any] = {
-        "config": {k: str(v) for k, v in dataclasses.asdict(config).items()},
-        "run_id": progress.run_id,
-        "batches": progress.batches,
-        "rows": progress.rows,
-        "position": progress.position,
-        "windows": progress.windows,
-        "elapsed_s": time.perf_counter() - started,
-    }
-    if run is not None:
-        run.train_s = trained_s
-        metrics.update(run.stats())
-    if rows.bad is not None and rows.bad.count:
-        metrics["bad_lines"] = {"count": rows.bad.count, "first": rows.bad.first}
-        log.warning("%s: %s (--bad-lines skip)", config.data, rows.bad)
-    metrics["output_dir"] = str(out)
-    if run is not None and rows.columns is not None:
-        save_run(
-            config,
-            out,
-            run,
-            config.schema,
-            features,
-            num_dense,
-            list(addresses),
-            shard_stats,
-            metrics,
-            columns=rows.columns,
+            if self.run is not None:
+                self.run.close()
+
+    def _pass(self, batch: Batch, dense_state: dict[str, Any]) -> TrainingPass:
+        """The model, made when the first batch says which features the stream has."""
+        if self.run is None:
+            self.features, self.num_dense = list(batch.sparse), int(batch.dense.shape[1])
+            self.run = TrainingPass(
+                self.config, self.d, self.client, self.features, self.num_dense, dense_state=dense_state
+            )
+            self.run.skip_nonfinite = True
+        return self.run
+
+    def _step(
+        self,
+        run: TrainingPass,
+        batch: Batch,
+        inputs: dict[str, Any],
+        progress: OnlineProgress,
+        ckpts: CheckpointDir | None,
+        lines: Lines,
+        validation: ProgressiveValidation,
+    ) -> dict[str, Any] | None:
+        """Train one batch under the next seq, checkpoint when due; the window it completed, if any."""
+        config = self.config
+        seq = progress.batches + 1
+        checkpoint = ckpts is not None and seq % config.checkpoint_every == 0
+        hold = checkpoint and config.mode == "sync"
+        window = None
+        if batch.batch_size == 0:  # every row malformed and skipped: the seq stays used
+            run.emb.push_nothing(seq)
+        else:
+            if hold:
+                run.emb.hold_next_push()
+            logits = run.train(batch, inputs, seq)
+            window = validation.add(batch.labels, probabilities(logits.cpu()))
+        progress.batches, progress.rows, progress.position = seq, progress.rows + batch.batch_size, lines.end
+        self.metrics.batches.inc()
+        self.metrics.rows.inc(batch.batch_size)
+        if checkpoint and ckpts is not None:
+            if hold:
+                _save(ckpts, config, progress, run, run.emb.held_push())
+                run.emb.send_held()
+            else:
+                run.emb.flush()
+                _save(ckpts, config, progress, run)
+        if window is not None:
+            window["batch"] = seq
+        return window
+
+    def _window(self, window: dict[str, Any], progress: OnlineProgress, out: Path, addresses: list[str]) -> None:
+        """Check a finished window against the guards; publish it if it passes."""
+        run = self.run
+        assert run is not None
+        failed = self.guard.check(
+            window, skipped=run.skipped - self._skipped_at, dense_finite=finite(run.model.parameters())
         )
-        log.info("trained %d batches (%d rows) from %s; wrote %s", progress.batches, progress.rows, config.data, out)
-    else:
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
-        log.info("no row arrived from %s: nothing trained", config.data)
-    return metrics
+        self._skipped_at = run.skipped
+        window["guards"] = "passed" if not failed else "; ".join(why for _, why in failed)
+        self.metrics.window(window, failed)
+        _log_window(window)
+        if failed:
+            self.metrics.serving_held.set(1)
+            log.warning(
+                "window %d failed its guards (%s): not published (the last publication is %s)",
+                window["window"],
+                window["guards"],
+                progress.published or "none yet",
+            )
+        elif self.config.publish:
+            self._publish(f"{window['batch']:012d}", progress, out, addresses)
+        progress.windows = [*progress.windows, window][-WINDOWS_KEPT:]
+
+    def _publish(self, name: str, progress: OnlineProgress, out: Path, addresses: list[str]) -> None:
+        """Write the dense weights of publication ``name``, then publish the rows as they are now."""
+        run = self.run
+        assert run is not None and self.rows.columns is not None
+        if not self.run_written:  # what ps-infer loads: manifest, program, the weights at this point
+            save_run(
+                self.config,
+                out,
+                run,
+                self.config.schema,
+                self.features,
+                self.num_dense,
+                addresses,
+                self.client.admin.stats(),
+                {"run_id": progress.run_id, "online": True},
+                columns=self.rows.columns,
+            )
+            self.run_written = True
+        target = published_dir(out, name)
+        target.mkdir(parents=True, exist_ok=True)
+        tmp = target / ".dense.pt.tmp"
+        torch.save({k: v.detach().cpu() for k, v in run.model.state_dict().items()}, tmp)
+        os.replace(tmp, target / "dense.pt")
+        run.emb.flush()  # every push so far applied: the publication holds them all, and no later one
+        answers = self.client.admin.publish(name)
+        held = [a["held_by"] for a in answers if a["held"]]
+        if held:
+            self.metrics.serving_held.set(1)
+            log.warning("publication %s refused: publishing is %s", name, held[0])
+            return
+        missed = sum(a["followers"] - a["exact"] for a in answers)
+        progress.published = name
+        self.metrics.publications.inc()
+        self.metrics.published_batch.set(progress.batches)
+        self.metrics.serving_held.set(0)
+        log.info(
+            "published %s (batch %d) to %d serving shards%s",
+            name,
+            progress.batches,
+            sum(a["followers"] for a in answers),
+            f"; {missed} read it too slowly and wait for the next" if missed else "",
+        )
+
+    def _watch_lag(self) -> None:
+        """Every ``LAG_EVERY_S``: the stream's lag as metrics, and a warning while training falls behind."""
+        now = time.monotonic()
+        if now - self._lag_at < LAG_EVERY_S:
+            return
+        self._lag_at = now
+        lag = self.source.lag()
+        if lag.rows is not None:
+            self.metrics.lag_rows.set(lag.rows)
+        self.metrics.lag_seconds.set(lag.seconds)
+        falling, self._lag_s = lag.seconds >= self._lag_s, lag.seconds
+        if lag.seconds > BEHIND_S and falling and now - self._behind_said >= BEHIND_SAY_EVERY_S:
+            self._behind_said = now
+            log.warning(
+                "training is %.0f s behind the head of %s (%s rows): it does not keep up with the stream",
+                lag.seconds,
+                self.config.data,
+                "?" if lag.rows is None else lag.rows,
+            )
+
+    def finish(
+        self,
+        progress: OnlineProgress,
+        out: Path,
+        addresses: list[str],
+        shard_stats: list[dict[str, Any]],
+        elapsed_s: float,
+    ) -> dict[str, Any]:
+        """The run's metrics, written with the run directory."""
+        config, run = self.config, self.run
+        metrics: dict[str, Any] = {
+            "config": {k: str(v) for k, v in dataclasses.asdict(config).items()},
+            "run_id": progress.run_id,
+            "batches": progress.batches,
+            "rows": progress.rows,
+            "position": progress.position,
+            "published": progress.published,
+            "windows": progress.windows,
+            "elapsed_s": elapsed_s,
+            "output_dir": str(out),
+        }
+        if run is not None:
+            run.train_s = self.trained_s
+            metrics.update(run.stats(), skipped_batches=run.skipped)
+        if self.rows.bad is not None and self.rows.bad.count:
+            metrics["bad_lines"] = {"count": self.rows.bad.count, "first": self.rows.bad.first}
+            log.warning("%s: %s (--bad-lines skip)", config.data, self.rows.bad)
+        if run is not None and self.rows.columns is not None:
+            save_run(
+                config,
+                out,
+                run,
+                config.schema,
+                self.features,
+                self.num_dense,
+                addresses,
+                shard_stats,
+                metrics,
+                columns=self.rows.columns,
+            )
+            log.info(
+                "trained %d batches (%d rows) from %s; wrote %s", progress.batches, progress.rows, config.data, out
+            )
+        else:
+            (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
+            log.info("no row arrived from %s: nothing trained", config.data)
+        return metrics
 
 
 def _log_window(w: dict[str, Any]) -> None:
@@ -368,11 +545,12 @@ def _log_window(w: dict[str, Any]) -> None:
         return "n/a" if v is None else format(v, spec)
 
     log.info(
-        "window %d: rows=%d auc=%s logloss=%s calibration=%s (up to batch %d)",
+        "window %d: rows=%d auc=%s logloss=%s calibration=%s (up to batch %d): %s",
         w["window"],
         w["rows"],
         fmt(w["auc"]),
         fmt(w["logloss"]),
         fmt(w["calibration"], ".3f"),
         w["batch"],
+        w["guards"],
     )

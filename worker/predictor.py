@@ -50,6 +50,7 @@ from protos.keys import hash_features
 from worker.export import KeyFeature, ServingModel, load_model, probabilities
 from worker.fields import bucket_keys, dense_values, parse_numbers
 from worker.multivalued import JaggedKeys, split_keys
+from worker.published import PublishedDense
 from worker.rare import share_rare
 
 __all__ = ["MIN_ROWS", "PAD_ROWS", "Encoded", "Predictor", "RowSource"]
@@ -96,6 +97,9 @@ class Predictor:
         if max_candidates < 1:
             raise ValueError(f"max_candidates={max_candidates}: must be >= 1")
         self.model, self.rows, self.max_candidates = model, rows, max_candidates
+        # Rows from --published-only serving shards name their publication: they are scored
+        # with the dense weights published with the oldest of them (worker.published).
+        self.published = PublishedDense(model.directory, model.program)
         self._keyed = [k for k in model.key_features if k.separator is None]
         self._multi = [k for k in model.key_features if k.separator is not None]
         self._position = {k.name: i for i, k in enumerate(self._keyed)}
@@ -218,6 +222,7 @@ class Predictor:
             parts = [values for values, _ in inputs[table]]
             unique[table], index[table] = dedup(np.concatenate(parts) if len(parts) > 1 else parts[0])
         rows = self.rows.lookup_many(unique)
+        program = self.published.program(getattr(rows, "publications", ()))
         pooled: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for table, readers in self._readers.items():
@@ -230,7 +235,7 @@ class Predictor:
                     starts = torch.from_numpy(offsets[:-1])
                     pooled[name] = F.embedding_bag(ids, weight, starts, mode=pooling)
             program_inputs = {name: pooled[name] for name, _, _, _ in self.model.embeddings}
-            logits = self.model.program(torch.from_numpy(dense), program_inputs)
+            logits = program(torch.from_numpy(dense), program_inputs)
             scores = probabilities(logits).numpy()
         bounds = np.cumsum([0, *sizes])
         return [scores[lo:hi].copy() for lo, hi in zip(bounds[:-1], bounds[1:])]

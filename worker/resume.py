@@ -71,6 +71,11 @@ _MAY_CHANGE = frozenset(
         "checkpoint_every",
         "idle_exit_s",
         "validation_window",
+        "publish",
+        "guard_auc_drop",
+        "guard_calibration_min",
+        "guard_calibration_max",
+        "metrics_port",
     }
 )
 

@@ -47,6 +47,7 @@ from protos.rpc.backoff import Backoff
 from protos.rpc.tls import open_channel
 from ps.durability import read_base, resolve_existing_checkpoint
 from ps.errors import InvalidRequest
+from ps.replication.gate import PublicationGate
 from ps.rwlock import ReadWriteLock
 from ps.store import DataDirError, Storage, StorageFailed, precision
 from ps.table import Lifecycle, Table, TableSpec, spec_from_proto
@@ -55,7 +56,9 @@ __all__ = ["Served", "Source", "held_as"]
 
 log = logging.getLogger(__name__)
 
-_STATE_KEY = b"follow-state"  # "<history> <version> <lineage>" of the rows this data dir holds
+# "<history> <version> <lineage or -> <publication>" of the rows this data dir holds
+# (older versions wrote the first two or three)
+_STATE_KEY = b"follow-state"
 _SAVE_EVERY_S = 2.0
 
 
@@ -97,9 +100,12 @@ class Source:
         credentials: grpc.ChannelCredentials | None = None,
         metadata: tuple[tuple[str, str], ...] = (),
         serve_dtype: str = "stored",
+        published_only: bool = False,
     ) -> None:
         self.shard = shard
         self.leader = leader
+        # --published-only: changes are staged and applied at the leader's publications
+        self.gate = PublicationGate(self) if published_only else None
         self.serve_dtype = serve_dtype  # how tables taken from the leader hold their rows ("stored": as it does)
         self.max_message_bytes = max_message_bytes
         self.credentials, self.metadata = credentials, metadata  # TLS and bearer token for the leader
@@ -129,9 +135,11 @@ class Source:
         if leader is not None and shard.storage is not None:
             saved = shard.storage.get_meta(_STATE_KEY)
             if saved:
-                history, version, *lineage = saved.decode().split()  # no lineage: saved by an older version
+                history, version, *rest = saved.decode().split()
                 self.history, self.applied_version = history, int(version)
-                self.followed_lineage = lineage[0] if lineage else ""
+                self.followed_lineage = rest[0] if rest and rest[0] != "-" else ""
+                if self.gate is not None and len(rest) > 1:
+                    self.gate.publication = rest[1]
                 self._saved_version = self.applied_version
                 log.info("continuing to follow %s from version %d (history %s)", leader, int(version), history)
 
@@ -179,7 +187,27 @@ class Source:
             snapshots=self.snapshots,
             batches=self.batches,
             error=self.error if not self.connected else "",
+            publication=self.publication,
+            publications=self.gate.publications if self.gate is not None else 0,
+            staged_batches=self.gate.staged_batches if self.gate is not None else 0,
+            published_only=self.gate is not None,
         )
+
+    @property
+    def publication(self) -> str:
+        """The publication served (``--published-only``; "" before the first, or without)."""
+        return self.gate.publication if self.gate is not None and self.pinned is None else ""
+
+    def roll_back(self) -> pb.FollowStatus:
+        """Serve the publication before the current one again (``ps.replication.gate``); the
+        status after. Raises ``InvalidRequest`` without ``--published-only`` or with none to go back to."""
+        if self.gate is None:
+            raise InvalidRequest(
+                f"RollBack: serving shard {self.shard.index} applies every change of its leader (it was not started "
+                "with --published-only): there is no publication to go back to; ps-admin serve-from pins a checkpoint"
+            )
+        self.gate.roll_back()
+        return self.status()
 
     # -- following -------------------------------------------------------------------------
 
@@ -215,6 +243,8 @@ class Source:
                 self._resume.wait()
                 if self._stop.is_set():
                     break
+                if self.gate is not None:
+                    self.gate.reset()  # the leader sends again everything after the version applied
                 request = pb.FollowRequest(
                     history=self.history,
                     version=self.applied_version,
@@ -253,7 +283,8 @@ class Source:
 
     def _apply(self, batch: pb.FollowBatch) -> None:
         """Apply one message of the stream (see the module docstring)."""
-        if batch.history != self.history and not batch.in_snapshot:
+        history = self.gate.history if self.gate is not None and self.gate.history else self.history
+        if batch.history != history and not batch.in_snapshot:
             raise ValueError(f"a batch of history {batch.history} without a snapshot first")
         if batch.in_snapshot:
             # Until the snapshot is in, the follower is behind. Versions of another history
@@ -271,7 +302,11 @@ class Source:
                 rows = _delta_rows(d, keys.shape[0])
                 self._staged.setdefault(d.table, []).append((keys, rows))
             if batch.snapshot_end:
-                self._apply_snapshot(batch)
+                if self.gate is not None:
+                    self.gate.stage_snapshot(self._staged, batch)
+                    self._staged, self.resyncing = {}, False
+                else:
+                    self._apply_snapshot(batch)
         else:
             self.leader_version = max(self.leader_version, batch.leader_version)
             self.resyncing, self._staged = False, {}  # the leader continued this history after all
@@ -279,44 +314,56 @@ class Source:
                 # One history is one leader process, so the rows applied were of its lineage
                 # all along (a state saved by an older version did not say which).
                 self.followed_lineage = batch.lineage
-            if batch.deltas or batch.version > self.applied_version:
+            if self.gate is not None:
+                self.gate.take(batch)
+            elif batch.deltas or batch.version > self.applied_version:
                 with self.shard.serve_lock.writing():
-                    self._take_specs(batch.specs)
-                    for d in batch.deltas:
-                        table = self.shard.table(d.table)
-                        keys = wire.decode_keys(d.keys, f"table {d.table!r}: keys")
-                        table.assign(keys, _delta_rows(d, keys.shape[0]))
-                        deleted = wire.decode_keys(d.deleted_keys, f"table {d.table!r}: deleted_keys")
-                        if deleted.size:
-                            table.remove(deleted)
-                    self.applied_version = max(self.applied_version, batch.version)
-                    self.batches += 1
+                    self.install_delta(batch)
         self._caught_up_check()
         if time.monotonic() - self._saved_at >= _SAVE_EVERY_S:
             self._save_state()
 
+    def install_delta(self, batch: pb.FollowBatch) -> None:
+        """Apply one change batch to the tables (the caller holds ``serve_lock`` to write)."""
+        self._take_specs(batch.specs)
+        for d in batch.deltas:
+            table = self.shard.table(d.table)
+            keys = wire.decode_keys(d.keys, f"table {d.table!r}: keys")
+            table.assign(keys, _delta_rows(d, keys.shape[0]))
+            deleted = wire.decode_keys(d.deleted_keys, f"table {d.table!r}: deleted_keys")
+            if deleted.size:
+                table.remove(deleted)
+        self.applied_version = max(self.applied_version, batch.version)
+        self.batches += 1
+
     def _apply_snapshot(self, end: pb.FollowBatch) -> None:
         with self.shard.serve_lock.writing():
-            self._take_specs(end.specs)
-            for table in self.shard.tables():
-                parts = self._staged.pop(table.spec.name, [])
-                keys = np.concatenate([k for k, _ in parts]) if parts else np.empty(0, np.int64)
-                held = table.export().keys  # before the snapshot: a new follower's are none, at no cost
-                if parts:
-                    table.assign(keys, np.concatenate([r for _, r in parts]))
-                stale = np.setdiff1d(held, keys, assume_unique=True) if held.size else held
-                if stale.size and end.num_shards:  # keys that moved away in a reshard stay for now
-                    stale = stale[shard_of(stale, end.num_shards) == self.shard.index]
-                if stale.size:
-                    table.remove(stale)
-            self.history, self.applied_version = end.history, end.version
-            self.followed_lineage = end.lineage
-            self.leader_version = end.leader_version  # versions of an earlier history do not count
-            self.snapshots += 1
-            self.resyncing = False
+            self.install_snapshot(self._staged, end)
         self._staged = {}
         log.info("loaded a snapshot of %s at version %d (history %s)", self.leader, end.version, end.history)
         self._save_state(force=True)
+
+    def install_snapshot(
+        self, staged: dict[str, list[tuple[npt.NDArray[np.int64], npt.NDArray[Any]]]], end: pb.FollowBatch
+    ) -> None:
+        """Replace the tables' rows with a snapshot's (the caller holds ``serve_lock`` to write)."""
+        self._take_specs(end.specs)
+        for table in self.shard.tables():
+            parts = staged.pop(table.spec.name, [])
+            keys = np.concatenate([k for k, _ in parts]) if parts else np.empty(0, np.int64)
+            held = table.export().keys  # before the snapshot: a new follower's are none, at no cost
+            if parts:
+                table.assign(keys, np.concatenate([r for _, r in parts]))
+            stale = np.setdiff1d(held, keys, assume_unique=True) if held.size else held
+            if stale.size and end.num_shards:  # keys that moved away in a reshard stay for now
+                stale = stale[shard_of(stale, end.num_shards) == self.shard.index]
+            if stale.size:
+                table.remove(stale)
+        self.history, self.applied_version = end.history, end.version
+        self.followed_lineage = end.lineage
+        self.leader_version = end.leader_version  # versions of an earlier history do not count
+        self.snapshots += 1
+        self.resyncing = False
 
     def _take_specs(self, specs: Iterable[pb.TableSpec]) -> None:
         """Create the leader's tables this shard lacks (lifecycle rules are the leader's to apply),
@@ -335,6 +382,10 @@ class Source:
         elif self._behind_since is None:
             self._behind_since = time.monotonic()
 
+    def save_state(self) -> None:
+        """Write the rows applied and the version they reach now (``ps.replication.gate``)."""
+        self._save_state(force=True)
+
     def _save_state(self, force: bool = False) -> None:
         """Write the rows applied so far, then the version they reach (a restart continues there)."""
         storage = self.shard.storage
@@ -345,9 +396,10 @@ class Source:
         self._saved_at = time.monotonic()
         with self.shard.serve_lock.reading():
             history, version, lineage = self.history, self.applied_version, self.followed_lineage
+            publication = self.publication
         try:
             self.shard.flush()
-            storage.put_meta(_STATE_KEY, f"{history} {version} {lineage}".encode())
+            storage.put_meta(_STATE_KEY, f"{history} {version} {lineage or '-'} {publication}".strip().encode())
             self._saved_version = version
         except StorageFailed as exc:
             log.warning("could not save the followed rows: %s (retrying later)", exc)

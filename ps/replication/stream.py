@@ -25,6 +25,7 @@ import numpy.typing as npt
 from protos import ps_pb2 as pb
 from protos import wire
 from ps.replication.changes import ChangeLog
+from ps.replication.publish import Publications
 from ps.store import precision
 from ps.table import Table, spec_to_proto
 
@@ -44,14 +45,18 @@ def follow_batches(
     lineage: str = "",
     owned: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.bool_]] | None = None,
     num_shards: Callable[[], int] | None = None,
+    publications: Publications | None = None,
 ) -> Iterator[pb.FollowBatch]:
     """The stream a follower at ``(history, version)`` needs, from the change log
     ``changes`` of the tables ``tables()`` returns, until ``active()`` turns false. Every
     message carries ``lineage`` (the leader's: which data its rows are). ``owned(keys)``:
     which keys the leader owns now; a key without a row is sent as deleted only if it
     does (one that moved to another shard in a live reshard stays with the follower
-    until the serving shards switch maps); a snapshot's end says ``num_shards()``."""
-    for batch in _batches(changes, tables, history, version, active, max_message_bytes, heartbeat_s, owned):
+    until the serving shards switch maps); a snapshot's end says ``num_shards()``. With
+    ``publications``, the stream reports how far its batches are built and announces each
+    publication after the batch that reaches it (``ps.replication.publish``)."""
+    batches = _batches(changes, tables, history, version, active, max_message_bytes, heartbeat_s, owned, publications)
+    for batch in batches:
         batch.lineage = lineage
         if batch.snapshot_end and num_shards is not None:
             batch.num_shards = num_shards()
@@ -67,24 +72,53 @@ def _batches(
     max_message_bytes: int,
     heartbeat_s: float,
     owned: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.bool_]] | None,
+    publications: Publications | None,
 ) -> Iterator[pb.FollowBatch]:
     log, limit = changes, max(1 << 16, max_message_bytes - _OVERHEAD_BYTES)
     sent = version if history == log.history and log.holds(version) else None
-    while active():
-        if sent is None:
-            sent = yield from _snapshot(log, tables(), limit)
-            continue
-        version = log.wait(sent, heartbeat_s)
-        if version == sent:
-            yield pb.FollowBatch(history=log.history, version=sent, leader_version=version)
-            continue
-        changed = log.since(sent)
-        if changed is None:  # the log moved past ``sent`` while this follower was slow
-            sent = None
-            continue
-        version, unix_s, keys = changed
-        yield from _delta(log, tables(), version, unix_s, keys, limit, sent, owned)
-        sent = version
+    stream = publications.open_stream(-1 if sent is None else sent) if publications is not None else 0
+
+    def marker() -> pb.FollowBatch | None:
+        """The publication this stream announces now, if any (its batches are built up to ``sent``)."""
+        if publications is None or sent is None:
+            return None
+        publications.built(stream, sent)
+        found = publications.marker(stream, sent)
+        if found is None:
+            return None
+        name, exact = found
+        return pb.FollowBatch(
+            history=log.history, version=sent, leader_version=log.version, published=name, published_exact=exact
+        )
+
+    try:
+        while active():
+            if sent is None:
+                sent = yield from _snapshot(log, tables(), limit)
+                if (mark := marker()) is not None:
+                    yield mark
+                continue
+            version = log.wait(sent, heartbeat_s)
+            if version == sent:
+                mark = marker()
+                yield (
+                    mark
+                    if mark is not None
+                    else pb.FollowBatch(history=log.history, version=sent, leader_version=version)
+                )
+                continue
+            changed = log.since(sent)
+            if changed is None:  # the log moved past ``sent`` while this follower was slow
+                sent = None
+                continue
+            version, unix_s, keys = changed
+            yield from _delta(log, tables(), version, unix_s, keys, limit, sent, owned)
+            sent = version
+            if (mark := marker()) is not None:
+                yield mark
+    finally:
+        if publications is not None:
+            publications.close_stream(stream)
 
 
 def _specs(tables: Sequence[Table]) -> list[pb.TableSpec]:

@@ -236,6 +236,14 @@ class ServerConfig:
             "streams and applies, seconds fresh; with --data-dir the copy is kept there (its own directory)"
         },
     )
+    published_only: bool = field(
+        default=False,
+        metadata={
+            "help": "serve mode with --follow: apply the training shard's changes only at its publications (what "
+            "the online trainer publishes when a window passes its guards), all at once; until then serve the "
+            "publication before. ps-admin rollback goes back one (docs/guides/online.md)"
+        },
+    )
     serving_peers: tuple[str, ...] = field(
         default=(),
         metadata={
@@ -312,6 +320,8 @@ class ServerConfig:
             raise ConfigError(f"eviction={self.eviction!r}: expected one of {', '.join(EVICTIONS)}")
         if self.serve_dtype not in ("stored", *precision.SERVE_TYPES):
             raise ConfigError(f"serve_dtype={self.serve_dtype!r}: expected stored, {', '.join(precision.SERVE_TYPES)}")
+        if self.published_only and (self.mode != "serve" or self.follow is None):
+            raise ConfigError("published_only needs mode=serve and follow: it gates the changes a follower applies")
         if self.serve_dtype != "stored" and self.mode != "serve":
             raise ConfigError(
                 f"serve_dtype={self.serve_dtype!r} needs mode=serve: a training shard stores its spec's type"

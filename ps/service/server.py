@@ -72,6 +72,8 @@ ROLES = {
         ("Checkpoint", "admin"),
         ("LoadCheckpoint", "admin"),
         ("ServeFrom", "admin"),
+        ("Publish", "write"),
+        ("RollBack", "admin"),
         ("GetMap", "read"),
         ("MoveRows", "write"),
         ("Reshard", "admin"),
@@ -169,7 +171,12 @@ def _open_shard(config: ServerConfig) -> Shard:
 
         def source(shard: Shard) -> Source:
             return Source(
-                shard, config.follow, max_message_bytes=config.max_message_bytes, serve_dtype=config.serve_dtype, **peer
+                shard,
+                config.follow,
+                max_message_bytes=config.max_message_bytes,
+                serve_dtype=config.serve_dtype,
+                published_only=config.published_only,
+                **peer,
             )
 
     if config.shard >= config.num_shards:

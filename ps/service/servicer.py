@@ -109,6 +109,8 @@ class Servicer:
                     self.Follow, request_deserializer=None, response_serializer=lambda m: m.SerializeToString()
                 ),
                 "ServeFrom": _unary(self.ServeFrom, True),
+                "Publish": _unary(self.Publish, True),
+                "RollBack": _unary(self.RollBack, True),
                 "GetMap": _unary(self.GetMap, True),
                 "Reshard": _unary(self.Reshard, True),
                 "MoveRows": grpc.unary_stream_rpc_method_handler(
@@ -190,6 +192,17 @@ class Servicer:
             )
         raise AssertionError("unreachable: status_boundary aborts")
 
+    def Publish(self, request: bytes, context: grpc.ServicerContext) -> pb.PublishResponse:
+        with status_boundary(context, "Publish"):
+            return self._shard.publish(pb.PublishRequest.FromString(request))
+        raise AssertionError("unreachable: status_boundary aborts")
+
+    def RollBack(self, request: bytes, context: grpc.ServicerContext) -> pb.RollBackResponse:
+        with status_boundary(context, "RollBack"):
+            pb.RollBackRequest.FromString(request)  # no fields, but bytes that do not decode are refused
+            return pb.RollBackResponse(status=self._shard.roll_back())
+        raise AssertionError("unreachable: status_boundary aborts")
+
     def GetMap(self, request: bytes, context: grpc.ServicerContext) -> pb.GetMapResponse:
         with status_boundary(context, "GetMap"):
             pb.GetMapRequest.FromString(request)  # no fields, but bytes that do not decode are refused
@@ -247,6 +260,7 @@ def lookup_response(
 
     def response_rows(specs: Sequence[TableSpec]) -> list[npt.NDArray[np.float32]]:
         nonlocal writer
+        publication = shard.role.publication  # read under the lock the rows are: the one they are of
         layout = [(name, k.shape[0], spec.dim, dt) for (name, k), spec, dt in zip(decoded, specs, dtypes, strict=True)]
         total = sum(n * dim * wire.dtype_itemsize(dt) for _, n, dim, dt in layout)
         if total > max_response_bytes - _RESPONSE_OVERHEAD_BYTES:
@@ -254,7 +268,7 @@ def lookup_response(
                 f"Lookup response would be {total} bytes, over this shard's max_message_bytes="
                 f"{max_response_bytes}: send fewer keys per request"
             )
-        writer = wire.LookupResponseWriter(layout)
+        writer = wire.LookupResponseWriter(layout, publication)
         out = []
         for i, ((_, n, dim, dt), spec) in enumerate(zip(layout, specs, strict=True)):
             if dt in (wire.FLOAT32, precision.to_wire(spec.storage_dtype)):  # the table's bits as they are, or float32
@@ -272,7 +286,7 @@ def lookup_response(
 
     shard.lookup(batch, response_rows, read_only=read_only)
     if writer is None:  # no entries: the shard asked for no buffer
-        writer = wire.LookupResponseWriter([])
+        writer = wire.LookupResponseWriter([], shard.role.publication)
     for i, rows in staged:
         precision.to_wire_rows(rows, writer.rows(i))
     return writer.finish()

@@ -98,6 +98,15 @@ class RowSource(Protocol):
         """Serve ``checkpoint`` ("" : the source's own rows again); the status after."""
         ...
 
+    @property
+    def publication(self) -> str:
+        """The publication served (``--published-only``; "" before the first, or without)."""
+        ...
+
+    def roll_back(self) -> pb.FollowStatus:
+        """Serve the publication before the current one again; the status after."""
+        ...
+
 
 Mode = Literal["train", "serve"]
 MODES: tuple[Mode, ...] = ("train", "serve")

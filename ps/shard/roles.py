@@ -27,11 +27,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 
 from protos import ps_pb2 as pb
-from ps.errors import WrongMode
+from ps.errors import InvalidRequest, WrongMode
 from ps.replication import ChangeLog
+from ps.replication.publish import DEFAULT_WAIT_S, Held, Publications
 from ps.rwlock import ReadWriteLock
 from ps.shard.batches import Mode, RowSource
 
@@ -54,6 +56,7 @@ class Training:
         lineage: str,
     ) -> None:
         self._index, self._writing, self._changes, self._lineage = index, writing, changes, lineage
+        self.publications = Publications(changes)
 
     def refuse_writes(self, what: str) -> None:
         """A training shard takes every write."""
@@ -75,9 +78,49 @@ class Training:
             f"ServeFrom refused: shard {self._index} is a training shard (mode=train); only serving shards switch sources"
         )
 
+    def publish(self, request: pb.PublishRequest) -> pb.PublishResponse:
+        """Publish the rows as they are now under ``request.name``, or hold or release
+        publishing (``ps.replication.publish``); neither: only say where publishing stands.
+        A held publication is an answer, not an error."""
+        pubs, held = self.publications, False
+        if request.name and request.hold:
+            raise InvalidRequest("Publish: give a name (to publish) or hold (HOLD or RELEASE), not both")
+        if len(request.name) > 200 or not request.name.isprintable():
+            raise InvalidRequest(f"Publish: name {request.name[:200]!r}: at most 200 printable characters")
+        if not math.isfinite(request.wait_s) or request.wait_s < 0:
+            raise InvalidRequest(f"Publish: wait_s={request.wait_s}: seconds >= 0 (0: the default)")
+        version, streams, exact = self._changes.version, 0, 0
+        if request.hold == pb.PublishRequest.HOLD:
+            pubs.hold("held by hand (ps-admin publish --hold); release with ps-admin publish --release")
+        elif request.hold == pb.PublishRequest.RELEASE:
+            pubs.release()
+        elif request.name:
+            try:
+                version, streams, exact = pubs.publish(request.name, request.wait_s or DEFAULT_WAIT_S)
+            except Held:
+                held = True
+        return pb.PublishResponse(
+            version=version,
+            held=held,
+            followers=streams,
+            exact=exact,
+            published=pubs.published,
+            held_by=pubs.held_by,
+        )
+
+    def roll_back(self) -> pb.FollowStatus:
+        raise WrongMode(
+            f"RollBack refused: shard {self._index} is a training shard (mode=train); serving shards roll back "
+            "what they serve"
+        )
+
     @property
     def source(self) -> RowSource | None:
         return None
+
+    @property
+    def publication(self) -> str:
+        return ""
 
     @property
     def version(self) -> int:
@@ -124,6 +167,21 @@ class Serving:
         if self.source is None:
             raise WrongMode(f"ServeFrom refused: serving shard {self._index} has no source to switch")
         return self.source.serve_from(checkpoint)
+
+    def publish(self, request: pb.PublishRequest) -> pb.PublishResponse:
+        raise WrongMode(
+            f"Publish refused: shard {self._index} is a serving shard (mode=serve); publish on the training shards"
+        )
+
+    def roll_back(self) -> pb.FollowStatus:
+        if self.source is None:
+            raise WrongMode(f"RollBack refused: serving shard {self._index} has no source")
+        return self.source.roll_back()
+
+    @property
+    def publication(self) -> str:
+        """The publication served ("" without --published-only, or before the first)."""
+        return self.source.publication if self.source is not None else ""
 
     @property
     def version(self) -> int:

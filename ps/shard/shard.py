@@ -432,6 +432,7 @@ class Shard:
             lineage=self.lineage,
             owned=lambda keys: self.reshard.map.owns(keys, self.index),
             num_shards=lambda: self.num_shards,
+            publications=self.role.publications if isinstance(self.role, Training) else None,
         )
 
     def serve_from(self, checkpoint: str) -> pb.FollowStatus:
@@ -440,6 +441,18 @@ class Shard:
         ``InvalidRequest`` for a checkpoint it cannot serve."""
         self.check_request()
         return self.role.serve_from(checkpoint)
+
+    def publish(self, request: pb.PublishRequest) -> pb.PublishResponse:
+        """Publish this training shard's rows, or hold or release publishing
+        (``ps.replication.publish``). Raises ``WrongMode`` on a serving shard."""
+        self.check_request()
+        return self.role.publish(request)
+
+    def roll_back(self) -> pb.FollowStatus:
+        """A ``--published-only`` serving shard: serve the publication before the current one
+        again. Raises ``WrongMode`` on a training shard, ``InvalidRequest`` with none to go back to."""
+        self.check_request()
+        return self.role.roll_back()
 
     def get_map(self) -> pb.GetMapResponse:
         """The cluster map this shard routes by, and where a reshard stands here."""

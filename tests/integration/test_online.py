@@ -207,7 +207,7 @@ def test_a_redis_stream_trains_until_idle(tmp_path: Path, procs: list[RunningSha
     with redis_server(tmp_path / "redis") as port:
         r = redis.Redis("127.0.0.1", port)
         rng = np.random.default_rng(0)
-        for i in range(600):
+        for _ in range(600):
             r.xadd("clicks", {"row": f"{int(rng.random() < 0.3)},{rng.integers(0, 9)},u{rng.integers(0, 50)}"})
         schema = tmp_path / "clicks.toml"
         schema.write_text(
