@@ -260,7 +260,7 @@ def lookup_response(
 
     def response_rows(specs: Sequence[TableSpec]) -> list[npt.NDArray[np.float32]]:
         nonlocal writer
-        publication = shard.role.publication  # read under the lock the rows are: the one they are of
+        publication = shard.publication  # read under the lock the rows are: the one they are of
         layout = [(name, k.shape[0], spec.dim, dt) for (name, k), spec, dt in zip(decoded, specs, dtypes, strict=True)]
         total = sum(n * dim * wire.dtype_itemsize(dt) for _, n, dim, dt in layout)
         if total > max_response_bytes - _RESPONSE_OVERHEAD_BYTES:
@@ -286,7 +286,7 @@ def lookup_response(
 
     shard.lookup(batch, response_rows, read_only=read_only)
     if writer is None:  # no entries: the shard asked for no buffer
-        writer = wire.LookupResponseWriter([], shard.role.publication)
+        writer = wire.LookupResponseWriter([], shard.publication)
     for i, rows in staged:
         precision.to_wire_rows(rows, writer.rows(i))
     return writer.finish()

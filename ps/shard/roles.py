@@ -32,8 +32,7 @@ from collections.abc import Callable
 
 from protos import ps_pb2 as pb
 from ps.errors import InvalidRequest, WrongMode
-from ps.replication import ChangeLog
-from ps.replication.publish import DEFAULT_WAIT_S, Held, Publications
+from ps.replication import DEFAULT_WAIT_S, ChangeLog, Held, Publications
 from ps.rwlock import ReadWriteLock
 from ps.shard.batches import Mode, RowSource
 

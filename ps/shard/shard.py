@@ -448,6 +448,12 @@ class Shard:
         self.check_request()
         return self.role.publish(request)
 
+    @property
+    def publication(self) -> str:
+        """The publication a ``--published-only`` serving shard's rows are of ("": none, or
+        another kind of shard); read under the lock lookups hold, it names their rows."""
+        return self.role.publication
+
     def roll_back(self) -> pb.FollowStatus:
         """A ``--published-only`` serving shard: serve the publication before the current one
         again. Raises ``WrongMode`` on a training shard, ``InvalidRequest`` with none to go back to."""

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from client import PSClient
 from client.predict import PredictClient
