@@ -302,6 +302,7 @@ class _Online:
         self.run_written = False  # the run directory ps-infer loads (at the first publication)
         self._skipped_at = 0  # run.skipped when the window began
         self._lag_at = 0.0
+        self._first_said = False
         self._lag_s = float("inf")  # the lag read before: a warning needs it to grow
         self._behind_said = 0.0
 
@@ -346,6 +347,9 @@ class _Online:
                         run.prefetch(ahead_batch[1])
                 window = self._step(run, batch, inputs, progress, ckpts, lines, validation)
                 self.trained_s += time.perf_counter() - t0
+                if not self._first_said:
+                    self._first_said = True
+                    log.info("first batch trained (batch %d, %d rows)", progress.batches, batch.batch_size)
                 if lines.appended_s is not None:
                     self.metrics.event_to_trained_seconds.set(max(0.0, time.time() - lines.appended_s))
                 if window is not None:
