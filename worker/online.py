@@ -336,9 +336,16 @@ class _Online:
                 t0 = time.perf_counter()
                 batch, inputs = ahead_batch if ahead_batch is not None else (self.rows.batch(lines), None)
                 ahead_batch = None
+                if self.run is None:  # made once: not training time
+                    self._pass(batch, dense_state)
+                    t0 = time.perf_counter()
                 run = self._pass(batch, dense_state)
-                inputs = inputs if inputs is not None else run.inputs(batch)
-                # The next batch, if it is complete already: its lookup overlaps this step.
+                if inputs is None:  # not read ahead: its lookup starts now, before the next one's
+                    inputs = run.inputs(batch)
+                    if batch.batch_size:
+                        run.prefetch(inputs)
+                # The next batch, if it is complete already: its lookup overlaps this step
+                # (prefetched after this one's: the embeddings take lookups in step order).
                 ahead = source.next_batch(progress.batch_size, 0.0)
                 if ahead is not None:
                     nxt = self.rows.batch(ahead)

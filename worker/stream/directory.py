@@ -46,6 +46,9 @@ class DirectorySource:
         self._offset, self._line, self._eof, self._done = 0, 0, False, 0
         self._header: tuple[str, ...] | None = None
         self._bytes_read, self._rows_read = 0, 0  # for the lag in rows
+        # Bytes of the current file read past the offset, where the buffer starts, and the
+        # positions of its line ends.
+        self._ahead, self._ahead_at, self._ends = b"", -1, np.empty(0, np.int64)
 
     # -- position -------------------------------------------------------------------
     def position(self) -> Position:
@@ -82,6 +85,7 @@ class DirectorySource:
         if self._f is not None:
             self._f.close()
             self._f = None
+        self._ahead, self._ahead_at, self._ends = b"", -1, np.empty(0, np.int64)
 
     # -- reading --------------------------------------------------------------------
     def next_batch(self, max_rows: int, wait_s: float) -> Lines | None:
@@ -147,26 +151,30 @@ class DirectorySource:
         return tuple(first.decode("utf-8-sig").rstrip("\r\n").split(self.schema.sep)) if first else None
 
     def _read(self, max_rows: int) -> Lines | None:
-        """Up to ``max_rows`` lines of the current file from the offset (None: at its end)."""
+        """Up to ``max_rows`` lines of the current file from the offset (None: at its end).
+        What was read past them waits in a buffer for the next batch: each byte is read once."""
         assert self._f is not None and self._file is not None
         f = self._f
-        f.seek(self._offset)
-        parts: list[bytes] = []
-        lines = 0
-        while lines < max_rows:
+        if self._ahead_at != self._offset:  # after a seek or a new file: read from the offset
+            f.seek(self._offset)
+            self._ahead, self._ends, self._ahead_at = b"", np.empty(0, np.int64), self._offset
+        while self._ends.shape[0] < max_rows:
             block = f.read(CHUNK_BYTES)
             if not block:
                 break
-            parts.append(block)
-            lines += block.count(b"\n")
-        data = b"".join(parts)
-        if lines >= max_rows:
-            cut = int(np.flatnonzero(np.frombuffer(data, np.uint8) == 10)[max_rows - 1]) + 1
-            data = data[:cut]
-        elif data and not data.endswith(b"\n"):
-            data += b"\n"  # the last line of a file without a newline
+            ends = np.flatnonzero(np.frombuffer(block, np.uint8) == 10) + len(self._ahead)
+            self._ahead, self._ends = self._ahead + block, np.concatenate([self._ends, ends])
+        if self._ends.shape[0] >= max_rows:
+            cut = int(self._ends[max_rows - 1]) + 1
+            data, self._ahead = self._ahead[:cut], self._ahead[cut:]
+            self._ends = self._ends[max_rows:] - cut
+        else:
+            data, self._ahead, self._ends = self._ahead, b"", np.empty(0, np.int64)
+            if data and not data.endswith(b"\n"):
+                data += b"\n"  # the last line of a file without a newline
         size = os.fstat(f.fileno()).st_size
         offset = min(size, self._offset + len(data))
+        self._ahead_at = offset
         first_line, self._line = self._line + 1, self._line + data.count(b"\n")
         self._offset, self._eof = offset, offset >= size
         if not data:
