@@ -26,6 +26,7 @@ import torch
 
 from client import PSClient
 from tests.integration.shards import RunningShard, start_shard, stop_shard
+from tests.integration.test_admin import ok, ps_admin
 from tests.profiles import long_run
 from tests.redis_server import redis_server
 from worker.data import ColumnSchema, read_click_log
@@ -89,9 +90,13 @@ def newest_checkpoint(ckpt: Path) -> int:
     return max(steps, default=-1)
 
 
+SHARD_ARGS = ("--data-dir=data-{shard}", "--durability=every-push", "--reshard-settle-s=1")
+
+
 @needs_criteo
+@pytest.mark.parametrize("scale", [False, True], ids=["kills", "kills-and-a-live-scale"])
 def test_kill_anywhere_in_sync_mode_ends_bit_equal_to_a_run_never_killed(
-    tmp_path: Path, procs: list[RunningShard], request: pytest.FixtureRequest
+    tmp_path: Path, procs: list[RunningShard], request: pytest.FixtureRequest, scale: bool
 ) -> None:
     long = long_run(request.config)
     rows, batch = (4000, 64) if long else (1280, 64)
@@ -101,7 +106,7 @@ def test_kill_anywhere_in_sync_mode_ends_bit_equal_to_a_run_never_killed(
     keys = all_keys(data)
     sync = ("--mode=sync", "--batch-size=64", "--checkpoint-every=1", "--validation-window=320")
 
-    # Never killed.
+    # Never killed, never scaled.
     shards = start_shards(tmp_path / "ref", procs)
     addresses = [s.address for s in shards]
     cmd = trainer_command(addresses, f"dir:{data}", tmp_path / "ref-out", f"--checkpoint-dir={tmp_path / 'ref-ckpt'}")
@@ -110,12 +115,18 @@ def test_kill_anywhere_in_sync_mode_ends_bit_equal_to_a_run_never_killed(
     for s in shards:
         stop_shard(s)
 
-    # Killed: the trainer, a shard, or both, at random batches; restarted as documented.
+    # Killed: the trainer, a shard, or both, at random batches, restarted as documented; with
+    # `scale`, the cluster also grows from 2 to 3 shards under the training (ps-admin scale).
     rng = random.Random(7)
     victims = ["trainer", "shard", "trainer", "both", "trainer"] * (4 if long else 1)
     victims = victims[: 12 if long else 3]
+    if scale:
+        victims.insert(len(victims) // 2, "scale")
     at = sorted(rng.sample(range(2, batches - 1), len(victims)))
-    shards = start_shards(tmp_path / "killed", procs)
+    root = tmp_path / "killed"
+    shards = [start_shard(i, 2, root, *SHARD_ARGS) for i in range(2)]
+    procs.extend(shards)
+    sizes = [2, 2]  # what each shard was started as
     addresses = [s.address for s in shards]
     ckpt = tmp_path / "killed-ckpt"
     cmd = [*trainer_command(addresses, f"dir:{data}", tmp_path / "killed-out", f"--checkpoint-dir={ckpt}"), *sync]
@@ -136,6 +147,12 @@ def test_kill_anywhere_in_sync_mode_ends_bit_equal_to_a_run_never_killed(
                 assert time.monotonic() < deadline, f"no progress to batch {when} in 120 s"
                 time.sleep(0.005)
             time.sleep(rng.uniform(0, 0.05))
+            if victim == "scale":
+                shards.append(start_shard(2, 3, root, *SHARD_ARGS))
+                procs.append(shards[-1])
+                sizes.append(3)
+                src, dst = ",".join(s.address for s in shards[:2]), ",".join(s.address for s in shards)
+                ok(ps_admin("scale", "--addresses", src, "--to", dst, cwd=tmp_path))
             if victim in ("shard", "both"):
                 k = rng.randrange(len(shards))
                 port = shards[k].address.rsplit(":", 1)[1]
@@ -145,14 +162,7 @@ def test_kill_anywhere_in_sync_mode_ends_bit_equal_to_a_run_never_killed(
                 trainer.kill()
                 trainer.wait()
             if victim in ("shard", "both"):
-                shards[k] = start_shard(
-                    k,
-                    len(shards),
-                    tmp_path / "killed",
-                    "--data-dir=data-{shard}",
-                    "--durability=every-push",
-                    listen=f"127.0.0.1:{port}",
-                )
+                shards[k] = start_shard(k, sizes[k], root, *SHARD_ARGS, listen=f"127.0.0.1:{port}")
                 procs.append(shards[k])
             if trainer.poll() is not None:
                 restarts += 1
@@ -169,10 +179,13 @@ def test_kill_anywhere_in_sync_mode_ends_bit_equal_to_a_run_never_killed(
     assert sorted(got) == sorted(expected)
     differ = [name for name in expected if not np.array_equal(got[name], expected[name])]
     assert not differ, (
-        f"after {len(victims)} kills ({victims} at batches {at}): {differ} differ from the run never killed"
+        f"after {len(victims)} events ({victims} at batches {at}): {differ} differ from the run never killed"
     )
     metrics = json.loads((tmp_path / "killed-out" / "metrics.json").read_text())
     assert metrics["batches"] == batches and metrics["rows"] == rows
+    if scale:
+        with PSClient(addresses) as client:
+            assert {s["num_shards"] for s in client.admin.stats()} == {3}  # the map the shards route by now
 
 
 @needs_criteo
