@@ -226,10 +226,11 @@ class TrainingPass:
     def prefetch(self, inputs: dict[str, JaggedIds]) -> None:
         self.emb.prefetch(inputs)
 
-    def train(self, batch: Batch, inputs: dict[str, JaggedIds], seq: int) -> torch.Tensor:
-        """Train one batch outside an ``EpochPlan`` (a stream's): its push as ``seq``. Returns
-        the logits the model gave the batch before it trained on it (detached)."""
-        logits = self._step(batch, inputs, seq, None, time.perf_counter())
+    def train(self, batch: Batch, inputs: dict[str, JaggedIds], seq: int, scale: float | None = None) -> torch.Tensor:
+        """Train one batch outside an ``EpochPlan`` (a stream's): its push as ``seq``; ``scale``
+        as ``_step`` takes it. Returns the logits the model gave the batch before it trained
+        on it (detached)."""
+        logits = self._step(batch, inputs, seq, scale, time.perf_counter())
         self.steps += 1
         return logits
 

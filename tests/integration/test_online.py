@@ -30,6 +30,7 @@ from tests.integration.test_admin import ok, ps_admin
 from tests.profiles import long_run
 from tests.redis_server import redis_server
 from worker.data import ColumnSchema, read_click_log
+from worker.distributed import PID_DIR_ENV
 
 CRITEO = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "criteo_kaggle_train_head10k.txt"
 needs_criteo = pytest.mark.skipif(not CRITEO.exists(), reason=f"{CRITEO} is not on this machine")
@@ -242,3 +243,54 @@ def test_a_redis_stream_trains_until_idle(tmp_path: Path, procs: list[RunningSha
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["rows"] == 600 and len(metrics["windows"]) == 3
     assert metrics["position"] == {"last": last, "next": None}
+
+
+def torchrun(workers: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}", *args]
+
+
+@needs_criteo
+def test_two_workers_split_the_stream_and_resume_as_a_group(tmp_path: Path, procs: list[RunningShard]) -> None:
+    data = tmp_path / "landed"
+    land_files(data, 2560, 320)  # 8 files, split between the workers by name
+    shards = start_shards(tmp_path / "shards", procs)
+    addresses = [s.address for s in shards]
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    trainer = trainer_command(
+        addresses,
+        f"dir:{data}",
+        out,
+        f"--checkpoint-dir={ckpt}",
+        "--checkpoint-every=2",
+        "--batch-size=64",
+        "--validation-window=640",
+    )
+    cmd = torchrun(2, "-m", *trainer[2:])  # the trainer's module and flags, under torchrun
+    log = (tmp_path / "trainer.log").open("ab")
+    pids = tmp_path / "pids"
+    env = {**os.environ, PID_DIR_ENV: str(pids)}  # each worker writes rank-R.pid there
+    group = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while newest_checkpoint(ckpt) < 6:
+            assert group.poll() is None and time.monotonic() < deadline, (tmp_path / "trainer.log").read_text()[-3000:]
+            time.sleep(0.005)
+        for pid in [*(int(p.read_text()) for p in pids.glob("rank-*.pid")), group.pid]:  # the group, mid-stream
+            os.kill(pid, signal.SIGKILL)
+        group.wait()
+        resumed = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=600)
+        assert resumed.returncode == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        wrong = subprocess.run(torchrun(1, "-m", *trainer[2:]), cwd=REPO, capture_output=True, text=True, timeout=600)
+    finally:
+        if group.poll() is None:
+            group.kill()
+        log.close()
+    metrics = json.loads((out / "metrics.json").read_text())
+    # Every row trained once, each by the worker owning its file: 5 batches of 64 per file of 320.
+    assert metrics["workers"] == 2 and metrics["rows"] == 2560 and metrics["batches"] == 40
+    text = (tmp_path / "trainer.log").read_text()
+    assert "resuming from" in text and "published" in text and text.count("ending the run") == 1
+    assert "rank=0 logger=worker.trainer msg=first batch trained" in text  # each worker had files
+    assert "rank=1 logger=worker.trainer msg=first batch trained" in text
+    assert wrong.returncode != 0 and "splits its stream over 2 workers, and 1 were started" in wrong.stderr
+    assert (out / "manifest.json").exists()

@@ -207,3 +207,21 @@ def test_redis_addresses_that_do_not_work_are_one_line(redis_port: int) -> None:
         open_stream("redis://127.0.0.1:1/clicks", SCHEMA)
     with pytest.raises(ValueError, match="no header line"):
         open_stream(f"redis://127.0.0.1:{redis_port}/clicks", HEADED)
+
+
+def test_workers_split_a_directory_and_a_stream_each_row_once(tmp_path: Path, stream: tuple[str, object]) -> None:
+    for k in range(12):
+        land(tmp_path, f"part-{k:03d}", rows(10 * k, 10 * k + 10))
+    parts = [values(drain(open_stream(f"dir:{tmp_path}", SCHEMA, part=(r, 3)), 4)) for r in range(3)]
+    assert all(parts) and sorted(sum(parts, [])) == sorted(rows(0, 120).encode().splitlines())
+    url, r = stream
+    name = url.rsplit("/", 1)[1]
+    add(r, name, 1000, 0, 50)
+    split = [values(drain(open_stream(url, SCHEMA, part=(k, 2)), 7)) for k in range(2)]
+    assert all(split) and sorted(sum(split, [])) == sorted(rows(0, 50).encode().splitlines())
+    again = open_stream(url, SCHEMA, part=(1, 2))  # resumes within its part
+    first = again.next_batch(7, 0.0)
+    assert first is not None
+    resumed = open_stream(url, SCHEMA, part=(1, 2))
+    resumed.seek(first.end)
+    assert values([first]) + values(drain(resumed, 7)) == split[1]

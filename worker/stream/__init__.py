@@ -24,6 +24,7 @@ the log. It is not shipped: no broker runs on the machines this project is teste
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,6 +37,7 @@ __all__ = [
     "StreamSource",
     "StreamBadLines",
     "is_stream",
+    "part_of",
     "open_stream",
 ]
 
@@ -113,20 +115,33 @@ class StreamSource(Protocol):
     def close(self) -> None: ...
 
 
+def part_of(name: bytes, world: int) -> int:
+    """The part (of ``world``) a file name or entry ID belongs to: a hash spread evenly over
+    any names (CRC-32 is not: its low bits follow names that differ in a digit or two).
+
+    >>> sorted({part_of(f"part-{k:08d}.tsv".encode(), 2) for k in range(8)})
+    [0, 1]
+    """
+    return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little") % world
+
+
 def is_stream(data: str) -> bool:
     """Whether ``--data`` names a stream rather than a file (or ``synthetic``)."""
     return data.startswith(("dir:", "redis://"))
 
 
-def open_stream(data: str, schema: ColumnSchema, *, window_ms: int = 100) -> StreamSource:
+def open_stream(
+    data: str, schema: ColumnSchema, *, window_ms: int = 100, part: tuple[int, int] = (0, 1)
+) -> StreamSource:
     """The source ``--data`` names (``dir:PATH`` or ``redis://HOST:PORT/STREAM``), at the
     start of its log (``seek`` moves it). Raises ``StreamError`` (one line) for an address
     that does not parse or a stream that cannot be reached, ``DataError`` for a schema the
-    source cannot read (a Redis row has no header line to name its columns)."""
+    source cannot read (a Redis row has no header line to name its columns). ``part``:
+    ``(rank, world)``, the part of the stream this worker of ``world`` reads."""
     if data.startswith("dir:"):
         from worker.stream.directory import DirectorySource
 
-        return DirectorySource(data.removeprefix("dir:"), schema)
+        return DirectorySource(data.removeprefix("dir:"), schema, part)
     if data.startswith("redis://"):
         if schema.header:
             raise DataError(
@@ -136,5 +151,5 @@ def open_stream(data: str, schema: ColumnSchema, *, window_ms: int = 100) -> Str
             )
         from worker.stream.redisstream import RedisSource
 
-        return RedisSource(data, window_ms=window_ms)
+        return RedisSource(data, window_ms=window_ms, part=part)
     raise StreamError(f"--data {data!r}: a stream is dir:PATH or redis://HOST:PORT/STREAM")

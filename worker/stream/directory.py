@@ -9,7 +9,8 @@ run with a ``StreamError`` instead. Old files may be deleted once read (the posi
 names the file being read, its byte offset, and how many files came before it).
 
 A batch never spans two files: the last one of a file holds the rows left in it. With a
-header (``--schema`` with ``header = true``) every file starts with its own.
+header (``--schema`` with ``header = true``) every file starts with its own. Several workers
+split the files by a hash of their names, each reading its own in name order.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import BinaryIO
 import numpy as np
 
 from worker.schema import ColumnSchema
-from worker.stream import Lag, Lines, Position, StreamError
+from worker.stream import Lag, Lines, Position, StreamError, part_of
 
 __all__ = ["DirectorySource", "IGNORED_SUFFIXES"]
 
@@ -35,9 +36,12 @@ class DirectorySource:
     """Rows of the files in ``path``, in name order (see the module's docstring). One reader
     thread; blocks on the disk and, in ``next_batch``, up to ``wait_s`` for a new file."""
 
-    def __init__(self, path: str, schema: ColumnSchema) -> None:
+    def __init__(self, path: str, schema: ColumnSchema, part: tuple[int, int] = (0, 1)) -> None:
+        """``part``: ``(rank, world)``: this reader takes the files whose name hashes to
+        ``rank`` (``part_of``): each of ``world`` workers owns a part of the stream."""
         self.root = Path(path)
         self.url = f"dir:{path}"
+        self.rank, self.world = part
         if not self.root.is_dir():
             raise StreamError(f"--data {self.url}: no such directory")
         self.schema = schema
@@ -111,7 +115,10 @@ class DirectorySource:
             return sorted(
                 e.name
                 for e in entries
-                if not e.name.startswith(".") and not e.name.endswith(IGNORED_SUFFIXES) and e.is_file()
+                if not e.name.startswith(".")
+                and not e.name.endswith(IGNORED_SUFFIXES)
+                and (self.world == 1 or part_of(e.name.encode(), self.world) == self.rank)
+                and e.is_file()
             )
 
     def _advance(self) -> bool:

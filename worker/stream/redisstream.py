@@ -8,6 +8,8 @@ their IDs, and a tick is complete once the server's clock (``TIME``) is past its
 Redis gives every later entry an ID at or above its clock.
 
 The position is the ID of the last entry handed out (and, when known, of the next one).
+Several workers split the entries by a hash of their IDs, each reading the whole stream and
+keeping its own.
 Nothing is kept on the server: no consumer group, no acknowledgement, so the trainer's
 checkpoint alone says what it trained. Trimming (``XTRIM``, ``XADD MAXLEN``) entries
 the trainer has read is fine; ``seek`` refuses a stream trimmed past the position. On
@@ -27,7 +29,7 @@ import urllib.parse
 from collections import deque
 from typing import Any
 
-from worker.stream import Lag, Lines, Position, StreamError
+from worker.stream import Lag, Lines, Position, StreamError, part_of
 
 __all__ = ["RedisSource"]
 
@@ -47,7 +49,10 @@ def _id(entry_id: bytes | str) -> tuple[int, int]:
 class RedisSource:
     """Entries of one Redis stream, in ID order (see the module's docstring). One reader thread."""
 
-    def __init__(self, url: str, *, window_ms: int = 100) -> None:
+    def __init__(self, url: str, *, window_ms: int = 100, part: tuple[int, int] = (0, 1)) -> None:
+        """``part``: ``(rank, world)``: this reader takes the entries whose ID hashes to
+        ``rank`` (``part_of``): each of ``world`` workers owns a part of the stream."""
+        self.rank, self.world = part
         try:
             import redis
         except ImportError:
@@ -72,7 +77,8 @@ class RedisSource:
         except self._errors as exc:
             raise StreamError(f"--data {url}: cannot reach Redis at {parts.hostname}:{port} ({exc})") from None
         self._last = "0-0"  # the last entry handed out
-        self._buf: deque[_Entry] = deque()  # entries after it, read ahead
+        self._buf: deque[_Entry] = deque()  # this part's entries after it, read ahead
+        self._seen = "0-0"  # the last entry read, of any part
 
     # -- position -------------------------------------------------------------------
     def position(self) -> Position:
@@ -83,6 +89,7 @@ class RedisSource:
         entries after it were trimmed or deleted (or may have been: see the module)."""
         self._buf.clear()
         self._last = "0-0" if position is None else str(position.get("last") or "0-0")
+        self._seen = self._last
         if self._last == "0-0":
             return
         try:
@@ -139,7 +146,7 @@ class RedisSource:
             # The tick may still get entries: read what is there after asking the time.
             pipe = self.redis.pipeline(transaction=False)
             pipe.time()
-            pipe.xread({self.stream: self._buf[-1][0]}, count=READ_COUNT)
+            pipe.xread({self.stream: self._seen}, count=READ_COUNT)
             (sec, usec), found = pipe.execute()
             if self._extend(found):
                 continue
@@ -153,9 +160,8 @@ class RedisSource:
 
     def _read(self, block_ms: int | None) -> bool:
         """Read entries after the buffered ones (blocking up to ``block_ms``; None: not at all)."""
-        after = self._buf[-1][0] if self._buf else self._last
         try:
-            found = self.redis.xread({self.stream: after}, count=READ_COUNT, block=block_ms)
+            found = self.redis.xread({self.stream: self._seen}, count=READ_COUNT, block=block_ms)
         except self._errors as exc:
             raise StreamError(f"{self.url}: lost the connection to Redis ({exc})") from exc
         return self._extend(found)
@@ -165,8 +171,11 @@ class RedisSource:
             return False
         entries = found[0][1]
         for entry_id, fields in entries:
-            text = entry_id.decode()
-            self._buf.append((text, _id(text)[0], fields.get(FIELD)))
+            if self.world == 1 or part_of(entry_id, self.world) == self.rank:
+                text = entry_id.decode()
+                self._buf.append((text, _id(text)[0], fields.get(FIELD)))
+        if entries:
+            self._seen = entries[-1][0].decode()
         return bool(entries)
 
     def _take(self, n: int) -> Lines:
@@ -191,11 +200,11 @@ class RedisSource:
     def lag(self) -> Lag:
         """Entries after the position (counted up to ``LAG_COUNT`` past the buffer), and the
         age of the oldest of them by the server's clock."""
-        after = self._buf[-1][0] if self._buf else self._last
         pipe = self.redis.pipeline(transaction=False)
         pipe.time()
-        pipe.xrange(self.stream, f"({after}", "+", count=LAG_COUNT)
+        pipe.xrange(self.stream, f"({self._seen}", "+", count=LAG_COUNT)
         (sec, usec), more = pipe.execute()
         oldest = self._buf[0][1] if self._buf else (_id(more[0][0])[0] if more else None)
         now_ms = sec * 1000 + usec // 1000
-        return Lag(len(self._buf) + len(more), 0.0 if oldest is None else max(0.0, (now_ms - oldest) / 1000))
+        behind = len(self._buf) + round(len(more) / self.world)  # this part's share of those not read
+        return Lag(behind, 0.0 if oldest is None else max(0.0, (now_ms - oldest) / 1000))
