@@ -1,7 +1,8 @@
 """A training worker that records every push its client saw acknowledged.
 
-Run by torchrun (under ``ps-launch``) in the fault tests: it is ``python -m
-worker.trainer`` with the trainer's ``PSClient`` replaced by a subclass that, after
+Run by torchrun (under ``ps-launch``) in the fault tests, and as the online trainer in
+``test_online``: it is ``python -m worker.trainer`` with the trainer's ``PSClient``
+replaced by a subclass that, after
 each ``create_table`` and each acknowledged ``push_many``, appends the call to a log.
 The log is pickled to ``$RECORD_PUSHES`` when training ends, so the test can replay
 exactly the acknowledged pushes into an in-process twin cluster and compare rows.
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+import worker.online as online
 import worker.trainer as trainer
 from client import PSClient, PushResult, TableConfig, TablePlan
 from client.client import Keys
@@ -79,6 +81,7 @@ class RecordingClient(PSClient):
 
 if __name__ == "__main__":
     trainer.PSClient = RecordingClient  # type: ignore[misc]
+    online.PSClient = RecordingClient  # type: ignore[misc]  # a run on a stream (worker.online)
     trainer.main(sys.argv[1:])
     if os.environ.get("RECORD_HOLD"):
         hold, deadline = Path(os.environ["RECORD_HOLD"]), time.monotonic() + 900

@@ -294,3 +294,72 @@ def test_two_workers_split_the_stream_and_resume_as_a_group(tmp_path: Path, proc
     assert "rank=1 logger=worker.trainer msg=first batch trained" in text
     assert wrong.returncode != 0 and "splits its stream over 2 workers, and 1 were started" in wrong.stderr
     assert (out / "manifest.json").exists()
+
+
+@needs_criteo
+def test_kill_anywhere_in_pipelined_mode_applies_every_push_once(tmp_path: Path, procs: list[RunningShard]) -> None:
+    # The replay oracle: the trainer records every push it sends and every one it saw
+    # acknowledged (tests/faults/recording_worker.py); the rows on the shards must equal an
+    # in-process twin that applied each acknowledged push once, in order.
+    from tests.integration.test_elastic_proof import pushed_keys, pushes_of, twin_rows
+
+    data = tmp_path / "landed"
+    land_files(data, 1920, 320)
+    root, stream = tmp_path / "shards", tmp_path / "pushes"
+    stream.mkdir()
+    shards = [start_shard(i, 2, root, *SHARD_ARGS) for i in range(2)]
+    procs.extend(shards)
+    addresses = [s.address for s in shards]
+    ckpt = tmp_path / "ckpt"
+    flags = trainer_command(addresses, f"dir:{data}", tmp_path / "out", f"--checkpoint-dir={ckpt}")[3:]
+    cmd = [sys.executable, "-m", "tests.faults.recording_worker", *flags, "--batch-size=64", "--checkpoint-every=3"]
+    env = {**os.environ, "RECORD_STREAM": str(stream)}
+    log = (tmp_path / "trainer.log").open("ab")
+
+    def start_trainer() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def acked() -> int:
+        acks = stream / "acks.txt"
+        return len(acks.read_text().splitlines()) if acks.exists() else 0
+
+    trainer = start_trainer()
+    try:
+        for victim, when in [("trainer", 7), ("shard", 14), ("trainer", 22)]:
+            deadline = time.monotonic() + 120
+            while acked() < when:
+                if trainer.poll() is not None:
+                    trainer = start_trainer()
+                assert time.monotonic() < deadline, f"no progress to push {when} in 120 s"
+                time.sleep(0.002)
+            if victim == "trainer":
+                trainer.kill()
+                trainer.wait()
+            else:
+                port = shards[1].address.rsplit(":", 1)[1]
+                os.kill(shards[1].proc.pid, signal.SIGKILL)
+                shards[1].proc.wait()
+                shards[1] = start_shard(1, 2, root, *SHARD_ARGS, listen=f"127.0.0.1:{port}")
+                procs.append(shards[1])
+            if trainer.poll() is not None:
+                trainer = start_trainer()
+        restarts = 0
+        while (rc := trainer.wait(timeout=300)) != 0:
+            restarts += 1
+            assert restarts < 10, f"the trainer keeps failing (rc {rc}): see {tmp_path / 'trainer.log'}"
+            trainer = start_trainer()
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        log.close()
+    _, _, duplicates = pushes_of(stream)
+    assert duplicates > 0  # pushes sent again after a restart, which the shards skipped
+    keys = pushed_keys([stream])
+    with PSClient(addresses) as client:
+        got = client.lookup_many(keys)
+    twins = twin_rows([stream], keys)
+    assert any(all(np.array_equal(got[t], twin[t]) for t in keys) for twin in twins), (
+        "the rows differ from every replay of the acknowledged pushes"
+    )
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["rows"] == 1920 and metrics["batches"] == 30
