@@ -10,6 +10,7 @@ slow`` kills many more times over a longer stream.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -363,3 +364,33 @@ def test_kill_anywhere_in_pipelined_mode_applies_every_push_once(tmp_path: Path,
     )
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["rows"] == 1920 and metrics["batches"] == 30
+
+
+def test_a_batch_with_a_nan_loss_is_not_trained_and_fails_its_window(tmp_path: Path) -> None:
+    from client import PSClient as Client
+    from deploy.local import LocalCluster
+    from worker.config import TrainerConfig
+    from worker.distributed import Dist
+    from worker.guard import WindowGuard, finite
+    from worker.loop import TrainingPass
+    from worker.synthetic import synthetic_criteo
+
+    config = TrainerConfig(mode="sync", dim=4)
+    good, bad = list(synthetic_criteo(64, 32, seed=3))
+    poisoned = dataclasses.replace(bad, dense=torch.full_like(bad.dense, float("nan")))
+    with LocalCluster(2, root=tmp_path) as cluster, Client(cluster.addresses) as client:
+        run = TrainingPass(config, Dist(), client, list(good.sparse), good.dense.shape[1])
+        run.skip_nonfinite = True
+        run.train(good, run.inputs(good), seq=1)
+        keys = np.unique(np.concatenate([j.values.numpy() for j in bad.sparse.values()]))
+        before = client.lookup("embedding", keys)
+        weights = [p.detach().clone() for p in run.model.parameters()]
+        run.train(poisoned, run.inputs(poisoned), seq=2)
+        run.emb.flush()
+        assert run.skipped == 1
+        assert np.array_equal(client.lookup("embedding", keys), before)  # nothing pushed
+        assert all(torch.equal(a, b) for a, b in zip(weights, run.model.parameters()))  # no dense step
+        assert finite(run.model.parameters())
+        run.close()
+    failed = WindowGuard(0.02, 0.5, 2.0).check({"auc": 0.7, "calibration": 1.0}, skipped=run.skipped)
+    assert [g for g, _ in failed] == ["nonfinite"]
