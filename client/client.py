@@ -341,7 +341,7 @@ class PSClient:
         """
         publications: set[str] = set()
         rows, degraded = self._lookup(requests, out, deadline_s, degrade, publications)
-        return LookupResult(rows, degraded, publications)
+        return LookupResult(rows, degraded, sorted(publications))
 
     def _lookup(
         self,

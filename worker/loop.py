@@ -243,7 +243,7 @@ class TrainingPass:
         lookup phase began (the next batch's prefetch counts in it)."""
         out = self.emb(inputs, seq=seq)
         t2 = time.perf_counter()
-        logits = self.dense(batch.dense.to(self.d.device), out)
+        logits: torch.Tensor = self.dense(batch.dense.to(self.d.device), out)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels.to(self.d.device))
         if self.skip_nonfinite and not bool(torch.isfinite(loss)):
             # Not trained: the graph goes without a backward, so the step pushes no keys

@@ -143,7 +143,9 @@ def _train(
             if held:  # the checkpoint's own step: skipped by the shards if it was applied
                 updates = {t: (k.numpy(), g.numpy()) for t, (k, g) in held["updates"].items()}
                 client.push_many(updates, seq=held["seq"])
-            dense_state = {k: saved[k] for k in ("model", "optimizer", "rng") if saved is not None and k in saved}
+            dense_state: dict[str, Any] = {
+                k: saved[k] for k in ("model", "optimizer", "rng") if saved is not None and k in saved
+            }
             loop = OnlineLoop(config, d, client, source, rows, metrics, progress)
             loop.run(ckpts, dense_state, list(addresses))
             shard_stats = client.admin.stats() if d.rank == 0 else []

@@ -135,11 +135,14 @@ class OnlineLoop:
         try:
             while True:
                 self._watch_lag()
+                lines: Lines | None
+                batch: Batch | None
+                inputs: dict[str, Any] | None
                 if ahead is not None:
                     (lines, batch, inputs), ahead = ahead, None
                 else:
-                    got = self.source.next_batch(self.progress.batch_size, wait_s)
-                    lines, batch, inputs = (got, self.rows.batch(got), None) if got is not None else (None, None, None)
+                    lines = self.source.next_batch(self.progress.batch_size, wait_s)
+                    batch, inputs = (self.rows.batch(lines), None) if lines is not None else (None, None)
                 if lines is not None:
                     idle_since = time.monotonic()
                 idle = (
