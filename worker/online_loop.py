@@ -36,6 +36,7 @@ from worker.published import published_dir
 from worker.results import save_run
 from worker.resume import CheckpointDir
 from worker.stream import Lines, StreamSource
+from worker.stream.readahead import ReadAhead
 
 __all__ = ["OnlineLoop"]
 
@@ -126,12 +127,14 @@ class OnlineLoop:
     # -- the loop -------------------------------------------------------------------
     def run(self, ckpts: CheckpointDir | None, dense_state: dict[str, Any], addresses: list[str]) -> None:
         config, d = self.config, self.d
-        self.trainingwritten = bool(self.progress.published) and (self.out / "manifest.json").exists()
+        self.run_written = bool(self.progress.published) and (self.out / "manifest.json").exists()
         wait_s = POLL_S if d.world == 1 else GROUP_POLL_S
         if config.idle_exit_s:
             wait_s = min(wait_s, config.idle_exit_s)
         idle_since = time.monotonic()
         ahead: tuple[Lines, Batch, dict[str, Any] | None] | None = None
+        reader = ReadAhead(self.source, self.rows.batch, self.progress.batch_size)
+        reader.start()
         try:
             while True:
                 self._watch_lag()
@@ -141,8 +144,8 @@ class OnlineLoop:
                 if ahead is not None:
                     (lines, batch, inputs), ahead = ahead, None
                 else:
-                    lines = self.source.next_batch(self.progress.batch_size, wait_s)
-                    batch, inputs = (self.rows.batch(lines), None) if lines is not None else (None, None)
+                    got = reader.get(wait_s)
+                    lines, batch, inputs = (got[0], got[1], None) if got is not None else (None, None, None)
                 if lines is not None:
                     idle_since = time.monotonic()
                 idle = (
@@ -165,14 +168,12 @@ class OnlineLoop:
                         run.prefetch(inputs)
                 # The next batch, if it is complete already: its lookup overlaps this step
                 # (prefetched after this one's: the embeddings take lookups in step order).
-                if batch is not None:
-                    nxt_lines = self.source.next_batch(self.progress.batch_size, 0.0)
-                    if nxt_lines is not None:
-                        nxt = self.rows.batch(nxt_lines)
-                        nxt_inputs = run.inputs(nxt)
-                        if nxt.batch_size:
-                            run.prefetch(nxt_inputs)
-                        ahead = (nxt_lines, nxt, nxt_inputs)
+                if batch is not None and (got := reader.get(0.0)) is not None:
+                    nxt_lines, nxt = got
+                    nxt_inputs = run.inputs(nxt)
+                    if nxt.batch_size:
+                        run.prefetch(nxt_inputs)
+                    ahead = (nxt_lines, nxt, nxt_inputs)
                 checkpoint = ckpts is not None and (self.progress.steps + 1) % config.checkpoint_every == 0
                 held = self._step(run, batch, inputs, lines, active, hold=checkpoint and self._wal)
                 self.progress.steps += 1
@@ -197,6 +198,7 @@ class OnlineLoop:
                 self.progress.parts = parts
                 self.mine = parts[0]
         finally:
+            reader.close()
             if self.training is not None:
                 self.training.close()
 
@@ -307,11 +309,11 @@ class OnlineLoop:
         self.group.barrier()
         published = ""
         if self.d.rank == 0:
-            if not self.trainingwritten:  # what ps-infer loads: manifest, program, the weights at this point
+            if not self.run_written:  # what ps-infer loads: manifest, program, the weights at this point
                 self._save_run(
                     run, addresses, self.client.admin.stats(), {"run_id": self.progress.run_id, "online": True}
                 )
-                self.trainingwritten = True
+                self.run_written = True
             target = published_dir(self.out, name)
             target.mkdir(parents=True, exist_ok=True)
             tmp = target / ".dense.pt.tmp"
