@@ -131,7 +131,6 @@ class OnlineLoop:
         wait_s = POLL_S if d.world == 1 else GROUP_POLL_S
         if config.idle_exit_s:
             wait_s = min(wait_s, config.idle_exit_s)
-        idle_since = time.monotonic()
         ahead: tuple[Lines, Batch, dict[str, Any] | None] | None = None
         reader = ReadAhead(self.source, self.rows.batch, self.progress.batch_size)
         reader.start()
@@ -146,11 +145,7 @@ class OnlineLoop:
                 else:
                     got = reader.get(wait_s)
                     lines, batch, inputs = (got[0], got[1], None) if got is not None else (None, None, None)
-                if lines is not None:
-                    idle_since = time.monotonic()
-                idle = (
-                    bool(config.idle_exit_s) and lines is None and time.monotonic() - idle_since >= config.idle_exit_s
-                )
+                idle = bool(config.idle_exit_s) and lines is None and reader.quiet_s() >= config.idle_exit_s
                 active, step_rows, all_idle = self.group.step(
                     lines is not None, 0 if batch is None else batch.batch_size, idle
                 )

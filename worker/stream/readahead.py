@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -33,6 +34,8 @@ class ReadAhead(Generic[B]):
         self._queue: queue.Queue[tuple[Lines, B] | BaseException] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stream-reader", daemon=True)
+        self._busy = False  # a batch is being parsed, or waits for room in the queue
+        self._last_rows_at = time.monotonic()  # when the source last gave rows (or the reader started)
 
     def __enter__(self) -> ReadAhead[B]:
         self.start()
@@ -55,6 +58,13 @@ class ReadAhead(Generic[B]):
             raise item
         return item
 
+    def quiet_s(self) -> float:
+        """Seconds since the source last gave rows, 0 while some are being parsed or wait to be
+        taken: how long the stream itself has been quiet (``--idle-exit-s``)."""
+        if self._busy or not self._queue.empty():
+            return 0.0
+        return time.monotonic() - self._last_rows_at
+
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
@@ -66,6 +76,7 @@ class ReadAhead(Generic[B]):
                 lines = self.source.next_batch(self.batch_size, _POLL_S)
                 if lines is None:
                     continue
+                self._busy, self._last_rows_at = True, time.monotonic()
                 item = (lines, self.parse(lines))
                 while not self._stop.is_set():
                     try:
@@ -73,5 +84,6 @@ class ReadAhead(Generic[B]):
                         break
                     except queue.Full:
                         continue
+                self._busy, self._last_rows_at = False, time.monotonic()
         except BaseException as exc:  # raised where the batch would have been taken
             self._queue.put(exc)
