@@ -53,6 +53,7 @@ from serving_parts import Processes  # noqa: E402
 
 from client import PSClient  # noqa: E402
 from client.predict import PredictClient  # noqa: E402
+from worker.data import ColumnSchema, load_click_log  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 CRITEO = REPO.parent / "shared" / "data" / "criteo_kaggle_train_head10k.txt"
@@ -274,11 +275,20 @@ def throughput(tmp: Path, procs: Processes, rows: int, repeats: int) -> dict[str
             for s in shards:
                 procs.stop_shard(s)
     file_s, stream_s = statistics.median(runs["file"]), statistics.median(runs["stream"])
+    # The file's rows are parsed before its clock starts; the stream parses as it trains.
+    # Parsing them once, here, is that work: the file's samples/s with it counted.
+    t0 = time.perf_counter()
+    load_click_log(path, ColumnSchema.criteo())
+    parse_s = time.perf_counter() - t0
+    file_with_parse = rows / (rows / file_s + parse_s)
     return {
         "rows": rows,
         "file_samples_per_s": file_s,
         "stream_samples_per_s": stream_s,
         "ratio": stream_s / file_s,
+        "parse_s": parse_s,
+        "file_with_parse_samples_per_s": file_with_parse,
+        "ratio_with_parse": stream_s / file_with_parse,
         "runs": runs,
     }
 
@@ -413,7 +423,12 @@ def main() -> None:
             f">= {THROUGHPUT_GOAL}x",
         ),
         (
-            f"kill -9 -> first batch (import floor {r['import_floor_s']:.2f} s)",
+            f"  the file's, its parse counted ({t['file_with_parse_samples_per_s']:.0f})",
+            f"{t['ratio_with_parse']:.3f}x",
+            "",
+        ),
+        (
+            f"kill -9 -> first batch (floor {r['import_floor_s']:.2f} s)",
             f"{r['restart_to_first_batch_s']:.2f} s",
             f"<= {RESTART_GOAL_S} s",
         ),
@@ -424,6 +439,7 @@ def main() -> None:
         None,
         res["goals"]["poisoned_predicts"]["met"],
         res["goals"]["stream_vs_file"]["met"],
+        None,
         res["goals"]["restart_s"]["met"],
     ]
     for (what, got, goal), m in zip(rows_out, met):
