@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from client.config import ClientConfig, TableConfig
 from client.errors import InternalServerError, PSError, error_for, tls_hint
@@ -224,17 +224,8 @@ class AdminClient:
         own source (following its training shard again). Returns each replica's follow
         status as a dict, in the order of ``addresses``. Raises ``PreconditionError`` for a
         training shard, ``InvalidRequestError`` for a checkpoint a replica cannot serve."""
-        view = self._link.view
-        endpoints = view.replica_set.endpoints()
-        body = pb.ServeFromRequest(checkpoint=checkpoint or "").SerializeToString()
-        requests = [(view.replica_set.shard_of(e), body) for e in endpoints]
-        replies = self._link.call("ServeFrom", requests, pinned=endpoints, view=view)
-        out = []
-        for (s, _), r in zip(requests, replies):
-            with self._link.reply("ServeFrom", s, r.endpoint, view):
-                status = message_dict(pb.ServeFromResponse.FromString(r.data).status)
-            out.append({**status, "address": view.address(r.endpoint)})
-        return out
+        body = pb.ServeFromRequest(checkpoint=checkpoint or "")
+        return self._every_replica("ServeFrom", body, pb.ServeFromResponse)
 
     def publish(self, name: str = "", *, hold: bool | None = None, wait_s: float = 0.0) -> list[dict[str, Any]]:
         """Publish every training shard's rows as they are now under ``name``, for serving
@@ -260,15 +251,20 @@ class AdminClient:
         one it serves; returns each replica's follow status, in the order of ``addresses``.
         Raises ``PreconditionError`` for a training shard, ``InvalidRequestError`` for a
         replica with no publication to go back to."""
+        return self._every_replica("RollBack", pb.RollBackRequest(), pb.RollBackResponse)
+
+    def _every_replica(self, method: str, request: Message, answer: Any) -> list[dict[str, Any]]:
+        """``request`` to every replica of every shard; each answer's follow ``status`` as a
+        dict with the replica's ``address``, in the order of ``addresses``."""
         view = self._link.view
         endpoints = view.replica_set.endpoints()
-        body = pb.RollBackRequest().SerializeToString()
+        body = request.SerializeToString()
         requests = [(view.replica_set.shard_of(e), body) for e in endpoints]
-        replies = self._link.call("RollBack", requests, pinned=endpoints, view=view)
+        replies = self._link.call(method, requests, pinned=endpoints, view=view)
         out = []
         for (s, _), r in zip(requests, replies):
-            with self._link.reply("RollBack", s, r.endpoint, view):
-                status = message_dict(pb.RollBackResponse.FromString(r.data).status)
+            with self._link.reply(method, s, r.endpoint, view):
+                status = message_dict(answer.FromString(r.data).status)
             out.append({**status, "address": view.address(r.endpoint)})
         return out
 
