@@ -222,8 +222,9 @@ def test_a_redis_stream_trains_until_idle(tmp_path: Path, procs: list[RunningSha
     with redis_server(tmp_path / "redis") as port:
         r = redis.Redis("127.0.0.1", port)
         rng = np.random.default_rng(0)
-        for _ in range(600):
-            r.xadd("clicks", {"row": f"{int(rng.random() < 0.3)},{rng.integers(0, 9)},u{rng.integers(0, 50)}"})
+        for i in range(600):  # IDs set here: 100 entries per 100 ms tick, whatever the machine's pace
+            row = f"{int(rng.random() < 0.3)},{rng.integers(0, 9)},u{rng.integers(0, 50)}"
+            r.xadd("clicks", {"row": row}, id=f"{10_000 + 100 * (i // 100)}-{i % 100}")
         schema = tmp_path / "clicks.toml"
         schema.write_text(
             'header = false\nnames = ["y", "n", "user"]\nlabel = "y"\n[columns]\nn = "numeric"\nuser = "categorical"\n'
