@@ -264,7 +264,7 @@ class Generator:
                     "nan-init",
                     lambda: spec(initializer=pb.InitializerSpec(kind=pb.InitializerSpec.UNIFORM, high=bad_float())),
                 ),
-                ("bad-kinds", lambda: spec(optimizer=pb.OptimizerSpec(kind=int(r.choice([5, 99, -1]))))),  # type: ignore[arg-type]
+                ("bad-kinds", lambda: spec(optimizer=pb.OptimizerSpec(kind=int(r.choice([6, 99, -1]))))),  # type: ignore[arg-type]
                 ("bad-dtype", lambda: spec(dtype=int(r.choice([4, 9, 99])))),  # type: ignore[arg-type]
                 ("bad-lifecycle", lambda: spec(lifecycle=pb.Lifecycle(admit_after=256, ttl_seconds=-1.0))),
                 (
