@@ -126,9 +126,14 @@ class AdminClient:
     def replica_health(self) -> list[dict[str, Any]]:
         """This client's view of each replica, in the order of ``addresses``: ``address``,
         ``shard``, ``state`` (``in_service``, ``ejected``, or ``probing``: its probe is in
-        flight), ``ejected_for_s`` (time left), ``inflight`` calls and ``failures`` in a row.
-        Needs no I/O."""
+        flight), ``ejected_for_s`` (time left), ``inflight`` calls, ``failures`` in a row and
+        ``refused``: attempts it refused for load. Needs no I/O."""
         return self._link.view.replica_set.health()
+
+    def refusals(self) -> int:
+        """Attempts of this client the shards refused for load (RESOURCE_EXHAUSTED at their
+        ``--threads`` limit, retried after a backoff) since it started. Needs no I/O."""
+        return self._link.view.replica_set.refusals()
 
     def checkpoint(self, name: str | None = None, *, deadline_s: float | None = None) -> list[dict[str, Any]]:
         """Have every shard write its part of the checkpoint ``name``; blocks until all are done.

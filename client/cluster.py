@@ -134,6 +134,7 @@ class ClusterViews:
             if epoch <= self.current.epoch:
                 return self.current
             view = self._view(epoch, [a.split("+") for a in addresses], None)
+            view.replica_set.refused_before = self.current.replica_set.refusals()
             if self._started:
                 view.transport.start()
             self._retired.append(self.current.transport)

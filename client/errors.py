@@ -197,14 +197,16 @@ def map_epoch(exc: grpc.RpcError) -> int | None:
     return int(epoch) if epoch is not None and epoch.isdigit() else None
 
 
+def is_overloaded(exc: grpc.RpcError) -> bool:
+    """Whether a failed attempt was refused for load: RESOURCE_EXHAUSTED marked ``OVERLOADED``."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and OVERLOADED in _trailing(exc)
+
+
 def is_retryable(exc: grpc.RpcError) -> bool:
     """Whether a failed attempt may be retried: a RETRYABLE status or an overload refusal."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    if code in RETRYABLE:
-        return True
-    if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return False
-    return OVERLOADED in _trailing(exc)
+    return code in RETRYABLE or is_overloaded(exc)
 
 
 def error_for(code: grpc.StatusCode) -> type[PSError]:

@@ -151,6 +151,7 @@ class _Replica:
     ejections: int = 0  # ejections since it last answered; doubles the next one
     ejected_until: float = 0.0  # time.monotonic(); 0.0: in service
     probing: bool = False  # half-open: its one probe is in flight
+    refused: int = 0  # attempts it refused for load (RESOURCE_EXHAUSTED, ps-overloaded), ever
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,7 @@ class ReplicaSet:
         self._eject_max_s = eject_max_s
         self._turns = [itertools.count() for _ in self._by_shard]
         self._lock = threading.Lock()
+        self.refused_before = 0  # refusals counted by the set this one replaced (an older cluster map)
 
     @property
     def num_shards(self) -> int:
@@ -367,11 +369,22 @@ class ReplicaSet:
                 why = "its probe failed" if pick.probe else f"{r.failures} failed attempts in a row"
                 log.warning("shard %d replica %s ejected for %.1f s: %s", r.shard, r.address, ejected_s, why)
 
+    def count_refusal(self, endpoint: int) -> None:
+        """Count an attempt ``endpoint`` refused for load (the shard pushed back)."""
+        with self._lock:
+            self._replicas[endpoint].refused += 1
+
+    def refusals(self) -> int:
+        """Attempts refused for load since the client started: by every endpoint of this set
+        (also those that left), and ``refused_before``."""
+        with self._lock:
+            return self.refused_before + sum(r.refused for r in self._replicas)
+
     def health(self, now: float | None = None) -> list[dict[str, Any]]:
         """Per member, in the order of ``addresses``: ``address``, ``shard``, ``state``
         (``in_service``, ``ejected``, ``probing``: its probe is in flight, ``pending``: not
         healthy yet, ``draining``: reports NOT_SERVING), ``ejected_for_s`` (time left),
-        ``inflight``, ``failures`` in a row."""
+        ``inflight``, ``failures`` in a row, ``refused``: attempts it refused for load."""
         now = time.monotonic() if now is None else now
         with self._lock:
             return [
@@ -388,6 +401,7 @@ class ReplicaSet:
                     "ejected_for_s": max(0.0, r.ejected_until - now) if r.ejected_until else 0.0,
                     "inflight": r.inflight,
                     "failures": r.failures,
+                    "refused": r.refused,
                 }
                 for group in self._by_shard
                 for r in group

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import grpc
 
 from client.config import ClientConfig
-from client.errors import DeadlineExceededError, PSError, convert, is_retryable, map_epoch
+from client.errors import DeadlineExceededError, PSError, convert, is_overloaded, is_retryable, map_epoch
 from client.replicas import FAILED, NEUTRAL, OK, Outcome, Pick, ReplicaSet
 from client.transport import Call, Transport, when_done
 from protos.rpc.backoff import pause_s
@@ -313,6 +313,8 @@ class _Exchange:
         # replica does: the others of its shard answer it, or, alone, it is asked again.
         behind = newer is not None and self.epoch is not None and newer < self.epoch and r.pinned is None
         retryable = is_retryable(exc) or behind
+        if is_overloaded(exc):
+            self.replicas.count_refusal(attempt.pick.endpoint)
         self.replicas.release(attempt.pick, FAILED if retryable else NEUTRAL)
         r.error, r.error_endpoint = exc, attempt.pick.endpoint
         if newer is not None and self.epoch is not None and newer > self.epoch:

@@ -47,6 +47,7 @@ GROUP_POLL_S = 0.05  # several: a worker waiting longer would hold up the others
 LAG_EVERY_S = 5.0  # how often the stream's lag is read
 BEHIND_S = 60.0  # lag that makes the trainer say it does not keep up (at most every BEHIND_SAY_EVERY_S)
 BEHIND_SAY_EVERY_S = 60.0
+PUSHED_BACK_SAY_EVERY_S = 60.0  # how often the trainer says the shards refused its calls for load
 WINDOWS_KEPT = 1000  # in the checkpoint and metrics: the latest windows
 
 
@@ -122,6 +123,8 @@ class OnlineLoop:
         self._lag_at = 0.0
         self._lag_s = float("inf")  # the lag read before: a warning needs it to grow
         self._behind_said = 0.0
+        self._refused = 0  # calls the shards refused for load, counted into the metric so far
+        self._refused_said = (0.0, 0)  # when the trainer last said so, and the count then
         self._first_said = False
 
     # -- the loop -------------------------------------------------------------------
@@ -136,7 +139,7 @@ class OnlineLoop:
         reader.start()
         try:
             while True:
-                self._watch_lag()
+                self._watch()
                 lines: Lines | None
                 batch: Batch | None
                 inputs: dict[str, Any] | None
@@ -352,12 +355,35 @@ class OnlineLoop:
             columns=self.columns,
         )
 
-    def _watch_lag(self) -> None:
-        """Every ``LAG_EVERY_S``: the stream's lag as metrics, and a warning while training falls behind."""
+    def _watch(self) -> None:
+        """Every ``LAG_EVERY_S``: the stream's lag and the shards' push-back, as metrics and warnings."""
         now = time.monotonic()
         if now - self._lag_at < LAG_EVERY_S:
             return
         self._lag_at = now
+        self._watch_lag(now)
+        self._watch_push_back(now)
+
+    def _watch_push_back(self, now: float, *, last: bool = False) -> None:
+        """Calls the shards refused for load (RESOURCE_EXHAUSTED at their ``--threads`` limit).
+        The client retries each after a backoff, so training slows to the shards' pace and
+        the stream position does not move past a batch until its push is applied."""
+        total = self.client.admin.refusals()
+        if total > self._refused:
+            self.metrics.pushed_back.inc(total - self._refused)
+        self._refused = total
+        said_at, said = self._refused_said
+        if total > said and (last or now - said_at >= PUSHED_BACK_SAY_EVERY_S):
+            self._refused_said = (now, total)
+            log.warning(
+                "the shards refused %d calls for load since %s (RESOURCE_EXHAUSTED: at their --threads limit): "
+                "training slows to their pace, each call retried after a backoff; the stream position is kept",
+                total - said,
+                "the start" if said_at == 0.0 else f"{now - said_at:.0f} s ago",
+            )
+
+    def _watch_lag(self, now: float) -> None:
+        """The stream's lag as metrics, and a warning while training falls behind."""
         lag = self.source.lag()
         if lag.rows is not None:
             self.metrics.lag_rows.set(lag.rows)
@@ -376,6 +402,7 @@ class OnlineLoop:
     def finish(self, addresses: list[str], shard_stats: list[dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
         """The run's metrics; rank 0 writes them with the run directory."""
         config, run, progress = self.config, self.training, self.progress
+        self._watch_push_back(time.monotonic(), last=True)
         metrics: dict[str, Any] = {
             "config": {k: str(v) for k, v in dataclasses.asdict(config).items()},
             "run_id": progress.run_id,
@@ -387,6 +414,7 @@ class OnlineLoop:
             "published": progress.published,
             "windows": progress.windows,
             "elapsed_s": elapsed_s,
+            "pushed_back_calls": self._refused,
             "output_dir": str(self.out),
         }
         if run is not None:

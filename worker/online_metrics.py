@@ -55,6 +55,11 @@ class OnlineMetrics:
         self.lag_seconds = Gauge(
             "ps_trainer_stream_lag_seconds", "Age of the oldest row in the stream not trained yet", registry=r
         )
+        self.pushed_back = Counter(
+            "ps_trainer_pushed_back_calls",
+            "Calls the shards refused for load (RESOURCE_EXHAUSTED at their --threads limit), each retried after a backoff",
+            registry=r,
+        )
         self.event_to_trained_seconds = Gauge(
             "ps_trainer_event_to_trained_seconds",
             "From the latest batch's last row landing in the stream to its push being applied",

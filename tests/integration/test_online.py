@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from client import PSClient
+from client.errors import TableNotFoundError
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 from tests.integration.test_admin import ok, ps_admin
 from tests.profiles import long_run
@@ -188,6 +189,53 @@ def test_kill_anywhere_in_sync_mode_ends_bit_equal_to_a_run_never_killed(
     if scale:
         with PSClient(addresses) as client:
             assert {s["num_shards"] for s in client.admin.stats()} == {3}  # the map the shards route by now
+
+
+@needs_criteo
+def test_shards_that_push_back_slow_the_trainer_without_losing_its_place(
+    tmp_path: Path, procs: list[RunningShard]
+) -> None:
+    """Shards at their ``--threads`` limit (one call at a time, kept busy by another client)
+    refuse the trainer's calls with RESOURCE_EXHAUSTED; it retries them after a backoff, says
+    so, and ends bit-equal to a run the shards never refused."""
+    data = tmp_path / "landed"
+    land_files(data, 640, 320)
+    keys = all_keys(data)
+    sync = ("--mode=sync", "--batch-size=64", "--checkpoint-every=1", "--validation-window=320")
+
+    def run(name: str, *shard_args: str, busy: bool = False) -> tuple[dict[str, np.ndarray], dict, str]:
+        shards = [start_shard(i, 2, tmp_path / name, *SHARD_ARGS, *shard_args) for i in range(2)]
+        procs.extend(shards)
+        addresses = [s.address for s in shards]
+        ckpt, out = tmp_path / f"{name}-ckpt", tmp_path / f"{name}-out"
+        cmd = [*trainer_command(addresses, f"dir:{data}", out, f"--checkpoint-dir={ckpt}"), *sync]
+        trainer = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        calls = 0
+        if busy:  # another client's lookups hold each shard's one call about half the time
+            with PSClient(addresses) as other:
+                while trainer.poll() is None:
+                    try:
+                        other.lookup("embedding", keys)
+                        calls += 1
+                    except TableNotFoundError:
+                        pass  # the trainer has not created it yet
+                    time.sleep(0.02)
+        output, _ = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, output[-3000:]
+        assert not busy or calls > 0, "the other client never called: the test proves nothing"
+        state = final_state(addresses, keys, out)
+        for s in shards:
+            stop_shard(s)
+        return state, json.loads((out / "metrics.json").read_text()), output
+
+    expected, metrics, _ = run("calm")
+    assert metrics["pushed_back_calls"] == 0
+    got, metrics, output = run("busy", "--threads=1", busy=True)
+    assert metrics["pushed_back_calls"] > 0, "no call was refused: the shards never pushed back"
+    assert "RESOURCE_EXHAUSTED" in output and "the stream position is kept" in output
+    assert metrics["rows"] == 640 and metrics["batches"] == 10
+    differ = [name for name in expected if not np.array_equal(got[name], expected[name])]
+    assert not differ, f"{differ} differ from the run the shards never refused"
 
 
 @needs_criteo
