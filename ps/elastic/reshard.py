@@ -132,6 +132,10 @@ class Reshard:
         """Hold while checking and applying a write (a push, a lookup that creates rows)."""
         return self._gate.reading()
 
+    def quiet(self) -> contextlib.AbstractContextManager[None]:
+        """Hold for a moment in which no write is in progress (new writes wait for it)."""
+        return self._gate.writing()
+
     def check_route(self, route: Route) -> None:
         """Raise unless a request routed along ``route`` may run here: by this shard's map,
         or by an older one (its keys are checked one by one), or by the map of a reshard

@@ -10,9 +10,11 @@ A marker is exact only if the batch before it was built (its rows read on the le
 after every change of the publication and before any later one. ``publish`` therefore
 waits, up to ``wait_s``, for every open follower stream to have built its batches up
 to the publication's version; a stream that did not (a slow follower), or that opened
-after the call, gets the marker as not exact, and its follower waits for the next one.
-The leader keeps no copy of published rows: exactness comes from the caller's quiet
-moment, bounded by ``wait_s``.
+after the call, gets the marker as not exact, and its follower waits for the next one,
+unless its snapshot was read while no write ran and the shard took no write since the
+publication (``snapshot_at``): then that snapshot is the publication. The leader keeps
+no copy of published rows: exactness comes from the caller's quiet moment, bounded by
+``wait_s``.
 
 ``hold`` (``ps-admin publish --hold``) refuses publications until ``release``.
 
@@ -89,6 +91,15 @@ class Publications:
             if stream in self._streams:
                 self._streams[stream] = max(self._streams[stream], version)
                 self._cond.notify_all()
+
+    def snapshot_at(self, stream: int, version: int) -> None:
+        """The stream's snapshot holds the rows of ``version`` exactly (no write ran while it
+        was read): if that is the newest publication's version, the stream announces it, exact."""
+        with self._cond:
+            if stream in self._streams and self._current is not None and not self._deciding:
+                if self._current[1] == version:
+                    self._announced[stream] = self._serial - 1
+                    self._exact.add(stream)
 
     def marker(self, stream: int, built: int) -> tuple[str, bool] | None:
         """``(name, exact)`` of the publication the stream announces next, once its batches

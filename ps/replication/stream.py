@@ -46,6 +46,7 @@ def follow_batches(
     owned: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.bool_]] | None = None,
     num_shards: Callable[[], int] | None = None,
     publications: Publications | None = None,
+    quiet_version: Callable[[], int] | None = None,
 ) -> Iterator[pb.FollowBatch]:
     """The stream a follower at ``(history, version)`` needs, from the change log
     ``changes`` of the tables ``tables()`` returns, until ``active()`` turns false. Every
@@ -54,8 +55,14 @@ def follow_batches(
     does (one that moved to another shard in a live reshard stays with the follower
     until the serving shards switch maps); a snapshot's end says ``num_shards()``. With
     ``publications``, the stream reports how far its batches are built and announces each
-    publication after the batch that reaches it (``ps.replication.publish``)."""
-    batches = _batches(changes, tables, history, version, active, max_message_bytes, heartbeat_s, owned, publications)
+    publication after the batch that reaches it (``ps.replication.publish``).
+    ``quiet_version()``: the log's version at a moment no write is in progress; read before
+    and after a snapshot, it tells a snapshot no write touched, which holds the newest
+    publication exactly if no write came after it (a serving shard that starts after the
+    last publication serves it at once)."""
+    batches = _batches(
+        changes, tables, history, version, active, max_message_bytes, heartbeat_s, owned, publications, quiet_version
+    )
     for batch in batches:
         batch.lineage = lineage
         if batch.snapshot_end and num_shards is not None:
@@ -73,6 +80,7 @@ def _batches(
     heartbeat_s: float,
     owned: Callable[[npt.NDArray[np.int64]], npt.NDArray[np.bool_]] | None,
     publications: Publications | None,
+    quiet_version: Callable[[], int] | None,
 ) -> Iterator[pb.FollowBatch]:
     log, limit = changes, max(1 << 16, max_message_bytes - _OVERHEAD_BYTES)
     sent = version if history == log.history and log.holds(version) else None
@@ -91,10 +99,20 @@ def _batches(
             history=log.history, version=sent, leader_version=log.version, published=name, published_exact=exact
         )
 
+    def snapshot() -> Generator[pb.FollowBatch, None, int]:
+        """A snapshot; one no write touched is told to ``publications`` (it may be a publication)."""
+        if publications is None or quiet_version is None:
+            return (yield from _snapshot(log, tables(), limit))
+        before = quiet_version()
+        version = yield from _snapshot(log, tables(), limit)
+        if quiet_version() == before:
+            publications.snapshot_at(stream, before)
+        return version
+
     try:
         while active():
             if sent is None:
-                sent = yield from _snapshot(log, tables(), limit)
+                sent = yield from snapshot()
                 if (mark := marker()) is not None:
                     yield mark
                 continue

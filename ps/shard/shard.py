@@ -433,7 +433,14 @@ class Shard:
             owned=lambda keys: self.reshard.map.owns(keys, self.index),
             num_shards=lambda: self.num_shards,
             publications=self.role.publications if isinstance(self.role, Training) else None,
+            quiet_version=self._quiet_version,
         )
+
+    def _quiet_version(self) -> int:
+        """The change log's version at a moment no push is being applied: every write up to
+        it is whole in the tables, and none after it has begun."""
+        with self.reshard.quiet():
+            return self.changes.version
 
     def serve_from(self, checkpoint: str) -> pb.FollowStatus:
         """Serve this serving shard's part of ``checkpoint`` ("": its own source again);

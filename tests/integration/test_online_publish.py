@@ -3,7 +3,8 @@
 on them, all real processes.
 
 * Windows that pass their guards are published; serving moves to each, and ps-infer
-  scores with the dense weights published with the rows it read.
+  scores with the dense weights published with the rows it read. A serving shard started
+  after a publication (the trainer quiet since) serves it at once.
 * ``ps-admin publish --hold`` holds serving at the last publication while the trainer
   goes on; ``--release`` lets the next passing window through.
 * ``ps-admin rollback`` serves the publication before again: the same scores, to the
@@ -85,6 +86,13 @@ def test_serving_moves_only_to_publications_that_passed_their_guards(tmp_path: P
         # Three good windows: each passes and is published; serving follows.
         land_files(data, 3 * WINDOW, WINDOW)
         wait_for("publication 12 on the serving shards", lambda: served(serving) == {"000000000012"})
+        # A serving shard started after the last publication serves it at once: the training
+        # shard took no write since, so the snapshot it sends is that publication.
+        late = start_shard(0, 2, tmp_path / "late", "--mode=serve", f"--follow={training[0]}", "--published-only=true")
+        procs.append(late)
+        wait_for(
+            "publication 12 on a serving shard started after it", lambda: served([late.address]) == {"000000000012"}
+        )
         infer = start_infer(Trained(serving, out), tmp_path, "infer")
         columns = raw_columns(CRITEO, ColumnSchema.criteo(), 9000, 200)
         predict = PredictClient(infer.address)
@@ -101,6 +109,7 @@ def test_serving_moves_only_to_publications_that_passed_their_guards(tmp_path: P
         assert "not held" in admin("publish", "--addresses", ",".join(training), "--release")
         land_files(data, WINDOW, WINDOW, start=4 * WINDOW)
         wait_for("publication 20 on the serving shards", lambda: served(serving) == {"000000000020"})
+        wait_for("publication 20 on the late serving shard", lambda: served([late.address]) == {"000000000020"})
         at_20 = predict.predict({}, columns)
         assert not np.array_equal(at_20, at_12)
 
