@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from google.protobuf.message import Message
 
 from client.config import TableConfig
@@ -94,12 +95,22 @@ def table_config(spec: pb.TableSpec) -> TableConfig:
 
 
 def message_dict(msg: Message) -> dict[str, Any]:
-    """Every field of ``msg`` (zeros included, integers as ``int``), nested messages as dicts."""
+    """Every field of ``msg`` (zeros included, integers as ``int``), nested messages as
+    dicts; a ``Histogram``'s bounds (float64 bytes on the wire) as a list of floats."""
+    if isinstance(msg, pb.Histogram):
+        return {
+            "le": np.frombuffer(msg.le, "<f8").tolist(),
+            "counts": list(msg.counts),
+            "sum": msg.sum,
+            "recent": list(msg.recent),
+        }
     out: dict[str, Any] = {}
     for f in msg.DESCRIPTOR.fields:
         value = getattr(msg, f.name)
         if f.message_type is not None:
             value = [message_dict(v) for v in value] if f.is_repeated else message_dict(value)
+        elif f.is_repeated:
+            value = list(value)
         out[f.name] = value
     return out
 

@@ -77,6 +77,7 @@ from client import ClientConfig
 from client import parse_addresses as client_parse_addresses
 from deploy.admin_output import (
     format_checkpoints,
+    format_embedding_health,
     format_health,
     format_scale,
     format_stats,
@@ -267,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--out", required=True, type=Path, help="directory to create for the new checkpoint")
     rs.add_argument("--chunk-rows", type=_at_least_one, default=SCAN_CHUNK_ROWS, help="rows read per step")
 
-    st = sub.add_parser("stats", help="print rows, RAM tier and durability of every shard and table")
+    st = sub.add_parser("stats", help="print rows, RAM tier, durability and embedding health of every shard and table")
     addresses(st)
     st.add_argument("--timeout-s", type=_positive_seconds, default=10.0, help="per-shard limit (default 10)")
 
@@ -474,7 +475,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0 if all(r["serving"] for r in rows) else 1
         else:
             stats = cluster_stats(args.addresses, args.timeout_s, security)
-            print(json.dumps(stats, indent=2, sort_keys=True) if args.json else format_stats(stats))
+            if args.json:
+                print(json.dumps(stats, indent=2, sort_keys=True))
+            else:
+                print(format_stats(stats))
+                if any(t["health_window_s"] for s in stats for t in s["tables"]):
+                    print("\nembedding health (norms: bucket bounds over the latest window)")
+                    print(format_embedding_health(stats))
     except AdminError as exc:
         # The status a shard answered, where the message does not say it already: a script
         # can tell a refusal (PERMISSION_DENIED) from a shard it did not reach (UNAVAILABLE).

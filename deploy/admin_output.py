@@ -4,13 +4,16 @@ same dicts as JSON), and the scale report both ways.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 from deploy.scale import ScaleReport
+from ps.table import bucket_quantile
 
 __all__ = [
     "format_checkpoints",
+    "format_embedding_health",
     "format_health",
     "format_scale",
     "format_stats",
@@ -126,6 +129,63 @@ def format_stats(stats: Sequence[dict[str, Any]]) -> str:
             "(shards holding the same keys may differ)"
         )
     return table
+
+
+def _quantile(h: dict[str, Any], q: float, key: str = "recent") -> float | None:
+    """``bucket_quantile`` of a ``Histogram``'s ``key`` counts (``recent``: the latest
+    window, falling back to all counted); None if it counted nothing."""
+    value = bucket_quantile(h["le"], h[key] if sum(h.get(key) or ()) else h["counts"], q)
+    return None if math.isnan(value) else value
+
+
+def _bound(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return "above"
+    return f"<={value:.3g}{unit}"
+
+
+def format_embedding_health(stats: Sequence[dict[str, Any]]) -> str:
+    """Per shard and table, the health figures of ``Stats`` (``ps.table.health``): new keys a
+    second, rows touched in the window, row and update L2 norms (p50/p99 bucket bounds of
+    the latest window), the median idle time of resident rows, sampled rows with NaN/Inf."""
+    header = (
+        "shard",
+        "table",
+        "new_keys/s",
+        "touched",
+        "window",
+        "norm_p50",
+        "norm_p99",
+        "update_p99",
+        "idle_p50",
+        "nan_rows",
+    )
+    lines = [header]
+    for s in stats:
+        shard = f"{s['shard']}/{s['num_shards']}"
+        for t in s["tables"]:
+            if not t["health_window_s"]:
+                lines.append((shard, t["name"], "off", "-", "-", "-", "-", "-", "-", "-"))
+                continue
+            scanned = bool(t["health_scanned_unix_s"])
+            lines.append(
+                (
+                    shard,
+                    t["name"],
+                    f"{t['new_keys_per_s']:.1f}",
+                    str(t["rows_touched"]) if scanned else "-",
+                    f"{t['health_window_s']:g}s",
+                    _bound(_quantile(t["row_norm"], 0.5)),
+                    _bound(_quantile(t["row_norm"], 0.99)),
+                    _bound(_quantile(t["update_norm"], 0.99)),
+                    _bound(_quantile(t["row_idle_s"], 0.5, "counts"), "s") if scanned else "-",
+                    str(t["nonfinite_rows"]),
+                )
+            )
+    widths = [max(len(row[c]) for row in lines) for c in range(len(header))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in lines)
 
 
 def format_health(rows: Sequence[dict[str, Any]]) -> str:

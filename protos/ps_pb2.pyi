@@ -248,7 +248,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "dim", "rows", "memory_bytes", "lookups", "pushes", "rows_created", "resident_rows", "spilled_rows", "bytes_per_resident_row", "ram_hits", "ram_misses", "ram_hit_rate", "rows_spilled", "rows_faulted_in", "spill_rows_per_s", "fault_in_rows_per_s", "lookups_not_admitted", "pushes_dropped", "rows_expired", "rows_evicted_rare", "admission_bytes", "rows_written", "rows_estimated", "storage_dtype", "state_dtype", "record_bytes", "disk_bytes", "values_clamped", "values_flushed")
+    __slots__ = ("name", "dim", "rows", "memory_bytes", "lookups", "pushes", "rows_created", "resident_rows", "spilled_rows", "bytes_per_resident_row", "ram_hits", "ram_misses", "ram_hit_rate", "rows_spilled", "rows_faulted_in", "spill_rows_per_s", "fault_in_rows_per_s", "lookups_not_admitted", "pushes_dropped", "rows_expired", "rows_evicted_rare", "admission_bytes", "rows_written", "rows_estimated", "storage_dtype", "state_dtype", "record_bytes", "disk_bytes", "values_clamped", "values_flushed", "new_keys_per_s", "rows_touched", "row_norm", "update_norm", "row_idle_s", "nonfinite_rows", "health_window_s", "health_scanned_unix_s")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +279,14 @@ class TableStats(_message.Message):
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     VALUES_CLAMPED_FIELD_NUMBER: _ClassVar[int]
     VALUES_FLUSHED_FIELD_NUMBER: _ClassVar[int]
+    NEW_KEYS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ROWS_TOUCHED_FIELD_NUMBER: _ClassVar[int]
+    ROW_NORM_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_NORM_FIELD_NUMBER: _ClassVar[int]
+    ROW_IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_SCANNED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     rows: int
@@ -309,7 +317,27 @@ class TableStats(_message.Message):
     disk_bytes: int
     values_clamped: int
     values_flushed: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_created: _Optional[int] = ..., resident_rows: _Optional[int] = ..., spilled_rows: _Optional[int] = ..., bytes_per_resident_row: _Optional[float] = ..., ram_hits: _Optional[int] = ..., ram_misses: _Optional[int] = ..., ram_hit_rate: _Optional[float] = ..., rows_spilled: _Optional[int] = ..., rows_faulted_in: _Optional[int] = ..., spill_rows_per_s: _Optional[float] = ..., fault_in_rows_per_s: _Optional[float] = ..., lookups_not_admitted: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rows_expired: _Optional[int] = ..., rows_evicted_rare: _Optional[int] = ..., admission_bytes: _Optional[int] = ..., rows_written: _Optional[int] = ..., rows_estimated: _Optional[bool] = ..., storage_dtype: _Optional[_Union[DType, str]] = ..., state_dtype: _Optional[_Union[DType, str]] = ..., record_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., values_clamped: _Optional[int] = ..., values_flushed: _Optional[int] = ...) -> None: ...
+    new_keys_per_s: float
+    rows_touched: int
+    row_norm: Histogram
+    update_norm: Histogram
+    row_idle_s: Histogram
+    nonfinite_rows: int
+    health_window_s: float
+    health_scanned_unix_s: float
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_created: _Optional[int] = ..., resident_rows: _Optional[int] = ..., spilled_rows: _Optional[int] = ..., bytes_per_resident_row: _Optional[float] = ..., ram_hits: _Optional[int] = ..., ram_misses: _Optional[int] = ..., ram_hit_rate: _Optional[float] = ..., rows_spilled: _Optional[int] = ..., rows_faulted_in: _Optional[int] = ..., spill_rows_per_s: _Optional[float] = ..., fault_in_rows_per_s: _Optional[float] = ..., lookups_not_admitted: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rows_expired: _Optional[int] = ..., rows_evicted_rare: _Optional[int] = ..., admission_bytes: _Optional[int] = ..., rows_written: _Optional[int] = ..., rows_estimated: _Optional[bool] = ..., storage_dtype: _Optional[_Union[DType, str]] = ..., state_dtype: _Optional[_Union[DType, str]] = ..., record_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., values_clamped: _Optional[int] = ..., values_flushed: _Optional[int] = ..., new_keys_per_s: _Optional[float] = ..., rows_touched: _Optional[int] = ..., row_norm: _Optional[_Union[Histogram, _Mapping]] = ..., update_norm: _Optional[_Union[Histogram, _Mapping]] = ..., row_idle_s: _Optional[_Union[Histogram, _Mapping]] = ..., nonfinite_rows: _Optional[int] = ..., health_window_s: _Optional[float] = ..., health_scanned_unix_s: _Optional[float] = ...) -> None: ...
+
+class Histogram(_message.Message):
+    __slots__ = ("le", "counts", "sum", "recent")
+    LE_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    le: bytes
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    sum: float
+    recent: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, le: _Optional[bytes] = ..., counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ..., recent: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoopFailure(_message.Message):
     __slots__ = ("loop", "error", "failures", "first_failure_unix_s", "last_failure_unix_s")

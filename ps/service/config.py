@@ -123,6 +123,13 @@ class ServerConfig:
             "that came apart that long, and a next reshard waits for it"
         },
     )
+    health_window_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "embedding health: how often each table's resident rows are scanned (rows touched in the "
+            "window, idle times), and the window its push samples are reported over; 0 turns health off"
+        },
+    )
     max_message_bytes: int = field(
         default=64 << 20,
         metadata={"help": "largest request or response in bytes; larger ones get RESOURCE_EXHAUSTED"},
@@ -309,6 +316,8 @@ class ServerConfig:
             raise ConfigError(f"drain_s={self.drain_s}: must be a finite number >= 0")
         if not (math.isfinite(self.reshard_settle_s) and self.reshard_settle_s >= 0):
             raise ConfigError(f"reshard_settle_s={self.reshard_settle_s}: must be a finite number >= 0")
+        if not (math.isfinite(self.health_window_s) and self.health_window_s >= 0):
+            raise ConfigError(f"health_window_s={self.health_window_s}: must be a finite number of seconds >= 0")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level={self.log_level!r}: expected DEBUG, INFO, WARNING or ERROR")
         Durability.parse(self.durability)

@@ -8,15 +8,18 @@ start with ``ps_``, carry their unit, and are labelled by table at most, never b
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from protos import ps_pb2 as pb
 from ps.service.report import shard_stats
 from ps.shard import Shard
+from ps.table import bucket_quantile
 
 __all__ = ["ShardCollector", "shard_registry"]
 
@@ -84,6 +87,7 @@ class ShardCollector(Collector):
             for f, family in totals.items():
                 family.add_metric([t.name], getattr(t, f))
         yield from (rows, estimated, mem, hit, per_row, disk, *totals.values())
+        yield from _health(s.tables)
         yield GaugeMetricFamily("ps_tables", "Tables held", value=len(s.tables))
         yield CounterMetricFamily(
             "ps_push_duplicates",
@@ -123,6 +127,46 @@ class ShardCollector(Collector):
                 "ps_follow_connected", "1 while the change stream is open", value=int(follow.connected)
             )
             yield CounterMetricFamily("ps_follow_snapshots", "Full snapshots received", value=follow.snapshots)
+
+
+IDLE_QUANTILES = (0.5, 0.9, 0.99)
+
+
+def _health(tables: Iterable[pb.TableStats]) -> Iterator[Any]:
+    """Embedding health per table (``ps.table.health``), for tables that keep it."""
+    norm = HistogramMetricFamily(
+        "ps_table_row_norm", "L2 norm of sampled rows after a push (at most 16 rows a push)", labels=["table"]
+    )
+    update = HistogramMetricFamily(
+        "ps_table_update_norm", "L2 norm of what a push changed in the sampled rows", labels=["table"]
+    )
+    touched = GaugeMetricFamily(
+        "ps_table_rows_touched", "Resident rows looked up or pushed within the latest health window", labels=["table"]
+    )
+    idle = GaugeMetricFamily(
+        "ps_table_row_idle_seconds",
+        "Seconds since a resident row's last lookup or push, by quantile over the rows (latest scan; bucket bound)",
+        labels=["table", "quantile"],
+    )
+    nonfinite = CounterMetricFamily(
+        "ps_table_nonfinite_rows", "Sampled rows that held NaN or Inf after a push", labels=["table"]
+    )
+    for t in tables:
+        if not t.health_window_s:
+            continue
+        for family, h in ((norm, t.row_norm), (update, t.update_norm)):
+            cumulative = np.cumsum(np.asarray(h.counts, np.int64)).tolist()
+            bounds = np.frombuffer(h.le, "<f8").tolist()
+            buckets = [(repr(le), n) for le, n in zip(bounds, cumulative, strict=False)] + [("+Inf", cumulative[-1])]
+            family.add_metric([t.name], buckets, sum_value=h.sum)
+        nonfinite.add_metric([t.name], t.nonfinite_rows)
+        if t.health_scanned_unix_s:
+            touched.add_metric([t.name], t.rows_touched)
+            for q in IDLE_QUANTILES:
+                idle.add_metric(
+                    [t.name, str(q)], bucket_quantile(np.frombuffer(t.row_idle_s.le, "<f8"), t.row_idle_s.counts, q)
+                )
+    yield from (norm, update, touched, idle, nonfinite)
 
 
 def shard_registry(shard: Shard) -> CollectorRegistry:

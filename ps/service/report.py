@@ -4,12 +4,47 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from protos import ps_pb2 as pb
 from ps.shard import Shard
 from ps.store import precision
+from ps.table import IDLE_BOUNDS_S, LogHistogram, TableHealth
 
 __all__ = ["shard_stats"]
+
+
+def _histogram(h: LogHistogram) -> pb.Histogram:
+    return pb.Histogram(le=_bounds(h.bounds), counts=h.counts.tolist(), sum=h.total, recent=h.recent.tolist())
+
+
+def _bounds(bounds: npt.NDArray[np.float64]) -> bytes:
+    return bounds.astype("<f8").tobytes()
+
+
+def _health(health: TableHealth | None, window_s: float) -> dict[str, Any]:
+    """The health fields of a table's ``TableStats`` (none with health off)."""
+    if health is None:
+        return {}
+    scan = health.latest
+    return {
+        "row_norm": _histogram(health.row_norm),
+        "update_norm": _histogram(health.update_norm),
+        "nonfinite_rows": health.nonfinite_rows,
+        "health_window_s": window_s,
+        **(
+            {
+                "rows_touched": scan.touched,
+                "row_idle_s": pb.Histogram(le=_bounds(IDLE_BOUNDS_S), counts=scan.idle.tolist()),
+                "health_scanned_unix_s": scan.unix_s,
+            }
+            if scan is not None
+            else {}
+        ),
+    }
 
 
 def shard_stats(shard: Shard) -> pb.StatsResponse:
@@ -19,7 +54,7 @@ def shard_stats(shard: Shard) -> pb.StatsResponse:
     for t in shard.tables():
         c, resident = t.counters, len(t)
         seen = c.ram_hits + c.ram_misses
-        spill_rate, fault_rate = shard.rates.rates(t.spec.name, 2)
+        spill_rate, fault_rate, new_rate = shard.rates.rates(t.spec.name, 3)
         tables.append(
             pb.TableStats(
                 name=t.spec.name,
@@ -40,6 +75,8 @@ def shard_stats(shard: Shard) -> pb.StatsResponse:
                 disk_bytes=t.disk_bytes(),
                 values_clamped=t.rounding.clamped,
                 values_flushed=t.rounding.flushed,
+                new_keys_per_s=new_rate,
+                **_health(t.health, shard.health_window_s),
                 **dataclasses.asdict(c),  # every running total, under its own name
             )
         )

@@ -207,6 +207,7 @@ def _open_shard(config: ServerConfig) -> Shard:
             changes=ChangeLog(config.follow_history_keys),
             source=source,
             resharding=resharding,
+            health_window_s=config.health_window_s,
         )
 
     if config.data_dir is None:

@@ -1,6 +1,8 @@
-"""A shard's maintenance thread: interval flushes, TTL sweeps, storage recovery, rates.
+"""A shard's maintenance thread: interval flushes, TTL sweeps, storage recovery, rates, health.
 
-Every 0.25 s the thread samples each table's spill and fault-in totals into ``rates``.
+Every 0.25 s the thread samples each table's spill, fault-in and row-creation totals
+into ``rates``, and every ``health_window_s`` it scans each table's resident rows for
+their health (``Table.scan_health``), on every shard.
 While the data dir refuses writes it does nothing else but retry recovery, with the
 backoff ``StorageHealth`` keeps; once writes succeed again, the flush and the sweep
 run at once. Otherwise it flushes dirty rows every ``flush_interval_s`` (``interval``
@@ -40,7 +42,8 @@ class Maintenance:
     ``recover()`` tries to make failed storage writable (raising ``StorageFailed`` if
     it cannot); ``flush()`` writes dirty rows; ``expire()`` applies TTLs;
     ``sweep_ttls()`` says whether TTLs may run now; ``flush_interval_s``: None when
-    nothing is flushed on a timer (no data dir, or another durability mode).
+    nothing is flushed on a timer (no data dir, or another durability mode);
+    ``health_window_s``: how often tables are scanned for their health (0: never).
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class Maintenance:
         expire: Callable[[], int],
         sweep_ttls: Callable[[], bool],
         flush_interval_s: float | None,
+        health_window_s: float = 0.0,
     ) -> None:
         self._name = name
         self._tables = tables
@@ -67,6 +71,7 @@ class Maintenance:
         self._expire = expire
         self._sweep_ttls = sweep_ttls
         self._flush_interval_s = flush_interval_s
+        self._health_window_s = health_window_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -83,13 +88,21 @@ class Maintenance:
             self._thread.join(timeout=timeout_s)
 
     def _run(self) -> None:
-        last_flush = last_ttl = time.monotonic()
+        last_flush = last_ttl = last_scan = time.monotonic()
         while not self._stop.wait(_TICK_S):
             now = time.monotonic()
             tables = self._tables()
             self._rates.sample(
-                now, {t.spec.name: (t.counters.rows_spilled, t.counters.rows_faulted_in) for t in tables}
+                now,
+                {
+                    t.spec.name: (t.counters.rows_spilled, t.counters.rows_faulted_in, t.counters.rows_created)
+                    for t in tables
+                },
             )
+            if self._health_window_s and now - last_scan >= self._health_window_s:
+                last_scan = now
+                for t in tables:
+                    t.scan_health(self._health_window_s)
             if self._storage is not None and not self._storage.writable:
                 if self._storage.retry_due(now):
                     with self._health.run(STORAGE_RECOVERY):

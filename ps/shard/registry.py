@@ -38,7 +38,8 @@ class TableRegistry:
     table stored there is reopened at once. ``every_push`` (durability): a table writes
     each push before it is acknowledged. ``guard(fn, *args)`` runs a storage write and
     records its failure, ``on_write_failure`` hears a table's; ``check_writable()``
-    raises ``StorageFailed`` while the data dir refuses writes.
+    raises ``StorageFailed`` while the data dir refuses writes. ``health``: tables sample
+    their pushed rows (``ps.table.health``).
     """
 
     def __init__(
@@ -51,8 +52,10 @@ class TableRegistry:
         guard: Callable[..., Any] = lambda fn, *args: fn(*args),
         check_writable: Callable[[], None] = lambda: None,
         on_write_failure: Callable[[str], None] = lambda error: None,
+        health: bool = True,
     ) -> None:
         self._index = index
+        self._health = health
         self._storage = storage
         self._every_push = every_push
         self._limits = limits or Limits()
@@ -69,10 +72,15 @@ class TableRegistry:
 
     def _new(self, spec: TableSpec) -> Table:
         if self._storage is None:
-            return Table(spec)
+            return Table(spec, health=self._health)
         rows = self._storage.table(spec.name, spec.row_format)
         return Table(
-            spec, rows=rows, storage=self._storage, every_push=self._every_push, on_write_failure=self._on_write_failure
+            spec,
+            rows=rows,
+            storage=self._storage,
+            every_push=self._every_push,
+            on_write_failure=self._on_write_failure,
+            health=self._health,
         )
 
     def install(self, spec: TableSpec, limited: bool = False) -> bool:

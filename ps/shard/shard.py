@@ -86,6 +86,7 @@ log = logging.getLogger(__name__)
 
 
 _DEFAULT_DURABILITY = Durability("interval", 5.0)
+HEALTH_WINDOW_S = 60.0
 
 
 class Shard:
@@ -96,7 +97,9 @@ class Shard:
     (needs storage): resident bytes above which rows are spilled, in ``eviction``
     order; 0 = no limit (``ps.shard.budget``). ``limits``: what one request and the shard
     may hold (``ps.shard.limits``). ``rescue_dir``: where a stop that cannot write its rows
-    saves them first (``ps.durability.rescue``).
+    saves them first (``ps.durability.rescue``). ``health_window_s``: how often each table's
+    resident rows are scanned for their health, and the window "rows touched" counts over;
+    0 turns embedding health off (no push is sampled either; ``ps.table.health``).
     ``checkpoint_root``: the only directory checkpoints may be written under (see
     ``ps.durability.checkpoint``); default ``<data dir>/checkpoints``, none without storage.
     ``mode``: ``"train"`` or ``"serve"`` (see the module docstring).
@@ -118,6 +121,7 @@ class Shard:
         changes: ChangeLog | None = None,
         source: Callable[[Shard], RowSource] | None = None,
         resharding: ReshardSettings | None = None,
+        health_window_s: float = HEALTH_WINDOW_S,
     ) -> None:
         if index < 0 or num_shards < 1:
             raise ValueError(f"shard={index}, num_shards={num_shards}: need index >= 0 and num_shards >= 1")
@@ -152,7 +156,9 @@ class Shard:
             guard=self._guard,
             check_writable=self._storage_health.check,
             on_write_failure=self._storage_health.failed,
+            health=health_window_s > 0,
         )
+        self.health_window_s = health_window_s
         self._checkpoint_lock = threading.Lock()
         self._closing = False
         self.rates = RateWindow()
@@ -167,6 +173,7 @@ class Shard:
             expire=self.expire,
             sweep_ttls=lambda: self.writable and self.role.takes_writes and not self.reshard.copying,
             flush_interval_s=durability.interval_s if durability.kind == "interval" and storage is not None else None,
+            health_window_s=health_window_s,
         )
         self.changes = changes or ChangeLog()  # a training shard's versions, for serving shards that follow it
         # The cluster map this shard routes by, and its part in a live reshard (``ps.elastic.reshard``).

@@ -1,11 +1,12 @@
 """One embedding table on one shard: its spec, its key index, its RAM and disk halves, the
 optimizers and initial rows it applies, its lifecycle rules and the exactly-once ledgers
-of the pushes it took. ``Table`` is the door to a table's rows: nothing else touches its
+of the pushes it took, and its health (``ps.table.health``). ``Table`` is the door to a table's rows: nothing else touches its
 halves.
 """
 
 from __future__ import annotations
 
+from ps.table.health import IDLE_BOUNDS_S, LogHistogram, TableHealth, bucket_quantile
 from ps.table.held import held_tables
 from ps.table.initializers import InitializerKind, InitializerParams
 from ps.table.ledger import KeyOrigins
@@ -18,16 +19,20 @@ from ps.table.table import Table
 __all__ = [
     "EVICTIONS",
     "Eviction",
+    "IDLE_BOUNDS_S",
     "InitializerKind",
     "InitializerParams",
     "KeyOrigins",
     "LFU_HALF_LIFE_S",
     "Lifecycle",
+    "LogHistogram",
     "OptimizerKind",
     "OptimizerParams",
     "RamTier",
     "Table",
+    "TableHealth",
     "TableSpec",
+    "bucket_quantile",
     "held_tables",
     "now_tick",
     "spec_from_proto",

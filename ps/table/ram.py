@@ -292,6 +292,10 @@ class RamTier:
         if kind != precision.FLOAT32:
             out[at] = precision.decode(kind, precision.encode_nearest(kind, out[at]))
 
+    def values_float32(self, slots: npt.NDArray[np.int32]) -> npt.NDArray[np.float32]:
+        """Copies of the values at ``slots``, as float32."""
+        return precision.gather_float32(self.format.values, self.arena.values, slots)
+
     def put_values(self, slots: npt.NDArray[np.int32], values: npt.NDArray[Any]) -> None:
         """Set the values of the rows at ``slots`` (float32, or 16-bit elements as they travel:
         ``precision.widen``), converted to the stored type: 16-bit to nearest, 8-bit quantized."""

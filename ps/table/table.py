@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,6 +52,7 @@ from protos.wire import as_keys
 from ps.store import RowFormat, Rows, Storage, StorageFailed, TableRows
 from ps.table.counters import TableCounters
 from ps.table.grads import check_grads
+from ps.table.health import ScanResult, TableHealth
 from ps.table.held import HeldTable
 from ps.table.ledger import KeyOrigins, PushLedger, PushRecord, TableLedgers
 from ps.table.lifecycle import Eviction, EvictionScan, expired_keys, now_tick, scan_ranks, select_victims
@@ -67,6 +69,7 @@ class Table:
     ``rows``/``storage``: the table's column family and the data directory it lives in
     (both or neither). ``every_push``: write each push before applying it, and the rows a
     lookup creates before returning them (``on_write_failure(error)`` hears a failure).
+    ``health``: sample pushed rows for ``health`` (``ps.table.health``; None without).
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class Table:
         storage: Storage | None = None,
         every_push: bool = False,
         on_write_failure: Callable[[str], None] = lambda error: None,
+        health: bool = True,
     ) -> None:
         if (rows is None) != (storage is None):
             raise ValueError("rows and storage go together: pass both or neither")
@@ -93,6 +97,7 @@ class Table:
         self._every_push = every_push and self._disk is not None
         self._on_write_failure = on_write_failure
         self._keys_field = f"table {spec.name!r}: keys"
+        self.health = TableHealth() if health else None
         if self._disk is not None:
             self.spilled = self._disk.estimate_rows()
             for key, data in self._disk.ledgers().items():
@@ -260,6 +265,9 @@ class Table:
                 self.counters.pushes_dropped += int(k.shape[0] - kept.sum())
                 k, g, slots = k[kept], g[kept], slots[kept]
             slots, k, g = self._ram.merge_duplicates(slots, k, g)
+            if self.health is not None:
+                sample = self.health.sample(slots)
+                before = self._ram.values_float32(sample)
             if self._every_push:
                 entry = (record.name, record.ledger.encode_after(client_id, seq))
                 self.counters.rows_written += self._need_disk().push_durably(
@@ -267,6 +275,8 @@ class Table:
                 )
             else:
                 self._ram.apply(k, slots, g, now)
+            if self.health is not None:
+                self.health.pushed(before, self._ram.values_float32(sample))
             self.counters.pushes += slots.shape[0]
             return int(slots.shape[0])
 
@@ -461,6 +471,15 @@ class Table:
         with self._lock:
             _, slots, last_access, frequency = self._ram.eviction_columns()
         return scan_ranks(slots, last_access, frequency, now, policy)
+
+    def scan_health(self, window_s: float) -> ScanResult | None:
+        """Scan the resident rows for ``health`` (outside the table lock); None without health."""
+        if self.health is None:
+            return None
+        now, unix_s = now_tick(), time.time()
+        with self._lock:
+            _, slots, last_access, _ = self._ram.eviction_columns()
+        return self.health.scan(slots, last_access, now, unix_s, window_s)
 
     def unpersisted_rows(self) -> int:
         """Resident rows not on disk as they are in RAM."""
