@@ -63,10 +63,12 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,7 @@ from deploy.admin_output import (
     print_rows,
     scale_json,
 )
+from deploy.drift import DEFAULT_SAMPLE, checkpoint_name, drift, find_checkpoint, format_drift, write_drift
 from deploy.operations import (
     checkpoint_cluster,
     cluster_health,
@@ -254,6 +257,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ls.add_argument("--root", action="append", required=True, type=Path, help="a checkpoint root; repeatable")
 
+    dr = sub.add_parser(
+        "drift",
+        help="how far a table's rows moved since a checkpoint: cosine, L2 change, new and gone keys (sampled)",
+        description="Compare TABLE's rows in the checkpoint FROM with those of a later one: the checkpoint --to, "
+        "or, without it, one the cluster at --addresses takes now (named drift-STAMP). The checkpoints' files "
+        "are read from this machine, over about --sample keys of FROM (a range of the hashed key space). Prints "
+        "the mean cosine similarity and L2 change of the rows in both, and the share of keys new and gone; "
+        "writes drift.json and drift.png (with matplotlib) to --out.",
+    )
+    dr.add_argument("--table", required=True, help="the table to compare")
+    dr.add_argument(
+        "--from",
+        dest="src",
+        required=True,
+        help="the earlier checkpoint: its NAME under a --root (a version number such as 3 works), or its directory",
+    )
+    dr.add_argument("--to", default=None, help="the later checkpoint, as --from (default: checkpoint the cluster now)")
+    dr.add_argument(
+        "--addresses",
+        type=_addresses,
+        default=os.environ.get("PS_ADDRESSES") or None,
+        help=f"without --to: {addresses_help} (default: $PS_ADDRESSES)",
+    )
+    dr.add_argument(
+        "--root",
+        action="append",
+        type=Path,
+        default=[],
+        help="a shard's --checkpoint-root, where NAMEs are found; repeatable (default: where the new checkpoint landed)",
+    )
+    dr.add_argument("--sample", type=_at_least_one, default=DEFAULT_SAMPLE, help="keys to compare, about (default 1M)")
+    dr.add_argument("--out", type=Path, default=Path("drift"), help="directory for drift.json and drift.png")
+    dr.add_argument("--timeout-s", type=_positive_seconds, default=600.0, help="per-shard limit of the checkpoint")
+
     rs = sub.add_parser(
         "reshard",
         help="rewrite a cluster checkpoint for another number of shards (offline)",
@@ -381,6 +418,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _drift(args: argparse.Namespace, security: ClientConfig) -> int:
+    roots: list[Path] = list(args.root)
+    if args.to is None:
+        if args.addresses is None:
+            raise AdminError("drift: give --to CHECKPOINT, or --addresses to checkpoint the cluster now")
+        name = time.strftime("drift-%Y%m%dT%H%M%SZ", time.gmtime())
+        taken = checkpoint_cluster(args.addresses, name, args.timeout_s, security)
+        newer = [Path(p) for p in taken["parts"]]
+        print(f"checkpointed the cluster as {name}", file=sys.stderr)
+        roots = roots or sorted({p.parent.parent for p in newer})
+    else:
+        name = args.to
+        newer = find_checkpoint(roots, args.to)
+    older = find_checkpoint(roots, args.src)
+    report = drift(older, newer, args.table, args.sample, (checkpoint_name(older), checkpoint_name(newer)))
+    written = write_drift(report, args.out)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report), indent=2, sort_keys=True))
+    else:
+        print(format_drift(report))
+        print(
+            f"wrote {', '.join(map(str, written))}"
+            + ("" if len(written) > 1 else " (no PNG: matplotlib is not installed)")
+        )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ps-admin`` console script; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -440,6 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
             for st in statuses:
                 print(f"{st['address']}: serving publication {st['publication']}, version {st['applied_version']}")
+        elif args.command == "drift":
+            return _drift(args, security)
         elif args.command == "list":
             found = list_checkpoints(args.root)
             print(json.dumps(found, indent=2, sort_keys=True) if args.json else format_checkpoints(found))

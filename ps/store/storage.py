@@ -173,20 +173,31 @@ class TableRows:
             map(batch.delete, _key_bytes(np.sort(keys.view(np.uint64)).view(np.int64)), repeat(self._handle)), maxlen=0
         )
 
-    def scan(self, chunk: int = _SCAN_CHUNK) -> Iterator[Rows]:
-        """Every stored row, ``chunk`` rows at a time, in key-byte order."""
+    def scan(self, chunk: int = _SCAN_CHUNK, start: int = 0, stop: int | None = None) -> Iterator[Rows]:
+        """Every stored row, ``chunk`` rows at a time, in key-byte order (the keys' uint64
+        order); with ``start``/``stop``, only keys whose uint64 value lies in ``[start, stop)``."""
         if self._cf is None:
             raise StorageFailed(f"storage in {self._storage.path} is not open (it failed and could not be reopened)")
+        end = None if stop is None else stop.to_bytes(8, "big") if stop < 1 << 64 else None
         it = self._cf.iter()
-        it.seek_to_first()
+        if start:
+            it.seek(start.to_bytes(8, "big"))
+        else:
+            it.seek_to_first()
         while it.valid():
             ks: list[bytes] = []
             vs: list[bytes] = []
             while it.valid() and len(ks) < chunk:
-                ks.append(it.key())
+                key = it.key()
+                if end is not None and key >= end:
+                    break
+                ks.append(key)
                 vs.append(it.value())
                 it.next()
-            yield Rows.unpack(_keys_from(ks), b"".join(vs), self.format)
+            if ks:
+                yield Rows.unpack(_keys_from(ks), b"".join(vs), self.format)
+            if len(ks) < chunk:
+                return
 
     def estimate_rows(self) -> int:
         """RocksDB's estimate of the rows stored (exact only after a compaction)."""
