@@ -31,7 +31,8 @@ class ClientConfig:
     * ``backoff_initial_s``, ``backoff_max_s``: the pause between attempts doubles from
       the first up to the second, with full jitter. The channels reconnect to a shard
       that went away at least every ``backoff_max_s`` too.
-    * ``max_attempts``: None (retry until the deadline), or a cap on attempts per call.
+    * ``max_attempts``: None (retry until the deadline), or a cap on attempts per call
+      (an attempt a shard refused for load, before doing anything, does not count).
     * ``max_message_bytes``: requests and responses are split to stay under this; it
       must not exceed the shards' own ``max_message_bytes``.
     * ``transport_dtype``: wire type of looked-up rows and pushed gradients; 16-bit

@@ -1,12 +1,15 @@
 """Send a set of shard requests in parallel; retry, fail over, hedge and degrade them.
 
-Only UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED (a stopping shard) are retried (pushes
-are safe to resend: each carries its ``(client_id, seq)`` and a shard applies it at most
-once). A request is retried for as long as the call's total deadline allows, so a shard
+Only UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED (a stopping shard) and refusals for load
+are retried (pushes are safe to resend: each carries its ``(client_id, seq)`` and a shard
+applies it at most once). A request is retried for as long as the call's total deadline allows, so a shard
 that restarts within ``deadline_s`` costs the caller a pause, not an error. A retry goes
 at once to another replica of the shard if one is in service and has not failed this
 request yet; otherwise it waits a backoff (exponential from ``backoff_initial_s``, capped
-at ``backoff_max_s``, full jitter). An optional ``max_attempts`` ends a request sooner.
+at ``backoff_max_s``, full jitter). An optional ``max_attempts`` ends a request sooner;
+an attempt a shard refused for load (RESOURCE_EXHAUSTED marked ``ps-overloaded``: refused
+before any work) does not count, so calls that must not be sent twice (``max_attempts=1``:
+a checkpoint, a publication) still wait out a busy shard.
 
 A replica that the ``ReplicaSet`` has ejected is probed with a copy of a request sent
 beside the real one, once its ejection has run out; the copy's answer is not used.
@@ -313,8 +316,9 @@ class _Exchange:
         # replica does: the others of its shard answer it, or, alone, it is asked again.
         behind = newer is not None and self.epoch is not None and newer < self.epoch and r.pinned is None
         retryable = is_retryable(exc) or behind
-        if is_overloaded(exc):
+        if is_overloaded(exc):  # refused before any work: safe to send again, and no attempt used up
             self.replicas.count_refusal(attempt.pick.endpoint)
+            r.attempts -= 1
         self.replicas.release(attempt.pick, FAILED if retryable else NEUTRAL)
         r.error, r.error_endpoint = exc, attempt.pick.endpoint
         if newer is not None and self.epoch is not None and newer > self.epoch:

@@ -123,6 +123,7 @@ class _Fault:
     times: int
     after_apply: bool
     shard: int | None
+    trailing: tuple[tuple[str, str], ...] = ()
 
 
 class InProcessTransport(Transport):
@@ -183,15 +184,17 @@ class InProcessTransport(Transport):
         times: int = 1,
         after_apply: bool = False,
         shard: int | None = None,
+        trailing: tuple[tuple[str, str], ...] = (),
     ) -> None:
-        """Fail the next ``times`` calls of ``method`` (to ``shard``, or any) with ``code``.
+        """Fail the next ``times`` calls of ``method`` (to ``shard``, or any) with ``code``
+        (and ``trailing`` metadata, e.g. ``client.errors.OVERLOADED``).
 
         ``after_apply=False``: the shard never sees the call (e.g. UNAVAILABLE).
         ``after_apply=True``: the shard handles it, then the reply is lost (e.g.
         DEADLINE_EXCEEDED after a push was applied).
         """
         with self._lock:
-            self._faults.append(_Fault(method, code, times, after_apply, shard))
+            self._faults.append(_Fault(method, code, times, after_apply, shard, trailing))
 
     def count(self, method: str, shard: int | None = None) -> int:
         """How many calls of ``method`` (to ``shard``, or to any) were made."""
@@ -205,7 +208,7 @@ class InProcessTransport(Transport):
             self.calls.append((shard, method, request))
             fault = self._take_fault(shard, method)
         if fault is not None and not fault.after_apply:
-            return _DoneCall(None, FakeRpcError(fault.code, f"injected {fault.code.name} before apply"))
+            return _DoneCall(None, FakeRpcError(fault.code, f"injected {fault.code.name} before apply", fault.trailing))
         try:
             response = self._handle(shard, method, request)
         except FakeRpcError as exc:

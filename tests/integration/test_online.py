@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from client import PSClient
-from client.errors import TableNotFoundError
 from tests.integration.shards import RunningShard, start_shard, stop_shard
 from tests.integration.test_admin import ok, ps_admin
 from tests.profiles import long_run
@@ -195,9 +194,9 @@ def test_kill_anywhere_in_sync_mode_ends_bit_equal_to_a_run_never_killed(
 def test_shards_that_push_back_slow_the_trainer_without_losing_its_place(
     tmp_path: Path, procs: list[RunningShard]
 ) -> None:
-    """Shards at their ``--threads`` limit (one call at a time, kept busy by another client)
-    refuse the trainer's calls with RESOURCE_EXHAUSTED; it retries them after a backoff, says
-    so, and ends bit-equal to a run the shards never refused."""
+    """Shards at their ``--threads`` limit (one call at a time, held most of the time by another
+    client's large lookups) refuse the trainer's calls with RESOURCE_EXHAUSTED; it retries
+    them after a backoff, says so, and ends bit-equal to a run the shards never refused."""
     data = tmp_path / "landed"
     land_files(data, 640, 320)
     keys = all_keys(data)
@@ -209,18 +208,21 @@ def test_shards_that_push_back_slow_the_trainer_without_losing_its_place(
         addresses = [s.address for s in shards]
         ckpt, out = tmp_path / f"{name}-ckpt", tmp_path / f"{name}-out"
         cmd = [*trainer_command(addresses, f"dir:{data}", out, f"--checkpoint-dir={ckpt}"), *sync]
-        trainer = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        calls = 0
-        if busy:  # another client's lookups hold each shard's one call about half the time
-            with PSClient(addresses) as other:
-                while trainer.poll() is None:
-                    try:
-                        other.lookup("embedding", keys)
-                        calls += 1
-                    except TableNotFoundError:
-                        pass  # the trainer has not created it yet
-                    time.sleep(0.02)
-        output, _ = trainer.communicate(timeout=300)
+        other = PSClient(addresses).start()
+        if busy:  # a table of its own, whose lookups (50 MB answers) hold each shard's one call
+            other.create_table("hammer", 256)
+            hammer_keys = np.arange(50_000, dtype=np.int64)
+            other.lookup("hammer", hammer_keys)
+        log = tmp_path / f"{name}-trainer.log"
+        with log.open("wb") as sink:
+            trainer = subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+            calls = 0
+            while busy and trainer.poll() is None:
+                other.lookup("hammer", hammer_keys)
+                calls += 1
+            trainer.wait(timeout=300)
+        other.close()
+        output = log.read_text()
         assert trainer.returncode == 0, output[-3000:]
         assert not busy or calls > 0, "the other client never called: the test proves nothing"
         state = final_state(addresses, keys, out)

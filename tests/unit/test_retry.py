@@ -3,6 +3,7 @@ name their shard, undecodable replies. Real ``Shard``s behind ``InProcessTranspo
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from client import ClientConfig, InternalServerError, InvalidRequestError, PSClient, ShardUnavailableError
-from client.errors import error_for
+from client.errors import OVERLOADED, error_for
 from client.retry import backoff_s
 from ps.shard import Shard
 from tests.fakes import InProcessTransport
@@ -53,6 +54,23 @@ def test_cancelled_by_a_stopping_shard_is_retried_like_unavailable(
         result = ps.push("t", KEYS, np.ones((len(KEYS), DIM), np.float32))
     assert result.duplicates == 1  # the first attempt was applied; its resends were recognised
     assert error_for(grpc.StatusCode.CANCELLED) is ShardUnavailableError
+
+
+def test_a_refusal_for_load_is_retried_and_uses_up_no_attempt(
+    shards: list[Shard], transport: InProcessTransport
+) -> None:
+    # A call that must not be sent twice (max_attempts=1: a publication, a checkpoint) still
+    # waits out a busy shard: it refused before doing anything. Anything else ends it.
+    once = dataclasses.replace(FAST, max_attempts=1)
+    with PSClient(addresses(), once, transport=transport) as ps:
+        ps.create_table("t", DIM)
+        transport.fail_next("Push", grpc.StatusCode.RESOURCE_EXHAUSTED, times=3, shard=1, trailing=(OVERLOADED,))
+        result = ps.push("t", KEYS, np.ones((len(KEYS), DIM), np.float32))
+        assert result.duplicates == 0 and transport.count("Push", 1) == 4
+        assert ps.admin.refusals() == 3 and [h["refused"] for h in ps.admin.replica_health()][1] == 3
+        transport.fail_next("Push", grpc.StatusCode.UNAVAILABLE, times=1, shard=1)
+        with pytest.raises(ShardUnavailableError, match="gave up after 1 attempts"):
+            ps.push("t", KEYS, np.ones((len(KEYS), DIM), np.float32))
 
 
 def test_deadline_ends_retries_with_the_failing_shards_error(
