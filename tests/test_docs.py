@@ -124,8 +124,8 @@ def test_readme_first_commands_are_the_documented_ones() -> None:
     text = (ROOT / "README.md").read_text()
     setup = "python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt -e '.[dev]' ./deploy/fbgemm-gpu-cpu"
     assert f"{setup}\npython examples/train_and_serve.py\n" in text
-    assert f"{setup} && python -m pytest -q\n" in text
-    assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
+    assert f"{setup} && python -m pytest -q -n 2 --dist loadfile\n" in text
+    assert "\npython -m pytest -q -n 2 --dist loadfile\n" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_readme_links_resolve() -> None:
