@@ -12,6 +12,8 @@ in turn, interleaved over many rounds so that drift of the machine falls on both
 The goal: each health-on median within 3% of the health-off one (ratio >= 0.97). Beside
 the RPC figures, the work health adds is timed in-process where noise cannot hide it: a
 65,536-row push into a table with and without health, and one scan of the 1M resident rows.
+Last, ``ps-admin drift`` (``deploy.drift``) between two checkpoints of a 2M-row dim-64 table on
+two shards, over 1M sampled keys (goal: 10 s).
 
 Usage: ``python benchmarks/bench_health.py [--quick]``; prints a table and writes
 ``benchmarks/results/health.json`` and ``health.png``.
@@ -36,10 +38,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
 
 from client import PSClient  # noqa: E402
-from ps.table import OptimizerKind, OptimizerParams, Table, TableSpec  # noqa: E402
+from ps.store.precision import FLOAT32, gather_float32  # noqa: E402
+from ps.table import OptimizerKind, OptimizerParams, Table, TableHealth, TableSpec  # noqa: E402
 
 ROWS, DIM, RESIDENT, KEY_SETS, SEED = 65_536, 64, 1_000_000, 8, 1234
 GOAL = 0.97
+DRIFT_GOAL_S = 10.0
 TABLE = "bench"
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -133,6 +137,15 @@ def in_process_part(repeats: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             tables[name].push(batch, grads, client_id="bench", seq=i + 1)
             times[name].append(time.perf_counter() - t0)
+    # The work alone, many times over (the A/B above moves by a few % run to run): pick the
+    # sample, read its rows before and after (two gathers of 16 rows of the 1M), count them.
+    health, arena = TableHealth(), rng.standard_normal((RESIDENT, DIM)).astype(np.float32)
+    slots = rng.choice(RESIDENT, ROWS, replace=False).astype(np.int32)
+    t0, n = time.perf_counter(), 2000
+    for _ in range(n):
+        sample = health.sample(slots)
+        health.pushed(gather_float32(FLOAT32, arena, sample), gather_float32(FLOAT32, arena, sample))
+    added = (time.perf_counter() - t0) / n
     scans = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -144,8 +157,57 @@ def in_process_part(repeats: int) -> dict[str, Any]:
         "push_off_s": off,
         "push_added_s": on - off,
         "push_ratio": off / on,
+        "health_work_per_push_s": added,
+        "health_work_share_of_push": added / off,
         "scan_1m_rows_s": statistics.median(scans),
         "scan_share_of_default_window": statistics.median(scans) / 60.0,
+    }
+
+
+def drift_part(tmp: Path, rows: int, sample: int) -> dict[str, Any]:
+    """``ps-admin drift`` over ``sample`` keys of a dim-64 table of ``rows`` rows on two shards,
+    between a checkpoint and one taken after every row was pushed once more."""
+    from deploy.drift import drift
+    from deploy.operations import checkpoint_cluster
+
+    rng = np.random.default_rng(SEED)
+    keys = np.unique(rng.integers(-(1 << 63), (1 << 63) - 1, size=rows, dtype=np.int64))
+    procs, addresses = [], []
+    try:
+        for i in range(2):
+            port_file = tmp / f"drift-{i}.port"
+            cmd = [sys.executable, "-m", "ps", f"--shard={i}", "--num-shards=2", "--listen=127.0.0.1:0"]
+            cmd += [f"--port-file={port_file}", f"--data-dir={tmp / f'drift-{i}'}", "--grace-s=1"]
+            procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            deadline = time.monotonic() + 60
+            while not port_file.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("a drift shard did not start")
+                time.sleep(0.05)
+            addresses.append(f"127.0.0.1:{port_file.read_text().strip()}")
+        with PSClient(addresses) as client:
+            client.create_table(TABLE, DIM, optimizer="adagrad")
+            for chunk in np.array_split(keys, max(1, rows // ROWS)):
+                client.push(TABLE, chunk, (rng.standard_normal((len(chunk), DIM)) * 1e-2).astype(np.float32))
+            first = checkpoint_cluster(addresses, "first")
+            for chunk in np.array_split(keys, max(1, rows // ROWS)):
+                client.push(TABLE, chunk, (rng.standard_normal((len(chunk), DIM)) * 1e-2).astype(np.float32))
+            second = checkpoint_cluster(addresses, "second")
+        t0 = time.perf_counter()
+        report = drift([Path(p) for p in first["parts"]], [Path(p) for p in second["parts"]], TABLE, sample)
+        seconds = time.perf_counter() - t0
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(60)
+    return {
+        "rows": int(keys.shape[0]),
+        "sample": sample,
+        "compared": report.both,
+        "seconds": seconds,
+        "mean_cosine": report.mean_cosine,
+        "goal_s": DRIFT_GOAL_S,
+        "met": seconds <= DRIFT_GOAL_S,
     }
 
 
@@ -171,13 +233,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer calls (~1 min)")
     args = ap.parse_args()
-    calls, n_rounds, repeats = (40, 10, 20) if args.quick else (200, 40, 60)
+    calls, n_rounds, repeats = (40, 40, 20) if args.quick else (300, 300, 60)
     with tempfile.TemporaryDirectory(prefix="bench-health-") as tmp:
         res: dict[str, Any] = {"rpc": rpc_part(Path(tmp), calls, n_rounds), "in_process": in_process_part(repeats)}
+        res["drift"] = drift_part(Path(tmp), 200_000 if args.quick else 2_000_000, 100_000 if args.quick else 1_000_000)
     r, p = res["rpc"], res["in_process"]
     res["goals"] = {
         "lookup": {"got": r["lookup_ratio"], "goal": GOAL, "met": r["lookup_ratio"] >= GOAL},
         "push": {"got": r["push_ratio"], "goal": GOAL, "met": r["push_ratio"] >= GOAL},
+        "drift_s": {"got": res["drift"]["seconds"], "goal": DRIFT_GOAL_S, "met": res["drift"]["met"]},
     }
     m = r["medians_s"]
     rows = [
@@ -189,10 +253,19 @@ def main() -> None:
     for name, off, on, ratio in rows:
         print(f"{name:32} {off * 1e3:9.2f} {on * 1e3:9.2f} {ratio:11.3f}")
     print(
+        f"health's own work per push: {p['health_work_per_push_s'] * 1e6:.0f} us "
+        f"({p['health_work_share_of_push'] * 100:.2f}% of the in-process push)"
+    )
+    print(
         f"scan of 1M resident rows: {p['scan_1m_rows_s'] * 1e3:.1f} ms "
         f"({p['scan_share_of_default_window'] * 100:.3f}% of a core at the default 60 s window)"
     )
     print(f"health seen on the shard: {r['health_seen']}")
+    d = res["drift"]
+    print(
+        f"ps-admin drift over {d['compared']:,} sampled keys of {d['rows']:,} rows x {DIM}: {d['seconds']:.2f} s "
+        f"(goal <= {DRIFT_GOAL_S:.0f} s)"
+    )
     if args.quick:
         return
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -81,7 +81,8 @@ def cosine(a: F32, b: F32) -> npt.NDArray[np.float64]:
     nb = np.sqrt(np.einsum("ij,ij->i", b, b, dtype=np.float64))
     out = np.divide(dot, na * nb, out=np.zeros_like(dot), where=(na * nb) > 0)
     out[(na == 0) & (nb == 0)] = 1.0
-    return np.clip(out, -1.0, 1.0)
+    clipped: npt.NDArray[np.float64] = np.clip(out, -1.0, 1.0)
+    return clipped
 
 
 def find_checkpoint(roots: Sequence[Path], name: str) -> list[Path]:
