@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runnable as a plain script from a checkout
 
 from client import PSClient  # noqa: E402
-from ps.store.precision import FLOAT32, gather_float32  # noqa: E402
+from ps.store import precision  # noqa: E402
 from ps.table import OptimizerKind, OptimizerParams, Table, TableHealth, TableSpec  # noqa: E402
 
 ROWS, DIM, RESIDENT, KEY_SETS, SEED = 65_536, 64, 1_000_000, 8, 1234
@@ -144,7 +144,10 @@ def in_process_part(repeats: int) -> dict[str, Any]:
     t0, n = time.perf_counter(), 2000
     for _ in range(n):
         sample = health.sample(slots)
-        health.pushed(gather_float32(FLOAT32, arena, sample), gather_float32(FLOAT32, arena, sample))
+        health.pushed(
+            precision.gather_float32(precision.FLOAT32, arena, sample),
+            precision.gather_float32(precision.FLOAT32, arena, sample),
+        )
     added = (time.perf_counter() - t0) / n
     scans = []
     for _ in range(5):

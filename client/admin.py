@@ -23,15 +23,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+import numpy as np
+import numpy.typing as npt
 from google.protobuf.message import DecodeError, Message
 
+from client.cluster import ClusterView
 from client.config import ClientConfig, TableConfig
-from client.errors import InternalServerError, PSError, error_for, tls_hint
+from client.errors import InternalServerError, InvalidRequestError, PSError, error_for, tls_hint
 from client.link import Budget, ClusterLink
 from client.membership import members_of
+from client.retry import Answer, Rerouted
 from client.tables import message_dict
 from client.transport import Transport
 from protos import ps_pb2 as pb
+from protos import wire
+from protos.keys import shard_of
 from protos.rpc.security import CallerSecurity
 from protos.rpc.tls import open_channel
 from protos.services import PS_SERVICE
@@ -251,6 +257,47 @@ class AdminClient:
                 out.append(message_dict(pb.PublishResponse.FromString(r.data)))
         return out
 
+    def erase(self, table: str, keys: npt.ArrayLike, *, compact: bool = False) -> list[dict[str, Any]]:
+        """Delete the rows of ``keys`` in ``table`` for good, on every training shard that
+        owns some (``Shard.erase``): RAM, data dir, and, through the change stream, the
+        serving shards that follow them. A key erased is new again. With ``compact``, each
+        shard then compacts its data dir so the rows' bytes leave the disk. Returns each
+        shard's answer, in shard order: ``erased_ram``, ``erased_disk``, ``version``,
+        ``compacted``, ``compact_s``. Safe to send again (a second erase finds nothing), so
+        retried like a push; routed again if the cluster map moves meanwhile. Needs an
+        admin token."""
+        k = np.unique(_erase_keys(keys))
+        budget = self._link.budget()
+
+        def attempt(view: ClusterView) -> list[dict[str, Any]] | Rerouted:
+            owners = shard_of(k, view.num_shards)
+            requests = [
+                (
+                    s,
+                    pb.EraseRequest(
+                        table=table,
+                        keys=wire.encode_keys(k[owners == s]),
+                        num_shards=view.num_shards,
+                        shard=s,
+                        epoch=view.epoch,
+                        compact=compact,
+                    ).SerializeToString(),
+                )
+                for s in range(view.num_shards)
+            ]
+            answers = self._link.send("Erase", requests, budget, view=view)
+            moved = next((a for a in answers if isinstance(a, Rerouted)), None)
+            if moved is not None:
+                return moved
+            out = []
+            for s, a in enumerate(answers):
+                assert isinstance(a, Answer)
+                with self._link.reply("Erase", s, a.endpoint, view):
+                    out.append(message_dict(pb.EraseResponse.FromString(a.data)))
+            return out
+
+        return self._link.routed("Erase", budget, attempt)
+
     def roll_back(self) -> list[dict[str, Any]]:
         """Have every serving replica (``--published-only``) serve the publication before the
         one it serves; returns each replica's follow status, in the order of ``addresses``.
@@ -344,3 +391,11 @@ class ShardByAddress:
             raise InternalServerError(
                 f"{address}: {method} reply does not decode ({exc}): is it a ps-server?"
             ) from None
+
+
+def _erase_keys(keys: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    """``keys`` as a 1-D int64 array; ``InvalidRequestError`` naming the field otherwise."""
+    try:
+        return wire.as_keys(keys, "erase: keys")
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(str(exc)) from None

@@ -51,7 +51,7 @@ _TRANSPORT_METHODS = (
     *("start", "close", "address", "call", "call_here", "tls", "client_certificate", "grows"),
     *("add", "drop", "check", "for_addresses"),
 )
-_WRITES = frozenset({"CreateTable", "Push", "Checkpoint", "LoadCheckpoint", "Publish"})
+_WRITES = frozenset({"CreateTable", "Push", "Checkpoint", "LoadCheckpoint", "Publish", "Erase"})
 _READS = frozenset({"Lookup", "ListTables"})  # may be hedged
 _NO_MAP = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 """GetMap failures a first call goes on past: a shard older than maps (epoch 0), or one not there."""
@@ -242,7 +242,7 @@ class ClusterLink:
             pinned=pinned,
             hedge=method in _READS,
             degrade=degrade,
-            epoch=view.epoch if method in ("Lookup", "Push") else None,
+            epoch=view.epoch if method in ("Lookup", "Push", "Erase") else None,
         )
 
     def list_tables(self, budget: Budget) -> dict[str, TableConfig]:

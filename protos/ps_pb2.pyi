@@ -248,7 +248,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "dim", "rows", "memory_bytes", "lookups", "pushes", "rows_created", "resident_rows", "spilled_rows", "bytes_per_resident_row", "ram_hits", "ram_misses", "ram_hit_rate", "rows_spilled", "rows_faulted_in", "spill_rows_per_s", "fault_in_rows_per_s", "lookups_not_admitted", "pushes_dropped", "rows_expired", "rows_evicted_rare", "admission_bytes", "rows_written", "rows_estimated", "storage_dtype", "state_dtype", "record_bytes", "disk_bytes", "values_clamped", "values_flushed", "new_keys_per_s", "rows_touched", "row_norm", "update_norm", "row_idle_s", "nonfinite_rows", "health_window_s", "health_scanned_unix_s")
+    __slots__ = ("name", "dim", "rows", "memory_bytes", "lookups", "pushes", "rows_created", "resident_rows", "spilled_rows", "bytes_per_resident_row", "ram_hits", "ram_misses", "ram_hit_rate", "rows_spilled", "rows_faulted_in", "spill_rows_per_s", "fault_in_rows_per_s", "lookups_not_admitted", "pushes_dropped", "rows_expired", "rows_evicted_rare", "admission_bytes", "rows_written", "rows_estimated", "storage_dtype", "state_dtype", "record_bytes", "disk_bytes", "values_clamped", "values_flushed", "new_keys_per_s", "rows_touched", "row_norm", "update_norm", "row_idle_s", "nonfinite_rows", "health_window_s", "health_scanned_unix_s", "rows_erased")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +287,7 @@ class TableStats(_message.Message):
     NONFINITE_ROWS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     HEALTH_SCANNED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    ROWS_ERASED_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     rows: int
@@ -325,7 +326,8 @@ class TableStats(_message.Message):
     nonfinite_rows: int
     health_window_s: float
     health_scanned_unix_s: float
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_created: _Optional[int] = ..., resident_rows: _Optional[int] = ..., spilled_rows: _Optional[int] = ..., bytes_per_resident_row: _Optional[float] = ..., ram_hits: _Optional[int] = ..., ram_misses: _Optional[int] = ..., ram_hit_rate: _Optional[float] = ..., rows_spilled: _Optional[int] = ..., rows_faulted_in: _Optional[int] = ..., spill_rows_per_s: _Optional[float] = ..., fault_in_rows_per_s: _Optional[float] = ..., lookups_not_admitted: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rows_expired: _Optional[int] = ..., rows_evicted_rare: _Optional[int] = ..., admission_bytes: _Optional[int] = ..., rows_written: _Optional[int] = ..., rows_estimated: _Optional[bool] = ..., storage_dtype: _Optional[_Union[DType, str]] = ..., state_dtype: _Optional[_Union[DType, str]] = ..., record_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., values_clamped: _Optional[int] = ..., values_flushed: _Optional[int] = ..., new_keys_per_s: _Optional[float] = ..., rows_touched: _Optional[int] = ..., row_norm: _Optional[_Union[Histogram, _Mapping]] = ..., update_norm: _Optional[_Union[Histogram, _Mapping]] = ..., row_idle_s: _Optional[_Union[Histogram, _Mapping]] = ..., nonfinite_rows: _Optional[int] = ..., health_window_s: _Optional[float] = ..., health_scanned_unix_s: _Optional[float] = ...) -> None: ...
+    rows_erased: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., pushes: _Optional[int] = ..., rows_created: _Optional[int] = ..., resident_rows: _Optional[int] = ..., spilled_rows: _Optional[int] = ..., bytes_per_resident_row: _Optional[float] = ..., ram_hits: _Optional[int] = ..., ram_misses: _Optional[int] = ..., ram_hit_rate: _Optional[float] = ..., rows_spilled: _Optional[int] = ..., rows_faulted_in: _Optional[int] = ..., spill_rows_per_s: _Optional[float] = ..., fault_in_rows_per_s: _Optional[float] = ..., lookups_not_admitted: _Optional[int] = ..., pushes_dropped: _Optional[int] = ..., rows_expired: _Optional[int] = ..., rows_evicted_rare: _Optional[int] = ..., admission_bytes: _Optional[int] = ..., rows_written: _Optional[int] = ..., rows_estimated: _Optional[bool] = ..., storage_dtype: _Optional[_Union[DType, str]] = ..., state_dtype: _Optional[_Union[DType, str]] = ..., record_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., values_clamped: _Optional[int] = ..., values_flushed: _Optional[int] = ..., new_keys_per_s: _Optional[float] = ..., rows_touched: _Optional[int] = ..., row_norm: _Optional[_Union[Histogram, _Mapping]] = ..., update_norm: _Optional[_Union[Histogram, _Mapping]] = ..., row_idle_s: _Optional[_Union[Histogram, _Mapping]] = ..., nonfinite_rows: _Optional[int] = ..., health_window_s: _Optional[float] = ..., health_scanned_unix_s: _Optional[float] = ..., rows_erased: _Optional[int] = ...) -> None: ...
 
 class Histogram(_message.Message):
     __slots__ = ("le", "counts", "sum", "recent")
@@ -524,6 +526,36 @@ class RollBackResponse(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     status: FollowStatus
     def __init__(self, status: _Optional[_Union[FollowStatus, _Mapping]] = ...) -> None: ...
+
+class EraseRequest(_message.Message):
+    __slots__ = ("table", "keys", "num_shards", "shard", "epoch", "compact")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: bytes
+    num_shards: int
+    shard: int
+    epoch: int
+    compact: bool
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., compact: _Optional[bool] = ...) -> None: ...
+
+class EraseResponse(_message.Message):
+    __slots__ = ("erased_ram", "erased_disk", "version", "compacted", "compact_s")
+    ERASED_RAM_FIELD_NUMBER: _ClassVar[int]
+    ERASED_DISK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPACTED_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_S_FIELD_NUMBER: _ClassVar[int]
+    erased_ram: int
+    erased_disk: int
+    version: int
+    compacted: bool
+    compact_s: float
+    def __init__(self, erased_ram: _Optional[int] = ..., erased_disk: _Optional[int] = ..., version: _Optional[int] = ..., compacted: _Optional[bool] = ..., compact_s: _Optional[float] = ...) -> None: ...
 
 class ServeFromRequest(_message.Message):
     __slots__ = ("checkpoint",)

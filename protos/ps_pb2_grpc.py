@@ -79,6 +79,11 @@ class ParameterServerStub:
                 request_serializer=protos_dot_ps__pb2.RollBackRequest.SerializeToString,
                 response_deserializer=protos_dot_ps__pb2.RollBackResponse.FromString,
                 _registered_method=True)
+        self.Erase = channel.unary_unary(
+                '/ps.v1.ParameterServer/Erase',
+                request_serializer=protos_dot_ps__pb2.EraseRequest.SerializeToString,
+                response_deserializer=protos_dot_ps__pb2.EraseResponse.FromString,
+                _registered_method=True)
         self.Follow = channel.unary_stream(
                 '/ps.v1.ParameterServer/Follow',
                 request_serializer=protos_dot_ps__pb2.FollowRequest.SerializeToString,
@@ -163,6 +168,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Erase(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Follow(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -240,6 +251,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.RollBack,
                     request_deserializer=protos_dot_ps__pb2.RollBackRequest.FromString,
                     response_serializer=protos_dot_ps__pb2.RollBackResponse.SerializeToString,
+            ),
+            'Erase': grpc.unary_unary_rpc_method_handler(
+                    servicer.Erase,
+                    request_deserializer=protos_dot_ps__pb2.EraseRequest.FromString,
+                    response_serializer=protos_dot_ps__pb2.EraseResponse.SerializeToString,
             ),
             'Follow': grpc.unary_stream_rpc_method_handler(
                     servicer.Follow,
@@ -510,6 +526,33 @@ class ParameterServer:
             '/ps.v1.ParameterServer/RollBack',
             protos_dot_ps__pb2.RollBackRequest.SerializeToString,
             protos_dot_ps__pb2.RollBackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Erase(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.v1.ParameterServer/Erase',
+            protos_dot_ps__pb2.EraseRequest.SerializeToString,
+            protos_dot_ps__pb2.EraseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,6 +37,7 @@ _TABLE_TOTALS = (
     ("pushes_dropped", "pushes_dropped", "Pushed rows dropped (key not admitted)"),
     ("rows_expired", "rows_expired", "Rows deleted by the TTL sweep"),
     ("rows_evicted_rare", "rows_evicted_rare", "Rows deleted for a low access count"),
+    ("rows_erased", "rows_erased", "Rows deleted by Erase"),
     ("values_clamped", "values_clamped", "Elements stored in 16 bits clamped to the type's largest finite value"),
     ("values_flushed", "values_flushed", "Non-zero elements rounded to zero when stored in 16 bits"),
 )

@@ -74,6 +74,7 @@ ROLES = {
         ("ServeFrom", "admin"),
         ("Publish", "write"),
         ("RollBack", "admin"),
+        ("Erase", "admin"),
         ("GetMap", "read"),
         ("MoveRows", "write"),
         ("Reshard", "admin"),

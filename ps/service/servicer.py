@@ -111,6 +111,7 @@ class Servicer:
                 "ServeFrom": _unary(self.ServeFrom, True),
                 "Publish": _unary(self.Publish, True),
                 "RollBack": _unary(self.RollBack, True),
+                "Erase": _unary(self.Erase, True),
                 "GetMap": _unary(self.GetMap, True),
                 "Reshard": _unary(self.Reshard, True),
                 "MoveRows": grpc.unary_stream_rpc_method_handler(
@@ -195,6 +196,11 @@ class Servicer:
     def Publish(self, request: bytes, context: grpc.ServicerContext) -> pb.PublishResponse:
         with status_boundary(context, "Publish"):
             return self._shard.publish(pb.PublishRequest.FromString(request))
+        raise AssertionError("unreachable: status_boundary aborts")
+
+    def Erase(self, request: bytes, context: grpc.ServicerContext) -> pb.EraseResponse:
+        with status_boundary(context, "Erase"):
+            return self._shard.erase(pb.EraseRequest.FromString(request))
         raise AssertionError("unreachable: status_boundary aborts")
 
     def RollBack(self, request: bytes, context: grpc.ServicerContext) -> pb.RollBackResponse:

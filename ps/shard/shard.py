@@ -46,6 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from protos import ps_pb2 as pb
+from protos import wire
 from ps.durability import (
     Durability,
     RescueBase,
@@ -473,6 +474,41 @@ class Shard:
         again. Raises ``WrongMode`` on a training shard, ``InvalidRequest`` with none to go back to."""
         self.check_request()
         return self.role.roll_back()
+
+    def erase(self, request: pb.EraseRequest) -> pb.EraseResponse:
+        """Delete the rows of ``request.keys`` in ``request.table`` for good, from RAM and the
+        data dir (``Table.erase``); the change goes to the followers, which delete them too.
+        With ``request.compact``, then write every memtable to files and compact the data
+        dir, so the rows' bytes leave the disk. Raises ``WrongMode`` on a serving shard,
+        ``WrongShard`` for a key this shard does not own, ``Moving`` for a key it is handing
+        over, ``UnknownTable``, ``InvalidRequest`` for bad keys, ``StorageFailed``."""
+        route = Route(request.num_shards, request.shard if request.HasField("shard") else None, request.epoch)
+        self.check_request(route)
+        self.role.refuse_writes("Erase")
+        self._storage_health.check()
+        self.check_table_field(request.table, "table")
+        keys = wire.decode_keys(request.keys, "keys")
+        self.limits.check_keys("Erase", [keys.shape[0]])
+        table = self.table(request.table)
+        with self.reshard.writing():
+            self.reshard.check_keys("Erase", [(request.table, keys)], write=True)
+            ram, disk = self._guard(table.erase, keys)
+            # Every key, not only those found: a follower holding a copy the leader lost deletes it.
+            version = self.changes.record([(request.table, np.array(keys, np.int64))]) if keys.shape[0] else 0
+        compact_s = 0.0
+        if request.compact and self.storage is not None:
+            t0 = time.perf_counter()
+            self._guard(self.storage.flush_memtables)
+            self._guard(self.storage.compact)
+            compact_s = time.perf_counter() - t0
+        log.info("erased %d rows of table %r (%d in RAM, %d on disk)", ram + disk, request.table, ram, disk)
+        return pb.EraseResponse(
+            erased_ram=ram,
+            erased_disk=disk,
+            version=version or self.changes.version,
+            compacted=bool(request.compact and self.storage is not None),
+            compact_s=compact_s,
+        )
 
     def get_map(self) -> pb.GetMapResponse:
         """The cluster map this shard routes by, and where a reshard stands here."""

@@ -30,3 +30,4 @@ class TableCounters:
     pushes_dropped: int = 0
     rows_expired: int = 0
     rows_evicted_rare: int = 0
+    rows_erased: int = 0

@@ -323,9 +323,10 @@ class Table:
 
     def remove(self, keys: npt.ArrayLike) -> int:
         """Drop the rows of ``keys`` from RAM and disk (absent keys are ignored); returns
-        how many were resident."""
+        how many were resident. Waits for a spill of the table under way: its copies,
+        written with the table lock released, would bring a removed row back to disk."""
         k = as_keys(keys, self._keys_field)
-        with self._lock:
+        with self._spill_lock, self._lock:
             self._delete_stored(k)
             return int((self._ram.remove(k) >= 0).sum())
 
@@ -656,6 +657,27 @@ class Table:
                     self.counters.rows_expired += int(gone.size)
                     removed += int(gone.size)
         return removed
+
+    def erase(self, keys: npt.ArrayLike) -> tuple[int, int]:
+        """Delete the rows of ``keys`` for good, from RAM and from disk; returns ``(rows
+        deleted from RAM, rows deleted that were only on disk)``. A key erased is new again:
+        its next lookup gets its initial row. Waits for a spill of the table under way (its
+        copies would bring an erased row back to disk). The push ledgers stay: a push
+        applied before the erase and sent again is still a duplicate. The bytes stay in
+        RocksDB's files until they are compacted (``Storage.compact``)."""
+        k = np.unique(as_keys(keys, self._keys_field))
+        with self._spill_lock, self._lock:
+            slots = self._ram.slots(k)
+            resident = k[slots >= 0]
+            on_disk = 0
+            if self._disk is not None and k.shape[0] > resident.shape[0]:
+                found, _ = self._disk.read(k[slots < 0])
+                on_disk = int(found.sum())
+            self._delete_stored(k)
+            self._ram.remove(resident)
+            self.spilled = max(0, self.spilled - on_disk)
+            self.counters.rows_erased += int(resident.shape[0]) + on_disk
+        return int(resident.shape[0]), on_disk
 
     def _delete_stored(self, keys: npt.NDArray[np.int64]) -> None:
         """Delete ``keys`` from disk, if the table has one (caller holds the table lock)."""

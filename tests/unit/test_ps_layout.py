@@ -164,6 +164,6 @@ def test_servicer_talks_to_the_shard_only() -> None:
     }
     allowed = {
         *("create_table", "specs", "index", "num_shards", "lookup", "push", "checkpoint", "follow", "serve_from"),
-        *("get_map", "reshard_request", "move_rows", "load_checkpoint", "publish", "roll_back"),
+        *("get_map", "reshard_request", "move_rows", "load_checkpoint", "publish", "roll_back", "erase"),
     }
     assert shard_calls <= allowed, shard_calls

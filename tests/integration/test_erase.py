@@ -1,0 +1,81 @@
+"""Erasing rows (``AdminClient.erase``, the ``Erase`` RPC) on real shard processes: a training
+shard with a data dir and a serving shard following it.
+
+* Erased keys are new again on the training shard (their initial rows), gone from the
+  serving shard (its default, zeros), and the rows kept are untouched.
+* The erased rows' bytes are in no file of the training shard's data dir once it compacted:
+  the files are read directly, for the exact bytes of each erased row.
+* A push applied before the erase and sent again is still a duplicate: it does not bring
+  the row back.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from client import PSClient
+from tests.integration.shards import RunningShard, start_shard
+
+DIM = 8
+
+
+def files_holding(root: Path, needles: list[bytes]) -> dict[str, int]:
+    """Files under ``root`` (checkpoints excluded) holding any of ``needles``, with how many."""
+    found = {}
+    for path in root.rglob("*"):
+        if path.is_file() and "checkpoints" not in path.parts:
+            data = path.read_bytes()
+            n = sum(needle in data for needle in needles)
+            if n:
+                found[str(path.relative_to(root))] = n
+    return found
+
+
+def test_erased_rows_are_gone_from_ram_disk_and_serving_and_new_again(
+    tmp_path: Path, procs: list[RunningShard]
+) -> None:
+    train = start_shard(0, 1, tmp_path, "--data-dir=train", "--durability=every-push")
+    procs.append(train)
+    serve = start_shard(0, 1, tmp_path / "serve", "--mode=serve", f"--follow={train.address}")
+    procs.append(serve)
+    keys = np.arange(1, 2001, dtype=np.int64)
+    erased = keys[::2]  # the odd keys are kept
+    rng = np.random.default_rng(0)
+    with PSClient([train.address], client_id="trainer") as client:
+        client.create_table("emb", DIM, optimizer="sgd", lr=1.0)
+        client.create_table("fresh", DIM, optimizer="sgd", lr=1.0)  # same seed: the same initial rows
+        grads = rng.standard_normal((len(keys), DIM)).astype(np.float32)
+        client.push("emb", keys, grads, seq=7)
+        before = client.lookup("emb", keys)
+        needles = [before[i].tobytes() for i in range(0, len(keys), 2)]
+        answers = client.admin.erase("emb", erased, compact=True)
+        assert [(a["erased_ram"] + a["erased_disk"], a["compacted"]) for a in answers] == [(len(erased), True)]
+        version = answers[0]["version"]
+
+        # The serving shard deletes them when it applies the erase (before any training lookup
+        # makes them new again).
+        with PSClient([serve.address]) as reader:
+            deadline = time.monotonic() + 30
+            while reader.admin.stats()[0]["follow"]["applied_version"] < version:
+                assert time.monotonic() < deadline, "the serving shard did not apply the erase in 30 s"
+                time.sleep(0.05)
+            served = reader.lookup("emb", keys)
+        assert np.array_equal(served[1::2], before[1::2])
+        assert not served[::2].any(), "the serving shard still serves erased rows"
+
+        # A push applied before the erase, sent again (same client, same seq): still a duplicate.
+        again = client.push("emb", keys, grads, seq=7)
+        assert again.duplicates == 1 and again.rows_updated == 0
+        after = client.lookup("emb", keys)
+        initial = client.lookup("fresh", erased)
+    assert np.array_equal(after[1::2], before[1::2]), "a kept row changed"
+    assert np.array_equal(after[::2], initial), "an erased row is not its initial row"
+    assert not np.array_equal(before[::2], initial)
+
+    # The data dir's files (RocksDB's SSTs, WAL, manifests) hold none of the erased rows' bytes;
+    # the kept rows' bytes are there (the search finds what it looks for).
+    assert files_holding(tmp_path / "train", needles) == {}
+    assert files_holding(tmp_path / "train", [before[1].tobytes()])
