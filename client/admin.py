@@ -257,32 +257,25 @@ class AdminClient:
                 out.append(message_dict(pb.PublishResponse.FromString(r.data)))
         return out
 
-    def erase(self, table: str, keys: npt.ArrayLike, *, compact: bool = False) -> list[dict[str, Any]]:
+    def erase(
+        self, table: str, keys: npt.ArrayLike, *, compact: bool = False, checkpoints: bool = False
+    ) -> list[dict[str, Any]]:
         """Delete the rows of ``keys`` in ``table`` for good, on every training shard that
         owns some (``Shard.erase``): RAM, data dir, and, through the change stream, the
-        serving shards that follow them. A key erased is new again. With ``compact``, each
-        shard then compacts its data dir so the rows' bytes leave the disk. Returns each
-        shard's answer, in shard order: ``erased_ram``, ``erased_disk``, ``version``,
-        ``compacted``, ``compact_s``. Safe to send again (a second erase finds nothing), so
-        retried like a push; routed again if the cluster map moves meanwhile. Needs an
-        admin token."""
+        serving shards that follow them. A key erased is new again. With ``checkpoints``,
+        also from every checkpoint under each shard's checkpoint root; with ``compact``,
+        each shard then compacts its data dir so the rows' bytes leave the disk. Returns
+        each shard's answer, in shard order: ``erased_ram``, ``erased_disk``, ``version``,
+        ``compacted``, ``compact_s``, ``checkpoints`` (``path``, ``rows``). Safe to send
+        again (a second erase finds nothing), so retried like a push; routed again if the
+        cluster map moves meanwhile. Needs an admin token."""
         k = np.unique(_erase_keys(keys))
         budget = self._link.budget()
 
         def attempt(view: ClusterView) -> list[dict[str, Any]] | Rerouted:
             owners = shard_of(k, view.num_shards)
             requests = [
-                (
-                    s,
-                    pb.EraseRequest(
-                        table=table,
-                        keys=wire.encode_keys(k[owners == s]),
-                        num_shards=view.num_shards,
-                        shard=s,
-                        epoch=view.epoch,
-                        compact=compact,
-                    ).SerializeToString(),
-                )
+                (s, _erase_request(table, k[owners == s], view, s, compact=compact, checkpoints=checkpoints))
                 for s in range(view.num_shards)
             ]
             answers = self._link.send("Erase", requests, budget, view=view)
@@ -297,6 +290,27 @@ class AdminClient:
             return out
 
         return self._link.routed("Erase", budget, attempt)
+
+    def find_erased(self, table: str, keys: npt.ArrayLike, *, checkpoints: bool = True) -> list[dict[str, Any]]:
+        """Ask every replica of every shard (training and serving) how many of ``keys`` it
+        still holds in ``table``, changing nothing: each answer as ``erase`` returns it
+        (``erased_ram``, ``erased_disk``: rows found there; ``checkpoints``: rows found in
+        each checkpoint part, with ``checkpoints``) with the replica's ``address``, in the
+        order of ``addresses``. What ``ps-admin erase --verify`` checks."""
+        k = np.unique(_erase_keys(keys))
+        view = self._link.view
+        owners = shard_of(k, view.num_shards)
+        endpoints = view.replica_set.endpoints()
+        requests = []
+        for e in endpoints:
+            s = view.replica_set.shard_of(e)
+            requests.append((s, _erase_request(table, k[owners == s], view, s, checkpoints=checkpoints, verify=True)))
+        replies = self._link.call("Erase", requests, pinned=endpoints, view=view)
+        out = []
+        for (s, _), r in zip(requests, replies):
+            with self._link.reply("Erase", s, r.endpoint, view):
+                out.append({**message_dict(pb.EraseResponse.FromString(r.data)), "address": view.address(r.endpoint)})
+        return out
 
     def roll_back(self) -> list[dict[str, Any]]:
         """Have every serving replica (``--published-only``) serve the publication before the
@@ -399,3 +413,25 @@ def _erase_keys(keys: npt.ArrayLike) -> npt.NDArray[np.int64]:
         return wire.as_keys(keys, "erase: keys")
     except (TypeError, ValueError) as exc:
         raise InvalidRequestError(str(exc)) from None
+
+
+def _erase_request(
+    table: str,
+    keys: npt.NDArray[np.int64],
+    view: ClusterView,
+    shard: int,
+    *,
+    compact: bool = False,
+    checkpoints: bool = False,
+    verify: bool = False,
+) -> bytes:
+    return pb.EraseRequest(
+        table=table,
+        keys=wire.encode_keys(keys),
+        num_shards=view.num_shards,
+        shard=shard,
+        epoch=view.epoch,
+        compact=compact,
+        checkpoints=checkpoints,
+        verify=verify,
+    ).SerializeToString()

@@ -528,34 +528,50 @@ class RollBackResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[FollowStatus, _Mapping]] = ...) -> None: ...
 
 class EraseRequest(_message.Message):
-    __slots__ = ("table", "keys", "num_shards", "shard", "epoch", "compact")
+    __slots__ = ("table", "keys", "num_shards", "shard", "epoch", "compact", "checkpoints", "verify")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     COMPACT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
     num_shards: int
     shard: int
     epoch: int
     compact: bool
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., compact: _Optional[bool] = ...) -> None: ...
+    checkpoints: bool
+    verify: bool
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., compact: _Optional[bool] = ..., checkpoints: _Optional[bool] = ..., verify: _Optional[bool] = ...) -> None: ...
 
 class EraseResponse(_message.Message):
-    __slots__ = ("erased_ram", "erased_disk", "version", "compacted", "compact_s")
+    __slots__ = ("erased_ram", "erased_disk", "version", "compacted", "compact_s", "checkpoints", "verified")
     ERASED_RAM_FIELD_NUMBER: _ClassVar[int]
     ERASED_DISK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COMPACTED_FIELD_NUMBER: _ClassVar[int]
     COMPACT_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     erased_ram: int
     erased_disk: int
     version: int
     compacted: bool
     compact_s: float
-    def __init__(self, erased_ram: _Optional[int] = ..., erased_disk: _Optional[int] = ..., version: _Optional[int] = ..., compacted: _Optional[bool] = ..., compact_s: _Optional[float] = ...) -> None: ...
+    checkpoints: _containers.RepeatedCompositeFieldContainer[ErasedCheckpoint]
+    verified: bool
+    def __init__(self, erased_ram: _Optional[int] = ..., erased_disk: _Optional[int] = ..., version: _Optional[int] = ..., compacted: _Optional[bool] = ..., compact_s: _Optional[float] = ..., checkpoints: _Optional[_Iterable[_Union[ErasedCheckpoint, _Mapping]]] = ..., verified: _Optional[bool] = ...) -> None: ...
+
+class ErasedCheckpoint(_message.Message):
+    __slots__ = ("path", "rows")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    rows: int
+    def __init__(self, path: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class ServeFromRequest(_message.Message):
     __slots__ = ("checkpoint",)

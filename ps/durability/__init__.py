@@ -13,6 +13,7 @@ from ps.durability.checkpoint import (
     resolve_existing_checkpoint,
     write_checkpoint,
 )
+from ps.durability.erasure import erase_from_checkpoints, find_in_checkpoints, parts_under
 from ps.durability.load import checkpoint_parts, read_parts, replace_rows
 from ps.durability.modes import Durability
 from ps.durability.rescue import (
@@ -39,8 +40,11 @@ __all__ = [
     "checkpoint_target",
     "copy_checkpoint",
     "dump_places",
+    "erase_from_checkpoints",
+    "find_in_checkpoints",
     "is_rescue_dump",
     "part_name",
+    "parts_under",
     "read_base",
     "read_parts",
     "replace_rows",

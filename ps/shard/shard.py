@@ -55,6 +55,8 @@ from ps.durability import (
     checkpoint_root_of,
     checkpoint_target,
     dump_places,
+    erase_from_checkpoints,
+    find_in_checkpoints,
     read_base,
     read_parts,
     replace_rows,
@@ -478,36 +480,62 @@ class Shard:
     def erase(self, request: pb.EraseRequest) -> pb.EraseResponse:
         """Delete the rows of ``request.keys`` in ``request.table`` for good, from RAM and the
         data dir (``Table.erase``); the change goes to the followers, which delete them too.
-        With ``request.compact``, then write every memtable to files and compact the data
-        dir, so the rows' bytes leave the disk. Raises ``WrongMode`` on a serving shard,
-        ``WrongShard`` for a key this shard does not own, ``Moving`` for a key it is handing
-        over, ``UnknownTable``, ``InvalidRequest`` for bad keys, ``StorageFailed``."""
+        With ``request.checkpoints``, also from every checkpoint under this shard's root
+        (``ps.durability.erasure``); with ``request.compact``, then write every memtable to
+        files and compact the data dir, so the rows' bytes leave the disk. With
+        ``request.verify``, change nothing and count the rows held (any shard). Raises
+        ``WrongMode`` for an erase on a serving shard, ``WrongShard`` for a key this shard
+        does not own, ``Moving`` for a key it is handing over, ``UnknownTable``,
+        ``InvalidRequest`` for bad keys, ``StorageFailed``."""
         route = Route(request.num_shards, request.shard if request.HasField("shard") else None, request.epoch)
         self.check_request(route)
-        self.role.refuse_writes("Erase")
-        self._storage_health.check()
         self.check_table_field(request.table, "table")
-        keys = wire.decode_keys(request.keys, "keys")
+        keys = np.unique(wire.decode_keys(request.keys, "keys"))
         self.limits.check_keys("Erase", [keys.shape[0]])
         table = self.table(request.table)
+        if request.verify:
+            ram, disk = table.holds(keys)
+            found = find_in_checkpoints(self.checkpoint_root, request.table, keys) if request.checkpoints else []
+            return pb.EraseResponse(
+                erased_ram=ram,
+                erased_disk=disk,
+                version=self.role.version,
+                checkpoints=[pb.ErasedCheckpoint(path=str(p), rows=n) for p, n in found],
+                verified=True,
+            )
+        self.role.refuse_writes("Erase")
+        self._storage_health.check()
         with self.reshard.writing():
             self.reshard.check_keys("Erase", [(request.table, keys)], write=True)
             ram, disk = self._guard(table.erase, keys)
             # Every key, not only those found: a follower holding a copy the leader lost deletes it.
-            version = self.changes.record([(request.table, np.array(keys, np.int64))]) if keys.shape[0] else 0
+            version = self.changes.record([(request.table, keys)]) if keys.shape[0] else self.changes.version
+        rewritten: list[tuple[Path, int]] = []
+        if request.checkpoints:
+            with self._checkpoint_lock:  # not while this shard writes a checkpoint
+                rewritten = self._guard(erase_from_checkpoints, self.checkpoint_root, request.table, keys)
         compact_s = 0.0
         if request.compact and self.storage is not None:
             t0 = time.perf_counter()
             self._guard(self.storage.flush_memtables)
             self._guard(self.storage.compact)
             compact_s = time.perf_counter() - t0
-        log.info("erased %d rows of table %r (%d in RAM, %d on disk)", ram + disk, request.table, ram, disk)
+        log.info(
+            "erased %d rows of table %r (%d in RAM, %d on disk; %d from %d checkpoint parts)",
+            ram + disk,
+            request.table,
+            ram,
+            disk,
+            sum(n for _, n in rewritten),
+            len(rewritten),
+        )
         return pb.EraseResponse(
             erased_ram=ram,
             erased_disk=disk,
-            version=version or self.changes.version,
+            version=version,
             compacted=bool(request.compact and self.storage is not None),
             compact_s=compact_s,
+            checkpoints=[pb.ErasedCheckpoint(path=str(p), rows=n) for p, n in rewritten],
         )
 
     def get_map(self) -> pb.GetMapResponse:

@@ -667,17 +667,29 @@ class Table:
         RocksDB's files until they are compacted (``Storage.compact``)."""
         k = np.unique(as_keys(keys, self._keys_field))
         with self._spill_lock, self._lock:
-            slots = self._ram.slots(k)
-            resident = k[slots >= 0]
-            on_disk = 0
-            if self._disk is not None and k.shape[0] > resident.shape[0]:
-                found, _ = self._disk.read(k[slots < 0])
-                on_disk = int(found.sum())
+            resident, on_disk = self._held(k)
             self._delete_stored(k)
             self._ram.remove(resident)
             self.spilled = max(0, self.spilled - on_disk)
             self.counters.rows_erased += int(resident.shape[0]) + on_disk
         return int(resident.shape[0]), on_disk
+
+    def holds(self, keys: npt.ArrayLike) -> tuple[int, int]:
+        """How many of ``keys`` (distinct) have a row: ``(in RAM, only on disk)``. Touches,
+        creates and faults in nothing."""
+        k = np.unique(as_keys(keys, self._keys_field))
+        with self._lock:
+            resident, on_disk = self._held(k)
+        return int(resident.shape[0]), on_disk
+
+    def _held(self, k: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], int]:
+        """The resident ones of the distinct keys ``k``, and how many others are on disk (caller holds the lock)."""
+        slots = self._ram.slots(k)
+        resident = k[slots >= 0]
+        if self._disk is None or k.shape[0] == resident.shape[0]:
+            return resident, 0
+        found, _ = self._disk.read(k[slots < 0])
+        return resident, int(found.sum())
 
     def _delete_stored(self, keys: npt.NDArray[np.int64]) -> None:
         """Delete ``keys`` from disk, if the table has one (caller holds the table lock)."""

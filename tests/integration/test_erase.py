@@ -3,8 +3,9 @@ shard with a data dir and a serving shard following it.
 
 * Erased keys are new again on the training shard (their initial rows), gone from the
   serving shard (its default, zeros), and the rows kept are untouched.
-* The erased rows' bytes are in no file of the training shard's data dir once it compacted:
-  the files are read directly, for the exact bytes of each erased row.
+* The erased rows' bytes are in no file of the training shard's data dir once it compacted,
+  nor in the checkpoint taken before the erase: the files are read directly, for the exact
+  bytes of each erased row. Every place, asked, says it holds none of the keys.
 * A push applied before the erase and sent again is still a duplicate: it does not bring
   the row back.
 """
@@ -23,10 +24,10 @@ DIM = 8
 
 
 def files_holding(root: Path, needles: list[bytes]) -> dict[str, int]:
-    """Files under ``root`` (checkpoints excluded) holding any of ``needles``, with how many."""
+    """Files under ``root`` (its checkpoints too) holding any of ``needles``, with how many."""
     found = {}
     for path in root.rglob("*"):
-        if path.is_file() and "checkpoints" not in path.parts:
+        if path.is_file():
             data = path.read_bytes()
             n = sum(needle in data for needle in needles)
             if n:
@@ -51,9 +52,13 @@ def test_erased_rows_are_gone_from_ram_disk_and_serving_and_new_again(
         client.push("emb", keys, grads, seq=7)
         before = client.lookup("emb", keys)
         needles = [before[i].tobytes() for i in range(0, len(keys), 2)]
-        answers = client.admin.erase("emb", erased, compact=True)
-        assert [(a["erased_ram"] + a["erased_disk"], a["compacted"]) for a in answers] == [(len(erased), True)]
-        version = answers[0]["version"]
+        client.admin.checkpoint("before")  # a checkpoint holding the rows to erase
+        assert files_holding(tmp_path / "train" / "checkpoints", needles)
+        answers = client.admin.erase("emb", erased, compact=True, checkpoints=True)
+        (answer,) = answers
+        assert (answer["erased_ram"] + answer["erased_disk"], answer["compacted"]) == (len(erased), True)
+        assert [(Path(c["path"]).parent.name, c["rows"]) for c in answer["checkpoints"]] == [("before", len(erased))]
+        version = answer["version"]
 
         # The serving shard deletes them when it applies the erase (before any training lookup
         # makes them new again).
@@ -66,6 +71,18 @@ def test_erased_rows_are_gone_from_ram_disk_and_serving_and_new_again(
         assert np.array_equal(served[1::2], before[1::2])
         assert not served[::2].any(), "the serving shard still serves erased rows"
 
+        # Every place says it holds none of them: the training shard (RAM, disk, checkpoint)
+        # and the serving shard.
+        found = client.admin.find_erased("emb", erased)
+        assert [(f["erased_ram"], f["erased_disk"], [c["rows"] for c in f["checkpoints"]]) for f in found] == [
+            (0, 0, [0])
+        ]
+        with PSClient([serve.address]) as reader:
+            ((where,),) = [
+                [(f["erased_ram"], f["erased_disk"], f["verified"]) for f in reader.admin.find_erased("emb", erased)]
+            ]
+        assert where == (0, 0, True)
+
         # A push applied before the erase, sent again (same client, same seq): still a duplicate.
         again = client.push("emb", keys, grads, seq=7)
         assert again.duplicates == 1 and again.rows_updated == 0
@@ -75,7 +92,7 @@ def test_erased_rows_are_gone_from_ram_disk_and_serving_and_new_again(
     assert np.array_equal(after[::2], initial), "an erased row is not its initial row"
     assert not np.array_equal(before[::2], initial)
 
-    # The data dir's files (RocksDB's SSTs, WAL, manifests) hold none of the erased rows' bytes;
-    # the kept rows' bytes are there (the search finds what it looks for).
+    # The data dir's files (RocksDB's SSTs, WAL, manifests; the checkpoint's too) hold none of
+    # the erased rows' bytes; the kept rows' bytes are there (the search finds what it looks for).
     assert files_holding(tmp_path / "train", needles) == {}
     assert files_holding(tmp_path / "train", [before[1].tobytes()])

@@ -1,0 +1,83 @@
+"""Erased rows out of a shard's checkpoints: each checkpoint part under its checkpoint root
+is opened, the keys' rows deleted, and its RocksDB compacted, so that no checkpoint brings an
+erased key back (a restore, ``serve-from``, a reshard or a load reads the part as it is now)
+and the bytes leave the disk (a checkpoint's files are hard links of the data dir's: once
+both are compacted, no link to the old file remains).
+
+``find_in_checkpoints`` counts the keys' rows each part holds, without changing anything
+(what ``ps-admin erase --verify`` asks).
+
+Example:
+    >>> parts_under(None)
+    []
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from protos import ps_pb2 as pb
+from ps.store import DataDirError, Storage, TableRows
+from ps.table import spec_from_proto
+
+__all__ = ["parts_under", "erase_from_checkpoints", "find_in_checkpoints"]
+
+log = logging.getLogger(__name__)
+
+
+def parts_under(root: Path | None) -> list[Path]:
+    """Every checkpoint part under ``root``: ``NAME/shard-IIIII-of-NNNNN``, or ``NAME`` itself
+    (a part of one shard, the older layout), in name order."""
+    if root is None or not root.is_dir():
+        return []
+    parts: list[Path] = []
+    for entry in sorted(root.iterdir()):
+        if entry.is_dir():
+            parts += [entry] if (entry / "db").is_dir() else sorted(p for p in entry.glob("shard-*-of-*") if p.is_dir())
+    return parts
+
+
+def _rows(path: Path, table: str, read_only: bool) -> Iterator[tuple[Storage, TableRows]]:
+    try:
+        st = Storage(path, shard=-1, num_shards=0, read_only=read_only)
+    except DataDirError as exc:
+        log.warning("checkpoint part %s cannot be opened, skipped: %s", path, exc)
+        return
+    with st:
+        blob = st.specs().get(table)
+        if blob is not None:
+            yield st, st.table(table, spec_from_proto(pb.TableSpec.FromString(blob)).row_format)
+
+
+def find_in_checkpoints(root: Path | None, table: str, keys: npt.NDArray[np.int64]) -> list[tuple[Path, int]]:
+    """``(part, rows of keys it holds)`` for every checkpoint part under ``root``."""
+    out = []
+    for part in parts_under(root):
+        for _, rows in _rows(part, table, read_only=True):
+            found, _ = rows.get(keys)
+            out.append((part, int(found.sum())))
+    return out
+
+
+def erase_from_checkpoints(root: Path | None, table: str, keys: npt.NDArray[np.int64]) -> list[tuple[Path, int]]:
+    """Delete the rows of ``keys`` from every checkpoint part under ``root`` that holds
+    ``table``, and compact each part that held some; ``(part, rows deleted)`` for each part
+    that holds the table. Raises ``StorageFailed`` when a part cannot be written."""
+    out = []
+    for part in parts_under(root):
+        for st, rows in _rows(part, table, read_only=False):
+            found, _ = rows.get(keys)
+            n = int(found.sum())
+            if n:
+                batch = st.batch()
+                rows.delete(batch, keys[found])
+                st.commit(batch)
+                st.flush_memtables()
+                st.compact()
+            out.append((part, n))
+    return out
