@@ -77,6 +77,7 @@ import grpc
 
 from client import ClientConfig
 from client import parse_addresses as client_parse_addresses
+from deploy import erase as erasing
 from deploy.admin_output import (
     format_checkpoints,
     format_embedding_health,
@@ -257,6 +258,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ls.add_argument("--root", action="append", required=True, type=Path, help="a checkpoint root; repeatable")
 
+    er = sub.add_parser(
+        "erase",
+        help="delete a user's rows everywhere (shards, disk, serving shards, checkpoints) and write a receipt",
+        description="Delete the rows of the keys in --keys FILE (one int64 a line), or of the raw values in "
+        "--values FILE of --feature F (one a line, hashed as training hashes them), from TABLE: on every "
+        "training shard, in RAM and in the data dir (compacted, so the bytes leave the disk), and in every "
+        "checkpoint under each shard's --checkpoint-root (rewritten); the serving shards that follow them delete "
+        "them too (name them with --serving to wait for that and check them). A key erased is new again. Then "
+        "every place is asked again; the receipt (--receipt, JSON) says what was erased, where, at which version, "
+        "which checkpoints were rewritten, and, per place, present or absent. --verify RECEIPT asks every place "
+        "again. Needs an admin token. Exit status 1 if a place still holds a key.",
+    )
+    addresses(er)
+    er.add_argument("--table", help="the table to erase from")
+    keys_from = er.add_mutually_exclusive_group()
+    keys_from.add_argument("--keys", type=Path, help="file of raw keys, one int64 a line")
+    keys_from.add_argument("--values", type=Path, help="file of raw feature values, one a line (with --feature)")
+    keys_from.add_argument(
+        "--verify", type=Path, metavar="RECEIPT", help="check every place again for a receipt's keys"
+    )
+    er.add_argument("--feature", help="with --values: the feature whose values they are")
+    er.add_argument(
+        "--seed", type=int, default=None, help="with --values: the feature's hash seed (default: training's)"
+    )
+    er.add_argument("--serving", type=_addresses, default=None, help="the serving shards following the cluster")
+    er.add_argument("--receipt", type=Path, default=None, help="where to write the receipt (JSON)")
+    er.add_argument("--timeout-s", type=_positive_seconds, default=600.0, help="per-call limit (default 600)")
+
     dr = sub.add_parser(
         "drift",
         help="how far a table's rows moved since a checkpoint: cosine, L2 change, new and gone keys (sampled)",
@@ -418,6 +447,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _erase(args: argparse.Namespace, security: ClientConfig) -> int:
+    if args.verify is not None:
+        try:
+            receipt = json.loads(args.verify.read_text())
+        except (OSError, ValueError) as exc:
+            raise AdminError(f"--verify {args.verify}: cannot read the receipt: {exc}") from None
+        places = erasing.verify(
+            receipt, args.addresses, serving=args.serving, security=security, timeout_s=args.timeout_s
+        )
+        print(json.dumps(places, indent=2) if args.json else erasing.format_places(places))
+        return 1 if any(p["present"] for p in places) else 0
+    if not args.table or (args.keys is None and args.values is None):
+        raise AdminError("erase: give --table and --keys FILE (or --values FILE --feature F), or --verify RECEIPT")
+    if args.values is not None and not args.feature:
+        raise AdminError("erase --values: name the feature the values are of with --feature")
+    try:
+        if args.keys is not None:
+            with args.keys.open() as f:
+                keys = erasing.read_keys(f, str(args.keys))
+        else:
+            with args.values.open("rb") as fb:
+                keys = erasing.hash_values(fb, args.feature, args.seed)
+    except OSError as exc:
+        raise AdminError(f"cannot read {args.keys or args.values}: {exc.strerror}") from None
+    receipt = erasing.erase(
+        args.addresses, args.table, keys, serving=args.serving, security=security, timeout_s=args.timeout_s
+    )
+    if args.receipt is not None:
+        erasing.write_receipt(receipt, args.receipt)
+    if args.json:
+        print(json.dumps({k: v for k, v in receipt.items() if k != "erased_keys"}, indent=2))
+    else:
+        rows = sum(t["rows_in_ram"] + t["rows_on_disk"] for t in receipt["training"])
+        rewritten = sum(len(t["checkpoints_rewritten"]) for t in receipt["training"])
+        print(
+            f"erased {rows} rows of {receipt['keys']} keys from table {args.table} in {receipt['took_s']:.1f} s "
+            f"({rewritten} checkpoint parts rewritten)"
+        )
+        print(erasing.format_places(receipt["places"]))
+        if args.receipt is not None:
+            print(f"receipt: {args.receipt}")
+    return 0 if receipt["absent_everywhere"] else 1
+
+
 def _drift(args: argparse.Namespace, security: ClientConfig) -> int:
     roots: list[Path] = list(args.root)
     if args.to is None:
@@ -506,6 +579,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{st['address']}: serving publication {st['publication']}, version {st['applied_version']}")
         elif args.command == "drift":
             return _drift(args, security)
+        elif args.command == "erase":
+            return _erase(args, security)
         elif args.command == "list":
             found = list_checkpoints(args.root)
             print(json.dumps(found, indent=2, sort_keys=True) if args.json else format_checkpoints(found))

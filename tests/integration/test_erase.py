@@ -12,13 +12,18 @@ shard with a data dir and a serving shard following it.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from client import PSClient
+from client import ClientConfig, PSClient
+from protos.keys import hash_feature
 from tests.integration.shards import RunningShard, start_shard
+from worker.schema import feature_seed
 
 DIM = 8
 
@@ -96,3 +101,116 @@ def test_erased_rows_are_gone_from_ram_disk_and_serving_and_new_again(
     # the erased rows' bytes; the kept rows' bytes are there (the search finds what it looks for).
     assert files_holding(tmp_path / "train", needles) == {}
     assert files_holding(tmp_path / "train", [before[1].tobytes()])
+
+
+def ps_admin(*args: object, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.admin", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_ps_admin_erase_writes_a_receipt_verify_checks_it_and_a_write_token_may_not(
+    tmp_path: Path, procs: list[RunningShard]
+) -> None:
+    admin, write = "admin-token-0123456789", "write-token-0123456789"
+    (tmp_path / "tokens").write_text(f"admin {admin}\nwrite {write}\n")
+    (tmp_path / "admin.token").write_text(admin + "\n")
+    (tmp_path / "write.token").write_text(write + "\n")
+    auth = f"--auth-token-file={tmp_path / 'tokens'}"
+    train = [start_shard(i, 2, tmp_path, "--data-dir=train-{shard}", auth) for i in range(2)]
+    procs.extend(train)
+    addresses = ",".join(s.address for s in train)
+    client_token = f"--client-token-file={tmp_path / 'admin.token'}"
+    serve = [
+        start_shard(i, 2, tmp_path / "serve", "--mode=serve", f"--follow={train[i].address}", auth, client_token)
+        for i in range(2)
+    ]
+    procs.extend(serve)
+    serving = ",".join(s.address for s in serve)
+    user = hash_feature("u42", feature_seed("user"))  # as training hashes user "u42"
+    keys = np.concatenate([np.arange(1, 301, dtype=np.int64), [user]])
+    with PSClient([s.address for s in train], ClientConfig(token=admin)) as client:
+        client.create_table("user", DIM)
+        client.lookup("user", keys)
+        client.admin.checkpoint("nightly")
+    (tmp_path / "keys.txt").write_text("\n".join(str(k) for k in range(1, 101)) + "\n")
+    (tmp_path / "values.txt").write_text("u42\n")
+
+    refused = ps_admin(
+        "--token-file",
+        tmp_path / "write.token",
+        "erase",
+        "--addresses",
+        addresses,
+        "--table",
+        "user",
+        "--keys",
+        "keys.txt",
+        cwd=tmp_path,
+    )
+    assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr, refused.stderr
+
+    as_admin = ("--token-file", tmp_path / "admin.token")
+    done = ps_admin(
+        *as_admin,
+        "erase",
+        "--addresses",
+        addresses,
+        "--serving",
+        serving,
+        "--table",
+        "user",
+        "--keys",
+        "keys.txt",
+        "--receipt",
+        "r1.json",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    receipt = json.loads((tmp_path / "r1.json").read_text())
+    assert receipt["keys"] == 100 and receipt["absent_everywhere"] is True
+    assert sum(t["rows_in_ram"] + t["rows_on_disk"] for t in receipt["training"]) == 100
+    rewritten = [c for t in receipt["training"] for c in t["checkpoints_rewritten"]]
+    assert sorted(Path(c["path"]).parent.name for c in rewritten) == ["nightly", "nightly"]
+    assert sum(c["rows"] for c in rewritten) == 100
+    # Places: each training shard (RAM and disk), its checkpoint part, each serving shard.
+    assert len(receipt["places"]) == 6 and not any(p["present"] for p in receipt["places"])
+
+    by_value = ps_admin(
+        *as_admin,
+        "erase",
+        "--addresses",
+        addresses,
+        "--serving",
+        serving,
+        "--table",
+        "user",
+        "--values",
+        "values.txt",
+        "--feature",
+        "user",
+        "--receipt",
+        "r2.json",
+        cwd=tmp_path,
+    )
+    assert by_value.returncode == 0, by_value.stderr
+    assert json.loads((tmp_path / "r2.json").read_text())["erased_keys"] == [user]
+
+    verified = ps_admin(
+        *as_admin, "erase", "--verify", "r1.json", "--addresses", addresses, "--serving", serving, cwd=tmp_path
+    )
+    assert verified.returncode == 0 and verified.stdout.count("absent") == 6, verified.stdout
+
+    # A key of the receipt made again (a lookup makes an erased key new): verify says where.
+    with PSClient([s.address for s in train], ClientConfig(token=admin)) as client:
+        client.lookup("user", np.array([1], np.int64))
+    again = ps_admin(*as_admin, "erase", "--verify", "r1.json", "--addresses", addresses, cwd=tmp_path)
+    assert again.returncode == 1 and again.stdout.count("PRESENT") == 1, again.stdout
+
+    bad = ps_admin(
+        *as_admin, "erase", "--addresses", addresses, "--table", "user", "--values", "values.txt", cwd=tmp_path
+    )
+    assert bad.returncode == 1 and "--feature" in bad.stderr and "Traceback" not in bad.stderr
+    (tmp_path / "bad.txt").write_text("12\nnot-a-key\n")
+    bad = ps_admin(*as_admin, "erase", "--addresses", addresses, "--table", "user", "--keys", "bad.txt", cwd=tmp_path)
+    assert bad.returncode == 1 and "bad.txt:2" in bad.stderr and "Traceback" not in bad.stderr
