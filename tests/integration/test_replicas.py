@@ -33,6 +33,16 @@ def start_replica(root: Path, index: int = 0, num_shards: int = 1, listen: str =
     return start_shard(index, num_shards, root, f"--data-dir={root / 'data'}", "--durability=every-push", listen=listen)
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped (the signal is delivered asynchronously:
+    a call sent at once could still be answered)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0] not in ("T", "t"):
+        assert time.monotonic() < deadline, f"process {pid} did not stop in 10 s"
+        time.sleep(0.005)
+
+
 def create_table(addresses: list[str]) -> None:
     """Table ``t`` on each address, as a one-replica cluster of its own."""
     for a in addresses:
@@ -130,7 +140,7 @@ def test_hedged_reads_go_around_a_stopped_replica(tmp_path: Path, processes: lis
     config = ClientConfig(deadline_s=5.0, hedge_after_s=0.05, tune_malloc=False)
     with PSClient([[a.address, b.address]], config) as ps:
         want = ps.lookup("t", KEYS)
-        os.kill(a.proc.pid, signal.SIGSTOP)
+        stop(a.proc.pid)
         try:
             slowest = 0.0
             for _ in range(20):
@@ -151,7 +161,7 @@ def test_degrade_answers_a_stopped_shard_with_default_rows(tmp_path: Path, proce
     with PSClient([s.address for s in shards], ClientConfig(tune_malloc=False)) as ps:
         ps.create_table("t", DIM, seed=7)
         healthy = ps.lookup_many({"t": KEYS})
-        os.kill(shards[1].proc.pid, signal.SIGSTOP)
+        stop(shards[1].proc.pid)
         try:
             started = time.monotonic()
             result = ps.lookup_many({"t": KEYS}, degrade=True, deadline_s=0.5)
