@@ -63,12 +63,10 @@ Example:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -77,7 +75,6 @@ import grpc
 
 from client import ClientConfig
 from client import parse_addresses as client_parse_addresses
-from deploy import erase as erasing
 from deploy.admin_output import (
     format_checkpoints,
     format_embedding_health,
@@ -88,7 +85,8 @@ from deploy.admin_output import (
     print_rows,
     scale_json,
 )
-from deploy.drift import DEFAULT_SAMPLE, checkpoint_name, drift, find_checkpoint, format_drift, write_drift
+from deploy.drift import DEFAULT_SAMPLE, drift_command
+from deploy.erase import erase_command
 from deploy.operations import (
     checkpoint_cluster,
     cluster_health,
@@ -447,77 +445,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _erase(args: argparse.Namespace, security: ClientConfig) -> int:
-    if args.verify is not None:
-        try:
-            receipt = json.loads(args.verify.read_text())
-        except (OSError, ValueError) as exc:
-            raise AdminError(f"--verify {args.verify}: cannot read the receipt: {exc}") from None
-        places = erasing.verify(
-            receipt, args.addresses, serving=args.serving, security=security, timeout_s=args.timeout_s
-        )
-        print(json.dumps(places, indent=2) if args.json else erasing.format_places(places))
-        return 1 if any(p["present"] for p in places) else 0
-    if not args.table or (args.keys is None and args.values is None):
-        raise AdminError("erase: give --table and --keys FILE (or --values FILE --feature F), or --verify RECEIPT")
-    if args.values is not None and not args.feature:
-        raise AdminError("erase --values: name the feature the values are of with --feature")
-    try:
-        if args.keys is not None:
-            with args.keys.open() as f:
-                keys = erasing.read_keys(f, str(args.keys))
-        else:
-            with args.values.open("rb") as fb:
-                keys = erasing.hash_values(fb, args.feature, args.seed)
-    except OSError as exc:
-        raise AdminError(f"cannot read {args.keys or args.values}: {exc.strerror}") from None
-    receipt = erasing.erase(
-        args.addresses, args.table, keys, serving=args.serving, security=security, timeout_s=args.timeout_s
-    )
-    if args.receipt is not None:
-        erasing.write_receipt(receipt, args.receipt)
-    if args.json:
-        print(json.dumps({k: v for k, v in receipt.items() if k != "erased_keys"}, indent=2))
-    else:
-        rows = sum(t["rows_in_ram"] + t["rows_on_disk"] for t in receipt["training"])
-        rewritten = sum(len(t["checkpoints_rewritten"]) for t in receipt["training"])
-        print(
-            f"erased {rows} rows of {receipt['keys']} keys from table {args.table} in {receipt['took_s']:.1f} s "
-            f"({rewritten} checkpoint parts rewritten)"
-        )
-        print(erasing.format_places(receipt["places"]))
-        if args.receipt is not None:
-            print(f"receipt: {args.receipt}")
-    return 0 if receipt["absent_everywhere"] else 1
-
-
-def _drift(args: argparse.Namespace, security: ClientConfig) -> int:
-    roots: list[Path] = list(args.root)
-    if args.to is None:
-        if args.addresses is None:
-            raise AdminError("drift: give --to CHECKPOINT, or --addresses to checkpoint the cluster now")
-        name = time.strftime("drift-%Y%m%dT%H%M%SZ", time.gmtime())
-        taken = checkpoint_cluster(args.addresses, name, args.timeout_s, security)
-        newer = [Path(p) for p in taken["parts"]]
-        print(f"checkpointed the cluster as {name}", file=sys.stderr)
-        roots = roots or sorted({p.parent.parent for p in newer})
-    else:
-        name = args.to
-        newer = find_checkpoint(roots, args.to)
-    older = find_checkpoint(roots, args.src)
-    report = drift(older, newer, args.table, args.sample, (checkpoint_name(older), checkpoint_name(newer)))
-    written = write_drift(report, args.out)
-    if args.json:
-        print(json.dumps(dataclasses.asdict(report), indent=2, sort_keys=True))
-    else:
-        print(format_drift(report))
-        print(
-            f"wrote {', '.join(map(str, written))}"
-            + ("" if len(written) > 1 else " (no PNG: matplotlib is not installed)")
-        )
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``ps-admin`` console script; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -578,9 +505,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for st in statuses:
                 print(f"{st['address']}: serving publication {st['publication']}, version {st['applied_version']}")
         elif args.command == "drift":
-            return _drift(args, security)
+            return drift_command(args, security)
         elif args.command == "erase":
-            return _erase(args, security)
+            return erase_command(args, security)
         elif args.command == "list":
             found = list_checkpoints(args.root)
             print(json.dumps(found, indent=2, sort_keys=True) if args.json else format_checkpoints(found))

@@ -20,9 +20,12 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import json
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -31,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from deploy.operations import list_checkpoints
+from client import ClientConfig
+from deploy.operations import checkpoint_cluster, list_checkpoints
 from deploy.reshard import AdminError
 from protos import ps_pb2 as pb
 from ps.store import DataDirError, Storage, precision
@@ -42,6 +46,7 @@ __all__ = [
     "DriftReport",
     "checkpoint_name",
     "cosine",
+    "drift_command",
     "drift",
     "find_checkpoint",
     "format_drift",
@@ -229,3 +234,31 @@ def write_drift(r: DriftReport, out: Path) -> list[Path]:
     plt.close(fig)
     written.append(out / "drift.png")
     return written
+
+
+def drift_command(args: argparse.Namespace, security: ClientConfig) -> int:
+    """``ps-admin drift`` (its arguments as ``deploy.admin`` parses them); the exit status."""
+    roots: list[Path] = list(args.root)
+    if args.to is None:
+        if args.addresses is None:
+            raise AdminError("drift: give --to CHECKPOINT, or --addresses to checkpoint the cluster now")
+        name = time.strftime("drift-%Y%m%dT%H%M%SZ", time.gmtime())
+        taken = checkpoint_cluster(args.addresses, name, args.timeout_s, security)
+        newer = [Path(p) for p in taken["parts"]]
+        print(f"checkpointed the cluster as {name}", file=sys.stderr)
+        roots = roots or sorted({p.parent.parent for p in newer})
+    else:
+        name = args.to
+        newer = find_checkpoint(roots, args.to)
+    older = find_checkpoint(roots, args.src)
+    report = drift(older, newer, args.table, args.sample, (checkpoint_name(older), checkpoint_name(newer)))
+    written = write_drift(report, args.out)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report), indent=2, sort_keys=True))
+    else:
+        print(format_drift(report))
+        print(
+            f"wrote {', '.join(map(str, written))}"
+            + ("" if len(written) > 1 else " (no PNG: matplotlib is not installed)")
+        )
+    return 0

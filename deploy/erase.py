@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import time
@@ -34,7 +35,7 @@ from deploy.operations import open_cluster
 from deploy.reshard import AdminError
 from protos.hashing import hash_strings
 
-__all__ = ["erase", "hash_values", "read_keys", "verify"]
+__all__ = ["erase", "erase_command", "hash_values", "read_keys", "verify"]
 
 RECEIPT_FORMAT = 1
 WAIT_SERVING_S = 60.0
@@ -179,3 +180,44 @@ def write_receipt(receipt: dict[str, Any], path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(receipt, indent=1))
     tmp.replace(path)
+
+
+def erase_command(args: argparse.Namespace, security: ClientConfig) -> int:
+    """``ps-admin erase`` (its arguments as ``deploy.admin`` parses them); the exit status."""
+    if args.verify is not None:
+        try:
+            receipt = json.loads(args.verify.read_text())
+        except (OSError, ValueError) as exc:
+            raise AdminError(f"--verify {args.verify}: cannot read the receipt: {exc}") from None
+        places = verify(receipt, args.addresses, serving=args.serving, security=security, timeout_s=args.timeout_s)
+        print(json.dumps(places, indent=2) if args.json else format_places(places))
+        return 1 if any(p["present"] for p in places) else 0
+    if not args.table or (args.keys is None and args.values is None):
+        raise AdminError("erase: give --table and --keys FILE (or --values FILE --feature F), or --verify RECEIPT")
+    if args.values is not None and not args.feature:
+        raise AdminError("erase --values: name the feature the values are of with --feature")
+    try:
+        if args.keys is not None:
+            with args.keys.open() as f:
+                keys = read_keys(f, str(args.keys))
+        else:
+            with args.values.open("rb") as fb:
+                keys = hash_values(fb, args.feature, args.seed)
+    except OSError as exc:
+        raise AdminError(f"cannot read {args.keys or args.values}: {exc.strerror}") from None
+    receipt = erase(args.addresses, args.table, keys, serving=args.serving, security=security, timeout_s=args.timeout_s)
+    if args.receipt is not None:
+        write_receipt(receipt, args.receipt)
+    if args.json:
+        print(json.dumps({k: v for k, v in receipt.items() if k != "erased_keys"}, indent=2))
+    else:
+        rows = sum(t["rows_in_ram"] + t["rows_on_disk"] for t in receipt["training"])
+        rewritten = sum(len(t["checkpoints_rewritten"]) for t in receipt["training"])
+        print(
+            f"erased {rows} rows of {receipt['keys']} keys from table {args.table} in {receipt['took_s']:.1f} s "
+            f"({rewritten} checkpoint parts rewritten)"
+        )
+        print(format_places(receipt["places"]))
+        if args.receipt is not None:
+            print(f"receipt: {args.receipt}")
+    return 0 if receipt["absent_everywhere"] else 1
