@@ -145,6 +145,10 @@ def _look(manifest: Mapping[str, Any], dims: Mapping[str, int], client: PSClient
                 "data dir; give --ps the shards the model was trained on, or serving shards that follow them"
             )
         loading = _loading(s)
+        if not loading and not rows and _following(s):
+            # Caught up by its counters but holding none of the rows training left: a snapshot
+            # whose rows are still going in (Stats does not wait for it). Wait and see.
+            loading = f"no rows loaded from {s['follow']['leader']} yet"
         if problems and loading:
             problems = [f"{where} (shard {i}) is a serving shard still loading ({loading}): {'; '.join(problems)}"]
         elif lineage and not s["lineage"] and loading:
@@ -162,11 +166,16 @@ def _look(manifest: Mapping[str, Any], dims: Mapping[str, int], client: PSClient
     return found
 
 
+def _following(s: Mapping[str, Any]) -> bool:
+    """Whether a shard (its ``Stats``) is a serving shard following a training shard."""
+    return s.get("mode") == "serve" and (s.get("follow") or {}).get("source") == "follow"
+
+
 def _loading(s: Mapping[str, Any]) -> str:
     """How a following serving shard (its ``Stats``) is still catching up with its training
     shard, or "" when it is not (caught up, or not a follower)."""
     f = s.get("follow") or {}
-    if s.get("mode") != "serve" or f.get("source") != "follow":
+    if not _following(s):
         return ""
     if not f["connected"]:
         return f"not connected to {f['leader']}" + (f": {f['error']}" if f.get("error") else "")
