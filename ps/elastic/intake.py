@@ -164,9 +164,13 @@ class Intake:
         self._stream = stream
         self._tables, self._install_table = tables, install_table
         self._changes, self._flush, self._on_complete = changes, flush, on_complete
+        # A source recorded complete (before a restart) took its first copy and every change after it.
         self.progress = {
             s: SourceProgress(
-                s, move.src.addresses[s] if s < len(move.src.addresses) else "", complete=s in move.complete
+                s,
+                move.src.addresses[s] if s < len(move.src.addresses) else "",
+                snapshot_done=s in move.complete,
+                complete=s in move.complete,
             )
             for s in move.sources
         }

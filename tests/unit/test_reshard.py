@@ -242,7 +242,8 @@ def test_a_push_applied_on_one_old_owner_and_retried_after_the_move_is_applied_o
     assert all(not s.table("t").ledgers.active for s in cluster.shards.values())
 
 
-def test_a_reshard_survives_restarts_of_its_shards(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("copy_done", [False, True], ids=["mid-copy", "frozen-copy-done"])
+def test_a_reshard_survives_restarts_of_its_shards(cluster: Cluster, tmp_path: Path, copy_done: bool) -> None:
     def open_shard(i: int, n: int) -> Shard:
         storage = Storage(tmp_path / f"s{i}", shard=i, num_shards=n)
         return cluster.add(i, n, storage, durability=Durability("every-push"))
@@ -257,6 +258,11 @@ def test_a_reshard_survives_restarts_of_its_shards(cluster: Cluster, tmp_path: P
     for address in cluster.addresses(3):
         cluster.reshard(address, prepare)
     cluster.reshard("s0", pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=dst.to_proto()))
+    if copy_done:  # the new owner took all of frozen s0's rows and recorded so before it stopped
+        deadline = time.monotonic() + 20
+        while not next(s for s in cluster.reshard("s2", pb.ReshardRequest(phase=pb.ReshardRequest.STATUS, to=dst.to_proto())).sources if s.shard == 0).complete:
+            assert time.monotonic() < deadline, "the copy from the frozen shard never completed"
+            time.sleep(0.02)
     # Every shard stops and comes back on its data dir, started with the flags it first had.
     for i, n in ((0, 2), (1, 2), (2, 3)):
         cluster.shards[f"s{i}"].shutdown()
