@@ -297,6 +297,17 @@ class AdminClient:
         (``erased_ram``, ``erased_disk``: rows found there; ``checkpoints``: rows found in
         each checkpoint part, with ``checkpoints``) with the replica's ``address``, in the
         order of ``addresses``. What ``ps-admin erase --verify`` checks."""
+        return self._erase_each_replica(table, keys, checkpoints=checkpoints, verify=True)
+
+    def erase_served(self, table: str, keys: npt.ArrayLike) -> list[dict[str, Any]]:
+        """Have every replica of a serving cluster delete the rows it still holds of ``keys``
+        in ``table`` and compact its data dir (the bytes of rows its change stream deleted
+        stay in its files until then); a pinned checkpoint is loaded again. Each answer as
+        ``erase`` returns it, with the replica's ``address``. What ``ps-admin erase`` does
+        once the serving shards applied the training shards' erase."""
+        return self._erase_each_replica(table, keys, compact=True)
+
+    def _erase_each_replica(self, table: str, keys: npt.ArrayLike, **flags: bool) -> list[dict[str, Any]]:
         k = np.unique(_erase_keys(keys))
         view = self._link.view
         owners = shard_of(k, view.num_shards)
@@ -304,7 +315,7 @@ class AdminClient:
         requests = []
         for e in endpoints:
             s = view.replica_set.shard_of(e)
-            requests.append((s, _erase_request(table, k[owners == s], view, s, checkpoints=checkpoints, verify=True)))
+            requests.append((s, _erase_request(table, k[owners == s], view, s, **flags)))
         replies = self._link.call("Erase", requests, pinned=endpoints, view=view)
         out = []
         for (s, _), r in zip(requests, replies):

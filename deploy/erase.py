@@ -5,10 +5,13 @@ The keys come from a file: raw keys (``--keys``, one int64 a line) or raw featur
 (``--values`` with ``--feature``, one a line, as they appear in the click log), hashed as
 training hashes them (``protos.keys.hash_feature`` with the feature's seed). Then, on the
 training shards (``AdminClient.erase``): RAM, the data dir (compacted, so the bytes leave
-the disk) and every checkpoint under each shard's checkpoint root (rewritten and
-compacted); the serving shards that follow them delete the rows from the change stream,
-and the command waits until each serving shard named with ``--serving`` has applied the
-erase. Last, every place is asked whether it still holds any of the keys
+the disk), every checkpoint under each shard's checkpoint root (rewritten and
+compacted) and every rescue dump of its data dir (rewritten); the serving shards that
+follow them delete the rows from the change stream: the command waits until each serving
+shard named with ``--serving`` has applied the erase, then has each compact its data dir
+(``AdminClient.erase_served``). A shard that stops half way completes the erase when it
+starts again (``ps.shard.erasing``); the command then says the erase is incomplete, and
+running it again finishes it and writes the receipt. Last, every place is asked whether it still holds any of the keys
 (``AdminClient.find_erased``), and the receipt says, per place, present or absent.
 
 Example:
@@ -115,14 +118,23 @@ def erase(
     checkpoints rewritten), wait for the serving shards at ``serving``, check every place;
     returns the receipt."""
     started = time.time()
-    with open_cluster(addresses, timeout_s, security) as client:
-        answers = client.admin.erase(table, keys, compact=True, checkpoints=True)
-        found = client.admin.find_erased(table, keys)
-    versions = [int(a["version"]) for a in answers]
-    if serving:
-        with open_cluster(serving, timeout_s, security) as reader:
-            _wait_serving(reader, versions, min(timeout_s, WAIT_SERVING_S))
-            found += reader.admin.find_erased(table, keys, checkpoints=False)
+    served: list[dict[str, Any]] = []
+    try:
+        with open_cluster(addresses, timeout_s, security) as client:
+            answers = client.admin.erase(table, keys, compact=True, checkpoints=True)
+            found = client.admin.find_erased(table, keys)
+        versions = [int(a["version"]) for a in answers]
+        if serving:
+            with open_cluster(serving, timeout_s, security) as reader:
+                _wait_serving(reader, versions, min(timeout_s, WAIT_SERVING_S))
+                served = reader.admin.erase_served(table, keys)
+                found += reader.admin.find_erased(table, keys, checkpoints=False)
+    except AdminError as exc:
+        raise AdminError(
+            f"the erase is INCOMPLETE ({exc}). A training shard that took it completes it when it starts again (its "
+            "erase journal); run the same ps-admin erase again to finish it everywhere and get a receipt",
+            code=exc.code,
+        ) from None
     places = _places(found)
     return {
         "format": RECEIPT_FORMAT,
@@ -145,6 +157,15 @@ def erase(
             for s, a in enumerate(answers)
         ],
         "serving": [str(a) for a in (serving or [])],
+        "serving_erased": [
+            {
+                "address": a["address"],
+                "rows": int(a["erased_ram"]) + int(a["erased_disk"]),
+                "compacted": a["compacted"],
+                "compact_s": a["compact_s"],
+            }
+            for a in served
+        ],
         "places": places,
         "absent_everywhere": not any(p["present"] for p in places),
     }

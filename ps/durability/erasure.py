@@ -7,6 +7,12 @@ both are compacted, no link to the old file remains).
 ``find_in_checkpoints`` counts the keys' rows each part holds, without changing anything
 (what ``ps-admin erase --verify`` asks).
 
+An erase takes several steps (RAM and data dir, checkpoints, rescue dumps, compaction); a
+shard killed between them must not leave it half done and silent. So the shard first
+writes the erase to its data dir's *erase journal* (``journal_erase``: the table, the keys
+and what was asked), and removes it only once every step is done (``close_erase``). A
+start finds what is still there (``pending_erasures``) and completes it before it serves.
+
 Example:
     >>> parts_under(None)
     []
@@ -14,8 +20,12 @@ Example:
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +35,66 @@ from protos import ps_pb2 as pb
 from ps.store import DataDirError, Storage, TableRows
 from ps.table import spec_from_proto
 
-__all__ = ["parts_under", "erase_from_checkpoints", "find_in_checkpoints"]
+__all__ = [
+    "PendingErase",
+    "close_erase",
+    "erase_from_checkpoints",
+    "find_in_checkpoints",
+    "journal_erase",
+    "parts_under",
+    "pending_erasures",
+]
 
 log = logging.getLogger(__name__)
+
+_JOURNAL = b"erase-journal:"
+
+
+@dataclass(frozen=True)
+class PendingErase:
+    """An erase written to the journal and not (known to be) finished."""
+
+    id: str
+    table: str
+    keys: npt.NDArray[np.int64]
+    compact: bool
+    checkpoints: bool
+    started_unix_s: float
+
+
+def journal_erase(
+    storage: Storage, table: str, keys: npt.NDArray[np.int64], *, compact: bool, checkpoints: bool
+) -> PendingErase:
+    """Write an erase to ``storage``'s journal before any of it is done; the entry to close."""
+    job = PendingErase(uuid.uuid4().hex, table, keys, compact, checkpoints, time.time())
+    head = {"table": table, "compact": compact, "checkpoints": checkpoints, "started_unix_s": job.started_unix_s}
+    storage.put_meta(_JOURNAL + job.id.encode(), json.dumps(head).encode() + b"\n" + keys.astype("<i8").tobytes())
+    return job
+
+
+def pending_erasures(storage: Storage) -> list[PendingErase]:
+    """The erases in ``storage``'s journal, oldest first."""
+    jobs = []
+    for key, value in storage.metas(_JOURNAL).items():
+        head_bytes, _, key_bytes = value.partition(b"\n")
+        head = json.loads(head_bytes)
+        keys = np.frombuffer(key_bytes, dtype="<i8").astype(np.int64)
+        jobs.append(
+            PendingErase(
+                key[len(_JOURNAL) :].decode(),
+                str(head["table"]),
+                keys,
+                bool(head["compact"]),
+                bool(head["checkpoints"]),
+                float(head["started_unix_s"]),
+            )
+        )
+    return sorted(jobs, key=lambda j: j.started_unix_s)
+
+
+def close_erase(storage: Storage, job: PendingErase) -> None:
+    """Remove ``job`` from the journal: every step of it is done."""
+    storage.put_metas({_JOURNAL + job.id.encode(): b""})
 
 
 def parts_under(root: Path | None) -> list[Path]:

@@ -34,10 +34,14 @@ Layout (plain files, nothing of RocksDB, which may be what failed)::
     DUMP/<i>.keys        table i's keys, little-endian int64
     DUMP/<i>.rows        their rows in the data directory's row format (``ps.store.storage``)
 
+(An erase rewrites a table's files as ``<i>.g<n>.keys`` and ``.rows``, which the table's
+``files`` in the manifest name: ``erase_from_dumps``.)
+
 ``manifest.json``: ``{"format", "kind": "rescue", "id", "shard", "num_shards",
 "data_dir", "lineage", "base_epoch", "created_unix_s", "created", "reason", "tables":
 [{"name", "spec", "rows", "record_bytes", "crc32": {"keys", "rows"}, "ledgers": {client_id:
-hex}}]}`` (``lineage`` and ``base_epoch`` are null for a data directory no
+hex}, "files", "generation"}]}`` (``files`` and ``generation`` only once an erase rewrote
+the table's files; ``lineage`` and ``base_epoch`` are null for a data directory no
 ``ps-server`` start has given an epoch, e.g. one a test opened directly).
 Every file is fsynced before the manifest is written.
 
@@ -370,8 +374,8 @@ def apply_rescue(dump: Path, storage: Storage) -> dict[str, int]:
             raise DataDirError(
                 f"{dump}: table {spec.name!r} rows are {record_bytes} bytes each, expected {fmt.record_bytes}"
             )
-        keys = _read_checked(dump / f"{i}.keys", entry["crc32"]["keys"], np.dtype("<i8"), entry["rows"])
-        records = _read_checked(dump / f"{i}.rows", entry["crc32"]["rows"], fmt.record, entry["rows"])
+        keys = _read_checked(dump / _file(entry, i, "keys"), entry["crc32"]["keys"], np.dtype("<i8"), entry["rows"])
+        records = _read_checked(dump / _file(entry, i, "rows"), entry["crc32"]["rows"], fmt.record, entry["rows"])
         plan.append((spec, keys, records, {c: bytes.fromhex(h) for c, h in entry["ledgers"].items()}))
     written: dict[str, int] = {}
     for spec, keys, records, ledgers in plan:
@@ -478,6 +482,102 @@ def settle_dumps(
             ) from None
         applied.append(dump)
     return applied
+
+
+def erase_from_dumps(
+    storage: Storage, places: list[tuple[Path, str]], table: str, keys: npt.NDArray[np.int64]
+) -> list[tuple[Path, int]]:
+    """Delete the rows of ``keys`` of ``table`` from every dump of ``storage``'s data dir in
+    ``places``; ``(dump, rows deleted)`` for each dump that holds the table.
+
+    A dump's files are never changed in place: the rows kept go to new files, then the
+    manifest names them (an atomic rename), then the old files are removed. A stop at any
+    point leaves a dump whose manifest and files agree (files it no longer names are
+    removed by the next erase)."""
+    base = read_base(storage)
+    out = []
+    for dump, manifest in _find_dumps(places):
+        if not _is_of(manifest, storage, base):
+            continue
+        entries = manifest["tables"]
+        named = {"manifest.json"}
+        erased, held = 0, False
+        try:
+            for i, entry in enumerate(entries):
+                if entry["name"] == table:
+                    held = True
+                    erased += _erase_entry(dump, i, entry, keys)
+                named |= {_file(entry, i, "keys"), _file(entry, i, "rows")}
+        except DataDirError as exc:  # damaged: left as it is (find_in_dumps still reads its keys)
+            log.warning("cannot erase rows from rescue dump %s: %s", dump, exc)
+            out.append((dump, 0))
+            continue
+        except OSError as exc:
+            raise StorageFailed(f"cannot rewrite rescue dump {dump}: {exc.strerror or exc}") from None
+        if not held:
+            continue
+        try:
+            if erased:
+                write_manifest(dump, manifest)
+                _fsync_dir(dump)
+            for stale in dump.iterdir():  # the files before this erase (or one a stop cut short)
+                if stale.name not in named:
+                    stale.unlink()
+        except OSError as exc:
+            raise StorageFailed(f"cannot rewrite rescue dump {dump}: {exc.strerror or exc}") from None
+        out.append((dump, erased))
+    return out
+
+
+def find_in_dumps(
+    storage: Storage, places: list[tuple[Path, str]], table: str, keys: npt.NDArray[np.int64]
+) -> list[tuple[Path, int]]:
+    """``(dump, rows of keys it holds)`` for every dump of ``storage``'s data dir in
+    ``places`` that holds ``table``; also counts the rows of files its manifest no longer names."""
+    base = read_base(storage)
+    out = []
+    for dump, manifest in _find_dumps(places):
+        if not _is_of(manifest, storage, base):
+            continue
+        found, held = 0, False
+        for i, entry in enumerate(manifest["tables"]):
+            if entry["name"] != table:
+                continue
+            held = True
+            for path in {dump / _file(entry, i, "keys"), *dump.glob(f"{i}.*keys")}:
+                if path.is_file():
+                    found += int(np.isin(np.fromfile(path, dtype="<i8"), keys).sum())
+        if held:
+            out.append((dump, found))
+    return out
+
+
+def _erase_entry(dump: Path, i: int, entry: dict[str, Any], keys: npt.NDArray[np.int64]) -> int:
+    """Write table entry ``i`` of ``dump`` without the rows of ``keys`` to new files and
+    point ``entry`` at them; returns the rows left out (0: nothing written)."""
+    record_bytes = int(entry.get("record_bytes", 4 * entry.get("width", 0)))
+    record = np.dtype((np.void, record_bytes))
+    held = _read_checked(dump / _file(entry, i, "keys"), entry["crc32"]["keys"], np.dtype("<i8"), entry["rows"])
+    records = _read_checked(dump / _file(entry, i, "rows"), entry["crc32"]["rows"], record, entry["rows"])
+    keep = ~np.isin(held, keys)
+    erased = int(keep.shape[0] - keep.sum())
+    if not erased:
+        return 0
+    generation = int(entry.get("generation", 0)) + 1
+    files = {"keys": f"{i}.g{generation}.keys", "rows": f"{i}.g{generation}.rows"}
+    for name in files.values():
+        (dump / name).unlink(missing_ok=True)  # of a stop cut short
+    entry["crc32"] = {
+        "keys": _write_synced(dump / files["keys"], held[keep]),
+        "rows": _write_synced(dump / files["rows"], records[keep]),
+    }
+    entry.update(rows=int(keep.sum()), files=files, generation=generation)
+    return erased
+
+
+def _file(entry: dict[str, Any], i: int, kind: str) -> str:
+    """The file of table entry ``i``'s ``kind`` ("keys" or "rows") in its dump."""
+    return str(entry.get("files", {}).get(kind, f"{i}.{kind}"))
 
 
 def _now() -> str:

@@ -154,6 +154,11 @@ class Source:
         return self.followed_lineage if self.leader is not None else self.shard.lineage
 
     @property
+    def base_tables(self) -> dict[str, Table] | None:
+        """The shard's own tables, kept aside while a checkpoint is pinned (else None)."""
+        return self._base
+
+    @property
     def kind(self) -> str:
         if self.pinned is not None:
             return "checkpoint"

@@ -55,8 +55,6 @@ from ps.durability import (
     checkpoint_root_of,
     checkpoint_target,
     dump_places,
-    erase_from_checkpoints,
-    find_in_checkpoints,
     read_base,
     read_parts,
     replace_rows,
@@ -75,6 +73,7 @@ from ps.rwlock import ReadWriteLock
 from ps.shard.background import LoopHealth, RateWindow
 from ps.shard.batches import MODES, LookupBatch, LookupEntries, Mode, PushBatch, RowSource
 from ps.shard.budget import MemoryBudget, check_budget
+from ps.shard.erasing import Erasing, ErasingParts
 from ps.shard.limits import Limits
 from ps.shard.maintenance import Maintenance
 from ps.shard.recovery import ACKNOWLEDGED_ON_DISK, ROWS_FROM_SOURCE, StorageHealth, reopen_if_refusing
@@ -202,6 +201,21 @@ class Shard:
         )
         if isinstance(self.role, Serving) and source is not None:
             self.role.source = source(self)
+        self.erasing = Erasing(
+            ErasingParts(
+                index,
+                self.table,
+                storage,
+                self.checkpoint_root,
+                dump_places(storage.path.absolute(), rescue_dir, self.checkpoint_root) if storage is not None else [],
+                self.changes,
+                self.reshard,
+                self.role,
+                self.serve_lock,
+                self._guard,
+                self._checkpoint_lock,
+            )
+        )
 
     @property
     def num_shards(self) -> int:
@@ -478,15 +492,13 @@ class Shard:
         return self.role.roll_back()
 
     def erase(self, request: pb.EraseRequest) -> pb.EraseResponse:
-        """Delete the rows of ``request.keys`` in ``request.table`` for good, from RAM and the
-        data dir (``Table.erase``); the change goes to the followers, which delete them too.
-        With ``request.checkpoints``, also from every checkpoint under this shard's root
-        (``ps.durability.erasure``); with ``request.compact``, then write every memtable to
-        files and compact the data dir, so the rows' bytes leave the disk. With
-        ``request.verify``, change nothing and count the rows held (any shard). Raises
-        ``WrongMode`` for an erase on a serving shard, ``WrongShard`` for a key this shard
-        does not own, ``Moving`` for a key it is handing over, ``UnknownTable``,
-        ``InvalidRequest`` for bad keys, ``StorageFailed``."""
+        """Delete the rows of ``request.keys`` in ``request.table`` for good (``ps.shard.erasing``):
+        on a training shard from RAM and the data dir, the followers through the change log,
+        with ``request.checkpoints`` every checkpoint part and rescue dump, with
+        ``request.compact`` compacting the data dir after; on a serving shard, the rows it
+        still holds. With ``request.verify``, change nothing and count the rows held. Raises
+        ``WrongShard`` for a key this shard does not own, ``Moving`` for a key it is handing
+        over, ``UnknownTable``, ``InvalidRequest`` for bad keys, ``StorageFailed``."""
         route = Route(request.num_shards, request.shard if request.HasField("shard") else None, request.epoch)
         self.check_request(route)
         self.check_table_field(request.table, "table")
@@ -494,49 +506,11 @@ class Shard:
         self.limits.check_keys("Erase", [keys.shape[0]])
         table = self.table(request.table)
         if request.verify:
-            ram, disk = table.holds(keys)
-            found = find_in_checkpoints(self.checkpoint_root, request.table, keys) if request.checkpoints else []
-            return pb.EraseResponse(
-                erased_ram=ram,
-                erased_disk=disk,
-                version=self.role.version,
-                checkpoints=[pb.ErasedCheckpoint(path=str(p), rows=n) for p, n in found],
-                verified=True,
-            )
-        self.role.refuse_writes("Erase")
+            return self.erasing.verify(table, keys, request.checkpoints)
+        if not self.role.takes_writes:
+            return self.erasing.erase_served(table, keys, compact=request.compact)
         self._storage_health.check()
-        with self.reshard.writing():
-            self.reshard.check_keys("Erase", [(request.table, keys)], write=True)
-            ram, disk = self._guard(table.erase, keys)
-            # Every key, not only those found: a follower holding a copy the leader lost deletes it.
-            version = self.changes.record([(request.table, keys)]) if keys.shape[0] else self.changes.version
-        rewritten: list[tuple[Path, int]] = []
-        if request.checkpoints:
-            with self._checkpoint_lock:  # not while this shard writes a checkpoint
-                rewritten = self._guard(erase_from_checkpoints, self.checkpoint_root, request.table, keys)
-        compact_s = 0.0
-        if request.compact and self.storage is not None:
-            t0 = time.perf_counter()
-            self._guard(self.storage.flush_memtables)
-            self._guard(self.storage.compact)
-            compact_s = time.perf_counter() - t0
-        log.info(
-            "erased %d rows of table %r (%d in RAM, %d on disk; %d from %d checkpoint parts)",
-            ram + disk,
-            request.table,
-            ram,
-            disk,
-            sum(n for _, n in rewritten),
-            len(rewritten),
-        )
-        return pb.EraseResponse(
-            erased_ram=ram,
-            erased_disk=disk,
-            version=version,
-            compacted=bool(request.compact and self.storage is not None),
-            compact_s=compact_s,
-            checkpoints=[pb.ErasedCheckpoint(path=str(p), rows=n) for p, n in rewritten],
-        )
+        return self.erasing.erase(table, keys, compact=request.compact, checkpoints=request.checkpoints)
 
     def get_map(self) -> pb.GetMapResponse:
         """The cluster map this shard routes by, and where a reshard stands here."""
@@ -682,8 +656,11 @@ class Shard:
     # -- background work -----------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the maintenance thread (``ps.shard.maintenance``) and, with a memory budget,
-        the evictor thread (``ps.shard.budget``)."""
+        """Complete an erase a stop cut short (``ps.shard.erasing``), then start the
+        maintenance thread (``ps.shard.maintenance``) and, with a memory budget, the evictor
+        thread (``ps.shard.budget``)."""
+        if self.role.takes_writes:
+            self.erasing.resume()
         self._maintenance.start()
         self.budget.start(self.health, f"ps-shard{self.index}-evict")
         self.reshard.start()

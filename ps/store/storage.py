@@ -489,6 +489,11 @@ class Storage:
         """Store ``value`` under ``key`` in the meta column family (WAL on)."""
         self._write(lambda: self._meta_column().put(_USER_PREFIX + key, value, self._write_opts))
 
+    def metas(self, prefix: bytes) -> dict[bytes, bytes]:
+        """Every ``put_meta`` item whose key starts with ``prefix``, by key."""
+        full = _USER_PREFIX + prefix
+        return {k[len(_USER_PREFIX) :]: bytes(v) for k, v in self._meta_items(full)}
+
     def get_meta(self, key: bytes) -> bytes | None:
         """What ``put_meta`` stored under ``key``, or None."""
         value = self._meta_column().get(_USER_PREFIX + key)

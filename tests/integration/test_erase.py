@@ -8,6 +8,11 @@ shard with a data dir and a serving shard following it.
   bytes of each erased row. Every place, asked, says it holds none of the keys.
 * A push applied before the erase and sent again is still a duplicate: it does not bring
   the row back.
+* A serving shard with a data dir keeps the deleted rows' bytes in its files until the
+  erase reaches it too (``erase_served``), which compacts them away.
+* A training shard killed half way through an erase (``kill -9``) completes it when it
+  starts again; ``ps-admin erase`` says the erase is incomplete meanwhile, and run again
+  writes a receipt of every place absent.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ def test_erased_rows_are_gone_from_ram_disk_and_serving_and_new_again(
 ) -> None:
     train = start_shard(0, 1, tmp_path, "--data-dir=train", "--durability=every-push")
     procs.append(train)
-    serve = start_shard(0, 1, tmp_path / "serve", "--mode=serve", f"--follow={train.address}")
+    serve = start_shard(0, 1, tmp_path / "serve", "--mode=serve", f"--follow={train.address}", "--data-dir=rows")
     procs.append(serve)
     keys = np.arange(1, 2001, dtype=np.int64)
     erased = keys[::2]  # the odd keys are kept
@@ -75,6 +80,15 @@ def test_erased_rows_are_gone_from_ram_disk_and_serving_and_new_again(
             served = reader.lookup("emb", keys)
         assert np.array_equal(served[1::2], before[1::2])
         assert not served[::2].any(), "the serving shard still serves erased rows"
+        # Its data dir keeps the deleted rows' bytes in its files until it compacts.
+        assert files_holding(tmp_path / "serve" / "rows", needles)
+        with PSClient([serve.address]) as reader:
+            ((on_serving,),) = [
+                [(f["erased_ram"] + f["erased_disk"], f["compacted"]) for f in reader.admin.erase_served("emb", erased)]
+            ]
+        assert on_serving == (0, True)  # the stream had deleted them; now the bytes are gone too
+        assert files_holding(tmp_path / "serve" / "rows", needles) == {}
+        assert files_holding(tmp_path / "serve" / "rows", [before[1].tobytes()])
 
         # Every place says it holds none of them: the training shard (RAM, disk, checkpoint)
         # and the serving shard.
@@ -214,3 +228,58 @@ def test_ps_admin_erase_writes_a_receipt_verify_checks_it_and_a_write_token_may_
     (tmp_path / "bad.txt").write_text("12\nnot-a-key\n")
     bad = ps_admin(*as_admin, "erase", "--addresses", addresses, "--table", "user", "--keys", "bad.txt", cwd=tmp_path)
     assert bad.returncode == 1 and "bad.txt:2" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_shard_killed_mid_erase_completes_it_when_it_starts_again(tmp_path: Path, procs: list[RunningShard]) -> None:
+    args = ("--data-dir=train", "--durability=every-push")
+    train = start_shard(0, 1, tmp_path, *args)
+    procs.append(train)
+    keys = np.arange(1, 120_001, dtype=np.int64)
+    erased = keys[::4]
+    with PSClient([train.address]) as client:
+        client.create_table("emb", 32)
+        rows = client.lookup("emb", keys)  # every row made, and written (every-push)
+        for name in ("mon", "tue", "wed"):
+            client.admin.checkpoint(name)
+    needles = [rows[i].tobytes() for i in range(0, 4000, 20)]  # 200 of the erased rows, whole
+    (tmp_path / "keys.txt").write_text("\n".join(map(str, erased)) + "\n")
+    assert len(files_holding(tmp_path / "train", needles)) >= 4  # the data dir and three checkpoints
+
+    def command(address: str) -> list[str]:
+        erase = ("erase", "--addresses", address, "--table", "emb", "--keys", "keys.txt", "--receipt", "r.json")
+        return [sys.executable, "-m", "deploy.admin", *erase]
+
+    admin = subprocess.Popen(
+        command(train.address),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while "gone from RAM and the data dir" not in train.log_tail(100_000):  # journaled, and under way
+        assert admin.poll() is None and time.monotonic() < deadline, train.log_tail()
+        time.sleep(0.002)
+    train.proc.kill()  # kill -9, while it rewrites the checkpoints
+    train.proc.wait()
+    _, stderr = admin.communicate(timeout=60)
+    assert admin.returncode == 1 and "INCOMPLETE" in stderr and "Traceback" not in stderr, stderr
+    assert not (tmp_path / "r.json").exists()
+
+    again = start_shard(0, 1, tmp_path, *args)
+    procs.append(again)
+    assert "completed an erase that a stop cut short" in again.log_tail(100_000), again.log_tail()
+    assert files_holding(tmp_path / "train", needles) == {}  # RAM, data dir, checkpoints: all before it serves
+    done = subprocess.run(
+        command(again.address),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    receipt = json.loads((tmp_path / "r.json").read_text())
+    assert receipt["absent_everywhere"] and len(receipt["places"]) == 4  # RAM and data dir, 3 checkpoints
+    with PSClient([again.address]) as client:
+        kept = client.lookup("emb", keys[1::4])
+    assert np.array_equal(kept, rows[1::4])
