@@ -260,7 +260,11 @@ def test_a_reshard_survives_restarts_of_its_shards(cluster: Cluster, tmp_path: P
     cluster.reshard("s0", pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=dst.to_proto()))
     if copy_done:  # the new owner took all of frozen s0's rows and recorded so before it stopped
         deadline = time.monotonic() + 20
-        while not next(s for s in cluster.reshard("s2", pb.ReshardRequest(phase=pb.ReshardRequest.STATUS, to=dst.to_proto())).sources if s.shard == 0).complete:
+        while not next(
+            s
+            for s in cluster.reshard("s2", pb.ReshardRequest(phase=pb.ReshardRequest.STATUS, to=dst.to_proto())).sources
+            if s.shard == 0
+        ).complete:
             assert time.monotonic() < deadline, "the copy from the frozen shard never completed"
             time.sleep(0.02)
     # Every shard stops and comes back on its data dir, started with the flags it first had.
