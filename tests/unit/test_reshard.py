@@ -152,6 +152,54 @@ def test_pushes_while_copying_arrive_and_frozen_moving_keys_wait(cluster: Cluste
     assert info.value.epoch == 1 and info.value.owner == 2
 
 
+def erase(shard: Shard, keys: npt.NDArray[np.int64], num_shards: int, epoch: int) -> pb.EraseResponse:
+    request = pb.EraseRequest(
+        table="t", keys=wire.encode_keys(keys), num_shards=num_shards, shard=shard.index, epoch=epoch
+    )
+    return shard.erase(request)
+
+
+def test_an_erase_during_a_move_reaches_the_new_owner(cluster: Cluster) -> None:
+    for i in range(2):
+        cluster.add(i, 2)
+    seed_rows(cluster, 2, SGD)
+    new = cluster.add(2, 3)
+    src, dst = ClusterMap(0, 2, ("s0", "s1")), ClusterMap(1, 3, ("s0", "s1", "s2"))
+    prepare = pb.ReshardRequest(phase=pb.ReshardRequest.PREPARE, to=dst.to_proto(), **{"from": src.to_proto()})
+    for address in cluster.addresses(3):
+        cluster.reshard(address, prepare)
+    status = pb.ReshardRequest(phase=pb.ReshardRequest.STATUS, to=dst.to_proto())
+    deadline = time.monotonic() + 20
+    while not all(s.snapshot_done for s in cluster.reshard("s2", status).sources):
+        assert time.monotonic() < deadline, "the first copy never arrived"
+        time.sleep(0.02)
+    s0 = cluster.shards["s0"]
+    mine = KEYS[shard_of(KEYS, 2) == 0]
+    moving, staying = mine[shard_of(mine, 3) == 2], mine[shard_of(mine, 3) == 0]
+    assert new.table("t").holds(moving[:20]) == (20, 0)  # copied already: the erase must follow them
+    answer = erase(s0, np.concatenate([moving[:20], staying[:20]]), 2, 0)
+    assert answer.erased_ram + answer.erased_disk == 40
+    freeze = pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=dst.to_proto())
+    cluster.reshard("s0", freeze)
+    with pytest.raises(Moving):  # handed over: the client sends it again after the commit
+        erase(s0, moving[20:25], 2, 0)
+    cluster.reshard("s1", freeze)
+    while not all(s.complete for s in cluster.reshard("s2", status).sources):
+        assert time.monotonic() < deadline, "the copies never completed"
+        time.sleep(0.02)
+    for address in ("s2", "s0", "s1"):
+        cluster.reshard(address, pb.ReshardRequest(phase=pb.ReshardRequest.COMMIT, to=dst.to_proto()))
+    assert new.table("t").holds(moving[:20]) == (0, 0)
+    assert s0.table("t").holds(staying[:20]) == (0, 0)
+    answer = erase(new, moving[20:25], 3, 1)  # sent again, to the new owner
+    assert answer.erased_ram + answer.erased_disk == 5
+    wait_done(cluster)
+    held = all_rows(cluster.shards.values(), "t").keys
+    assert not np.isin(np.concatenate([moving[:25], staying[:20]]), held).any()
+    assert held.shape[0] == KEYS.shape[0] - 45
+    owners_ok(cluster, 3, "t")
+
+
 def s0_twin_initial(keys: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
     """The initial rows of ``keys`` in table ``t``: what a lookup that creates them returns."""
     twin = Shard(0, 1)
