@@ -262,11 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Delete the rows of the keys in --keys FILE (one int64 a line), or of the raw values in "
         "--values FILE of --feature F (one a line, hashed as training hashes them), from TABLE: on every "
         "training shard, in RAM and in the data dir (compacted, so the bytes leave the disk), and in every "
-        "checkpoint under each shard's --checkpoint-root (rewritten); the serving shards that follow them delete "
-        "them too (name them with --serving to wait for that and check them). A key erased is new again. Then "
-        "every place is asked again; the receipt (--receipt, JSON) says what was erased, where, at which version, "
-        "which checkpoints were rewritten, and, per place, present or absent. --verify RECEIPT asks every place "
-        "again. Needs an admin token. Exit status 1 if a place still holds a key.",
+        "checkpoint under each shard's --checkpoint-root and every rescue dump of its data dir (rewritten); the "
+        "serving shards that follow them delete them too (name them with --serving to wait for that, compact their "
+        "data dirs and check them). A key erased is new again. Then every place is asked again; the receipt "
+        "(--receipt, JSON) says what was erased, where, at which version, which checkpoints were rewritten, and, "
+        "per place, present or absent. --verify RECEIPT asks every place again. A shard that stops half way "
+        "completes the erase when it starts again; the command then says INCOMPLETE: run it again. Needs an admin "
+        "token. Exit status 1 if a place still holds a key or the erase is incomplete.",
     )
     addresses(er)
     er.add_argument("--table", help="the table to erase from")

@@ -74,14 +74,15 @@ def hash_values(lines: IO[bytes], feature: str, seed: int | None) -> npt.NDArray
 
 
 def _places(found: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per place (a shard's RAM and disk, each checkpoint part): rows found, present or absent."""
+    """Per place (a shard's RAM and disk, each checkpoint part and rescue dump): rows found, present or absent."""
     out = []
     for f in found:
         rows = int(f["erased_ram"]) + int(f["erased_disk"])
         out.append({"place": f"{f['address']} (RAM and data dir)", "rows": rows, "present": rows > 0})
         for c in f["checkpoints"]:
+            kind = "rescue dump" if "rescue-" in Path(c["path"]).name else "checkpoint"
             out.append(
-                {"place": f"{f['address']} checkpoint {c['path']}", "rows": int(c["rows"]), "present": c["rows"] > 0}
+                {"place": f"{f['address']} {kind} {c['path']}", "rows": int(c["rows"]), "present": c["rows"] > 0}
             )
     return out
 
