@@ -112,7 +112,15 @@ class Generator:
             return pb.FollowRequest(shard=0, num_shards=1).SerializeToString()
         if method == "ServeFrom":
             return pb.ServeFromRequest(checkpoint=str(self.rng.choice(["", "1", "000001"]))).SerializeToString()
+        if method == "Erase":  # only asks (verify): an erase would make the shard differ from its twin
+            return self.erase_request(verify=True, checkpoints=bool(self.rng.random() < 0.2))
         return b""  # ListTables, Stats
+
+    def erase_request(self, **kw: Any) -> bytes:
+        fields = {"table": "emb" if self.rng.random() < 0.5 else "count", "num_shards": 1, "shard": 0, **kw}
+        if "keys" not in fields:
+            fields["keys"] = self.keys().astype("<i8").tobytes()
+        return pb.EraseRequest(**fields).SerializeToString()
 
     def columns(self, n: int) -> dict[str, Column]:
         infer = self.servers.infer
@@ -313,6 +321,15 @@ class Generator:
                 ),
                 ("valid", lambda: self.valid_shard("ServeFrom", target)),
             ]
+        elif name == "Erase":  # each broken one is refused before anything is erased
+            choices = [
+                ("odd-keys", lambda: self.erase_request(keys=b"\x01" * int(r.choice([1, 7, 9, 15])))),
+                ("unknown-table", lambda: self.erase_request(table=f"nope{r.integers(1 << 20)}")),
+                ("no-table", lambda: self.erase_request(table="")),
+                ("wrong-shard", lambda: self.erase_request(shard=int(r.choice([1, 3])), num_shards=4)),
+                ("later-epoch", lambda: self.erase_request(epoch=int(r.choice([1, 7])))),
+                ("valid", lambda: self.valid_shard("Erase", target)),
+            ]
         elif name == "Predict":
             choices = list(self.predict_targeted())
         elif method.startswith(HEALTH):
@@ -472,7 +489,7 @@ class Generator:
         return Case(target, method, "oversized", (payload,) if method == REFLECTION else payload)
 
 
-SHARD_METHODS = ["CreateTable", "ListTables", "Lookup", "Push", "Stats", "Checkpoint", "Follow", "ServeFrom"]
+SHARD_METHODS = ["CreateTable", "ListTables", "Lookup", "Push", "Stats", "Checkpoint", "Follow", "ServeFrom", "Erase"]
 TARGETS: list[tuple[str, str, float]] = (
     [("train", PS + m, 3.0) for m in SHARD_METHODS]
     + [("serve", PS + m, 1.0) for m in SHARD_METHODS]

@@ -283,6 +283,21 @@ def _serve_from(model: ShardModel, m: pb.ServeFromRequest, data: bytes) -> Verdi
     return _unsure("an existing checkpoint")
 
 
+def _erase(model: ShardModel, m: pb.EraseRequest, data: bytes) -> Verdict:
+    problems = _route(model, m.num_shards, m.shard if m.HasField("shard") else None, m.epoch)
+    if not m.table:
+        problems.append(("empty table name", _IA))
+    elif m.table not in model.tables and m.table not in model.maybe_tables:
+        problems.append((f"unknown table {m.table[:40]!r}", _NF))
+    if len(m.keys) % 8:
+        problems.append((f"keys: {len(m.keys)} bytes", _IA))
+    if problems:
+        return _invalid(problems)
+    if m.table in model.maybe_tables and m.table not in model.tables:
+        return _unsure(f"table {m.table[:40]!r} may not be there yet")
+    return _valid() if m.verify else _unsure("an erase (the fuzz sends only those that ask)")
+
+
 _SHARD_CHECKS: Mapping[str, tuple[type[Message], Callable[[ShardModel, Any, bytes], Verdict]]] = {
     "CreateTable": (pb.CreateTableRequest, _create),
     "ListTables": (pb.ListTablesRequest, lambda model, m, data: _valid()),
@@ -292,6 +307,7 @@ _SHARD_CHECKS: Mapping[str, tuple[type[Message], Callable[[ShardModel, Any, byte
     "Checkpoint": (pb.CheckpointRequest, _checkpoint),
     "Follow": (pb.FollowRequest, _follow),
     "ServeFrom": (pb.ServeFromRequest, _serve_from),
+    "Erase": (pb.EraseRequest, _erase),
 }
 
 

@@ -252,6 +252,7 @@ class Run:
     twin_refused: list[Result] = field(default_factory=list)
     rss_trace: dict[str, list[float]] = field(default_factory=dict)  # MiB after each tenth of the requests
     keys: dict[str, set[int]] = field(default_factory=lambda: {"emb": set(), "count": set()})
+    served_erased: dict[str, set[int]] = field(default_factory=dict)  # keys an Erase took off the serving shard
 
 
 def _send(channel: grpc.Channel, case: Case) -> tuple[str, str]:
@@ -330,10 +331,16 @@ def _judge(run: Run, result: Result) -> None:
 
 
 def _replay(servers: Servers, run: Run, result: Result) -> None:
-    """Give the twin what the training shard accepted (the writes, and lookups: they create rows)."""
+    """Give the twin what the training shard accepted (the writes, and lookups: they create rows);
+    note the keys a (mutated) Erase took off the serving shard, which its training shard keeps."""
     case = result.case
     method = case.method.removeprefix(PS)
-    if case.target != "train" or result.code != "OK" or method not in ("CreateTable", "Push", "Lookup"):
+    if case.target == "serve" and result.code == "OK" and method == "Erase":
+        assert isinstance(case.payload, bytes)
+        erase = pb.EraseRequest.FromString(case.payload)
+        if not erase.verify:
+            run.served_erased.setdefault(erase.table, set()).update(np.frombuffer(erase.keys, "<i8").tolist())
+    if case.target != "train" or result.code != "OK" or method not in ("CreateTable", "Push", "Lookup", "Erase"):
         return
     assert isinstance(case.payload, bytes)
     try:
@@ -346,6 +353,10 @@ def _replay(servers: Servers, run: Run, result: Result) -> None:
         serve = servers.serve_model  # the follower copies the new table in its own time
         serve.maybe_tables = {n: d for n, d in servers.train_model.tables.items() if n not in serve.tables}
         servers.train_model.creates.add(case.payload)
+    elif method == "Erase":  # its keys are compared too: erased on both, made again by neither
+        erase = pb.EraseRequest.FromString(case.payload)
+        if erase.table in run.keys:
+            run.keys[erase.table].update(np.frombuffer(erase.keys, "<i8").tolist())
     else:  # decoded as the server does: Push by protos.wire (see PUSH_OVERFLOWING_VARINT_ACCEPTED)
         message = pb.LookupRequest.FromString(case.payload) if method == "Lookup" else None
         for entry in message.entries if message is not None else wire.decode_push_request(case.payload).entries:
@@ -448,10 +459,12 @@ def _compare_state(servers: Servers, run: Run) -> dict[str, Any]:
             break
         assert time.monotonic() < deadline, f"the serving shard did not catch up: {follow}"
         time.sleep(0.1)
-    follower_differ = {
-        t: int((_rows(servers.serve.address, t, k) != _rows(servers.train.address, t, k)).any(axis=1).sum())
-        for t, k in keys.items()
-    }
+    follower_differ = {}
+    for t, k in keys.items():
+        k = np.setdiff1d(k, np.array(sorted(run.served_erased.get(t, ())), np.int64))
+        follower_differ[t] = int(
+            (_rows(servers.serve.address, t, k) != _rows(servers.train.address, t, k)).any(axis=1).sum()
+        )
     return {
         "specs equal": sorted(s.SerializeToString() for s in real_specs)
         == sorted(s.SerializeToString() for s in twin_specs),
