@@ -7,6 +7,7 @@ from the data dir and every checkpoint, before the shard serves.
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -104,5 +105,56 @@ def test_an_erase_cut_short_is_completed_at_the_next_start(tmp_path: Path, held_
         kept = again.table("t").lookup(KEYS[1:2], create=False)
         np.testing.assert_array_equal(kept, [[1, 1, 1, 1]])
         np.testing.assert_array_equal(again.table("t").lookup(erased, create=True), 0)  # new again: initial rows
+    finally:
+        again.shutdown()
+
+
+def test_erases_under_concurrent_pushes_leave_every_row_whole(tmp_path: Path) -> None:
+    """Pushes of -1 to every key (SGD, lr 1, rows start at 0) run while erases of half the keys
+    come and go: a kept row ends at minus the number of pushes; an erased one is absent or
+    starts again from 0, so it holds minus the pushes applied after its last erase, the same
+    in every column (no push half applied, no erase half done)."""
+    shard = open_shard(tmp_path / "data")
+    shard.create_table(SPEC)
+    erased, kept = KEYS[::2], KEYS[1::2]
+    pushes, stop = 300, threading.Event()
+    failures: list[BaseException] = []
+
+    def pusher() -> None:
+        try:
+            for seq in range(1, pushes + 1):
+                grads = np.ones((KEYS.shape[0], 4), np.float32)
+                assert shard.push(push_request([("t", KEYS, grads)], "w", seq))[0]
+                if seq % 50 == 0:
+                    shard.flush()
+                    shard.table("t").evict(30)  # some rows on disk only, for the erase to find there
+        except BaseException as exc:  # noqa: BLE001 - the test thread reports it
+            failures.append(exc)
+        finally:
+            stop.set()
+
+    thread = threading.Thread(target=pusher)
+    thread.start()
+    erases = 0
+    try:
+        while not stop.is_set():
+            erase(shard, erased, compact=erases % 5 == 0)
+            erases += 1
+    finally:
+        thread.join(60)
+    assert not failures, failures
+    assert erases > 2
+    table = shard.table("t")
+    np.testing.assert_array_equal(table.lookup(kept, create=False), -pushes)
+    ram, disk = table.holds(erased)
+    rows = table.lookup(erased, create=False)
+    assert (rows == rows[:, :1]).all(), "a row whose columns differ: a push half applied"
+    assert ((rows <= 0) & (rows >= -pushes) & (rows == np.round(rows))).all()
+    shard.shutdown()
+    again = open_shard(tmp_path / "data")  # and as the data dir holds them
+    try:
+        np.testing.assert_array_equal(again.table("t").lookup(KEYS, create=False)[1::2], -pushes)
+        np.testing.assert_array_equal(again.table("t").lookup(erased, create=False), rows)
+        assert sum(again.table("t").holds(erased)) == ram + disk
     finally:
         again.shutdown()
