@@ -264,7 +264,17 @@ def _open_shard(config: ServerConfig) -> Shard:
     except BaseException:
         storage.close()
         raise
-    return shard(storage, Durability.parse(config.durability), config.memory_budget_bytes)
+    built = shard(storage, Durability.parse(config.durability), config.memory_budget_bytes)
+    if built.role.takes_writes:
+        try:  # before it listens: no request sees a row an interrupted erase left behind
+            built.erasing.resume()
+        except StorageFailed as exc:
+            built.shutdown()
+            raise RuntimeError(
+                f"data dir {config.data_dir}: an erase a stop cut short cannot be completed ({exc}); fix the disk "
+                "(or free space) and start again: the shard does not serve the rows it was asked to erase"
+            ) from None
+    return built
 
 
 def _check_rescue_dir(config: ServerConfig, data_dir: Path, checkpoint_root: Path) -> None:

@@ -122,7 +122,7 @@ class Erasing:
         )
         rewritten, compact_s = self._rest(name, keys, compact=compact, checkpoints=checkpoints)
         if job is not None:
-            p.guard(close_erase, p.storage, job)
+            self._close(job)
         return pb.EraseResponse(
             erased_ram=ram,
             erased_disk=disk,
@@ -175,7 +175,7 @@ class Erasing:
         p = self._p
         if p.storage is None or p.storage.read_only:
             return 0
-        jobs = pending_erasures(p.storage)
+        jobs = p.guard(pending_erasures, p.storage)
         for job in jobs:
             self._complete(job)
         return len(jobs)
@@ -191,7 +191,7 @@ class Erasing:
         else:
             ram, disk = p.guard(table.erase, job.keys)
         rewritten, _ = self._rest(job.table, job.keys, compact=job.compact, checkpoints=job.checkpoints)
-        close_erase(p.storage, job)
+        p.guard(close_erase, p.storage, job)
         log.warning(
             "completed an erase that a stop cut short (begun %s): %d keys of table %r; %d rows were still in the data "
             "dir, %d in %d checkpoint parts and rescue dumps",
@@ -202,6 +202,22 @@ class Erasing:
             sum(n for _, n in rewritten),
             len(rewritten),
         )
+
+    def _close(self, job: PendingErase) -> None:
+        """Take ``job`` out of the journal, and every earlier entry it did all of (an erase that
+        failed half way and was sent again): a start would otherwise erase those keys once
+        more, and with them rows made since."""
+        p = self._p
+        assert p.storage is not None
+        for other in p.guard(pending_erasures, p.storage):
+            covered = (
+                other.table == job.table
+                and (job.compact or not other.compact)
+                and (job.checkpoints or not other.checkpoints)
+                and np.isin(other.keys, job.keys).all()
+            )
+            if other.id == job.id or covered:
+                p.guard(close_erase, p.storage, other)
 
     def _rest(
         self, name: str, keys: npt.NDArray[np.int64], *, compact: bool, checkpoints: bool

@@ -158,3 +158,20 @@ def test_erases_under_concurrent_pushes_leave_every_row_whole(tmp_path: Path) ->
         assert sum(again.table("t").holds(erased)) == ram + disk
     finally:
         again.shutdown()
+
+
+def test_an_erase_sent_again_closes_the_entry_its_failed_try_left(tmp_path: Path) -> None:
+    """A try that failed half way leaves its journal entry; the try that then succeeds does
+    all of it, so it takes that entry out too (a start would otherwise erase the keys again,
+    and rows made since with them). An entry it did not cover stays."""
+    shard = open_shard(tmp_path / "data")
+    try:
+        shard.create_table(SPEC)
+        push(shard, 1)
+        assert shard.storage is not None
+        journal_erase(shard.storage, "t", KEYS[:10], compact=True, checkpoints=True)  # the failed try
+        other = journal_erase(shard.storage, "t", KEYS[50:60], compact=True, checkpoints=True)
+        erase(shard, KEYS[:20], compact=True, checkpoints=True)
+        assert [job.id for job in pending_erasures(shard.storage)] == [other.id]
+    finally:
+        shard.shutdown()
