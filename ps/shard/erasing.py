@@ -139,12 +139,13 @@ class Erasing:
         source = p.role.source
         writable = p.storage is None or not p.storage.read_only
         ram = disk = 0
+        base = getattr(source, "base_tables", None)
+        if base is not None:  # a checkpoint is served (read-only, loaded again below): the followed rows kept aside
+            held = [base[name]] if name in base else []
+        else:
+            held = [table]
         if writable:
             with p.serve_lock.writing():
-                held = [table]
-                base = getattr(source, "base_tables", None)
-                if base is not None and name in base and base[name] is not table:
-                    held.append(base[name])  # the followed rows, kept aside while a checkpoint is served
                 for t in held:
                     r, d = p.guard(t.erase, keys)
                     ram, disk = ram + r, disk + d

@@ -5,7 +5,8 @@ shard with a data dir and a serving shard following it.
   serving shard (its default, zeros), and the rows kept are untouched.
 * The erased rows' bytes are in no file of the training shard's data dir once it compacted,
   nor in the checkpoint taken before the erase: the files are read directly, for the exact
-  bytes of each erased row. Every place, asked, says it holds none of the keys.
+  bytes of each erased row. Every place, asked, says it holds none of the keys, and a shard
+  restored from that checkpoint has none of them.
 * A push applied before the erase and sent again is still a duplicate: it does not bring
   the row back.
 * A serving shard with a data dir keeps the deleted rows' bytes in its files until the
@@ -13,6 +14,8 @@ shard with a data dir and a serving shard following it.
 * A training shard killed half way through an erase (``kill -9``) completes it when it
   starts again; ``ps-admin erase`` says the erase is incomplete meanwhile, and run again
   writes a receipt of every place absent.
+* A serving shard pinned to a checkpoint (``serve-from``) serves it as the erase rewrote
+  it, and the followed rows it kept aside lose the keys too.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ def test_erased_rows_are_gone_from_ram_disk_and_serving_and_new_again(
         needles = [before[i].tobytes() for i in range(0, len(keys), 2)]
         client.admin.checkpoint("before")  # a checkpoint holding the rows to erase
         assert files_holding(tmp_path / "train" / "checkpoints", needles)
+        deadline = time.monotonic() + 30
+        while not files_holding(tmp_path / "serve" / "rows", needles[:1]):  # the follower wrote them
+            assert time.monotonic() < deadline, "the serving shard did not write its rows in 30 s"
+            time.sleep(0.2)
         answers = client.admin.erase("emb", erased, compact=True, checkpoints=True)
         (answer,) = answers
         assert (answer["erased_ram"] + answer["erased_disk"], answer["compacted"]) == (len(erased), True)
@@ -115,6 +122,15 @@ def test_erased_rows_are_gone_from_ram_disk_and_serving_and_new_again(
     # the erased rows' bytes; the kept rows' bytes are there (the search finds what it looks for).
     assert files_holding(tmp_path / "train", needles) == {}
     assert files_holding(tmp_path / "train", [before[1].tobytes()])
+
+    # A shard restored from the checkpoint taken before the erase does not bring them back.
+    (part,) = answer["checkpoints"]
+    restored = start_shard(0, 1, tmp_path / "restored", "--data-dir=data", f"--restore-from={part['path']}")
+    procs.append(restored)
+    with PSClient([restored.address]) as client:
+        ((held,),) = [[(f["erased_ram"], f["erased_disk"]) for f in client.admin.find_erased("emb", erased)]]
+        assert held == (0, 0), "an erased row came back from the checkpoint"
+        assert np.array_equal(client.lookup("emb", keys[1::2]), before[1::2])
 
 
 def ps_admin(*args: object, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -283,3 +299,43 @@ def test_a_shard_killed_mid_erase_completes_it_when_it_starts_again(tmp_path: Pa
     with PSClient([again.address]) as client:
         kept = client.lookup("emb", keys[1::4])
     assert np.array_equal(kept, rows[1::4])
+
+
+def test_a_serving_shard_pinned_to_a_checkpoint_serves_the_rewritten_checkpoint(
+    tmp_path: Path, procs: list[RunningShard]
+) -> None:
+    train = start_shard(0, 1, tmp_path, "--data-dir=train")
+    procs.append(train)
+    root = tmp_path / "train" / "checkpoints"
+    serve = start_shard(
+        0, 1, tmp_path / "serve", "--mode=serve", f"--follow={train.address}", f"--checkpoint-root={root}"
+    )
+    procs.append(serve)
+    keys = np.arange(1, 501, dtype=np.int64)
+    erased = keys[::2]
+    with PSClient([train.address]) as client, PSClient([serve.address]) as reader:
+        client.create_table("emb", DIM)
+        rows = client.lookup("emb", keys)
+        (written,) = client.admin.checkpoint("known-good")
+        assert reader.admin.serve_from(written["name"])[0]["source"] == "checkpoint"
+        np.testing.assert_array_equal(reader.lookup("emb", keys), rows)
+        (answer,) = client.admin.erase("emb", erased, compact=True, checkpoints=True)
+        assert [c["rows"] for c in answer["checkpoints"]] == [len(erased)]
+
+        (served,) = reader.admin.erase_served("emb", erased)  # loads the rewritten checkpoint again
+        assert served["erased_ram"] + served["erased_disk"] == len(erased)  # its followed rows, kept aside
+        pinned = reader.lookup("emb", keys)
+        assert reader.admin.stats()[0]["follow"]["source"] == "checkpoint"
+        assert not pinned[::2].any(), "the pinned checkpoint still serves erased rows"
+        np.testing.assert_array_equal(pinned[1::2], rows[1::2])
+        ((found,),) = [[(f["erased_ram"], f["erased_disk"]) for f in reader.admin.find_erased("emb", erased)]]
+        assert found == (0, 0)
+
+        reader.admin.serve_from(None)  # following again: the rows it kept aside lack them too
+        deadline = time.monotonic() + 30
+        while reader.admin.stats()[0]["follow"]["applied_version"] < answer["version"]:
+            assert time.monotonic() < deadline, "the serving shard did not catch up in 30 s"
+            time.sleep(0.05)
+        followed = reader.lookup("emb", keys)
+        assert not followed[::2].any()
+        np.testing.assert_array_equal(followed[1::2], rows[1::2])
