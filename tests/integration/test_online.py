@@ -96,11 +96,16 @@ SHARD_ARGS = ("--data-dir=data-{shard}", "--durability=every-push", "--reshard-s
 
 
 @needs_criteo
-@pytest.mark.parametrize("scale", [False, True], ids=["kills", "kills-and-a-live-scale"])
+@pytest.mark.parametrize(
+    "scale",
+    [pytest.param(False, id="kills", marks=pytest.mark.slow), pytest.param(True, id="kills-and-a-live-scale")],
+)
 def test_kill_anywhere_in_sync_mode_ends_bit_equal_to_a_run_never_killed(
     tmp_path: Path, procs: list[RunningShard], request: pytest.FixtureRequest, scale: bool
 ) -> None:
     long = long_run(request.config)
+    if not scale and not long:
+        pytest.skip("runs with `pytest -m slow`: the kills-and-a-live-scale run makes the same kills, and a scale")
     rows, batch = (4000, 64) if long else (1280, 64)
     data = tmp_path / "landed"
     land_files(data, rows, 320)
