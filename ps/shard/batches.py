@@ -16,13 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from protos import ps_pb2 as pb
 from ps.elastic import Route
+
+if TYPE_CHECKING:
+    from ps.table import Table
 
 __all__ = ["MODES", "LookupBatch", "LookupEntries", "Mode", "PushBatch", "PushEntries", "Route", "RowSource"]
 
@@ -105,6 +109,20 @@ class RowSource(Protocol):
 
     def roll_back(self) -> pb.FollowStatus:
         """Serve the publication before the current one again; the status after."""
+        ...
+
+    @property
+    def pinned(self) -> Path | None:
+        """The checkpoint part served instead of the source's own rows (None: none)."""
+        ...
+
+    def pin(self, checkpoint: str) -> Path:
+        """Serve ``checkpoint`` read-only (opened anew); the part's path."""
+        ...
+
+    @property
+    def base_tables(self) -> dict[str, Table] | None:
+        """The source's own tables, kept aside while a checkpoint is pinned (else None)."""
         ...
 
 

@@ -139,7 +139,7 @@ class Erasing:
         source = p.role.source
         writable = p.storage is None or not p.storage.read_only
         ram = disk = 0
-        base = getattr(source, "base_tables", None)
+        base = source.base_tables if source is not None else None
         if base is not None:  # a checkpoint is served (read-only, loaded again below): the followed rows kept aside
             held = [base[name]] if name in base else []
         else:
@@ -149,9 +149,8 @@ class Erasing:
                 for t in held:
                     r, d = p.guard(t.erase, keys)
                     ram, disk = ram + r, disk + d
-        pinned = getattr(source, "pinned", None)
-        if pinned is not None:
-            source.pin(str(pinned))  # type: ignore[union-attr]
+        if source is not None and source.pinned is not None:
+            source.pin(str(source.pinned))
         compact_s = 0.0
         if compact and writable and p.storage is not None:
             compact_s = self._compact()
