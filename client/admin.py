@@ -305,7 +305,7 @@ class AdminClient:
         stay in its files until then); a pinned checkpoint is loaded again. Each answer as
         ``erase`` returns it, with the replica's ``address``. What ``ps-admin erase`` does
         once the serving shards applied the training shards' erase."""
-        return self._erase_each_replica(table, keys, compact=True)
+        return self._erase_each_replica(table, keys, compact=True, served=True)
 
     def _erase_each_replica(self, table: str, keys: npt.ArrayLike, **flags: bool) -> list[dict[str, Any]]:
         k = np.unique(_erase_keys(keys))
@@ -435,6 +435,7 @@ def _erase_request(
     compact: bool = False,
     checkpoints: bool = False,
     verify: bool = False,
+    served: bool = False,
 ) -> bytes:
     return pb.EraseRequest(
         table=table,
@@ -445,4 +446,5 @@ def _erase_request(
         compact=compact,
         checkpoints=checkpoints,
         verify=verify,
+        served=served,
     ).SerializeToString()

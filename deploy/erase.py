@@ -30,10 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 
-from client import ClientConfig, PSClient
+from client import ClientConfig, PSClient, PSError
 from deploy.operations import open_cluster
 from deploy.reshard import AdminError
 from protos.hashing import hash_strings
@@ -42,6 +43,15 @@ __all__ = ["erase", "erase_command", "hash_values", "read_keys", "verify"]
 
 RECEIPT_FORMAT = 1
 WAIT_SERVING_S = 60.0
+# What an erase call that may have been cut short ends with (anything else refused it first).
+_CUT_SHORT = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+}
 
 
 def read_keys(lines: IO[str], name: str) -> npt.NDArray[np.int64]:
@@ -88,13 +98,15 @@ def _places(found: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _wait_serving(serving: PSClient, versions: Sequence[int], timeout_s: float) -> None:
-    """Until every serving replica applied its training shard's erase version."""
+    """Until every serving replica that follows its training shard applied the erase's
+    version (one that serves a checkpoint or a data dir has nothing to apply: ``erase_served``
+    loads a pinned checkpoint again)."""
     deadline = time.monotonic() + timeout_s
     while True:
         behind = [
             s["address"]
             for s in serving.admin.stats()
-            if s["follow"]["applied_version"] < versions[s["shard"]] or s["follow"]["source"] != "follow"
+            if s["follow"]["source"] == "follow" and s["follow"]["applied_version"] < versions[s["shard"]]
         ]
         if not behind:
             return
@@ -120,22 +132,25 @@ def erase(
     returns the receipt."""
     started = time.time()
     served: list[dict[str, Any]] = []
-    try:
-        with open_cluster(addresses, timeout_s, security) as client:
+    with open_cluster(addresses, timeout_s, security) as client:
+        try:
             answers = client.admin.erase(table, keys, compact=True, checkpoints=True)
-            found = client.admin.find_erased(table, keys)
-        versions = [int(a["version"]) for a in answers]
-        if serving:
-            with open_cluster(serving, timeout_s, security) as reader:
-                _wait_serving(reader, versions, min(timeout_s, WAIT_SERVING_S))
-                served = reader.admin.erase_served(table, keys)
-                found += reader.admin.find_erased(table, keys, checkpoints=False)
-    except AdminError as exc:
-        raise AdminError(
-            f"the erase is INCOMPLETE ({exc}). A training shard that took it completes it when it starts again (its "
-            "erase journal); run the same ps-admin erase again to finish it everywhere and get a receipt",
-            code=exc.code,
-        ) from None
+        except PSError as exc:
+            if exc.code not in _CUT_SHORT:  # refused before anything was erased (a bad table, a token)
+                raise
+            raise AdminError(
+                f"the erase is INCOMPLETE ({exc}): some shards may have erased the keys and others not. A shard "
+                "stopped half way completes it when it starts again (its erase journal); run the same ps-admin "
+                "erase again to finish it everywhere and get a receipt",
+                code=exc.code,
+            ) from None
+        found = client.admin.find_erased(table, keys)
+    versions = [int(a["version"]) for a in answers]
+    if serving:
+        with open_cluster(serving, timeout_s, security) as reader:
+            _wait_serving(reader, versions, min(timeout_s, WAIT_SERVING_S))
+            served = reader.admin.erase_served(table, keys)
+            found += reader.admin.find_erased(table, keys, checkpoints=False)
     places = _places(found)
     return {
         "format": RECEIPT_FORMAT,

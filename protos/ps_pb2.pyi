@@ -528,7 +528,7 @@ class RollBackResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[FollowStatus, _Mapping]] = ...) -> None: ...
 
 class EraseRequest(_message.Message):
-    __slots__ = ("table", "keys", "num_shards", "shard", "epoch", "compact", "checkpoints", "verify")
+    __slots__ = ("table", "keys", "num_shards", "shard", "epoch", "compact", "checkpoints", "verify", "served")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -537,6 +537,7 @@ class EraseRequest(_message.Message):
     COMPACT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
     num_shards: int
@@ -545,7 +546,8 @@ class EraseRequest(_message.Message):
     compact: bool
     checkpoints: bool
     verify: bool
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., compact: _Optional[bool] = ..., checkpoints: _Optional[bool] = ..., verify: _Optional[bool] = ...) -> None: ...
+    served: bool
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., compact: _Optional[bool] = ..., checkpoints: _Optional[bool] = ..., verify: _Optional[bool] = ..., served: _Optional[bool] = ...) -> None: ...
 
 class EraseResponse(_message.Message):
     __slots__ = ("erased_ram", "erased_disk", "version", "compacted", "compact_s", "checkpoints", "verified")

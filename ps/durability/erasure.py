@@ -20,11 +20,12 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +33,13 @@ import numpy as np
 import numpy.typing as npt
 
 from protos import ps_pb2 as pb
-from ps.store import DataDirError, Storage, TableRows
+from ps.store import DataDirError, Storage, StorageFailed, TableRows
 from ps.table import spec_from_proto
 
 __all__ = [
     "PendingErase",
     "close_erase",
+    "erase_data_done",
     "erase_from_checkpoints",
     "find_in_checkpoints",
     "journal_erase",
@@ -52,7 +54,11 @@ _JOURNAL = b"erase-journal:"
 
 @dataclass(frozen=True)
 class PendingErase:
-    """An erase written to the journal and not (known to be) finished."""
+    """An erase written to the journal and not (known to be) finished. ``places``: the
+    checkpoint parts and rescue dumps there were when it began (those made since hold no row
+    it erased: one there is was made again since, and stays); ``data_done``: the rows are
+    gone from RAM and the data dir (a start must not erase the keys there again: rows made
+    for them since are new)."""
 
     id: str
     table: str
@@ -60,35 +66,68 @@ class PendingErase:
     compact: bool
     checkpoints: bool
     started_unix_s: float
+    places: tuple[str, ...] | None = None  # None: every one there is
+    data_done: bool = False
 
 
 def journal_erase(
-    storage: Storage, table: str, keys: npt.NDArray[np.int64], *, compact: bool, checkpoints: bool
+    storage: Storage,
+    table: str,
+    keys: npt.NDArray[np.int64],
+    *,
+    compact: bool,
+    checkpoints: bool,
+    places: Sequence[Path] | None = None,
 ) -> PendingErase:
-    """Write an erase to ``storage``'s journal before any of it is done; the entry to close."""
-    job = PendingErase(uuid.uuid4().hex, table, keys, compact, checkpoints, time.time())
-    head = {"table": table, "compact": compact, "checkpoints": checkpoints, "started_unix_s": job.started_unix_s}
-    storage.put_meta(_JOURNAL + job.id.encode(), json.dumps(head).encode() + b"\n" + keys.astype("<i8").tobytes())
+    """Write an erase to ``storage``'s journal before any of it is done; the entry to close.
+    ``places``: the checkpoint parts and dumps it is to rewrite (None: every one there is then)."""
+    listed = tuple(map(str, places)) if places is not None else None
+    job = PendingErase(uuid.uuid4().hex, table, keys, compact, checkpoints, time.time(), listed)
+    _put(storage, job)
     return job
 
 
+def erase_data_done(storage: Storage, job: PendingErase) -> PendingErase:
+    """Note in the journal that ``job``'s rows are gone from RAM and the data dir."""
+    done = dataclasses.replace(job, data_done=True)
+    _put(storage, done)
+    return done
+
+
+def _put(storage: Storage, job: PendingErase) -> None:
+    head = {
+        "table": job.table,
+        "compact": job.compact,
+        "checkpoints": job.checkpoints,
+        "started_unix_s": job.started_unix_s,
+        "places": list(job.places) if job.places is not None else None,
+        "data_done": job.data_done,
+    }
+    storage.put_meta(_JOURNAL + job.id.encode(), json.dumps(head).encode() + b"\n" + job.keys.astype("<i8").tobytes())
+
+
 def pending_erasures(storage: Storage) -> list[PendingErase]:
-    """The erases in ``storage``'s journal, oldest first."""
+    """The erases in ``storage``'s journal, oldest first. Raises ``StorageFailed`` for an
+    entry that cannot be read."""
     jobs = []
     for key, value in storage.metas(_JOURNAL).items():
         head_bytes, _, key_bytes = value.partition(b"\n")
-        head = json.loads(head_bytes)
-        keys = np.frombuffer(key_bytes, dtype="<i8").astype(np.int64)
-        jobs.append(
-            PendingErase(
+        try:
+            head = json.loads(head_bytes)
+            keys = np.frombuffer(key_bytes, dtype="<i8").astype(np.int64)
+            job = PendingErase(
                 key[len(_JOURNAL) :].decode(),
                 str(head["table"]),
                 keys,
                 bool(head["compact"]),
                 bool(head["checkpoints"]),
                 float(head["started_unix_s"]),
+                tuple(str(p) for p in head["places"]) if head.get("places") is not None else None,
+                bool(head.get("data_done", False)),
             )
-        )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StorageFailed(f"erase journal entry {key!r} in {storage.path} is damaged: {exc}") from None
+        jobs.append(job)
     return sorted(jobs, key=lambda j: j.started_unix_s)
 
 
@@ -131,12 +170,17 @@ def find_in_checkpoints(root: Path | None, table: str, keys: npt.NDArray[np.int6
     return out
 
 
-def erase_from_checkpoints(root: Path | None, table: str, keys: npt.NDArray[np.int64]) -> list[tuple[Path, int]]:
-    """Delete the rows of ``keys`` from every checkpoint part under ``root`` that holds
-    ``table``, and compact each part that held some; ``(part, rows deleted)`` for each part
-    that holds the table. Raises ``StorageFailed`` when a part cannot be written."""
+def erase_from_checkpoints(
+    root: Path | None, table: str, keys: npt.NDArray[np.int64], only: Collection[str] | None = None
+) -> list[tuple[Path, int]]:
+    """Delete the rows of ``keys`` from every checkpoint part under ``root`` (of ``only``, when
+    given: paths) that holds ``table``, and compact each part that held some; ``(part, rows
+    deleted)`` for each part that holds the table. Raises ``StorageFailed`` when a part cannot
+    be written."""
     out = []
     for part in parts_under(root):
+        if only is not None and str(part) not in only:
+            continue
         for st, rows in _rows(part, table, read_only=False):
             found, _ = rows.get(keys)
             n = int(found.sum())

@@ -63,10 +63,12 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
 import zlib
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -484,11 +486,22 @@ def settle_dumps(
     return applied
 
 
+def dumps_of(storage: Storage, places: list[tuple[Path, str]]) -> list[Path]:
+    """Every (complete) dump of ``storage``'s data dir in ``places``."""
+    base = read_base(storage)
+    return [dump for dump, manifest in _find_dumps(places) if _is_of(manifest, storage, base)]
+
+
 def erase_from_dumps(
-    storage: Storage, places: list[tuple[Path, str]], table: str, keys: npt.NDArray[np.int64]
+    storage: Storage,
+    places: list[tuple[Path, str]],
+    table: str,
+    keys: npt.NDArray[np.int64],
+    only: Collection[str] | None = None,
 ) -> list[tuple[Path, int]]:
     """Delete the rows of ``keys`` of ``table`` from every dump of ``storage``'s data dir in
-    ``places``; ``(dump, rows deleted)`` for each dump that holds the table.
+    ``places`` (of ``only``, when given: paths); ``(dump, rows deleted)`` for each dump that
+    holds the table.
 
     A dump's files are never changed in place: the rows kept go to new files, then the
     manifest names them (an atomic rename), then the old files are removed. A stop at any
@@ -497,7 +510,7 @@ def erase_from_dumps(
     base = read_base(storage)
     out = []
     for dump, manifest in _find_dumps(places):
-        if not _is_of(manifest, storage, base):
+        if not _is_of(manifest, storage, base) or (only is not None and str(dump) not in only):
             continue
         entries = manifest["tables"]
         named = {"manifest.json"}
@@ -521,7 +534,7 @@ def erase_from_dumps(
                 write_manifest(dump, manifest)
                 _fsync_dir(dump)
             for stale in dump.iterdir():  # the files before this erase (or one a stop cut short)
-                if stale.name not in named:
+                if _TABLE_FILE.fullmatch(stale.name) and stale.name not in named:
                     stale.unlink()
         except OSError as exc:
             raise StorageFailed(f"cannot rewrite rescue dump {dump}: {exc.strerror or exc}") from None
@@ -545,8 +558,13 @@ def find_in_dumps(
                 continue
             held = True
             for path in {dump / _file(entry, i, "keys"), *dump.glob(f"{i}.*keys")}:
-                if path.is_file():
-                    found += int(np.isin(np.fromfile(path, dtype="<i8"), keys).sum())
+                try:
+                    stored = np.fromfile(path, dtype="<i8")
+                except FileNotFoundError:  # removed by an erase meanwhile
+                    continue
+                except OSError as exc:
+                    raise StorageFailed(f"cannot read rescue dump file {path}: {exc.strerror or exc}") from None
+                found += int(np.isin(stored, keys).sum())
         if held:
             out.append((dump, found))
     return out
@@ -573,6 +591,9 @@ def _erase_entry(dump: Path, i: int, entry: dict[str, Any], keys: npt.NDArray[np
     }
     entry.update(rows=int(keep.sum()), files=files, generation=generation)
     return erased
+
+
+_TABLE_FILE = re.compile(r"\d+\.(g\d+\.)?(keys|rows)")
 
 
 def _file(entry: dict[str, Any], i: int, kind: str) -> str:

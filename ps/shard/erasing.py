@@ -22,6 +22,7 @@ deleted stay in its files until then. A serving shard that serves a data dir rea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -37,11 +38,14 @@ from protos import ps_pb2 as pb
 from ps.durability import (
     PendingErase,
     close_erase,
+    dumps_of,
+    erase_data_done,
     erase_from_checkpoints,
     erase_from_dumps,
     find_in_checkpoints,
     find_in_dumps,
     journal_erase,
+    parts_under,
     pending_erasures,
 )
 from ps.elastic import Reshard
@@ -49,7 +53,7 @@ from ps.errors import UnknownTable
 from ps.replication import ChangeLog
 from ps.rwlock import ReadWriteLock
 from ps.shard.roles import Role
-from ps.store import Storage
+from ps.store import Storage, StorageFailed
 from ps.table import Table
 
 __all__ = ["Erasing", "ErasingParts"]
@@ -105,13 +109,19 @@ class Erasing:
         p = self._p
         name = table.spec.name
         job = None
-        with p.reshard.writing():
+        # No checkpoint is taken between listing the places the rows may be and deleting them.
+        with p.checkpoint_lock if checkpoints else contextlib.nullcontext(), p.reshard.writing():
             p.reshard.check_keys("Erase", [(name, keys)], write=True)
             if p.storage is not None and keys.shape[0]:
-                job = p.guard(journal_erase, p.storage, name, keys, compact=compact, checkpoints=checkpoints)
+                places = self._places() if checkpoints else []
+                job = p.guard(
+                    journal_erase, p.storage, name, keys, compact=compact, checkpoints=checkpoints, places=places
+                )
             ram, disk = p.guard(table.erase, keys)
             # Every key, not only those found: a follower holding a copy the leader lost deletes it.
             version = p.changes.record([(name, keys)]) if keys.shape[0] else p.changes.version
+        if job is not None:
+            job = p.guard(erase_data_done, p.storage, job)
         log.info(
             "erase: %d rows of table %r gone from RAM and the data dir (%d in RAM, %d on disk)%s",
             ram + disk,
@@ -120,7 +130,8 @@ class Erasing:
             disk,
             "; now the checkpoints and rescue dumps" if checkpoints else "",
         )
-        rewritten, compact_s = self._rest(name, keys, compact=compact, checkpoints=checkpoints)
+        only = set(job.places) if job is not None and job.places is not None else None
+        rewritten, compact_s = self._rest(name, keys, compact=compact, checkpoints=checkpoints, only=only)
         if job is not None:
             self._close(job)
         return pb.EraseResponse(
@@ -170,27 +181,48 @@ class Erasing:
         )
 
     def resume(self) -> int:
-        """Complete every erase the journal holds (one a stop cut short); returns how many.
-        Raises ``StorageFailed`` when one cannot be completed (the shard must not start)."""
+        """Complete every erase the journal holds (one a stop cut short); returns how many it
+        completed. Raises ``StorageFailed`` when the rows cannot be erased from the data dir
+        (the shard must not serve them); a checkpoint or dump that cannot be rewritten is
+        logged, naming it, and its entry kept for the next start (or the next erase of the
+        keys) to try again: the rows are gone from what the shard serves."""
         p = self._p
         if p.storage is None or p.storage.read_only:
             return 0
-        jobs = p.guard(pending_erasures, p.storage)
-        for job in jobs:
-            self._complete(job)
-        return len(jobs)
+        done = 0
+        for job in p.guard(pending_erasures, p.storage):
+            done += self._complete(job)
+        return done
 
-    def _complete(self, job: PendingErase) -> None:
+    def _complete(self, job: PendingErase) -> int:
         p = self._p
         assert p.storage is not None
         ram = disk = 0
+        if not job.data_done:
+            try:
+                table = p.table(job.table)
+            except UnknownTable:  # the table is gone from the data dir: no row of it is left there
+                pass
+            else:
+                ram, disk = p.guard(table.erase, job.keys)
+            job = p.guard(erase_data_done, p.storage, job)
         try:
-            table = p.table(job.table)
-        except UnknownTable:  # the table is gone from the data dir: no row of it is left there
-            pass
-        else:
-            ram, disk = p.guard(table.erase, job.keys)
-        rewritten, _ = self._rest(job.table, job.keys, compact=job.compact, checkpoints=job.checkpoints)
+            rewritten, _ = self._rest(
+                job.table,
+                job.keys,
+                compact=job.compact,
+                checkpoints=job.checkpoints,
+                only=set(job.places) if job.places is not None else None,
+            )
+        except StorageFailed as exc:
+            log.error(
+                "an erase that a stop cut short (%d keys of table %r) is gone from the data dir, but not yet from "
+                "every checkpoint and rescue dump: %s. Fix that and start again, or run the same ps-admin erase",
+                job.keys.shape[0],
+                job.table,
+                exc,
+            )
+            return 0
         p.guard(close_erase, p.storage, job)
         log.warning(
             "completed an erase that a stop cut short (begun %s): %d keys of table %r; %d rows were still in the data "
@@ -202,6 +234,7 @@ class Erasing:
             sum(n for _, n in rewritten),
             len(rewritten),
         )
+        return 1
 
     def _close(self, job: PendingErase) -> None:
         """Take ``job`` out of the journal, and every earlier entry it did all of (an erase that
@@ -219,17 +252,25 @@ class Erasing:
             if other.id == job.id or covered:
                 p.guard(close_erase, p.storage, other)
 
+    def _places(self) -> list[Path]:
+        """The checkpoint parts and rescue dumps the rows may be in now."""
+        p = self._p
+        dumps = dumps_of(p.storage, p.dump_places) if p.storage is not None else []
+        return [*parts_under(p.checkpoint_root), *dumps]
+
     def _rest(
-        self, name: str, keys: npt.NDArray[np.int64], *, compact: bool, checkpoints: bool
+        self, name: str, keys: npt.NDArray[np.int64], *, compact: bool, checkpoints: bool, only: set[str] | None
     ) -> tuple[list[tuple[Path, int]], float]:
-        """After RAM and the data dir: checkpoints and rescue dumps, then compaction."""
+        """After RAM and the data dir: checkpoints and rescue dumps (of ``only``, when given),
+        then compaction. A checkpoint or dump that cannot be rewritten raises ``StorageFailed``
+        naming it, without marking the data dir failed (it is not)."""
         p = self._p
         rewritten: list[tuple[Path, int]] = []
         if checkpoints:
             with p.checkpoint_lock:  # not while this shard writes a checkpoint
-                rewritten = p.guard(erase_from_checkpoints, p.checkpoint_root, name, keys)
+                rewritten = erase_from_checkpoints(p.checkpoint_root, name, keys, only)
                 if p.storage is not None:
-                    rewritten += p.guard(erase_from_dumps, p.storage, p.dump_places, name, keys)
+                    rewritten += erase_from_dumps(p.storage, p.dump_places, name, keys, only)
         compact_s = self._compact() if compact and p.storage is not None else 0.0
         return rewritten, compact_s
 

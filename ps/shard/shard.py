@@ -495,8 +495,8 @@ class Shard:
         """Delete the rows of ``request.keys`` in ``request.table`` for good (``ps.shard.erasing``):
         on a training shard from RAM and the data dir, the followers through the change log,
         with ``request.checkpoints`` every checkpoint part and rescue dump, with
-        ``request.compact`` compacting the data dir after; on a serving shard, the rows it
-        still holds. With ``request.verify``, change nothing and count the rows held. Raises
+        ``request.compact`` compacting the data dir after; on a serving shard, with
+        ``request.served`` only, the rows it still holds (``WrongMode`` without). With ``request.verify``, change nothing and count the rows held. Raises
         ``WrongShard`` for a key this shard does not own, ``Moving`` for a key it is handing
         over, ``UnknownTable``, ``InvalidRequest`` for bad keys, ``StorageFailed``."""
         route = Route(request.num_shards, request.shard if request.HasField("shard") else None, request.epoch)
@@ -508,7 +508,14 @@ class Shard:
         if request.verify:
             return self.erasing.verify(table, keys, request.checkpoints)
         if not self.role.takes_writes:
+            if not request.served:  # an erase sent to the serving shards by mistake: the rows stay on training
+                self.role.refuse_writes("Erase")
             return self.erasing.erase_served(table, keys, compact=request.compact)
+        if request.served:
+            raise InvalidRequest(
+                f"Erase: served=true is for serving shards, once they applied the erase; shard {self.index} is a "
+                "training shard: send the erase without it"
+            )
         self._storage_health.check()
         return self.erasing.erase(table, keys, compact=request.compact, checkpoints=request.checkpoints)
 

@@ -92,7 +92,10 @@ def lock_data_dir(path: Path) -> IO[str]:
 def write_manifest(path: Path, manifest: dict[str, object]) -> None:
     """Write ``path/manifest.json`` atomically (temp file + rename)."""
     tmp = path / f".manifest.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    with tmp.open("w") as f:
+        f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())  # its bytes on disk before the rename makes it the manifest
     tmp.replace(path / "manifest.json")
 
 

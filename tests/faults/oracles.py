@@ -295,7 +295,13 @@ def _erase(model: ShardModel, m: pb.EraseRequest, data: bytes) -> Verdict:
         return _invalid(problems)
     if m.table in model.maybe_tables and m.table not in model.tables:
         return _unsure(f"table {m.table[:40]!r} may not be there yet")
-    return _valid() if m.verify else _unsure("an erase (the fuzz sends only those that ask)")
+    if m.verify:
+        return _valid()
+    if model.mode == "serve" and not m.served:
+        return _invalid([("an erase without served=true on a serving shard", _FP)])
+    if model.mode == "train" and m.served:
+        return _invalid([("served=true on a training shard", _IA)])
+    return _unsure("an erase (the fuzz sends only those that ask)")
 
 
 _SHARD_CHECKS: Mapping[str, tuple[type[Message], Callable[[ShardModel, Any, bytes], Verdict]]] = {

@@ -27,8 +27,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from client import ClientConfig, PSClient
+from client import ClientConfig, PreconditionError, PSClient
+from deploy.erase import erase as erase_cluster
 from protos.keys import hash_feature
 from tests.integration.shards import RunningShard, start_shard
 from worker.schema import feature_seed
@@ -319,11 +321,15 @@ def test_a_serving_shard_pinned_to_a_checkpoint_serves_the_rewritten_checkpoint(
         (written,) = client.admin.checkpoint("known-good")
         assert reader.admin.serve_from(written["name"])[0]["source"] == "checkpoint"
         np.testing.assert_array_equal(reader.lookup("emb", keys), rows)
-        (answer,) = client.admin.erase("emb", erased, compact=True, checkpoints=True)
-        assert [c["rows"] for c in answer["checkpoints"]] == [len(erased)]
-
-        (served,) = reader.admin.erase_served("emb", erased)  # loads the rewritten checkpoint again
-        assert served["erased_ram"] + served["erased_disk"] == len(erased)  # its followed rows, kept aside
+        with pytest.raises(PreconditionError, match="read-only"):  # an erase sent to serving shards by mistake
+            reader.admin.erase("emb", erased)
+        # What ps-admin erase --serving does: it does not wait for a pinned shard to apply the
+        # erase (it follows nothing meanwhile), and has it load the rewritten checkpoint again.
+        receipt = erase_cluster([train.address], "emb", erased, serving=[serve.address], timeout_s=60)
+        assert receipt["absent_everywhere"], receipt["places"]
+        ((answer,), (served,)) = receipt["training"], receipt["serving_erased"]
+        assert [c["rows"] for c in answer["checkpoints_rewritten"]] == [len(erased)]
+        assert served["rows"] == len(erased)  # its followed rows, kept aside
         pinned = reader.lookup("emb", keys)
         assert reader.admin.stats()[0]["follow"]["source"] == "checkpoint"
         assert not pinned[::2].any(), "the pinned checkpoint still serves erased rows"

@@ -16,7 +16,14 @@ import pytest
 
 from protos import ps_pb2 as pb
 from protos import wire
-from ps.durability import Durability, find_in_checkpoints, find_in_dumps, journal_erase, pending_erasures
+from ps.durability import (
+    Durability,
+    erase_data_done,
+    find_in_checkpoints,
+    find_in_dumps,
+    journal_erase,
+    pending_erasures,
+)
 from ps.shard import Shard
 from ps.store import Storage
 from ps.table import InitializerKind, InitializerParams, OptimizerKind, OptimizerParams, TableSpec
@@ -175,3 +182,28 @@ def test_an_erase_sent_again_closes_the_entry_its_failed_try_left(tmp_path: Path
         assert [job.id for job in pending_erasures(shard.storage)] == [other.id]
     finally:
         shard.shutdown()
+
+
+def test_a_start_does_not_erase_again_rows_made_after_the_data_dir_step(tmp_path: Path) -> None:
+    """An entry whose rows left the data dir (its checkpoints not yet rewritten, say) keeps
+    to the checkpoints it listed: rows the keys got since are new, and stay."""
+    shard = open_shard(tmp_path / "data")
+    shard.create_table(SPEC)
+    push(shard, 1)
+    part, _ = shard.checkpoint("before")
+    assert shard.storage is not None
+    job = journal_erase(shard.storage, "t", KEYS[:10], compact=True, checkpoints=True, places=[part])
+    erase_data_done(shard.storage, job)
+    shard.table("t").erase(KEYS[:10])  # what the erase did before the stop
+    push(shard, 2, KEYS[:10])  # the keys are new again, and trained on
+    shard.checkpoint("after")  # a checkpoint made since holds the new rows
+    shard.shutdown()
+
+    again = open_shard(tmp_path / "data")
+    try:
+        assert again.storage is not None and pending_erasures(again.storage) == []
+        np.testing.assert_array_equal(again.table("t").lookup(KEYS[:10], create=False), 2)
+        found = {p.parent.name: n for p, n in find_in_checkpoints(again.checkpoint_root, "t", KEYS[:10])}
+        assert found == {"before": 0, "after": 10}
+    finally:
+        again.shutdown()
