@@ -156,7 +156,7 @@ def _train(
                 k: saved[k] for k in ("model", "optimizer", "rng") if saved is not None and k in saved
             }
             loop = OnlineLoop(config, d, client, source, rows, metrics, progress)
-            loop.run(ckpts, dense_state, list(addresses))
+            loop.run(ckpts, dense_state, list(addresses), (saved or {}).get("inputs"))
             shard_stats = client.admin.stats() if d.rank == 0 else []
     finally:
         metrics.close()

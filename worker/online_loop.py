@@ -35,6 +35,7 @@ from worker.online_state import OnlineProgress, ProgressiveValidation, StreamRow
 from worker.published import published_dir
 from worker.results import save_run
 from worker.resume import CheckpointDir
+from worker.schema import SchemaColumns
 from worker.stream import Lines, StreamSource
 from worker.stream.readahead import ReadAhead
 
@@ -128,7 +129,15 @@ class OnlineLoop:
         self._first_said = False
 
     # -- the loop -------------------------------------------------------------------
-    def run(self, ckpts: CheckpointDir | None, dense_state: dict[str, Any], addresses: list[str]) -> None:
+    def run(
+        self,
+        ckpts: CheckpointDir | None,
+        dense_state: dict[str, Any],
+        addresses: list[str],
+        saved_inputs: dict[str, Any] | None = None,
+    ) -> None:
+        """Train on the stream until it ends (``--idle-exit-s``) or forever. ``dense_state``
+        and ``saved_inputs``: what the checkpoint resumed from holds (empty, None: none)."""
         config, d = self.config, self.d
         self.run_written = bool(self.progress.published) and (self.out / "manifest.json").exists()
         wait_s = POLL_S if d.world == 1 else GROUP_POLL_S
@@ -187,6 +196,10 @@ class OnlineLoop:
                 if self._window_rows >= config.validation_window:
                     self._window_rows = 0
                     self._close_window(addresses)
+            if self.training is None and saved_inputs is not None and self.progress.steps:
+                # Resumed with no row left to read (stopped after its last checkpoint, before it
+                # wrote the run): the model is the checkpoint's, and the run is written from it.
+                self._rebuild(saved_inputs, dense_state)
             if self.training is not None:
                 self.training.emb.flush()
                 if ckpts is not None:
@@ -216,6 +229,35 @@ class OnlineLoop:
             run.skip_nonfinite = True
             self.training = run
         return self.training
+
+    def saved_inputs(self) -> dict[str, Any] | None:
+        """What the model was built for, as a checkpoint keeps it (plain values)."""
+        if self.training is None:
+            return None
+        columns = None
+        if self.columns is not None:
+            columns = {
+                f.name: list(v) if isinstance(v := getattr(self.columns, f.name), tuple) else dict(v)
+                for f in dataclasses.fields(self.columns)
+            }
+        return {"features": list(self.features), "num_dense": int(self.num_dense), "columns": columns}
+
+    def _rebuild(self, saved: dict[str, Any], dense_state: dict[str, Any]) -> None:
+        """The model of ``saved_inputs``, with the checkpoint's ``dense_state`` (every worker together)."""
+        saved_columns = saved.get("columns")
+        columns = None
+        if saved_columns is not None:
+            columns = SchemaColumns(
+                categorical=tuple(saved_columns["categorical"]),
+                dense=tuple(saved_columns["dense"]),
+                buckets=tuple(saved_columns["buckets"]),
+                seeds=dict(saved_columns["seeds"]),
+                multi=dict(saved_columns.get("multi", {})),
+            )
+        self.features, self.num_dense, self.columns = list(saved["features"]), int(saved["num_dense"]), columns
+        run = TrainingPass(self.config, self.d, self.client, self.features, self.num_dense, dense_state=dense_state)
+        run.skip_nonfinite = True
+        self.training = run
 
     def _step(
         self,
@@ -258,7 +300,7 @@ class OnlineLoop:
         parts = self.group.gather(dict(self.mine))
         if self.d.rank == 0:
             self.progress.parts = parts
-            save_checkpoint(ckpts, self.config, self.progress, run, held)
+            save_checkpoint(ckpts, self.config, self.progress, run, held, self.saved_inputs())
             self.mine = self.progress.parts[0]
         if held is not None:
             run.emb.send_held()

@@ -149,8 +149,14 @@ def save_checkpoint(
     progress: OnlineProgress,
     run: TrainingPass | None,
     held: tuple[int | None, dict[str, tuple[np.ndarray, np.ndarray]]] | None = None,
+    inputs: dict[str, Any] | None = None,
 ) -> None:
+    """Write the run's checkpoint at ``progress.steps``: its progress, the dense model, its
+    optimizer and RNG, a held push, and ``inputs`` (the features the model was built for,
+    ``OnlineLoop.saved_inputs``: a run resumed with no row left to read rebuilds it from them)."""
     state: dict[str, Any] = {"online": dataclasses.asdict(progress), "fingerprint": fingerprint(config)}
+    if inputs is not None:
+        state["inputs"] = inputs
     if run is not None:
         state |= {
             "model": run.model.state_dict(),

@@ -196,6 +196,31 @@ def test_kill_anywhere_in_sync_mode_ends_bit_equal_to_a_run_never_killed(
 
 
 @needs_criteo
+def test_a_trainer_stopped_after_its_last_checkpoint_writes_the_run_when_started_again(
+    tmp_path: Path, procs: list[RunningShard]
+) -> None:
+    """Stopped between its last checkpoint and writing the run (dense.pt, model, manifest),
+    a trainer started again has no row left to read: it writes the run from the checkpoint."""
+    data = tmp_path / "landed"
+    land_files(data, 640, 320)
+    shards = start_shards(tmp_path / "shards", procs)
+    addresses = [s.address for s in shards]
+    sync = ("--mode=sync", "--batch-size=64", "--checkpoint-every=1", "--validation-window=320")
+    cmd = [*trainer_command(addresses, f"dir:{data}", tmp_path / "out", f"--checkpoint-dir={tmp_path / 'ckpt'}"), *sync]
+    subprocess.run(cmd, check=True, cwd=REPO, timeout=600)
+    finished = torch.load(tmp_path / "out" / "dense.pt", weights_only=True)
+    for name in ("dense.pt", "model.pt2", "manifest.json"):  # as if stopped before it wrote them
+        (tmp_path / "out" / name).unlink()
+    again = subprocess.run(cmd, cwd=REPO, timeout=600, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from" in again.stderr and "nothing trained" not in again.stderr, again.stderr[-3000:]
+    written = torch.load(tmp_path / "out" / "dense.pt", weights_only=True)
+    assert sorted(written) == sorted(finished)
+    assert all(torch.equal(written[k], finished[k]) for k in finished)
+    assert (tmp_path / "out" / "model.pt2").exists() and (tmp_path / "out" / "manifest.json").exists()
+
+
+@needs_criteo
 def test_shards_that_push_back_slow_the_trainer_without_losing_its_place(
     tmp_path: Path, procs: list[RunningShard]
 ) -> None:
