@@ -109,7 +109,9 @@ def test_shrinking_hands_the_last_shards_keys_to_the_others_and_retires_them(clu
     assert info.value.epoch == 1
 
 
-def test_pushes_while_copying_arrive_and_frozen_moving_keys_wait(cluster: Cluster) -> None:
+def growing_to_three(cluster: Cluster) -> tuple[Shard, ClusterMap]:
+    """Two shards with table ``t`` seeded, a third started, and the move to three prepared on
+    all: the new shard, and the map they move to."""
     for i in range(2):
         cluster.add(i, 2)
     seed_rows(cluster, 2, SGD)
@@ -118,6 +120,11 @@ def test_pushes_while_copying_arrive_and_frozen_moving_keys_wait(cluster: Cluste
     prepare = pb.ReshardRequest(phase=pb.ReshardRequest.PREPARE, to=dst.to_proto(), **{"from": src.to_proto()})
     for address in cluster.addresses(3):
         cluster.reshard(address, prepare)
+    return new, dst
+
+
+def test_pushes_while_copying_arrive_and_frozen_moving_keys_wait(cluster: Cluster) -> None:
+    new, dst = growing_to_three(cluster)
     # Pushes go on while the rows are copied: the new owner gets the rows as they end up.
     s0 = cluster.shards["s0"]
     mine = KEYS[shard_of(KEYS, 2) == 0]
@@ -160,14 +167,7 @@ def erase(shard: Shard, keys: npt.NDArray[np.int64], num_shards: int, epoch: int
 
 
 def test_an_erase_during_a_move_reaches_the_new_owner(cluster: Cluster) -> None:
-    for i in range(2):
-        cluster.add(i, 2)
-    seed_rows(cluster, 2, SGD)
-    new = cluster.add(2, 3)
-    src, dst = ClusterMap(0, 2, ("s0", "s1")), ClusterMap(1, 3, ("s0", "s1", "s2"))
-    prepare = pb.ReshardRequest(phase=pb.ReshardRequest.PREPARE, to=dst.to_proto(), **{"from": src.to_proto()})
-    for address in cluster.addresses(3):
-        cluster.reshard(address, prepare)
+    new, dst = growing_to_three(cluster)
     status = pb.ReshardRequest(phase=pb.ReshardRequest.STATUS, to=dst.to_proto())
     deadline = time.monotonic() + 20
     while not all(s.snapshot_done for s in cluster.reshard("s2", status).sources):
