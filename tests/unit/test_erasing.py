@@ -126,6 +126,11 @@ def test_erases_under_concurrent_pushes_leave_every_row_whole(tmp_path: Path) ->
     erased, kept = KEYS[::2], KEYS[1::2]
     pushes, stop = 300, threading.Event()
     failures: list[BaseException] = []
+    erases, erased_more = 0, threading.Condition()
+
+    def erases_reach(count: int) -> bool:
+        with erased_more:
+            return erased_more.wait_for(lambda: erases >= count, timeout=120)
 
     def pusher() -> None:
         try:
@@ -135,6 +140,9 @@ def test_erases_under_concurrent_pushes_leave_every_row_whole(tmp_path: Path) ->
                 if seq % 50 == 0:
                     shard.flush()
                     shard.table("t").evict(30)  # some rows on disk only, for the erase to find there
+                    # Every 50 pushes wait for one more erase, so erases fall between pushes
+                    # however the two threads are scheduled on a loaded machine.
+                    assert erases_reach(seq // 50)
         except BaseException as exc:  # noqa: BLE001 - the test thread reports it
             failures.append(exc)
         finally:
@@ -142,15 +150,15 @@ def test_erases_under_concurrent_pushes_leave_every_row_whole(tmp_path: Path) ->
 
     thread = threading.Thread(target=pusher)
     thread.start()
-    erases = 0
     try:
         while not stop.is_set():
             erase(shard, erased, compact=erases % 5 == 0)
-            erases += 1
+            with erased_more:
+                erases += 1
+                erased_more.notify_all()
     finally:
         thread.join(60)
     assert not failures, failures
-    assert erases > 2
     table = shard.table("t")
     np.testing.assert_array_equal(table.lookup(kept, create=False), -pushes)
     ram, disk = table.holds(erased)
