@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from protos.wire import MAP_EPOCH_METADATA, WRONG_SHARD_METADATA
+from protos.wire import MAP_EPOCH_METADATA, MOVING, WRONG_SHARD_METADATA
 
 __all__ = [
     "DeadlineExceededError",
@@ -201,6 +201,13 @@ def is_overloaded(exc: grpc.RpcError) -> bool:
     """Whether a failed attempt was refused for load: RESOURCE_EXHAUSTED marked ``OVERLOADED``."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     return code == grpc.StatusCode.RESOURCE_EXHAUSTED and OVERLOADED in _trailing(exc)
+
+
+def is_moving(exc: grpc.RpcError) -> bool:
+    """Whether a failed attempt was refused because its keys are being handed over in a live
+    reshard: UNAVAILABLE marked ``MOVING`` (nothing of it applied)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    return code == grpc.StatusCode.UNAVAILABLE and MOVING in _trailing(exc)
 
 
 def is_retryable(exc: grpc.RpcError) -> bool:

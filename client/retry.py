@@ -9,7 +9,9 @@ request yet; otherwise it waits a backoff (exponential from ``backoff_initial_s`
 at ``backoff_max_s``, full jitter). An optional ``max_attempts`` ends a request sooner;
 an attempt a shard refused for load (RESOURCE_EXHAUSTED marked ``ps-overloaded``: refused
 before any work) does not count, so calls that must not be sent twice (``max_attempts=1``:
-a checkpoint, a publication) still wait out a busy shard.
+a checkpoint, a publication) still wait out a busy shard; nor does one refused because its
+keys are being handed over in a live reshard (UNAVAILABLE marked ``ps-moving``), so an
+erase from ``ps-admin`` waits out the hand-over and then goes to the keys' new owner.
 
 A replica that the ``ReplicaSet`` has ejected is probed with a copy of a request sent
 beside the real one, once its ejection has run out; the copy's answer is not used.
@@ -38,7 +40,7 @@ from typing import NamedTuple
 import grpc
 
 from client.config import ClientConfig
-from client.errors import DeadlineExceededError, PSError, convert, is_overloaded, is_retryable, map_epoch
+from client.errors import DeadlineExceededError, PSError, convert, is_moving, is_overloaded, is_retryable, map_epoch
 from client.replicas import FAILED, NEUTRAL, OK, Outcome, Pick, ReplicaSet
 from client.transport import Call, Transport, when_done
 from protos.rpc.backoff import pause_s
@@ -318,6 +320,8 @@ class _Exchange:
         retryable = is_retryable(exc) or behind
         if is_overloaded(exc):  # refused before any work: safe to send again, and no attempt used up
             self.replicas.count_refusal(attempt.pick.endpoint)
+            r.attempts -= 1
+        elif is_moving(exc):  # its keys are being handed over, nothing applied: the same
             r.attempts -= 1
         self.replicas.release(attempt.pick, FAILED if retryable else NEUTRAL)
         r.error, r.error_endpoint = exc, attempt.pick.endpoint

@@ -267,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
         "data dirs and check them). A key erased is new again. Then every place is asked again; the receipt "
         "(--receipt, JSON) says what was erased, where, at which version, which checkpoints were rewritten, and, "
         "per place, present or absent. --verify RECEIPT asks every place again. A shard that stops half way "
-        "completes the erase when it starts again; the command then says INCOMPLETE: run it again. Needs an admin "
+        "completes the erase when it starts again; the command then says INCOMPLETE: run it again. During a live "
+        "reshard it waits for the hand-over of moving keys and erases them on their new owner. Needs an admin "
         "token. Exit status 1 if a place still holds a key or the erase is incomplete.",
     )
     addresses(er)

@@ -57,6 +57,7 @@ __all__ = [
     "PushEntryView",
     "PushRequestView",
     "MAP_EPOCH_METADATA",
+    "MOVING",
     "WRONG_SHARD_METADATA",
     "WireFormatError",
     "alloc_bytes",
@@ -89,6 +90,13 @@ tells this refusal from the others without parsing the message."""
 MAP_EPOCH_METADATA = "ps-map-epoch"
 """Trailing metadata key of such a refusal: the epoch of the cluster map the shard routes
 by; a client at an older epoch fetches that map (``GetMap``) and routes again."""
+
+MOVING = ("ps-moving", "1")
+"""Trailing metadata of an UNAVAILABLE refusing a write because some of its keys are being
+handed over in a live reshard (the old owner is frozen, or the new owner has not switched
+yet). Nothing of the request was applied, so a client sends it again shortly, and the
+refusal uses up none of its attempts: an ``ps-admin`` call (one attempt) waits out the
+hand-over as a trainer does."""
 
 _ITEMSIZE: dict[int, int] = {pb.DTYPE_UNSPECIFIED: 4, pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
 _F32 = np.dtype("<f4")

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import grpc
 
-from protos.wire import MAP_EPOCH_METADATA, WRONG_SHARD_METADATA
+from protos.wire import MAP_EPOCH_METADATA, MOVING, WRONG_SHARD_METADATA
 
 __all__ = [
     "InvalidRequest",
+    "KeysMoving",
     "Moving",
     "NotConfigured",
     "OutOfCapacity",
@@ -95,10 +96,17 @@ class WrongShard(ShardMismatch):
 
 
 class Moving(ShardError):
-    """A reshard is handing over some keys of the request (their old owner refuses pushes
-    to them, or their new owner has not switched to the new map yet): retry shortly."""
+    """A reshard is not ready for the call yet: retry shortly."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class KeysMoving(Moving):
+    """A reshard is handing over some keys of a write (their old owner is frozen, or their
+    new owner has not switched to the new map yet); refused before any of it was applied,
+    so it is marked ``MOVING``: the client sends it again without using up an attempt."""
+
+    trailing_metadata = (MOVING,)
 
 
 class OutOfCapacity(ShardError):

@@ -35,7 +35,7 @@ from protos.keys import shard_of
 from ps.elastic.cluster import ClusterMap, MoveState, Phase, Route
 from ps.elastic.intake import Intake, MoveStream, SourceProgress
 from ps.elastic.ownership import check_owned
-from ps.errors import BehindMap, InvalidRequest, Moving, ShardMismatch, WrongMode
+from ps.errors import BehindMap, InvalidRequest, KeysMoving, Moving, ShardMismatch, WrongMode
 from ps.replication import ChangeLog
 from ps.rwlock import ReadWriteLock
 from ps.store import Storage
@@ -145,7 +145,7 @@ class Reshard:
             mv = self.move
             if mv is not None and mv.phase in ("copying", "frozen") and route.epoch == mv.dst.epoch:
                 if mv.sources:
-                    raise Moving(
+                    raise KeysMoving(
                         f"shard {self.index} takes its keys of the cluster map of epoch {route.epoch} once the "
                         "reshard to it commits (rows are still arriving): retry shortly"
                     )
@@ -182,7 +182,7 @@ class Reshard:
             return False
         if write:
             owner = int(shard_of(np.array([moving], np.int64), mv.dst.num_shards)[0])
-            raise Moving(
+            raise KeysMoving(
                 f"{what} refused for now: key {moving} moves from shard {self.index} to shard {owner} in the "
                 f"reshard to epoch {mv.dst.epoch}, which is switching over: retry shortly"
             )

@@ -129,3 +129,17 @@ def seed_rows(cluster: Cluster, n: int, spec: TableSpec = ADAGRAD) -> None:
                 client_id="w",
                 seq=seq,
             )
+
+
+def growing_to_three(cluster: Cluster) -> tuple[Shard, ClusterMap]:
+    """Two shards with table ``t`` seeded, a third started, and the move to three prepared on
+    all: the new shard, and the map they move to."""
+    for i in range(2):
+        cluster.add(i, 2)
+    seed_rows(cluster, 2, SGD)
+    new = cluster.add(2, 3)
+    src, dst = ClusterMap(0, 2, ("s0", "s1")), ClusterMap(1, 3, ("s0", "s1", "s2"))
+    prepare = pb.ReshardRequest(phase=pb.ReshardRequest.PREPARE, to=dst.to_proto(), **{"from": src.to_proto()})
+    for address in cluster.addresses(3):
+        cluster.reshard(address, prepare)
+    return new, dst

@@ -34,6 +34,7 @@ from tests.unit.reshard_cluster import (
     SGD,
     Cluster,
     all_rows,
+    growing_to_three,
     owners_ok,
     push,
     running_cluster,
@@ -107,20 +108,6 @@ def test_shrinking_hands_the_last_shards_keys_to_the_others_and_retires_them(clu
             LookupBatch([("a", KEYS[:3])], Route(3, 2)), lambda dims: [np.empty((3, 3), np.float32)]
         )
     assert info.value.epoch == 1
-
-
-def growing_to_three(cluster: Cluster) -> tuple[Shard, ClusterMap]:
-    """Two shards with table ``t`` seeded, a third started, and the move to three prepared on
-    all: the new shard, and the map they move to."""
-    for i in range(2):
-        cluster.add(i, 2)
-    seed_rows(cluster, 2, SGD)
-    new = cluster.add(2, 3)
-    src, dst = ClusterMap(0, 2, ("s0", "s1")), ClusterMap(1, 3, ("s0", "s1", "s2"))
-    prepare = pb.ReshardRequest(phase=pb.ReshardRequest.PREPARE, to=dst.to_proto(), **{"from": src.to_proto()})
-    for address in cluster.addresses(3):
-        cluster.reshard(address, prepare)
-    return new, dst
 
 
 def test_pushes_while_copying_arrive_and_frozen_moving_keys_wait(cluster: Cluster) -> None:

@@ -14,10 +14,20 @@ import pytest
 from client import ClientConfig, PSClient
 from deploy.scale import scale
 from protos import ps_pb2 as pb
+from protos.keys import shard_of
 from ps.elastic import ClusterMap
 from ps.shard import Shard
 from tests.fakes import InProcessTransport
-from tests.unit.reshard_cluster import KEYS, SGD, Cluster, owners_ok, running_cluster, wait_done
+from tests.unit.reshard_cluster import (
+    KEYS,
+    SGD,
+    Cluster,
+    all_rows,
+    growing_to_three,
+    owners_ok,
+    running_cluster,
+    wait_done,
+)
 
 
 @pytest.fixture
@@ -158,3 +168,54 @@ def test_a_lone_serving_replica_behind_the_map_is_asked_again_until_it_switches(
         later.join()
         assert reader.epoch == 1
     np.testing.assert_array_equal(rows, np.zeros((KEYS.size, 4), np.float32))  # serving defaults, from every shard
+
+
+def test_an_admin_erase_during_the_hand_over_waits_for_the_commit_and_reaches_the_new_owner(cluster: Cluster) -> None:
+    # ps-admin sends each call once (max_attempts=1). An erase of keys whose old owner is
+    # frozen is refused before anything is erased; that refusal uses up no attempt, so the
+    # erase waits out the hand-over and, after the commit, goes to the keys' new owner.
+    new, dst = growing_to_three(cluster)
+    status = pb.ReshardRequest(phase=pb.ReshardRequest.STATUS, to=dst.to_proto())
+    freeze = pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=dst.to_proto())
+    deadline = time.monotonic() + 20
+    while not all(s.snapshot_done for s in cluster.reshard("s2", status).sources):
+        assert time.monotonic() < deadline, "the first copy never arrived"
+        time.sleep(0.02)
+    for address in ("s0", "s1"):
+        cluster.reshard(address, freeze)
+    moving = KEYS[(shard_of(KEYS, 2) != shard_of(KEYS, 3))][:30]
+    staying = KEYS[(shard_of(KEYS, 2) == shard_of(KEYS, 3))][:30]
+    transport = InProcessTransport(
+        [cluster.shards["s0"], cluster.shards["s1"]], by_address=cluster.shards, addresses=["s0", "s1"]
+    )
+    once = ClientConfig(max_attempts=1, backoff_initial_s=0.002, backoff_max_s=0.02, tune_malloc=False)
+    answers: list[list[dict[str, object]]] = []
+    errors: list[BaseException] = []
+
+    def erase() -> None:
+        with PSClient(["s0", "s1"], once, transport=transport) as admin:
+            try:
+                answers.append(admin.admin.erase("t", np.concatenate([moving, staying])))
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+
+    thread = threading.Thread(target=erase)
+    thread.start()
+    while sum(1 for _, m, _ in transport.calls if m == "Erase") < 4:  # refused, and sent again
+        assert thread.is_alive(), errors
+        assert time.monotonic() < deadline, "the erase was not sent"
+        time.sleep(0.01)
+    assert cluster.shards["s0"].table("t").holds(moving[shard_of(moving, 2) == 0]) != (0, 0)  # nothing erased yet
+    while not all(s.complete for s in cluster.reshard("s2", status).sources):
+        assert time.monotonic() < deadline, "the copies never completed"
+        time.sleep(0.02)
+    for address in ("s2", "s0", "s1"):
+        cluster.reshard(address, pb.ReshardRequest(phase=pb.ReshardRequest.COMMIT, to=dst.to_proto()))
+    thread.join(30)
+    assert not thread.is_alive() and errors == []
+    (answer,) = answers
+    assert len(answer) == 3 and sum(int(a["erased_ram"]) + int(a["erased_disk"]) for a in answer) == 60
+    wait_done(cluster)
+    held = all_rows(cluster.shards.values(), "t").keys
+    assert not np.isin(np.concatenate([moving, staying]), held).any()
+    assert new.table("t").holds(moving[shard_of(moving, 3) == 2]) == (0, 0)
