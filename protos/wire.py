@@ -92,11 +92,11 @@ MAP_EPOCH_METADATA = "ps-map-epoch"
 by; a client at an older epoch fetches that map (``GetMap``) and routes again."""
 
 MOVING = ("ps-moving", "1")
-"""Trailing metadata of an UNAVAILABLE refusing a write because some of its keys are being
-handed over in a live reshard (the old owner is frozen, or the new owner has not switched
-yet). Nothing of the request was applied, so a client sends it again shortly, and the
-refusal uses up none of its attempts: an ``ps-admin`` call (one attempt) waits out the
-hand-over as a trainer does."""
+"""Trailing metadata of an UNAVAILABLE refusing a request because some of its keys are being
+handed over in a live reshard (a write to keys whose old owner is frozen, or a request routed
+by the new map before its new owner switched). Nothing of the request was applied, so a
+client sends it again shortly, and the refusal uses up none of its attempts: a ``ps-admin``
+call (one attempt) waits out the hand-over as a trainer does."""
 
 _ITEMSIZE: dict[int, int] = {pb.DTYPE_UNSPECIFIED: 4, pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
 _F32 = np.dtype("<f4")

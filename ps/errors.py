@@ -102,9 +102,10 @@ class Moving(ShardError):
 
 
 class KeysMoving(Moving):
-    """A reshard is handing over some keys of a write (their old owner is frozen, or their
-    new owner has not switched to the new map yet); refused before any of it was applied,
-    so it is marked ``MOVING``: the client sends it again without using up an attempt."""
+    """A reshard is handing over some keys of the request (a write to keys whose old owner
+    is frozen, or a request routed by the new map before their new owner switched); refused
+    before any of it was applied, so it is marked ``MOVING``: the client sends it again
+    without using up an attempt."""
 
     trailing_metadata = (MOVING,)
 
