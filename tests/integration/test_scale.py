@@ -1,6 +1,7 @@
 """``ps-admin scale`` against real shard processes: a training cluster grows and shrinks
 while a client pushes, and a reshard interrupted by kill -9 (of ps-admin, of a new owner,
-of a frozen old owner) is finished by running the command again.
+of a frozen old owner) is finished by running the command again; ``ps-admin erase`` typed
+during the hand-over waits for the commit and erases the moving keys on their new owner.
 
 Every check is on what the client saw acknowledged: after the moves each key's row is its
 initial row minus every acknowledged push once (SGD, lr 1, the same gradient each time:
@@ -9,6 +10,7 @@ the float sums are exact in order), and each key lives on the one shard that own
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -334,3 +336,71 @@ def test_serving_shards_follow_a_reshard_and_their_readers_never_fail(
         for shard in serving.values():
             if shard.proc.poll() is None:
                 stop_shard(shard)
+
+
+def test_ps_admin_erase_during_the_hand_over_waits_for_the_commit(
+    tmp_path: Path, shards: dict[int, RunningShard]
+) -> None:
+    """An erase typed while the old owners are frozen for the hand-over: they refuse it for the
+    moving keys before erasing anything; ``ps-admin erase`` waits (it says it is retrying) and,
+    once the reshard commits, erases them on their new owner, with a receipt of every place absent."""
+    for i in range(2):
+        shards[i] = start_shard(i, 2, tmp_path, *shard_args(tmp_path))
+    shards[2] = start_shard(2, 3, tmp_path, *shard_args(tmp_path))
+    src, dst = addresses(shards, 2), addresses(shards, 3)
+    with PSClient(src, FAST) as client:
+        client.create_table("t", 8, optimizer="sgd", lr=1.0, seed=11)
+        client.push("t", KEYS, np.full((KEYS.size, 8), STEP, np.float32))
+    moving = KEYS[shard_of(KEYS, 2) != shard_of(KEYS, 3)][:50]
+    erased = np.concatenate([moving, KEYS[shard_of(KEYS, 2) == shard_of(KEYS, 3)][:50]])
+    (tmp_path / "keys.txt").write_text("".join(f"{k}\n" for k in erased))
+    to = ClusterMap(1, 3, tuple(dst)).to_proto()
+    calls = GrpcShards(10.0)
+    erase: subprocess.Popen[str] | None = None
+    try:
+        prepare = pb.ReshardRequest(
+            phase=pb.ReshardRequest.PREPARE, to=to, **{"from": ClusterMap(0, 2, tuple(src)).to_proto()}
+        )
+        for address in dst:
+            calls.reshard(address, prepare)
+        for address in src:
+            calls.reshard(address, pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=to))
+        script = Path(sys.executable).parent / "ps-admin"
+        erase = subprocess.Popen(
+            [str(script), "erase", "--addresses", ",".join(src), "--table", "t", "--keys", "keys.txt"]
+            + ["--receipt", "receipt.json"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert erase.stderr is not None
+        said = erase.stderr.readline()  # the client's one warning when it first waits
+        assert "Erase: retrying" in said and "moves from shard" in said, said
+        deadline = time.monotonic() + 60
+        status = pb.ReshardRequest(phase=pb.ReshardRequest.STATUS, to=to)
+        while not all(s.complete for s in calls.reshard(dst[2], status).sources):
+            assert time.monotonic() < deadline, "the copies never completed"
+            time.sleep(0.05)
+        for address in (dst[2], *src):
+            calls.reshard(address, pb.ReshardRequest(phase=pb.ReshardRequest.COMMIT, to=to))
+        out, err = erase.communicate(timeout=120)
+        assert erase.returncode == 0, f"{out}\n{said}{err}"
+        while any(calls.get_map(a).reshard.phase != "done" for a in src):  # dropped what they gave
+            assert time.monotonic() < deadline, "the old owners did not drop the rows they gave away"
+            time.sleep(0.05)
+    finally:
+        calls.close()
+        if erase is not None and erase.poll() is None:
+            erase.kill()
+            erase.communicate()
+    receipt = json.loads((tmp_path / "receipt.json").read_text())
+    assert receipt["absent_everywhere"] and len(receipt["training"]) == 3
+    assert sum(t["rows_in_ram"] + t["rows_on_disk"] for t in receipt["training"]) == erased.size
+    for shard in shards.values():
+        stop_shard(shard)
+    for i in range(3):
+        with Storage(tmp_path / f"data-{i}", shard=-1, num_shards=0, read_only=True) as st:
+            keys = np.concatenate([part.keys for part in st.table("t", RowFormat(8, 0)).scan()])
+        assert not np.isin(erased, keys).any(), f"shard {i} still holds erased keys"
+        np.testing.assert_array_equal(np.sort(keys), np.sort(np.setdiff1d(KEYS[shard_of(KEYS, 3) == i], erased)))
