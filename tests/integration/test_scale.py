@@ -375,8 +375,12 @@ def test_ps_admin_erase_during_the_hand_over_waits_for_the_commit(
             text=True,
         )
         assert erase.stderr is not None
-        said = erase.stderr.readline()  # the client's one warning when it first waits
-        assert "Erase: retrying" in said and "moves from shard" in said, said
+        said = ""
+        while "Erase: retrying" not in said:  # the client's one warning when it first waits
+            line = erase.stderr.readline()
+            assert line, f"ps-admin erase ended without waiting:\n{said}"
+            said += line
+        assert "moves from shard" in said, said
         deadline = time.monotonic() + 60
         status = pb.ReshardRequest(phase=pb.ReshardRequest.STATUS, to=to)
         while not all(s.complete for s in calls.reshard(dst[2], status).sources):
