@@ -140,8 +140,9 @@ def erase(
                 raise
             raise AdminError(
                 f"the erase is INCOMPLETE ({exc}): some shards may have erased the keys and others not. A shard "
-                "stopped half way completes it when it starts again (its erase journal); run the same ps-admin "
-                "erase again to finish it everywhere and get a receipt",
+                "stopped half way completes it when it starts again (its erase journal); a live reshard still "
+                "handing keys over finishes with ps-admin scale. Run the same ps-admin erase again to finish it "
+                "everywhere and get a receipt",
                 code=exc.code,
             ) from None
         found = client.admin.find_erased(table, keys)
