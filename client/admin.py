@@ -260,9 +260,10 @@ class AdminClient:
     def erase(
         self, table: str, keys: npt.ArrayLike, *, compact: bool = False, checkpoints: bool = False
     ) -> list[dict[str, Any]]:
-        """Delete the rows of ``keys`` in ``table`` for good, on every training shard that
-        owns some (``Shard.erase``): RAM, data dir, and, through the change stream, the
-        serving shards that follow them. A key erased is new again. With ``checkpoints``,
+        """Delete the rows of ``keys`` in ``table`` for good, on every training shard
+        (``Shard.erase``): RAM, data dir, and, through the change stream, the serving shards
+        that follow them. Each shard is sent the keys it owns and the others, which it may
+        still hold from before a reshard. A key erased is new again. With ``checkpoints``,
         also from every checkpoint under each shard's checkpoint root; with ``compact``,
         each shard then compacts its data dir so the rows' bytes leave the disk. Returns
         each shard's answer, in shard order: ``erased_ram``, ``erased_disk``, ``version``,
@@ -273,9 +274,8 @@ class AdminClient:
         budget = self._link.budget()
 
         def attempt(view: ClusterView) -> list[dict[str, Any]] | Rerouted:
-            owners = shard_of(k, view.num_shards)
             requests = [
-                (s, _erase_request(table, k[owners == s], view, s, compact=compact, checkpoints=checkpoints))
+                (s, _erase_request(table, k, view, s, compact=compact, checkpoints=checkpoints))
                 for s in range(view.num_shards)
             ]
             answers = self._link.send("Erase", requests, budget, view=view)
@@ -308,20 +308,29 @@ class AdminClient:
         return self._erase_each_replica(table, keys, compact=True, served=True)
 
     def _erase_each_replica(self, table: str, keys: npt.ArrayLike, **flags: bool) -> list[dict[str, Any]]:
+        """An ``Erase`` with ``flags`` to every replica of every shard; asked again under the
+        new cluster map if one refuses keys under a newer map."""
         k = np.unique(_erase_keys(keys))
-        view = self._link.view
-        owners = shard_of(k, view.num_shards)
-        endpoints = view.replica_set.endpoints()
-        requests = []
-        for e in endpoints:
-            s = view.replica_set.shard_of(e)
-            requests.append((s, _erase_request(table, k[owners == s], view, s, **flags)))
-        replies = self._link.call("Erase", requests, pinned=endpoints, view=view)
-        out = []
-        for (s, _), r in zip(requests, replies):
-            with self._link.reply("Erase", s, r.endpoint, view):
-                out.append({**message_dict(pb.EraseResponse.FromString(r.data)), "address": view.address(r.endpoint)})
-        return out
+        budget = self._link.budget()
+
+        def attempt(view: ClusterView) -> list[dict[str, Any]] | Rerouted:
+            endpoints = view.replica_set.endpoints()
+            shards = [view.replica_set.shard_of(e) for e in endpoints]
+            requests = [(s, _erase_request(table, k, view, s, **flags)) for s in shards]
+            answers = self._link.send("Erase", requests, budget, pinned=endpoints, view=view)
+            moved = next((a for a in answers if isinstance(a, Rerouted)), None)
+            if moved is not None:
+                return moved
+            out = []
+            for s, a in zip(shards, answers):
+                assert isinstance(a, Answer)
+                with self._link.reply("Erase", s, a.endpoint, view):
+                    out.append(
+                        {**message_dict(pb.EraseResponse.FromString(a.data)), "address": view.address(a.endpoint)}
+                    )
+            return out
+
+        return self._link.routed("Erase", budget, attempt)
 
     def roll_back(self) -> list[dict[str, Any]]:
         """Have every serving replica (``--published-only``) serve the publication before the
@@ -437,9 +446,14 @@ def _erase_request(
     verify: bool = False,
     served: bool = False,
 ) -> bytes:
+    """Shard ``shard``'s part of an erase of ``keys`` (sorted, distinct): the keys it owns under
+    ``view``, and the others, which its old checkpoints, rescue dumps and rows given away in a
+    reshard may still hold."""
+    mine = shard_of(keys, view.num_shards) == shard
     return pb.EraseRequest(
         table=table,
-        keys=wire.encode_keys(keys),
+        keys=wire.encode_keys(keys[mine]),
+        others=wire.encode_keys(keys[~mine]),
         num_shards=view.num_shards,
         shard=shard,
         epoch=view.epoch,

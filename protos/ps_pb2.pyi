@@ -528,7 +528,7 @@ class RollBackResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[FollowStatus, _Mapping]] = ...) -> None: ...
 
 class EraseRequest(_message.Message):
-    __slots__ = ("table", "keys", "num_shards", "shard", "epoch", "compact", "checkpoints", "verify", "served")
+    __slots__ = ("table", "keys", "num_shards", "shard", "epoch", "compact", "checkpoints", "verify", "served", "others")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -538,6 +538,7 @@ class EraseRequest(_message.Message):
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     SERVED_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
     num_shards: int
@@ -547,7 +548,8 @@ class EraseRequest(_message.Message):
     checkpoints: bool
     verify: bool
     served: bool
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., compact: _Optional[bool] = ..., checkpoints: _Optional[bool] = ..., verify: _Optional[bool] = ..., served: _Optional[bool] = ...) -> None: ...
+    others: bytes
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_shards: _Optional[int] = ..., shard: _Optional[int] = ..., epoch: _Optional[int] = ..., compact: _Optional[bool] = ..., checkpoints: _Optional[bool] = ..., verify: _Optional[bool] = ..., served: _Optional[bool] = ..., others: _Optional[bytes] = ...) -> None: ...
 
 class EraseResponse(_message.Message):
     __slots__ = ("erased_ram", "erased_disk", "version", "compacted", "compact_s", "checkpoints", "verified")

@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from protos import ps_pb2 as pb
-from ps.store import DataDirError, Storage, StorageFailed, TableRows
+from ps.store import DataDirBusy, DataDirError, Storage, StorageFailed, TableRows
 from ps.table import spec_from_proto
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _JOURNAL = b"erase-journal:"
+PART_BUSY_S = 120.0  # how long to wait for a checkpoint part another shard is rewriting
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,11 @@ def parts_under(root: Path | None) -> list[Path]:
     return parts
 
 
-def _rows(path: Path, table: str, read_only: bool) -> Iterator[tuple[Storage, TableRows]]:
+def _rows(path: Path, table: str) -> Iterator[tuple[Storage, TableRows]]:
+    """The rows of ``table`` in the checkpoint part ``path``, opened read-only (nothing if it
+    does not hold the table; a part that cannot be opened is logged and skipped)."""
     try:
-        st = Storage(path, shard=-1, num_shards=0, read_only=read_only)
+        st = Storage(path, shard=-1, num_shards=0, read_only=True)
     except DataDirError as exc:
         log.warning("checkpoint part %s cannot be opened, skipped: %s", path, exc)
         return
@@ -160,13 +163,16 @@ def _rows(path: Path, table: str, read_only: bool) -> Iterator[tuple[Storage, Ta
             yield st, st.table(table, spec_from_proto(pb.TableSpec.FromString(blob)).row_format)
 
 
-def find_in_checkpoints(root: Path | None, table: str, keys: npt.NDArray[np.int64]) -> list[tuple[Path, int]]:
-    """``(part, rows of keys it holds)`` for every checkpoint part under ``root``."""
+def find_in_checkpoints(
+    root: Path | None, table: str, keys: npt.NDArray[np.int64], *, part: bool = False
+) -> list[tuple[Path, int]]:
+    """``(part, rows of keys it holds)`` for every checkpoint part under ``root`` (or of
+    ``root`` itself, with ``part``) that holds ``table``."""
     out = []
-    for part in parts_under(root):
-        for _, rows in _rows(part, table, read_only=True):
+    for path in [root] if part and root is not None else parts_under(root):
+        for _, rows in _rows(path, table):
             found, _ = rows.get(keys)
-            out.append((part, int(found.sum())))
+            out.append((path, int(found.sum())))
     return out
 
 
@@ -181,7 +187,31 @@ def erase_from_checkpoints(
     for part in parts_under(root):
         if only is not None and str(part) not in only:
             continue
-        for st, rows in _rows(part, table, read_only=False):
+        held = find_in_checkpoints(part, table, keys, part=True)  # read-only: no lock, nothing written
+        if held and held[0][1]:
+            held = [(part, _delete_in_part(part, table, keys))]
+        out += held
+    return out
+
+
+def _delete_in_part(part: Path, table: str, keys: npt.NDArray[np.int64]) -> int:
+    """Delete the rows of ``keys`` from the checkpoint part ``part`` and compact it; the rows
+    deleted. Under a root the shards share, another shard may be erasing the same keys from
+    it: wait for it (then nothing may be left to delete)."""
+    deadline = time.monotonic() + PART_BUSY_S
+    while True:
+        try:
+            st = Storage(part, shard=-1, num_shards=0)
+        except DataDirError as exc:
+            if not isinstance(exc, DataDirBusy) or time.monotonic() > deadline:
+                raise StorageFailed(f"checkpoint part {part} cannot be rewritten: {exc}") from None
+            time.sleep(0.2)
+            continue
+        with st:
+            blob = st.specs().get(table)
+            if blob is None:
+                return 0
+            rows = st.table(table, spec_from_proto(pb.TableSpec.FromString(blob)).row_format)
             found, _ = rows.get(keys)
             n = int(found.sum())
             if n:
@@ -190,5 +220,4 @@ def erase_from_checkpoints(
                 st.commit(batch)
                 st.flush_memtables()
                 st.compact()
-            out.append((part, n))
-    return out
+            return n

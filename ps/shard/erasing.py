@@ -18,6 +18,11 @@ deleted stay in its files until then. A serving shard that serves a data dir rea
 
 ``verify``: change nothing; count the rows of the keys held in RAM and on disk and, with
 ``checkpoints``, in each checkpoint part and rescue dump.
+
+A shard is sent the keys it owns and, as ``others``, the rest of the erase: after a reshard
+its checkpoints and rescue dumps from before it may hold keys another shard owns now, and
+until it has dropped the rows it gave away, so may its data dir. It erases (or counts) those
+everywhere too; only the keys it owns are checked against its cluster map.
 """
 
 from __future__ import annotations
@@ -104,14 +109,24 @@ class Erasing:
             verified=True,
         )
 
-    def erase(self, table: Table, keys: npt.NDArray[np.int64], *, compact: bool, checkpoints: bool) -> pb.EraseResponse:
-        """Erase ``keys`` of ``table`` (a training shard's: see the module docstring)."""
+    def erase(
+        self,
+        table: Table,
+        keys: npt.NDArray[np.int64],
+        others: npt.NDArray[np.int64],
+        *,
+        compact: bool,
+        checkpoints: bool,
+    ) -> pb.EraseResponse:
+        """Erase ``keys`` of ``table`` (a training shard's, which it owns: see the module
+        docstring) and ``others`` (keys other shards own) wherever this shard still holds them."""
         p = self._p
         name = table.spec.name
         job = None
         # No checkpoint is taken between listing the places the rows may be and deleting them.
         with p.checkpoint_lock if checkpoints else contextlib.nullcontext(), p.reshard.writing():
             p.reshard.check_keys("Erase", [(name, keys)], write=True)
+            keys = np.union1d(keys, others)
             if p.storage is not None and keys.shape[0]:
                 places = self._places() if checkpoints else []
                 job = p.guard(

@@ -492,7 +492,8 @@ class Shard:
         return self.role.roll_back()
 
     def erase(self, request: pb.EraseRequest) -> pb.EraseResponse:
-        """Delete the rows of ``request.keys`` in ``request.table`` for good (``ps.shard.erasing``):
+        """Delete the rows of ``request.keys`` in ``request.table`` for good (``ps.shard.erasing``),
+        and of ``request.others`` wherever this shard still holds them (keys other shards own):
         on a training shard from RAM and the data dir, the followers through the change log,
         with ``request.checkpoints`` every checkpoint part and rescue dump, with
         ``request.compact`` compacting the data dir after; on a serving shard, with
@@ -503,21 +504,24 @@ class Shard:
         self.check_request(route)
         self.check_table_field(request.table, "table")
         keys = np.unique(wire.decode_keys(request.keys, "keys"))
-        self.limits.check_keys("Erase", [keys.shape[0]])
+        others = np.setdiff1d(wire.decode_keys(request.others, "others"), keys)
+        self.limits.check_keys("Erase", [keys.shape[0] + others.shape[0]])
         table = self.table(request.table)
+        if request.verify or request.served:  # the keys it owns by its map: a client behind it routes again
+            self.reshard.check_keys("Erase", [(request.table, keys)], write=False)
         if request.verify:
-            return self.erasing.verify(table, keys, request.checkpoints)
+            return self.erasing.verify(table, np.union1d(keys, others), request.checkpoints)
         if not self.role.takes_writes:
             if not request.served:  # an erase sent to the serving shards by mistake: the rows stay on training
                 self.role.refuse_writes("Erase")
-            return self.erasing.erase_served(table, keys, compact=request.compact)
+            return self.erasing.erase_served(table, np.union1d(keys, others), compact=request.compact)
         if request.served:
             raise InvalidRequest(
                 f"Erase: served=true is for serving shards, once they applied the erase; shard {self.index} is a "
                 "training shard: send the erase without it"
             )
         self._storage_health.check()
-        return self.erasing.erase(table, keys, compact=request.compact, checkpoints=request.checkpoints)
+        return self.erasing.erase(table, keys, others, compact=request.compact, checkpoints=request.checkpoints)
 
     def get_map(self) -> pb.GetMapResponse:
         """The cluster map this shard routes by, and where a reshard stands here."""

@@ -6,13 +6,14 @@ types and their rounding (``precision``), and a shard's data directory with Rock
 from __future__ import annotations
 
 from ps.store import precision
-from ps.store.datadir import FORMAT_VERSION, DataDirError, read_manifest, write_manifest
+from ps.store.datadir import FORMAT_VERSION, DataDirBusy, DataDirError, read_manifest, write_manifest
 from ps.store.precision import bfloat16_bits_to_float32_bits, float16_bits_to_float32_bits
 from ps.store.rows import RowFormat, Rows
 from ps.store.storage import COMPRESSIONS, Storage, StorageClosed, StorageFailed, TableRows, table_options
 
 __all__ = [
     "COMPRESSIONS",
+    "DataDirBusy",
     "DataDirError",
     "FORMAT_VERSION",
     "RowFormat",

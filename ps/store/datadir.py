@@ -41,6 +41,10 @@ class DataDirError(RuntimeError):
     """The data directory cannot be used (in use by another process, another shard's, bad)."""
 
 
+class DataDirBusy(DataDirError):
+    """Another process has the data directory open (it holds ``ps.lock``)."""
+
+
 def open_failure(path: Path, exc: Exception, reopening: bool = False) -> str:
     """Why RocksDB in ``path`` cannot be opened; for a write error, how much space it needs."""
     what = "reopen RocksDB for writing" if reopening else "open RocksDB"
@@ -78,7 +82,7 @@ def lock_data_dir(path: Path) -> IO[str]:
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
-        raise DataDirError(
+        raise DataDirBusy(
             f"data dir {path} is in use by another process (pid {holder}): stop it first, or give this "
             "shard its own --data-dir"
         ) from None

@@ -324,6 +324,7 @@ class Generator:
         elif name == "Erase":  # each broken one is refused before anything is erased
             choices = [
                 ("odd-keys", lambda: self.erase_request(keys=b"\x01" * int(r.choice([1, 7, 9, 15])))),
+                ("odd-others", lambda: self.erase_request(others=b"\x01" * int(r.choice([1, 7, 9, 15])))),
                 ("unknown-table", lambda: self.erase_request(table=f"nope{r.integers(1 << 20)}")),
                 ("no-table", lambda: self.erase_request(table="")),
                 ("wrong-shard", lambda: self.erase_request(shard=int(r.choice([1, 3])), num_shards=4)),

@@ -390,6 +390,7 @@ def test_ps_admin_erase_during_the_hand_over_waits_for_the_commit(
             calls.reshard(address, pb.ReshardRequest(phase=pb.ReshardRequest.COMMIT, to=to))
         out, err = erase.communicate(timeout=120)
         assert erase.returncode == 0, f"{out}\n{said}{err}"
+        deadline = time.monotonic() + 30
         while any(calls.get_map(a).reshard.phase != "done" for a in src):  # dropped what they gave
             assert time.monotonic() < deadline, "the old owners did not drop the rows they gave away"
             time.sleep(0.05)
@@ -400,7 +401,8 @@ def test_ps_admin_erase_during_the_hand_over_waits_for_the_commit(
             erase.communicate()
     receipt = json.loads((tmp_path / "receipt.json").read_text())
     assert receipt["absent_everywhere"] and len(receipt["training"]) == 3
-    assert sum(t["rows_in_ram"] + t["rows_on_disk"] for t in receipt["training"]) == erased.size
+    # Each key's row at its owner, and the copy an old owner has not dropped yet, if any.
+    assert sum(t["rows_in_ram"] + t["rows_on_disk"] for t in receipt["training"]) >= erased.size
     for shard in shards.values():
         stop_shard(shard)
     for i in range(3):
@@ -408,3 +410,62 @@ def test_ps_admin_erase_during_the_hand_over_waits_for_the_commit(
             keys = np.concatenate([part.keys for part in st.table("t", RowFormat(8, 0)).scan()])
         assert not np.isin(erased, keys).any(), f"shard {i} still holds erased keys"
         np.testing.assert_array_equal(np.sort(keys), np.sort(np.setdiff1d(KEYS[shard_of(KEYS, 3) == i], erased)))
+
+
+@pytest.mark.parametrize("roots", ["a-root-per-shard", "one-shared-root"])
+def test_an_erase_after_a_grow_reaches_the_old_owners_checkpoints(
+    tmp_path: Path, shards: dict[int, RunningShard], roots: str
+) -> None:
+    """A checkpoint taken before the cluster grew holds the moved keys in their old owner's
+    part, under that shard's root; the erase, sent after the move to the keys' new owner,
+    must rewrite that part too (or a restore of it brings them back), and the receipt must
+    not say absent while it holds them. With one root the shards share, every shard finds
+    every part: they must not trip over each other rewriting the same ones."""
+    shared = ("--checkpoint-root=" + str(tmp_path / "ckpt"),) if roots == "one-shared-root" else ()
+    for i in range(2):
+        shards[i] = start_shard(i, 2, tmp_path, *shard_args(tmp_path), *shared)
+    with PSClient(addresses(shards, 2), FAST) as client:
+        client.create_table("t", 8, optimizer="sgd", lr=1.0, seed=11)
+        client.push("t", KEYS, np.full((KEYS.size, 8), STEP, np.float32))
+    ok(ps_admin("checkpoint", "--addresses", ",".join(addresses(shards, 2)), "--out", "before", cwd=tmp_path))
+    shards[2] = start_shard(2, 3, tmp_path, *shard_args(tmp_path), *shared)
+    src, dst = addresses(shards, 2), addresses(shards, 3)
+    assert "resharded from 2 to 3" in ok(
+        ps_admin("scale", "--addresses", ",".join(src), "--to", ",".join(dst), cwd=tmp_path)
+    )
+    moved = KEYS[shard_of(KEYS, 2) != shard_of(KEYS, 3)][:100]
+    erased = np.concatenate([moved, KEYS[shard_of(KEYS, 2) == shard_of(KEYS, 3)][:100]])
+    (tmp_path / "keys.txt").write_text("".join(f"{k}\n" for k in erased))
+    out = ok(
+        ps_admin(
+            "erase",
+            "--addresses",
+            ",".join(dst),
+            "--table",
+            "t",
+            "--keys",
+            "keys.txt",
+            "--receipt",
+            "r.json",
+            cwd=tmp_path,
+        )
+    )
+    receipt = json.loads((tmp_path / "r.json").read_text())
+    assert receipt["absent_everywhere"], out
+    rewritten = sum(c["rows"] for t in receipt["training"] for c in t["checkpoints_rewritten"])
+    assert rewritten == erased.size, out  # each key's row once, from the part of the shard that owned it then
+    ok(ps_admin("erase", "--addresses", ",".join(dst), "--verify", "r.json", cwd=tmp_path))
+    calls = GrpcShards(10.0)
+    deadline = time.monotonic() + 30
+    while any(calls.get_map(a).reshard.phase != "done" for a in src):  # dropped what they gave
+        assert time.monotonic() < deadline, "the old owners did not drop the rows they gave away"
+        time.sleep(0.05)
+    calls.close()
+    for shard in shards.values():
+        stop_shard(shard)
+    parts = sorted(p.parent for p in tmp_path.rglob("manifest.json") if (p.parent / "db").is_dir())
+    assert len(parts) == 2, parts  # the checkpoint's two parts
+    for path in [*parts, *(tmp_path / f"data-{i}" for i in range(3))]:
+        with Storage(path, shard=-1, num_shards=0, read_only=True) as st:
+            keys = np.concatenate([part.keys for part in st.table("t", RowFormat(8, 0)).scan()])
+        assert keys.size and not np.isin(erased, keys).any(), f"{path} still holds erased keys"
