@@ -85,11 +85,14 @@ def hash_values(lines: IO[bytes], feature: str, seed: int | None) -> npt.NDArray
 
 def _places(found: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per place (a shard's RAM and disk, each checkpoint part and rescue dump): rows found, present or absent."""
-    out = []
+    out, seen = [], set()
     for f in found:
         rows = int(f["erased_ram"]) + int(f["erased_disk"])
         out.append({"place": f"{f['address']} (RAM and data dir)", "rows": rows, "present": rows > 0})
         for c in f["checkpoints"]:
+            if c["path"] in seen:  # a part under a root the shards share: every shard finds it
+                continue
+            seen.add(c["path"])
             kind = "rescue dump" if "rescue-" in Path(c["path"]).name else "checkpoint"
             out.append(
                 {"place": f"{f['address']} {kind} {c['path']}", "rows": int(c["rows"]), "present": c["rows"] > 0}
@@ -250,7 +253,7 @@ def erase_command(args: argparse.Namespace, security: ClientConfig) -> int:
         print(json.dumps({k: v for k, v in receipt.items() if k != "erased_keys"}, indent=2))
     else:
         rows = sum(t["rows_in_ram"] + t["rows_on_disk"] for t in receipt["training"])
-        rewritten = sum(len(t["checkpoints_rewritten"]) for t in receipt["training"])
+        rewritten = sum(1 for t in receipt["training"] for c in t["checkpoints_rewritten"] if c["rows"])
         print(
             f"erased {rows} rows of {receipt['keys']} keys from table {args.table} in {receipt['took_s']:.1f} s "
             f"({rewritten} checkpoint parts rewritten)"

@@ -59,7 +59,8 @@ class PendingErase:
     checkpoint parts and rescue dumps there were when it began (those made since hold no row
     it erased: one there is was made again since, and stays); ``data_done``: the rows are
     gone from RAM and the data dir (a start must not erase the keys there again: rows made
-    for them since are new)."""
+    for them since are new). ``keys`` are erased everywhere; ``others`` (keys other shards
+    own) from the checkpoints and dumps only."""
 
     id: str
     table: str
@@ -69,6 +70,12 @@ class PendingErase:
     started_unix_s: float
     places: tuple[str, ...] | None = None  # None: every one there is
     data_done: bool = False
+    others: npt.NDArray[np.int64] = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @property
+    def everywhere(self) -> npt.NDArray[np.int64]:
+        """Every key whose rows leave the checkpoints and dumps: ``keys`` and ``others``."""
+        return np.union1d(self.keys, self.others)
 
 
 def journal_erase(
@@ -79,11 +86,14 @@ def journal_erase(
     compact: bool,
     checkpoints: bool,
     places: Sequence[Path] | None = None,
+    others: npt.NDArray[np.int64] | None = None,
 ) -> PendingErase:
     """Write an erase to ``storage``'s journal before any of it is done; the entry to close.
-    ``places``: the checkpoint parts and dumps it is to rewrite (None: every one there is then)."""
+    ``places``: the checkpoint parts and dumps it is to rewrite (None: every one there is then);
+    ``others``: keys to erase from those only."""
     listed = tuple(map(str, places)) if places is not None else None
-    job = PendingErase(uuid.uuid4().hex, table, keys, compact, checkpoints, time.time(), listed)
+    rest = others if others is not None else np.zeros(0, np.int64)
+    job = PendingErase(uuid.uuid4().hex, table, keys, compact, checkpoints, time.time(), listed, others=rest)
     _put(storage, job)
     return job
 
@@ -103,8 +113,10 @@ def _put(storage: Storage, job: PendingErase) -> None:
         "started_unix_s": job.started_unix_s,
         "places": list(job.places) if job.places is not None else None,
         "data_done": job.data_done,
+        "others": int(job.others.shape[0]),  # the last keys of the entry
     }
-    storage.put_meta(_JOURNAL + job.id.encode(), json.dumps(head).encode() + b"\n" + job.keys.astype("<i8").tobytes())
+    keys = np.concatenate([job.keys, job.others]).astype("<i8")
+    storage.put_meta(_JOURNAL + job.id.encode(), json.dumps(head).encode() + b"\n" + keys.tobytes())
 
 
 def pending_erasures(storage: Storage) -> list[PendingErase]:
@@ -116,6 +128,10 @@ def pending_erasures(storage: Storage) -> list[PendingErase]:
         try:
             head = json.loads(head_bytes)
             keys = np.frombuffer(key_bytes, dtype="<i8").astype(np.int64)
+            n_others = int(head.get("others", 0))
+            if not 0 <= n_others <= keys.shape[0]:
+                raise ValueError(f"others={n_others} of {keys.shape[0]} keys")
+            keys, others = keys[: keys.shape[0] - n_others], keys[keys.shape[0] - n_others :]
             job = PendingErase(
                 key[len(_JOURNAL) :].decode(),
                 str(head["table"]),
@@ -125,6 +141,7 @@ def pending_erasures(storage: Storage) -> list[PendingErase]:
                 float(head["started_unix_s"]),
                 tuple(str(p) for p in head["places"]) if head.get("places") is not None else None,
                 bool(head.get("data_done", False)),
+                others,
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise StorageFailed(f"erase journal entry {key!r} in {storage.path} is damaged: {exc}") from None
@@ -200,6 +217,8 @@ def _delete_in_part(part: Path, table: str, keys: npt.NDArray[np.int64]) -> int:
     it: wait for it (then nothing may be left to delete)."""
     deadline = time.monotonic() + PART_BUSY_S
     while True:
+        if not (part / "db").is_dir():  # removed meanwhile: nothing left to delete (and none to make)
+            return 0
         try:
             st = Storage(part, shard=-1, num_shards=0)
         except DataDirError as exc:

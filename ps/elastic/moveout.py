@@ -74,7 +74,9 @@ def move_batches(
     limit = max(1 << 16, min(max_message_bytes, _MESSAGE_BYTES) - _OVERHEAD_BYTES)
 
     def moving(keys: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
-        owned: npt.NDArray[np.bool_] = to.owners(keys) == destination
+        # Keys this shard owned before the reshard only: a change of another shard's key (a
+        # leftover) must not reach the destination as that key's row, or its deletion.
+        owned: npt.NDArray[np.bool_] = (to.owners(keys) == destination) & mv.src.owns(keys, reshard.index)
         return owned
 
     pace = _Pace(max_rows_per_s)

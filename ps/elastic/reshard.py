@@ -188,6 +188,16 @@ class Reshard:
             )
         return True
 
+    def given_away(self, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Of ``keys``, those this shard owned and gave away in a reshard that committed, whose
+        rows it may still hold (it drops them once committed): deleting them now is that drop,
+        early. None in any other phase: rows of keys a shard does not own may be arriving in a
+        copy then, or be another shard's to keep."""
+        mv = self.move
+        if mv is None or mv.phase != "committed" or not mv.is_source:
+            return keys[:0]
+        return keys[mv.src.owns(keys, self.index) & ~mv.dst.owns(keys, self.index)]
+
     def origins(self, planned_epoch: int, planned_shard: int | None, keys: npt.NDArray[np.int64]) -> KeyOrigins | None:
         """In which push ledgers a push entry is recorded here: where its keys were before
         the last reshard that brought this shard keys, for a push first planned by the map

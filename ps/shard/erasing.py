@@ -21,8 +21,11 @@ deleted stay in its files until then. A serving shard that serves a data dir rea
 
 A shard is sent the keys it owns and, as ``others``, the rest of the erase: after a reshard
 its checkpoints and rescue dumps from before it may hold keys another shard owns now, and
-until it has dropped the rows it gave away, so may its data dir. It erases (or counts) those
-everywhere too; only the keys it owns are checked against its cluster map.
+until it has dropped the rows it gave away, so may its data dir. It erases those from its
+checkpoints and dumps, and from RAM and the data dir only the rows it gave away in a
+committed reshard (``Reshard.given_away``): in any other phase a row of another shard's key
+may be one arriving in a copy, which is not its to delete. ``verify`` counts them wherever
+they are. Only the keys it owns are checked against its cluster map.
 """
 
 from __future__ import annotations
@@ -118,19 +121,29 @@ class Erasing:
         compact: bool,
         checkpoints: bool,
     ) -> pb.EraseResponse:
-        """Erase ``keys`` of ``table`` (a training shard's, which it owns: see the module
-        docstring) and ``others`` (keys other shards own) wherever this shard still holds them."""
+        """Erase ``keys`` of ``table`` (a training shard's, which it owns) and ``others`` (keys
+        other shards own) where this shard may hold them: see the module docstring."""
         p = self._p
         name = table.spec.name
         job = None
         # No checkpoint is taken between listing the places the rows may be and deleting them.
         with p.checkpoint_lock if checkpoints else contextlib.nullcontext(), p.reshard.writing():
             p.reshard.check_keys("Erase", [(name, keys)], write=True)
-            keys = np.union1d(keys, others)
-            if p.storage is not None and keys.shape[0]:
+            # Rows of other shards' keys leave RAM and the data dir only where this shard gave them
+            # away and has not dropped them yet; elsewhere they may be arriving in a reshard's copy.
+            keys = np.union1d(keys, p.reshard.given_away(others))
+            others = np.setdiff1d(others, keys)
+            if p.storage is not None and keys.shape[0] + others.shape[0]:
                 places = self._places() if checkpoints else []
                 job = p.guard(
-                    journal_erase, p.storage, name, keys, compact=compact, checkpoints=checkpoints, places=places
+                    journal_erase,
+                    p.storage,
+                    name,
+                    keys,
+                    compact=compact,
+                    checkpoints=checkpoints,
+                    places=places,
+                    others=others,
                 )
             ram, disk = p.guard(table.erase, keys)
             # Every key, not only those found: a follower holding a copy the leader lost deletes it.
@@ -146,7 +159,8 @@ class Erasing:
             "; now the checkpoints and rescue dumps" if checkpoints else "",
         )
         only = set(job.places) if job is not None and job.places is not None else None
-        rewritten, compact_s = self._rest(name, keys, compact=compact, checkpoints=checkpoints, only=only)
+        everywhere = np.union1d(keys, others)
+        rewritten, compact_s = self._rest(name, everywhere, compact=compact, checkpoints=checkpoints, only=only)
         if job is not None:
             self._close(job)
         return pb.EraseResponse(
@@ -224,7 +238,7 @@ class Erasing:
         try:
             rewritten, _ = self._rest(
                 job.table,
-                job.keys,
+                job.everywhere,
                 compact=job.compact,
                 checkpoints=job.checkpoints,
                 only=set(job.places) if job.places is not None else None,
@@ -263,6 +277,7 @@ class Erasing:
                 and (job.compact or not other.compact)
                 and (job.checkpoints or not other.checkpoints)
                 and np.isin(other.keys, job.keys).all()
+                and np.isin(other.others, job.everywhere).all()
             )
             if other.id == job.id or covered:
                 p.guard(close_erase, p.storage, other)

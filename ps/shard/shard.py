@@ -493,7 +493,8 @@ class Shard:
 
     def erase(self, request: pb.EraseRequest) -> pb.EraseResponse:
         """Delete the rows of ``request.keys`` in ``request.table`` for good (``ps.shard.erasing``),
-        and of ``request.others`` wherever this shard still holds them (keys other shards own):
+        and of ``request.others`` (keys other shards own) from this shard's checkpoints and
+        rescue dumps, and from its data dir if it gave them away in a reshard:
         on a training shard from RAM and the data dir, the followers through the change log,
         with ``request.checkpoints`` every checkpoint part and rescue dump, with
         ``request.compact`` compacting the data dir after; on a serving shard, with
@@ -505,7 +506,8 @@ class Shard:
         self.check_table_field(request.table, "table")
         keys = np.unique(wire.decode_keys(request.keys, "keys"))
         others = np.setdiff1d(wire.decode_keys(request.others, "others"), keys)
-        self.limits.check_keys("Erase", [keys.shape[0] + others.shape[0]])
+        self.limits.check_keys("Erase", [keys.shape[0]])
+        self.limits.check_keys("Erase (others)", [others.shape[0]])
         table = self.table(request.table)
         if request.verify or request.served:  # the keys it owns by its map: a client behind it routes again
             self.reshard.check_keys("Erase", [(request.table, keys)], write=False)
@@ -514,7 +516,10 @@ class Shard:
         if not self.role.takes_writes:
             if not request.served:  # an erase sent to the serving shards by mistake: the rows stay on training
                 self.role.refuse_writes("Erase")
-            return self.erasing.erase_served(table, np.union1d(keys, others), compact=request.compact)
+            # Rows of other shards' keys it holds are ones its last map switch left (keys it owns by its
+            # map are its training shard's, sent to it as keys when the client routes by that map).
+            leftover = others[~self.reshard.map.owns(others, self.index)]
+            return self.erasing.erase_served(table, np.union1d(keys, leftover), compact=request.compact)
         if request.served:
             raise InvalidRequest(
                 f"Erase: served=true is for serving shards, once they applied the erase; shard {self.index} is a "

@@ -215,3 +215,31 @@ def test_a_start_does_not_erase_again_rows_made_after_the_data_dir_step(tmp_path
         assert found == {"before": 0, "after": 10}
     finally:
         again.shutdown()
+
+
+def test_a_start_completes_an_erase_of_other_shards_keys_in_the_checkpoints_only(tmp_path: Path) -> None:
+    """The keys other shards own (``others``) are journaled apart: a start erases them from the
+    checkpoints, never from the data dir (a row of such a key there is not this shard's to
+    delete)."""
+    shard = open_shard(tmp_path / "data")
+    shard.create_table(SPEC)
+    push(shard, 1)
+    shard.checkpoint("before")
+    assert shard.storage is not None
+    mine, others = KEYS[:10], KEYS[50:60]  # this shard of one holds both: the start must tell them apart
+    job = journal_erase(shard.storage, "t", mine, compact=False, checkpoints=True, others=others)
+    (read,) = pending_erasures(shard.storage)
+    assert read.id == job.id
+    np.testing.assert_array_equal(read.keys, mine)
+    np.testing.assert_array_equal(read.others, others)
+    shard.shutdown()
+
+    again = open_shard(tmp_path / "data")
+    try:
+        assert again.storage is not None and pending_erasures(again.storage) == []
+        assert again.table("t").holds(mine) == (0, 0)
+        assert sum(again.table("t").holds(others)) == others.size  # kept in the data dir
+        held = np.concatenate([mine, others])
+        assert [n for _, n in find_in_checkpoints(again.checkpoint_root, "t", held)] == [0]
+    finally:
+        again.shutdown()

@@ -187,6 +187,40 @@ def test_an_erase_during_a_move_reaches_the_new_owner(cluster: Cluster) -> None:
     owners_ok(cluster, 3, "t")
 
 
+def test_an_erase_sent_to_every_shard_during_a_copy_deletes_no_row_another_shard_is_moving(cluster: Cluster) -> None:
+    # Every shard is sent every key of an erase (the others for its checkpoints). A key of s1
+    # moving to s2: s1 erases it, a push makes it again, and s2 gets the new row; s0's part of
+    # the erase comes late. It must not delete that row there: not from its own table (a row
+    # it never had), and not through its copy stream to s2 as a deletion of the key.
+    new, dst = growing_to_three(cluster)
+    s0, s1 = cluster.shards["s0"], cluster.shards["s1"]
+    key = KEYS[(shard_of(KEYS, 2) == 1) & (shard_of(KEYS, 3) == 2)][:1]
+    s1.erase(pb.EraseRequest(table="t", keys=wire.encode_keys(key), num_shards=2, shard=1, epoch=0))
+    push(s1, "t", key, np.full((1, 4), 0.5, np.float32), client_id="w", seq=50)  # the key trained again
+    want = s1.table("t").peek_rows(key)[1].values.copy()
+    deadline = time.monotonic() + 20
+    while not (
+        new.table("t").peek_rows(key)[0].all() and np.array_equal(new.table("t").peek_rows(key)[1].values, want)
+    ):
+        assert time.monotonic() < deadline, "the new row never reached the new owner"
+        time.sleep(0.02)
+    late = pb.EraseRequest(table="t", others=wire.encode_keys(key), num_shards=2, shard=0, epoch=0)
+    s0.erase(late)
+    freeze = pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=dst.to_proto())
+    for address in ("s0", "s1"):
+        cluster.reshard(address, freeze)
+    status = pb.ReshardRequest(phase=pb.ReshardRequest.STATUS, to=dst.to_proto())
+    while not all(s.complete for s in cluster.reshard("s2", status).sources):
+        assert time.monotonic() < deadline, "the copies never completed"
+        time.sleep(0.02)
+    for address in ("s2", "s0", "s1"):
+        cluster.reshard(address, pb.ReshardRequest(phase=pb.ReshardRequest.COMMIT, to=dst.to_proto()))
+    wait_done(cluster)
+    found, rows = new.table("t").peek_rows(key)
+    assert found.all(), "the row made after the erase was deleted at its new owner"
+    np.testing.assert_array_equal(rows.values, want)
+
+
 def s0_twin_initial(keys: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
     """The initial rows of ``keys`` in table ``t``: what a lookup that creates them returns."""
     twin = Shard(0, 1)
