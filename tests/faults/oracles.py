@@ -291,6 +291,8 @@ def _erase(model: ShardModel, m: pb.EraseRequest, data: bytes) -> Verdict:
         problems.append((f"unknown table {m.table[:40]!r}", _NF))
     if len(m.keys) % 8:
         problems.append((f"keys: {len(m.keys)} bytes", _IA))
+    if len(m.others) % 8:
+        problems.append((f"others: {len(m.others)} bytes", _IA))
     if problems:
         return _invalid(problems)
     if m.table in model.maybe_tables and m.table not in model.tables:
