@@ -108,6 +108,20 @@ def assert_owned(root: Path, shards: dict[int, RunningShard], n: int) -> None:
         np.testing.assert_array_equal(np.sort(keys), np.sort(want), err_msg=f"shard {i}'s keys")
 
 
+def prepare_and_freeze(calls: GrpcShards, src: list[str], dst: list[str]) -> pb.ClusterMap:
+    """The reshard from ``src`` to ``dst`` prepared on every shard of ``dst`` and the old owners
+    frozen, as ``ps-admin scale`` does before the hand-over; the map moved to."""
+    to = ClusterMap(1, len(dst), tuple(dst)).to_proto()
+    prepare = pb.ReshardRequest(
+        phase=pb.ReshardRequest.PREPARE, to=to, **{"from": ClusterMap(0, len(src), tuple(src)).to_proto()}
+    )
+    for address in dst:
+        calls.reshard(address, prepare)
+    for address in src:
+        calls.reshard(address, pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=to))
+    return to
+
+
 def test_a_cluster_grows_and_shrinks_while_a_client_trains(tmp_path: Path, shards: dict[int, RunningShard]) -> None:
     for i in range(2):
         shards[i] = start_shard(i, 2, tmp_path, *shard_args(tmp_path))
@@ -205,14 +219,7 @@ def test_an_abort_without_the_lost_new_shard_unfreezes_the_old_owners(
     src, dst = addresses(shards, 2), addresses(shards, 3)
     calls = GrpcShards(10.0)
     try:
-        to = ClusterMap(1, 3, tuple(dst)).to_proto()
-        prepare = pb.ReshardRequest(
-            phase=pb.ReshardRequest.PREPARE, to=to, **{"from": ClusterMap(0, 2, tuple(src)).to_proto()}
-        )
-        for address in dst:
-            calls.reshard(address, prepare)
-        for address in src:
-            calls.reshard(address, pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=to))
+        prepare_and_freeze(calls, src, dst)
         os.kill(shards[2].proc.pid, signal.SIGKILL)  # lost with its disk: nobody will listen there again
         shards[2].proc.wait(30)
         shards[3] = start_shard(2, 3, tmp_path / "replacement")  # the operator types its address instead
@@ -354,17 +361,10 @@ def test_ps_admin_erase_during_the_hand_over_waits_for_the_commit(
     moving = KEYS[shard_of(KEYS, 2) != shard_of(KEYS, 3)][:50]
     erased = np.concatenate([moving, KEYS[shard_of(KEYS, 2) == shard_of(KEYS, 3)][:50]])
     (tmp_path / "keys.txt").write_text("".join(f"{k}\n" for k in erased))
-    to = ClusterMap(1, 3, tuple(dst)).to_proto()
     calls = GrpcShards(10.0)
     erase: subprocess.Popen[str] | None = None
     try:
-        prepare = pb.ReshardRequest(
-            phase=pb.ReshardRequest.PREPARE, to=to, **{"from": ClusterMap(0, 2, tuple(src)).to_proto()}
-        )
-        for address in dst:
-            calls.reshard(address, prepare)
-        for address in src:
-            calls.reshard(address, pb.ReshardRequest(phase=pb.ReshardRequest.FREEZE, to=to))
+        to = prepare_and_freeze(calls, src, dst)
         script = Path(sys.executable).parent / "ps-admin"
         erase = subprocess.Popen(
             [str(script), "erase", "--addresses", ",".join(src), "--table", "t", "--keys", "keys.txt"]
